@@ -1,0 +1,19 @@
+"""thunder_train: compile PyTorch training steps.
+
+Public API: ``compile``, ``last_traces``, ``last_prologue_traces``,
+``compile_stats`` and (lazily, it imports Lightning) ``ThunderCallback``.
+"""
+from .compiled import compile, last_traces, last_prologue_traces, compile_stats, CompiledFunction, ThunderModule  # noqa: F401
+from .guards.errors import GuardFailure  # noqa: F401
+
+__version__ = "0.1.0"
+
+__all__ = ["compile", "last_traces", "last_prologue_traces", "compile_stats", "ThunderCallback", "GuardFailure"]
+
+
+def __getattr__(name):
+    if name == "ThunderCallback":
+        from .callbacks import ThunderCallback
+
+        return ThunderCallback
+    raise AttributeError(f"module 'thunder_train' has no attribute {name!r}")

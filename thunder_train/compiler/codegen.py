@@ -1,0 +1,180 @@
+"""Printing traces as Python and compiling them to callables.
+
+Every trace prints as a runnable function: a header naming the pass that made
+it, one line per bound symbol with a type comment for each value it defines,
+and the decomposition of composite symbols as indented comments.  Compiled
+source is registered with ``linecache`` so tracebacks point into it.
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+
+import torch
+
+from . import dtypes, devices
+from .proxies import TensorProxy, Proxy, is_proxy
+
+_counter = itertools.count()
+
+
+class _Globals:
+    """Names the generated source refers to, besides proxies."""
+
+    def __init__(self):
+        self.d = {"torch": torch, "dtypes": dtypes, "devices": devices, "inf": math.inf, "nan": math.nan}
+        self._n = 0
+
+    def constant(self, value) -> str:
+        for k, v in self.d.items():
+            if v is value and k.startswith("_c"):
+                return k
+        name = f"_c{self._n}"
+        self._n += 1
+        self.d[name] = value
+        return name
+
+
+class Name(str):
+    """A variable name in generated code, printed bare rather than quoted."""
+
+
+def format_value(x, g: _Globals | None) -> str:
+    if type(x) is Name:
+        return str(x)
+    if is_proxy(x):
+        return x._tt_name if type(x) is TensorProxy else x.name
+    t = type(x)
+    if x is None or t is bool or t is int or t is str:
+        return repr(x)
+    if t is float:
+        if math.isinf(x):
+            return "float('inf')" if x > 0 else "-float('inf')"
+        if math.isnan(x):
+            return "float('nan')"
+        return repr(x)
+    if t is complex:
+        return f"complex({format_value(x.real, g)}, {format_value(x.imag, g)})"
+    if t is tuple or t is torch.Size:
+        inner = ", ".join(format_value(v, g) for v in x)
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if t is list:
+        return "[" + ", ".join(format_value(v, g) for v in x) + "]"
+    if t is dict:
+        return "{" + ", ".join(f"{format_value(k, g)}: {format_value(v, g)}" for k, v in x.items()) + "}"
+    if t is slice:
+        return f"slice({format_value(x.start, g)}, {format_value(x.stop, g)}, {format_value(x.step, g)})"
+    if x is Ellipsis:
+        return "..."
+    if t is dtypes.DType:
+        return repr(x)
+    if t is devices.Device:
+        return f"devices.Device({str(x)!r})"
+    if t is torch.dtype or t is torch.memory_format or t is torch.layout:
+        return str(x)
+    if t is torch.device:
+        return f"torch.device({str(x)!r})"
+    if g is None:
+        return f"<{type(x).__name__}>"
+    return g.constant(x)
+
+
+def _type_comment(x) -> str | None:
+    if type(x) is TensorProxy:
+        return f'{x._tt_name}: "{x.type_string()}"'
+    if isinstance(x, Proxy):
+        return f"{x.name}: {x.type_string()}"
+    return None
+
+
+def _format_lhs(out, g) -> str:
+    if out is None:
+        return ""
+    if is_proxy(out):
+        return f"{format_value(out, g)} = "
+    t = type(out)
+    if t in (tuple, list):
+        if not any(is_proxy(v) or type(v) in (tuple, list) for v in out):
+            return ""
+        parts = [_format_lhs_item(v, g) for v in out]
+        inner = ", ".join(parts)
+        return f"({inner},) = " if len(parts) == 1 else f"({inner}) = "
+    return ""
+
+
+def _format_lhs_item(v, g) -> str:
+    if is_proxy(v):
+        return format_value(v, g)
+    if type(v) in (tuple, list):
+        inner = ", ".join(_format_lhs_item(x, g) for x in v)
+        return f"({inner},)" if len(v) == 1 else f"({inner})"
+    return "_"
+
+
+def format_call(bsym, g) -> str:
+    sym = bsym.sym
+    if g is not None:
+        g.d.update(sym.codegen_globals())
+    args = [format_value(a, g) for a in bsym.args]
+    args += [f"{k}={format_value(v, g)}" for k, v in bsym.kwargs.items()]
+    return f"{sym.print_name}({', '.join(args)})"
+
+
+def format_bsym(bsym, g, *, indent: str = "", with_subsymbols: bool = True, comment_prefix: str = "") -> list:
+    from .pytree import tree_flatten
+
+    lines = []
+    if bsym.comment:
+        for c in bsym.comment.splitlines():
+            lines.append(f"{indent}{comment_prefix}# {c}")
+    custom = getattr(bsym.sym, "format_lines", None)
+    if custom is not None:
+        if g is not None:
+            g.d.update(bsym.sym.codegen_globals())
+        body = custom(bsym, lambda v: format_value(v, g))
+        lines.extend(f"{indent}{comment_prefix}{line}" for line in body)
+    else:
+        line = f"{indent}{comment_prefix}{_format_lhs(bsym.output, g)}{format_call(bsym, g)}"
+        comments = [c for c in (_type_comment(o) for o in tree_flatten(bsym.output)[0]) if c]
+        if comments:
+            line += "  # " + ", ".join(comments)
+        lines.append(line)
+    if with_subsymbols:
+        for sub in bsym.subsymbols:
+            lines.extend(format_bsym(sub, None, indent=indent + "  ", with_subsymbols=True, comment_prefix="# " if not comment_prefix else comment_prefix))
+    return lines
+
+
+def trace_source(trc, *, with_subsymbols: bool = True) -> tuple[str, dict]:
+    g = _Globals()
+    lines = []
+    for h in (trc.header or "").splitlines():
+        lines.append(f"# {h}" if h else "#")
+    lines.extend(trc.decorators)
+    if trc.varargs:
+        sig = "*args, **kwargs"
+    else:
+        sig = ", ".join(format_value(a, g) for a in trc.args)
+    lines.append(f"def {trc.fn_name}({sig}):")
+    for a in trc.args:
+        c = _type_comment(a)
+        if c:
+            lines.append(f"  # {c}")
+    for bsym in trc.bound_symbols:
+        lines.extend(format_bsym(bsym, g, indent="  ", with_subsymbols=with_subsymbols))
+    lines.append(f"  return {format_value(trc.output, g)}")
+    return "\n".join(lines) + "\n", g.d
+
+
+def compile_trace(trc):
+    """Compile a trace to a Python function; its source is registered for tracebacks."""
+    src, gdict = trace_source(trc, with_subsymbols=False)
+    filename = f"<thunder_train {trc.fn_name} {next(_counter)}>"
+    code = compile(src, filename, "exec")
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns: dict = dict(gdict)
+    exec(code, ns)
+    fn = ns[trc.fn_name]
+    fn.__thunder_source__ = src
+    return fn

@@ -1,0 +1,401 @@
+"""The torch executor: runs every prim, and claims torch-language symbols whole.
+
+Claiming a torch-language symbol whole (``torch.nn.functional.gelu`` rather
+than its decomposition) keeps results bitwise equal to eager and the host
+overhead low.  With ``decompose=True`` it claims only prims, which is how the
+tests check that every decomposition matches eager.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import dtypes, devices, prims
+from ..opaque import printable_reference
+from ..proxies import TensorProxy, NumberProxy
+from ..pytree import tree_map
+from ..symbols import Symbol, BoundSymbol
+from . import torch_impls
+
+_impl_symbols: dict = {}
+
+
+class ImplSymbol(Symbol):
+    """A symbol that is a concrete callable; printed by its import path."""
+
+    def __init__(self, fn, name: str | None = None):
+        if name is not None:
+            pname, g = name, {name.split(".")[0]: _globals_root(name)}
+        elif getattr(fn, "__module__", None) == torch_impls.__name__:
+            pname, g = f"ttex.{fn.__name__}", {"ttex": torch_impls}
+        else:
+            from ..opaque import callable_name
+
+            pname, g = printable_reference(fn, callable_name(fn))
+        super().__init__(pname, fn, module="torch_executor", is_prim=True)
+        self._print_name = pname
+        self._globals = g
+
+    @property
+    def print_name(self) -> str:
+        return self._print_name
+
+    def codegen_globals(self) -> dict:
+        return self._globals
+
+
+def _globals_root(name):
+    return {"torch": torch, "ttex": torch_impls}[name.split(".")[0]]
+
+
+def impl_symbol(fn) -> ImplSymbol:
+    s = _impl_symbols.get(fn)
+    if s is None:
+        s = _impl_symbols[fn] = ImplSymbol(fn)
+    return s
+
+
+def to_torch_arg(x):
+    if isinstance(x, dtypes.DType):
+        return x.torch
+    if isinstance(x, devices.Device):
+        return x.torch
+    return x
+
+
+def _conv_args(args, kwargs):
+    return tree_map(to_torch_arg, args), tree_map(to_torch_arg, kwargs)
+
+
+def _t(x):
+    return type(x) is TensorProxy
+
+
+# ---------------------------------------------------------------------------
+# Prim implementations.  Each entry maps a prim to a function
+# (bsym) -> (callable, args, kwargs) chosen at claim time, so that per-call
+# work is only the torch call itself.
+# ---------------------------------------------------------------------------
+_prim_rules: dict = {}
+
+
+def _rule(*syms):
+    def deco(f):
+        for s in syms:
+            _prim_rules[s] = f
+        return f
+
+    return deco
+
+
+_UNARY_TORCH = {n: getattr(torch, n) for n in prims.UNARY_OPS + prims.UNARY_BOOL_OPS}
+_BINARY_TORCH = {n: getattr(torch, n) for n in prims.BINARY_OPS + prims.BINARY_BOOL_OPS if n not in ("div",)}
+_COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne", "bitwise_and", "bitwise_or", "bitwise_xor", "hypot"}
+_SWAPPED_CMP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
+
+
+for _n, _f in _UNARY_TORCH.items():
+
+    def _unary_rule(bsym, _f=_f):
+        a = bsym.args[0]
+        if not _t(a):
+            return None
+        return _f, bsym.args, {}
+
+    _prim_rules[getattr(prims, _n)] = _unary_rule
+
+
+def _binary_rule(bsym):
+    name = bsym.sym.name
+    a, b = bsym.args
+    if not _t(a) and not _t(b):
+        return None
+    if name == "div":
+        floating = (a if _t(a) else b)._tt_dtype.category >= dtypes.FLOAT
+        op = torch.true_divide if floating else torch_impls.trunc_div
+        if not _t(a):
+            return (torch_impls.rdiv if floating else torch_impls.scalar_first(torch_impls.trunc_div)), (a, b), {}
+        return op, (a, b), {}
+    op = _BINARY_TORCH[name]
+    if name in ("maximum", "minimum") and (not _t(a) or not _t(b)):
+        t, s = (a, b) if _t(a) else (b, a)
+        return (torch.clamp_min if name == "maximum" else torch.clamp_max), (t, s), {}
+    if not _t(a):
+        if name in _COMMUTATIVE:
+            return op, (b, a), {}
+        if name in _SWAPPED_CMP:
+            return _BINARY_TORCH[_SWAPPED_CMP[name]], (b, a), {}
+        if name == "sub":
+            return torch_impls.rsub, (a, b), {}
+        if name == "pow":
+            return torch.pow, (a, b), {}
+        return torch_impls.scalar_first(op), (a, b), {}
+    if not _t(b) and name in ("atan2", "hypot", "nextafter"):
+        return torch_impls.scalar_second(op), (a, b), {}
+    return op, (a, b), {}
+
+
+for _n in prims.BINARY_OPS + prims.BINARY_BOOL_OPS:
+    _prim_rules[getattr(prims, _n)] = _binary_rule
+
+
+@_rule(prims.where)
+def _(bsym):
+    return torch.where, bsym.args, {}
+
+
+@_rule(prims.convert_element_type)
+def _(bsym):
+    a, dt = bsym.args
+    return torch.Tensor.to, (a, dt.torch), {}
+
+
+@_rule(prims.clone)
+def _(bsym):
+    return torch.clone, bsym.args, {}
+
+
+@_rule(prims.stop_gradient)
+def _(bsym):
+    return torch.Tensor.detach, bsym.args, {}
+
+
+def _reduction(op):
+    def rule(bsym):
+        a, dims = bsym.args[0], bsym.args[1]
+        if len(dims) == 0:
+            return torch_impls.sum_none, (a,), {}
+        return op, (a, tuple(dims)) + tuple(bsym.args[2:]), {}
+
+    return rule
+
+
+_prim_rules[prims.sum] = _reduction(torch.sum)
+_prim_rules[prims.amax] = _reduction(torch.amax)
+_prim_rules[prims.amin] = _reduction(torch.amin)
+_prim_rules[prims.prod] = _reduction(torch_impls.prod)
+
+
+@_rule(prims.var)
+def _(bsym):
+    a, dims, correction = bsym.args
+    if not dims:
+        return torch_impls.sum_none, (a,), {}
+    return torch.var, (a, tuple(dims)), {"correction": correction}
+
+
+@_rule(prims.argmax)
+def _(bsym):
+    return torch.argmax, bsym.args, {}
+
+
+@_rule(prims.argmin)
+def _(bsym):
+    return torch.argmin, bsym.args, {}
+
+
+@_rule(prims.cumsum)
+def _(bsym):
+    return torch.cumsum, bsym.args, {}
+
+
+@_rule(prims.topk)
+def _(bsym):
+    a, k, dim, largest, sorted_ = bsym.args
+    return torch.topk, (a, k, dim, largest, sorted_), {}
+
+
+@_rule(prims.sort)
+def _(bsym):
+    a, dim, descending, stable = bsym.args
+    return torch.sort, (a,), {"dim": dim, "descending": descending, "stable": stable}
+
+
+@_rule(prims.broadcast_in_dim)
+def _(bsym):
+    a, shape, bdims = bsym.args
+    view = [1] * len(shape)
+    for i, d in enumerate(bdims):
+        view[d] = a._tt_shape[i]
+    if tuple(view) == a._tt_shape:
+        return torch.Tensor.expand, (a, tuple(shape)), {}
+    if tuple(view) == tuple(shape):
+        return torch.reshape, (a, tuple(shape)), {}
+    return torch_impls.broadcast_in_dim, (a, tuple(view), tuple(shape)), {}
+
+
+@_rule(prims.reshape)
+def _(bsym):
+    a, shape = bsym.args
+    return torch.reshape, (a, tuple(shape)), {}
+
+
+@_rule(prims.transpose)
+def _(bsym):
+    a, perm = bsym.args
+    return torch.permute, (a, tuple(perm)), {}
+
+
+@_rule(prims.slice)
+def _(bsym):
+    a, lo, hi = bsym.args[:3]
+    st = bsym.args[3] if len(bsym.args) > 3 and bsym.args[3] is not None else (1,) * len(lo)
+    key = tuple(slice(l, h, s) for l, h, s in zip(lo, hi, st))
+    return torch.Tensor.__getitem__, (a, key), {}
+
+
+@_rule(prims.squeeze)
+def _(bsym):
+    a, dims = bsym.args
+    return torch.squeeze, (a, tuple(dims)), {}
+
+
+@_rule(prims.cat)
+def _(bsym):
+    return torch.cat, (list(bsym.args[0]), bsym.args[1]), {}
+
+
+@_rule(prims.pad)
+def _(bsym):
+    return torch_impls.pad, bsym.args, {}
+
+
+@_rule(prims.flip)
+def _(bsym):
+    a, dims = bsym.args
+    return torch.flip, (a, tuple(dims)), {}
+
+
+@_rule(prims.take)
+def _(bsym):
+    a, index, dim = bsym.args
+    if index.ndim_ == 0:
+        return torch.select, (a, dim, index), {}
+    return torch.index_select, (a, dim, index), {}
+
+
+@_rule(prims.gather)
+def _(bsym):
+    a, index, dim = bsym.args
+    return torch.gather, (a, dim, index), {}
+
+
+@_rule(prims.scatter_add)
+def _(bsym):
+    a, index, src, dim = bsym.args
+    return torch.scatter_add, (a, dim, index, src), {}
+
+
+@_rule(prims.index_put)
+def _(bsym):
+    return torch_impls.index_put, bsym.args, {}
+
+
+@_rule(prims.matmul)
+def _(bsym):
+    return torch.matmul, bsym.args, {}
+
+
+@_rule(prims.convolution)
+def _(bsym):
+    return torch_impls.convolution, bsym.args, {}
+
+
+@_rule(prims.full)
+def _(bsym):
+    shape, value = bsym.args
+    return torch.full, (tuple(shape), value), {"device": bsym.kwargs["device"].torch, "dtype": bsym.kwargs["dtype"].torch}
+
+
+@_rule(prims.empty)
+def _(bsym):
+    return torch.empty, (tuple(bsym.args[0]),), {"device": bsym.kwargs["device"].torch, "dtype": bsym.kwargs["dtype"].torch}
+
+
+@_rule(prims.iota)
+def _(bsym):
+    kw = bsym.kwargs
+    ints = all(isinstance(v, int) for v in (kw["start"], kw["step"])) and not kw["dtype"].is_float
+    fn = torch_impls.iota_int if ints else torch_impls.iota_float
+    return fn, (bsym.args[0], kw["start"], kw["step"], kw["device"].torch, kw["dtype"].torch), {}
+
+
+@_rule(prims.uniform)
+def _(bsym):
+    shape, lo, hi = bsym.args
+    return torch_impls.uniform, (tuple(shape), lo, hi, bsym.kwargs["device"].torch, bsym.kwargs["dtype"].torch), {}
+
+
+@_rule(prims.randn)
+def _(bsym):
+    return torch.randn, (tuple(bsym.args[0]),), {"device": bsym.kwargs["device"].torch, "dtype": bsym.kwargs["dtype"].torch}
+
+
+@_rule(prims.bernoulli)
+def _(bsym):
+    return torch_impls.bernoulli, bsym.args, {}
+
+
+@_rule(prims.copy_)
+def _(bsym):
+    return torch_impls.copy_, bsym.args, {}
+
+
+@_rule(prims.shape)
+def _(bsym):
+    return torch_impls.shape, bsym.args, {}
+
+
+class TorchExecutor:
+    """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``."""
+
+    name = "torch"
+
+    def __init__(self, decompose: bool = False):
+        self.decompose = decompose
+
+    def claim(self, bsym) -> BoundSymbol | None:
+        sym = bsym.sym
+        if sym.module == "prims":
+            rule = _prim_rules.get(sym)
+            if rule is None:
+                return None
+            r = rule(bsym)
+            if r is None:
+                return None
+            fn, args, kwargs = r
+            args, kwargs = _conv_args(args, kwargs)
+            return BoundSymbol(impl_symbol(fn), args, kwargs, bsym.output, (), bsym.comment)
+        if sym.module == "opaque":
+            return BoundSymbol(impl_symbol(sym.torch_impl), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+        if sym.module == "ltorch" and not self.decompose:
+            impl = getattr(sym, "torch_impl", None)
+            if impl is None:
+                return None
+            return BoundSymbol(impl_symbol(impl), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+        return None
+
+    def eager_impl(self, sym, args, kwargs):
+        """Run ``sym`` on real tensors (used when a printed trace is executed as Python)."""
+        if sym.module in ("ltorch", "opaque"):
+            return sym.torch_impl(*args, **kwargs)
+        rule = _prim_rules.get(sym)
+        if rule is None:
+            raise NotImplementedError(f"the torch executor has no implementation of {sym.id}")
+        fake = BoundSymbol(sym, tuple(_as_meta_proxy(a) for a in args), kwargs, None)
+        fn, fargs, fkwargs = rule(fake)
+        # Substitute the real tensors back for the stand-ins.
+        back = {id(p): real for p, real in zip(fake.args, args)}
+        fargs = tree_map(lambda x: back.get(id(x), x), fargs)
+        fargs, fkwargs = _conv_args(fargs, fkwargs)
+        return fn(*fargs, **fkwargs)
+
+
+def _as_meta_proxy(x):
+    if isinstance(x, torch.Tensor) and type(x) is not TensorProxy:
+        return TensorProxy("_eager", shape=tuple(x.shape), dtype=x.dtype, device=x.device)
+    return x
+
+
+torch_executor = TorchExecutor()
+decomposing_torch_executor = TorchExecutor(decompose=True)
+_ = NumberProxy

@@ -1,0 +1,116 @@
+"""Helpers the torch executor calls for prims that are not one torch call.
+
+Generated code refers to them as ``ttex.<name>``.  Arguments are already
+torch objects (the executor translated compiler dtypes and devices when it
+claimed the symbol).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def broadcast_in_dim(a, view_shape, shape):
+    return a.reshape(view_shape).expand(shape)
+
+
+def sum_none(a):
+    """A reduction over no dims is the identity (torch would reduce everything)."""
+    return a.clone()
+
+
+def prod(a, dims):
+    if len(dims) == 1:
+        return torch.prod(a, dims[0])
+    keep = [d for d in range(a.ndim) if d not in dims]
+    x = a.permute(*keep, *dims)
+    x = x.reshape(*[a.shape[d] for d in keep], -1)
+    return torch.prod(x, -1)
+
+
+def argmax(a, dim):
+    return torch.argmax(a, dim)
+
+
+def iota_int(length, start, step, device, dtype):
+    return torch.arange(start, start + length * step, step, device=device, dtype=dtype)
+
+
+def iota_float(length, start, step, device, dtype):
+    return (torch.arange(length, device=device, dtype=torch.float64) * step + start).to(dtype)
+
+
+def uniform(shape, minval, maxval, device, dtype):
+    return torch.empty(shape, device=device, dtype=dtype).uniform_(minval, maxval)
+
+
+def bernoulli(a, p):
+    return torch.bernoulli(torch.full_like(a, p))
+
+
+def copy_(src, dst):
+    return dst.copy_(src)
+
+
+def shape(a):
+    return tuple(a.shape)
+
+
+def pad(a, value, config):
+    """Constant pad with (lo, hi, interior) per dim; negative lo/hi crop."""
+    if any(interior for _, _, interior in config):
+        # Interior padding: scatter the input into a strided view of a filled buffer.
+        out_shape = [lo + hi + s + max(s - 1, 0) * it for s, (lo, hi, it) in zip(a.shape, config)]
+        big = [s + max(s - 1, 0) * it for s, (_, _, it) in zip(a.shape, config)]
+        buf = torch.full(big, value, dtype=a.dtype, device=a.device)
+        buf[tuple(slice(None, None, it + 1) for _, _, it in config)] = a
+        return pad(buf, value, [(lo, hi, 0) for lo, hi, _ in config]) if out_shape else buf
+    flat = []
+    for lo, hi, _ in reversed(config):
+        flat += [lo, hi]
+    return F.pad(a, flat, mode="constant", value=value)
+
+
+def rsub(a, b):
+    """``a - b`` where ``a`` is a number and ``b`` a tensor."""
+    return torch.rsub(b, a)
+
+
+def rdiv(a, b):
+    return b.__rtruediv__(a)
+
+
+def scalar_first(op):
+    """Wrap a binary torch op so a Python number may come first."""
+
+    def fn(a, b):
+        return op(torch.full_like(b, a), b)
+
+    fn.__name__ = f"{op.__name__}_scalar_first"
+    return fn
+
+
+def scalar_second(op):
+    """Wrap a binary torch op that needs tensors on both sides."""
+
+    def fn(a, b):
+        return op(a, torch.full_like(a, b))
+
+    fn.__name__ = f"{op.__name__}_scalar_second"
+    return fn
+
+
+def where(pred, a, b):
+    return torch.where(pred, a, b)
+
+
+def trunc_div(a, b):
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def convolution(a, weight, bias, stride, padding, dilation, groups):
+    return torch.convolution(a, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+
+
+def index_put(a, indices, values, accumulate):
+    return torch.index_put(a, tuple(indices), values, accumulate)

@@ -1,0 +1,138 @@
+"""Torch operations the compiler does not know: run them opaquely.
+
+Output metadata comes from running the op on meta tensors; at execution the
+torch executor calls the original torch callable.  Each use is recorded so
+``compile_stats`` can list them; in strict mode they are an error instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import context, devices
+from .proxies import TensorProxy, is_tensor_proxy
+from .pytree import tree_flatten, tree_unflatten, tree_map
+from .symbols import Symbol, BoundSymbol
+
+
+class UnsupportedOpError(NotImplementedError):
+    """A torch op the compiler cannot trace (strict mode, or no meta implementation)."""
+
+
+_NAMESPACES = (
+    ("torch", torch),
+    ("torch.nn.functional", torch.nn.functional),
+    ("torch.Tensor", torch.Tensor),
+    ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg),
+    ("torch.fft", torch.fft),
+    ("torch._C._nn", torch._C._nn),
+)
+
+
+def callable_name(func) -> str:
+    """The shortest public path to a torch callable, e.g. 'torch.matmul'."""
+    short = getattr(func, "__name__", None)
+    if short:
+        for prefix, ns in _NAMESPACES:
+            if getattr(ns, short, None) is func:
+                return f"{prefix}.{short}"
+    mod = getattr(func, "__module__", None) or ""
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if qual.startswith(("TensorBase.", "_TensorBase.")):
+        qual = "Tensor." + qual.split(".", 1)[1]
+    if qual.startswith("Tensor."):
+        return "torch." + qual
+    if mod.startswith("torch._C._nn"):
+        return "torch._C._nn." + qual
+    if mod.startswith("torch") and mod not in ("torch._C", "torch._C._VariableFunctions", "torch.functional"):
+        return f"{mod}.{qual}"
+    return f"torch.{qual}" if "." not in qual else qual
+
+
+class OpaqueSymbol(Symbol):
+    """A symbol standing for an unknown torch callable, executed by torch as is."""
+
+    def __init__(self, func):
+        name = callable_name(func)
+        super().__init__(name, func, module="opaque", is_prim=True, tags=("opaque",))
+        self.torch_impl = func
+        self.id = f"opaque.{name}"
+        self._print_name, self._globals = printable_reference(func, name)
+
+    @property
+    def print_name(self) -> str:
+        return self._print_name
+
+    def codegen_globals(self) -> dict:
+        return self._globals
+
+
+def printable_reference(func, name: str):
+    """(source text, globals) that refer to ``func`` in generated code."""
+    if name.startswith("torch."):
+        obj = torch
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is func:
+            return name, {"torch": torch}
+    ident = "_op_" + "".join(c if c.isalnum() else "_" for c in name)
+    return ident, {ident: func}
+
+
+_opaque_symbols: dict = {}
+
+
+def _to_meta(x):
+    if type(x) is TensorProxy:
+        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=x._tt_requires_grad)
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def call_opaque(func, args, kwargs, *, strict: bool):
+    name = callable_name(func)
+    if strict:
+        raise UnsupportedOpError(
+            f"{name} is not supported by thunder_train's torch language and strict=True forbids running it opaquely. "
+            "Compile with strict=False to run it through torch, or open an issue asking for the op."
+        )
+    flat, spec = tree_flatten((args, kwargs))
+    proxies = [x for x in flat if is_tensor_proxy(x)]
+    meta_args, meta_kwargs = tree_unflatten([_to_meta(x) for x in flat], spec)
+    try:
+        with torch._C.DisableTorchFunction(), torch.device("meta"):
+            meta_out = func(*meta_args, **meta_kwargs)
+    except Exception as e:
+        raise UnsupportedOpError(
+            f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "
+            "Operations whose output shape depends on tensor values (nonzero, boolean masking, unique, .item()) cannot be compiled."
+        ) from e
+    if proxies:
+        device = proxies[0]._tt_device
+    else:
+        d = kwargs.get("device")
+        device = devices.from_torch(d) if d is not None else devices.from_torch(None)
+
+    def to_proxy(x):
+        if isinstance(x, torch.Tensor):
+            return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+        return x
+
+    out = tree_map(to_proxy, meta_out)
+    if not any(is_tensor_proxy(v) for v in tree_flatten(out)[0]):
+        # Metadata-only answers (bool, int, dtype ...) need no trace line.
+        if not proxies:
+            return meta_out
+        return out
+    sym = _opaque_symbols.get(func)
+    if sym is None:
+        sym = _opaque_symbols[func] = OpaqueSymbol(func)
+    trc = context.get_trace()
+    trc.add(BoundSymbol(sym, args, kwargs, out, ()))
+    opaque = getattr(trc, "opaque_ops", None)
+    if opaque is not None and name not in opaque:
+        opaque.append(name)
+    return out

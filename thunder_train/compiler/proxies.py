@@ -1,0 +1,205 @@
+"""Proxies: the values a trace is made of.
+
+``TensorProxy`` subclasses ``torch.Tensor`` (as a data-less wrapper subclass)
+so that model code testing ``isinstance(x, torch.Tensor)`` keeps working and so
+that every torch call on it arrives at ``__torch_function__``, where the
+tracer maps it to a torch-language symbol.  No tensor data ever exists: the
+wrapper has no storage, and ``__torch_dispatch__`` raising guarantees nothing
+slips through to a real kernel.
+
+``NumberProxy`` stands for a Python number that is an input of the program
+(a runtime scalar, or a symbolic size).  ``AnyProxy`` names an arbitrary
+Python object (used by the prologue, which unpacks modules and containers).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dtypes, devices
+from .context import fresh_name
+
+# The tracer installs its handler here (avoids an import cycle).
+_torch_function_handler = None
+
+
+class Proxy:
+    """Marker base for non-tensor proxies."""
+
+    name: str
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+class TensorProxy(torch.Tensor):
+    """A tensor known only by its metadata: shape, dtype, device, requires_grad."""
+
+    @staticmethod
+    def __new__(cls, name=None, *, shape, dtype, device, requires_grad=False):
+        dt = dtypes.from_torch(dtype)
+        dev = devices.from_torch(device)
+        shape = tuple(int(s) for s in shape)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dt.torch, device=dev.torch, requires_grad=bool(requires_grad) and dt.category >= dtypes.FLOAT
+        )
+        self._tt_name = name if name is not None else fresh_name("t")
+        self._tt_shape = shape
+        self._tt_dtype = dt
+        self._tt_device = dev
+        self._tt_requires_grad = bool(requires_grad) and dt.category >= dtypes.FLOAT
+        return self
+
+    def __init__(self, *args, **kwargs):  # everything happens in __new__
+        pass
+
+    # Proxies never reach a kernel: all calls are intercepted at torch-function level.
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"thunder_train internal error: {func} reached torch dispatch with a proxy. "
+            "Please report this with the function being compiled."
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _torch_function_handler(func, types, args, kwargs or {})
+
+    # ---- compiler-side accessors (never go through torch) ----
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self._tt_name
+
+    @property
+    def ndim_(self) -> int:
+        return len(self._tt_shape)
+
+    def numel_(self) -> int:
+        n = 1
+        for s in self._tt_shape:
+            n *= s
+        return n
+
+    def type_string(self) -> str:
+        """Short description used in trace comments, e.g. 'cpu f32[8, 4]'."""
+        return f"{self._tt_device} {self._tt_dtype.short}{_shape_str(self._tt_shape)}"
+
+    def __repr__(self, *args, **kwargs) -> str:
+        return f'<TensorProxy {self._tt_name}: "{self.type_string()}">'
+
+    __str__ = __repr__
+
+    def __hash__(self):
+        return id(self)
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("TensorProxy objects cannot be pickled or deep-copied while tracing")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of a tensor while tracing is not supported by thunder_train; "
+            "create the copy outside the compiled function"
+        )
+
+
+def is_tensor_proxy(x) -> bool:
+    return type(x) is TensorProxy
+
+
+class NumberProxy(Proxy):
+    """A Python number that is an input of the program (not a baked-in constant).
+
+    ``value`` is the example value seen while tracing; ``python_type`` is int,
+    float or bool.
+    """
+
+    __slots__ = ("name", "value", "python_type")
+
+    def __init__(self, name=None, *, value, python_type=None):
+        self.name = name if name is not None else fresh_name("n")
+        self.value = value
+        self.python_type = python_type or type(value)
+
+    def type_string(self) -> str:
+        return f"{self.python_type.__name__} {self.value}"
+
+    def __repr__(self) -> str:
+        return f"<NumberProxy {self.name}: {self.type_string()}>"
+
+    # Arithmetic on runtime scalars records scalar prims; see clang.scalar_op.
+    def _binop(self, other, opname, reverse=False):
+        from . import clang
+
+        a, b = (other, self) if reverse else (self, other)
+        return clang.scalar_binary(opname, a, b)
+
+    def __add__(self, o):
+        return self._binop(o, "add")
+
+    def __radd__(self, o):
+        return self._binop(o, "add", True)
+
+    def __sub__(self, o):
+        return self._binop(o, "sub")
+
+    def __rsub__(self, o):
+        return self._binop(o, "sub", True)
+
+    def __mul__(self, o):
+        return self._binop(o, "mul")
+
+    def __rmul__(self, o):
+        return self._binop(o, "mul", True)
+
+    def __truediv__(self, o):
+        return self._binop(o, "div")
+
+    def __rtruediv__(self, o):
+        return self._binop(o, "div", True)
+
+    def __pow__(self, o):
+        return self._binop(o, "pow")
+
+    def __rpow__(self, o):
+        return self._binop(o, "pow", True)
+
+    def __neg__(self):
+        return self._binop(-1, "mul")
+
+    def __bool__(self):
+        raise RuntimeError(
+            f"Python control flow on the runtime scalar {self.name} cannot be traced; "
+            "the value changes between calls. Use torch.where or move the branch outside the compiled function."
+        )
+
+    def __float__(self):
+        return float(self.value)
+
+    def __int__(self):
+        return int(self.value)
+
+
+class AnyProxy(Proxy):
+    """Names an arbitrary Python object in the prologue (a module, a list, ...)."""
+
+    __slots__ = ("name", "python_type")
+
+    def __init__(self, name=None, *, python_type=object):
+        self.name = name if name is not None else fresh_name("obj")
+        self.python_type = python_type
+
+    def type_string(self) -> str:
+        return self.python_type.__name__
+
+    def __repr__(self) -> str:
+        return f"<AnyProxy {self.name}: {self.type_string()}>"
+
+
+def proxy_name(x) -> str:
+    if type(x) is TensorProxy:
+        return x._tt_name
+    return x.name
+
+
+def is_proxy(x) -> bool:
+    return type(x) is TensorProxy or isinstance(x, Proxy)

@@ -1,0 +1,139 @@
+"""Symbols and bound symbols.
+
+A ``Symbol`` is an operation of one of the three languages (``prims``,
+``clang`` is plain functions, ``ltorch`` for the torch language) or an
+executor's implementation.  Calling a symbol while a trace is active records
+a ``BoundSymbol``: the symbol, its arguments and its output proxies.  A
+composite symbol (anything that is not a prim) runs its decomposition in a
+nested scope; the symbols recorded there become its ``subsymbols``, so an
+executor can either claim the composite whole or run its decomposition.
+
+Outside tracing a symbol executes eagerly on real tensors through the torch
+executor, which is what makes every printed trace runnable.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import context
+
+
+class Symbol:
+    """An operation with a meta function (prims) or a decomposition (composites).
+
+    ``module`` is the name the symbol is printed under in traces ("prims",
+    "ltorch"); ``fn`` is the meta function for prims and the decomposition for
+    composites.
+    """
+
+    def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
+        self.name = name
+        self.fn = fn
+        self.module = module
+        self.is_prim = is_prim
+        self.tags = frozenset(tags)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        # Gradient rule (autograd transform) and torch implementation live in
+        # registries keyed by this symbol; see executors/torch_executor.py.
+        self.id = f"{module}.{name}"
+
+    def __repr__(self) -> str:
+        return f"<Symbol {self.id}>"
+
+    @property
+    def print_name(self) -> str:
+        return self.id
+
+    def codegen_globals(self) -> dict:
+        """Names the printed call needs in scope."""
+        if self.module == "prims":
+            from . import prims
+
+            return {"prims": prims}
+        if self.module == "ltorch":
+            from . import torchlang
+
+            return {"ltorch": torchlang}
+        return {}
+
+    def __call__(self, *args, **kwargs):
+        trc = context.get_trace()
+        if trc is None:
+            from .executors.eager import run_eagerly
+
+            return run_eagerly(self, args, kwargs)
+        if self.is_prim:
+            out = self.fn(*args, **kwargs)
+            bsym = BoundSymbol(self, args, kwargs, out, ())
+        else:
+            trc.push_scope()
+            try:
+                out = self.fn(*args, **kwargs)
+            finally:
+                subs = trc.pop_scope()
+            if not subs and _returns_an_input(out, args, kwargs):
+                # A no-op at trace level (contiguous(), to(same dtype), ...): nothing to record.
+                return out
+            bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
+        trc.add(bsym)
+        return out
+
+
+def _returns_an_input(out, args, kwargs) -> bool:
+    from .pytree import tree_flatten
+    from .proxies import is_proxy
+
+    outs = [o for o in tree_flatten(out)[0] if is_proxy(o)]
+    if not outs:
+        return True
+    ins = {id(x) for x in tree_flatten((args, kwargs))[0]}
+    return all(id(o) in ins for o in outs)
+
+
+class BoundSymbol:
+    """One line of a trace: ``output = sym(*args, **kwargs)``."""
+
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment")
+
+    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None):
+        self.sym = sym
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs)
+        self.output = output
+        self.subsymbols = subsymbols
+        self.comment = comment
+
+    def replace(self, **changes) -> "BoundSymbol":
+        d = {s: getattr(self, s) for s in self.__slots__}
+        d.update(changes)
+        return BoundSymbol(**d)
+
+    def flat_args(self):
+        from .pytree import tree_flatten
+
+        return tree_flatten((self.args, self.kwargs))[0]
+
+    def flat_outputs(self):
+        from .pytree import tree_flatten
+
+        return tree_flatten(self.output)[0]
+
+    def __repr__(self) -> str:
+        from .codegen import format_bsym
+
+        return "\n".join(format_bsym(self, {}, with_subsymbols=False))
+
+
+def flat_proxies(x) -> list:
+    from .proxies import is_proxy
+    from .pytree import tree_flatten
+
+    return [v for v in tree_flatten(x)[0] if is_proxy(v)]
+
+
+def make_symbol(module: str, *, is_prim=False, name: str | None = None, tags=()) -> Callable[[Callable], Symbol]:
+    def deco(fn):
+        return Symbol(name or fn.__name__, fn, module=module, is_prim=is_prim, tags=tags)
+
+    return deco
+

@@ -1,0 +1,14 @@
+"""The torch language: torch functions, Tensor methods and operators mapped onto clang.
+
+Symbols are printed in traces as ``ltorch.<name>``.  Importing this package
+registers every symbol with the tracer (see ``registry``).
+"""
+from .registry import all_symbols, by_torch_fn, lookup  # noqa: F401
+from . import tensor_methods, elementwise, reductions, shapes, factories, linalg, nn, inplace  # noqa: F401
+
+
+def __getattr__(name):
+    try:
+        return all_symbols[name]
+    except KeyError:
+        raise AttributeError(f"ltorch has no symbol {name!r}") from None

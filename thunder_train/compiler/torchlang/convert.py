@@ -1,0 +1,46 @@
+"""Translate torch objects (dtypes, devices, sizes) into compiler ones."""
+from __future__ import annotations
+
+import torch
+
+from .. import dtypes, devices
+from ..proxies import TensorProxy, NumberProxy
+
+
+def to_dtype(d):
+    if d is None:
+        return None
+    if isinstance(d, dtypes.DType):
+        return d
+    if d is float:
+        return dtypes.default_float()
+    if d is int:
+        return dtypes.int64
+    if d is bool:
+        return dtypes.bool8
+    return dtypes.from_torch(d)
+
+
+def to_device(d):
+    return None if d is None else devices.from_torch(d)
+
+
+def size_args(shape) -> tuple:
+    """Accept ``f(2, 3)``, ``f((2, 3))``, ``f([2, 3])`` or ``f(torch.Size(...))``."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = shape[0]
+    out = []
+    for s in shape:
+        if isinstance(s, NumberProxy):
+            out.append(s)
+        elif type(s) is TensorProxy:
+            raise TypeError("a tensor cannot be used as a size while tracing (its value is data-dependent)")
+        else:
+            out.append(int(s))
+    return tuple(out)
+
+
+def default_device():
+    if hasattr(torch, "get_default_device"):
+        return devices.from_torch(torch.get_default_device())
+    return devices.cpu

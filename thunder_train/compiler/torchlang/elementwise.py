@@ -1,0 +1,288 @@
+"""Elementwise torch functions, Tensor methods and operators."""
+from __future__ import annotations
+
+import torch
+
+from .. import clang, dtypes, prims
+from ..clang import Promotion
+from ..proxies import TensorProxy
+from .registry import torchsymbol
+
+P = Promotion
+
+
+def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None):
+    def fn(input):
+        return clang.elementwise_unary(prim, input, kind, upcast=upcast)
+
+    fn.__name__ = name
+    fn.__doc__ = doc or f"torch.{name}"
+    fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
+    return torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name)(fn)
+
+
+F_ = P.INT_TO_FLOAT
+abs = _unary("abs", prims.abs, P.COMPLEX_TO_FLOAT, methods=("abs", "__abs__"), upcast=False)
+neg = _unary("neg", prims.neg, methods=("neg", "__neg__", "negative"), upcast=False)
+exp = _unary("exp", prims.exp, F_)
+exp2 = _unary("exp2", prims.exp2, F_)
+expm1 = _unary("expm1", prims.expm1, F_)
+log = _unary("log", prims.log, F_)
+log1p = _unary("log1p", prims.log1p, F_)
+log2 = _unary("log2", prims.log2, F_)
+log10 = _unary("log10", prims.log10, F_)
+sqrt = _unary("sqrt", prims.sqrt, F_)
+rsqrt = _unary("rsqrt", prims.rsqrt, F_)
+sin = _unary("sin", prims.sin, F_)
+cos = _unary("cos", prims.cos, F_)
+tan = _unary("tan", prims.tan, F_)
+asin = _unary("asin", prims.asin, F_)
+acos = _unary("acos", prims.acos, F_)
+atan = _unary("atan", prims.atan, F_)
+sinh = _unary("sinh", prims.sinh, F_)
+cosh = _unary("cosh", prims.cosh, F_)
+tanh = _unary("tanh", prims.tanh, F_, torch_fns=(torch.tanh, torch.nn.functional.tanh))
+asinh = _unary("asinh", prims.asinh, F_)
+acosh = _unary("acosh", prims.acosh, F_)
+atanh = _unary("atanh", prims.atanh, F_)
+erf = _unary("erf", prims.erf, F_, torch_fns=(torch.erf, torch.special.erf))
+erfc = _unary("erfc", prims.erfc, F_, torch_fns=(torch.erfc, torch.special.erfc))
+erfinv = _unary("erfinv", prims.erfinv, F_, torch_fns=(torch.erfinv, torch.special.erfinv))
+lgamma = _unary("lgamma", prims.lgamma, F_)
+digamma = _unary("digamma", prims.digamma, F_, torch_fns=(torch.digamma, torch.special.digamma))
+sigmoid = _unary("sigmoid", prims.sigmoid, F_, torch_fns=(torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit))
+reciprocal = _unary("reciprocal", prims.reciprocal, F_)
+floor = _unary("floor", prims.floor, upcast=False)
+ceil = _unary("ceil", prims.ceil, upcast=False)
+trunc = _unary("trunc", prims.trunc, upcast=False, methods=("trunc", "fix"))
+sign = _unary("sign", prims.sign, upcast=False)
+sgn = _unary("sgn", prims.sign, upcast=False)
+bitwise_not = _unary("bitwise_not", prims.bitwise_not, upcast=False, methods=("bitwise_not", "__invert__"))
+isfinite = _unary("isfinite", prims.isfinite, P.ALWAYS_BOOL, upcast=False)
+isnan = _unary("isnan", prims.isnan, P.ALWAYS_BOOL, upcast=False)
+isinf = _unary("isinf", prims.isinf, P.ALWAYS_BOOL, upcast=False)
+signbit = _unary("signbit", prims.signbit, P.ALWAYS_BOOL, upcast=False)
+
+
+@torchsymbol(torch.round, methods=("round",))
+def round(input, *, decimals=0):
+    """torch.round (half to even), optionally to ``decimals`` places."""
+    if decimals == 0:
+        return clang.elementwise_unary(prims.round, input, upcast=False)
+    scale = 10.0**decimals
+    return clang.true_divide(clang.elementwise_unary(prims.round, clang.mul(input, scale), upcast=False), scale)
+
+
+@torchsymbol(torch.square, methods=("square",))
+def square(input):
+    if input._tt_dtype.is_bool:
+        input = clang.maybe_convert(input, dtypes.int64)
+    return clang.mul(input, input)
+
+
+@torchsymbol(torch.logical_not, methods=("logical_not",))
+def logical_not(input):
+    return prims.eq(clang.to_bool(input), False) if input._tt_dtype.is_bool else clang.eq(input, 0)
+
+
+@torchsymbol(torch.nan_to_num, methods=("nan_to_num",))
+def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
+    if not input._tt_dtype.is_float:
+        return clang.maybe_convert(input, input._tt_dtype) if False else prims.clone(input)
+    info = torch.finfo(input._tt_dtype.torch)
+    posinf = info.max if posinf is None else posinf
+    neginf = info.min if neginf is None else neginf
+    out = clang.where(prims.isnan(input), nan, input)
+    out = clang.where(clang.logical_and(prims.isinf(out), clang.ge(out, 0)), posinf, out)
+    return clang.where(clang.logical_and(prims.isinf(out), clang.lt(out, 0)), neginf, out)
+
+
+# ---------------------------------------------------------------------------
+# Binary
+# ---------------------------------------------------------------------------
+def _binary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, reverse_methods=()):
+    def fn(input, other):
+        return clang.elementwise_binary(prim, input, other, kind, upcast=upcast)
+
+    fn.__name__ = name
+    fn.__doc__ = f"torch.{name}"
+    fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
+    sym = torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name)(fn)
+    for rm in reverse_methods:
+        _reversed(rm, sym)
+    return sym
+
+
+def _reversed(method, sym):
+    def fn(input, other):
+        return sym(other, input)
+
+    fn.__name__ = method.strip("_")
+    fn.__doc__ = f"Tensor.{method}: ``other {method}`` with the tensor on the right."
+    return torchsymbol(methods=(method,), name=fn.__name__)(fn)
+
+
+@torchsymbol(torch.add, methods=("add", "__add__", "__radd__"))
+def add(input, other, *, alpha=1):
+    """torch.add: ``input + alpha * other``."""
+    if alpha != 1:
+        other = clang.mul(other, alpha)
+    return clang.add(input, other)
+
+
+@torchsymbol(torch.sub, torch.subtract, methods=("sub", "__sub__", "subtract"))
+def sub(input, other, *, alpha=1):
+    """torch.sub: ``input - alpha * other``."""
+    if alpha != 1:
+        other = clang.mul(other, alpha)
+    return clang.sub(input, other)
+
+
+@torchsymbol(methods=("__rsub__",), name="rsub")
+def rsub(input, other, *, alpha=1):
+    """``other - input`` (Tensor.__rsub__)."""
+    return sub(other, input, alpha=alpha) if type(other) is TensorProxy else clang.sub(other, clang.mul(input, alpha) if alpha != 1 else input)
+
+
+mul = _binary("mul", prims.mul, torch_fns=(torch.mul, torch.multiply), methods=("mul", "__mul__", "__rmul__", "multiply"))
+
+
+@torchsymbol(torch.div, torch.divide, torch.true_divide, methods=("div", "__truediv__", "divide", "true_divide"))
+def div(input, other, *, rounding_mode=None):
+    """torch.div with rounding_mode None (true), 'trunc' or 'floor'."""
+    if rounding_mode is None:
+        return clang.true_divide(input, other)
+    if rounding_mode == "trunc":
+        d = clang.result_dtype(input, other)
+        if d.category >= dtypes.FLOAT:
+            return clang.elementwise_unary(prims.trunc, clang.true_divide(input, other), upcast=False)
+        return clang.elementwise_binary(prims.div, input, other, upcast=False)
+    if rounding_mode == "floor":
+        return floor_divide(input, other)
+    raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found {rounding_mode!r}")
+
+
+@torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv")
+def rtruediv(input, other):
+    """``other / input``."""
+    return clang.true_divide(other, input)
+
+
+floor_divide = _binary("floor_divide", prims.floor_divide, methods=("floor_divide", "__floordiv__"), upcast=False, reverse_methods=("__rfloordiv__",))
+remainder = _binary("remainder", prims.remainder, methods=("remainder", "__mod__"), upcast=False, reverse_methods=("__rmod__",))
+fmod = _binary("fmod", prims.fmod, upcast=False)
+maximum = _binary("maximum", prims.maximum, upcast=False)
+minimum = _binary("minimum", prims.minimum, upcast=False)
+fmax = _binary("fmax", prims.maximum, upcast=False)
+fmin = _binary("fmin", prims.minimum, upcast=False)
+atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"))
+copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT)
+hypot = _binary("hypot", prims.hypot)
+nextafter = _binary("nextafter", prims.nextafter, upcast=False)
+bitwise_and = _binary("bitwise_and", prims.bitwise_and, methods=("bitwise_and", "__and__", "__rand__"), upcast=False)
+bitwise_or = _binary("bitwise_or", prims.bitwise_or, methods=("bitwise_or", "__or__", "__ror__"), upcast=False)
+bitwise_xor = _binary("bitwise_xor", prims.bitwise_xor, methods=("bitwise_xor", "__xor__", "__rxor__"), upcast=False)
+bitwise_left_shift = _binary("bitwise_left_shift", prims.bitwise_left_shift, methods=("bitwise_left_shift", "__lshift__"), upcast=False)
+bitwise_right_shift = _binary("bitwise_right_shift", prims.bitwise_right_shift, methods=("bitwise_right_shift", "__rshift__"), upcast=False)
+eq = _binary("eq", prims.eq, P.ALWAYS_BOOL, methods=("eq", "__eq__"), upcast=False)
+ne = _binary("ne", prims.ne, P.ALWAYS_BOOL, torch_fns=(torch.ne, torch.not_equal), methods=("ne", "__ne__", "not_equal"), upcast=False)
+lt = _binary("lt", prims.lt, P.ALWAYS_BOOL, torch_fns=(torch.lt, torch.less), methods=("lt", "__lt__", "less"), upcast=False)
+le = _binary("le", prims.le, P.ALWAYS_BOOL, torch_fns=(torch.le, torch.less_equal), methods=("le", "__le__", "less_equal"), upcast=False)
+gt = _binary("gt", prims.gt, P.ALWAYS_BOOL, torch_fns=(torch.gt, torch.greater), methods=("gt", "__gt__", "greater"), upcast=False)
+ge = _binary("ge", prims.ge, P.ALWAYS_BOOL, torch_fns=(torch.ge, torch.greater_equal), methods=("ge", "__ge__", "greater_equal"), upcast=False)
+
+
+@torchsymbol(torch.pow, methods=("pow", "__pow__"))
+def pow(input, exponent):
+    """torch.pow; ``x ** 2`` becomes ``x * x``."""
+    if type(input) is TensorProxy and exponent == 2 and not isinstance(exponent, bool):
+        d = clang.result_dtype(input, exponent)
+        x = clang.maybe_convert(input, clang.compute_dtype(d))
+        return clang.maybe_convert(prims.mul(x, x), d)
+    return clang.elementwise_binary(prims.pow, input, exponent)
+
+
+@torchsymbol(methods=("__rpow__",), name="rpow")
+def rpow(input, other):
+    """``other ** input``."""
+    return clang.elementwise_binary(prims.pow, other, input)
+
+
+def _logical(name, prim):
+    def fn(input, other):
+        a, b = clang.maybe_broadcast(clang.to_bool(input), clang.to_bool(other))
+        if type(a) is not TensorProxy:
+            a = clang.full_like(b, a, dtype=dtypes.bool8)
+        if type(b) is not TensorProxy:
+            b = clang.full_like(a, b, dtype=dtypes.bool8)
+        return prim(a, b)
+
+    fn.__name__ = name
+    fn.__doc__ = f"torch.{name}"
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+
+
+logical_and = _logical("logical_and", prims.bitwise_and)
+logical_or = _logical("logical_or", prims.bitwise_or)
+logical_xor = _logical("logical_xor", prims.bitwise_xor)
+
+
+@torchsymbol(torch.where, methods=("where",))
+def where(condition, input=None, other=None):
+    """torch.where(condition, input, other); the one-argument form is data-dependent."""
+    if input is None and other is None:
+        raise NotImplementedError("torch.where(condition) returns data-dependent shapes and cannot be compiled; use the three-argument form")
+    return clang.where(condition, input, other)
+
+
+@torchsymbol(torch.clamp, torch.clip, methods=("clamp", "clip"))
+def clamp(input, min=None, max=None):
+    """torch.clamp with scalar or tensor bounds (NaN propagates like torch)."""
+    if min is None and max is None:
+        raise ValueError("torch.clamp: at least one of 'min' or 'max' must not be None")
+    out = input
+    if min is not None:
+        d = clang.result_dtype(out, min)
+        mask = clang.logical_and(clang.lt(out, min), clang.eq(clang.elementwise_unary(prims.isnan, out, P.ALWAYS_BOOL, upcast=False), False)) if d.is_float else clang.lt(out, min)
+        out = clang.where(mask, clang.maybe_convert(min, d) if type(min) is not TensorProxy else min, clang.maybe_convert(out, d))
+    if max is not None:
+        d = clang.result_dtype(out, max)
+        mask = clang.elementwise_binary(prims.gt, out, max, P.ALWAYS_BOOL, upcast=False)
+        out = clang.where(mask, clang.maybe_convert(max, d) if type(max) is not TensorProxy else max, clang.maybe_convert(out, d))
+    return out
+
+
+@torchsymbol(torch.clamp_min, methods=("clamp_min",))
+def clamp_min(input, min):
+    return clamp(input, min=min)
+
+
+@torchsymbol(torch.clamp_max, methods=("clamp_max",))
+def clamp_max(input, max):
+    return clamp(input, max=max)
+
+
+@torchsymbol(torch.lerp, methods=("lerp",))
+def lerp(input, end, weight):
+    """``input + weight * (end - input)``."""
+    return clang.add(input, clang.mul(weight, clang.sub(end, input)))
+
+
+@torchsymbol(torch.addcmul, methods=("addcmul",))
+def addcmul(input, tensor1, tensor2, *, value=1):
+    return clang.add(input, clang.mul(clang.mul(tensor1, tensor2), value))
+
+
+@torchsymbol(torch.addcdiv, methods=("addcdiv",))
+def addcdiv(input, tensor1, tensor2, *, value=1):
+    return clang.add(input, clang.mul(clang.true_divide(tensor1, tensor2), value))
+
+
+@torchsymbol(torch.xlogy, torch.special.xlogy, methods=("xlogy",))
+def xlogy(input, other):
+    d = clang.result_dtype(input, other)
+    d = d if d.is_float else dtypes.default_float()
+    prod = clang.mul(input, clang.log(other))
+    zero_x = clang.eq(input, 0)
+    out = clang.where(zero_x, 0.0, prod)
+    return clang.where(clang.elementwise_unary(prims.isnan, clang.maybe_convert(other, d) if type(other) is TensorProxy else clang.full_like(out, other), P.ALWAYS_BOOL, upcast=False), float("nan"), out)

@@ -1,0 +1,175 @@
+"""Factories: empty, full, zeros, ones, arange, randn, rand, *_like, tensor."""
+from __future__ import annotations
+
+import torch
+
+from .. import clang, dtypes, prims
+from ..proxies import TensorProxy
+from .convert import to_dtype, to_device, size_args, default_device
+from .registry import torchsymbol
+
+
+def _dd(dtype, device, default_dtype=None):
+    return (to_dtype(dtype) or default_dtype or dtypes.default_float()), (to_device(device) or default_device())
+
+
+def _check_layout(layout, pin_memory=False):
+    if layout not in (None, torch.strided):
+        raise NotImplementedError(f"layout={layout} is not supported")
+
+
+@torchsymbol(torch.empty)
+def empty(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, memory_format=None, out=None):
+    _check_layout(layout)
+    dt, dev = _dd(dtype, device)
+    return prims.empty(size_args(size), device=dev, dtype=dt)
+
+
+def _fill_value_dtype(v):
+    if isinstance(v, bool):
+        return dtypes.bool8
+    if isinstance(v, int):
+        return dtypes.int64
+    if isinstance(v, complex):
+        return dtypes.to_complex(dtypes.default_float())
+    return dtypes.default_float()
+
+
+@torchsymbol(torch.full)
+def full(size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    _check_layout(layout)
+    dt, dev = _dd(dtype, device, _fill_value_dtype(fill_value))
+    return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.zeros)
+def zeros(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    dt, dev = _dd(dtype, device)
+    return prims.full(size_args(size), 0 if not dt.is_bool else False, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.ones)
+def ones(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    dt, dev = _dd(dtype, device)
+    return prims.full(size_args(size), 1 if not dt.is_bool else True, device=dev, dtype=dt)
+
+
+def _like(a, dtype, device):
+    return (to_dtype(dtype) or a._tt_dtype), (to_device(device) or a._tt_device)
+
+
+@torchsymbol(torch.empty_like)
+def empty_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.empty(input._tt_shape, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.full_like)
+def full_like(input, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(input._tt_shape, fill_value, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.zeros_like)
+def zeros_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(input._tt_shape, False if dt.is_bool else 0, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.ones_like)
+def ones_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(input._tt_shape, True if dt.is_bool else 1, device=dev, dtype=dt)
+
+
+@torchsymbol(methods=("new_zeros",))
+def new_zeros(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(size_args(size), 0, device=dev, dtype=dt)
+
+
+@torchsymbol(methods=("new_ones",))
+def new_ones(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(size_args(size), 1, device=dev, dtype=dt)
+
+
+@torchsymbol(methods=("new_full",))
+def new_full(input, size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
+
+
+@torchsymbol(methods=("new_empty",))
+def new_empty(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.empty(size_args(size), device=dev, dtype=dt)
+
+
+@torchsymbol(torch.arange)
+def arange(start=0, end=None, step=1, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    if end is None:
+        start, end = 0, start
+    if dtype is None:
+        dt = dtypes.int64 if all(isinstance(v, int) for v in (start, end, step)) else dtypes.default_float()
+    else:
+        dt = to_dtype(dtype)
+    return clang.arange(start, end, step, device=to_device(device) or default_device(), dtype=dt)
+
+
+@torchsymbol(torch.linspace)
+def linspace(start, end, steps, *, dtype=None, device=None, layout=None, requires_grad=False, out=None):
+    dt = to_dtype(dtype) or dtypes.default_float()
+    dev = to_device(device) or default_device()
+    if steps == 1:
+        return prims.full((1,), start, device=dev, dtype=dt)
+    idx = prims.iota(steps, start=0, step=1, device=dev, dtype=dtypes.float64 if dt is dtypes.float64 else dtypes.float32)
+    step = (end - start) / (steps - 1)
+    return clang.maybe_convert(prims.add(prims.mul(idx, step), float(start)), dt)
+
+
+@torchsymbol(torch.randn)
+def randn(*size, generator=None, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    if generator is not None:
+        raise NotImplementedError("randn(generator=...) is not supported inside a compiled function")
+    dt, dev = _dd(dtype, device)
+    return prims.randn(size_args(size), device=dev, dtype=dt)
+
+
+@torchsymbol(torch.rand)
+def rand(*size, generator=None, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
+    if generator is not None:
+        raise NotImplementedError("rand(generator=...) is not supported inside a compiled function")
+    dt, dev = _dd(dtype, device)
+    return prims.uniform(size_args(size), 0.0, 1.0, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.randn_like)
+def randn_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.randn(input._tt_shape, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.rand_like)
+def rand_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
+    dt, dev = _like(input, dtype, device)
+    return prims.uniform(input._tt_shape, 0.0, 1.0, device=dev, dtype=dt)
+
+
+@torchsymbol(torch.tensor, torch.as_tensor)
+def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
+    """A tensor from Python numbers (nested lists of constants)."""
+    if type(data) is TensorProxy:
+        return clang.maybe_convert(data, to_dtype(dtype) or data._tt_dtype)
+    if isinstance(data, (int, float, bool)):
+        dt = to_dtype(dtype) or _fill_value_dtype(data)
+        return prims.full((), data, device=to_device(device) or default_device(), dtype=dt)
+    ref = torch.tensor(data, dtype=dtype, device="cpu")
+    dt = dtypes.from_torch(ref.dtype)
+    dev = to_device(device) or default_device()
+    flat = ref.reshape(-1).tolist()
+    parts = [prims.full((1,), v, device=dev, dtype=dt) for v in flat]
+    if not parts:
+        return prims.empty(tuple(ref.shape), device=dev, dtype=dt)
+    out = parts[0] if len(parts) == 1 else prims.cat(tuple(parts), 0)
+    return clang.reshape(out, tuple(ref.shape))

@@ -1,0 +1,533 @@
+"""torch.nn.functional: activations, losses, normalisation, attention, convolution, pooling."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import clang, dtypes, prims
+from ..clang import Promotion
+from ..proxies import TensorProxy
+from .registry import torchsymbol
+from .shapes import getitem
+
+
+def _t(x):
+    return type(x) is TensorProxy
+
+
+def _up(a):
+    """Upcast low-precision floats for a composite; returns (value, original dtype)."""
+    return clang.maybe_convert(a, clang.compute_dtype(a._tt_dtype)), a._tt_dtype
+
+
+# ---------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------
+@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu)
+def relu(input, inplace=False):
+    return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, prims.full(input._tt_shape, 0, device=input._tt_device, dtype=input._tt_dtype))
+
+
+@torchsymbol(F.relu6)
+def relu6(input, inplace=False):
+    return hardtanh(input, 0.0, 6.0)
+
+
+@torchsymbol(F.hardtanh)
+def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
+    x = clang.where(clang.lt(input, min_val), clang.maybe_convert(min_val, input._tt_dtype), input)
+    return clang.where(clang.elementwise_binary(prims.gt, x, max_val, Promotion.ALWAYS_BOOL, upcast=False), clang.maybe_convert(max_val, input._tt_dtype), x)
+
+
+@torchsymbol(F.leaky_relu)
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, clang.mul(input, negative_slope))
+
+
+@torchsymbol(F.gelu)
+def gelu(input, approximate="none"):
+    """GELU, exact (erf) or tanh approximation; computed in float32 for low precision."""
+    x, dt = _up(input)
+    if approximate == "none":
+        out = prims.mul(prims.mul(x, 0.5), prims.add(prims.erf(prims.mul(x, 1 / math.sqrt(2))), 1.0))
+    elif approximate == "tanh":
+        inner = prims.mul(prims.add(x, prims.mul(prims.mul(prims.mul(x, x), x), 0.044715)), math.sqrt(2 / math.pi))
+        out = prims.mul(prims.mul(x, 0.5), prims.add(prims.tanh(inner), 1.0))
+    else:
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.silu)
+def silu(input, inplace=False):
+    x, dt = _up(input)
+    return clang.maybe_convert(prims.mul(x, prims.sigmoid(x)), dt)
+
+
+@torchsymbol(F.mish)
+def mish(input, inplace=False):
+    x, dt = _up(input)
+    return clang.maybe_convert(prims.mul(x, prims.tanh(_softplus(x, 1.0, 20.0))), dt)
+
+
+def _softplus(x, beta, threshold):
+    bx = prims.mul(x, beta) if beta != 1 else x
+    soft = prims.div(prims.log1p(prims.exp(bx)), beta) if beta != 1 else prims.log1p(prims.exp(bx))
+    return prims.where(prims.gt(bx, threshold), x, soft)
+
+
+@torchsymbol(F.softplus)
+def softplus(input, beta=1.0, threshold=20.0):
+    x, dt = _up(input)
+    return clang.maybe_convert(_softplus(x, beta, threshold), dt)
+
+
+@torchsymbol(F.elu)
+def elu(input, alpha=1.0, inplace=False):
+    x, dt = _up(input)
+    return clang.maybe_convert(prims.where(prims.gt(x, 0.0), x, prims.mul(prims.expm1(x), alpha)), dt)
+
+
+@torchsymbol(F.logsigmoid)
+def logsigmoid(input):
+    x, dt = _up(input)
+    return clang.maybe_convert(prims.neg(_softplus(prims.neg(x), 1.0, 20.0)), dt)
+
+
+@torchsymbol(F.hardsigmoid)
+def hardsigmoid(input, inplace=False):
+    return clang.true_divide(hardtanh(clang.add(input, 3.0), -3.0 + 3.0, 6.0), 6.0)
+
+
+@torchsymbol(F.hardswish)
+def hardswish(input, inplace=False):
+    return clang.mul(input, hardsigmoid(input))
+
+
+@torchsymbol(F.softsign)
+def softsign(input):
+    return clang.true_divide(input, clang.add(clang.elementwise_unary(prims.abs, input), 1))
+
+
+@torchsymbol(F.glu)
+def glu(input, dim=-1):
+    a, b = clang.slice_in_dim(input, 0, input._tt_shape[dim] // 2, 1, dim), clang.slice_in_dim(input, input._tt_shape[dim] // 2, input._tt_shape[dim], 1, dim)
+    return clang.mul(a, clang.elementwise_unary(prims.sigmoid, b, Promotion.INT_TO_FLOAT))
+
+
+# ---------------------------------------------------------------------------
+# Linear, embedding, dropout
+# ---------------------------------------------------------------------------
+@torchsymbol(F.linear)
+def linear(input, weight, bias=None):
+    out = prims.matmul(input, clang.transpose(weight, 0, 1) if weight.ndim_ == 2 else weight)
+    if bias is not None:
+        out = clang.add(out, bias)
+    return out
+
+
+@torchsymbol(F.embedding)
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    if max_norm is not None:
+        raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
+    flat = clang.reshape(input, (-1,))
+    out = prims.take(weight, flat, 0)
+    return clang.reshape(out, input._tt_shape + (weight._tt_shape[1],))
+
+
+@torchsymbol(F.dropout, torch.dropout)
+def dropout(input, p=0.5, training=True, inplace=False):
+    """Dropout with a fresh mask each call; identity when not training or p == 0."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return input
+    if p == 1.0:
+        return clang.mul(input, 0.0)
+    x, dt = _up(input)
+    u = prims.uniform(x._tt_shape, 0.0, 1.0, device=x._tt_device, dtype=x._tt_dtype)
+    keep = prims.lt(u, prims.full(x._tt_shape, 1.0 - p, device=x._tt_device, dtype=x._tt_dtype))
+    zero = prims.full(x._tt_shape, 0.0, device=x._tt_device, dtype=x._tt_dtype)
+    return clang.maybe_convert(prims.where(keep, prims.mul(x, 1.0 / (1.0 - p)), zero), dt)
+
+
+# ---------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------
+def _reduce(loss, reduction, weight_sum=None):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return clang.sum(loss)
+    if reduction == "mean":
+        if weight_sum is not None:
+            return clang.true_divide(clang.sum(loss), weight_sum)
+        return clang.mean(loss)
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+@torchsymbol(F.mse_loss)
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    d = clang.sub(input, target)
+    return _reduce(clang.mul(d, d), reduction)
+
+
+@torchsymbol(F.l1_loss)
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _reduce(clang.elementwise_unary(prims.abs, clang.sub(input, target)), reduction)
+
+
+@torchsymbol(F.smooth_l1_loss)
+def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
+    if beta == 0:
+        return _reduce(d, reduction)
+    quad = clang.true_divide(clang.mul(clang.mul(d, d), 0.5), beta)
+    return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
+
+
+@torchsymbol(F.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    x, dt = _up(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    # loss = (1 - t) * x + (1 + (pw - 1) * t) * softplus(-x), in a stable form.
+    log_sig_neg = _softplus(prims.neg(x), 1.0, 20.0)
+    if pos_weight is not None:
+        lw = clang.add(clang.mul(clang.sub(clang.maybe_convert(pos_weight, x._tt_dtype), 1), t), 1)
+        loss = clang.add(clang.mul(clang.sub(1, t), x), clang.mul(lw, log_sig_neg))
+    else:
+        loss = clang.add(clang.mul(clang.sub(1, t), x), log_sig_neg)
+    if weight is not None:
+        loss = clang.mul(loss, weight)
+    return clang.maybe_convert(_reduce(loss, reduction), dt)
+
+
+@torchsymbol(F.nll_loss)
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    return _nll(input, target, weight, ignore_index, reduction)
+
+
+def _nll(logp, target, weight, ignore_index, reduction):
+    # logp: (N, C, ...) or (C,); target: (N, ...) or ()
+    if logp.ndim_ == 1:
+        logp = clang.unsqueeze(logp, 0)
+        target = clang.unsqueeze(target, 0)
+    c_dim = 1
+    lp = clang.permute(logp, [0] + list(range(2, logp.ndim_)) + [1]) if logp.ndim_ > 2 else logp
+    C = logp._tt_shape[c_dim]
+    lp = clang.reshape(lp, (-1, C))
+    t = clang.reshape(target, (-1,))
+    valid = clang.ne(t, ignore_index)
+    safe_t = clang.where(valid, t, 0)
+    picked = prims.gather(lp, clang.unsqueeze(safe_t, 1), 1)
+    picked = clang.reshape(picked, (-1,))
+    w = None
+    if weight is not None:
+        w = prims.take(clang.maybe_convert(weight, lp._tt_dtype), safe_t, 0)
+        w = clang.where(valid, w, 0.0)
+    else:
+        w = clang.maybe_convert(valid, lp._tt_dtype)
+    loss = clang.neg(clang.mul(picked, w))
+    if reduction == "none":
+        return clang.reshape(loss, target._tt_shape if target.ndim_ else ())
+    if reduction == "sum":
+        return clang.sum(loss)
+    return clang.true_divide(clang.sum(loss), clang.sum(w))
+
+
+@torchsymbol(F.cross_entropy)
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
+    """Cross entropy over class indices or class probabilities, with label smoothing."""
+    x, dt = _up(input)
+    c_dim = 0 if x.ndim_ == 1 else 1
+    C = x._tt_shape[c_dim]
+    logp = clang.log_softmax(x, c_dim)
+    if target._tt_dtype.is_float:  # class probabilities
+        t = clang.maybe_convert(target, x._tt_dtype)
+        if label_smoothing > 0:
+            t = clang.add(clang.mul(t, 1 - label_smoothing), label_smoothing / C)
+        prod = clang.mul(logp, t)
+        if weight is not None:
+            shape = [1] * x.ndim_
+            shape[c_dim] = C
+            prod = clang.mul(prod, clang.reshape(clang.maybe_convert(weight, x._tt_dtype), tuple(shape)))
+        loss = clang.neg(clang.sum(prod, c_dim))
+        if reduction == "mean":
+            n = math.prod(x._tt_shape) // C
+            return clang.maybe_convert(clang.true_divide(clang.sum(loss), float(n)), dt)
+        return clang.maybe_convert(_reduce(loss, reduction), dt)
+    nll = _nll(logp, target, weight, ignore_index, reduction)
+    if label_smoothing <= 0:
+        return clang.maybe_convert(nll, dt)
+    # Smoothing term: mean over classes of -logp (weighted), masked by ignore_index.
+    lp = logp if x.ndim_ > 1 else clang.unsqueeze(logp, 0)
+    t = target if x.ndim_ > 1 else clang.unsqueeze(target, 0)
+    if weight is not None:
+        shape = [1] * lp.ndim_
+        shape[1] = C
+        lpw = clang.mul(lp, clang.reshape(clang.maybe_convert(weight, lp._tt_dtype), tuple(shape)))
+    else:
+        lpw = lp
+    smooth = clang.neg(clang.sum(lpw, 1))
+    valid = clang.ne(t, ignore_index)
+    smooth = clang.where(valid, smooth, 0.0)
+    if reduction == "none":
+        smooth = smooth if x.ndim_ > 1 else clang.reshape(smooth, ())
+    elif reduction == "sum":
+        smooth = clang.sum(smooth)
+    else:
+        if weight is not None:
+            flat_valid = clang.reshape(valid, (-1,))
+            w_per = prims.take(clang.maybe_convert(weight, lp._tt_dtype), clang.reshape(clang.where(valid, t, 0), (-1,)), 0)
+            wsum = clang.sum(clang.where(flat_valid, w_per, 0.0))
+        else:
+            wsum = clang.sum(clang.maybe_convert(valid, lp._tt_dtype))
+        smooth = clang.true_divide(clang.sum(smooth), wsum)
+    out = clang.add(clang.mul(nll, 1 - label_smoothing), clang.mul(smooth, label_smoothing / C))
+    return clang.maybe_convert(out, dt)
+
+
+# ---------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------
+@torchsymbol(F.layer_norm)
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    x, dt = _up(input)
+    nd = len(tuple(normalized_shape))
+    dims = tuple(range(x.ndim_ - nd, x.ndim_))
+    var = prims.var(x, dims, 0)
+    mean = prims.div(prims.sum(x, dims), float(math.prod(x._tt_shape[d] for d in dims)))
+    var = clang._restore_dims(var, x._tt_shape, dims)
+    mean = clang._restore_dims(mean, x._tt_shape, dims)
+    out = prims.mul(prims.sub(x, clang.expand(mean, x._tt_shape)), clang.expand(prims.rsqrt(prims.add(var, eps)), x._tt_shape))
+    if weight is not None:
+        out = clang.mul(out, clang.maybe_convert(weight, out._tt_dtype))
+    if bias is not None:
+        out = clang.add(out, clang.maybe_convert(bias, out._tt_dtype))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.rms_norm)
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    x, dt = _up(input)
+    nd = len(tuple(normalized_shape))
+    dims = tuple(range(x.ndim_ - nd, x.ndim_))
+    if eps is None:
+        eps = torch.finfo(input._tt_dtype.torch).eps
+    ms = clang.mean(prims.mul(x, x), dims, keepdim=True)
+    out = prims.mul(x, clang.expand(prims.rsqrt(prims.add(ms, eps)), x._tt_shape))
+    if weight is not None:
+        out = clang.mul(out, clang.maybe_convert(weight, out._tt_dtype))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.batch_norm)
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Batch norm; in training mode the running statistics are updated in place (copy_)."""
+    x, dt = _up(input)
+    C = x._tt_shape[1]
+    dims = (0,) + tuple(range(2, x.ndim_))
+    bshape = (1, C) + (1,) * (x.ndim_ - 2)
+    if training:
+        n = math.prod(x._tt_shape[d] for d in dims)
+        var = prims.var(x, dims, 0)
+        mean = prims.div(prims.sum(x, dims), float(n))
+        if running_mean is not None:
+            new_mean = clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))
+            prims.copy_(new_mean, running_mean)
+        if running_var is not None:
+            unbiased = prims.mul(var, n / max(n - 1, 1))
+            new_var = clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))
+            prims.copy_(new_var, running_var)
+    else:
+        mean = clang.maybe_convert(running_mean, x._tt_dtype)
+        var = clang.maybe_convert(running_var, x._tt_dtype)
+    out = prims.mul(
+        prims.sub(x, clang.expand(clang.reshape(mean, bshape), x._tt_shape)),
+        clang.expand(clang.reshape(prims.rsqrt(prims.add(var, eps)), bshape), x._tt_shape),
+    )
+    if weight is not None:
+        out = clang.mul(out, clang.reshape(clang.maybe_convert(weight, out._tt_dtype), bshape))
+    if bias is not None:
+        out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.normalize)
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    from .reductions import norm
+
+    n = norm(input, p, dim, True)
+    return clang.true_divide(input, clang.expand(clang.maximum(n, eps), input._tt_shape))
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+@torchsymbol(F.scaled_dot_product_attention)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
+    q, dt = _up(query)
+    k = clang.maybe_convert(key, q._tt_dtype)
+    v = clang.maybe_convert(value, q._tt_dtype)
+    E = q._tt_shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if enable_gqa and k._tt_shape[-3] != q._tt_shape[-3]:
+        rep = q._tt_shape[-3] // k._tt_shape[-3]
+        k = _repeat_heads(k, rep)
+        v = _repeat_heads(v, rep)
+    scores = prims.mul(prims.matmul(q, clang.transpose(k, -2, -1)), scale)
+    L, S = q._tt_shape[-2], k._tt_shape[-2]
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal, not both")
+        r = prims.broadcast_in_dim(prims.iota(L, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (0,))
+        c = prims.broadcast_in_dim(prims.iota(S, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (1,))
+        keep = prims.ge(r, c)
+        scores = clang.where(clang.expand(keep, scores._tt_shape), scores, -math.inf)
+    elif attn_mask is not None:
+        if attn_mask._tt_dtype.is_bool:
+            scores = clang.where(clang.expand(attn_mask, scores._tt_shape) if attn_mask._tt_shape != scores._tt_shape else attn_mask, scores, -math.inf)
+        else:
+            scores = clang.add(scores, clang.maybe_convert(attn_mask, scores._tt_dtype))
+    p = clang.softmax(scores, -1)
+    if dropout_p > 0.0:
+        p = dropout(p, dropout_p, True)
+    return clang.maybe_convert(prims.matmul(p, v), dt)
+
+
+def _repeat_heads(x, rep):
+    shape = x._tt_shape
+    x = clang.unsqueeze(x, -3)
+    x = clang.expand(x, shape[:-2] + (rep,) + shape[-2:])
+    return clang.reshape(x, shape[:-3] + (shape[-3] * rep,) + shape[-2:])
+
+
+# ---------------------------------------------------------------------------
+# Convolution and pooling
+# ---------------------------------------------------------------------------
+def _ntuple(x, n):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,) * n
+
+
+def _conv(input, weight, bias, stride, padding, dilation, groups, nd):
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            padding = tuple((dilation_i * (k - 1)) // 2 for dilation_i, k in zip(_ntuple(dilation, nd), weight._tt_shape[2:]))
+            if any((d * (k - 1)) % 2 for d, k in zip(_ntuple(dilation, nd), weight._tt_shape[2:])):
+                raise NotImplementedError("padding='same' with an even effective kernel size is not supported")
+        else:
+            raise ValueError(f"invalid padding string {padding!r}")
+    unbatched = input.ndim_ == nd + 1
+    x = clang.unsqueeze(input, 0) if unbatched else input
+    out = prims.convolution(x, weight, None, _ntuple(stride, nd), _ntuple(padding, nd), _ntuple(dilation, nd), groups)
+    if bias is not None:
+        out = clang.add(out, clang.reshape(bias, (1, -1) + (1,) * nd))
+    return clang.squeeze(out, (0,)) if unbatched else out
+
+
+@torchsymbol(F.conv1d, torch.conv1d)
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return _conv(input, weight, bias, stride, padding, dilation, groups, 1)
+
+
+@torchsymbol(F.conv2d, torch.conv2d)
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return _conv(input, weight, bias, stride, padding, dilation, groups, 2)
+
+
+def _pool_windows(x, kernel, stride, padding, fill):
+    """Stack every kernel offset's strided slice: (..., kh*kw, Ho, Wo)."""
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    if ph or pw:
+        cfg = [(0, 0, 0)] * (x.ndim_ - 2) + [(ph, ph, 0), (pw, pw, 0)]
+        x = prims.pad(x, fill, tuple(cfg))
+    H, W = x._tt_shape[-2], x._tt_shape[-1]
+    Ho, Wo = (H - kh) // sh + 1, (W - kw) // sw + 1
+    views = []
+    for i in range(kh):
+        for j in range(kw):
+            lo = [0] * (x.ndim_ - 2) + [i, j]
+            hi = list(x._tt_shape[:-2]) + [i + sh * (Ho - 1) + 1, j + sw * (Wo - 1) + 1]
+            st = [1] * (x.ndim_ - 2) + [sh, sw]
+            views.append(clang.unsqueeze(prims.slice(x, tuple(lo), tuple(hi), tuple(st)), -3))
+    return clang.cat(views, -3)
+
+
+@torchsymbol(F.max_pool2d, torch.max_pool2d)
+def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    if ceil_mode or return_indices or _ntuple(dilation, 2) != (1, 1):
+        raise NotImplementedError("max_pool2d: ceil_mode, return_indices and dilation are not supported in the decomposition")
+    k = _ntuple(kernel_size, 2)
+    s = _ntuple(stride, 2) if stride not in (None, [], ()) else k
+    w = _pool_windows(input, k, s, _ntuple(padding, 2), -math.inf if input._tt_dtype.is_float else torch.iinfo(input._tt_dtype.torch).min)
+    return prims.amax(w, (w.ndim_ - 3,))
+
+
+@torchsymbol(F.avg_pool2d, torch._C._nn.avg_pool2d)
+def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    if ceil_mode:
+        raise NotImplementedError("avg_pool2d: ceil_mode is not supported in the decomposition")
+    k = _ntuple(kernel_size, 2)
+    s = _ntuple(stride, 2) if stride not in (None, [], ()) else k
+    p = _ntuple(padding, 2)
+    x, dt = _up(input)
+    w = _pool_windows(x, k, s, p, 0.0)
+    total = prims.sum(w, (w.ndim_ - 3,))
+    if divisor_override:
+        return clang.maybe_convert(prims.div(total, float(divisor_override)), dt)
+    if count_include_pad or (p == (0, 0)):
+        return clang.maybe_convert(prims.div(total, float(k[0] * k[1])), dt)
+    ones = prims.full(x._tt_shape[-2:], 1.0, device=x._tt_device, dtype=x._tt_dtype)
+    cnt = prims.sum(_pool_windows(ones, k, s, p, 0.0), (0,))
+    return clang.maybe_convert(prims.div(total, clang.expand(cnt, total._tt_shape)), dt)
+
+
+@torchsymbol(F.adaptive_avg_pool2d)
+def adaptive_avg_pool2d(input, output_size):
+    H, W = input._tt_shape[-2:]
+    oh, ow = _ntuple(output_size, 2)
+    oh, ow = oh or H, ow or W
+    if H % oh or W % ow:
+        raise NotImplementedError("adaptive_avg_pool2d: only output sizes that divide the input are supported")
+    return avg_pool2d(input, (H // oh, W // ow))
+
+
+@torchsymbol(F.pad)
+def pad(input, pad, mode="constant", value=None):
+    if mode != "constant":
+        raise NotImplementedError(f"F.pad(mode={mode!r}) is not supported; only 'constant'")
+    pad = tuple(pad)
+    cfg = [(0, 0, 0)] * input.ndim_
+    for i in range(len(pad) // 2):
+        d = input.ndim_ - 1 - i
+        cfg[d] = (pad[2 * i], pad[2 * i + 1], 0)
+    return prims.pad(input, 0 if value is None else value, tuple(cfg))
+
+
+@torchsymbol(F.one_hot)
+def one_hot(tensor, num_classes=-1):
+    if num_classes < 0:
+        raise NotImplementedError("one_hot needs num_classes inside a compiled function (inferring it reads tensor values)")
+    classes = prims.iota(num_classes, start=0, step=1, device=tensor._tt_device, dtype=dtypes.int64)
+    shape = tensor._tt_shape + (num_classes,)
+    eq = prims.eq(clang.expand(clang.unsqueeze(tensor, -1), shape), prims.broadcast_in_dim(classes, shape, (len(shape) - 1,)))
+    return prims.convert_element_type(eq, dtypes.int64)
+
+
+@torchsymbol(F.cosine_similarity, torch.cosine_similarity)
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    num = clang.sum(clang.mul(x1, x2), dim)
+    n1 = clang.sqrt(clang.sum(clang.mul(x1, x1), dim))
+    n2 = clang.sqrt(clang.sum(clang.mul(x2, x2), dim))
+    return clang.true_divide(num, clang.maximum(clang.mul(n1, n2), eps))
+
+
+# silence unused-import linters: getitem is re-exported for symmetry with torch.nn.functional users
+_ = getitem

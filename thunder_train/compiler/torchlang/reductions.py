@@ -1,0 +1,208 @@
+"""Reductions and scans: sum, mean, var, amax, argmax, softmax, cumsum, topk, ..."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import clang, dtypes, prims
+from ..clang import Promotion
+from .convert import to_dtype
+from .registry import torchsymbol
+
+
+def _dims(dim):
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return None
+    return dim
+
+
+@torchsymbol(torch.sum, methods=("sum",))
+def sum(input, dim=None, keepdim=False, *, dtype=None):
+    return clang.sum(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
+
+
+@torchsymbol(torch.mean, methods=("mean",))
+def mean(input, dim=None, keepdim=False, *, dtype=None):
+    return clang.mean(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
+
+
+@torchsymbol(torch.prod, methods=("prod",))
+def prod(input, dim=None, keepdim=False, *, dtype=None):
+    return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG)
+
+
+def _amax_like(name, prim):
+    def fn(input, dim=None, keepdim=False):
+        return clang.reduction(prim, input, _dims(dim), keepdim, upcast=False)
+
+    fn.__name__ = name
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+
+
+amax = _amax_like("amax", prims.amax)
+amin = _amax_like("amin", prims.amin)
+
+
+def _max_min(name, prim, argprim):
+    def fn(input, dim=None, keepdim=False):
+        if dim is None:
+            return clang.reduction(prim, input, None, False, upcast=False)
+        if not isinstance(dim, int):  # torch.max(a, b): elementwise
+            return clang.elementwise_binary(prims.maximum if name == "max" else prims.minimum, input, dim, upcast=False)
+        values = clang.reduction(prim, input, dim, keepdim, upcast=False)
+        d = clang.canonicalize_dim(input.ndim_, dim)
+        idx = argprim(input, d) if input.ndim_ else prims.full((), 0, device=input._tt_device, dtype=dtypes.int64)
+        if keepdim and input.ndim_:
+            idx = clang.unsqueeze(idx, d)
+        return torch.return_types.max((values, idx)) if name == "max" else torch.return_types.min((values, idx))
+
+    fn.__name__ = name
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+
+
+max = _max_min("max", prims.amax, prims.argmax)
+min = _max_min("min", prims.amin, prims.argmin)
+
+
+def _arg(name, prim):
+    def fn(input, dim=None, keepdim=False):
+        if dim is None:
+            out = prim(clang.flatten(input), 0)
+            return clang.reshape(out, (1,) * input.ndim_) if keepdim else out
+        d = clang.canonicalize_dim(input.ndim_, dim)
+        if input.ndim_ == 0:
+            return prims.full((), 0, device=input._tt_device, dtype=dtypes.int64)
+        out = prim(input, d)
+        return clang.unsqueeze(out, d) if keepdim else out
+
+    fn.__name__ = name
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+
+
+argmax = _arg("argmax", prims.argmax)
+argmin = _arg("argmin", prims.argmin)
+
+
+def _correction(unbiased, correction):
+    if correction is not None:
+        return correction
+    if unbiased is None:
+        return 1
+    return 1 if unbiased else 0
+
+
+@torchsymbol(torch.var, methods=("var",))
+def var(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    if isinstance(dim, bool):  # var(input, unbiased)
+        dim, unbiased = None, dim
+    return clang.var(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
+
+
+@torchsymbol(torch.std, methods=("std",))
+def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    v = clang.var(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
+    return clang.sqrt(v)
+
+
+@torchsymbol(torch.var_mean)
+def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    return clang.var_mean(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
+
+
+@torchsymbol(torch.std_mean)
+def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    v, m = var_mean(input, dim, unbiased, keepdim, correction=correction)
+    return clang.sqrt(v), m
+
+
+@torchsymbol(torch.logsumexp, methods=("logsumexp",))
+def logsumexp(input, dim, keepdim=False):
+    d = clang.canonicalize_dims(input.ndim_, dim)
+    x = clang.maybe_convert(input, clang.compute_dtype(input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float()))
+    m = clang.amax(x, d, keepdim=True)
+    m = clang.where(prims.isinf(m), 0.0, m)
+    s = clang.sum(prims.exp(prims.sub(x, clang.expand(m, x._tt_shape))), d, keepdim=True)
+    out = prims.add(prims.log(s), m)
+    if not keepdim:
+        out = clang.squeeze(out, d)
+    return clang.maybe_convert(out, input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float())
+
+
+@torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax)
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """softmax along ``dim`` (computed in float32 for low-precision inputs)."""
+    if dim is None:
+        raise ValueError("softmax: pass dim explicitly (implicit dim is deprecated in torch)")
+    return clang.softmax(input, dim, to_dtype(dtype))
+
+
+@torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax)
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")
+    return clang.log_softmax(input, dim, to_dtype(dtype))
+
+
+@torchsymbol(torch.cumsum, methods=("cumsum",))
+def cumsum(input, dim, *, dtype=None):
+    dt = to_dtype(dtype)
+    x = input
+    if dt is not None:
+        x = clang.maybe_convert(x, dt)
+    elif x._tt_dtype.category < dtypes.FLOAT:
+        x = clang.maybe_convert(x, dtypes.int64)
+    return prims.cumsum(x, clang.canonicalize_dim(x.ndim_, dim))
+
+
+@torchsymbol(torch.topk, methods=("topk",))
+def topk(input, k, dim=-1, largest=True, sorted=True):
+    v, i = prims.topk(input, k, clang.canonicalize_dim(input.ndim_, dim), largest, sorted)
+    return torch.return_types.topk((v, i))
+
+
+@torchsymbol(torch.sort, methods=("sort",))
+def sort(input, dim=-1, descending=False, stable=False):
+    v, i = prims.sort(input, clang.canonicalize_dim(input.ndim_, dim), descending, stable)
+    return torch.return_types.sort((v, i))
+
+
+@torchsymbol(torch.all, methods=("all",))
+def all(input, dim=None, keepdim=False):
+    b = clang.to_bool(input)
+    out = clang.reduction(prims.amin, clang.maybe_convert(b, dtypes.uint8), _dims(dim), keepdim, upcast=False)
+    return prims.ne(out, 0)
+
+
+@torchsymbol(torch.any, methods=("any",))
+def any(input, dim=None, keepdim=False):
+    b = clang.to_bool(input)
+    out = clang.reduction(prims.amax, clang.maybe_convert(b, dtypes.uint8), _dims(dim), keepdim, upcast=False)
+    return prims.ne(out, 0)
+
+
+@torchsymbol(torch.count_nonzero, methods=("count_nonzero",))
+def count_nonzero(input, dim=None):
+    return clang.sum(clang.maybe_convert(clang.ne(input, 0), dtypes.int64), _dims(dim))
+
+
+@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm)
+def norm(input, p=2, dim=None, keepdim=False, dtype=None):
+    """Vector norms (p = 2, 1, inf, or any number)."""
+    if p == "fro":
+        p = 2
+    x = input if dtype is None else clang.maybe_convert(input, to_dtype(dtype))
+    ax = clang.elementwise_unary(prims.abs, x, Promotion.COMPLEX_TO_FLOAT, upcast=False)
+    if p == math.inf:
+        return clang.amax(ax, _dims(dim), keepdim)
+    if p == -math.inf:
+        return clang.amin(ax, _dims(dim), keepdim)
+    if p == 1:
+        return clang.sum(ax, _dims(dim), keepdim)
+    if p == 2:
+        return clang.sqrt(clang.sum(clang.mul(ax, ax), _dims(dim), keepdim))
+    return clang.elementwise_binary(prims.pow, clang.sum(clang.elementwise_binary(prims.pow, ax, p), _dims(dim), keepdim), 1.0 / p)

@@ -1,0 +1,73 @@
+"""Registry of torch-language symbols: which torch callables map to which symbol.
+
+``@torchsymbol(torch.add, methods=("add", "__add__"))`` defines a symbol in
+the torch language whose decomposition is the decorated function, routes
+``torch.add`` and the ``Tensor`` methods to it while tracing, and records
+``torch.add`` as its torch implementation (the torch executor runs that when
+it claims the symbol whole).  The gradient rule, where there is one, is
+registered next to the definition with ``@grad_rule``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..symbols import Symbol
+
+_DEFAULT = object()
+
+# torch callable (function, method descriptor, slot wrapper) → Symbol
+by_torch_fn: dict = {}
+# Tensor method name → Symbol; fallback for wrappers whose identity differs
+by_method_name: dict = {}
+# property name → getter(proxy) and setter(proxy, value); see tensor_properties.py
+property_getters: dict = {}
+property_setters: dict = {}
+all_symbols: dict = {}
+
+
+def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=()):
+    def deco(fn):
+        sym = Symbol(name or fn.__name__, fn, module="ltorch", tags=tags)
+        impl = torch_impl
+        if impl is _DEFAULT:
+            impl = torch_fns[0] if torch_fns else (getattr(torch.Tensor, methods[0]) if methods else None)
+        sym.torch_impl = impl
+        for f in torch_fns:
+            by_torch_fn[f] = sym
+        for m in methods:
+            by_method_name[m] = sym
+            for owner in (torch.Tensor, torch._C.TensorBase):
+                f = getattr(owner, m, None)
+                if f is not None:
+                    by_torch_fn[f] = sym
+        all_symbols[sym.name] = sym
+        return sym
+
+    return deco
+
+
+def lookup(func):
+    """The symbol for a torch callable seen in __torch_function__, or None."""
+    sym = by_torch_fn.get(func)
+    if sym is not None:
+        return sym
+    qual = getattr(func, "__qualname__", "") or ""
+    if qual.startswith(("TensorBase.", "Tensor.", "_TensorBase.")):
+        return by_method_name.get(getattr(func, "__name__", None))
+    return None
+
+
+def tensor_property(name):
+    def deco(fn):
+        property_getters[name] = fn
+        return fn
+
+    return deco
+
+
+def tensor_property_setter(name):
+    def deco(fn):
+        property_setters[name] = fn
+        return fn
+
+    return deco

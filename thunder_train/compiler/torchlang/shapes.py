@@ -1,0 +1,392 @@
+"""Shape and indexing operations: reshape/view, permute, cat, split, getitem, gather, ..."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import clang, dtypes, prims
+from ..proxies import TensorProxy, NumberProxy
+from .convert import size_args
+from .registry import torchsymbol
+
+
+def _t(x):
+    return type(x) is TensorProxy
+
+
+@torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape)
+def reshape(input, *shape):
+    """torch.reshape / Tensor.reshape (one size may be -1)."""
+    return clang.reshape(input, size_args(shape))
+
+
+@torchsymbol(methods=("view",))
+def view(input, *shape):
+    """Tensor.view; a dtype argument (bit reinterpretation) is not supported."""
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        raise NotImplementedError("Tensor.view(dtype) (bit reinterpretation) is not supported")
+    return clang.reshape(input, size_args(shape))
+
+
+@torchsymbol(methods=("view_as",))
+def view_as(input, other):
+    return clang.reshape(input, other._tt_shape)
+
+
+@torchsymbol(methods=("reshape_as",))
+def reshape_as(input, other):
+    return clang.reshape(input, other._tt_shape)
+
+
+@torchsymbol(torch.flatten, methods=("flatten",))
+def flatten(input, start_dim=0, end_dim=-1):
+    return clang.flatten(input, start_dim, end_dim)
+
+
+@torchsymbol(torch.unflatten, methods=("unflatten",))
+def unflatten(input, dim, sizes):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    sizes = tuple(sizes)
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes = tuple(input._tt_shape[dim] // known if s == -1 else s for s in sizes)
+    return clang.reshape(input, input._tt_shape[:dim] + sizes + input._tt_shape[dim + 1 :])
+
+
+@torchsymbol(torch.squeeze, methods=("squeeze",))
+def squeeze(input, dim=None):
+    return clang.squeeze(input, dim)
+
+
+@torchsymbol(torch.unsqueeze, methods=("unsqueeze",))
+def unsqueeze(input, dim):
+    return clang.unsqueeze(input, dim)
+
+
+@torchsymbol(torch.permute, methods=("permute",), torch_impl=torch.Tensor.permute)
+def permute(input, *dims):
+    return clang.permute(input, size_args(dims))
+
+
+@torchsymbol(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"))
+def transpose(input, dim0, dim1):
+    return clang.transpose(input, dim0, dim1)
+
+
+@torchsymbol(torch.t, methods=("t",))
+def t(input):
+    if input.ndim_ > 2:
+        raise ValueError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim_}D")
+    return clang.transpose(input, 0, 1) if input.ndim_ == 2 else input
+
+
+@torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"))
+def movedim(input, source, destination):
+    nd = input.ndim_
+    src = [source] if isinstance(source, int) else list(source)
+    dst = [destination] if isinstance(destination, int) else list(destination)
+    src = [clang.canonicalize_dim(nd, d) for d in src]
+    dst = [clang.canonicalize_dim(nd, d) for d in dst]
+    perm = [-1] * nd
+    for s, d in zip(src, dst):
+        perm[d] = s
+    rest = iter(i for i in range(nd) if i not in src)
+    perm = [p if p != -1 else next(rest) for p in perm]
+    return clang.permute(input, perm)
+
+
+@torchsymbol(methods=("expand",))
+def expand(input, *sizes):
+    return clang.expand(input, size_args(sizes))
+
+
+@torchsymbol(methods=("expand_as",))
+def expand_as(input, other):
+    return clang.expand(input, other._tt_shape)
+
+
+@torchsymbol(torch.broadcast_to, methods=("broadcast_to",))
+def broadcast_to(input, size):
+    return clang.expand(input, tuple(size))
+
+
+@torchsymbol(torch.broadcast_tensors)
+def broadcast_tensors(*tensors):
+    return tuple(clang.maybe_broadcast(*tensors))
+
+
+@torchsymbol(torch.cat, torch.concat, torch.concatenate)
+def cat(tensors, dim=0):
+    return clang.cat(list(tensors), dim)
+
+
+@torchsymbol(torch.stack)
+def stack(tensors, dim=0):
+    return clang.stack(list(tensors), dim)
+
+
+@torchsymbol(torch.hstack)
+def hstack(tensors):
+    tensors = [clang.reshape(x, (1,)) if x.ndim_ == 0 else x for x in tensors]
+    return clang.cat(tensors, 0 if tensors[0].ndim_ == 1 else 1)
+
+
+@torchsymbol(torch.vstack)
+def vstack(tensors):
+    tensors = [clang.reshape(x, (1, -1)) if x.ndim_ < 2 else x for x in tensors]
+    return clang.cat(tensors, 0)
+
+
+@torchsymbol(torch.split, methods=("split",))
+def split(tensor, split_size_or_sections, dim=0):
+    dim = clang.canonicalize_dim(tensor.ndim_, dim)
+    n = tensor._tt_shape[dim]
+    if isinstance(split_size_or_sections, int):
+        s = split_size_or_sections
+        sizes = [min(s, n - i) for i in range(0, n, s)] if n else [0]
+    else:
+        sizes = list(split_size_or_sections)
+        if sum(sizes) != n:
+            raise ValueError(f"split_with_sizes expects split_sizes to sum exactly to {n} (input tensor's size at dimension {dim}), but got split_sizes={sizes}")
+    out, start = [], 0
+    for s in sizes:
+        out.append(clang.slice_in_dim(tensor, start, start + s, 1, dim))
+        start += s
+    return tuple(out)
+
+
+@torchsymbol(torch.chunk, methods=("chunk",))
+def chunk(input, chunks, dim=0):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    n = input._tt_shape[dim]
+    size = -(-n // chunks) if n else 0
+    return split(input, size, dim) if size else (input,)
+
+
+@torchsymbol(torch.tensor_split, methods=("tensor_split",))
+def tensor_split(input, indices_or_sections, dim=0):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    n = input._tt_shape[dim]
+    if isinstance(indices_or_sections, int):
+        k = indices_or_sections
+        sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    else:
+        idx = [0] + [min(max(i, 0), n) for i in indices_or_sections] + [n]
+        sizes = [max(b - a, 0) for a, b in zip(idx[:-1], idx[1:])]
+    out, start = [], 0
+    for s in sizes:
+        out.append(clang.slice_in_dim(input, start, start + s, 1, dim))
+        start += s
+    return tuple(out)
+
+
+@torchsymbol(torch.unbind, methods=("unbind",))
+def unbind(input, dim=0):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    return tuple(clang.squeeze(clang.slice_in_dim(input, i, i + 1, 1, dim), (dim,)) for i in range(input._tt_shape[dim]))
+
+
+@torchsymbol(torch.narrow, methods=("narrow",))
+def narrow(input, dim, start, length):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    if start < 0:
+        start += input._tt_shape[dim]
+    return clang.slice_in_dim(input, start, start + length, 1, dim)
+
+
+@torchsymbol(torch.select, methods=("select",))
+def select(input, dim, index):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    n = input._tt_shape[dim]
+    if not -n <= index < n:
+        raise IndexError(f"select(): index {index} out of range for tensor of size {input._tt_shape} at dimension {dim}")
+    index %= n
+    return clang.squeeze(clang.slice_in_dim(input, index, index + 1, 1, dim), (dim,))
+
+
+@torchsymbol(torch.flip, methods=("flip",))
+def flip(input, dims):
+    dims = clang.canonicalize_dims(input.ndim_, dims)
+    return prims.flip(input, dims) if dims else input
+
+
+@torchsymbol(torch.roll, methods=("roll",))
+def roll(input, shifts, dims=None):
+    if dims is None:
+        return clang.reshape(roll(clang.flatten(input), shifts, 0), input._tt_shape)
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    out = input
+    for s, d in zip(shifts, dims):
+        d = clang.canonicalize_dim(input.ndim_, d)
+        n = input._tt_shape[d]
+        if n == 0:
+            continue
+        s %= n
+        if s:
+            out = clang.cat([clang.slice_in_dim(out, n - s, n, 1, d), clang.slice_in_dim(out, 0, n - s, 1, d)], d)
+    return out
+
+
+@torchsymbol(methods=("repeat",))
+def repeat(input, *sizes):
+    sizes = size_args(sizes)
+    x = clang.reshape(input, (1,) * (len(sizes) - input.ndim_) + input._tt_shape)
+    # Interleave a broadcast dim before each dim, then merge: [r0, s0, r1, s1, ...].
+    inter = []
+    for r, s in zip(sizes, x._tt_shape):
+        inter += [1, s]
+    x = clang.reshape(x, tuple(inter))
+    target = []
+    for r, s in zip(sizes, x._tt_shape[1::2]):
+        target += [r, s]
+    x = clang.expand(x, tuple(target))
+    return clang.reshape(x, tuple(r * s for r, s in zip(sizes, target[1::2])))
+
+
+@torchsymbol(torch.tile, methods=("tile",))
+def tile(input, dims):
+    dims = tuple(dims)
+    if len(dims) < input.ndim_:
+        dims = (1,) * (input.ndim_ - len(dims)) + dims
+    return repeat(input, dims)
+
+
+@torchsymbol(torch.index_select, methods=("index_select",))
+def index_select(input, dim, index):
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    return prims.take(input, index if index.ndim_ == 1 else clang.reshape(index, (1,)), dim)
+
+
+@torchsymbol(torch.gather, methods=("gather",))
+def gather(input, dim, index, *, sparse_grad=False):
+    return prims.gather(input, index, clang.canonicalize_dim(input.ndim_, dim))
+
+
+@torchsymbol(torch.take_along_dim, methods=("take_along_dim",))
+def take_along_dim(input, indices, dim=None):
+    if dim is None:
+        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    shape = list(clang.broadcast_shapes(input._tt_shape, indices._tt_shape))
+    shape_in = list(shape)
+    shape_in[dim] = input._tt_shape[dim]
+    shape_idx = list(shape)
+    shape_idx[dim] = indices._tt_shape[dim]
+    return prims.gather(clang.expand(input, tuple(shape_in)), clang.expand(indices, tuple(shape_idx)), dim)
+
+
+@torchsymbol(torch.scatter_add, methods=("scatter_add",))
+def scatter_add(input, dim, index, src):
+    return prims.scatter_add(input, index, src, clang.canonicalize_dim(input.ndim_, dim))
+
+
+@torchsymbol(torch.index_add, methods=("index_add",))
+def index_add(input, dim, index, source, *, alpha=1):
+    """``input.index_add(dim, index, source)`` via scatter_add with an expanded index."""
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    if alpha != 1:
+        source = clang.mul(source, alpha)
+    shape = [1] * source.ndim_
+    shape[dim] = index._tt_shape[0]
+    idx = clang.expand(clang.reshape(index, tuple(shape)), source._tt_shape)
+    return prims.scatter_add(input, idx, clang.maybe_convert(source, input._tt_dtype), dim)
+
+
+def _tri_mask(input, diagonal, upper):
+    rows, cols = input._tt_shape[-2], input._tt_shape[-1]
+    r = prims.iota(rows, start=0, step=1, device=input._tt_device, dtype=dtypes.int64)
+    c = prims.iota(cols, start=0, step=1, device=input._tt_device, dtype=dtypes.int64)
+    r = prims.broadcast_in_dim(r, (rows, cols), (0,))
+    c = prims.broadcast_in_dim(c, (rows, cols), (1,))
+    d = prims.sub(c, r)
+    return prims.ge(d, prims.full((rows, cols), diagonal, device=input._tt_device, dtype=dtypes.int64)) if upper else prims.le(d, prims.full((rows, cols), diagonal, device=input._tt_device, dtype=dtypes.int64))
+
+
+@torchsymbol(torch.tril, methods=("tril",))
+def tril(input, diagonal=0):
+    mask = clang.expand(_tri_mask(input, diagonal, upper=False), input._tt_shape)
+    return prims.where(mask, input, prims.full(input._tt_shape, 0 if not input._tt_dtype.is_bool else False, device=input._tt_device, dtype=input._tt_dtype))
+
+
+@torchsymbol(torch.triu, methods=("triu",))
+def triu(input, diagonal=0):
+    mask = clang.expand(_tri_mask(input, diagonal, upper=True), input._tt_shape)
+    return prims.where(mask, input, prims.full(input._tt_shape, 0 if not input._tt_dtype.is_bool else False, device=input._tt_device, dtype=input._tt_dtype))
+
+
+@torchsymbol(torch.masked_fill, methods=("masked_fill",))
+def masked_fill(input, mask, value):
+    value = clang.maybe_convert(value, input._tt_dtype)
+    target = clang.broadcast_shapes(input._tt_shape, mask._tt_shape)
+    if target != input._tt_shape:
+        raise ValueError(f"masked_fill: mask of shape {mask._tt_shape} does not broadcast to input of shape {input._tt_shape}")
+    return clang.where(clang.expand(mask, target), value, input)
+
+
+# ---------------------------------------------------------------------------
+# Indexing: t[...]
+# ---------------------------------------------------------------------------
+def _normalize_index(input, key):
+    if not isinstance(key, tuple):
+        key = (key,)
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and not isinstance(k, bool))
+    for k in key:
+        if _t(k) and k._tt_dtype.is_bool:
+            raise NotImplementedError(
+                "boolean-mask indexing (t[mask]) has a data-dependent shape and cannot be compiled; "
+                "use torch.where(mask, t, other) or masked_fill"
+            )
+        if _t(k) and k._tt_dtype.is_bool is False and k._tt_dtype.category != dtypes.INT:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if any(k is Ellipsis for k in key):
+        i = key.index(Ellipsis)
+        fill = (slice(None),) * (input.ndim_ - n_real)
+        key = key[:i] + fill + key[i + 1 :]
+    else:
+        key = key + (slice(None),) * (input.ndim_ - n_real)
+    if n_real > input.ndim_:
+        raise IndexError(f"too many indices for tensor of dimension {input.ndim_}")
+    return key
+
+
+@torchsymbol(methods=("__getitem__",), name="getitem")
+def getitem(input, key):
+    """Basic indexing (ints, slices, None, ...) and integer-tensor indexing along one dim."""
+    key = _normalize_index(input, key)
+    x = input
+    out_dim = 0  # current dim of x being processed
+    tensor_dims = []
+    for k in key:
+        if k is None:
+            x = clang.unsqueeze(x, out_dim)
+            out_dim += 1
+        elif isinstance(k, (bool,)):
+            raise NotImplementedError("indexing with a Python bool is not supported")
+        elif isinstance(k, (int, NumberProxy)):
+            x = select(x, out_dim, int(k))
+        elif isinstance(k, slice):
+            n = x._tt_shape[out_dim]
+            start, stop, step = k.indices(n)
+            if step <= 0:
+                raise ValueError("step must be greater than zero")
+            stop = max(stop, start)
+            x = clang.slice_in_dim(x, start, stop, step, out_dim)
+            out_dim += 1
+        elif _t(k):
+            tensor_dims.append((out_dim, k))
+            out_dim += 1
+        else:
+            raise TypeError(f"unsupported index {k!r}")
+    if not tensor_dims:
+        return x
+    if len(tensor_dims) > 1:
+        raise NotImplementedError("indexing with more than one tensor index is not supported yet")
+    dim, idx = tensor_dims[0]
+    n = x._tt_shape[dim]
+    flat = clang.reshape(idx, (-1,))
+    # Negative indices wrap, like eager.
+    flat = clang.where(clang.lt(flat, 0), clang.add(flat, n), flat)
+    taken = prims.take(x, flat, dim)
+    return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])

@@ -1,0 +1,367 @@
+"""Tensor properties and metadata methods, conversions, and data-dependent errors."""
+from __future__ import annotations
+
+import torch
+
+from .. import clang, dtypes, devices, prims
+from ..proxies import TensorProxy
+from .convert import to_dtype, to_device
+from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
+
+
+class DataDependentError(RuntimeError):
+    """Python code needs a tensor's value, which does not exist while tracing."""
+
+
+# ---------------------------------------------------------------------------
+# Properties: answered from the proxy's metadata, recorded nowhere.
+# ---------------------------------------------------------------------------
+@tensor_property("shape")
+def _shape(a):
+    return torch.Size(a._tt_shape)
+
+
+@tensor_property("dtype")
+def _dtype(a):
+    return a._tt_dtype.torch
+
+
+@tensor_property("device")
+def _device(a):
+    return a._tt_device.torch
+
+
+@tensor_property("requires_grad")
+def _requires_grad(a):
+    return a._tt_requires_grad
+
+
+@tensor_property("ndim")
+def _ndim(a):
+    return len(a._tt_shape)
+
+
+@tensor_property("is_cuda")
+def _is_cuda(a):
+    return a._tt_device.type == "cuda"
+
+
+@tensor_property("is_cpu")
+def _is_cpu(a):
+    return a._tt_device.type == "cpu"
+
+
+@tensor_property("is_meta")
+def _is_meta(a):
+    return False
+
+
+@tensor_property("is_sparse")
+def _is_sparse(a):
+    return False
+
+
+@tensor_property("is_quantized")
+def _is_quantized(a):
+    return False
+
+
+@tensor_property("is_nested")
+def _is_nested(a):
+    return False
+
+
+@tensor_property("layout")
+def _layout(a):
+    return torch.strided
+
+
+@tensor_property("itemsize")
+def _itemsize(a):
+    return a._tt_dtype.itemsize
+
+
+@tensor_property("is_leaf")
+def _is_leaf(a):
+    return True
+
+
+@tensor_property("grad_fn")
+def _grad_fn(a):
+    return None
+
+
+@tensor_property("grad")
+def _grad(a):
+    return getattr(a, "_tt_grad", None)
+
+
+@tensor_property_setter("grad")
+def _set_grad(a, value):
+    a._tt_grad = value
+
+
+@tensor_property("names")
+def _names(a):
+    return (None,) * len(a._tt_shape)
+
+
+@tensor_property("data")
+def _data(a):
+    return detach(a)
+
+
+@tensor_property("T")
+def _T(a):
+    return permute(a, tuple(reversed(range(len(a._tt_shape)))))
+
+
+@tensor_property("mT")
+def _mT(a):
+    return transpose(a, -2, -1)
+
+
+@tensor_property("H")
+def _H(a):
+    return _T(a)
+
+
+@tensor_property("mH")
+def _mH(a):
+    return _mT(a)
+
+
+@tensor_property("real")
+def _real(a):
+    if a._tt_dtype.is_complex:
+        raise NotImplementedError("complex tensors are not supported yet")
+    return a
+
+
+# Metadata methods that return Python values, not tensors.
+def _metadata_method(*fns, methods=()):
+    def deco(f):
+        for fn in fns:
+            by_torch_fn[fn] = _MetadataSymbol(f)
+        for m in methods:
+            from .registry import by_method_name
+
+            s = _MetadataSymbol(f)
+            by_method_name[m] = s
+            for owner in (torch.Tensor, torch._C.TensorBase):
+                if hasattr(owner, m):
+                    by_torch_fn[getattr(owner, m)] = s
+        return f
+
+    return deco
+
+
+class _MetadataSymbol:
+    """Looks like a symbol to the dispatcher but records nothing."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__name__
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+@_metadata_method(methods=("size",))
+def size(a, dim=None):
+    if dim is None:
+        return torch.Size(a._tt_shape)
+    return a._tt_shape[clang.canonicalize_dim(len(a._tt_shape), dim)]
+
+
+@_metadata_method(methods=("dim", "ndimension"))
+def dim(a):
+    return len(a._tt_shape)
+
+
+@_metadata_method(torch.numel, methods=("numel", "nelement"))
+def numel(a):
+    return a.numel_()
+
+
+@_metadata_method(methods=("__len__",))
+def len_(a):
+    if not a._tt_shape:
+        raise TypeError("len() of a 0-d tensor")
+    return a._tt_shape[0]
+
+
+@_metadata_method(torch.is_floating_point, methods=("is_floating_point",))
+def is_floating_point(a):
+    return a._tt_dtype.is_float
+
+
+@_metadata_method(torch.is_complex, methods=("is_complex",))
+def is_complex(a):
+    return a._tt_dtype.is_complex
+
+
+@_metadata_method(methods=("element_size",))
+def element_size(a):
+    return a._tt_dtype.itemsize
+
+
+@_metadata_method(methods=("is_contiguous",))
+def is_contiguous(a, memory_format=None):
+    return True
+
+
+@_metadata_method(methods=("get_device",))
+def get_device(a):
+    return -1 if a._tt_device.type == "cpu" else a._tt_device.index
+
+
+@_metadata_method(methods=("stride",))
+def stride(a, dim=None):
+    st, acc = [], 1
+    for s in reversed(a._tt_shape):
+        st.append(acc)
+        acc *= max(s, 1)
+    st = tuple(reversed(st))
+    return st if dim is None else st[clang.canonicalize_dim(len(a._tt_shape), dim)]
+
+
+@_metadata_method(methods=("type",))
+def type_(a, dtype=None, non_blocking=False):
+    if dtype is None:
+        return f"torch.{'cuda.' if a._tt_device.type == 'cuda' else ''}{_TYPE_NAMES.get(a._tt_dtype.name, 'FloatTensor')}"
+    return to(a, dtype)
+
+
+_TYPE_NAMES = {"float32": "FloatTensor", "float64": "DoubleTensor", "float16": "HalfTensor", "bfloat16": "BFloat16Tensor", "int64": "LongTensor", "int32": "IntTensor", "bool8": "BoolTensor", "uint8": "ByteTensor", "int8": "CharTensor", "int16": "ShortTensor"}
+
+
+def _data_dependent(what):
+    def f(a, *args, **kwargs):
+        raise DataDependentError(
+            f"{what} needs the value of a tensor, which does not exist while thunder_train traces the function. "
+            "Python control flow on tensor values (e.g. `if x.sum() > 0:`) cannot be compiled: "
+            "use torch.where, or move the branch outside the compiled function."
+        )
+
+    f.__name__ = what
+    return f
+
+
+_metadata_method(methods=("__bool__",))(_data_dependent("bool(tensor)"))
+_metadata_method(methods=("item",))(_data_dependent("Tensor.item()"))
+_metadata_method(methods=("tolist",))(_data_dependent("Tensor.tolist()"))
+_metadata_method(methods=("__int__",))(_data_dependent("int(tensor)"))
+_metadata_method(methods=("__float__",))(_data_dependent("float(tensor)"))
+_metadata_method(methods=("__index__",))(_data_dependent("using a tensor as an index"))
+_metadata_method(methods=("numpy",))(_data_dependent("Tensor.numpy()"))
+_metadata_method(methods=("data_ptr",))(_data_dependent("Tensor.data_ptr()"))
+_metadata_method(methods=("__array__",))(_data_dependent("numpy conversion"))
+
+
+@_metadata_method(methods=("__iter__",))
+def iter_(a):
+    if not a._tt_shape:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(unbind(a, 0))
+
+
+@_metadata_method(methods=("__format__",))
+def format_(a, spec):
+    return repr(a)
+
+
+@_metadata_method(methods=("__repr__", "__str__"))
+def repr_(a, *args, **kwargs):
+    return repr(a)
+
+
+# ---------------------------------------------------------------------------
+# Conversions
+# ---------------------------------------------------------------------------
+def _parse_to(a, args, kwargs):
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device")
+    for x in args:
+        if isinstance(x, torch.dtype):
+            dtype = x
+        elif isinstance(x, (torch.device, str)):
+            device = x
+        elif isinstance(x, torch.Tensor):
+            dtype = x.dtype if type(x) is not TensorProxy else x._tt_dtype
+            device = x.device if type(x) is not TensorProxy else x._tt_device
+    return to_dtype(dtype), to_device(device)
+
+
+@torchsymbol(methods=("to",))
+def to(a, *args, **kwargs):
+    """Tensor.to(dtype | device | tensor, ...): a cast; devices must not change inside the program."""
+    dtype, device = _parse_to(a, args, kwargs)
+    if kwargs.get("copy"):
+        a = prims.clone(a)
+    if device is not None and device != a._tt_device:
+        raise NotImplementedError(
+            f"moving a tensor from {a._tt_device} to {device} inside a compiled function is not supported yet; "
+            "move inputs before calling it"
+        )
+    if dtype is None or dtype is a._tt_dtype:
+        return a
+    return prims.convert_element_type(a, dtype)
+
+
+def _cast_method(name, dt):
+    def fn(a, memory_format=None):
+        return clang.maybe_convert(a, dt)
+
+    fn.__name__ = name
+    fn.__doc__ = f"Tensor.{name}()"
+    return torchsymbol(methods=(name,), name=name)(fn)
+
+
+float_ = _cast_method("float", dtypes.float32)
+double = _cast_method("double", dtypes.float64)
+half = _cast_method("half", dtypes.float16)
+bfloat16 = _cast_method("bfloat16", dtypes.bfloat16)
+long = _cast_method("long", dtypes.int64)
+int_ = _cast_method("int", dtypes.int32)
+bool_ = _cast_method("bool", dtypes.bool8)
+byte = _cast_method("byte", dtypes.uint8)
+short = _cast_method("short", dtypes.int16)
+
+
+@torchsymbol(methods=("type_as",))
+def type_as(a, other):
+    return clang.maybe_convert(a, other._tt_dtype)
+
+
+@torchsymbol(methods=("cpu",))
+def cpu(a, memory_format=None):
+    return to(a, "cpu")
+
+
+@torchsymbol(methods=("cuda",))
+def cuda(a, device=None, non_blocking=False, memory_format=None):
+    return to(a, device if device is not None else "cuda")
+
+
+@torchsymbol(torch.clone, methods=("clone",))
+def clone(a, *, memory_format=None):
+    return prims.clone(a)
+
+
+@torchsymbol(methods=("contiguous",))
+def contiguous(a, memory_format=None):
+    """Layout is an executor concern; at trace level contiguous is the identity."""
+    return a
+
+
+@torchsymbol(torch.detach, methods=("detach",))
+def detach(a):
+    """Same values, no gradient."""
+    return prims.stop_gradient(a)
+
+
+
+
+# Imported late: shape functions used by properties above.
+from .shapes import permute, transpose, unbind  # noqa: E402

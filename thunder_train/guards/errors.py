@@ -1,0 +1,21 @@
+"""The structured error a failed check raises."""
+from __future__ import annotations
+
+
+class GuardFailure(Exception):
+    """An input differs from what a compiled program was specialised on.
+
+    ``path`` names the input (``args[0].fc1.weight``), ``what`` the property
+    (shape, dtype, ...), and ``expected``/``actual`` the two values.
+    """
+
+    def __init__(self, path: str, what: str, expected, actual):
+        self.path = path
+        self.what = what
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"{path}: {what} expected {expected!r}, got {actual!r}")
+
+    @property
+    def reason(self) -> str:
+        return f"{self.path}.{self.what}: {self.expected!r} → {self.actual!r}" if self.what not in ("value", "type", "object") else f"{self.path} ({self.what}): {self.expected!r} → {self.actual!r}"
