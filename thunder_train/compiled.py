@@ -227,8 +227,9 @@ class ThunderModule(torch.nn.Module):
         return f"ThunderModule({self._tt_module!r})"
 
 
-def _call_module(module, *args, **kwargs):
-    return module(*args, **kwargs)
+def _call_module(self, *args, **kwargs):
+    # Named ``self`` so that trace names read ``self_fc1_weight``.
+    return self(*args, **kwargs)
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False):

@@ -75,9 +75,14 @@ def format_value(x, g: _Globals | None) -> str:
         return str(x)
     if t is torch.device:
         return f"torch.device({str(x)!r})"
+    if any(x is b for b in _BUILTIN_TYPES):
+        return x.__name__
     if g is None:
         return f"<{type(x).__name__}>"
     return g.constant(x)
+
+
+_BUILTIN_TYPES = (dict, list, tuple, int, float, bool, str, complex)
 
 
 def _type_comment(x) -> str | None:
@@ -165,6 +170,14 @@ def trace_source(trc, *, with_subsymbols: bool = True) -> tuple[str, dict]:
         lines.extend(format_bsym(bsym, g, indent="  ", with_subsymbols=with_subsymbols))
     lines.append(f"  return {format_value(trc.output, g)}")
     return "\n".join(lines) + "\n", g.d
+
+
+def standard_namespace() -> dict:
+    """The names a printed trace refers to, for executing its printed source by hand."""
+    from . import prims, torchlang
+    from .executors import torch_impls
+
+    return {"torch": torch, "prims": prims, "ltorch": torchlang, "ttex": torch_impls, "dtypes": dtypes, "devices": devices}
 
 
 def compile_trace(trc):

@@ -93,9 +93,12 @@ def _returns_an_input(out, args, kwargs) -> bool:
 class BoundSymbol:
     """One line of a trace: ``output = sym(*args, **kwargs)``."""
 
-    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment")
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn")
 
-    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None):
+    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None):
+        # torch_fn: the torch callable the user actually called (torch.softmax,
+        # F.softmax, Tensor.softmax ...); the torch executor calls exactly it.
+        self.torch_fn = torch_fn
         self.sym = sym
         self.args = tuple(args)
         self.kwargs = dict(kwargs)

@@ -52,6 +52,8 @@ class Step:
             return f"{base}._buffers[{self.key!r}]"
         if k == "module":
             return f"{base}._modules[{self.key!r}]"
+        if k == "const":
+            return base  # the prologue refers to the captured tensor directly
         raise AssertionError(k)
 
     def pretty(self, base: str) -> str:
@@ -62,6 +64,8 @@ class Step:
             return f"kwargs[{self.key!r}]"
         if k in ("item", "key"):
             return f"{base}[{self.key!r}]"
+        if k == "const":
+            return f"<tensor captured from the function's closure #{self.key}>"
         return f"{base}.{self.key}"
 
 
@@ -140,6 +144,18 @@ class InputWalker:
         self.leaves.append(leaf)
         self.by_id[id(t)] = leaf
         return p
+
+    def captured_tensor(self, t):
+        """A real tensor the function reads without receiving it (a closure or global).
+
+        It becomes an input of the computation that the prologue passes by
+        reference, so in-place changes to it are seen and nothing is baked in.
+        """
+        prev = self.by_id.get(id(t))
+        if prev is not None:
+            return prev.proxy
+        n = sum(1 for leaf in self.leaves if leaf.path and leaf.path[0].kind == "const")
+        return self.tensor(t, (Step("const", n),), f"captured{n}")
 
     def walk(self, x, path, hint=None):
         t = type(x)
@@ -221,12 +237,38 @@ def handle_torch_function(func, types, args, kwargs):
             raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
         return setter(args[0], args[1])
     sym = registry.lookup(func)
+    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+        args, kwargs = _capture_real_tensors(trc, args, kwargs)
     if sym is not None:
         if kwargs.get("out") is not None:
             raise TracingError(f"{sym.name}(..., out=...) is not supported inside a compiled function; use the returned value")
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-        return sym(*args, **kwargs)
+        scope = trc._scopes[-1]
+        n = len(scope)
+        out = sym(*args, **kwargs)
+        if len(scope) > n and scope[-1].sym is sym:
+            scope[-1].torch_fn = func
+        return out
     return call_opaque(func, args, kwargs, strict=getattr(trc, "strict", False))
+
+
+def _flat(args, kwargs):
+    from .pytree import tree_flatten
+
+    return tree_flatten((args, kwargs))[0]
+
+
+def _capture_real_tensors(trc, args, kwargs):
+    from .pytree import tree_map
+
+    walker = trc.walker
+
+    def swap(a):
+        if isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+            return walker.captured_tensor(a)
+        return a
+
+    return tree_map(swap, (args, kwargs))
 
 
 proxies._torch_function_handler = handle_torch_function
@@ -276,6 +318,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False) -> Acquired:
     trc.strict = strict
     trc.opaque_ops = []
     walker = InputWalker(trc, _arg_names(fn))
+    trc.walker = walker
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)

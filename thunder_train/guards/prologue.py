@@ -80,7 +80,9 @@ def build_prologue(leaves, computation_args, nargs: int, kwnames: tuple, global_
         path = leaf.path
         step = path[-1]
         parent = var_of.get(path[:-1]) if len(path) > 1 else None
-        if parent is None:
+        if step.kind == "const":
+            expr_parent, expr_step = leaf.value, step
+        elif parent is None:
             base = Var("args") if step.kind == "arg" else Var("kwargs")
             expr_parent, expr_step = base, step if step.kind not in ("arg", "kwarg") else Step("item", step.key)
         else:

@@ -14,6 +14,7 @@ from ..opaque import printable_reference
 from ..proxies import TensorProxy, NumberProxy
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
+from ..transforms.dce import has_side_effect
 from . import torch_impls
 
 _impl_symbols: dict = {}
@@ -47,10 +48,14 @@ def _globals_root(name):
     return {"torch": torch, "ttex": torch_impls}[name.split(".")[0]]
 
 
-def impl_symbol(fn) -> ImplSymbol:
-    s = _impl_symbols.get(fn)
+def impl_symbol(fn, side_effect: bool = False) -> ImplSymbol:
+    """The (cached) symbol for a torch callable; ``side_effect`` keeps DCE away from mutations."""
+    key = (fn, side_effect)
+    s = _impl_symbols.get(key)
     if s is None:
-        s = _impl_symbols[fn] = ImplSymbol(fn)
+        s = _impl_symbols[key] = ImplSymbol(fn)
+        if side_effect:
+            s.tags = frozenset({"side_effect"})
     return s
 
 
@@ -364,14 +369,14 @@ class TorchExecutor:
                 return None
             fn, args, kwargs = r
             args, kwargs = _conv_args(args, kwargs)
-            return BoundSymbol(impl_symbol(fn), args, kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(fn, has_side_effect(bsym)), args, kwargs, bsym.output, (), bsym.comment)
         if sym.module == "opaque":
-            return BoundSymbol(impl_symbol(sym.torch_impl), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(sym.torch_impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "ltorch" and not self.decompose:
-            impl = getattr(sym, "torch_impl", None)
+            impl = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
             if impl is None:
                 return None
-            return BoundSymbol(impl_symbol(impl), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         return None
 
     def eager_impl(self, sym, args, kwargs):
