@@ -1,0 +1,65 @@
+"""The CUDA path through the torch executor. Skipped where no GPU is present."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def f(x, w):
+    y = F.gelu(x @ w)
+    return y.reshape(y.size(0), -1).softmax(-1)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_function_on_cuda(decompose, dtype):
+    x = torch.randn(64, 128, device="cuda", dtype=dtype)
+    w = torch.randn(128, 32, device="cuda", dtype=dtype)
+    cf = tt.compile(f, decompose=decompose)
+    out = cf(x, w)
+    assert out.device.type == "cuda" and out.dtype == dtype
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, f(x, w), **tol)
+    assert '"cuda:0 ' in str(tt.last_traces(cf)[-1])
+
+
+def test_module_on_cuda_and_device_change_retraces():
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8))
+    cm = tt.compile(m)
+    x = torch.randn(16, 32)
+    torch.testing.assert_close(cm(x), m(x))
+    m.cuda()
+    xc = x.cuda()
+    out = cm(xc)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out, m(xc))
+    assert any("cuda" in r for r in tt.compile_stats(cm).retrace_reasons)
+
+
+def test_factories_follow_the_device():
+    def g(x):
+        return x + torch.arange(x.shape[-1], device=x.device) + torch.ones_like(x)
+
+    x = torch.randn(4, 8, device="cuda")
+    for decompose in (False, True):
+        torch.testing.assert_close(tt.compile(g, decompose=decompose)(x), g(x))
+
+
+def test_recipe_runs_on_cuda():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "train_gpt.py"), "--device", "cuda", "--steps", "30", "--no-progress"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": root},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "device=cuda" in out.stdout and "final_loss=" in out.stdout
