@@ -1,14 +1,14 @@
 """thunder_train: compile PyTorch training steps.
 
-Public API: ``compile``, ``last_traces``, ``last_prologue_traces``,
+Public API: ``compile``, ``last_traces``, ``last_prologue_traces``, ``last_backward_traces``,
 ``compile_stats`` and (lazily, it imports Lightning) ``ThunderCallback``.
 """
-from .compiled import compile, last_traces, last_prologue_traces, compile_stats, CompiledFunction, ThunderModule  # noqa: F401
-from .guards.errors import GuardFailure  # noqa: F401
+from .compiled import compile, last_traces, last_prologue_traces, last_backward_traces, compile_stats, CompiledFunction, ThunderModule  # noqa: F401
+from .guards.errors import GuardFailure, ThinModeError  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "last_traces", "last_prologue_traces", "compile_stats", "ThunderCallback", "GuardFailure"]
+__all__ = ["compile", "last_traces", "last_prologue_traces", "last_backward_traces", "compile_stats", "ThunderCallback", "GuardFailure", "ThinModeError"]
 
 
 def __getattr__(name):

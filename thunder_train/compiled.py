@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import time
 from typing import Any, Callable
 
@@ -12,41 +13,78 @@ from .compiler import tracing
 from .compiler.executors.passes import lower_to_executors
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.transforms.dce import dce
+from .guards import thin
+from .autograd_function import attach_autograd
 from .guards.errors import GuardFailure
-from .guards.prologue import build_prologue, current_global_state
+from .guards.prologue import GLOBAL_LABELS, Prologue, build_prologue, count_diffs, current_global_state, describe_diffs, fmt_value
+from .guards.thin import ThinBinding
 
 
 @dataclasses.dataclass
 class CompileStats:
-    """What a compiled function has done so far (``tt.compile_stats(cf)``)."""
+    """What a compiled function has done so far (``tt.compile_stats(cf)``).
+
+    ``validations`` counts full-prologue runs (every full-path call plus the
+    periodic ``check_every`` checks); ``thin_calls`` the calls that took the thin
+    path; ``thin_binds`` how often thin mode bound an entry and
+    ``thin_invalidations`` why a binding was dropped.
+    """
 
     calls: int = 0
+    validations: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
     retrace_reasons: list = dataclasses.field(default_factory=list)
     opaque_ops: list = dataclasses.field(default_factory=list)
     entries: int = 0
+    full_calls: int = 0
+    thin_binds: int = 0
+    thin_invalidations: list = dataclasses.field(default_factory=list)
+    thin_bind_failures: list = dataclasses.field(default_factory=list)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
+
+    @property
+    def thin_calls(self) -> int:
+        return self.calls - self.full_calls
 
 
 @dataclasses.dataclass
 class CacheEntry:
-    key: tuple
-    prologue: Callable
+    key: tuple  # the guard key (everything the trace was specialised on)
+    struct_key: tuple  # the cheap structural key of the arguments + global state
+    prologue: Prologue  # extract + guard_key, shared by entries with the same leaf structure
     computation: Callable
     traces: list
     prologue_traces: list
     leaves: list
+    input_idx: tuple  # leaf index of each computation argument
+    select: Callable  # leaf values -> computation arguments
+    backward_traces: list | None = None  # set by attach_autograd
+
+
+@dataclasses.dataclass
+class _Probe:
+    """One leaf structure within a structural-key bucket: its prologue and entries by guard key."""
+
+    prologue: Prologue
+    entries: dict
+
+
+# ---------------------------------------------------------------------------
+# The cheap structural key: a miss here means a retrace without running any prologue.
+# ---------------------------------------------------------------------------
+_T = "tensor"
 
 
 def _arg_key(x, depth=0):
-    """A cheap structural key: a miss here means a retrace without running any prologue."""
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        return (_T, x.shape, x.dtype, x.device, x.requires_grad)
     t = type(x)
-    if t in (int, float, bool, str, type(None), complex):
+    if t in (int, bool, str, type(None), complex):
         return (t, x)
+    if t is float:
+        return (t, x if x == x else "nan")
     if depth < 3 and (t is tuple or t is list):
         return (t, tuple(_arg_key(v, depth + 1) for v in x))
     if depth < 3 and t is dict:
@@ -54,73 +92,180 @@ def _arg_key(x, depth=0):
     return (t, id(x))
 
 
-def _describe_key_diff(old: tuple, new: tuple, arg_names) -> str:
-    (oa, ok), (na, nk) = old, new
+def _struct_key(args, kwargs) -> tuple:
+    return (tuple(_arg_key(a) for a in args), tuple((k, _arg_key(v)) for k, v in kwargs.items()), current_global_state())
+
+
+_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
+
+
+def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
+    """Append ``"path.what: old → new"`` for the differences between two ``_arg_key`` values."""
+    if len(out) >= limit or a == b:
+        return
+    if a[0] == _T and b[0] == _T:
+        for i, field in enumerate(_TENSOR_FIELDS, 1):
+            if a[i] != b[i] and len(out) < limit:
+                out.append(f"{path}.{field}: {fmt_value(field, a[i])} → {fmt_value(field, b[i])}")
+        return
+    ta = "Tensor" if a[0] == _T else a[0].__name__
+    tb = "Tensor" if b[0] == _T else b[0].__name__
+    if a[0] != b[0]:
+        out.append(f"{path}.type: {ta} → {tb}")
+    elif a[0] in (tuple, list):
+        if len(a[1]) != len(b[1]):
+            out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
+        else:
+            for i, (x, y) in enumerate(zip(a[1], b[1])):
+                _key_diffs(x, y, f"{path}[{i}]", out, limit)
+    elif a[0] is dict:
+        ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
+        if ka != kb:
+            out.append(f"{path}.keys: {ka!r} → {kb!r}")
+        else:
+            for (k, x), (_, y) in zip(a[1], b[1]):
+                _key_diffs(x, y, f"{path}[{k!r}]", out, limit)
+    elif a[0] in (int, bool, str, type(None), complex, float):
+        out.append(f"{path}.value: {a[1]!r} → {b[1]!r}")
+    else:
+        out.append(f"{path}: a different {ta} object")
+
+
+def _struct_diffs(old: tuple, new: tuple, limit: int = 3) -> list:
+    (oa, ok, og), (na, nk, ng) = old, new
+    out: list = []
     if len(oa) != len(na):
-        return f"number of positional arguments: {len(oa)} → {len(na)}"
-    for i, (a, b) in enumerate(zip(oa, na)):
-        if a != b:
-            name = arg_names[i] if i < len(arg_names) else f"args[{i}]"
-            return f"{name}: {_fmt_key(a)} → {_fmt_key(b)}"
-    if ok != nk:
-        return f"keyword arguments: {_fmt_key(ok)} → {_fmt_key(nk)}"
-    return "unknown"
+        out.append(f"number of positional arguments: {len(oa)} → {len(na)}")
+    else:
+        for i, (a, b) in enumerate(zip(oa, na)):
+            _key_diffs(a, b, f"args[{i}]", out, limit)
+    if tuple(k for k, _ in ok) != tuple(k for k, _ in nk):
+        out.append(f"keyword arguments: {tuple(k for k, _ in ok)!r} → {tuple(k for k, _ in nk)!r}")
+    else:
+        for (k, a), (_, b) in zip(ok, nk):
+            _key_diffs(a, b, f"kwargs[{k!r}]", out, limit)
+    out.extend(describe_diffs(GLOBAL_LABELS, og, ng, limit))
+    return out[:limit]
 
 
-def _fmt_key(k):
-    if isinstance(k, tuple) and len(k) == 4 and isinstance(k[1], torch.dtype):
-        return f"tensor{k[0]} {str(k[1]).replace('torch.', '')} {k[2]}{' requires_grad' if k[3] else ''}"
-    if isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], type):
-        if k[0] in (tuple, list, dict):
-            return f"{k[0].__name__} {k[1]!r}"
-        return f"{k[0].__name__} {k[1]!r}" if k[0] in (int, float, bool, str, complex, type(None)) else f"{k[0].__name__} object"
-    return repr(k)
+def _describe_struct_diff(old_key, args, kwargs) -> str:
+    diffs = _struct_diffs(old_key, _struct_key(args, kwargs))
+    return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
+
+
+def _select(idx: tuple) -> Callable:
+    if len(idx) == 0:
+        return lambda vals: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda vals: (vals[i],)
+    return operator.itemgetter(*idx)
+
+
+_STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
 
 class CompiledFunction:
     """A function compiled by thunder_train.
 
-    Calls look up a cache entry by a cheap structural key of the arguments,
-    run that entry's prologue (which checks everything the trace depends on
-    and unpacks the input tensors) and then its computation.  A key miss or a
-    failed check traces again and adds an entry.
+    Full path (every call without ``thin``): a structural key of the arguments
+    and global state selects a bucket; the bucket's generated ``extract`` and
+    ``guard_key`` run once and the guard key finds the entry with one dict
+    lookup, however many entries exist.  A miss traces again, recording why
+    in ``compile_stats(...).retrace_reasons``.
+
+    Thin mode (``thin=True``): once the same entry validated on two
+    consecutive calls, ``thin_call`` (generated, see ``guards/thin.py``)
+    replaces the full path: extract and check the per-call leaves, call the
+    computation with the bound static tensors.  See docs/thin_mode.md.
     """
 
-    def __init__(self, fn, *, strict: bool = False, decompose: bool = False):
+    def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
+        if check_every is not None:
+            if not thin:
+                raise ValueError("check_every=N applies to thin mode; use tt.compile(fn, thin=True, check_every=N)")
+            if type(check_every) is not int or check_every < 1:
+                raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         self.fn = fn
         self.strict = strict
         self.decompose = decompose
+        self.thin = thin
+        self.check_every = check_every
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
-        self._cache: dict = {}
+        self._cache: dict = {}  # structural key -> [_Probe]
+        self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
         self._last: CacheEntry | None = None
+        self._prev_validated = None  # (entry, leaf values) of the previous full-path call
+        self._binding: ThinBinding | None = None
+        self._call = self._full_call
         self.stats = CompileStats()
         self._arg_names = tracing._arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----
     def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def _full_call(self, *args, **kwargs):
         self.stats.calls += 1
-        key = (tuple(_arg_key(a) for a in args), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
-        entries = self._cache.get(key)
-        reason = None
-        if entries is not None:
-            for entry in entries:
+        return self._run_full(args, kwargs)
+
+    def _run_full(self, args, kwargs):
+        st = self.stats
+        st.full_calls += 1
+        st.validations += 1
+        skey = _struct_key(args, kwargs)
+        probes = self._cache.get(skey)
+        entry = None
+        tried = []
+        if probes is not None:
+            for probe in probes:
+                pro = probe.prologue
                 try:
-                    inputs = entry.prologue(*args, **kwargs)
-                except GuardFailure as failure:
-                    reason = failure.reason
+                    vals = pro.extract.fn(*args, **kwargs)
+                    gkey = pro.guard_key_fn.fn(*vals)
+                except _STRUCTURE_ERRORS:
                     continue
-                self.stats.cache_hits += 1
-                self._last = entry
-                return entry.computation(*inputs)
-        elif self._cache:
-            nearest = next(reversed(self._cache))
-            reason = _describe_key_diff(nearest, key, self._arg_names)
-        entry = self._compile(args, kwargs, key, reason)
-        inputs = entry.prologue(*args, **kwargs)
-        return entry.computation(*inputs)
+                entry = probe.entries.get(gkey)
+                if entry is not None:
+                    break
+                tried.append((probe, gkey))
+        if entry is None:
+            entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
+            vals = entry.prologue.extract.fn(*args, **kwargs)
+        else:
+            st.cache_hits += 1
+        self._last = entry
+        if self.thin:
+            self._after_validation(entry, vals)
+        return entry.computation(*entry.select(vals))
+
+    def _miss_reason(self, skey, tried) -> str | None:
+        """Which input differed from the nearest entry, and how."""
+        if not self._cache:
+            return None
+        if tried:
+            best = None
+            for probe, gkey in tried:
+                for e in probe.entries.values():
+                    n = count_diffs(e.key, gkey)
+                    if best is None or n < best[0]:
+                        best = (n, probe.prologue.labels, e.key, gkey)
+            if best is not None:
+                diffs = describe_diffs(best[1], best[2], best[3])
+                if diffs:
+                    return "; ".join(diffs)
+        if skey not in self._cache:
+            def distance(k):  # a different argument count is farther than any value difference
+                return len(_struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
+
+            nearest = min(self._cache, key=distance)
+            diffs = _struct_diffs(nearest, skey)
+            if diffs:
+                return "; ".join(diffs)
+        return "the structure of a module or container inside the arguments changed"
 
     def _compile(self, args, kwargs, key, reason) -> CacheEntry:
         self.stats.cache_misses += 1
@@ -136,12 +281,25 @@ class CompiledFunction:
         traces.append(trc)
         trc = dce(trc, header=f"Final computation (executors: {names})")
         traces.append(trc)
-        prologue = build_prologue(acquired.leaves, trc.args, len(args), tuple(kwargs), current_global_state())
-        entry = CacheEntry(key, prologue.python_callable(), trc.python_callable(), traces, [prologue], acquired.leaves)
+        # Prologue: extraction + guard key, generated once per leaf structure and shared.
+        prologue, expected = build_prologue(acquired.leaves, self._arg_names)
+        prologue = self._prologues.setdefault(prologue.structure, prologue)
+        leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None}
+        input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
+        entry = CacheEntry(expected, key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
+                           acquired.leaves, input_idx, _select(input_idx))
+        attach_autograd(entry, traces[1], self.executors)  # inputs requiring grad: see autograd_function.py
         for name in acquired.opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
-        self._cache.setdefault(key, []).insert(0, entry)
+        probes = self._cache.setdefault(key, [])
+        for probe in probes:
+            if probe.prologue is prologue:
+                break
+        else:
+            probe = _Probe(prologue, {})
+            probes.insert(0, probe)
+        probe.entries[expected] = entry
         self.stats.entries += 1
         dt = time.perf_counter() - t0
         self.stats.last_trace_seconds = dt
@@ -149,16 +307,114 @@ class CompiledFunction:
         self._last = entry
         return entry
 
+    # ---- thin mode ----
+    def _after_validation(self, entry, vals):
+        """Bind once the same entry validated on two consecutive calls (the steady state)."""
+        prev = self._prev_validated
+        self._prev_validated = (entry, vals)
+        if self._binding is not None or prev is None or prev[0] is not entry:
+            return
+        thin.watch(v for leaf, v in zip(entry.leaves, vals) if leaf.kind == "module")
+        binding = ThinBinding(entry, vals, (), None, self.stats.calls, self.check_every or 0, self.check_every or 0,
+                              entry.struct_key[2], thin.epoch())
+        handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic}
+        try:
+            fn, static_idx = thin.build_thin_call(
+                entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
+                kwnames=tuple(k for k, _ in entry.struct_key[1]), global_state=entry.struct_key[2],
+                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every)
+        except thin.CannotBind as why:
+            if str(why) not in self.stats.thin_bind_failures[-1:]:
+                self.stats.thin_bind_failures.append(str(why))
+            return
+        binding.fn, binding.static_idx = fn, static_idx
+        self._binding = binding
+        self._call = fn.fn
+        self.stats.thin_binds += 1
+
+    def _unbind(self, reason: str | None):
+        if self._binding is not None and reason is not None:
+            self.stats.thin_invalidations.append(reason)
+        self._binding = None
+        self._prev_validated = None
+        self._call = self._full_call
+
+    def _thin_changed(self, args, kwargs):
+        b = self._binding
+        if thin.epoch() != b.epoch:
+            reason = "a parameter, buffer or submodule was registered or replaced"
+        elif torch.is_grad_enabled() is not b.global_state[0]:
+            reason = f"grad mode changed: {b.global_state[0]} → {torch.is_grad_enabled()}"
+        else:
+            try:
+                diffs = describe_diffs(b.entry.prologue.labels, b.entry.key, b.entry.prologue.key_of(args, kwargs))
+            except _STRUCTURE_ERRORS:
+                diffs = []
+            reason = "; ".join(diffs) or "a bound module or object changed"
+        self._unbind(reason)
+        return self._run_full(args, kwargs)
+
+    def _thin_mismatch(self, args, kwargs):
+        b = self._binding
+        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, _describe_struct_diff)
+
+    def _thin_periodic(self, args, kwargs):
+        b = self._binding
+        b.countdown = b.check_every
+        try:
+            vals = thin.periodic_check(b, b.entry.prologue, b.entry.leaves, args, kwargs, self._arg_names)
+        except GuardFailure:
+            self._unbind("check_every found a change")
+            raise
+        self.stats.validations += 1
+        return b.entry.computation(*b.entry.select(vals))
+
+    def revalidate(self) -> None:
+        """Drop the thin binding: the next calls run the full prologue (and retrace if needed) and bind again.
+
+        Call it after changing what thin mode bound: ``model.to(...)``,
+        ``model.half()``, replacing parameters or optimizer state, changing
+        grad mode, autocast or the default dtype for good.
+        """
+        self._unbind("revalidate()")
+
+    @property
+    def is_thin_bound(self) -> bool:
+        return self._binding is not None
+
+    def direct_call_parts(self, *args, **kwargs):
+        """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
+        skey = _struct_key(args, kwargs)
+        for probe in self._cache.get(skey, ()):
+            try:
+                vals = probe.prologue.extract.fn(*args, **kwargs)
+                entry = probe.entries.get(probe.prologue.guard_key_fn.fn(*vals))
+            except _STRUCTURE_ERRORS:
+                continue
+            if entry is not None:
+                return entry.computation, entry.select(vals)
+        raise LookupError("no cache entry for these arguments; call the compiled function with them first")
+
     # ---- introspection ----
     def last_traces(self) -> list:
         if self._last is None:
             raise RuntimeError("the compiled function has not been called yet; traces exist after the first call")
         return list(self._last.traces)
 
-    def last_prologue_traces(self) -> list:
+    def last_backward_traces(self) -> list:
+        """The backward traces of the last entry (empty when it computes no gradients)."""
         if self._last is None:
             raise RuntimeError("the compiled function has not been called yet; traces exist after the first call")
-        return list(self._last.prologue_traces)
+        return list(self._last.backward_traces or [])
+
+    def last_prologue_traces(self) -> list:
+        """``extract`` and ``guard_key`` of the last entry, plus ``thin_call`` when thin mode bound it."""
+        if self._last is None:
+            raise RuntimeError("the compiled function has not been called yet; traces exist after the first call")
+        out = list(self._last.prologue_traces)
+        if self._binding is not None and self._binding.entry is self._last:
+            out.append(self._binding.fn)
+        return out
 
 
 class ThunderModule(torch.nn.Module):
@@ -178,6 +434,10 @@ class ThunderModule(torch.nn.Module):
 
     def __getattr__(self, name):
         return getattr(object.__getattribute__(self, "_tt_module"), name)
+
+    def revalidate(self) -> None:
+        """See ``CompiledFunction.revalidate``."""
+        self._tt_compiled.revalidate()
 
     # Delegate everything that defines the module's state to the original.
     def state_dict(self, *args, **kwargs):
@@ -232,16 +492,20 @@ def _call_module(self, *args, **kwargs):
     return self(*args, **kwargs)
 
 
-def compile(fn, *, strict: bool = False, decompose: bool = False):
+def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
     instead of running them opaquely; ``decompose=True`` runs every op through
     its prim decomposition (slower; used to test decompositions).
+    ``thin=True`` validates, then calls the computation directly (see
+    docs/thin_mode.md); ``check_every=N`` (thin mode) runs the full prologue
+    every N calls and raises ``ThinModeError`` naming what changed.
     """
+    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every)
     if isinstance(fn, torch.nn.Module):
-        return ThunderModule(fn, strict=strict, decompose=decompose)
-    return CompiledFunction(fn, strict=strict, decompose=decompose)
+        return ThunderModule(fn, **options)
+    return CompiledFunction(fn, **options)
 
 
 def _compiled(cf) -> CompiledFunction:
@@ -262,8 +526,13 @@ def last_prologue_traces(cf) -> list:
     return _compiled(cf).last_prologue_traces()
 
 
+def last_backward_traces(cf) -> list:
+    """The backward traces of the last call's cache entry; empty when it computed no gradients."""
+    return _compiled(cf).last_backward_traces()
+
+
 def compile_stats(cf) -> CompileStats:
-    """Calls, cache hits and misses, retrace reasons and ops run opaquely."""
+    """Calls, validations, thin calls, cache hits and misses, retrace reasons and ops run opaquely."""
     return _compiled(cf).stats
 
 

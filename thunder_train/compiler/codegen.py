@@ -61,6 +61,10 @@ def format_value(x, g: _Globals | None) -> str:
         return f"({inner},)" if len(x) == 1 else f"({inner})"
     if t is list:
         return "[" + ", ".join(format_value(v, g) for v in x) + "]"
+    if isinstance(x, tuple) and t.__module__ == "torch.return_types":
+        return f"torch.return_types.{t.__name__}(({', '.join(format_value(v, g) for v in x)},))"
+    if isinstance(x, tuple) and hasattr(t, "_fields") and g is not None:
+        return f"{g.constant(t)}({', '.join(format_value(v, g) for v in x)})"
     if t is dict:
         return "{" + ", ".join(f"{format_value(k, g)}: {format_value(v, g)}" for k, v in x.items()) + "}"
     if t is slice:

@@ -16,7 +16,8 @@ def tree_flatten(x):
 
 def _flatten(x, leaves):
     t = type(x)
-    if t is tuple or t is list or t is torch.Size:
+    if t is tuple or t is list or t is torch.Size or (isinstance(x, tuple) and _is_tuple_like(t)):
+        # Named tuples and torch.return_types structseqs (values, indices) are containers too.
         return (t, [_flatten(v, leaves) for v in x])
     if t is dict:
         return (dict, [(k, _flatten(v, leaves)) for k, v in x.items()])
@@ -40,7 +41,13 @@ def _unflatten(it, spec):
     if t is slice:
         return slice(*[_unflatten(it, c) for c in children])
     vals = [_unflatten(it, c) for c in children]
+    if hasattr(t, "_fields"):  # collections.namedtuple
+        return t(*vals)
     return t(vals)
+
+
+def _is_tuple_like(t) -> bool:
+    return hasattr(t, "_fields") or t.__module__ == "torch.return_types"
 
 
 def tree_map(fn, x):

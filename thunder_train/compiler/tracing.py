@@ -108,6 +108,8 @@ class Leaf:
     value: Any
     proxy: Any = None
     alias_of: "Leaf | None" = None
+    # For modules: Python state read before tracing ran (guards/prologue.py guards it).
+    snapshot: Any = None
 
     @property
     def where(self) -> str:
@@ -115,6 +117,13 @@ class Leaf:
 
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
+
+
+def module_snapshot(m) -> dict:
+    """A module's Python state before tracing runs it: flags, structure, public scalar attributes."""
+    d = m.__dict__
+    attrs = tuple((k, v) for k, v in d.items() if k[:1] != "_" and k != "training" and type(v) in SCALAR_TYPES)
+    return {"training": m.training, "dict_len": len(d), "attrs": attrs}
 
 
 class InputWalker:
@@ -191,7 +200,7 @@ class InputWalker:
     def module(self, m, path):
         if id(m) in self.by_id:
             return
-        leaf = Leaf(path, "module", m)
+        leaf = Leaf(path, "module", m, snapshot=module_snapshot(m))
         self.by_id[id(m)] = leaf
         self.leaves.append(leaf)
         for name, p in list(m._parameters.items()):
@@ -248,8 +257,8 @@ def handle_torch_function(func, types, args, kwargs):
         out = sym(*args, **kwargs)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
-        return out
-    return call_opaque(func, args, kwargs, strict=getattr(trc, "strict", False))
+        return _no_grad_region(trc, out, sym)
+    return _no_grad_region(trc, call_opaque(func, args, kwargs, strict=getattr(trc, "strict", False)))
 
 
 def _flat(args, kwargs):
@@ -269,6 +278,17 @@ def _capture_real_tensors(trc, args, kwargs):
         return a
 
     return tree_map(swap, (args, kwargs))
+
+
+def _no_grad_region(trc, out, sym=None):
+    """Results computed under ``torch.no_grad()`` inside the function carry no gradient (``prims.stop_gradient``)."""
+    if torch.is_grad_enabled() or not getattr(trc, "grad_enabled", False) or len(trc._scopes) != 1:
+        return out
+    if sym is not None and "inplace" in sym.tags:
+        return out
+    from .transforms.autograd import detach_float_tensors
+
+    return detach_float_tensors(out)
 
 
 proxies._torch_function_handler = handle_torch_function
@@ -317,6 +337,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False) -> Acquired:
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
     trc.strict = strict
     trc.opaque_ops = []
+    trc.grad_enabled = torch.is_grad_enabled()  # torch.no_grad() regions inside fn: see _no_grad_region
     walker = InputWalker(trc, _arg_names(fn))
     trc.walker = walker
     with context.tracing(trc):

@@ -1,135 +1,289 @@
-"""Building the prologue trace from the input leaves recorded during acquisition.
+"""Prologues: find every input the computation reads and check what it was specialised on.
 
-The prologue does two things: unpack every tensor the computation reads,
-following the provenance path of each, and check everything the trace was
-specialised on.  It prints as an ordinary Python function.
+A prologue is two generated functions, both printed by ``tt.last_prologue_traces``:
+
+``extract(*args, **kwargs)``
+    follows the provenance path of every leaf (``args[0]._modules['fc1']._parameters['weight']``)
+    and returns all leaf values as one tuple.  A leaf that is missing (a dict key, a
+    parameter that no longer exists) raises ``LookupError``/``AttributeError``, which the
+    cache treats as "this entry's structure does not match".
+``guard_key(*leaf_values)``
+    returns the tuple of every property the trace was specialised on: tensor shape, dtype,
+    device and ``requires_grad``, identity between aliased inputs, types and values of
+    Python constants, container types/lengths/keys, module identity, ``training``,
+    structure and public scalar attributes, and the identity of other objects.
+
+The check is ``guard_key(*extract(...)) == entry.key``.  Because the key is a value, every
+cache entry with the same leaf structure shares one ``extract``/``guard_key`` pair and the
+lookup is one dictionary access however many entries exist (``compiled.py``).  When keys
+differ, ``describe_diffs`` names each differing property from the ``labels`` — the same
+"path.what: expected → actual" the errors and retrace reasons print.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import linecache
+import math
+
 import torch
 
-from ..compiler.codegen import Name
-from ..compiler.symbols import Symbol, BoundSymbol
-from ..compiler.trace import Trace
-from ..compiler.tracing import Step, path_str
+from ..compiler.tracing import path_str, _name_from_path
 from . import checks
 
-
-class _Unpack(Symbol):
-    """``name = parent<step>`` — e.g. ``fc1_weight = fc1._parameters['weight']``."""
-
-    def __init__(self):
-        super().__init__("unpack", None, module="prologue", is_prim=True)
-
-    def format_lines(self, bsym, fmt):
-        parent, step = bsym.args
-        base = parent if isinstance(parent, str) else fmt(parent)
-        return [f"{bsym.output} = {step.expr(base)}"]
-
-    def codegen_globals(self):
-        return {}
+_counter = itertools.count()
 
 
-class _Check(Symbol):
-    """A call to one of the functions in ``guards.checks``."""
+class GeneratedFunction:
+    """Python source compiled to a function; source registered with linecache for tracebacks."""
 
-    def __init__(self, fn):
-        super().__init__(fn.__name__, fn, module="prologue", is_prim=True)
+    def __init__(self, name: str, header: str, lines: list, globals_: dict):
+        self.name = name
+        self.source = "\n".join([f"# {h}" if h else "#" for h in header.splitlines()] + lines) + "\n"
+        filename = f"<thunder_train {name} {next(_counter)}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        ns = dict(globals_)
+        exec(compile(self.source, filename, "exec"), ns)
+        self.fn = ns[name]
+        self.fn.__thunder_source__ = self.source
 
-    def format_lines(self, bsym, fmt):
-        args = ", ".join(_fmt_arg(a, fmt) for a in bsym.args)
-        return [f"{self.name}({args})"]
+    def python_source(self) -> str:
+        return self.source
 
-    def codegen_globals(self):
-        return {self.name: self.fn}
+    def python_callable(self):
+        return self.fn
 
+    def __str__(self):
+        return self.source
 
-Var = Name
-
-
-def _fmt_arg(a, fmt):
-    if isinstance(a, Var):
-        return str(a)
-    return fmt(a)
-
-
-UNPACK = _Unpack()
-_CHECKS = {}
+    __repr__ = __str__
 
 
-def _check(fn):
-    s = _CHECKS.get(fn)
-    if s is None:
-        s = _CHECKS[fn] = _Check(fn)
-    return s
+class Consts:
+    """Names for non-literal constants used by generated code."""
+
+    def __init__(self, prefix="_k"):
+        self.d: dict = {}
+        self.prefix = prefix
+
+    def __call__(self, value) -> str:
+        if value is None or type(value) in (bool, int, str):
+            return repr(value)
+        if type(value) is float and math.isfinite(value):
+            return repr(value)
+        if type(value) is tuple and all(type(v) is int for v in value):
+            return repr(value)
+        for k, v in self.d.items():
+            if v is value:
+                return k
+        name = f"{self.prefix}{len(self.d)}"
+        self.d[name] = value
+        return name
 
 
-def build_prologue(leaves, computation_args, nargs: int, kwnames: tuple, global_state: tuple) -> Trace:
-    trc = Trace("prologue", header="Constructed by prologue construction (unpack inputs by provenance, then check them)")
-    trc.varargs = True
-    for n in ("args", "kwargs"):
-        trc.names.add(n)
-    add = trc.bound_symbols.append
-    add(BoundSymbol(_check(checks.check_nargs), (Var("args"), Var("kwargs"), nargs, kwnames), {}, None))
-    var_of: dict = {}
-    tensor_var: dict = {}
-    for leaf in leaves:
-        if leaf.kind == "tensor" and leaf.alias_of is None:
-            trc.names.add(leaf.proxy._tt_name)
-    for leaf in leaves:
-        path = leaf.path
-        step = path[-1]
-        parent = var_of.get(path[:-1]) if len(path) > 1 else None
-        if step.kind == "const":
-            expr_parent, expr_step = leaf.value, step
-        elif parent is None:
-            base = Var("args") if step.kind == "arg" else Var("kwargs")
-            expr_parent, expr_step = base, step if step.kind not in ("arg", "kwarg") else Step("item", step.key)
-        else:
-            expr_parent, expr_step = parent, step
-        hint = leaf.proxy._tt_name if leaf.kind == "tensor" and leaf.alias_of is None else _var_hint(path)
-        name = Var(trc.unique_name(hint)) if not (leaf.kind == "tensor" and leaf.alias_of is None) else Var(hint)
-        add(BoundSymbol(UNPACK, (expr_parent, expr_step), {}, name))
-        var_of[path] = name
-        where = path_str(path)
-        v = leaf.value
-        if leaf.kind == "tensor":
-            if leaf.alias_of is not None:
-                add(BoundSymbol(_check(checks.check_same), (name, where, tensor_var[id(leaf.alias_of)], leaf.alias_of.where), {}, None))
+@dataclasses.dataclass(frozen=True)
+class Label:
+    path: str  # "args[0].fc1.weight"
+    what: str  # "shape", "dtype", "value", "object", ...
+
+
+def _float_key(v):
+    """NaN never equals itself; key it by a marker so a NaN constant still hits the cache."""
+    return "nan" if v != v else v
+
+
+def guard_specs(leaf, var: str, var_of_leaf) -> list:
+    """``(what, expression, expected)`` for every property of one leaf the trace depends on."""
+    v = leaf.value
+    k = leaf.kind
+    if k == "tensor":
+        if leaf.alias_of is not None:
+            return [("identity", f"{var} is {var_of_leaf(leaf.alias_of)}", True)]
+        return [
+            ("shape", f"{var}.shape", tuple(v.shape)),
+            ("dtype", f"{var}.dtype", v.dtype),
+            ("device", f"{var}.device", v.device),
+            ("requires_grad", f"{var}.requires_grad", v.requires_grad),
+        ]
+    if k == "constant":
+        val = f"_float_key({var})" if type(v) is float else var
+        return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]
+    if k == "seq":
+        return [("type", f"type({var})", type(v)), ("len", f"len({var})", len(v))]
+    if k == "dict":
+        return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", tuple(v))]
+    if k == "dataclass":
+        return [("type", f"type({var})", type(v))]
+    if k == "module":
+        snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
+        specs = [
+            ("object", f"id({var})", id(v)),
+            ("training", f"{var}.training", snap["training"]),
+            ("structure", f"(len({var}._parameters), len({var}._buffers), len({var}._modules), len({var}.__dict__))",
+             (len(v._parameters), len(v._buffers), len(v._modules), snap["dict_len"])),
+        ]
+        for name, val in snap["attrs"]:
+            expr = f"{var}.__dict__.get({name!r}, _MISSING)"
+            if type(val) is float:
+                specs.append((f"attr {name}", f"_float_key({expr})", _float_key(val)))
             else:
-                tensor_var[id(leaf)] = name
-                add(BoundSymbol(_check(checks.check_tensor), (name, where, tuple(v.shape), v.dtype, v.device, v.requires_grad), {}, None))
-        elif leaf.kind == "constant":
-            add(BoundSymbol(_check(checks.check_value), (name, where, v), {}, None))
-        elif leaf.kind == "seq":
-            add(BoundSymbol(_check(checks.check_type), (name, where, type(v)), {}, None))
-            add(BoundSymbol(_check(checks.check_len), (name, where, len(v)), {}, None))
-        elif leaf.kind == "dict":
-            add(BoundSymbol(_check(checks.check_type), (name, where, dict), {}, None))
-            add(BoundSymbol(_check(checks.check_keys), (name, where, tuple(v.keys())), {}, None))
-        elif leaf.kind == "dataclass":
-            add(BoundSymbol(_check(checks.check_type), (name, where, type(v)), {}, None))
-        elif leaf.kind == "module":
-            add(BoundSymbol(_check(checks.check_module), (name, where, id(v), v.training, len(v._parameters), len(v._buffers), len(v._modules)), {}, None))
-        elif leaf.kind == "object":
-            add(BoundSymbol(_check(checks.check_id), (name, where, id(v), type(v).__name__), {}, None))
-    add(BoundSymbol(_check(checks.check_global_state), global_state, {}, None))
-    out = [tensor_var_for(leaves, p, tensor_var) for p in computation_args]
-    trc.output = tuple(Var(o) for o in out)
-    return trc
+                specs.append((f"attr {name}", expr, val))
+        return specs
+    if k == "object":
+        return [("object", f"id({var})", id(v))]
+    raise AssertionError(k)
 
 
-def tensor_var_for(leaves, proxy, tensor_var):
+class _Missing:
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+@dataclasses.dataclass
+class Prologue:
+    """The generated extraction and guard-key functions for one leaf structure."""
+
+    extract: GeneratedFunction
+    guard_key_fn: GeneratedFunction
+    labels: tuple  # one Label per element of the guard key
+    structure: str  # the generated source: equal structure ⇔ shareable prologue
+    var_names: list  # variable name of each leaf, in leaf order
+    label_leaf: tuple  # leaf index of each guard-key element
+
+    def key_of(self, args, kwargs) -> tuple:
+        return self.guard_key_fn.fn(*self.extract.fn(*args, **kwargs))
+
+
+def leaf_vars(leaves, arg_names=()) -> list:
+    """A readable unique variable name per leaf, derived from its path (``x``, ``model_fc1_weight``)."""
+    used = {"args", "kwargs", "_MISSING", "_float_key", "torch", "len", "type", "id", "tuple", "float"}
+    names = []
     for leaf in leaves:
-        if leaf.kind == "tensor" and leaf.alias_of is None and leaf.proxy is proxy:
-            return tensor_var[id(leaf)]
-    raise KeyError(proxy)
+        base = _name_from_path(leaf.path, "v")
+        root = leaf.path[0]
+        if root.kind == "arg" and root.key < len(arg_names):
+            base = arg_names[root.key] + base[len(f"arg{root.key}"):]
+        if base.startswith("_"):
+            base = "v" + base
+        name, i = base, 1
+        while name in used or not name.isidentifier():
+            name = f"{base}_{i}"
+            i += 1
+        used.add(name)
+        names.append(name)
+    return names
 
 
-def _var_hint(path):
-    from ..compiler.tracing import _name_from_path
+def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
+    """Lines that assign ``names[i]`` for every leaf index in ``indices`` (parents first)."""
+    index_of_path = {leaf.path: i for i, leaf in enumerate(leaves)}
+    lines = []
+    for i in indices:
+        leaf = leaves[i]
+        step = leaf.path[-1]
+        if step.kind == "const":
+            # A tensor captured from the function's closure: passed by reference.
+            if consts is None:
+                raise ValueError("extraction of captured tensors needs a Consts table")
+            expr = consts(leaf.value)
+        elif len(leaf.path) == 1:
+            expr = step.expr("")
+        else:
+            expr = step.expr(names[index_of_path[leaf.path[:-1]]])
+        lines.append(f"{indent}{names[i]} = {expr}")
+    return lines
 
-    return _name_from_path(path, "obj")
+
+def build_prologue(leaves, arg_names=()) -> tuple:
+    """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``."""
+    names = leaf_vars(leaves, arg_names)
+    index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
+
+    def var_of_leaf(leaf):
+        return names[index_of[id(leaf)]]
+
+    consts = Consts()
+    ex_lines = ["def extract(*args, **kwargs):"]
+    ex_lines += extraction_lines(leaves, names, range(len(leaves)), consts=consts)
+    ex_lines.append(f"  return ({''.join(n + ', ' for n in names)})")
+
+    labels, exprs, expected, label_leaf = [], [], [], []
+    for i, leaf in enumerate(leaves):
+        where = path_str(leaf.path)
+        for what, expr, exp in guard_specs(leaf, names[i], var_of_leaf):
+            if what.startswith("attr "):
+                labels.append(Label(f"{where}.{what[5:]}", "value"))
+            else:
+                labels.append(Label(where, what))
+            exprs.append(expr)
+            expected.append(exp)
+            label_leaf.append(i)
+    gk_lines = [f"def guard_key({', '.join(names)}):"]
+    gk_lines.append("  return (")
+    for lab, e in zip(labels, exprs):
+        gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
+    gk_lines.append("  )")
+    structure = "\n".join(ex_lines + gk_lines)
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "torch": torch, **consts.d}
+    extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
+    gk = GeneratedFunction(
+        "guard_key",
+        "Prologue part 2: checks (everything the trace was specialised on; must equal the entry's key)",
+        gk_lines, g,
+    )
+    return Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf)), tuple(expected)
+
+
+# ---------------------------------------------------------------------------
+# Describing differences
+# ---------------------------------------------------------------------------
+def fmt_value(what: str, v) -> str:
+    if v is _MISSING:
+        return "<missing>"
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, torch.device):
+        return str(v)
+    if isinstance(v, type):
+        return v.__name__
+    if isinstance(v, torch.Size):
+        return repr(tuple(v))
+    return repr(v)
+
+
+def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> list:
+    """``["args[2].shape: (64, 128) → (32, 128)", ...]`` for the first ``limit`` differences."""
+    out = []
+    for lab, e, a in zip(labels, expected, actual):
+        if e == a:
+            continue
+        if lab.what == "object":
+            out.append(f"{lab.path}: a different object than the one compiled for")
+        elif lab.what == "identity":
+            out.append(f"{lab.path}: no longer the same tensor as the input it aliased when compiled")
+        else:
+            out.append(f"{lab.path}.{lab.what}: {fmt_value(lab.what, e)} → {fmt_value(lab.what, a)}")
+        if len(out) >= limit:
+            break
+    return out
+
+
+def count_diffs(expected: tuple, actual: tuple) -> int:
+    return sum(1 for e, a in zip(expected, actual) if e != a)
+
+
+# ---------------------------------------------------------------------------
+# Global state the trace depends on
+# ---------------------------------------------------------------------------
+GLOBAL_LABELS = (
+    Label("torch", "grad_enabled"),
+    Label("torch", "default_dtype"),
+    Label("torch", "autocast(cpu)"),
+    Label("torch", "autocast(cuda)"),
+)
 
 
 def current_global_state() -> tuple:

@@ -1,0 +1,122 @@
+"""Host overhead per call: eager, tt.compile (full prologue), thin mode, the computation itself, torch.compile.
+
+Run: python benchmarks/overhead.py [--no-torch-compile] [--quick]
+Prints medians (µs per call) and ratios in one run.  Not a test: timings vary by machine.
+Target: thin-mode call ≤ 1.10× calling the generated computation function directly.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import thunder_train as tt
+
+
+def elementwise(x, y):
+    # ~20 small elementwise ops on 8-element tensors: host overhead dominates.
+    a = x + y
+    b = a * x
+    c = b - y
+    d = torch.sin(c)
+    e = d * 2.0
+    f = torch.cos(e)
+    g = f + a
+    h = g * g
+    i = torch.exp(-h)
+    j = i + b
+    k = torch.tanh(j)
+    l = k * c
+    m = l - d
+    n = m / 3.0
+    o = torch.abs(n)
+    p = o + 1.0
+    q = torch.sqrt(p)
+    r = q * e
+    s = r + f
+    t = torch.sigmoid(s)
+    return t
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def mlp_forward(model, x):
+    return model(x)
+
+
+def bench_all(variants: dict, *, number, repeat) -> dict:
+    """Median µs per call of each variant; repeats are interleaved so machine noise hits all alike."""
+    for fn, args in variants.values():
+        for _ in range(20):
+            fn(*args)
+    times = {k: [] for k in variants}
+    for _ in range(repeat):
+        for k, (fn, args) in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn(*args)
+            times[k].append((time.perf_counter() - t0) / number * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_case(name, fn, args, *, number, repeat, with_torch_compile):
+    full = tt.compile(fn)
+    thin = tt.compile(fn, thin=True)
+    for _ in range(3):
+        full(*args)
+        thin(*args)
+    assert thin.is_thin_bound
+    comp, inputs = full.direct_call_parts(*args)
+    torch.testing.assert_close(thin(*args), fn(*args))
+    variants = {
+        "eager": (fn, args),
+        "tt full prologue": (full, args),
+        "tt thin": (thin, args),
+        "computation direct": (comp, inputs),
+    }
+    unavailable = None
+    if with_torch_compile:
+        try:  # compiled before timing starts, so its compile workers do not disturb the others
+            tc = torch.compile(fn)
+            tc(*args)
+            variants["torch.compile"] = (tc, args)
+        except Exception as e:  # noqa: BLE001 - report, don't fail the benchmark
+            unavailable = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    rows = bench_all(variants, number=number, repeat=repeat)
+    if unavailable:
+        rows["torch.compile"] = unavailable
+    direct = rows["computation direct"]
+    print(f"\n{name}")
+    for k, v in rows.items():
+        if isinstance(v, str):
+            print(f"  {k:20s} {v}")
+        else:
+            print(f"  {k:20s} {v:9.2f} µs   {v / direct:5.2f}× direct")
+    print(f"  thin / direct = {rows['tt thin'] / direct:.3f}  (target ≤ 1.10)")
+    return rows
+
+
+def main():
+    quick = "--quick" in sys.argv
+    with_tc = "--no-torch-compile" not in sys.argv
+    number, repeat = (200, 5) if quick else (1000, 15)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        x, y = torch.randn(8), torch.randn(8)
+        run_case("20 elementwise ops on 8-element tensors", elementwise, (x, y), number=number, repeat=repeat, with_torch_compile=with_tc)
+        model = MLP()
+        run_case("3-layer MLP forward (batch 8, width 32)", mlp_forward, (model, torch.randn(8, 32)), number=number, repeat=repeat, with_torch_compile=with_tc)
+
+
+if __name__ == "__main__":
+    main()

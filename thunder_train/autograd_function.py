@@ -1,0 +1,168 @@
+"""Connecting compiled gradients to PyTorch autograd.
+
+When a compiled function is called with grad enabled and some input tensor
+requires grad, its cache entry runs through ``ThunderFunction``, a
+``torch.autograd.Function``: the forward runs the compiled forward trace and
+keeps the values the backward reads; the backward runs the compiled backward
+trace.  To PyTorch the whole compiled region is one node of the autograd
+graph, so ``loss.backward()``, ``torch.autograd.grad``, tensor hooks,
+``retain_graph`` and gradient accumulation into ``.grad`` behave as in eager.
+
+Saved values.  Saved *outputs* of the node go through ``ctx.save_for_backward``
+(PyTorch avoids the output → node → output reference cycle for them).  All
+other saved values are kept in a list on ``ctx`` that the backward takes over:
+the generated backward unpacks the list, empties it and deletes each value
+after its last use, so saved activations are freed as the backward consumes
+them rather than when the whole node finishes.  With ``retain_graph=True`` the
+backward works on a copy and the list is kept.  A second backward without
+``retain_graph`` raises PyTorch's own error message, and saved inputs modified
+in place before the backward are reported like eager does.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .compiler.executors.passes import lower_to_executors
+from .compiler.proxies import is_proxy
+from .compiler.pytree import tree_flatten, tree_unflatten
+from .compiler.transforms import autograd as ag
+from .compiler.transforms.dce import dce
+from .compiler.transforms.grad_rules import NoGradientRuleError
+
+SECOND_BACKWARD_MESSAGE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+    "if you need to access saved tensors after calling backward."
+)
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward was asked to retain the graph (``retain_graph=True``).
+
+    PyTorch exposes this only privately; without it, saved values are kept
+    until the node is destroyed (correct results, later freeing).
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+class ThunderFunction(torch.autograd.Function):
+    """One autograd node for a compiled region: ``apply(program, *inputs)``."""
+
+    @staticmethod
+    def forward(ctx, program, *inputs):
+        outs, saved = program.forward(*inputs)
+        ctx.program = program
+        out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
+        is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
+        ctx.save_for_backward(*[s for s, o in zip(saved, is_out) if o])
+        ctx.tt_is_out = is_out
+        ctx.tt_saved = [None if o else s for s, o in zip(saved, is_out)]
+        input_ids = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
+        ctx.tt_versions = [(i, s._version) for i, s in enumerate(saved) if isinstance(s, torch.Tensor) and id(s) in input_ids]
+        ctx.mark_non_differentiable(
+            *[o for o, d in zip(outs, program.differentiable) if isinstance(o, torch.Tensor) and not d]
+        )
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *output_grads):
+        program = ctx.program
+        if ctx.tt_saved is None:
+            raise RuntimeError(SECOND_BACKWARD_MESSAGE)
+        from_torch = iter(ctx.saved_tensors)  # raises PyTorch's error if it already freed them
+        saved = [next(from_torch) if o else s for s, o in zip(ctx.tt_saved, ctx.tt_is_out)]
+        for i, version in ctx.tt_versions:
+            if saved[i]._version != version:
+                t = saved[i]
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. "
+                    f"(thunder_train: the compiled region saved its input {program.saved_names[i]!r})"
+                )
+        if saved and not _keep_graph():
+            ctx.tt_saved = None  # the backward below owns the values now and frees them as it goes
+        cotangents = [g for g, d in zip(output_grads, program.differentiable) if d]
+        grads = program.backward(saved, *cotangents)
+        return (None, *grads)
+
+
+class AutogradProgram:
+    """A cache entry's computation when gradients are needed: calls ``ThunderFunction``."""
+
+    def __init__(self, trc, fb: ag.ForwardBackward, executors):
+        names = ", ".join(ex.name for ex in executors)
+        fw = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
+        fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
+        fw = ag.free_after_last_use(fw)
+        bw = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
+        bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
+        bw = ag.free_after_last_use(ag.take_saved_as_list(bw, fb.saved))
+        self.forward_traces = [fb.joint, fb.forward, fw]
+        self.backward_traces = [fb.backward, bw]
+        self.forward = fw.python_callable()
+        self.backward = bw.python_callable()
+        self.differentiable = fb.differentiable
+        self.saved_names = [p.name for p in fb.saved]
+        self._outputs = fb.outputs
+        self._out_leaves, self._out_spec = tree_flatten(trc.output)
+
+    def __call__(self, *inputs):
+        results = ThunderFunction.apply(self, *inputs)
+        by_id = {id(p): r for p, r in zip(self._outputs, results)}
+        return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
+
+
+class _NoBackwardProgram:
+    """Forward as compiled; the backward raises the error that prevented building it (eager reports it there too)."""
+
+    def __init__(self, trc, computation, error: NoGradientRuleError):
+        self._computation = computation
+        self._error = error
+        self._out_leaves, self._out_spec = tree_flatten(trc.output)
+        self._positions = {}
+        for i, x in enumerate(self._out_leaves):
+            if is_proxy(x):
+                self._positions.setdefault(id(x), i)
+        needs = ag._Forward(trc).needs_grad
+        self._outputs = list({id(x): x for x in self._out_leaves if is_proxy(x)}.values())
+        self.differentiable = [ag._is_float_tensor(o) and id(o) in needs for o in self._outputs]
+        self.saved_names = []
+
+    def forward(self, *inputs):
+        leaves, _ = tree_flatten(self._computation(*inputs))
+        return tuple(leaves[self._positions[id(o)]] for o in self._outputs), ()
+
+    def backward(self, saved, *cotangents):
+        raise NoGradientRuleError(str(self._error))
+
+    def __call__(self, *inputs):
+        results = ThunderFunction.apply(self, *inputs)
+        by_id = {id(p): r for p, r in zip(self._outputs, results)}
+        return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
+
+
+def attach_autograd(entry, trc, executors) -> None:
+    """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
+
+    ``trc`` is the computation after dead code elimination.  Nothing changes
+    when grad is disabled, no input requires grad, or no output depends on one.
+    """
+    if not torch.is_grad_enabled() or not ag.requires_grad_inputs(trc):
+        return
+    try:
+        fb = ag.build_forward_backward(trc)
+    except NoGradientRuleError as error:
+        entry.computation = _NoBackwardProgram(trc, entry.computation, error)
+        entry.backward_traces = []
+        return
+    if fb is None:
+        return
+    program = AutogradProgram(trc, fb, executors)
+    keep = next(i for i, t in enumerate(entry.traces) if t is trc)
+    entry.traces = entry.traces[: keep + 1] + program.forward_traces
+    entry.backward_traces = program.backward_traces
+    entry.computation = program

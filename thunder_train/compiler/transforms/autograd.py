@@ -1,0 +1,338 @@
+"""Reverse-mode autograd on traces: a joint forward+backward trace, split in two.
+
+``build_forward_backward(trc)`` takes a computation trace (after DCE) whose
+inputs require grad and returns
+
+- the **joint** trace: the forward bound symbols followed by the backward ones,
+  recorded by calling each symbol's gradient rule (``grad_rules.py``) in
+  reverse order.  Its inputs are the computation's inputs plus one cotangent
+  per differentiable output; it returns ``(outputs, input_grads)``.  DCE runs
+  on it, so backward work nobody needs and forward work only the backward
+  needed both disappear together.
+- the **forward** trace: the forward part of the joint trace.  It returns
+  ``(outputs, saved_values)`` (its function keeps the name ``computation``).
+- the **backward** trace: ``backward(*saved_values, *cotangents)`` returns one
+  gradient per computation input (``None`` where it does not require grad).
+
+Composite symbols without a gradient rule are differentiated through their
+decomposition.  When the backward then needs one of the composite's internal
+values (dropout's mask, for example) the forward runs the decomposition too, so
+that value exists; otherwise the forward still runs the composite whole (one
+``torch.nn.functional`` call), and only its inputs and outputs are saved.
+
+Saved values: everything the backward reads from the forward.  Cheap ops whose
+output the backward reads (broadcasts, reshapes, dtype conversions, ``full``)
+are recomputed in the backward when that does not increase the number of saved
+values, which keeps the saved set small.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import context, prims
+from ..codegen import Name
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_flatten, tree_unflatten
+from ..symbols import BoundSymbol, Symbol
+from ..trace import Trace
+from .dce import dce
+from .grad_rules import NON_DIFFERENTIABLE, NoGradientRuleError, bind_arguments, get_rule
+
+# Recomputed in the backward rather than saved, when that saves no extra value.
+CHEAP_TO_RECOMPUTE = {
+    prims.broadcast_in_dim, prims.reshape, prims.transpose, prims.squeeze, prims.slice,
+    prims.convert_element_type, prims.full, prims.iota,
+}
+
+
+def _is_tensor(x) -> bool:
+    return type(x) is TensorProxy
+
+
+def _is_float_tensor(x) -> bool:
+    return _is_tensor(x) and x._tt_dtype.is_float
+
+
+def requires_grad_inputs(trc) -> list:
+    return [a for a in trc.args if _is_float_tensor(a) and a._tt_requires_grad]
+
+
+@dataclasses.dataclass
+class ForwardBackward:
+    joint: Trace
+    forward: Trace  # returns (outputs, saved)
+    backward: Trace  # backward(*saved, *cotangents) -> grads, one per computation input
+    outputs: list  # unique proxies the forward returns (tensors and numbers), in order
+    differentiable: list  # per output: does it carry gradient?
+    saved: list  # proxies the backward reads from the forward
+    cotangents: list  # one per differentiable output
+
+
+# ---------------------------------------------------------------------------
+# Forward: which values need gradients, which composites are decomposed
+# ---------------------------------------------------------------------------
+class _Forward:
+    """The forward bound symbols at the level the backward differentiates them.
+
+    A composite on the gradient path without a gradient rule is replaced by its
+    subsymbols (recursively); ``expanded`` remembers which, so the forward can
+    run it whole again if the backward needs none of its internal values.
+    """
+
+    def __init__(self, trc):
+        self.needs_grad = {id(a) for a in requires_grad_inputs(trc)}
+        self.bsyms: list = []
+        self.expanded: set = set()
+        for bsym in trc.bound_symbols:
+            self._add(bsym)
+
+    def on_path(self, bsym) -> bool:
+        return bsym.sym not in NON_DIFFERENTIABLE and any(_is_tensor(a) and id(a) in self.needs_grad for a in bsym.flat_args())
+
+    def _add(self, bsym):
+        on_path = self.on_path(bsym)
+        float_outs = [o for o in bsym.flat_outputs() if _is_float_tensor(o)]
+        if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
+            self.expanded.add(id(bsym))
+            for sub in bsym.subsymbols:
+                self._add(sub)
+            return
+        self.bsyms.append(bsym)
+        if on_path:
+            self.needs_grad.update(id(o) for o in float_outs)
+
+
+# ---------------------------------------------------------------------------
+# Backward: reverse pass over the forward bound symbols
+# ---------------------------------------------------------------------------
+class _Cotangents:
+    def __init__(self):
+        self._ct: dict = {}
+
+    def get(self, p):
+        return self._ct.get(id(p))
+
+    def add(self, p, g):
+        if g is None:
+            return
+        if tuple(g._tt_shape) != tuple(p._tt_shape) or g._tt_dtype is not p._tt_dtype:
+            raise RuntimeError(
+                f"thunder_train internal error: gradient for {p._tt_name} has {g.type_string()}, expected {p.type_string()}"
+            )
+        prev = self._ct.get(id(p))
+        self._ct[id(p)] = g if prev is None else prims.add(prev, g)
+
+
+def _describe(bsym) -> str:
+    name = bsym.sym.id
+    if bsym.sym.module == "opaque" and not name.startswith("grad_rules."):
+        return f"{name.removeprefix('opaque.')} (run opaquely, torch op unknown to thunder_train)"
+    return name
+
+
+def _backward_pass(fwd: _Forward, cts: _Cotangents):
+    for bsym in reversed(fwd.bsyms):
+        outs = [o for o in bsym.flat_outputs() if _is_tensor(o)]
+        if not any(cts.get(o) is not None for o in outs) or not fwd.on_path(bsym):
+            continue
+        rule = get_rule(bsym)
+        if rule is None:
+            raise NoGradientRuleError(
+                f"cannot compute gradients: {_describe(bsym)} has no gradient rule "
+                f"(it produces {', '.join(o._tt_name for o in outs)}, which a differentiable output depends on). "
+                "Add one with @register_vjp in thunder_train/compiler/transforms/grad_rules.py, "
+                "or compute this part under torch.no_grad() / on detached tensors."
+            )
+        flat_out, spec = tree_flatten(bsym.output)
+        g = tree_unflatten([cts.get(o) if _is_tensor(o) else None for o in flat_out], spec)
+        args = bind_arguments(bsym)
+        grads = rule(g, bsym.output, **args)
+        for name, grad in grads.items():
+            if grad is None:
+                continue
+            values, _ = tree_flatten(args[name])
+            grad_leaves, _ = tree_flatten(grad)
+            for v, gv in zip(values, grad_leaves):
+                if _is_tensor(v) and id(v) in fwd.needs_grad and gv is not None:
+                    cts.add(v, gv)
+
+
+# ---------------------------------------------------------------------------
+# The split
+# ---------------------------------------------------------------------------
+def _proxies_read(bsyms, extra=()) -> list:
+    """Proxies the bound symbols read (plus ``extra``) that they do not define, in first-use order."""
+    defined, read, seen = set(), [], set()
+    for b in bsyms:
+        for a in b.flat_args():
+            if is_proxy(a) and id(a) not in defined and id(a) not in seen:
+                seen.add(id(a))
+                read.append(a)
+        defined.update(id(o) for o in b.flat_outputs() if is_proxy(o))
+    for a in extra:
+        if is_proxy(a) and id(a) not in defined and id(a) not in seen:
+            seen.add(id(a))
+            read.append(a)
+    return read
+
+
+def _recompute_cheap(saved: list, fwd_bsyms: list) -> tuple[list, list]:
+    """Replace saved outputs of cheap ops by their inputs when that does not grow the saved set."""
+    producer = {id(o): b for b in fwd_bsyms for o in b.flat_outputs() if is_proxy(o)}
+    position = {id(b): i for i, b in enumerate(fwd_bsyms)}
+    saved = list(saved)
+    moved: dict = {}
+    changed = True
+    while changed:
+        changed = False
+        for p in list(saved):
+            b = producer.get(id(p))
+            if b is None or b.sym not in CHEAP_TO_RECOMPUTE:
+                continue
+            have = {id(s) for s in saved}
+            new_inputs = list({id(x): x for x in b.flat_args() if is_proxy(x) and id(x) not in have}.values())
+            if len(new_inputs) > 1:
+                continue
+            saved = [s for s in saved if s is not p] + new_inputs
+            moved[id(b)] = b
+            changed = True
+    recompute = sorted(moved.values(), key=lambda b: position[id(b)])
+    return saved, recompute
+
+
+def _internal_ids(bsym) -> set:
+    ids = set()
+    for sub in bsym.subsymbols:
+        ids.update(id(o) for o in sub.flat_outputs() if is_proxy(o))
+        ids |= _internal_ids(sub)
+    return ids - {id(o) for o in bsym.flat_outputs() if is_proxy(o)}
+
+
+def _emit_forward(bsyms, expanded, saved_ids, out):
+    """Each composite whole unless the backward reads one of its internal values."""
+    for b in bsyms:
+        if id(b) in expanded and _internal_ids(b) & saved_ids:
+            _emit_forward(b.subsymbols, expanded, saved_ids, out)
+        else:
+            out.append(b)
+
+
+def build_forward_backward(trc) -> ForwardBackward | None:
+    """The joint trace and its split; None when no output carries gradient."""
+    fwd = _Forward(trc)
+    flat_out, _ = tree_flatten(trc.output)
+    outputs = list({id(o): o for o in flat_out if is_proxy(o)}.values())
+    differentiable = [_is_float_tensor(o) and id(o) in fwd.needs_grad for o in outputs]
+    if not any(differentiable):
+        return None
+
+    joint = trc.derive("Joint forward and backward (autograd)")
+    joint.bound_symbols.extend(fwd.bsyms)
+    cts = _Cotangents()
+    cotangents = []
+    with context.tracing(joint):
+        for o, d in zip(outputs, differentiable):
+            if d:
+                c = TensorProxy(joint.make_name("ct"), shape=o._tt_shape, dtype=o._tt_dtype, device=o._tt_device)
+                cotangents.append(c)
+                cts.add(o, c)
+        _backward_pass(fwd, cts)
+    grads = tuple(cts.get(a) if _is_float_tensor(a) and a._tt_requires_grad else None for a in trc.args)
+    joint.args = list(trc.args) + cotangents
+    joint.output = (trc.output, grads)
+    joint = dce(joint, header="Joint forward and backward (autograd), after dead code elimination")
+
+    fwd_ids = {id(b) for b in fwd.bsyms}
+    fwd_part = [b for b in joint.bound_symbols if id(b) in fwd_ids]
+    bwd_part = [b for b in joint.bound_symbols if id(b) not in fwd_ids]
+    ct_ids = {id(c) for c in cotangents}
+    saved = [p for p in _proxies_read(bwd_part, grads) if id(p) not in ct_ids]
+    saved, recompute = _recompute_cheap(saved, fwd_part)
+
+    forward = trc.derive("Forward (autograd): the computation, also returning the values the backward reads")
+    # fn_name stays "computation": the executed forward is the entry's computation.
+    _emit_forward(trc.bound_symbols, fwd.expanded, {id(p) for p in saved}, forward.bound_symbols)
+    forward.output = (tuple(outputs), tuple(saved))
+    forward = dce(forward, header=forward.header)
+
+    backward = joint.derive("Backward (autograd): gradients of the inputs from saved values and output cotangents")
+    backward.fn_name = "backward"
+    backward.args = list(saved) + cotangents
+    backward.bound_symbols.extend(recompute + bwd_part)
+    backward.output = grads
+    backward.decorators = []
+    return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents)
+
+
+def detach_float_tensors(out):
+    """``prims.stop_gradient`` on every float tensor in ``out`` (the tracer calls this in no_grad regions)."""
+    from ..pytree import tree_map
+
+    return tree_map(lambda x: prims.stop_gradient(x) if _is_float_tensor(x) else x, out)
+
+
+# ---------------------------------------------------------------------------
+# Lines only the executed traces need: unpacking the saved list, freeing values
+# ---------------------------------------------------------------------------
+class _SourceOnly(Symbol):
+    """A trace line with custom source and no semantics for passes (after lowering only)."""
+
+    def __init__(self, name, format_lines):
+        super().__init__(name, None, module="autograd", is_prim=True)
+        self._format_lines = format_lines
+
+    def format_lines(self, bsym, fmt):
+        return self._format_lines(bsym, fmt)
+
+    def codegen_globals(self) -> dict:
+        return {}
+
+
+def _unpack_lines(bsym, fmt):
+    names = [fmt(p) for p in bsym.output]
+    lines = [f"({', '.join(names)},) = saved" if len(names) == 1 else f"({', '.join(names)}) = saved"]
+    lines.append("saved.clear()  # the names above now hold the only references")
+    for p in bsym.output:
+        lines.append(f"# {p._tt_name}: \"{p.type_string()}\"" if _is_tensor(p) else f"# {p.name}: {p.type_string()}")
+    return lines
+
+
+UNPACK_SAVED = _SourceOnly("unpack_saved", _unpack_lines)
+DEL = _SourceOnly("del", lambda bsym, fmt: [f"del {', '.join(fmt(p) for p in bsym.args)}"])
+
+
+def take_saved_as_list(trc, saved) -> Trace:
+    """``backward(saved, *cotangents)``: the saved values arrive in one list the trace empties."""
+    new = trc.derive(trc.header)
+    new.args = [Name("saved")] + [a for a in trc.args if not any(a is s for s in saved)]
+    if saved:
+        new.bound_symbols.append(BoundSymbol(UNPACK_SAVED, (), {}, tuple(saved)))
+    new.bound_symbols.extend(trc.bound_symbols)
+    return new
+
+
+def free_after_last_use(trc, header=None) -> Trace:
+    """Insert ``del`` after the last use of every tensor the trace does not return."""
+    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    last: dict = {}
+    for i, b in enumerate(trc.bound_symbols):
+        for p in list(b.flat_args()) + list(b.flat_outputs()) if b.sym is not UNPACK_SAVED else b.flat_outputs():
+            if _is_tensor(p):
+                last[id(p)] = (i, p)
+    for a in trc.args:
+        if _is_tensor(a) and id(a) not in last:
+            last[id(a)] = (-1, a)
+    dead_at: dict = {}
+    for i, p in last.values():
+        if id(p) not in returned:
+            dead_at.setdefault(i, []).append(p)
+    new = trc.derive(header or trc.header)
+    new.bound_symbols.extend(BoundSymbol(DEL, tuple(dead_at[-1]), {}, None) for _ in [0] if -1 in dead_at)
+    for i, b in enumerate(trc.bound_symbols):
+        new.bound_symbols.append(b)
+        if i in dead_at:
+            new.bound_symbols.append(BoundSymbol(DEL, tuple(dead_at[i]), {}, None))
+    return new
+
+
+__all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "take_saved_as_list", "free_after_last_use", "detach_float_tensors"]
