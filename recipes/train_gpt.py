@@ -4,8 +4,11 @@
     python recipes/train_gpt.py --compile eager        # the same in eager PyTorch, for comparison
     python recipes/train_gpt.py --steps 20 --print-trace
 
-The model's forward is compiled with ``thunder_train.compile``; the loss,
-backward and AdamW update run in PyTorch around it.
+The model is compiled with ``thunder_train.compile`` (``--compile thunder-thin``
+binds its parameters once and checks only the batch on later steps).  Its
+gradients come from thunder_train's own backward trace, reached through
+``loss.backward()``; the loss and the AdamW update run in PyTorch around it
+until the whole-step capture lands.
 """
 from __future__ import annotations
 

@@ -28,3 +28,10 @@ def test_train_gpt_thunder_matches_eager():
     assert loss_tt == pytest.approx(loss_eager, rel=1e-3)
     assert loss_tt < 2.4  # ln(13) ≈ 2.56 is chance level for the 13-character alphabet
     assert "def computation(" in stdout and "scaled_dot_product_attention" in stdout
+
+
+def test_train_gpt_thin_mode_matches_eager():
+    loss_thin, stdout = run_recipe("--compile", "thunder-thin", "--steps", "20")
+    loss_eager, _ = run_recipe("--compile", "eager", "--steps", "20")
+    assert loss_thin == pytest.approx(loss_eager, rel=1e-3)
+    assert "mode=thunder-thin" in stdout
