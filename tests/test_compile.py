@@ -372,3 +372,12 @@ def test_compile_rejects_non_callables():
 def test_traces_before_first_call_is_a_clear_error():
     with pytest.raises(RuntimeError, match="not been called"):
         tt.last_traces(tt.compile(lambda x: x))
+
+
+def test_opaque_op_returning_a_named_tuple():
+    x = torch.randn(6)
+    out = tt.compile(lambda t: torch.cummax(t, 0))(x)
+    ref = torch.cummax(x, 0)
+    assert type(out) is type(ref) and out.values.device == x.device
+    torch.testing.assert_close(out.values, ref.values)
+    torch.testing.assert_close(out.indices, ref.indices)

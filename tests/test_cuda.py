@@ -63,3 +63,20 @@ def test_recipe_runs_on_cuda():
     )
     assert out.returncode == 0, out.stderr
     assert "device=cuda" in out.stdout and "final_loss=" in out.stdout
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_gradients_and_thin_mode_on_cuda(thin):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
+    ref.load_state_dict(m.state_dict())
+    cm = tt.compile(m, thin=thin)
+    for step in range(4):
+        x = torch.randn(16, 32, device="cuda")
+        y = torch.randint(0, 8, (16,), device="cuda")
+        F.cross_entropy(cm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"{n} at step {step}: {s}")
+    assert tt.last_backward_traces(cm), "the gradients should come from thunder_train's backward trace"

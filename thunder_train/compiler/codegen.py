@@ -102,8 +102,7 @@ def _format_lhs(out, g) -> str:
         return ""
     if is_proxy(out):
         return f"{format_value(out, g)} = "
-    t = type(out)
-    if t in (tuple, list):
+    if isinstance(out, (tuple, list)):  # includes named tuples and torch.return_types
         if not any(is_proxy(v) or type(v) in (tuple, list) for v in out):
             return ""
         parts = [_format_lhs_item(v, g) for v in out]
@@ -115,7 +114,7 @@ def _format_lhs(out, g) -> str:
 def _format_lhs_item(v, g) -> str:
     if is_proxy(v):
         return format_value(v, g)
-    if type(v) in (tuple, list):
+    if isinstance(v, (tuple, list)):
         inner = ", ".join(_format_lhs_item(x, g) for x in v)
         return f"({inner},)" if len(v) == 1 else f"({inner})"
     return "_"

@@ -80,24 +80,26 @@ def rdiv(a, b):
     return b.__rtruediv__(a)
 
 
+def _named_wrapper(op, suffix, make):
+    """Build (once) a wrapper of ``op`` and publish it in this module, so the
+    generated code can refer to it as ``ttex.<name>``."""
+    name = f"{op.__name__}_{suffix}"
+    fn = globals().get(name)
+    if fn is None:
+        fn = make(op)
+        fn.__name__ = name
+        globals()[name] = fn
+    return fn
+
+
 def scalar_first(op):
     """Wrap a binary torch op so a Python number may come first."""
-
-    def fn(a, b):
-        return op(torch.full_like(b, a), b)
-
-    fn.__name__ = f"{op.__name__}_scalar_first"
-    return fn
+    return _named_wrapper(op, "scalar_first", lambda op: lambda a, b: op(torch.full_like(b, a), b))
 
 
 def scalar_second(op):
     """Wrap a binary torch op that needs tensors on both sides."""
-
-    def fn(a, b):
-        return op(a, torch.full_like(a, b))
-
-    fn.__name__ = f"{op.__name__}_scalar_second"
-    return fn
+    return _named_wrapper(op, "scalar_second", lambda op: lambda a, b: op(a, torch.full_like(a, b)))
 
 
 def where(pred, a, b):

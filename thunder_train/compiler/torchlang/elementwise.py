@@ -1,6 +1,8 @@
 """Elementwise torch functions, Tensor methods and operators."""
 from __future__ import annotations
 
+import builtins
+
 import torch
 
 from .. import clang, dtypes, prims
@@ -69,6 +71,8 @@ def round(input, *, decimals=0):
     """torch.round (half to even), optionally to ``decimals`` places."""
     if decimals == 0:
         return clang.elementwise_unary(prims.round, input, upcast=False)
+    if not input._tt_dtype.is_float:
+        raise NotImplementedError(f"round(decimals={decimals}) is only supported for floating point tensors, like eager")
     scale = 10.0**decimals
     return clang.true_divide(clang.elementwise_unary(prims.round, clang.mul(input, scale), upcast=False), scale)
 
@@ -138,7 +142,7 @@ def sub(input, other, *, alpha=1):
     return clang.sub(input, other)
 
 
-@torchsymbol(methods=("__rsub__",), name="rsub")
+@torchsymbol(torch.rsub, methods=("__rsub__",), name="rsub")
 def rsub(input, other, *, alpha=1):
     """``other - input`` (Tensor.__rsub__)."""
     return sub(other, input, alpha=alpha) if type(other) is TensorProxy else clang.sub(other, clang.mul(input, alpha) if alpha != 1 else input)
@@ -173,8 +177,26 @@ remainder = _binary("remainder", prims.remainder, methods=("remainder", "__mod__
 fmod = _binary("fmod", prims.fmod, upcast=False)
 maximum = _binary("maximum", prims.maximum, upcast=False)
 minimum = _binary("minimum", prims.minimum, upcast=False)
-fmax = _binary("fmax", prims.maximum, upcast=False)
-fmin = _binary("fmin", prims.minimum, upcast=False)
+
+
+def _nan_ignoring(name, prim):
+    """fmax/fmin: like maximum/minimum, but a NaN loses to a number."""
+
+    def fn(input, other):
+        both = clang.elementwise_binary(prim, input, other, upcast=False)
+        if not both._tt_dtype.is_float:
+            return both
+        a, b = clang.maybe_broadcast(clang.maybe_convert(input, both._tt_dtype), clang.maybe_convert(other, both._tt_dtype))
+        out = clang.where(clang.elementwise_unary(prims.isnan, b, P.ALWAYS_BOOL, upcast=False), a, both) if type(b) is TensorProxy else both
+        return clang.where(clang.elementwise_unary(prims.isnan, a, P.ALWAYS_BOOL, upcast=False), b, out) if type(a) is TensorProxy else out
+
+    fn.__name__ = name
+    fn.__doc__ = f"torch.{name}"
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+
+
+fmax = _nan_ignoring("fmax", prims.maximum)
+fmin = _nan_ignoring("fmin", prims.minimum)
 atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"))
 copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT)
 hypot = _binary("hypot", prims.hypot)
@@ -182,8 +204,8 @@ nextafter = _binary("nextafter", prims.nextafter, upcast=False)
 bitwise_and = _binary("bitwise_and", prims.bitwise_and, methods=("bitwise_and", "__and__", "__rand__"), upcast=False)
 bitwise_or = _binary("bitwise_or", prims.bitwise_or, methods=("bitwise_or", "__or__", "__ror__"), upcast=False)
 bitwise_xor = _binary("bitwise_xor", prims.bitwise_xor, methods=("bitwise_xor", "__xor__", "__rxor__"), upcast=False)
-bitwise_left_shift = _binary("bitwise_left_shift", prims.bitwise_left_shift, methods=("bitwise_left_shift", "__lshift__"), upcast=False)
-bitwise_right_shift = _binary("bitwise_right_shift", prims.bitwise_right_shift, methods=("bitwise_right_shift", "__rshift__"), upcast=False)
+bitwise_left_shift = _binary("bitwise_left_shift", prims.bitwise_left_shift, methods=("bitwise_left_shift", "__lshift__"), upcast=False, reverse_methods=("__rlshift__",))
+bitwise_right_shift = _binary("bitwise_right_shift", prims.bitwise_right_shift, methods=("bitwise_right_shift", "__rshift__"), upcast=False, reverse_methods=("__rrshift__",))
 eq = _binary("eq", prims.eq, P.ALWAYS_BOOL, methods=("eq", "__eq__"), upcast=False)
 ne = _binary("ne", prims.ne, P.ALWAYS_BOOL, torch_fns=(torch.ne, torch.not_equal), methods=("ne", "__ne__", "not_equal"), upcast=False)
 lt = _binary("lt", prims.lt, P.ALWAYS_BOOL, torch_fns=(torch.lt, torch.less), methods=("lt", "__lt__", "less"), upcast=False)
@@ -195,7 +217,7 @@ ge = _binary("ge", prims.ge, P.ALWAYS_BOOL, torch_fns=(torch.ge, torch.greater_e
 @torchsymbol(torch.pow, methods=("pow", "__pow__"))
 def pow(input, exponent):
     """torch.pow; ``x ** 2`` becomes ``x * x``."""
-    if type(input) is TensorProxy and exponent == 2 and not isinstance(exponent, bool):
+    if type(input) is TensorProxy and type(exponent) in (int, float) and exponent == 2:
         d = clang.result_dtype(input, exponent)
         x = clang.maybe_convert(input, clang.compute_dtype(d))
         return clang.maybe_convert(prims.mul(x, x), d)
@@ -237,18 +259,14 @@ def where(condition, input=None, other=None):
 
 @torchsymbol(torch.clamp, torch.clip, methods=("clamp", "clip"))
 def clamp(input, min=None, max=None):
-    """torch.clamp with scalar or tensor bounds (NaN propagates like torch)."""
+    """torch.clamp = minimum(maximum(input, min), max); NaN in input or a bound propagates."""
     if min is None and max is None:
         raise ValueError("torch.clamp: at least one of 'min' or 'max' must not be None")
     out = input
     if min is not None:
-        d = clang.result_dtype(out, min)
-        mask = clang.logical_and(clang.lt(out, min), clang.eq(clang.elementwise_unary(prims.isnan, out, P.ALWAYS_BOOL, upcast=False), False)) if d.is_float else clang.lt(out, min)
-        out = clang.where(mask, clang.maybe_convert(min, d) if type(min) is not TensorProxy else min, clang.maybe_convert(out, d))
+        out = clang.elementwise_binary(prims.maximum, out, min, upcast=False)
     if max is not None:
-        d = clang.result_dtype(out, max)
-        mask = clang.elementwise_binary(prims.gt, out, max, P.ALWAYS_BOOL, upcast=False)
-        out = clang.where(mask, clang.maybe_convert(max, d) if type(max) is not TensorProxy else max, clang.maybe_convert(out, d))
+        out = clang.elementwise_binary(prims.minimum, out, max, upcast=False)
     return out
 
 
@@ -264,8 +282,16 @@ def clamp_max(input, max):
 
 @torchsymbol(torch.lerp, methods=("lerp",))
 def lerp(input, end, weight):
-    """``input + weight * (end - input)``."""
-    return clang.add(input, clang.mul(weight, clang.sub(end, input)))
+    """Like torch: ``input + w * d`` for |w| < 0.5, else ``end - d * (1 - w)`` (exact at w = 1)."""
+    diff = clang.sub(end, input)
+    if type(weight) is not TensorProxy:
+        if builtins.abs(weight) < 0.5:
+            return clang.add(input, clang.mul(weight, diff))
+        return clang.sub(end, clang.mul(diff, 1 - weight))
+    low = clang.add(input, clang.mul(weight, diff))
+    high = clang.sub(end, clang.mul(diff, clang.sub(1, weight)))
+    small = clang.lt(clang.elementwise_unary(prims.abs, weight, upcast=False), 0.5)
+    return clang.where(small, low, high)
 
 
 @torchsymbol(torch.addcmul, methods=("addcmul",))
@@ -275,6 +301,8 @@ def addcmul(input, tensor1, tensor2, *, value=1):
 
 @torchsymbol(torch.addcdiv, methods=("addcdiv",))
 def addcdiv(input, tensor1, tensor2, *, value=1):
+    if not clang.result_dtype(tensor1, tensor2).is_float:
+        raise RuntimeError("Integer division with addcdiv is no longer supported (as in eager); use addcmul(input, tensor1, 1 / tensor2)")
     return clang.add(input, clang.mul(clang.true_divide(tensor1, tensor2), value))
 
 
@@ -286,3 +314,20 @@ def xlogy(input, other):
     zero_x = clang.eq(input, 0)
     out = clang.where(zero_x, 0.0, prod)
     return clang.where(clang.elementwise_unary(prims.isnan, clang.maybe_convert(other, d) if type(other) is TensorProxy else clang.full_like(out, other), P.ALWAYS_BOOL, upcast=False), float("nan"), out)
+
+
+@torchsymbol(torch.isclose, methods=("isclose",))
+def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """|input - other| <= atol + rtol * |other|; equal infinities are close, NaNs only with equal_nan."""
+    d = clang.result_dtype(input, other)
+    a, b = clang.maybe_convert(input, d), clang.maybe_convert(other, d)
+    close = clang.eq(a, b)
+    if d.is_float:
+        diff = clang.elementwise_unary(prims.abs, clang.sub(a, b), upcast=False)
+        bound = clang.add(clang.mul(clang.elementwise_unary(prims.abs, b, upcast=False), rtol), atol)
+        finite = clang.logical_and(clang.elementwise_unary(prims.isfinite, a, P.ALWAYS_BOOL), clang.elementwise_unary(prims.isfinite, b, P.ALWAYS_BOOL))
+        close = logical_or(close, clang.logical_and(finite, clang.elementwise_binary(prims.le, diff, bound, P.ALWAYS_BOOL, upcast=False)))
+        if equal_nan:
+            nan_a = clang.elementwise_unary(prims.isnan, a, P.ALWAYS_BOOL)
+            close = logical_or(close, clang.logical_and(nan_a, clang.elementwise_unary(prims.isnan, b, P.ALWAYS_BOOL)))
+    return close

@@ -173,3 +173,16 @@ def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=Fal
         return prims.empty(tuple(ref.shape), device=dev, dtype=dt)
     out = parts[0] if len(parts) == 1 else prims.cat(tuple(parts), 0)
     return clang.reshape(out, tuple(ref.shape))
+
+
+@torchsymbol(torch.scalar_tensor)
+def scalar_tensor(s, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
+    dt, dev = _dd(dtype, device)
+    return prims.full((), s, device=dev, dtype=dt)
+
+
+@torchsymbol(methods=("new_tensor",))
+def new_tensor(input, data, *, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+    """Like ``torch.tensor`` but defaulting to ``input``'s dtype and device."""
+    dt, dev = _like(input, dtype, device)
+    return tensor(data, dtype=dt.torch, device=dev.torch)

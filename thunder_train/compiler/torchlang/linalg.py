@@ -8,8 +8,10 @@ from .registry import torchsymbol
 
 
 def _matmul(a, b):
-    d = dtypes.promote(a._tt_dtype, b._tt_dtype)
-    return prims.matmul(clang.maybe_convert(a, d), clang.maybe_convert(b, d))
+    # Eager matmul does not promote: mixed dtypes are an error there too.
+    if a._tt_dtype is not b._tt_dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a._tt_dtype} != {b._tt_dtype}")
+    return prims.matmul(a, b)
 
 
 @torchsymbol(torch.matmul, methods=("matmul", "__matmul__"))
@@ -66,6 +68,8 @@ def einsum(equation, *operands):
     ins = lhs.split(",")
     if len(ins) != len(operands):
         raise ValueError("einsum: number of operands does not match the equation")
+    if any(len(set(s)) != len(s) for s in ins):
+        raise NotImplementedError("einsum: repeated indices within one operand (diagonals, traces) are not supported")
     if len(ins) == 1:
         (a,), (sa,) = operands, ins
         summed = tuple(i for i, c in enumerate(sa) if c not in out)
@@ -111,3 +115,11 @@ def einsum(equation, *operands):
     r = clang.reshape(r, B + tuple(size[c] for c in m_idx) + tuple(size[c] for c in n_idx))
     cur = batch + m_idx + n_idx
     return clang.permute(r, [cur.index(c) for c in out])
+
+
+@torchsymbol(torch.baddbmm, methods=("baddbmm",))
+def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
+    p = bmm(batch1, batch2)
+    if alpha != 1:
+        p = clang.mul(p, alpha)
+    return clang.add(clang.mul(input, beta) if beta != 1 else input, p)

@@ -27,7 +27,8 @@ def _up(a):
 # ---------------------------------------------------------------------------
 @torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu)
 def relu(input, inplace=False):
-    return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, prims.full(input._tt_shape, 0, device=input._tt_device, dtype=input._tt_dtype))
+    """max(input, 0); NaN propagates like eager."""
+    return clang.elementwise_binary(prims.maximum, input, 0, upcast=False)
 
 
 @torchsymbol(F.relu6)
@@ -204,6 +205,42 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
+@torchsymbol(F.binary_cross_entropy)
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
+    x, dt = _up(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    log_p = clang.maximum(clang.log(x), -100.0)
+    log_1mp = clang.maximum(clang.log(clang.sub(1, x)), -100.0)
+    loss = clang.neg(clang.add(clang.mul(t, log_p), clang.mul(clang.sub(1, t), log_1mp)))
+    if weight is not None:
+        loss = clang.mul(loss, weight)
+    return clang.maybe_convert(_reduce(loss, reduction), dt)
+
+
+@torchsymbol(F.huber_loss)
+def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
+    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
+    quad = clang.mul(clang.mul(d, d), 0.5)
+    lin = clang.mul(clang.sub(d, 0.5 * delta), delta)
+    return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
+
+
+@torchsymbol(F.kl_div)
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """target (log target - input), with 0 where target is 0 (xlogy)."""
+    if log_target:
+        loss = clang.mul(clang.exp(target), clang.sub(target, input))
+    else:
+        from .elementwise import xlogy
+
+        loss = clang.sub(xlogy(target, target), clang.mul(target, input))
+    if reduction == "batchmean":
+        return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)
+    return _reduce(loss, reduction)
+
+
 @torchsymbol(F.nll_loss)
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     return _nll(input, target, weight, ignore_index, reduction)
@@ -348,6 +385,26 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         prims.sub(x, clang.expand(clang.reshape(mean, bshape), x._tt_shape)),
         clang.expand(clang.reshape(prims.rsqrt(prims.add(var, eps)), bshape), x._tt_shape),
     )
+    if weight is not None:
+        out = clang.mul(out, clang.reshape(clang.maybe_convert(weight, out._tt_dtype), bshape))
+    if bias is not None:
+        out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.group_norm)
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
+    x, dt = _up(input)
+    N, C = x._tt_shape[0], x._tt_shape[1]
+    if C % num_groups:
+        raise ValueError(f"Expected number of channels in input to be divisible by num_groups, but got input of shape {x._tt_shape} and num_groups={num_groups}")
+    g = clang.reshape(x, (N, num_groups, -1))
+    var = clang._restore_dims(prims.var(g, (2,), 0), g._tt_shape, (2,))
+    mean = clang._restore_dims(prims.div(prims.sum(g, (2,)), float(g._tt_shape[2])), g._tt_shape, (2,))
+    out = prims.mul(prims.sub(g, clang.expand(mean, g._tt_shape)), clang.expand(prims.rsqrt(prims.add(var, eps)), g._tt_shape))
+    out = clang.reshape(out, x._tt_shape)
+    bshape = (1, C) + (1,) * (x.ndim_ - 2)
     if weight is not None:
         out = clang.mul(out, clang.reshape(clang.maybe_convert(weight, out._tt_dtype), bshape))
     if bias is not None:

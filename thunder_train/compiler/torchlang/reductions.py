@@ -55,10 +55,10 @@ def _max_min(name, prim, argprim):
         idx = argprim(input, d) if input.ndim_ else prims.full((), 0, device=input._tt_device, dtype=dtypes.int64)
         if keepdim and input.ndim_:
             idx = clang.unsqueeze(idx, d)
-        return torch.return_types.max((values, idx)) if name == "max" else torch.return_types.min((values, idx))
+        return values, idx
 
     fn.__name__ = name
-    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name, returns=getattr(torch.return_types, name))(fn)
 
 
 max = _max_min("max", prims.amax, prims.argmax)
@@ -159,16 +159,14 @@ def cumsum(input, dim, *, dtype=None):
     return prims.cumsum(x, clang.canonicalize_dim(x.ndim_, dim))
 
 
-@torchsymbol(torch.topk, methods=("topk",))
+@torchsymbol(torch.topk, methods=("topk",), returns=torch.return_types.topk)
 def topk(input, k, dim=-1, largest=True, sorted=True):
-    v, i = prims.topk(input, k, clang.canonicalize_dim(input.ndim_, dim), largest, sorted)
-    return torch.return_types.topk((v, i))
+    return prims.topk(input, k, clang.canonicalize_dim(input.ndim_, dim), largest, sorted)
 
 
-@torchsymbol(torch.sort, methods=("sort",))
+@torchsymbol(torch.sort, methods=("sort",), returns=torch.return_types.sort)
 def sort(input, dim=-1, descending=False, stable=False):
-    v, i = prims.sort(input, clang.canonicalize_dim(input.ndim_, dim), descending, stable)
-    return torch.return_types.sort((v, i))
+    return prims.sort(input, clang.canonicalize_dim(input.ndim_, dim), descending, stable)
 
 
 @torchsymbol(torch.all, methods=("all",))
@@ -201,8 +199,16 @@ def norm(input, p=2, dim=None, keepdim=False, dtype=None):
         return clang.amax(ax, _dims(dim), keepdim)
     if p == -math.inf:
         return clang.amin(ax, _dims(dim), keepdim)
+    if p == 0:  # the number of nonzero entries
+        return clang.sum(clang.maybe_convert(clang.ne(ax, 0), ax._tt_dtype), _dims(dim), keepdim)
     if p == 1:
         return clang.sum(ax, _dims(dim), keepdim)
     if p == 2:
         return clang.sqrt(clang.sum(clang.mul(ax, ax), _dims(dim), keepdim))
     return clang.elementwise_binary(prims.pow, clang.sum(clang.elementwise_binary(prims.pow, ax, p), _dims(dim), keepdim), 1.0 / p)
+
+
+@torchsymbol(torch.aminmax, methods=("aminmax",), returns=torch.return_types.aminmax)
+def aminmax(input, *, dim=None, keepdim=False):
+    """(amin, amax) over ``dim`` (all dims when None)."""
+    return clang.amin(input, _dims(dim), keepdim), clang.amax(input, _dims(dim), keepdim)

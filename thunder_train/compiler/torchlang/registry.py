@@ -25,25 +25,45 @@ property_setters: dict = {}
 all_symbols: dict = {}
 
 
-def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=()):
+def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None):
+    """``returns``: a ``torch.return_types`` class the caller gets when the symbol returns a tuple."""
+
     def deco(fn):
         sym = Symbol(name or fn.__name__, fn, module="ltorch", tags=tags)
         impl = torch_impl
         if impl is _DEFAULT:
             impl = torch_fns[0] if torch_fns else (getattr(torch.Tensor, methods[0]) if methods else None)
         sym.torch_impl = impl
+        entry = sym if returns is None else _NamedResult(sym, returns)
         for f in torch_fns:
-            by_torch_fn[f] = sym
+            by_torch_fn[f] = entry
         for m in methods:
-            by_method_name[m] = sym
+            by_method_name[m] = entry
             for owner in (torch.Tensor, torch._C.TensorBase):
                 f = getattr(owner, m, None)
                 if f is not None:
-                    by_torch_fn[f] = sym
+                    by_torch_fn[f] = entry
         all_symbols[sym.name] = sym
         return sym
 
     return deco
+
+
+class _NamedResult:
+    """Dispatch entry for ops that return ``torch.return_types`` (values, indices).
+
+    The symbol itself records a plain tuple, which traces can flatten and
+    unpack; the caller gets the named tuple eager returns (``.values``).
+    """
+
+    def __init__(self, sym, result_type):
+        self.sym = sym
+        self.name = sym.name
+        self.result_type = result_type
+
+    def __call__(self, *args, **kwargs):
+        out = self.sym(*args, **kwargs)
+        return self.result_type(out) if type(out) is tuple else out
 
 
 def lookup(func):

@@ -1,6 +1,7 @@
 """Shape and indexing operations: reshape/view, permute, cat, split, getitem, gather, ..."""
 from __future__ import annotations
 
+import builtins
 import math
 
 import torch
@@ -269,7 +270,10 @@ def take_along_dim(input, indices, dim=None):
     if dim is None:
         return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
     dim = clang.canonicalize_dim(input.ndim_, dim)
-    shape = list(clang.broadcast_shapes(input._tt_shape, indices._tt_shape))
+    # Every dim but ``dim`` broadcasts; along ``dim`` each keeps its own size.
+    rest_in = input._tt_shape[:dim] + (1,) + input._tt_shape[dim + 1 :]
+    rest_idx = indices._tt_shape[:dim] + (1,) + indices._tt_shape[dim + 1 :]
+    shape = list(clang.broadcast_shapes(rest_in, rest_idx))
     shape_in = list(shape)
     shape_in[dim] = input._tt_shape[dim]
     shape_idx = list(shape)
@@ -328,9 +332,19 @@ def masked_fill(input, mask, value):
 # ---------------------------------------------------------------------------
 # Indexing: t[...]
 # ---------------------------------------------------------------------------
+def _list_index(k):
+    """A list of ints indexes like an int64 tensor (``t[[0, 2]]``)."""
+    from .factories import tensor
+
+    if isinstance(k, list) and k and builtins.all(type(v) is int for v in k):
+        return tensor(k)
+    return k
+
+
 def _normalize_index(input, key):
     if not isinstance(key, tuple):
         key = (key,)
+    key = tuple(_list_index(k) for k in key)
     n_real = sum(1 for k in key if k is not None and k is not Ellipsis and not isinstance(k, bool))
     for k in key:
         if _t(k) and k._tt_dtype.is_bool:
@@ -390,3 +404,15 @@ def getitem(input, key):
     flat = clang.where(clang.lt(flat, 0), clang.add(flat, n), flat)
     taken = prims.take(x, flat, dim)
     return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+@torchsymbol(torch.diff, methods=("diff",))
+def diff(input, n=1, dim=-1, prepend=None, append=None):
+    """n-th forward difference along ``dim``."""
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    x = clang.cat([t for t in (prepend, input, append) if t is not None], dim)
+    for _ in range(n):
+        size = x._tt_shape[dim]
+        hi, lo = clang.slice_in_dim(x, 1, size, 1, dim), clang.slice_in_dim(x, 0, size - 1, 1, dim)
+        x = clang.ne(hi, lo) if x._tt_dtype.is_bool else clang.sub(hi, lo)
+    return x
