@@ -40,10 +40,14 @@ def bmm(input, mat2):
 
 @torchsymbol(torch.addmm, methods=("addmm",))
 def addmm(input, mat1, mat2, *, beta=1, alpha=1):
-    p = _matmul(mat1, mat2)
+    return _scaled_add(input, _matmul(mat1, mat2), beta, alpha)
+
+
+def _scaled_add(input, product, beta, alpha):
+    """``beta * input + alpha * product`` (addmm, baddbmm)."""
     if alpha != 1:
-        p = clang.mul(p, alpha)
-    return clang.add(clang.mul(input, beta) if beta != 1 else input, p)
+        product = clang.mul(product, alpha)
+    return clang.add(clang.mul(input, beta) if beta != 1 else input, product)
 
 
 @torchsymbol(torch.outer, torch.ger, methods=("outer",))
@@ -119,7 +123,4 @@ def einsum(equation, *operands):
 
 @torchsymbol(torch.baddbmm, methods=("baddbmm",))
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
-    p = bmm(batch1, batch2)
-    if alpha != 1:
-        p = clang.mul(p, alpha)
-    return clang.add(clang.mul(input, beta) if beta != 1 else input, p)
+    return _scaled_add(input, bmm(batch1, batch2), beta, alpha)
