@@ -191,12 +191,8 @@ def test_model_to_dtype_needs_revalidate_and_check_every_names_it():
     assert step.is_thin_bound
 
 
-def test_revalidate_after_model_to():
-    m = _mlp()
-    step = tt.compile(loss_fn, thin=True)
-    x, y = torch.randn(5, 4), torch.randn(5, 2)
-    step(m, x, y)
-    step(m, x, y)
+def test_revalidate_after_model_to(bound):
+    m, step, x, y = bound
     m.to(torch.float64)
     step.revalidate()
     xd, yd = x.double(), y.double()

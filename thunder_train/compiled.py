@@ -5,7 +5,7 @@ import dataclasses
 import functools
 import operator
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import operator
 
-from . import dtypes, devices
-from .proxies import TensorProxy, NumberProxy, is_tensor_proxy
+from . import dtypes
+from .proxies import TensorProxy, NumberProxy
 from .symbols import Symbol
 
 Number = (int, float, bool, complex)

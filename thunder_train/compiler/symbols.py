@@ -13,7 +13,7 @@ executor, which is what makes every printed trace runnable.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from . import context
 
@@ -132,11 +132,3 @@ def flat_proxies(x) -> list:
     from .pytree import tree_flatten
 
     return [v for v in tree_flatten(x)[0] if is_proxy(v)]
-
-
-def make_symbol(module: str, *, is_prim=False, name: str | None = None, tags=()) -> Callable[[Callable], Symbol]:
-    def deco(fn):
-        return Symbol(name or fn.__name__, fn, module=module, is_prim=is_prim, tags=tags)
-
-    return deco
-

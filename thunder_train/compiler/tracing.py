@@ -57,16 +57,12 @@ class Step:
         raise AssertionError(k)
 
     def pretty(self, base: str) -> str:
-        k = self.kind
-        if k == "arg":
-            return f"args[{self.key}]"
-        if k == "kwarg":
-            return f"kwargs[{self.key!r}]"
-        if k in ("item", "key"):
-            return f"{base}[{self.key!r}]"
-        if k == "const":
+        """The path as a user reads it: ``args[0].fc1.weight`` rather than ``._modules[...]``."""
+        if self.kind in ("attr", "param", "buffer", "module"):
+            return f"{base}.{self.key}"
+        if self.kind == "const":
             return f"<tensor captured from the function's closure #{self.key}>"
-        return f"{base}.{self.key}"
+        return self.expr(base)
 
 
 def path_expr(path) -> str:
@@ -362,9 +358,6 @@ def _check_output(out):
     from .pytree import tree_flatten
 
     for v in tree_flatten(out)[0]:
-        if isinstance(v, torch.Tensor) and type(v) is not TensorProxy:
-            # A real tensor created outside the trace (a closure constant) is returned as is.
-            pass
         if isinstance(v, torch.nn.Module):
             raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
     return out

@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes, devices, prims
 from ..opaque import printable_reference
-from ..proxies import TensorProxy, NumberProxy
+from ..proxies import TensorProxy
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
 from ..transforms.dce import has_side_effect
@@ -403,4 +403,3 @@ def _as_meta_proxy(x):
 
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
-_ = NumberProxy

@@ -6,11 +6,9 @@ are exact; the functionalization pass (whole-step issue) rewrites later reads.
 """
 from __future__ import annotations
 
-import torch
-
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
-from . import elementwise as ew, nn, tensor_methods as tm, shapes
+from . import elementwise as ew, nn, shapes
 from .registry import torchsymbol
 
 
@@ -55,7 +53,6 @@ sigmoid_ = _inplace("sigmoid_", ew.sigmoid)
 tanh_ = _inplace("tanh_", ew.tanh)
 relu_ = _inplace("relu_", nn.relu)
 masked_fill_ = _inplace("masked_fill_", shapes.masked_fill)
-maximum_ = None
 
 
 @torchsymbol(methods=("zero_",), name="zero_", tags=("inplace",))
@@ -86,5 +83,3 @@ def setitem(a, key, value):
     flat = prims.index_put(clang.reshape(a, (-1,)), (clang.reshape(positions, (-1,)),), clang.reshape(value, (-1,)), False)
     return prims.copy_(clang.reshape(flat, a._tt_shape), a)
 
-
-_ = (tm, torch)

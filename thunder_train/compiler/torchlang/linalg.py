@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import clang, dtypes, prims
+from .. import clang, prims
 from .registry import torchsymbol
 
 

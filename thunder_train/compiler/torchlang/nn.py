@@ -10,7 +10,6 @@ from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
 from .registry import torchsymbol
-from .shapes import getitem
 
 
 def _t(x):
@@ -585,6 +584,3 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     n2 = clang.sqrt(clang.sum(clang.mul(x2, x2), dim))
     return clang.true_divide(num, clang.maximum(clang.mul(n1, n2), eps))
 
-
-# silence unused-import linters: getitem is re-exported for symmetry with torch.nn.functional users
-_ = getitem

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import clang, dtypes, devices, prims
+from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
 from .convert import to_dtype, to_device
 from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
