@@ -4,11 +4,12 @@
     python recipes/train_gpt.py --compile eager        # the same in eager PyTorch, for comparison
     python recipes/train_gpt.py --steps 20 --print-trace
 
-The model is compiled with ``thunder_train.compile`` (``--compile thunder-thin``
-binds its parameters once and checks only the batch on later steps).  Its
-gradients come from thunder_train's own backward trace, reached through
-``loss.backward()``; the loss and the AdamW update run in PyTorch around it
-until the whole-step capture lands.
+With ``--compile thunder`` the whole training step — forward, cross-entropy,
+``loss.backward()``, the AdamW update and ``zero_grad`` — is one program
+compiled by ``thunder_train.compile``; ``--compile thunder-thin`` validates it
+once and afterwards only checks the batch.  ``--print-trace`` prints that
+program: the forward, its backward and the optimizer update, functionalized,
+with one write-back per updated parameter and optimizer-state tensor.
 """
 from __future__ import annotations
 
@@ -52,15 +53,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_forward(model, mode):
+def train_step(model, opt, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def build_step(mode):
     if mode == "eager":
-        return model
-    if mode == "thunder-thin":
-        try:
-            return tt.compile(model, thin=True)
-        except TypeError:
-            raise SystemExit("--compile thunder-thin needs thin mode, which this build of thunder_train does not have yet")
-    return tt.compile(model)
+        return train_step
+    return tt.compile(train_step, thin=(mode == "thunder-thin"))
 
 
 def main(argv=None):
@@ -70,7 +75,7 @@ def main(argv=None):
     cfg = GPTConfig(vocab_size=len(ALPHABET), block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    forward = build_forward(model, args.compile)
+    step_fn = build_step(args.compile)
     data = batches(make_corpus(seed=args.seed), args.batch_size, args.block_size, device, seed=args.seed)
 
     step_times, loss = [], float("nan")
@@ -79,11 +84,7 @@ def main(argv=None):
     for step in bar:
         x, y = next(data)
         t0 = time.perf_counter()
-        logits = forward(x)
-        loss_t = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss_t.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss_t = step_fn(model, opt, x, y)
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
@@ -97,7 +98,7 @@ def main(argv=None):
     print(f"summary: mode={args.compile} device={device.type} steps={args.steps} final_loss={loss:.4f} "
           f"first_step_s={first:.3f} median_step_ms={steady * 1e3:.2f} total_s={total:.1f}")
     if args.print_trace and args.compile != "eager":
-        print(tt.last_traces(forward)[-1])
+        print(tt.last_traces(step_fn)[-1])
     return loss
 
 

@@ -266,8 +266,15 @@ def test_data_dependent_control_flow_is_a_clear_error():
 
     with pytest.raises(DataDependentError, match="torch.where"):
         tt.compile(f)(torch.randn(3))
-    with pytest.raises(DataDependentError, match="item"):
-        tt.compile(lambda x: x * x.max().item())(torch.randn(3))
+    # .item() is a runtime number: arithmetic with it is recorded, branching on it is an error.
+    x = torch.randn(3)
+    torch.testing.assert_close(tt.compile(lambda x: x * (x.max().item() * 2 + 1))(x), x * (x.max().item() * 2 + 1))
+
+    def g(x):
+        return x if x.max().item() > 0 else -x
+
+    with pytest.raises(RuntimeError, match="runtime scalar"):
+        tt.compile(g)(x)
 
 
 def test_bool_mask_indexing_is_a_clear_error():

@@ -174,15 +174,17 @@ def test_model_to_dtype_needs_revalidate_and_check_every_names_it():
         torch.testing.assert_close(step(m, x, y), loss_fn(m, x, y))
     assert tt.compile_stats(step).validations == validations + 1 and step.is_thin_bound
     m.double()  # parameters change dtype in place (same objects): not cheaply detectable
-    with pytest.raises(tt.ThinModeError, match=r"args\[1\] \(x\): dtype expected float32, got float64"):
+    with pytest.raises(tt.ThinModeError, match=r"args\[1\] \(x\): dtype expected float32, got float64") as bad_batch:
         step(m, x.double(), y.double())  # the batch check still catches the new dtype
-    with pytest.raises(tt.ThinModeError, match=r"check_every: args\[0\] \(model\).0.weight.dtype: float32 → float64 since thin mode bound"):
+    assert bad_batch.value.kind == "per_call_input" and step.is_thin_bound
+    with pytest.raises(tt.ThinModeError, match=r"check_every: args\[0\] \(model\).0.weight.dtype: float32 → float64 since thin mode bound") as periodic:
         for _ in range(3):
             try:
                 step(m, x, y)
             except RuntimeError as e:  # the computation itself may reject mixed dtypes first
                 if isinstance(e, tt.ThinModeError):
                     raise
+    assert periodic.value.kind == "check_every" and not step.is_thin_bound
     # Revalidated: the next calls run the full prologue, retrace for float64 and bind again.
     step.revalidate()
     xd, yd = x.double(), y.double()

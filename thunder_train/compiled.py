@@ -13,6 +13,7 @@ from .compiler import tracing
 from .compiler.executors.passes import lower_to_executors
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.transforms.dce import dce
+from .compiler.transforms.no_grad import without_autograd
 from .guards import thin
 from .autograd_function import attach_autograd
 from .guards.errors import GuardFailure
@@ -61,6 +62,7 @@ class CacheEntry:
     input_idx: tuple  # leaf index of each computation argument
     select: Callable  # leaf values -> computation arguments
     backward_traces: list | None = None  # set by attach_autograd
+    epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
 
 
 @dataclasses.dataclass
@@ -92,8 +94,20 @@ def _arg_key(x, depth=0):
     return (t, id(x))
 
 
-def _struct_key(args, kwargs) -> tuple:
-    return (tuple(_arg_key(a) for a in args), tuple((k, _arg_key(v)) for k, v in kwargs.items()), current_global_state())
+def _dynamic_arg_key(x, depth=0):
+    """``_arg_key`` for dynamic=True: sizes ≥ 2 of argument tensors are symbolic, so not part of the key."""
+    if isinstance(x, torch.Tensor):
+        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad)
+    t = type(x)
+    if depth < 3 and (t is tuple or t is list):
+        return (t, tuple(_dynamic_arg_key(v, depth + 1) for v in x))
+    if depth < 3 and t is dict:
+        return (t, tuple((k, _dynamic_arg_key(v, depth + 1)) for k, v in x.items()))
+    return _arg_key(x, depth)
+
+
+def _struct_key(args, kwargs, key=_arg_key) -> tuple:
+    return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in kwargs.items()), current_global_state())
 
 
 _TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
@@ -153,6 +167,17 @@ def _describe_struct_diff(old_key, args, kwargs) -> str:
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
 
 
+def _with_epilogue(computation, epilogue):
+    """The computation returns ``(result, extras)``; the epilogue assigns the extras to Python objects."""
+
+    def run(*inputs):
+        result, extras = computation(*inputs)
+        epilogue(extras)
+        return result
+
+    return run
+
+
 def _select(idx: tuple) -> Callable:
     if len(idx) == 0:
         return lambda vals: ()
@@ -180,7 +205,8 @@ class CompiledFunction:
     computation with the bound static tensors.  See docs/thin_mode.md.
     """
 
-    def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None):
+    def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
+                 dynamic: bool = False):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         if check_every is not None:
@@ -193,6 +219,8 @@ class CompiledFunction:
         self.decompose = decompose
         self.thin = thin
         self.check_every = check_every
+        self.dynamic = dynamic
+        self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
@@ -216,7 +244,7 @@ class CompiledFunction:
         st = self.stats
         st.full_calls += 1
         st.validations += 1
-        skey = _struct_key(args, kwargs)
+        skey = _struct_key(args, kwargs, self._arg_key)
         probes = self._cache.get(skey)
         entry = None
         tried = []
@@ -272,23 +300,34 @@ class CompiledFunction:
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict)
+        acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic)
         traces = [acquired.trace]
         trc = dce(acquired.trace)
         traces.append(trc)
+        if getattr(acquired.trace, "has_backward", False):
+            trc = without_autograd(trc)
+            traces.append(trc)
         names = ", ".join(ex.name for ex in self.executors)
         trc = lower_to_executors(trc, self.executors, header=f"Lowered to executors: {names}")
         traces.append(trc)
         trc = dce(trc, header=f"Final computation (executors: {names})")
         traces.append(trc)
         # Prologue: extraction + guard key, generated once per leaf structure and shared.
-        prologue, expected = build_prologue(acquired.leaves, self._arg_names)
+        written = [i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
+        prologue, expected = build_prologue(acquired.leaves, self._arg_names, written, acquired.size_checks)
         prologue = self._prologues.setdefault(prologue.structure, prologue)
-        leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None}
+        leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves) if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
         input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
         entry = CacheEntry(expected, key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                            acquired.leaves, input_idx, _select(input_idx))
-        attach_autograd(entry, traces[1], self.executors)  # inputs requiring grad: see autograd_function.py
+        if not getattr(acquired.trace, "has_backward", False):
+            # Outputs that require grad connect to PyTorch autograd (autograd_function.py).  After
+            # loss.backward() inside the function, gradients are values of the trace instead.
+            attach_autograd(entry, traces[1], self.executors)
+        epilogue = acquired.trace.epilogue
+        if epilogue is not None:
+            entry.epilogue = epilogue
+            entry.computation = _with_epilogue(entry.computation, epilogue.fn)
         for name in acquired.opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -384,7 +423,7 @@ class CompiledFunction:
 
     def direct_call_parts(self, *args, **kwargs):
         """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
-        skey = _struct_key(args, kwargs)
+        skey = _struct_key(args, kwargs, self._arg_key)
         for probe in self._cache.get(skey, ()):
             try:
                 vals = probe.prologue.extract.fn(*args, **kwargs)
@@ -492,7 +531,8 @@ def _call_module(self, *args, **kwargs):
     return self(*args, **kwargs)
 
 
-def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None):
+def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
+            dynamic: bool = False):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -501,8 +541,10 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``thin=True`` validates, then calls the computation directly (see
     docs/thin_mode.md); ``check_every=N`` (thin mode) runs the full prologue
     every N calls and raises ``ThinModeError`` naming what changed.
+    ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
+    size or sequence length reuses the program (see docs/thin_mode.md).
     """
-    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every)
+    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)

@@ -16,7 +16,7 @@ import math
 import operator
 
 from . import dtypes
-from .proxies import TensorProxy, NumberProxy
+from .proxies import TensorProxy, NumberProxy, SizeProxy
 from .symbols import Symbol
 
 Number = (int, float, bool, complex)
@@ -77,6 +77,7 @@ _python_scalar = {
     "mul": operator.mul,
     "div": operator.truediv,
     "floor_divide": operator.floordiv,
+    "remainder": operator.mod,
     "pow": operator.pow,
     "maximum": max,
     "minimum": min,
@@ -104,6 +105,11 @@ def _elementwise_meta(opname, args, *, bool_output=False):
         fn = _python_scalar.get(opname)
         _check(fn is not None, f"{opname} is not supported on Python numbers")
         value = fn(*[_number_value(a) for a in args])
+        if type(value) is int and any(type(a) is SizeProxy for a in args):
+            # Shape arithmetic on symbolic sizes stays symbolic (dynamic=True).
+            out = SizeProxy(value=value, python_type=int)
+            out.origin = ("op", opname) + tuple(args)
+            return out
         return NumberProxy(value=value, python_type=type(value))
     shape = tensors[0]._tt_shape
     dtype = tensors[0]._tt_dtype
@@ -488,5 +494,35 @@ def shape(a):
     return tuple(NumberProxy(value=s, python_type=int) for s in a._tt_shape)
 
 
+@_prim
+def item(a):
+    """The Python number in a one-element tensor (``Tensor.item()``): a runtime number of the program.
+
+    Its example value is unknown while tracing (NaN / 0), so Python code may do
+    arithmetic with it (recorded as scalar prims) but not branch on it.
+    """
+    _check(a.numel_() == 1, lambda: f"a Tensor with {a.numel_()} elements cannot be converted to Scalar")
+    dt = a._tt_dtype
+    if dt.is_float:
+        return NumberProxy(value=float("nan"), python_type=float)
+    if dt.is_bool:
+        return NumberProxy(value=False, python_type=bool)
+    return NumberProxy(value=0, python_type=int)
+
+
 def all_prims() -> dict:
     return dict(_all)
+
+
+# ---------------------------------------------------------------------------
+# Special functions with an order argument
+# ---------------------------------------------------------------------------
+@_prim(tags=("elementwise",))
+def polygamma(n, a):
+    """The ``n``-th derivative of digamma (``torch.polygamma(n, a)``); ``n`` is a non-negative Python int.
+
+    Gradient rules use it (digamma's derivative is ``polygamma(1, a)``).
+    """
+    _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0, lambda: f"polygamma: n must be a non-negative int, got {n!r}")
+    _check(type(a) is TensorProxy and a._tt_dtype.is_float, "polygamma: expected a floating-point tensor")
+    return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

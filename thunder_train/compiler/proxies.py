@@ -39,9 +39,11 @@ class TensorProxy(torch.Tensor):
     def __new__(cls, name=None, *, shape, dtype, device, requires_grad=False):
         dt = dtypes.from_torch(dtype)
         dev = devices.from_torch(device)
-        shape = tuple(int(s) for s in shape)
+        # Symbolic sizes (SizeProxy, dynamic=True) stay symbolic; torch gets their example values.
+        shape = tuple(s if type(s) is SizeProxy else int(s) for s in shape)
         self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dt.torch, device=dev.torch, requires_grad=bool(requires_grad) and dt.category >= dtypes.FLOAT
+            cls, tuple(int.__int__(s) for s in shape), dtype=dt.torch, device=dev.torch,
+            requires_grad=bool(requires_grad) and dt.category >= dtypes.FLOAT,
         )
         self._tt_name = name if name is not None else fresh_name("t")
         self._tt_shape = shape
@@ -109,27 +111,45 @@ def is_tensor_proxy(x) -> bool:
 class NumberProxy(Proxy):
     """A Python number that is an input of the program (not a baked-in constant).
 
-    ``value`` is the example value seen while tracing; ``python_type`` is int,
-    float or bool.
+    ``value`` is the example value seen while tracing (NaN for ``Tensor.item()``
+    results, whose value does not exist yet); ``python_type`` is int, float or
+    bool.  Instances are ``float``/``int`` subclasses so that torch's argument
+    parsing accepts them where a Scalar goes (``p.mul_(1 - lr * wd)``) and hands
+    the proxy itself to the tracer.  Arithmetic and comparisons record scalar
+    prims; using one in Python control flow is an error.
     """
 
-    __slots__ = ("name", "value", "python_type")
-
-    def __init__(self, name=None, *, value, python_type=None):
+    def __new__(cls, name=None, *, value, python_type=None):
+        pt = python_type or type(value)
+        if cls is NumberProxy:
+            cls = _FloatProxy if pt is float else _IntProxy
+        if cls is _FloatProxy:
+            self = float.__new__(cls, value)
+        else:
+            self = int.__new__(cls, value if value == value else 0)
         self.name = name if name is not None else fresh_name("n")
         self.value = value
-        self.python_type = python_type or type(value)
+        self.python_type = pt
+        return self
+
+    __hash__ = object.__hash__
 
     def type_string(self) -> str:
+        if self.value != self.value:  # item() of a tensor: no example value while tracing
+            return self.python_type.__name__
         return f"{self.python_type.__name__} {self.value}"
 
     def __repr__(self) -> str:
         return f"<NumberProxy {self.name}: {self.type_string()}>"
 
-    # Arithmetic on runtime scalars records scalar prims; see clang.scalar_op.
+    __str__ = __repr__
+
+    # Arithmetic on runtime scalars records scalar prims; see clang.scalar_binary.
     def _binop(self, other, opname, reverse=False):
         from . import clang
 
+        if not isinstance(other, (int, float)):
+            return NotImplemented
         a, b = (other, self) if reverse else (self, other)
         return clang.scalar_binary(opname, a, b)
 
@@ -151,6 +171,18 @@ class NumberProxy(Proxy):
     def __rmul__(self, o):
         return self._binop(o, "mul", True)
 
+    def __floordiv__(self, o):
+        return self._binop(o, "floor_divide")
+
+    def __rfloordiv__(self, o):
+        return self._binop(o, "floor_divide", True)
+
+    def __mod__(self, o):
+        return self._binop(o, "remainder")
+
+    def __rmod__(self, o):
+        return self._binop(o, "remainder", True)
+
     def __truediv__(self, o):
         return self._binop(o, "div")
 
@@ -166,6 +198,32 @@ class NumberProxy(Proxy):
     def __neg__(self):
         return self._binop(-1, "mul")
 
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        from . import prims
+
+        return prims.abs(self)
+
+    def __eq__(self, o):
+        return self._binop(o, "eq") if o is not self else True
+
+    def __ne__(self, o):
+        return self._binop(o, "ne") if o is not self else False
+
+    def __lt__(self, o):
+        return self._binop(o, "lt")
+
+    def __le__(self, o):
+        return self._binop(o, "le")
+
+    def __gt__(self, o):
+        return self._binop(o, "gt")
+
+    def __ge__(self, o):
+        return self._binop(o, "ge")
+
     def __bool__(self):
         raise RuntimeError(
             f"Python control flow on the runtime scalar {self.name} cannot be traced; "
@@ -177,6 +235,85 @@ class NumberProxy(Proxy):
 
     def __int__(self):
         return int(self.value)
+
+    def __reduce__(self):
+        raise TypeError("NumberProxy objects cannot be pickled")
+
+
+class _FloatProxy(NumberProxy, float):
+    pass
+
+
+class _IntProxy(NumberProxy, int):
+    pass
+
+
+class SizeProxy(_IntProxy):
+    """A symbolic size (``tt.compile(fn, dynamic=True)``): a dimension of a per-call input.
+
+    Arithmetic records scalar prims whose results are SizeProxies too (shape
+    arithmetic like ``t.reshape(t.size(0), -1)`` stays symbolic).  A Python
+    decision on a size — a comparison, ``bool()``, ``int()``/``range()`` — is
+    answered from the example value and recorded as a **size check**
+    (``trc.size_checks``) that the prologue evaluates on later inputs; a call
+    whose sizes decide differently gets its own program.
+
+    ``origin`` is ``("dim", tensor proxy, i)`` for an input dimension or
+    ``("op", prim name, a, b)`` for a computed size.
+    """
+
+    def _check(self, op, other, result):
+        from .context import get_trace
+
+        trc = get_trace()
+        if trc is not None and hasattr(trc, "size_checks"):
+            trc.size_checks.append((op, self, other, result))
+        return result
+
+    @staticmethod
+    def _v(x):
+        return x.value if isinstance(x, NumberProxy) else x
+
+    def _cmp(self, other, op, fn):
+        if not isinstance(other, (int, float)):
+            return NotImplemented
+        if other is self:
+            return fn(0, 0)
+        return self._check(op, other, fn(self.value, self._v(other)))
+
+    def __eq__(self, o):
+        return self._cmp(o, "==", lambda a, b: a == b)
+
+    def __ne__(self, o):
+        return self._cmp(o, "!=", lambda a, b: a != b)
+
+    def __lt__(self, o):
+        return self._cmp(o, "<", lambda a, b: a < b)
+
+    def __le__(self, o):
+        return self._cmp(o, "<=", lambda a, b: a <= b)
+
+    def __gt__(self, o):
+        return self._cmp(o, ">", lambda a, b: a > b)
+
+    def __ge__(self, o):
+        return self._cmp(o, ">=", lambda a, b: a >= b)
+
+    __hash__ = object.__hash__
+
+    def __bool__(self):
+        return self._check("!=", 0, self.value != 0)
+
+    def __index__(self):
+        # A plain int is needed (range(), a slice bound, ...): specialise on the value, checked later.
+        return self._check("==", self.value, int.__int__(self))
+
+    __int__ = __index__
+
+
+def size_value(s) -> int:
+    """The example value of a size (an int or a SizeProxy) without recording a check."""
+    return int.__int__(s) if isinstance(s, int) else s
 
 
 class AnyProxy(Proxy):

@@ -65,6 +65,11 @@ class Symbol:
         if self.is_prim:
             out = self.fn(*args, **kwargs)
             bsym = BoundSymbol(self, args, kwargs, out, ())
+            if _is_size(out):
+                # Size arithmetic is recorded at the top of the program, never inside a composite:
+                # any later line may use the size, whichever executor claims the composite.
+                trc._scopes[0].append(bsym)
+                return out
         else:
             trc.push_scope()
             try:
@@ -77,6 +82,12 @@ class Symbol:
             bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
         trc.add(bsym)
         return out
+
+
+def _is_size(x) -> bool:
+    from .proxies import SizeProxy
+
+    return type(x) is SizeProxy
 
 
 def _returns_an_input(out, args, kwargs) -> bool:
@@ -124,7 +135,7 @@ class BoundSymbol:
     def __repr__(self) -> str:
         from .codegen import format_bsym
 
-        return "\n".join(format_bsym(self, {}, with_subsymbols=False))
+        return "\n".join(format_bsym(self, None, with_subsymbols=False))
 
 
 def flat_proxies(x) -> list:

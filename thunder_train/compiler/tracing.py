@@ -10,6 +10,7 @@ the torch language; calls on proxies outside the mode arrive through
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 from typing import Any
@@ -19,9 +20,12 @@ from torch.overrides import TorchFunctionMode
 
 from . import context, proxies
 from .opaque import call_opaque
-from .proxies import TensorProxy
+from .proxies import NumberProxy, SizeProxy, TensorProxy
 from .torchlang import registry
 from .trace import Trace
+from .functional import Buffers
+from .traced_autograd import GradState
+from .epilogue import finish
 
 
 class TracingError(RuntimeError):
@@ -54,6 +58,9 @@ class Step:
             return f"{base}._modules[{self.key!r}]"
         if k == "const":
             return base  # the prologue refers to the captured tensor directly
+        if k == "optstate":
+            g, i = self.key
+            return f"{base}.state.get({base}.param_groups[{g}]['params'][{i}])"
         raise AssertionError(k)
 
     def pretty(self, base: str) -> str:
@@ -62,6 +69,8 @@ class Step:
             return f"{base}.{self.key}"
         if self.kind == "const":
             return f"<tensor captured from the function's closure #{self.key}>"
+        if self.kind == "optstate":
+            return f"{base}.state[{base}.param_groups[{self.key[0]}]['params'][{self.key[1]}]]"
         return self.expr(base)
 
 
@@ -88,6 +97,8 @@ def _name_from_path(path, fallback="t") -> str:
             parts.append(str(st.key))
         elif st.kind == "item":
             parts.append(str(st.key))
+        elif st.kind == "optstate":
+            parts.append(f"state{st.key[0]}_{st.key[1]}")
     name = "_".join(parts).replace(".", "_")
     name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     if not name or name[0].isdigit():
@@ -100,7 +111,7 @@ class Leaf:
     """An input the computation reads, or a Python value it specialised on."""
 
     path: tuple
-    kind: str  # "tensor", "constant", "object", "module", "seq", "dict", "dataclass"
+    kind: str  # "tensor", "number", "absent", "constant", "object", "module", "optimizer", "seq", "dict", "dataclass"
     value: Any
     proxy: Any = None
     alias_of: "Leaf | None" = None
@@ -131,6 +142,10 @@ class InputWalker:
         self.leaves: list[Leaf] = []
         self.by_id: dict[int, Leaf] = {}
         self.swapped: list = []  # (dict, key, original value) to restore
+        self.optimizers: list = []  # TracedOptimizer
+        self.dynamic = False  # symbolic sizes for per-call inputs (tt.compile(..., dynamic=True))
+        self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
+        self.symbolic_inputs: list = []  # input proxies with symbolic sizes
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -144,7 +159,18 @@ class InputWalker:
             self.leaves.append(Leaf(path, "tensor", t, prev.proxy, alias_of=prev))
             return prev.proxy
         name = self.trc.unique_name(hint or _name_from_path(path))
-        p = TensorProxy(name, shape=tuple(t.shape), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+        shape = tuple(t.shape)
+        symbolic = self.dynamic and not self.static_depth and path[0].kind != "const"
+        if symbolic:
+            # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
+            # they decide broadcasting and emptiness).
+            shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 else s for i, s in enumerate(shape))
+        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+        if symbolic:
+            for i, s in enumerate(p._tt_shape):
+                if type(s) is SizeProxy:
+                    s.origin = ("dim", p, i)
+            self.symbolic_inputs.append(p)
         leaf = Leaf(path, "tensor", t, p)
         self.leaves.append(leaf)
         self.by_id[id(t)] = leaf
@@ -181,6 +207,9 @@ class InputWalker:
         if isinstance(x, torch.nn.Module):
             self.module(x, path)
             return x
+        if isinstance(x, torch.optim.Optimizer):
+            self.optimizer(x, path)
+            return x
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             self.leaves.append(Leaf(path, "dataclass", x))
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
@@ -194,6 +223,13 @@ class InputWalker:
         return x
 
     def module(self, m, path):
+        self.static_depth += 1
+        try:
+            self._module(m, path)
+        finally:
+            self.static_depth -= 1
+
+    def _module(self, m, path):
         if id(m) in self.by_id:
             return
         leaf = Leaf(path, "module", m, snapshot=module_snapshot(m))
@@ -211,12 +247,121 @@ class InputWalker:
                 m._buffers[name] = proxy
         for name, sub in m._modules.items():
             if sub is not None:
-                self.module(sub, path + (Step("module", name),))
+                self._module(sub, path + (Step("module", name),))
+
+    # ---- optimizers ----
+    def optimizer(self, opt, path):
+        self.static_depth += 1
+        try:
+            self._optimizer(opt, path)
+        finally:
+            self.static_depth -= 1
+
+    def _optimizer(self, opt, path):
+        """Walk ``param_groups`` and ``state``; while tracing the optimizer sees proxies.
+
+        ``lr`` becomes a runtime number (an LR scheduler never causes a retrace);
+        other hyper-parameters are constants the trace specialises on.  The
+        traced ``param_groups``/``state`` replace the real ones until tracing ends;
+        ``TracedOptimizer`` compares them afterwards to find new state entries.
+        """
+        if id(opt) in self.by_id:
+            return
+        leaf = Leaf(path, "optimizer", opt)
+        self.by_id[id(opt)] = leaf
+        self.leaves.append(leaf)
+        gpath = path + (Step("attr", "param_groups"),)
+        self.leaves.append(Leaf(gpath, "seq", opt.param_groups))
+        groups = []
+        for gi, group in enumerate(opt.param_groups):
+            p = gpath + (Step("item", gi),)
+            self.leaves.append(Leaf(p, "dict", group))
+            traced = {}
+            for k, v in group.items():
+                if k == "lr" and type(v) is float:
+                    traced[k] = self.number(v, p + (Step("key", k),), "lr" if len(opt.param_groups) == 1 else f"lr{gi}")
+                else:
+                    traced[k] = self.walk(v, p + (Step("key", k),))
+            groups.append(traced)
+        state = collections.defaultdict(dict)
+        initial = {}
+        for gi, group in enumerate(opt.param_groups):
+            for pi, param in enumerate(group["params"]):
+                real_state = opt.state.get(param)
+                sp = path + (Step("optstate", (gi, pi)),)
+                proxy = groups[gi]["params"][pi]
+                if real_state is None:
+                    self.leaves.append(Leaf(sp, "absent", None))
+                    continue
+                if type(real_state) is not dict:
+                    raise TracingError(f"{path_str(sp)} is a {type(real_state).__name__}; optimizer state entries must be dicts")
+                self.leaves.append(Leaf(sp, "dict", real_state))
+                entry = {k: self.walk(v, sp + (Step("key", k),), f"{_name_from_path(sp)}_{k}") for k, v in real_state.items()}
+                state[proxy] = entry
+                initial[id(proxy)] = dict(entry)
+        self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])}))
+        d = opt.__dict__
+        self.swapped.append((d, "param_groups", d["param_groups"]))
+        self.swapped.append((d, "state", d["state"]))
+        d["param_groups"] = groups
+        d["state"] = state
+
+    def number(self, v, path, hint):
+        """A Python number that is a runtime input of the computation (not a specialised constant)."""
+        name = self.trc.unique_name(hint)
+        p = NumberProxy(name, value=v, python_type=type(v))
+        self.leaves.append(Leaf(path, "number", v, p))
+        return p
+
+    # ---- lookups used while tracing ----
+    def leaf_of(self, proxy):
+        for leaf in self.leaves:
+            if leaf.proxy is proxy and leaf.alias_of is None:
+                return leaf
+        return None
+
+    def is_input(self, proxy) -> bool:
+        return any(leaf.proxy is proxy for leaf in self.leaves if leaf.kind == "tensor")
+
+    def input_proxies(self) -> list:
+        return [leaf.proxy for leaf in self.leaves if leaf.kind == "tensor" and leaf.alias_of is None]
+
+    def grad_leaf(self, proxy):
+        """The ``.grad`` an input tensor had when the function was called: a new leaf (tensor or ``None``)."""
+        leaf = self.leaf_of(proxy)
+        if leaf is None or leaf.path[-1].kind == "const":
+            if leaf is not None and leaf.value.grad is not None:
+                raise TracingError(
+                    f"{leaf.where} has a .grad; reading or accumulating .grad of a tensor the function captured "
+                    "from its closure is not supported: pass the tensor (or its module) as an argument"
+                )
+            return None  # created inside the function, or a captured tensor without grad
+        path = leaf.path + (Step("attr", "grad"),)
+        g = leaf.value.grad
+        if g is None:
+            self.leaves.append(Leaf(path, "absent", None))
+            return None
+        self.static_depth += 1
+        try:
+            return self.tensor(g, path, f"{leaf.proxy._tt_name}_grad")
+        finally:
+            self.static_depth -= 1
 
     def restore(self):
         for d, k, v in reversed(self.swapped):
             d[k] = v
         self.swapped.clear()
+
+
+@dataclasses.dataclass
+class TracedOptimizer:
+    """An optimizer's real object and the traced ``param_groups``/``state`` it saw while tracing."""
+
+    opt: Any
+    groups: list
+    state: dict  # param proxy -> {key: proxy or value}
+    initial: dict  # id(param proxy) -> the state entry as it was when tracing started
+    real_param: dict  # id(param proxy) -> the real parameter
 
 
 # ---------------------------------------------------------------------------
@@ -229,32 +374,193 @@ def handle_torch_function(func, types, args, kwargs):
             "a thunder_train proxy escaped the compiled function and was used outside tracing; "
             "do not store tensors from inside a compiled function on Python objects"
         )
+    top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
-        prop = getattr(func.__self__, "__name__", "?")
-        if fname == "__get__":
-            getter = registry.property_getters.get(prop)
-            if getter is None:
-                raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
-            return getter(args[0])
-        setter = registry.property_setters.get(prop)
-        if setter is None:
-            raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
-        return setter(args[0], args[1])
+        return _property(trc, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
+    special = _AUTOGRAD_CALLS.get(func)
+    if special is not None:
+        if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+            args, kwargs = _capture_real_tensors(trc, args, kwargs)
+        return special(trc, *args, **kwargs)
     sym = registry.lookup(func)
     if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
         args, kwargs = _capture_real_tensors(trc, args, kwargs)
+    # Functionalization (compiler/functional.py): read the current value of every buffer.
+    orig_args, orig_kwargs = args, kwargs
+    if top:
+        args, kwargs = _read_current(trc, args, kwargs)
     if sym is not None:
-        if kwargs.get("out") is not None:
-            raise TracingError(f"{sym.name}(..., out=...) is not supported inside a compiled function; use the returned value")
+        out_arg = kwargs.get("out")
+        if out_arg is not None:
+            if not top or type(out_arg) is not TensorProxy:
+                raise TracingError(f"{sym.name}(..., out=...) is not supported inside a compiled function; use the returned value")
+            # out=: the result becomes the destination's new value (functionalized like an in-place op).
+            dst = orig_kwargs["out"]
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+            _write(trc, sym, dst, _converted_to(sym(*args, **kwargs), dst))
+            return dst
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        if top and getattr(sym, "functional", None) is not None:
+            return _inplace(trc, sym, orig_args, args, kwargs)
+        if top and getattr(sym, "functionalize", None) is not None:
+            return _functionalize(trc, sym, orig_args, args, kwargs)
         scope = trc._scopes[-1]
         n = len(scope)
+        if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
+            from .torchlang.autocast import cast_inputs
+            args, kwargs = cast_inputs(sym, func, args, kwargs)
         out = sym(*args, **kwargs)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
+        if top:
+            out = _back_to_buffers(orig_args, args, out)
+            if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
+                _record_views(trc, sym, orig_args[0], args[1:], kwargs, out)
         return _no_grad_region(trc, out, sym)
+    if top and getattr(func, "__name__", "").endswith("_") and not getattr(func, "__name__", "").endswith("__"):
+        if any(type(a) is TensorProxy for a in _flat(args, kwargs)):
+            if getattr(func, "__name__", "").startswith("_fused_"):
+                raise TracingError(
+                    f"{_callable_name(func)}: fused=True optimizers are not supported inside a compiled step yet; "
+                    "use foreach=True or the default implementation (thunder_train captures those from their own code)"
+                )
+            raise TracingError(
+                f"{_callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
+                "it cannot run opaquely inside a compiled function (the update would be lost). "
+                "Use its out-of-place form, or compute this outside the compiled function."
+            )
     return _no_grad_region(trc, call_opaque(func, args, kwargs, strict=getattr(trc, "strict", False)))
+
+
+def _callable_name(func) -> str:
+    from .opaque import callable_name
+
+    return callable_name(func)
+
+
+# Symbols whose result shares storage with their first argument in eager PyTorch: writing into
+# the result writes into the argument, and the result follows later writes to the argument.
+VIEW_SYMBOLS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "permute",
+    "transpose", "t", "movedim", "expand", "expand_as", "broadcast_to", "split", "chunk", "tensor_split",
+    "unbind", "narrow", "select", "getitem", "detach", "diagonal", "view_as_real", "alias",
+}
+
+
+def _read_current(trc, args, kwargs):
+    from .pytree import tree_map
+
+    read = trc.buffers.read
+    return tree_map(lambda x: read(x) if type(x) is TensorProxy else x, (args, kwargs))
+
+
+def _back_to_buffers(orig_args, args, out):
+    """A symbol that returned its (current-valued) input returns the user's object, as eager does (``x.contiguous() is x``)."""
+    if type(out) is TensorProxy:
+        for o, a in zip(orig_args, args):
+            if out is a and o is not a:
+                return o
+    return out
+
+
+def _record_views(trc, sym, source, rest, kwargs, out):
+    from .pytree import tree_flatten
+
+    if sym.name == "getitem" and any(isinstance(k, torch.Tensor) for k in tree_flatten(rest)[0]):
+        return  # advanced indexing copies
+    if type(out) is TensorProxy:
+        trc.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs))
+    elif isinstance(out, (tuple, list)):
+        for i, o in enumerate(out):
+            trc.buffers.add_view(o, source, lambda v, i=i: sym(v, *rest, **kwargs)[i])
+
+
+def _inplace(trc, sym, orig_args, args, kwargs):
+    """An in-place op: record its out-of-place form; the result becomes the destination's value."""
+    dst = orig_args[0]
+    new = sym.functional(*args, **kwargs)
+    if isinstance(dst, (list, tuple)):
+        for d, v in zip(dst, new):
+            _write(trc, sym, d, v)
+    else:
+        _write(trc, sym, dst, new)
+    return dst
+
+
+def _write(trc, sym, dst, value):
+    if torch.is_grad_enabled() and dst._tt_requires_grad and trc.walker.is_input(dst):
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    last = trc.bound_symbols[-1] if trc.bound_symbols else None
+    if last is not None and any(o is value for o in last.flat_outputs()) and last.comment is None:
+        last.comment = f"{sym.name}: the new value of {dst._tt_name}"
+    if not torch.is_grad_enabled() and getattr(trc, "grad_enabled", False):
+        value = _no_grad_region(trc, value)
+    trc.buffers.write(dst, value)
+
+
+def _converted_to(value, dst):
+    if type(value) is not TensorProxy or value._tt_shape != dst._tt_shape:
+        raise TracingError(f"out=: the result ({getattr(value, 'type_string', lambda: value)()}) does not match the out tensor ({dst.type_string()})")
+    from .clang import maybe_convert
+
+    return maybe_convert(value, dst._tt_dtype)
+
+
+def _functionalize(trc, sym, orig_args, args, kwargs):
+    """A symbol that returns a result and also updates some arguments (``batch_norm``'s running stats)."""
+    out, writes = sym.functionalize(*args, **kwargs)
+    back = {id(a): o for o, a in zip(orig_args, args) if type(o) is TensorProxy}
+    for dst, value in writes:
+        _write(trc, sym, back.get(id(dst), dst), value)
+    return _no_grad_region(trc, out, sym)
+
+
+def _property(trc, prop, get, args, top):
+    a = args[0]
+    if prop == "grad":
+        if get:
+            return trc.grads.get(a)
+        return trc.grads.set(a, args[1])
+    if not get:
+        setter = registry.property_setters.get(prop)
+        if setter is None:
+            raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
+        return setter(a, args[1])
+    getter = registry.property_getters.get(prop)
+    if getter is None:
+        raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
+    if not top or type(a) is not TensorProxy:
+        return getter(a)
+    out = getter(trc.buffers.read(a))
+    if prop in ("data", "T", "mT", "H", "mH"):
+        trc.buffers.add_view(out, a, getter)
+    return out
+
+
+def _autograd_backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+    from . import traced_autograd
+
+    return traced_autograd.backward(trc, tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _tensor_backward(trc, self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    from . import traced_autograd
+
+    return traced_autograd.backward(trc, self, gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_grad(trc, *args, **kwargs):
+    from . import traced_autograd
+
+    return traced_autograd.grad(trc, *args, **kwargs)
+
+
+_AUTOGRAD_CALLS = {
+    torch.Tensor.backward: _tensor_backward,
+    torch.autograd.backward: _autograd_backward,
+    torch.autograd.grad: _autograd_grad,
+}
 
 
 def _flat(args, kwargs):
@@ -305,6 +611,8 @@ class Acquired:
     trace: Trace
     leaves: list
     opaque_ops: list
+    written: set = dataclasses.field(default_factory=set)  # ids of input proxies updated in place
+    size_checks: list = dataclasses.field(default_factory=list)  # (op, size, other, result) decided while tracing
 
 
 def _arg_names(fn) -> list:
@@ -327,7 +635,7 @@ def check_call_signature(fn, args, kwargs):
         raise TypeError(f"{name}{sig}: {e}") from None
 
 
-def acquire(fn, args, kwargs, *, strict: bool = False) -> Acquired:
+def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False) -> Acquired:
     """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves."""
     check_call_signature(fn, args, kwargs)
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
@@ -335,23 +643,43 @@ def acquire(fn, args, kwargs, *, strict: bool = False) -> Acquired:
     trc.opaque_ops = []
     trc.grad_enabled = torch.is_grad_enabled()  # torch.no_grad() regions inside fn: see _no_grad_region
     walker = InputWalker(trc, _arg_names(fn))
+    walker.dynamic = dynamic
     trc.walker = walker
+    if dynamic:
+        trc.size_checks = []
+    trc.buffers = Buffers()
+    trc.grads = GradState(trc)
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             with ProxyMode():
                 out = fn(*pargs, **pkwargs)
+            out = _check_output(out)
+            inputs = []
+            seen = set()
+            for leaf in walker.leaves:
+                if leaf.kind in ("tensor", "number") and leaf.alias_of is None and id(leaf.proxy) not in seen:
+                    seen.add(id(leaf.proxy))
+                    inputs.append(leaf.proxy)
+            trc.args = inputs
+            trc.output, trc.epilogue = finish(trc, out)
+            _insert_shape_queries(trc, walker.symbolic_inputs)
         finally:
             walker.restore()
-    inputs = []
-    seen = set()
-    for leaf in walker.leaves:
-        if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) not in seen:
-            seen.add(id(leaf.proxy))
-            inputs.append(leaf.proxy)
-    trc.args = inputs
-    trc.output = _check_output(out)
-    return Acquired(trc, walker.leaves, trc.opaque_ops)
+    written = {id(dst) for dst in trc.written_inputs}
+    return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
+
+
+def _insert_shape_queries(trc, symbolic_inputs):
+    """``(x_size0, _) = prims.shape(x)`` at the top of the program for every input with symbolic sizes.
+
+    DCE removes the queries nothing reads; everything else reads sizes through these names.
+    """
+    from . import prims
+    from .symbols import BoundSymbol
+
+    queries = [BoundSymbol(prims.shape, (p,), {}, tuple(p._tt_shape)) for p in symbolic_inputs]
+    trc.bound_symbols[:0] = queries
 
 
 def _check_output(out):

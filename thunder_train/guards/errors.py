@@ -29,4 +29,12 @@ class ThinModeError(GuardFailure):
     ``check_every=N`` when the full prologue finds that something thin mode
     bound has changed.  The message names the input, the expected and the
     actual value, and what to do.
+
+    ``kind`` tells the two apart: ``"per_call_input"`` (the binding stays; a
+    call with matching inputs continues thin) or ``"check_every"`` (the binding
+    was dropped; the next call runs the full path and binds again).
     """
+
+    def __init__(self, path, what, expected, actual, message=None, kind="per_call_input"):
+        super().__init__(path, what, expected, actual, message)
+        self.kind = kind

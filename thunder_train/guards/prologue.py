@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from ..compiler.proxies import NumberProxy, SizeProxy, size_value
 from ..compiler.tracing import path_str, _name_from_path
 from . import checks
 
@@ -99,12 +100,26 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "tensor":
         if leaf.alias_of is not None:
             return [("identity", f"{var} is {var_of_leaf(leaf.alias_of)}", True)]
+        if is_symbolic(leaf):
+            return symbolic_shape_specs(leaf, var) + [
+                ("dtype", f"{var}.dtype", v.dtype),
+                ("device", f"{var}.device", v.device),
+                ("requires_grad", f"{var}.requires_grad", v.requires_grad),
+            ]
         return [
             ("shape", f"{var}.shape", tuple(v.shape)),
             ("dtype", f"{var}.dtype", v.dtype),
             ("device", f"{var}.device", v.device),
             ("requires_grad", f"{var}.requires_grad", v.requires_grad),
         ]
+    if k == "absent":
+        # Specialised on "nothing here" (a .grad that is None, a parameter without optimizer state).
+        return [("is None", f"{var} is None", True)]
+    if k == "number":
+        # A runtime input (an optimizer's lr): only its type is part of the key, never its value.
+        return [("type", f"type({var})", type(v))]
+    if k == "optimizer":
+        return [("object", f"id({var})", id(v))]
     if k == "constant":
         val = f"_float_key({var})" if type(v) is float else var
         return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]
@@ -132,6 +147,60 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "object":
         return [("object", f"id({var})", id(v))]
     raise AssertionError(k)
+
+
+# ---------------------------------------------------------------------------
+# Symbolic sizes (dynamic=True)
+# ---------------------------------------------------------------------------
+def is_symbolic(leaf) -> bool:
+    return leaf.proxy is not None and type(leaf.proxy) is not NumberProxy and any(
+        type(s) is SizeProxy for s in getattr(leaf.proxy, "_tt_shape", ()))
+
+
+def symbolic_shape_specs(leaf, var) -> list:
+    """Rank and the constant sizes; a symbolic size only needs to stay ≥ 2 (0 and 1 were specialised)."""
+    specs = [("rank", f"len({var}.shape)", leaf.value.ndim)]
+    for i, s in enumerate(leaf.proxy._tt_shape):
+        if type(s) is SizeProxy:
+            specs.append((f"size {i} > 1", f"{var}.shape[{i}] > 1", True))
+        else:
+            specs.append((f"size {i}", f"{var}.shape[{i}]", s))
+    return specs
+
+
+_SIZE_INFIX = {"add": "+", "sub": "-", "mul": "*", "floor_divide": "//", "remainder": "%"}
+
+
+def render_size(x, var_of_proxy) -> str:
+    """Python source for a size in terms of the prologue's variables (``x.shape[0] * 4``)."""
+    if type(x) is not SizeProxy:
+        return repr(size_value(x))
+    o = x.origin
+    if o[0] == "dim":
+        return f"{var_of_proxy[id(o[1])]}.shape[{o[2]}]"
+    op, args = o[1], o[2:]
+    parts = [render_size(a, var_of_proxy) for a in args]
+    if op in _SIZE_INFIX and len(parts) == 2:
+        return f"({parts[0]} {_SIZE_INFIX[op]} {parts[1]})"
+    if op in ("maximum", "minimum"):
+        return f"{'max' if op == 'maximum' else 'min'}({', '.join(parts)})"
+    if op == "neg":
+        return f"(-{parts[0]})"
+    if op == "abs":
+        return f"abs({parts[0]})"
+    raise NotImplementedError(f"size arithmetic {op} cannot be checked in the prologue")
+
+
+def size_check_specs(size_checks, var_of_proxy) -> list:
+    """``(label, expression, expected)`` for every decision taken on symbolic sizes while tracing."""
+    out, seen = [], set()
+    for op, a, b, result in size_checks:
+        expr = f"{render_size(a, var_of_proxy)} {op} {render_size(b, var_of_proxy)}"
+        if expr in seen:
+            continue
+        seen.add(expr)
+        out.append((expr, f"({expr})", result))
+    return out
 
 
 class _Missing:
@@ -197,8 +266,27 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
     return lines
 
 
-def build_prologue(leaves, arg_names=()) -> tuple:
-    """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``."""
+def _storage_overlaps(written, others) -> tuple:
+    """Pairs (i, j) where the written input ``i`` shares storage with the other input ``j``."""
+    ptrs = {}
+    for i, t in enumerate(written):
+        ptrs.setdefault(t.untyped_storage().data_ptr(), i)
+    out = []
+    for j, t in enumerate(others):
+        i = ptrs.get(t.untyped_storage().data_ptr())
+        if i is not None and t is not written[i]:
+            out.append((i, j))
+    return tuple(out)
+
+
+def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
+    """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
+
+    ``written``: leaf indices of the inputs the computation updates in place.
+    The key then also says that no per-call input (an argument not reached
+    through a module or optimizer) shares storage with one of them: a batch
+    that is a view of a parameter would otherwise be read after it was updated.
+    """
     names = leaf_vars(leaves, arg_names)
     index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
 
@@ -221,20 +309,44 @@ def build_prologue(leaves, arg_names=()) -> tuple:
             exprs.append(expr)
             expected.append(exp)
             label_leaf.append(i)
+    size_exprs = []
+    if size_checks:
+        var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves) if leaf.kind == "tensor" and leaf.alias_of is None}
+        first = next(i for i, leaf in enumerate(leaves) if is_symbolic(leaf))
+        for text, expr, result in size_check_specs(size_checks, var_of_proxy):
+            labels.append(Label("sizes", text))
+            exprs.append(expr)
+            expected.append(result)
+            label_leaf.append(first)
+            size_exprs.append((expr, result))
+    if written:
+        from .thin import per_call_mask
+
+        per_call = per_call_mask(leaves)
+        others = [i for i, leaf in enumerate(leaves) if per_call[i] and leaf.kind == "tensor" and leaf.alias_of is None]
+        if others:
+            w = "".join(names[i] + ", " for i in written)
+            o = "".join(names[i] + ", " for i in others)
+            labels.append(Label("inputs updated in place", "storage shared with an argument"))
+            exprs.append(f"_storage_overlaps(({w}), ({o}))")
+            expected.append(())
+            label_leaf.append(written[0])
     gk_lines = [f"def guard_key({', '.join(names)}):"]
     gk_lines.append("  return (")
     for lab, e in zip(labels, exprs):
         gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
     gk_lines.append("  )")
     structure = "\n".join(ex_lines + gk_lines)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "torch": torch, **consts.d}
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_storage_overlaps": _storage_overlaps, "torch": torch, **consts.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(
         "guard_key",
         "Prologue part 2: checks (everything the trace was specialised on; must equal the entry's key)",
         gk_lines, g,
     )
-    return Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf)), tuple(expected)
+    pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf))
+    pro.size_checks = size_exprs
+    return pro, tuple(expected)
 
 
 # ---------------------------------------------------------------------------
@@ -262,6 +374,10 @@ def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> li
             continue
         if lab.what == "object":
             out.append(f"{lab.path}: a different object than the one compiled for")
+        elif lab.path == "sizes":
+            out.append(f"sizes: {lab.what} was {e}, now {a}")
+        elif lab.what == "is None":
+            out.append(f"{lab.path}: {'None' if e else 'set'} → {'None' if a else 'set'}")
         elif lab.what == "identity":
             out.append(f"{lab.path}: no longer the same tensor as the input it aliased when compiled")
         else:

@@ -95,7 +95,7 @@ def per_call_mask(leaves) -> list:
     kind_of = {leaf.path: leaf.kind for leaf in leaves}
     mask = []
     for leaf in leaves:
-        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object") for j in range(1, len(leaf.path)))
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
         mask.append(not static)
     return mask
 
@@ -153,11 +153,20 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             changed.append(f"{var} is not {bind(i)} or {var}.training is not {vals[i].training}")
         elif k == "object":
             changed.append(f"{var} is not {bind(i)}")
+        elif k == "optimizer":
+            # load_state_dict replaces param_groups and state: what thin mode bound would be stale.
+            opt = vals[i]
+            changed.append(f"{var} is not {bind(i)} or {var}.state is not {consts(opt.state)} "
+                           f"or {var}.param_groups is not {consts(opt.param_groups)}")
+        elif k == "absent":
+            mismatch.append(f"{var} is not None")
+        elif k == "number":
+            mismatch.append(f"type({var}) is not {consts(type(v))}")
     for i in sorted(used):
         if per_call[i]:
             comp_arg[i] = names[i]
             continue
-        if vals[i] is prev_vals[i]:
+        if vals[i] is prev_vals[i] and leaves[i].kind != "number":
             comp_arg[i] = bind(i)
             static_idx.append(i)
             continue
@@ -167,7 +176,11 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         if p is None or vals[p] is not prev_vals[p]:
             raise CannotBind(f"{path_str(leaf.path)} and its container changed between the two validated calls")
         demoted_lines.append(f"    {names[i]} = {leaf.path[-1].expr(bind(p))}")
-        demoted_conds.append(tensor_cond(names[i], leaf.value))
+        if leaf.kind == "number":
+            # A runtime number (lr) is read every call: a scheduler's update is never stale.
+            demoted_conds.append(f"type({names[i]}) is not {consts(type(leaf.value))}")
+        else:
+            demoted_conds.append(tensor_cond(names[i], leaf.value))
         comp_arg[i] = names[i]
     for i, leaf in enumerate(leaves):
         if leaf.kind == "tensor" and leaf.alias_of is not None and not per_call[i]:
@@ -250,23 +263,23 @@ def periodic_check(binding, prologue, leaves, args, kwargs, arg_names):
     if g != binding.global_state:
         for lab, e, a in zip(GLOBAL_LABELS, binding.global_state, g):
             if e != a:
-                raise ThinModeError(lab.path, lab.what, e, a, f"check_every: {lab.path}.{lab.what} changed {e!r} → {a!r} {since}{advice}")
+                raise ThinModeError(lab.path, lab.what, e, a, f"check_every: {lab.path}.{lab.what} changed {e!r} → {a!r} {since}{advice}", kind="check_every")
     try:
         vals = prologue.extract.fn(*args, **kwargs)
         key = prologue.guard_key_fn.fn(*vals)
     except (LookupError, AttributeError, TypeError) as ex:
         raise ThinModeError("args", "structure", "the bound structure", repr(ex),
-                            f"check_every: the inputs no longer have the structure thin mode bound {since} ({ex!r}){advice}") from None
+                            f"check_every: the inputs no longer have the structure thin mode bound {since} ({ex!r}){advice}", kind="check_every") from None
     entry = binding.entry
     if key != entry.key:
         for lab, e, a in zip(prologue.labels, entry.key, key):
             if e != a:
                 [text] = describe_diffs((lab,), (e,), (a,))
-                raise ThinModeError(lab.path, lab.what, e, a, f"check_every: {_annotate(text, arg_names)} {since}{advice}")
+                raise ThinModeError(lab.path, lab.what, e, a, f"check_every: {_annotate(text, arg_names)} {since}{advice}", kind="check_every")
     for i in binding.static_idx:
         if vals[i] is not binding.vals[i]:
             where = path_str(leaves[i].path)
             raise ThinModeError(where, "object", "the bound tensor", "a different tensor",
                                 f"check_every: {where} is a different tensor object than the one bound {since} "
-                                f"(was it replaced without registration, e.g. m._parameters[...] = ...?){advice}")
+                                f"(was it replaced without registration, e.g. m._parameters[...] = ...?){advice}", kind="check_every")
     return vals

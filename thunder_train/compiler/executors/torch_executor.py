@@ -18,6 +18,7 @@ from ..transforms.dce import has_side_effect
 from . import torch_impls
 
 _impl_symbols: dict = {}
+_vjp_impls: dict = {}  # (torch function, wanted positions) -> ImplSymbol of a TorchVJP
 
 
 class ImplSymbol(Symbol):
@@ -98,12 +99,43 @@ _COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne", "bitwise_and", "
 _SWAPPED_CMP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
 
 
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floor_divide": "//", "pow": "**",
+          "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+class ScalarSymbol(Symbol):
+    """Python arithmetic on runtime numbers, printed as an expression: ``n1 = 1 - n0``."""
+
+    def __init__(self, name, fn):
+        super().__init__(f"scalar_{name}", fn, module="torch_executor", is_prim=True)
+        self.op = name
+
+    def format_lines(self, bsym, fmt):
+        args = [fmt(a) for a in bsym.args]
+        op = _INFIX.get(self.op)
+        expr = f"{args[0]} {op} {args[1]}" if op and len(args) == 2 else f"_scalar_{self.op}({', '.join(args)})"
+        out = bsym.output
+        return [f"{fmt(out)} = {expr}  # {out.name}: {out.python_type.__name__}"]
+
+    def codegen_globals(self) -> dict:
+        return {} if self.op in _INFIX else {f"_scalar_{self.op}": self.fn}
+
+
+_scalar_symbols = {name: ScalarSymbol(name, fn) for name, fn in prims._python_scalar.items()}
+
+
+def _scalar_rule(bsym):
+    """Arithmetic on runtime numbers (an lr, ``step.item()``): Python's own operators, as eager computes it."""
+    sym = _scalar_symbols.get(bsym.sym.name)
+    return None if sym is None else (sym, bsym.args, {})
+
+
 for _n, _f in _UNARY_TORCH.items():
 
     def _unary_rule(bsym, _f=_f):
         a = bsym.args[0]
         if not _t(a):
-            return None
+            return _scalar_rule(bsym)
         return _f, bsym.args, {}
 
     _prim_rules[getattr(prims, _n)] = _unary_rule
@@ -113,7 +145,7 @@ def _binary_rule(bsym):
     name = bsym.sym.name
     a, b = bsym.args
     if not _t(a) and not _t(b):
-        return None
+        return _scalar_rule(bsym)
     if name == "div":
         floating = (a if _t(a) else b)._tt_dtype.category >= dtypes.FLOAT
         op = torch.true_divide if floating else torch_impls.trunc_div
@@ -350,6 +382,11 @@ def _(bsym):
     return torch_impls.shape, bsym.args, {}
 
 
+@_rule(prims.item)
+def _(bsym):
+    return torch.Tensor.item, bsym.args, {}
+
+
 class TorchExecutor:
     """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``."""
 
@@ -369,9 +406,16 @@ class TorchExecutor:
                 return None
             fn, args, kwargs = r
             args, kwargs = _conv_args(args, kwargs)
-            return BoundSymbol(impl_symbol(fn, has_side_effect(bsym)), args, kwargs, bsym.output, (), bsym.comment)
+            impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, has_side_effect(bsym))
+            return BoundSymbol(impl, args, kwargs, bsym.output, (), bsym.comment)
         if sym.module == "opaque":
             return BoundSymbol(impl_symbol(sym.torch_impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+        if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
+            fn, wanted = bsym.torch_fn
+            impl = _vjp_impls.get((fn, wanted))
+            if impl is None:
+                impl = _vjp_impls[(fn, wanted)] = ImplSymbol(torch_impls.TorchVJP(fn, wanted))
+            return BoundSymbol(impl, bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "ltorch" and not self.decompose:
             impl = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
             if impl is None:
@@ -388,6 +432,8 @@ class TorchExecutor:
             raise NotImplementedError(f"the torch executor has no implementation of {sym.id}")
         fake = BoundSymbol(sym, tuple(_as_meta_proxy(a) for a in args), kwargs, None)
         fn, fargs, fkwargs = rule(fake)
+        if isinstance(fn, ScalarSymbol):
+            fn = fn.fn
         # Substitute the real tensors back for the stand-ins.
         back = {id(p): real for p, real in zip(fake.args, args)}
         fargs = tree_map(lambda x: back.get(id(x), x), fargs)
@@ -403,3 +449,8 @@ def _as_meta_proxy(x):
 
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
+
+
+@_rule(prims.polygamma)
+def _(bsym):
+    return torch.polygamma, bsym.args, {}

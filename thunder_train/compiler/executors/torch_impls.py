@@ -45,10 +45,15 @@ def uniform(shape, minval, maxval, device, dtype):
 
 
 def bernoulli(a, p):
-    return torch.bernoulli(torch.full_like(a, p))
+    """0/1 draws with probability ``p`` in ``a``'s shape and dtype — the same draws eager dropout makes on CPU."""
+    return torch.empty_like(a).bernoulli_(p)
 
 
 def copy_(src, dst):
+    """A write-back into an input buffer (a parameter too): never part of an autograd graph."""
+    if dst.requires_grad:
+        with torch.no_grad():
+            return dst.copy_(src)
     return dst.copy_(src)
 
 
@@ -116,3 +121,39 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
 
 def index_put(a, indices, values, accumulate):
     return torch.index_put(a, tuple(indices), values, accumulate)
+
+
+class TorchVJP:
+    """The backward of one torch function, computed by PyTorch's autograd (its fused kernels).
+
+    ``TorchVJP(F.layer_norm, wanted)(g, *args, **kwargs)`` re-runs the function on
+    the inputs listed in ``wanted`` (positions in the flattened arguments; a tuple
+    when one tensor appears twice) made to require grad, and returns their
+    gradients for the cotangent ``g``.  The re-run forward costs one forward of
+    the op; the backward kernels (layer norm, GELU, flash attention, log-softmax
+    + NLL) are what make this faster than the op-by-op formula.
+    """
+
+    def __init__(self, fn, wanted):
+        self.fn = fn
+        self.wanted = wanted
+        # One name per (function, inputs needing grad): two of them in one trace must not clash.
+        self.__name__ = self.__qualname__ = f"vjp_{getattr(fn, '__name__', 'op')}_" + "_".join(str(p[0]) for p in wanted)
+        self.__module__ = "thunder_train.vjp"  # printed as a named global, not as ttex.<name>
+
+    def __call__(self, g, reads, *args, **kwargs):
+        # ``reads``: values only the rule's decomposition needs (kept alive for it); unused here.
+        from ..pytree import tree_flatten, tree_unflatten
+
+        flat, spec = tree_flatten((args, kwargs))
+        with torch.enable_grad():
+            leaves = []
+            for positions in self.wanted:
+                leaf = flat[positions[0]].detach().requires_grad_()
+                for i in positions:
+                    flat[i] = leaf
+                leaves.append(leaf)
+            a, k = tree_unflatten(flat, spec)
+            out = self.fn(*a, **k)
+            return torch.autograd.grad(out, leaves, g)
+

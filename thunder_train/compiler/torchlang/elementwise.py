@@ -7,7 +7,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..clang import Promotion
-from ..proxies import TensorProxy
+from ..proxies import NumberProxy, TensorProxy
 from .registry import torchsymbol
 
 P = Promotion
@@ -126,10 +126,15 @@ def _reversed(method, sym):
     return torchsymbol(methods=(method,), name=fn.__name__)(fn)
 
 
+def _scales(alpha) -> bool:
+    """Whether ``alpha`` (a number or a runtime number) needs a multiplication."""
+    return isinstance(alpha, NumberProxy) or alpha != 1
+
+
 @torchsymbol(torch.add, methods=("add", "__add__", "__radd__"))
 def add(input, other, *, alpha=1):
     """torch.add: ``input + alpha * other``."""
-    if alpha != 1:
+    if _scales(alpha):
         other = clang.mul(other, alpha)
     return clang.add(input, other)
 
@@ -137,7 +142,7 @@ def add(input, other, *, alpha=1):
 @torchsymbol(torch.sub, torch.subtract, methods=("sub", "__sub__", "subtract"))
 def sub(input, other, *, alpha=1):
     """torch.sub: ``input - alpha * other``."""
-    if alpha != 1:
+    if _scales(alpha):
         other = clang.mul(other, alpha)
     return clang.sub(input, other)
 
@@ -145,7 +150,7 @@ def sub(input, other, *, alpha=1):
 @torchsymbol(torch.rsub, methods=("__rsub__",), name="rsub")
 def rsub(input, other, *, alpha=1):
     """``other - input`` (Tensor.__rsub__)."""
-    return sub(other, input, alpha=alpha) if type(other) is TensorProxy else clang.sub(other, clang.mul(input, alpha) if alpha != 1 else input)
+    return sub(other, input, alpha=alpha) if type(other) is TensorProxy else clang.sub(other, clang.mul(input, alpha) if _scales(alpha) else input)
 
 
 mul = _binary("mul", prims.mul, torch_fns=(torch.mul, torch.multiply), methods=("mul", "__mul__", "__rmul__", "multiply"))

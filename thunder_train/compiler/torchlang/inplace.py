@@ -1,8 +1,11 @@
 """In-place Tensor methods (``add_``, ``mul_``, ``zero_``, ``__setitem__``, ...).
 
-Each is its out-of-place symbol followed by ``prims.copy_`` into the input,
-and returns the proxy for the updated buffer.  Executed in trace order they
-are exact; the functionalization pass (whole-step issue) rewrites later reads.
+Each symbol has a ``functional`` form: the new value of the destination,
+computed out of place.  While tracing, the tracer records only that form and
+makes the result the destination's current value (``compiler/functional.py``);
+the mutation itself becomes one ``prims.copy_`` at the end of the computation.
+The symbol's own decomposition (functional form + ``prims.copy_``) is what runs
+when a printed trace calls it on real tensors.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from . import elementwise as ew, nn, shapes
 from .registry import torchsymbol
 
 
-def _write_back(out, a):
+def _new_value(out, a):
+    """``out`` converted and broadcast to the destination's dtype and shape, as torch does for in-place ops."""
     if type(out) is not TensorProxy:
         out = prims.full(a._tt_shape, out, device=a._tt_device, dtype=a._tt_dtype)
     if out._tt_dtype is not a._tt_dtype:
@@ -23,16 +27,25 @@ def _write_back(out, a):
         out = clang.expand(out, a._tt_shape)
         if out._tt_shape != a._tt_shape:
             raise RuntimeError(f"output with shape {a._tt_shape} doesn't match the broadcast shape {out._tt_shape}")
-    return prims.copy_(out, a)
+    return out
+
+
+def _functional(sym, new_value):
+    """Attach the functional form: ``sym.functional(dst, *args) -> new value of dst``."""
+    sym.functional = new_value
+    return sym
 
 
 def _inplace(name, outplace, extra_methods=()):
+    def new_value(a, *args, **kwargs):
+        return _new_value(outplace(a, *args, **kwargs), a)
+
     def fn(a, *args, **kwargs):
-        return _write_back(outplace(a, *args, **kwargs), a)
+        return prims.copy_(new_value(a, *args, **kwargs), a)
 
     fn.__name__ = name
     fn.__doc__ = f"Tensor.{name}: {outplace.name} written into the input."
-    return torchsymbol(methods=(name,) + tuple(extra_methods), name=name, tags=("inplace",))(fn)
+    return _functional(torchsymbol(methods=(name,) + tuple(extra_methods), name=name, tags=("inplace",))(fn), new_value)
 
 
 add_ = _inplace("add_", ew.add, ("__iadd__",))
@@ -55,31 +68,60 @@ relu_ = _inplace("relu_", nn.relu)
 masked_fill_ = _inplace("masked_fill_", shapes.masked_fill)
 
 
+def _zero_value(a):
+    return prims.full(a._tt_shape, 0, device=a._tt_device, dtype=a._tt_dtype)
+
+
 @torchsymbol(methods=("zero_",), name="zero_", tags=("inplace",))
 def zero_(a):
-    return prims.copy_(prims.full(a._tt_shape, 0, device=a._tt_device, dtype=a._tt_dtype), a)
+    return prims.copy_(_zero_value(a), a)
+
+
+def _fill_value(a, value):
+    if type(value) is TensorProxy:
+        return _new_value(value, a)
+    return prims.full(a._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype)
 
 
 @torchsymbol(methods=("fill_",), name="fill_", tags=("inplace",))
 def fill_(a, value):
-    if type(value) is TensorProxy:
-        return _write_back(value, a)
-    return prims.copy_(prims.full(a._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype), a)
+    return prims.copy_(_fill_value(a, value), a)
+
+
+def _copy_value(a, src, non_blocking=False):
+    if type(src) is TensorProxy and src._tt_device != a._tt_device:
+        raise NotImplementedError(
+            f"copy_ from {src._tt_device} into {a._tt_device} inside a compiled function is not supported yet; "
+            "move the tensor before calling it"
+        )
+    return _new_value(src, a)
 
 
 @torchsymbol(methods=("copy_",), name="copy_", tags=("inplace",))
 def copy_(a, src, non_blocking=False):
-    return _write_back(src, a)
+    return prims.copy_(_copy_value(a, src), a)
+
+
+_functional(zero_, _zero_value)
+_functional(fill_, _fill_value)
+_functional(copy_, _copy_value)
 
 
 @torchsymbol(methods=("__setitem__",), name="setitem", tags=("inplace",))
 def setitem(a, key, value):
     """``a[key] = value``: an index_put on the flattened positions that ``a[key]`` selects."""
+    return prims.copy_(_setitem_value(a, key, value), a)
+
+
+def _setitem_value(a, key, value):
     positions = prims.iota(a.numel_(), start=0, step=1, device=a._tt_device, dtype=dtypes.int64)
     positions = shapes.getitem(clang.reshape(positions, a._tt_shape), key)
     if type(value) is not TensorProxy:
         value = prims.full(positions._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype)
     value = clang.expand(clang.maybe_convert(value, a._tt_dtype), positions._tt_shape)
     flat = prims.index_put(clang.reshape(a, (-1,)), (clang.reshape(positions, (-1,)),), clang.reshape(value, (-1,)), False)
-    return prims.copy_(clang.reshape(flat, a._tt_shape), a)
+    return clang.reshape(flat, a._tt_shape)
+
+
+_functional(setitem, _setitem_value)
 

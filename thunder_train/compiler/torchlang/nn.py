@@ -146,11 +146,9 @@ def dropout(input, p=0.5, training=True, inplace=False):
         return input
     if p == 1.0:
         return clang.mul(input, 0.0)
-    x, dt = _up(input)
-    u = prims.uniform(x._tt_shape, 0.0, 1.0, device=x._tt_device, dtype=x._tt_dtype)
-    keep = prims.lt(u, prims.full(x._tt_shape, 1.0 - p, device=x._tt_device, dtype=x._tt_dtype))
-    zero = prims.full(x._tt_shape, 0.0, device=x._tt_device, dtype=x._tt_dtype)
-    return clang.maybe_convert(prims.where(keep, prims.mul(x, 1.0 / (1.0 - p)), zero), dt)
+    # As eager computes it on CPU: noise = bernoulli(1 - p) / (1 - p); input * noise (the same random draws).
+    noise = prims.div(prims.bernoulli(input, 1.0 - p), 1.0 - p)
+    return prims.mul(input, noise)
 
 
 # ---------------------------------------------------------------------------
@@ -389,6 +387,27 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if bias is not None:
         out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
     return clang.maybe_convert(out, dt)
+
+
+def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """The tracer's form: the normalised output plus the running statistics' new values as writes."""
+    if not training or (running_mean is None and running_var is None):
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps), []
+    out = batch_norm(input, None, None, weight, bias, True, momentum, eps)
+    x, _ = _up(input)
+    dims = (0,) + tuple(range(2, x.ndim_))
+    n = math.prod(x._tt_shape[d] for d in dims)
+    writes = []
+    if running_mean is not None:
+        mean = prims.div(prims.sum(x, dims), float(n))
+        writes.append((running_mean, clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))))
+    if running_var is not None:
+        unbiased = prims.var(x, dims, 1 if n > 1 else 0)
+        writes.append((running_var, clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))))
+    return out, writes
+
+
+batch_norm.functionalize = _batch_norm_functionalize
 
 
 @torchsymbol(F.group_norm)

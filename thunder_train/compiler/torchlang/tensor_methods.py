@@ -159,6 +159,8 @@ def _metadata_method(*fns, methods=()):
 class _MetadataSymbol:
     """Looks like a symbol to the dispatcher but records nothing."""
 
+    tags = frozenset()
+
     def __init__(self, fn):
         self.fn = fn
         self.name = fn.__name__
@@ -249,7 +251,24 @@ def _data_dependent(what):
 
 
 _metadata_method(methods=("__bool__",))(_data_dependent("bool(tensor)"))
-_metadata_method(methods=("item",))(_data_dependent("Tensor.item()"))
+@_metadata_method(methods=("item",))
+def item(a):
+    """A runtime number (``prims.item``); arithmetic on it is recorded, branching on it is an error."""
+    return prims.item(a)
+
+
+@_metadata_method(methods=("requires_grad_",))
+def requires_grad_(a, requires_grad=True):
+    if requires_grad and not a._tt_dtype.is_float:
+        raise RuntimeError("only Tensors of floating point dtype can require gradients")
+    a._tt_requires_grad = bool(requires_grad)
+    return a
+
+
+@_metadata_method(methods=("detach_",))
+def detach_(a):
+    a._tt_requires_grad = False
+    return a
 _metadata_method(methods=("tolist",))(_data_dependent("Tensor.tolist()"))
 _metadata_method(methods=("__int__",))(_data_dependent("int(tensor)"))
 _metadata_method(methods=("__float__",))(_data_dependent("float(tensor)"))

@@ -79,11 +79,11 @@ class _Forward:
     run it whole again if the backward needs none of its internal values.
     """
 
-    def __init__(self, trc):
-        self.needs_grad = {id(a) for a in requires_grad_inputs(trc)}
+    def __init__(self, bsyms, leaves):
+        self.needs_grad = {id(a) for a in leaves}
         self.bsyms: list = []
         self.expanded: set = set()
-        for bsym in trc.bound_symbols:
+        for bsym in bsyms:
             self._add(bsym)
 
     def on_path(self, bsym) -> bool:
@@ -146,7 +146,10 @@ def _backward_pass(fwd: _Forward, cts: _Cotangents):
         flat_out, spec = tree_flatten(bsym.output)
         g = tree_unflatten([cts.get(o) if _is_tensor(o) else None for o in flat_out], spec)
         args = bind_arguments(bsym)
-        grads = rule(g, bsym.output, **args)
+        if bsym.sym.module == "ltorch" and bsym.sym.name in TORCH_VJP and _is_tensor(bsym.output) and _is_tensor(g):
+            grads = _as_vjp_symbol(bsym, rule, g, args, fwd.needs_grad)
+        else:
+            grads = rule(g, bsym.output, **args)
         for name, grad in grads.items():
             if grad is None:
                 continue
@@ -155,6 +158,63 @@ def _backward_pass(fwd: _Forward, cts: _Cotangents):
             for v, gv in zip(values, grad_leaves):
                 if _is_tensor(v) and id(v) in fwd.needs_grad and gv is not None:
                     cts.add(v, gv)
+
+
+# Composites whose gradient is recorded as one ``<name>_vjp`` symbol: its subsymbols are the
+# rule's prims (what decomposing executors run), and the torch executor claims it whole and
+# runs PyTorch's own fused backward kernels (executors/torch_impls.py ``TorchVJP``).
+TORCH_VJP = {"gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy",
+             "scaled_dot_product_attention", "embedding"}
+_vjp_symbols: dict = {}
+# Arguments PyTorch's autograd does not differentiate (our rules do): those stay op by op.
+_TORCH_NOT_DIFFERENTIABLE = {"cross_entropy": {"weight"}}
+
+
+def vjp_symbol(sym) -> Symbol:
+    s = _vjp_symbols.get(sym)
+    if s is None:
+        s = _vjp_symbols[sym] = Symbol(f"{sym.name}_vjp", None, module="vjp", tags=("vjp",))
+        s.forward_symbol = sym
+    return s
+
+
+def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
+    """Run ``rule`` in a nested scope and record what it recorded as one ``<name>_vjp`` bound symbol."""
+    trc = context.get_trace()
+    trc.push_scope()
+    try:
+        grads = rule(g, bsym.output, **args)
+    finally:
+        subs = trc.pop_scope()
+    made = {id(o) for b in subs for o in b.flat_outputs()}
+    arg_leaves = tree_flatten((bsym.args, bsym.kwargs))[0]
+    outs, wanted = [], []  # gradient proxies; for each, the positions of its input among bsym's flat args
+    ok = bool(subs)
+    for name, grad in grads.items():
+        if grad is None:
+            continue
+        for v, gv in zip(tree_flatten(args[name])[0], tree_flatten(grad)[0]):
+            if gv is None or not _is_tensor(v) or id(v) not in needs_grad:
+                continue
+            if name in _TORCH_NOT_DIFFERENTIABLE.get(bsym.sym.name, ()):
+                ok = False
+            if id(gv) not in made or any(gv is o for o in outs):
+                ok = False
+            outs.append(gv)
+            wanted.append(tuple(i for i, a in enumerate(arg_leaves) if a is v))
+    if not ok or not outs:
+        for b in subs:
+            trc.add(b)
+        return grads
+    vsym = vjp_symbol(bsym.sym)
+    # Values the rule reads besides the op's arguments (its output, for softmax): listed so that
+    # saved-value selection and freeing see them; the torch implementation ignores them.
+    in_args = {id(a) for a in arg_leaves} | {id(g)}
+    reads = tuple(p for p in _proxies_read(subs) if id(p) not in in_args)
+    vb = BoundSymbol(vsym, (g, reads) + tuple(bsym.args), dict(bsym.kwargs), tuple(outs), tuple(subs))
+    vb.torch_fn = (bsym.torch_fn or getattr(bsym.sym, "torch_impl", None), tuple(wanted))
+    trc.add(vb)
+    return grads
 
 
 # ---------------------------------------------------------------------------
@@ -219,7 +279,7 @@ def _emit_forward(bsyms, expanded, saved_ids, out):
 
 def build_forward_backward(trc) -> ForwardBackward | None:
     """The joint trace and its split; None when no output carries gradient."""
-    fwd = _Forward(trc)
+    fwd = _Forward(trc.bound_symbols, requires_grad_inputs(trc))
     flat_out, _ = tree_flatten(trc.output)
     outputs = list({id(o): o for o in flat_out if is_proxy(o)}.values())
     differentiable = [_is_float_tensor(o) and id(o) in fwd.needs_grad for o in outputs]
@@ -260,7 +320,9 @@ def build_forward_backward(trc) -> ForwardBackward | None:
     backward.args = list(saved) + cotangents
     backward.bound_symbols.extend(recompute + bwd_part)
     backward.output = grads
-    backward.decorators = []
+    # Not no_grad (the backward runs inside autograd's engine), but the autocast-off decorator of an
+    # autocast trace stays: the backward's dtypes are explicit too.
+    backward.decorators = [d for d in trc.decorators if "autocast" in d]
     return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents)
 
 

@@ -160,6 +160,7 @@ _UNARY = {
     "erfinv": lambda a, out, g: mul(g, mul(prims.exp(_square(out)), math.sqrt(math.pi) / 2.0)),
     "reciprocal": lambda a, out, g: neg(mul(g, _square(out))),
     "lgamma": lambda a, out, g: mul(g, prims.digamma(a)),
+    "digamma": lambda a, out, g: mul(g, prims.polygamma(1, a)),
     "sigmoid": lambda a, out, g: mul(g, mul(out, sub(1.0, out))),
 }
 
@@ -263,6 +264,26 @@ def remainder_vjp(g, out, /, a, b):
     return {"a": g, "b": neg(mul(g, prims.floor(div(a, b)))) if _t(b) else None}
 
 
+@register_vjp(prims.copysign)
+def copysign_vjp(g, out, /, a, b):
+    """|a| with b's sign: the gradient is ``g`` times ``out / a`` (±1), and 0 where ``a == 0`` (torch); none for ``b``."""
+    if not _t(a):
+        return {"b": zeros_like(b)}
+    ratio = prims.where(prims.eq(a, 0.0), 0.0, div(out, a))
+    return {"a": mul(g, ratio), "b": zeros_like(b) if _t(b) else None}
+
+
+@register_vjp(prims.nextafter)
+def nextafter_vjp(g, out, /, a, b):
+    """As eager: the result moves by one ulp, so ``a`` gets ``g`` unchanged and ``b`` gets zeros."""
+    return {"a": g if _t(a) else None, "b": zeros_like(b) if _t(b) else None}
+
+
+@register_vjp(prims.polygamma)
+def polygamma_vjp(g, out, /, n, a):
+    return {"a": mul(g, prims.polygamma(n + 1, a))}
+
+
 @register_vjp(prims.where)
 def where_vjp(g, out, /, pred, a, b):
     if not _t(pred):
@@ -306,6 +327,27 @@ def var_vjp(g, out, /, a, dims, correction):
     centred = sub(a, mean)
     gb = restore_reduced(g, a._tt_shape, dims)
     return {"a": div(mul(mul(gb, centred), 2.0), float(n - correction))}
+
+
+@register_vjp(prims.prod)
+def prod_vjp(g, out, /, a, dims):
+    """The product of the other elements, zeros included (torch's ``prod_backward``).
+
+    Without a zero in the reduced slice it is ``out / a``.  With exactly one zero,
+    only that position gets a gradient: the product of the others.  With two or
+    more, every gradient is 0.
+    """
+    if not dims:
+        return {"a": g}
+    shape = a._tt_shape
+    is_zero = prims.eq(a, 0.0)
+    safe = prims.where(is_zero, 1.0, a)
+    gb = restore_reduced(g, shape, dims)
+    no_zero = mul(gb, div(restore_reduced(out, shape, dims), safe))
+    zeros_in_slice = restore_reduced(prims.sum(prims.convert_element_type(is_zero, dtypes.int64), dims), shape, dims)
+    one_zero = prims.where(is_zero, mul(gb, restore_reduced(prims.prod(safe, dims), shape, dims)), 0.0)
+    grad = prims.where(prims.eq(zeros_in_slice, 0), no_zero, prims.where(prims.eq(zeros_in_slice, 1), one_zero, 0.0))
+    return {"a": grad}
 
 
 @register_vjp(prims.cumsum)
@@ -407,6 +449,42 @@ def gather_vjp(g, out, /, a, index, dim):
 @register_vjp(prims.scatter_add)
 def scatter_add_vjp(g, out, /, a, index, src, dim):
     return {"a": g, "src": prims.gather(g, index, dim)}
+
+
+def _index(x, indices):
+    """``x[indices]`` for a tuple of integer index tensors over x's leading dims (advanced indexing)."""
+    k = len(indices)
+    lead, rest = x._tt_shape[:k], x._tt_shape[k:]
+    idx_shape = ()
+    for i in indices:
+        if not _t(i) or not i._tt_dtype.is_int:
+            raise NoGradientRuleError("index_put: the gradient of values supports integer index tensors only")
+        idx_shape = clang.broadcast_shapes(idx_shape, i._tt_shape)
+    flat, stride = None, 1
+    for i, size in reversed(list(zip(indices, lead))):
+        i = clang.expand(clang.maybe_convert(i, dtypes.int64), idx_shape)
+        i = clang.where(clang.lt(i, 0), clang.add(i, size), i)  # negative indices count from the end
+        term = clang.mul(i, stride) if stride != 1 else i
+        flat = term if flat is None else clang.add(flat, term)
+        stride *= size
+    rows = clang.reshape(x, (math.prod(lead),) + tuple(rest))
+    taken = prims.take(rows, clang.reshape(flat, (-1,)), 0)
+    return clang.reshape(taken, tuple(idx_shape) + tuple(rest))
+
+
+@register_vjp(prims.index_put)
+def index_put_vjp(g, out, /, a, indices, values, accumulate):
+    """``a``: ``g``, minus the overwritten positions unless accumulating; ``values``: ``g[indices]`` (as eager)."""
+    grads = {}
+    if _t(a):
+        if accumulate:
+            grads["a"] = g
+        else:
+            written = _index(g, indices)
+            grads["a"] = prims.index_put(g, tuple(indices), zeros_like(written), False)
+    if _t(values):
+        grads["values"] = sum_to(_index(g, indices), values._tt_shape)
+    return grads
 
 
 # ---------------------------------------------------------------------------
@@ -611,44 +689,120 @@ def embedding_vjp(g, out, /, input, weight, padding_idx=None, max_norm=None, nor
 
 
 def _cross_entropy_supported(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
-    return not target._tt_dtype.is_float and label_smoothing == 0.0 and size_average is None and reduce is None
+    if size_average is not None or reduce is not None or reduction not in ("none", "sum", "mean"):
+        return False
+    if target._tt_dtype.is_float:
+        return target._tt_shape == input._tt_shape
+    # A weight that is an input requiring grad: the decomposition differentiates it everywhere (the torch
+    # executor runs this rule's backward with eager's kernels, which refuse weight gradients for class indices).
+    return not (_t(weight) and weight._tt_requires_grad)
 
 
 @register_vjp(tnn.cross_entropy, supports=_cross_entropy_supported)
 def cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
-    """(softmax(x) - onehot(target)) scaled per sample; the softmax is recomputed from the logits."""
+    """Gradients from ``softmax(x)`` recomputed from the logits (class indices or probabilities, label smoothing).
+
+    With class indices, per sample ``i`` (``w_t`` its target's weight, 0 if ignored)::
+
+        dloss_i/dx = (1 - ε) · w_t · (p - onehot(t)) + ε/C · (p · Σ_c w_c - w)   (second term 0 if ignored)
+
+    scaled by the cotangent, and for ``mean`` divided by ``Σ_i w_t`` (eager's
+    normaliser for both terms).  Probability targets: see ``_cross_entropy_probs_vjp``.
+    """
     x, gu = _up(input), _up(g)
     c_dim = 0 if x.ndim_ == 1 else 1
     C = x._tt_shape[c_dim]
-    p = clang.softmax(x, c_dim)
-    t = clang.unsqueeze(target, c_dim)
+    eps = float(label_smoothing)
     classes_shape = tuple(C if i == c_dim else 1 for i in range(x.ndim_))
+    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if _t(weight) else None
+    p = clang.softmax(x, c_dim)
+    if target._tt_dtype.is_float:
+        return _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input)
+    batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
+    t = clang.unsqueeze(target, c_dim)
     classes = clang.reshape(prims.iota(C, start=0, step=1, device=x._tt_device, dtype=target._tt_dtype), classes_shape)
     onehot = clang.maybe_convert(clang.eq(classes, t), x._tt_dtype)
     valid = clang.ne(target, ignore_index)
-    w = clang.maybe_convert(valid, x._tt_dtype)
+    vf = clang.maybe_convert(valid, x._tt_dtype)
+    w_t = vf
     if _t(weight):
         safe = clang.where(valid, target, 0)
         w_per = clang.reshape(prims.take(clang.maybe_convert(weight, x._tt_dtype), clang.reshape(safe, (-1,)), 0), target._tt_shape)
-        w = clang.mul(w, w_per)
-    if reduction == "none":
-        scale = clang.mul(gu, w)
-    elif reduction == "sum":
-        scale = clang.mul(w, gu)
+        w_t = clang.mul(vf, w_per)
+    if reduction == "mean":
+        total = clang.sum(w_t)
+        s = clang.expand(clang.true_divide(gu, total), target._tt_shape)
     else:
-        scale = clang.true_divide(clang.mul(w, gu), clang.sum(w))
-    gx = clang.mul(clang.sub(p, onehot), clang.unsqueeze(scale, c_dim))
-    return {"input": _back(gx, input)}
+        s = clang.expand(gu, target._tt_shape)  # "sum": one scalar for every sample
+    gx = clang.mul(clang.sub(p, onehot), clang.unsqueeze(w_t, c_dim))
+    if eps:
+        w_sum = clang.sum(wc) if wc is not None else float(C)
+        smooth = clang.sub(clang.mul(p, w_sum), wc if wc is not None else 1.0)
+        gx = clang.add(clang.mul(gx, 1.0 - eps), clang.mul(clang.mul(smooth, clang.unsqueeze(vf, c_dim)), eps / C))
+    grads = {"input": _back(clang.mul(gx, clang.unsqueeze(s, c_dim)), input)}
+    if _t(weight):
+        # d/dw_c: the -log p terms that w_c multiplies; "mean" also moves the normaliser Σ w_t.
+        neg_logp = clang.neg(clang.log_softmax(x, c_dim))
+        sv = clang.unsqueeze(clang.mul(s, vf), c_dim)
+        per_class = clang.mul(clang.mul(onehot, neg_logp), 1.0 - eps)
+        if eps:
+            per_class = clang.add(per_class, clang.mul(neg_logp, eps / C))
+        gw = clang.sum(clang.mul(per_class, sv), batch_dims) if batch_dims else clang.mul(per_class, sv)
+        if reduction == "mean":
+            count = clang.sum(clang.mul(onehot, clang.unsqueeze(vf, c_dim)), batch_dims) if batch_dims else clang.mul(onehot, vf)
+            gw = clang.sub(gw, clang.mul(clang.mul(count, clang.true_divide(gu, total)), _up(out)))
+        grads["weight"] = _back(clang.reshape(gw, weight._tt_shape), weight)
+    return grads
+
+
+def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input):
+    """Probability targets: ``loss_i = -Σ_c w_c t_ic log p_ic`` with ``t = t (1 - ε) + ε / C``."""
+    t = clang.maybe_convert(target, x._tt_dtype)
+    if eps:
+        t = clang.add(clang.mul(t, 1.0 - eps), eps / C)
+    wt = clang.mul(t, wc) if wc is not None else t
+    sample_shape = tuple(n for i, n in enumerate(x._tt_shape) if i != c_dim)
+    if reduction == "mean":
+        gu = clang.true_divide(gu, float(math.prod(x._tt_shape) // C))
+    s = clang.unsqueeze(clang.expand(gu, sample_shape), c_dim)
+    gx = clang.mul(clang.sub(clang.mul(p, clang.sum(wt, c_dim, keepdim=True)), wt), s)
+    grads = {"input": _back(gx, input)}
+    if _float(target) or _t(weight):
+        neg_logp_s = clang.mul(clang.neg(clang.log_softmax(x, c_dim)), s)
+        if _float(target):
+            gt = clang.mul(neg_logp_s, clang.mul(wc, 1.0 - eps) if wc is not None else 1.0 - eps)
+            grads["target"] = _back(gt, target)
+        if _t(weight):
+            batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
+            gw = clang.mul(neg_logp_s, t)
+            gw = clang.sum(gw, batch_dims) if batch_dims else gw
+            grads["weight"] = _back(clang.reshape(gw, weight._tt_shape), weight)
+    return grads
 
 
 def _sdpa_supported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return dropout_p == 0.0 and key._tt_shape[-3:-2] == query._tt_shape[-3:-2] and query.ndim_ == key.ndim_ == value.ndim_
+    """No dropout (its mask exists only inside the forward: the decomposition, which keeps it, is used then)."""
+    if dropout_p != 0.0 or not query.ndim_ == key.ndim_ == value.ndim_:
+        return False
+    hq, hk, hv = (t._tt_shape[-3:-2] for t in (query, key, value))
+    if hq == hk == hv:
+        return True
+    return bool(enable_gqa) and hk == hv and hq[0] % hk[0] == 0
 
 
 @register_vjp(tnn.scaled_dot_product_attention, supports=_sdpa_supported)
 def sdpa_vjp(g, out, /, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Attention probabilities are recomputed from q and k; nothing of size L×S is saved."""
+    """Attention probabilities are recomputed from q and k; nothing of size L×S is saved.
+
+    Grouped-query attention (``enable_gqa``, fewer key/value heads): each kv
+    head serves ``Hq / Hkv`` consecutive query heads, so it is repeated for the
+    computation and its gradient is the sum over its group.
+    """
     q, k, v, gu = _up(query), _up(key), _up(value), _up(g)
+    rep = 1
+    if q.ndim_ >= 3 and k._tt_shape[-3] != q._tt_shape[-3]:
+        rep = q._tt_shape[-3] // k._tt_shape[-3]
+        k, v = tnn._repeat_heads(k, rep), tnn._repeat_heads(v, rep)
     L, S = q._tt_shape[-2], k._tt_shape[-2]
     scale = 1.0 / math.sqrt(q._tt_shape[-1]) if scale is None else scale
     scores = mul(prims.matmul(q, clang.transpose(k, -2, -1)), scale)
@@ -665,11 +819,21 @@ def sdpa_vjp(g, out, /, query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     gv = prims.matmul(clang.transpose(p, -2, -1), gu)
     gp = prims.matmul(gu, clang.transpose(v, -2, -1))
     gs = mul(p, sub(gp, clang.expand(clang.sum(mul(gp, p), -1, keepdim=True), p._tt_shape)))
+    gk = mul(prims.matmul(clang.transpose(gs, -2, -1), q), scale)
+    if rep > 1:
+        gk, gv = _sum_head_groups(gk, rep), _sum_head_groups(gv, rep)
     grads = {
         "query": _back(sum_to(mul(prims.matmul(gs, k), scale), query._tt_shape), query),
-        "key": _back(sum_to(mul(prims.matmul(clang.transpose(gs, -2, -1), q), scale), key._tt_shape), key),
+        "key": _back(sum_to(gk, key._tt_shape), key),
         "value": _back(sum_to(gv, value._tt_shape), value),
     }
     if _float(attn_mask) and not is_causal:
         grads["attn_mask"] = _back(sum_to(gs, attn_mask._tt_shape), attn_mask)
     return grads
+
+
+def _sum_head_groups(x, rep):
+    """(..., H·rep, S, E) -> (..., H, S, E): the sum over each group of ``rep`` consecutive heads."""
+    shape = x._tt_shape
+    grouped = clang.reshape(x, shape[:-3] + (shape[-3] // rep, rep) + shape[-2:])
+    return prims.sum(grouped, (len(shape) - 2,))

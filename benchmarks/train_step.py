@@ -1,0 +1,122 @@
+"""Whole training step: forward, cross-entropy, backward, AdamW, zero_grad — compiled as one program.
+
+Run: python benchmarks/train_step.py [--no-torch-compile] [--steps N] [--models gpt,mlp]
+
+For each model, three copies of the same weights train on the same batches:
+eager PyTorch, ``torch.compile`` of the whole step, and
+``thunder_train.compile(step, thin=True)``.  Reported per mode: the first
+call (tracing/compiling plus one step) and the median time of the later steps,
+with ratios to eager and to torch.compile, all in one run.  The final losses of
+the three are printed too: they must agree (same computation).
+
+Targets on the 2-core CPU of the CI machines: thunder_train's first call ≤ 1/5
+of torch.compile's, and its step time ≤ eager's.  Not a test: timings vary.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+import thunder_train as tt  # noqa: E402
+
+
+def train_step(model, opt, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def gpt_setup(batch=8, seq=128, vocab=4096):
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=4, n_head=4, n_embd=256))
+    g = torch.Generator().manual_seed(0)
+
+    def data(n):
+        out = []
+        for _ in range(n):
+            x = torch.randint(0, vocab, (batch, seq), generator=g)
+            out.append((x, torch.roll(x, -1, 1)))
+        return out
+
+    return model, data
+
+
+def mlp_setup(batch=64, d=256, classes=10):
+    model = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, classes))
+    g = torch.Generator().manual_seed(0)
+
+    def data(n):
+        return [(torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+    return model, data
+
+
+def run_mode(name, step_fn, model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    loss = step_fn(model, opt, *batches[0])
+    first = time.perf_counter() - t0
+    times = []
+    for x, y in batches[1:]:
+        t0 = time.perf_counter()
+        loss = step_fn(model, opt, x, y)
+        times.append(time.perf_counter() - t0)
+    # Skip the warm-up steps (lazy optimizer state, thin-mode binding) in the median.
+    return {"first": first, "step": statistics.median(times[3:] if len(times) > 6 else times), "loss": float(loss)}
+
+
+def bench(model_name, setup, steps, with_torch_compile):
+    torch.manual_seed(0)
+    base, data = setup()
+    batches = data(steps)
+    modes = {"eager": train_step}
+    if with_torch_compile:
+        modes["torch.compile"] = torch.compile(train_step)
+    modes["thunder_train thin"] = tt.compile(train_step, thin=True)
+    results = {}
+    for name, fn in modes.items():
+        results[name] = run_mode(name, fn, copy.deepcopy(base), batches)
+    e = results["eager"]
+    print(f"\n{model_name}: {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters, {steps} steps")
+    print(f"{'mode':<22}{'first call s':>14}{'step ms':>10}{'step / eager':>14}{'final loss':>12}")
+    for name, r in results.items():
+        print(f"{name:<22}{r['first']:>14.2f}{r['step'] * 1e3:>10.1f}{r['step'] / e['step']:>14.2f}{r['loss']:>12.4f}")
+    tt_r = results["thunder_train thin"]
+    if "torch.compile" in results:
+        tc = results["torch.compile"]
+        print(f"thunder_train first call / torch.compile first call: {tt_r['first'] / tc['first']:.3f} (target ≤ 0.2)")
+        print(f"thunder_train step / torch.compile step: {tt_r['step'] / tc['step']:.2f}")
+    print(f"thunder_train step / eager step: {tt_r['step'] / e['step']:.2f} (target ≤ 1.0)")
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--no-torch-compile", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    setups = {"gpt": ("GPT (4 layers, d 256, 4 heads, seq 128, batch 8, vocab 4096)", gpt_setup),
+              "mlp": ("MLP (3 layers, d 256, batch 64)", mlp_setup)}
+    for key in args.models.split(","):
+        label, setup = setups[key]
+        bench(label, setup, args.steps, not args.no_torch_compile)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,549 @@
+"""Whole training steps (forward, loss.backward(), optimizer, zero_grad) compiled, compared with eager.
+
+Eager PyTorch is the reference: same losses, same parameters, same optimizer
+state, the same tensor objects updated in place, ``.grad`` with PyTorch's
+accumulation semantics.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+from thunder_train.compiler.prims import copy_ as prims_copy_
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def gpt():
+    return GPT(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def mlp_batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def gpt_batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 13, (4, 8), generator=g)
+        out.append((x, torch.roll(x, -1, 1)))
+    return out
+
+
+def train_step(model, opt, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def clipped_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def twin(make_model, make_opt, seed=0):
+    torch.manual_seed(seed)
+    m1 = make_model()
+    m2 = copy.deepcopy(m1)
+    return (m1, make_opt(m1.parameters())), (m2, make_opt(m2.parameters()))
+
+
+def _comparable(name, t, model):
+    """Drop the attention *key* bias of the GPT for Adam-style comparisons.
+
+    Its gradient is zero in exact arithmetic (softmax ignores a constant added to
+    every key score), so it is pure float32 rounding noise — which Adam divides by
+    its own magnitude and turns into full-size, run-dependent steps.
+    """
+    if isinstance(model, GPT) and name.endswith("attn.qkv.bias"):
+        d = t.shape[0] // 3
+        return torch.cat([t[:d], t[2 * d:]])
+    return t
+
+
+def assert_same_state(eager, compiled, atol=1e-6, rtol=1e-5):
+    (m1, o1), (m2, o2) = eager, compiled
+    names = {id(p): n for n, p in m1.named_parameters()}
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(_comparable(n, b, m1), _comparable(n, a, m1), atol=atol, rtol=rtol, msg=lambda m: f"parameter {n}: {m}")
+    for (n, a), b in zip(m1.named_buffers(), m2.buffers()):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol, msg=lambda m: f"buffer {n}: {m}")
+    s1, s2 = o1.state_dict(), o2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    assert s1["state"].keys() == s2["state"].keys()
+    params = [p for g in o1.param_groups for p in g["params"]]
+    for k in s1["state"]:
+        assert s1["state"][k].keys() == s2["state"][k].keys()
+        n = names.get(id(params[k]), "")
+        for key, v in s1["state"][k].items():
+            torch.testing.assert_close(_comparable(n, s2["state"][k][key], m1) if v.ndim else s2["state"][k][key],
+                                       _comparable(n, v, m1) if v.ndim else v, atol=atol, rtol=rtol, msg=lambda m: f"state {k} {key}: {m}")
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda foreach: lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, foreach=foreach),
+    "sgd-nesterov": lambda foreach: lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=foreach),
+    "adam": lambda foreach: lambda ps: torch.optim.Adam(ps, lr=3e-3, weight_decay=0.01, foreach=foreach),
+    "adamw": lambda foreach: lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=foreach),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_training_matches_eager_for_20_steps(model_name, opt_name, foreach):
+    make_model, data = (mlp, mlp_batches(20)) if model_name == "mlp" else (gpt, gpt_batches(20))
+    eager, compiled = twin(make_model, OPTIMIZERS[opt_name](foreach))
+    params_before = [id(p) for p in compiled[0].parameters()]
+    step = tt.compile(train_step, thin=True)
+    for x, y in data:
+        expected = train_step(*eager, x, y)
+        actual = step(*compiled, x, y)
+        torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_same_state(eager, compiled, atol=2e-5, rtol=1e-4)
+    # Updated in place: the same parameter objects; no .grad left behind (zero_grad(set_to_none=True)).
+    assert [id(p) for p in compiled[0].parameters()] == params_before
+    assert all(p.grad is None for p in compiled[0].parameters())
+    stats = tt.compile_stats(step)
+    # Call 1 creates the optimizer state lazily: a second program, then thin mode binds the steady state.
+    assert stats.cache_misses == 2 and stats.thin_binds == 1 and stats.thin_calls == 17
+
+
+def test_optimizer_state_objects_are_updated_in_place():
+    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    step = tt.compile(train_step)
+    data = mlp_batches(4)
+    step(*compiled, *data[0])
+    train_step(*eager, *data[0])
+    state_ids = {k: id(v) for p in compiled[1].state.values() for k, v in p.items()}
+    ptrs = [p.data_ptr() for p in compiled[0].parameters()]
+    for x, y in data[1:]:
+        step(*compiled, x, y)
+        train_step(*eager, x, y)
+    assert {k: id(v) for p in compiled[1].state.values() for k, v in p.items()} == state_ids
+    assert [p.data_ptr() for p in compiled[0].parameters()] == ptrs
+    assert_same_state(eager, compiled)
+
+
+def test_one_copy_per_updated_buffer():
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    step = tt.compile(train_step)
+    for x, y in mlp_batches(2):
+        step(m, opt, x, y)
+    final = tt.last_traces(step)[-1]
+    copies = [b for b in final.bound_symbols if "copy_" in b.sym.name]
+    dsts = [b.args[1] for b in copies]
+    # Every parameter and every state tensor (step, exp_avg, exp_avg_sq) is written exactly once.
+    n_params = len(list(m.parameters()))
+    assert len(dsts) == len({id(d) for d in dsts}) == n_params * 4
+    # The acquisition trace of the same step records no mutation at all: it is functional.
+    assert not any(b.sym is prims_copy_ for b in tt.last_traces(step)[1].bound_symbols[:-len(copies)])
+
+
+def test_lr_scheduler_changes_lr_without_retrace_and_thin_mode_reads_it():
+    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    s1 = torch.optim.lr_scheduler.CosineAnnealingLR(eager[1], T_max=10)
+    s2 = torch.optim.lr_scheduler.CosineAnnealingLR(compiled[1], T_max=10)
+    step = tt.compile(train_step, thin=True)
+    for x, y in mlp_batches(12):
+        train_step(*eager, x, y)
+        step(*compiled, x, y)
+        s1.step()
+        s2.step()
+    assert_same_state(eager, compiled)
+    stats = tt.compile_stats(step)
+    assert stats.cache_misses == 2 and stats.thin_calls == 9 and not stats.thin_invalidations
+    # The lr is an input of the computation, not a constant.
+    assert "lr" in tt.last_traces(step)[-1].python_source().splitlines()[2]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_clip_grad_norm_inside_the_step(foreach):
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=foreach)
+        opt.step()
+        opt.zero_grad()
+        return loss, norm
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    step = tt.compile(step_fn, thin=True)
+    for x, y in mlp_batches(6):
+        le, ne = step_fn(*eager, x, y)
+        lc, nc = step(*compiled, x, y)
+        torch.testing.assert_close(nc, ne)
+        assert ne > 0.05  # the clipping is active
+    assert_same_state(eager, compiled)
+
+
+# ---------------------------------------------------------------------------
+# .grad semantics of loss.backward() inside a compiled function
+# ---------------------------------------------------------------------------
+def backward_only(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def test_backward_creates_then_accumulates_grads_like_eager():
+    torch.manual_seed(0)
+    m1 = mlp()
+    m1[2].weight.requires_grad_(False)  # frozen: its .grad stays None
+    m2 = copy.deepcopy(m1)
+    cf = tt.compile(backward_only)
+    data = mlp_batches(3)
+    backward_only(m1, *data[0])
+    cf(m2, *data[0])
+    grad_objects = [p.grad for p in m2.parameters()]
+    assert m2[2].weight.grad is None
+    for x, y in data[1:]:
+        backward_only(m1, x, y)
+        cf(m2, x, y)
+    for (n, a), b, g0 in zip(m1.named_parameters(), m2.parameters(), grad_objects):
+        if a.grad is None:
+            assert b.grad is None, n
+            continue
+        torch.testing.assert_close(b.grad, a.grad, msg=lambda m: f"{n}: {m}")
+        assert b.grad is g0, f"{n}: accumulation must happen in place into the existing .grad"
+    # Call 1 saw .grad None, call 2 existing grads: two programs, then a cache hit.
+    assert tt.compile_stats(cf).cache_misses == 2 and tt.compile_stats(cf).cache_hits == 1
+
+
+def test_unused_parameters_keep_grad_none():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 2)
+            self.b = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.a(x)
+
+    m = TwoHeads()
+    cf = tt.compile(lambda m, x: m(x).sum().backward())
+    cf(m, torch.randn(4, 3))
+    assert m.a.weight.grad is not None and m.b.weight.grad is None and m.b.bias.grad is None
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_both_ways(set_to_none):
+    def step_fn(model, opt, x, y):
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    step = tt.compile(step_fn, thin=True)
+    for x, y in mlp_batches(5):
+        step_fn(*eager, x, y)
+        step(*compiled, x, y)
+        for a, b in zip(eager[0].parameters(), compiled[0].parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+    assert_same_state(eager, compiled)
+
+
+def test_gradient_accumulation_over_micro_batches():
+    def step_fn(model, opt, batches):
+        total = 0.0
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y) / len(batches)
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    step = tt.compile(step_fn)
+    data = mlp_batches(6)
+    for i in range(0, 6, 2):
+        torch.testing.assert_close(step(*compiled, data[i:i + 2]), step_fn(*eager, data[i:i + 2]))
+    assert_same_state(eager, compiled)
+
+
+def test_autograd_grad_inside_returns_grads_and_leaves_dot_grad_alone():
+    def fn(model, x):
+        loss = model(x).pow(2).mean()
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    torch.manual_seed(0)
+    m = mlp()
+    x = torch.randn(5, 6)
+    expected = fn(m, x)
+    actual = tt.compile(fn)(m, x)
+    assert all(p.grad is None for p in m.parameters())
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
+def test_backward_with_gradient_argument_and_errors():
+    w = torch.randn(3, requires_grad=True)
+
+    def fn(w, v):
+        y = w * 2
+        y.backward(v)
+        return y
+
+    w_e = w.detach().clone().requires_grad_()
+    v = torch.randn(3)
+    fn(w_e, v)
+    tt.compile(fn)(w, v)
+    torch.testing.assert_close(w.grad, w_e.grad)
+
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        tt.compile(lambda x: x.sum().backward())(torch.randn(3))
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar"):
+        tt.compile(lambda w: (w * 2).backward())(torch.randn(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        tt.compile(lambda w: w.add_(1))(torch.randn(3, requires_grad=True))
+
+
+# ---------------------------------------------------------------------------
+# Functionalization and returned values
+# ---------------------------------------------------------------------------
+def test_returned_destination_is_the_input_and_source_is_fresh():
+    def fn(x, y):
+        out = x.add_(1)
+        z = y * 2
+        x.mul_(z)
+        return out, z
+
+    x, y = torch.randn(4), torch.randn(4)
+    xe = x.clone()
+    ptr = x.data_ptr()
+    out, z = tt.compile(fn)(x, y)
+    oe, ze = fn(xe, y)
+    assert out is x and x.data_ptr() == ptr
+    torch.testing.assert_close(x, xe)
+    torch.testing.assert_close(z, ze)
+    assert z.data_ptr() not in (x.data_ptr(), y.data_ptr())
+
+
+def test_later_reads_see_the_new_value_and_views_write_through():
+    def fn(x):
+        a = x.sum()
+        x.mul_(2)
+        b = x.sum()  # reads the updated x
+        v = x[1:3]
+        v.add_(10)  # writes into x
+        t = x.t()
+        x[0, 0] = -1.0  # t follows x
+        x.view(-1)[5] = 7.0
+        return a, b, v.clone(), t.sum(), x.detach().clone()
+
+    x = torch.randn(4, 3)
+    xe = x.clone()
+    actual = tt.compile(fn)(x)
+    expected = fn(xe)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+    torch.testing.assert_close(x, xe)
+
+
+def test_setitem_and_foreach_inplace():
+    def fn(ts, s):
+        ts[0][1:] = 0.5
+        torch._foreach_mul_(ts, s)
+        torch._foreach_add_(ts, [t.sum() for t in ts], alpha=2)
+        return ts[1].sum()
+
+    ts = [torch.randn(3), torch.randn(2, 2)]
+    te = [t.clone() for t in ts]
+    torch.testing.assert_close(tt.compile(fn)(ts, 3.0), fn(te, 3.0))
+    for a, e in zip(ts, te):
+        torch.testing.assert_close(a, e)
+
+
+def test_aliased_inputs_are_rejected_when_one_is_updated():
+    x = torch.randn(6)
+    with pytest.raises(NotImplementedError, match="shares its storage"):
+        tt.compile(lambda a, b: a.add_(b.sum()))(x, x[2:])
+    # Reading both is fine.
+    torch.testing.assert_close(tt.compile(lambda a, b: a.sum() + b.sum())(x, x[2:]), x.sum() + x[2:].sum())
+
+
+def test_aliasing_is_part_of_the_guard():
+    def fn(a, b):
+        a.add_(b)
+        return a
+
+    cf = tt.compile(fn)
+    base = torch.zeros(4)
+    cf(base, torch.ones(4))
+    with pytest.raises(NotImplementedError, match="shares its storage"):
+        cf(base, base[:])  # same shapes as before, but b is now a view of a: not the cached program
+
+
+# ---------------------------------------------------------------------------
+# Buffers and checkpoints
+# ---------------------------------------------------------------------------
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_batchnorm_running_stats_match_eager():
+    eager, compiled = twin(ConvBN, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    step = tt.compile(train_step, thin=True)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, y = torch.randn(4, 2, 5, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert int(compiled[0].bn.num_batches_tracked) == 5
+    final = tt.last_traces(step)[-1]
+    written = [b.args[1]._tt_name for b in final.bound_symbols if "copy_" in b.sym.name]
+    assert sum("running_mean" in n for n in written) == 1 and sum("running_var" in n for n in written) == 1
+
+
+def test_checkpoint_round_trip_matches_eager(tmp_path):
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    eager, compiled = twin(mlp, make_opt)
+    step = tt.compile(train_step, thin=True)
+    data = mlp_batches(8)
+    for x, y in data[:4]:
+        train_step(*eager, x, y)
+        step(*compiled, x, y)
+    torch.save({"model": compiled[0].state_dict(), "opt": compiled[1].state_dict()}, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    m3 = mlp()
+    m3.load_state_dict(ckpt["model"])
+    o3 = make_opt(m3.parameters())
+    o3.load_state_dict(ckpt["opt"])
+    step2 = tt.compile(train_step, thin=True)
+    for x, y in data[4:]:
+        torch.testing.assert_close(step2(m3, o3, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, (m3, o3))
+
+
+def test_optimizer_load_state_dict_rebinds_thin_mode():
+    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    step = tt.compile(train_step, thin=True)
+    data = mlp_batches(8)
+    for x, y in data[:4]:
+        train_step(*eager, x, y)
+        step(*compiled, x, y)
+    assert step.is_thin_bound
+    # Restore the eager optimizer's state into the compiled one: new state tensors, new param_groups.
+    compiled[1].load_state_dict(copy.deepcopy(eager[1].state_dict()))
+    for x, y in data[4:]:
+        train_step(*eager, x, y)
+        step(*compiled, x, y)
+    assert_same_state(eager, compiled)
+    assert tt.compile_stats(step).thin_invalidations  # the binding noticed and re-validated
+
+
+MORE_OPTIMIZERS = {
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adamw-maximize-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True, foreach=True),
+    "sgd-dampening": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.5, dampening=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_OPTIMIZERS))
+def test_more_optimizers_match_eager(name):
+    eager, compiled = twin(mlp, MORE_OPTIMIZERS[name])
+    step = tt.compile(train_step)
+    for x, y in mlp_batches(4):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled, atol=1e-5)
+
+
+def test_fused_optimizer_is_a_clear_error():
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True))
+    with pytest.raises(Exception, match="fused=True optimizers are not supported"):
+        tt.compile(train_step)(m, opt, *mlp_batches(1)[0])
+
+
+def test_out_argument_is_functionalized():
+    def fn(a, b, buf):
+        torch.maximum(a, b, out=buf)
+        return buf * 2
+
+    a, b = torch.randn(5), torch.randn(5)
+    buf1, buf2 = torch.zeros(5), torch.zeros(5)
+    torch.testing.assert_close(tt.compile(fn)(a, b, buf1), fn(a, b, buf2))
+    torch.testing.assert_close(buf1, buf2)
+
+
+def test_in_place_ops_in_a_forward_have_correct_gradients():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h += x  # in place on an intermediate that autograd needs
+            h[:, 0] = 0.0
+            h.relu_()
+            return (h * h).sum()
+
+    torch.manual_seed(0)
+    m1 = Block()
+    m2 = copy.deepcopy(m1)
+    x = torch.randn(4, 6)
+    m1(x).backward()
+    cm = tt.compile(m2)
+    cm(x).backward()  # through our backward (torch.autograd.Function)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    m3 = copy.deepcopy(m1)
+    m3.zero_grad()
+    m1.zero_grad()
+    tt.compile(lambda m, x: m(x).backward())(m3, x)  # backward inside the trace
+    m1(x).backward()
+    for a, b in zip(m1.parameters(), m3.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+def test_dropout_draws_the_same_numbers_as_eager_on_cpu(decompose):
+    """Training with dropout is comparable to eager step by step: same mask, same gradients."""
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(F.dropout(model(x), 0.3), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    step = tt.compile(step_fn, decompose=decompose)
+    for i, (x, y) in enumerate(mlp_batches(4)):
+        torch.manual_seed(i)
+        expected = step_fn(*eager, x, y)
+        torch.manual_seed(i)
+        torch.testing.assert_close(step(*compiled, x, y), expected.detach())
+    assert_same_state(eager, compiled)

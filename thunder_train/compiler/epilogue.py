@@ -1,0 +1,145 @@
+"""The end of acquisition: write-backs, returned values and the epilogue.
+
+Three kinds of effect outlive a traced call:
+
+1. **Buffer updates** (``p.add_(...)``, BatchNorm running stats, optimizer state,
+   ``.grad += g``): exactly one ``prims.copy_(new_value, input)`` per input
+   whose value changed, at the end of the computation (``functional.py``).
+2. **Returned values** keep eager semantics: a returned input buffer (the result
+   of ``x.add_(1)``) is the input object itself; any other returned tensor is a
+   fresh value, never an alias of an input.
+3. **Python side effects** the computation cannot perform — a new ``.grad``
+   tensor, ``p.grad = None``, new ``optimizer.state`` entries — are replayed by
+   the **epilogue**, generated Python that runs after the computation with the
+   values it returned (``tt.last_traces(fn)[-1].epilogue`` prints it).
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+
+from . import prims
+from .proxies import TensorProxy, is_proxy
+from .pytree import tree_map
+
+_counter = itertools.count()
+
+
+class Epilogue:
+    """``epilogue(extras)``: assigns what the computation returned to Python objects."""
+
+    def __init__(self, lines: list, globals_: dict):
+        self.source = "\n".join(["# Epilogue: Python side effects of the traced call, replayed after the computation",
+                                 "def epilogue(extras):"] + (lines or ["  pass"])) + "\n"
+        filename = f"<thunder_train epilogue {next(_counter)}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        ns = dict(globals_)
+        exec(compile(self.source, filename, "exec"), ns)
+        self.fn = ns["epilogue"]
+
+    def __str__(self):
+        return self.source
+
+    __repr__ = __str__
+
+
+class _Names:
+    """Globals of the epilogue source: real objects named by where they came from."""
+
+    def __init__(self):
+        self.globals: dict = {}
+        self._by_id: dict = {}
+
+    def __call__(self, obj, hint: str) -> str:
+        name = self._by_id.get(id(obj))
+        if name is None:
+            base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "obj"
+            name, i = base, 1
+            while name in self.globals:
+                name, i = f"{base}_{i}", i + 1
+            self.globals[name] = obj
+            self._by_id[id(obj)] = name
+        return name
+
+
+def _reject_aliased_inputs(walker, written):
+    """Two inputs that share storage, one of them updated: the functional program would read stale values."""
+    if not written:
+        return
+    by_ptr = {}
+    for leaf in walker.leaves:
+        if leaf.kind == "tensor" and leaf.alias_of is None:
+            by_ptr.setdefault(leaf.value.untyped_storage().data_ptr(), []).append(leaf)
+    for dst in written:
+        leaf = walker.leaf_of(dst)
+        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), [])
+        others = [x for x in group if x is not leaf]
+        if others:
+            raise NotImplementedError(
+                f"{leaf.where} is updated in place and shares its storage with the input {others[0].where} "
+                "(one is a view of the other). thunder_train cannot compile in-place updates of inputs that alias "
+                "each other; pass separate tensors (e.g. .clone() one of them) or update through a single input."
+            )
+
+
+def finish(trc, out):
+    """Emit the write-backs; return ``(trace output, Epilogue or None)``."""
+    buffers, walker = trc.buffers, trc.walker
+    inputs = set(id(p) for p in walker.input_proxies())
+
+    def final_value(p):
+        if type(p) is not TensorProxy:
+            return p
+        return p if id(p) in inputs else buffers.read(p)
+
+    extras: list = []
+    lines: list = []
+    names = _Names()
+
+    def extra(value) -> str:
+        if value is None or not is_proxy(value):
+            return repr(value) if value is None or type(value) in (int, float, bool, str) else names(value, "value")
+        extras.append(final_value(value))
+        return f"extras[{len(extras) - 1}]"
+
+    # .grad of parameters: new tensors, None.
+    for p, g in trc.grads.changes():
+        leaf = walker.leaf_of(p)
+        if leaf is None:
+            continue  # a tensor created inside the function
+        target = names(leaf.value, leaf.proxy._tt_name)
+        lines.append(f"  {target}.grad = {extra(g)}")
+    # Optimizer state: new entries and replaced values.
+    for traced in walker.optimizers:
+        opt = names(traced.opt, "optimizer")
+        for proxy, entry in traced.state.items():
+            real = traced.real_param.get(id(proxy))
+            if real is None:
+                continue
+            param = names(real, getattr(proxy, "_tt_name", "param"))
+            before = traced.initial.get(id(proxy))
+            if before is None:
+                items = ", ".join(f"{k!r}: {extra(v)}" for k, v in entry.items())
+                lines.append(f"  {opt}.state[{param}] = {{{items}}}")
+                continue
+            for k, v in entry.items():
+                if k not in before or before[k] is not v:
+                    lines.append(f"  {opt}.state[{param}][{k!r}] = {extra(v)}")
+            for k in before:
+                if k not in entry:
+                    lines.append(f"  del {opt}.state[{param}][{k!r}]")
+
+    # One copy_ per changed input; a source that is itself an overwritten input is read first.
+    writes = buffers.final_writes(walker.input_proxies())
+    _reject_aliased_inputs(walker, [dst for _, dst in writes])
+    trc.written_inputs = [dst for _, dst in writes]
+    written = {id(dst) for _, dst in writes}
+    writes = [(prims.clone(v) if id(v) in written else v, dst) for v, dst in writes]
+    for v, dst in writes:
+        prims.copy_(v, dst)
+        trc.bound_symbols[-1].comment = f"write-back: {dst._tt_name} updated in place"
+
+    result = tree_map(final_value, out)
+    if not lines:
+        return result, None
+    return (result, tuple(extras)), Epilogue(lines, names.globals)

@@ -1,0 +1,114 @@
+"""Functionalization during tracing: in-place updates become new values.
+
+The computation trace is functional (design §6).  The tracer keeps, for every
+proxy that names a *buffer* (an input tensor, or any tensor the function
+created), its **current value**:
+
+* an in-place op (``p.add_(g)``, ``x[0] = 1``, ``torch._foreach_mul_``,
+  ``copy_``) records its out-of-place form and makes the result the buffer's
+  current value — no mutation is recorded where it happens;
+* every later torch call reads current values (``Buffers.read``), so data flow
+  in the trace is exact and autograd, DCE and executors see a pure program;
+* views (``x[0]``, ``x.view(...)``, ``x.t()``, ``x.detach()``) remember their base
+  and how they were made: writing into a view writes the corresponding
+  elements of the base, and reading a view after its base changed re-derives
+  it from the base's new value;
+* when tracing ends, ``final_writes`` yields one ``(new value, input)`` pair per
+  input buffer whose value changed — acquisition turns each into exactly one
+  ``prims.copy_`` at the end of the computation.  A value written back into the
+  buffer it came from produces no copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .proxies import TensorProxy
+
+
+@dataclasses.dataclass
+class View:
+    base: TensorProxy  # the buffer the view's elements live in (never itself a view)
+    make: Callable  # base value -> view value (records the view ops again)
+    version: int  # the base's version the view's current value was derived from
+
+
+class Buffers:
+    """Current values of buffers and view relations, for one trace."""
+
+    def __init__(self):
+        self._current: dict = {}  # id(buffer) -> current value proxy
+        self._version: dict = {}  # id(base) -> number of writes so far
+        self._views: dict = {}  # id(view proxy) -> View
+        self._keep: dict = {}  # id -> proxy: keeps ids stable while tracing
+
+    # ---- reading ----
+    def read(self, p):
+        """The current value of the buffer ``p`` names (``p`` itself if never written)."""
+        view = self._views.get(id(p))
+        if view is not None:
+            version = self._version.get(id(view.base), 0)
+            if view.version != version:
+                self._current[id(p)] = view.make(self.read(view.base))
+                view.version = version
+        return self._current.get(id(p), p)
+
+    def is_written(self, p) -> bool:
+        return id(p) in self._current
+
+    # ---- views ----
+    def add_view(self, view, source, make_from_source: Callable) -> None:
+        """``view`` was made from ``source`` by ``make_from_source(source_value)``."""
+        if type(view) is not TensorProxy or view is source:
+            return
+        outer = self._views.get(id(source))
+        if outer is None:
+            base, make = source, make_from_source
+        else:
+            base, inner = outer.base, outer.make
+            make = lambda b, inner=inner, f=make_from_source: f(inner(b))  # noqa: E731
+        self._keep[id(view)] = view
+        self._keep[id(base)] = base
+        self._views[id(view)] = View(base, make, self._version.get(id(base), 0))
+
+    def base_of(self, p):
+        view = self._views.get(id(p))
+        return None if view is None else view.base
+
+    # ---- writing ----
+    def write(self, dst, value) -> None:
+        """``dst`` now holds ``value`` (same shape and dtype)."""
+        view = self._views.get(id(dst))
+        if view is None:
+            self._set(dst, value)
+            return
+        from . import clang, dtypes, prims
+
+        base = view.base
+        base_value = self.read(base)
+        # Where the view's elements sit in the base: make the view of a tensor of positions.
+        positions = clang.reshape(
+            prims.iota(base.numel_(), start=0, step=1, device=base._tt_device, dtype=dtypes.int64), base._tt_shape
+        )
+        positions = view.make(positions)
+        flat = prims.index_put(clang.reshape(base_value, (-1,)), (clang.reshape(positions, (-1,)),), clang.reshape(value, (-1,)), False)
+        self._set(base, clang.reshape(flat, base._tt_shape))
+        self._current[id(dst)] = value
+        self._keep[id(dst)] = dst
+        view.version = self._version[id(base)]
+
+    def _set(self, buf, value) -> None:
+        self._keep[id(buf)] = buf
+        self._current[id(buf)] = value
+        self._version[id(buf)] = self._version.get(id(buf), 0) + 1
+
+    # ---- the end of tracing ----
+    def final_writes(self, inputs) -> list:
+        """``(value, input)`` for every input buffer whose final value is not the input itself."""
+        out = []
+        for p in inputs:
+            if type(p) is TensorProxy and id(p) in self._current:
+                v = self.read(p)
+                if v is not p:
+                    out.append((v, p))
+        return out

@@ -1,0 +1,188 @@
+"""``loss.backward()``, ``torch.autograd.grad`` and ``.grad`` inside a traced function.
+
+When the traced function calls ``loss.backward()``, the gradient rules run
+right there (``transforms/autograd.py``): the backward becomes part of the
+same trace, after the forward that produced ``loss``, and the gradients are
+ordinary values the rest of the function (``clip_grad_norm_``,
+``optimizer.step()``) reads.
+
+``.grad`` follows PyTorch's accumulation rules, tracked per parameter by
+``GradState``:
+
+* a parameter whose ``.grad`` is ``None`` gets the new gradient as a fresh
+  tensor (assigned by the epilogue after the computation);
+* an existing ``.grad`` is accumulated into *in place* (the same tensor
+  object keeps the sum, written back with one ``copy_``), like eager's
+  AccumulateGrad;
+* parameters the loss does not depend on, and tensors that do not require
+  grad, are left alone; ``p.grad = None`` / ``zero_grad()`` are recorded.
+
+The initial ``.grad`` of an input is read lazily — only parameters whose
+``.grad`` the function touches get a prologue leaf (``model.fc.weight.grad``:
+a tensor, or the constant ``None``), so compiling a plain forward does not
+specialise on gradients.
+"""
+from __future__ import annotations
+
+from . import prims
+from .proxies import TensorProxy
+from .transforms.autograd import _Cotangents, _Forward, _backward_pass, _emit_forward, _is_float_tensor
+
+
+class GradState:
+    """The ``.grad`` of every tensor the traced function touched: initial and current."""
+
+    def __init__(self, trc):
+        self.trc = trc
+        self.initial: dict = {}  # id(param) -> proxy | None
+        self.current: dict = {}  # id(param) -> proxy | None
+        self.params: dict = {}  # id(param) -> param proxy (the user-visible object)
+
+    def _ensure(self, p):
+        if id(p) not in self.current:
+            g = self.trc.walker.grad_leaf(p)
+            self.initial[id(p)] = g
+            self.current[id(p)] = g
+            self.params[id(p)] = p
+
+    def get(self, p):
+        self._ensure(p)
+        return self.current[id(p)]
+
+    def set(self, p, value):
+        if value is not None and type(value) is not TensorProxy:
+            raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of type {type(value).__name__}")
+        if value is not None and (value._tt_shape != p._tt_shape or value._tt_dtype is not p._tt_dtype):
+            raise RuntimeError(
+                f"assigned grad has data of a different size or type: {value.type_string()} for a parameter of {p.type_string()}"
+            )
+        self._ensure(p)
+        self.current[id(p)] = value
+
+    def accumulate(self, p, g):
+        """PyTorch's AccumulateGrad: a new tensor when ``.grad`` is None, else ``grad += g`` in place."""
+        cur = self.get(p)
+        if cur is None:
+            self.current[id(p)] = g
+        else:
+            buffers = self.trc.buffers
+            buffers.write(cur, prims.add(buffers.read(cur), g))
+
+    def changes(self) -> list:
+        """``(param, new grad or None)`` for every parameter whose ``.grad`` is a different object now."""
+        return [(self.params[k], v) for k, v in self.current.items() if v is not self.initial[k]]
+
+
+def grad_leaves(trc) -> list:
+    """(user-visible tensor, current value) of every input tensor that requires grad."""
+    out = []
+    for p in trc.walker.input_proxies():
+        if _is_float_tensor(p) and p._tt_requires_grad:
+            out.append((p, trc.buffers.read(p)))
+    return out
+
+
+def record_backward(trc, outputs, cotangents, wrt_values) -> list:
+    """Record the backward of ``outputs`` into ``trc``; returns one gradient (or None) per ``wrt_values``."""
+    trc.has_backward = True
+    leaves = [v for _, v in grad_leaves(trc)] + [v for v in wrt_values if v is not None]
+    n = len(trc.bound_symbols)
+    fwd = _Forward(list(trc.bound_symbols), leaves)
+    for i, o in enumerate(outputs):
+        if type(o) is not TensorProxy or id(o) not in fwd.needs_grad:
+            raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
+    cts = _Cotangents()
+    for o, c in zip(outputs, cotangents):
+        if c is None:
+            if o._tt_shape:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            c = prims.full((), 1.0, device=o._tt_device, dtype=o._tt_dtype)
+        elif type(c) is not TensorProxy or c._tt_shape != o._tt_shape:
+            raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
+        cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
+    _backward_pass(fwd, cts)
+    # Composites differentiated through their decomposition: run the decomposition in the
+    # forward when the backward reads one of its internal values (dropout's mask).
+    read = {id(a) for b in trc.bound_symbols[n:] for a in b.flat_args()}
+    forward: list = []
+    _emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
+    trc.bound_symbols[:n] = forward
+    return [None if v is None else cts.get(v) for v in wrt_values]
+
+
+def _as_list(x):
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+def _fresh(trc, g, taken: set):
+    """A gradient that becomes a new ``.grad`` must be its own tensor (eager never shares one between parameters)."""
+    if id(g) in taken or trc.walker.is_input(g):
+        g = prims.clone(g)
+    taken.add(id(g))
+    return g
+
+
+def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward`` / ``Tensor.backward`` while tracing."""
+    if create_graph:
+        raise NotImplementedError("backward(create_graph=True) (double backward) is not supported inside a compiled function yet")
+    buffers = trc.buffers
+    outs = [buffers.read(t) for t in _as_list(tensors)]
+    cts = _as_list(grad_tensors) or [None] * len(outs)
+    cts = [None if c is None else buffers.read(c) for c in cts]
+    params = grad_leaves(trc)
+    if inputs is not None:
+        wanted = {id(t) for t in _as_list(inputs)}
+        params = [(p, v) for p, v in params if id(p) in wanted]
+        if len(params) != len(wanted):
+            raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
+    grads = record_backward(trc, outs, cts, [v for _, v in params])
+    taken: set = set()
+    for (p, _), g in zip(params, grads):
+        if g is None:
+            continue
+        if trc.grads.get(p) is None:
+            g = _fresh(trc, g, taken)
+        trc.grads.accumulate(p, g)
+    return None
+
+
+def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+         allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
+    if create_graph:
+        raise NotImplementedError("torch.autograd.grad(create_graph=True) is not supported inside a compiled function yet")
+    if is_grads_batched:
+        raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
+    buffers = trc.buffers
+    ins = _as_list(inputs)
+    outs = [buffers.read(t) for t in _as_list(outputs)]
+    cts = _as_list(grad_outputs) or [None] * len(outs)
+    cts = [None if c is None else buffers.read(c) for c in cts]
+    values = [buffers.read(t) for t in ins]
+    for i, v in enumerate(values):
+        if type(v) is not TensorProxy or not v._tt_requires_grad and not _on_grad_path(trc, v):
+            raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
+    grads = record_backward(trc, outs, cts, values)
+    result = []
+    for i, (v, g) in enumerate(zip(values, grads)):
+        if g is None:
+            if materialize_grads:
+                g = prims.full(v._tt_shape, 0, device=v._tt_device, dtype=v._tt_dtype)
+            elif not allow_unused:
+                raise RuntimeError(
+                    f"One of the differentiated Tensors (input {i}) appears to not have been used in the graph. "
+                    "Set allow_unused=True if this is the desired behavior."
+                )
+        result.append(g)
+    return tuple(result)
+
+
+def _on_grad_path(trc, v) -> bool:
+    fwd = _Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)])
+    return id(v) in fwd.needs_grad
+
