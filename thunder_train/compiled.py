@@ -302,7 +302,7 @@ class CompiledFunction:
         t0 = time.perf_counter()
         acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic)
         traces = [acquired.trace]
-        trc = dce(acquired.trace)
+        trc = dce(acquired.trace, keep_sizes=True)
         traces.append(trc)
         if getattr(acquired.trace, "has_backward", False):
             trc = without_autograd(trc)

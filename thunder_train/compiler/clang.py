@@ -13,7 +13,7 @@ from enum import Enum
 
 from . import dtypes, prims
 from .dtypes import DType
-from .proxies import TensorProxy, NumberProxy
+from .proxies import TensorProxy, NumberProxy, SizeProxy
 
 Number = (int, float, bool, complex)
 
@@ -90,18 +90,26 @@ def maybe_broadcast(*args):
     return tuple(expand(a, target) if is_tensor(a) and a._tt_shape != target else a for a in args)
 
 
+def _prod(sizes):
+    n = 1
+    for s in sizes:
+        n = s if type(n) is int and n == 1 else n * s
+    return n
+
+
 def reshape(a, shape):
     shape = tuple(int(s) if not isinstance(s, NumberProxy) else s for s in shape)
     n = a.numel_()
-    if -1 in shape:
-        check(shape.count(-1) == 1, "reshape: only one dimension can be -1")
+    if any(type(s) is int and s == -1 for s in shape):
+        check(builtins.sum(1 for s in shape if type(s) is int and s == -1) == 1, "reshape: only one dimension can be -1")
         known = 1
         for s in shape:
-            if s != -1:
-                known *= s
+            if not (type(s) is int and s == -1):
+                known = s if type(known) is int and known == 1 else known * s
         check(known != 0 and n % known == 0 or (known == 0 and n == 0), lambda: f"shape {shape} is invalid for input of size {n}")
-        shape = tuple(n // known if s == -1 else s for s in shape) if known else tuple(0 if s == -1 else s for s in shape)
-    check(math.prod(shape) == n, lambda: f"shape {shape} is invalid for input of size {n}")
+        minus_one = [type(s) is int and s == -1 for s in shape]
+        shape = tuple(n // known if m else s for s, m in zip(shape, minus_one)) if known else tuple(0 if m else s for s, m in zip(shape, minus_one))
+    check(_prod(shape) == n, lambda: f"shape {shape} is invalid for input of size {n}")
     if shape == a._tt_shape:
         return a
     return prims.reshape(a, shape)
@@ -404,6 +412,10 @@ def full_like(a, fill_value, *, dtype=None, device=None):
 
 def arange(start, end, step, *, device, dtype):
     check(step != 0, "arange: step must be nonzero")
+    if any(type(v) is SizeProxy for v in (start, end, step)) and all(isinstance(v, int) for v in (start, end, step)):
+        # Symbolic bounds (dynamic=True): integer ceil-division keeps the length symbolic.
+        length = (end - start + step - 1) // step if step > 0 else (start - end - step - 1) // (-step)
+        return prims.iota(builtins.max(0, length), start=start, step=step, device=device, dtype=dtype)
     length = builtins.max(0, math.ceil((end - start) / step))
     return prims.iota(length, start=start, step=step, device=device, dtype=dtype)
 

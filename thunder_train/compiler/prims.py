@@ -439,7 +439,12 @@ def _factory_shape(shape):
     shape = tuple(shape)
     for s in shape:
         _check(isinstance(s, (int, NumberProxy)) and _number_value(s) >= 0, lambda: f"invalid size {s} in {shape}")
-    return tuple(_number_value(s) for s in shape)
+    return tuple(_size(s) for s in shape)
+
+
+def _size(s):
+    """A size argument: symbolic sizes (dynamic=True) stay symbolic, other runtime numbers are specialised."""
+    return s if type(s) is SizeProxy else _number_value(s)
 
 
 @_prim
@@ -457,7 +462,7 @@ def empty(shape, *, device, dtype):
 @_prim
 def iota(length, *, start, step, device, dtype):
     """``start, start + step, ...`` (``length`` values)."""
-    return TensorProxy(shape=(_number_value(length),), dtype=dtype, device=device)
+    return TensorProxy(shape=(_size(length),), dtype=dtype, device=device)
 
 
 @_prim(tags=("random",))

@@ -29,7 +29,7 @@ class Proxy:
 
 
 def _shape_str(shape) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
+    return "[" + ", ".join(s.name if isinstance(s, Proxy) else str(s) for s in shape) + "]"
 
 
 class TensorProxy(torch.Tensor):
@@ -79,7 +79,7 @@ class TensorProxy(torch.Tensor):
     def numel_(self) -> int:
         n = 1
         for s in self._tt_shape:
-            n *= s
+            n = s if type(n) is int and n == 1 else n * s  # no "1 * size" lines for symbolic sizes
         return n
 
     def type_string(self) -> str:

@@ -179,6 +179,8 @@ def render_size(x, var_of_proxy) -> str:
     if o[0] == "dim":
         return f"{var_of_proxy[id(o[1])]}.shape[{o[2]}]"
     op, args = o[1], o[2:]
+    if op == "mul" and len(args) == 2 and any(type(a) is int and a == 1 for a in args):
+        return render_size(args[1] if type(args[0]) is int and args[0] == 1 else args[0], var_of_proxy)
     parts = [render_size(a, var_of_proxy) for a in args]
     if op in _SIZE_INFIX and len(parts) == 2:
         return f"({parts[0]} {_SIZE_INFIX[op]} {parts[1]})"

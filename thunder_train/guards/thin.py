@@ -26,7 +26,8 @@ import torch
 
 from ..compiler.tracing import path_str
 from .errors import ThinModeError
-from .prologue import fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
+from ..compiler.proxies import SizeProxy
+from .prologue import is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
 
 
 # ---------------------------------------------------------------------------
@@ -123,8 +124,15 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     extract = extraction_lines(leaves, names, pc_idx, indent="    ")
     mismatch, changed = [], []  # conditions
 
-    def tensor_cond(var, v):
-        return (f"{var}.shape != {consts(tuple(v.shape))} or {var}.dtype is not {consts(v.dtype)} "
+    def tensor_cond(var, v, leaf=None):
+        if leaf is not None and is_symbolic(leaf):
+            # dynamic=True: the rank and constant sizes must match; symbolic sizes only stay ≥ 2.
+            sizes = " or ".join(f"{var}.shape[{i}] < 2" if type(s) is SizeProxy else f"{var}.shape[{i}] != {s}"
+                                for i, s in enumerate(leaf.proxy._tt_shape))
+            shape_cond = f"len({var}.shape) != {v.ndim} or {sizes}"
+        else:
+            shape_cond = f"{var}.shape != {consts(tuple(v.shape))}"
+        return (f"{shape_cond} or {var}.dtype is not {consts(v.dtype)} "
                 f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad}")
 
     demoted_lines, demoted_conds = [], []
@@ -135,7 +143,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         k = leaf.kind
         if k == "tensor":
             if leaf.alias_of is None:
-                mismatch.append(tensor_cond(var, v))
+                mismatch.append(tensor_cond(var, v, leaf))
             else:
                 j = index_of_leaf[id(leaf.alias_of)]
                 other = names[j] if per_call[j] else bind(j)
@@ -200,6 +208,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         lines += [f"    if {c}:", "      return _changed(args, kwargs)"]
     for c in mismatch:
         lines += [f"    if {c}:", "      return _mismatch(args, kwargs)"]
+    for expr, expected in getattr(prologue, "size_checks", ()):
+        # A decision taken on symbolic sizes goes the other way: this program does not apply; trace anew.
+        lines += [f"    if {expr} is not {expected}:", "      return _changed(args, kwargs)"]
     lines += demoted_lines
     for c in demoted_conds:
         lines += [f"    if {c}:", "      return _changed(args, kwargs)"]

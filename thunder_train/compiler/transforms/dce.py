@@ -20,7 +20,9 @@ def has_side_effect(bsym) -> bool:
     return False
 
 
-def dce(trc, header="Dead code elimination"):
+def dce(trc, header="Dead code elimination", *, keep_sizes=False):
+    """Drop what nobody reads.  ``keep_sizes``: symbolic sizes in the shapes of live tensors count as read
+    (before autograd, whose rules may need them); otherwise an unused shape query disappears."""
     needed = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
     kept = []
     for bsym in reversed(trc.bound_symbols):
@@ -30,6 +32,23 @@ def dce(trc, header="Dead code elimination"):
             for a in bsym.flat_args():
                 if is_proxy(a):
                     needed.add(id(a))
+            _sizes_read_inside(bsym, needed)
+            for o in outs if keep_sizes else ():  # a tensor's symbolic sizes, for a backward that reads them
+                for d in getattr(o, "_tt_shape", ()):
+                    if type(d) is not int:
+                        needed.add(id(d))
     new = trc.derive(header)
     new.bound_symbols = list(reversed(kept))
     return new
+
+
+def _sizes_read_inside(bsym, needed):
+    """Symbolic sizes a decomposition reads: computed at the top of the program, not passed as arguments."""
+    from ..proxies import SizeProxy
+
+    for sub in bsym.subsymbols:
+        for a in sub.flat_args():
+            if type(a) is SizeProxy:
+                needed.add(id(a))
+        _sizes_read_inside(sub, needed)
+
