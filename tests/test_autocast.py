@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_train as tt
+from _models import Block, leaves  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from op_table import OPS  # noqa: E402
@@ -27,14 +28,7 @@ def autocast(enabled=True):
     return torch.autocast("cpu", dtype=BF16, enabled=enabled)
 
 
-def _leaves(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [leaf for v in x for leaf in _leaves(v)]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    return [x]
+_leaves = leaves
 
 
 def _clone(x):
@@ -227,24 +221,6 @@ def test_op_table_under_autocast(op):
 # ---------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d=16, heads=2, hidden=32):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 def _train_steps(make_model, make_batch, loss_fn, steps=2, tol=3e-2):

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_train as tt
+from _models import Block  # noqa: E402
 from thunder_train.compiler.transforms.grad_rules import NoGradientRuleError
 
 
@@ -276,24 +277,6 @@ def _count_saved_eager(fn, *args):
 # ---------------------------------------------------------------------------
 # A small transformer block over several training steps
 # ---------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d=16, heads=2, hidden=32):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

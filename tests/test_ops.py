@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import thunder_train as tt
+from _models import leaves  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from op_table import OPS  # noqa: E402
@@ -41,14 +42,7 @@ def _clone(x):
     return x
 
 
-def _leaves(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [leaf for v in x for leaf in _leaves(v)]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    return [x]
+_leaves = leaves
 
 
 def _tol(op, dtype):
