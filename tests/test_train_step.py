@@ -151,14 +151,19 @@ def test_one_copy_per_updated_buffer():
     step = tt.compile(train_step)
     for x, y in mlp_batches(2):
         step(m, opt, x, y)
-    final = tt.last_traces(step)[-1]
-    copies = [b for b in final.bound_symbols if "copy_" in b.sym.name]
+    functional = tt.last_traces(step)[-2]
+    copies = [b for b in functional.bound_symbols if "copy_" in b.sym.name]
     dsts = [b.args[1] for b in copies]
     # Every parameter and every state tensor (step, exp_avg, exp_avg_sq) is written exactly once.
     n_params = len(list(m.parameters()))
     assert len(dsts) == len({id(d) for d in dsts}) == n_params * 4
-    # The acquisition trace of the same step records no mutation at all: it is functional.
+    # The acquisition trace of the same step records no mutation before the write-backs: it is functional.
     assert not any(b.sym is prims_copy_ for b in tt.last_traces(step)[1].bound_symbols[:-len(copies)])
+    # The executed program runs each update chain in place, as eager does (p.mul_(...); p.addcdiv_(...)).
+    final = tt.last_traces(step)[-1]
+    assert not any("copy_" in b.sym.name for b in final.bound_symbols)
+    src = final.python_source()
+    assert src.count("torch.Tensor.addcdiv_(") == n_params and src.count("torch.Tensor.lerp_(") == n_params
 
 
 def test_lr_scheduler_changes_lr_without_retrace_and_thin_mode_reads_it():
@@ -421,8 +426,8 @@ def test_batchnorm_running_stats_match_eager():
         torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
     assert_same_state(eager, compiled)
     assert int(compiled[0].bn.num_batches_tracked) == 5
-    final = tt.last_traces(step)[-1]
-    written = [b.args[1]._tt_name for b in final.bound_symbols if "copy_" in b.sym.name]
+    functional = tt.last_traces(step)[-2]  # before update chains run in place
+    written = [b.args[1]._tt_name for b in functional.bound_symbols if "copy_" in b.sym.name]
     assert sum("running_mean" in n for n in written) == 1 and sum("running_var" in n for n in written) == 1
 
 
@@ -547,3 +552,32 @@ def test_dropout_draws_the_same_numbers_as_eager_on_cpu(decompose):
         torch.manual_seed(i)
         torch.testing.assert_close(step(*compiled, x, y), expected.detach())
     assert_same_state(eager, compiled)
+
+
+def test_update_chains_run_in_place_only_when_no_one_reads_the_old_value():
+    def later_read(p):
+        p2 = p * 2
+        r = p.sum()  # reads the old value after the update is computed
+        p.copy_(p2)
+        return r
+
+    def chain(p, s):
+        p.mul_(s)
+        p.add_(1)
+        return p.sum()
+
+    for fn, args in ((later_read, ()), (chain, (3.0,))):
+        p = torch.randn(5)
+        q = p.clone()
+        cf = tt.compile(fn)
+        for _ in range(2):
+            torch.testing.assert_close(cf(p, *args), fn(q, *args))
+            torch.testing.assert_close(p, q)
+    # later_read keeps its copy; chain runs in place.
+    cf = tt.compile(later_read)
+    cf(torch.randn(5))
+    assert "ttex.copy_" in tt.last_traces(cf)[-1].python_source()
+    cf = tt.compile(chain)
+    cf(torch.randn(5), 2.0)
+    src = tt.last_traces(cf)[-1].python_source()
+    assert "ttex.copy_" not in src and "torch.Tensor.mul_(p, 2.0)" in src and "torch.Tensor.add_(" in src

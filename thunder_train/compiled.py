@@ -14,6 +14,7 @@ from .compiler.executors.passes import lower_to_executors
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.transforms.dce import dce
 from .compiler.transforms.no_grad import without_autograd
+from .compiler.transforms.reinplace import reinplace
 from .guards import thin
 from .autograd_function import attach_autograd
 from .guards.errors import GuardFailure
@@ -44,6 +45,7 @@ class CompileStats:
     thin_bind_failures: list = dataclasses.field(default_factory=list)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
+    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion="inductor": one line per region, fused or why not
 
     @property
     def thin_calls(self) -> int:
@@ -178,6 +180,13 @@ def _with_epilogue(computation, epilogue):
     return run
 
 
+def _goes_through_autograd(acquired_trace, trc) -> bool:
+    """Whether attach_autograd will (most likely) replace the computation by a forward/backward pair."""
+    from .compiler.transforms.autograd import requires_grad_inputs
+
+    return not getattr(acquired_trace, "has_backward", False) and torch.is_grad_enabled() and bool(requires_grad_inputs(trc))
+
+
 def _select(idx: tuple) -> Callable:
     if len(idx) == 0:
         return lambda vals: ()
@@ -206,7 +215,7 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False):
+                 dynamic: bool = False, fusion: str | None = None):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         if check_every is not None:
@@ -220,6 +229,9 @@ class CompiledFunction:
         self.thin = thin
         self.check_every = check_every
         self.dynamic = dynamic
+        if fusion not in (None, "inductor"):
+            raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
+        self.fusion = fusion
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
@@ -310,7 +322,16 @@ class CompiledFunction:
         names = ", ".join(ex.name for ex in self.executors)
         trc = lower_to_executors(trc, self.executors, header=f"Lowered to executors: {names}")
         traces.append(trc)
+        if self.fusion == "inductor" and not _goes_through_autograd(acquired.trace, traces[1]):
+            # (with autograd, attach_autograd fuses the forward and backward traces instead)
+            from .compiler.executors.inductor_fusion import fuse_regions
+
+            trc = fuse_regions(trc, self.stats.fusion_notes)
+            traces.append(trc)
         trc = dce(trc, header=f"Final computation (executors: {names})")
+        if acquired.written:
+            traces.append(trc)
+            trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
         traces.append(trc)
         # Prologue: extraction + guard key, generated once per leaf structure and shared.
         written = [i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
@@ -323,7 +344,7 @@ class CompiledFunction:
         if not getattr(acquired.trace, "has_backward", False):
             # Outputs that require grad connect to PyTorch autograd (autograd_function.py).  After
             # loss.backward() inside the function, gradients are values of the trace instead.
-            attach_autograd(entry, traces[1], self.executors)
+            attach_autograd(entry, traces[1], self.executors, fusion=self.fusion, notes=self.stats.fusion_notes)
         epilogue = acquired.trace.epilogue
         if epilogue is not None:
             entry.epilogue = epilogue
@@ -532,7 +553,7 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False):
+            dynamic: bool = False, fusion: str | None = None):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -543,8 +564,10 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     every N calls and raises ``ThinModeError`` naming what changed.
     ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
     size or sequence length reuses the program (see docs/thin_mode.md).
+    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
+    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
     """
-    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic)
+    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)

@@ -1,0 +1,125 @@
+"""Re-inplacing: run an input's update chain in place instead of computing it aside and copying.
+
+Functionalization (``compiler/functional.py``) turns ``p.mul_(a); p.addcdiv_(m, d, value=s)``
+into ``t1 = mul(p, a); t2 = addcdiv(t1, m, d, value=s); ...; copy_(t2, p)``: exact, but
+for every updated tensor one extra allocation and one extra copy per step — for an
+optimizer over many small parameters that is a third more kernel launches than eager.
+
+On the executed (lowered) trace, a write-back ``copy_(v, inp)`` whose value comes from a
+chain ``v = f_k(... f_1(inp, ...) ...)`` of elementwise ops, each taking the previous
+value as its first argument, runs that chain in place on ``inp`` (``inp.mul_(a)``,
+``inp.addcdiv_(...)``) and drops the copy, when that cannot change any value read:
+
+* every op in the chain has an in-place form computing the same thing, keeps shape and dtype;
+* no value of the chain (``inp``'s old value included) is read after the op that overwrites it,
+  except the chain's final value, which the buffer holds until the program ends;
+* no value of the chain is returned to the caller (a fresh output must not alias an input).
+
+Only used for programs not connected to PyTorch autograd (saved tensors must not change).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_flatten
+
+_T = torch.Tensor
+_INPLACE = {
+    torch.add: _T.add_, _T.add: _T.add_, torch.sub: _T.sub_, _T.sub: _T.sub_,
+    torch.mul: _T.mul_, _T.mul: _T.mul_, torch.true_divide: _T.div_, torch.div: _T.div_, _T.div: _T.div_,
+    torch.lerp: _T.lerp_, _T.lerp: _T.lerp_, torch.addcmul: _T.addcmul_, _T.addcmul: _T.addcmul_,
+    torch.addcdiv: _T.addcdiv_, _T.addcdiv: _T.addcdiv_, torch.sqrt: _T.sqrt_, _T.sqrt: _T.sqrt_,
+    torch.neg: _T.neg_, _T.neg: _T.neg_, torch.clamp_min: _T.clamp_min_, torch.clamp_max: _T.clamp_max_,
+}
+
+
+def _fn(bsym):
+    return getattr(bsym.sym, "fn", None)
+
+
+def _inplace_form(bsym):
+    fn = _fn(bsym)
+    try:
+        return _INPLACE.get(fn)
+    except TypeError:  # unhashable callables
+        return None
+
+
+def reinplace(trc, header="Write-backs run in place where nothing reads the old values"):
+    """``trc``: a lowered trace.  Inputs that require grad are only updated in place when the
+    program runs under ``torch.no_grad()`` (eager refuses in-place updates of such leaves otherwise)."""
+    from ..executors.torch_executor import impl_symbol
+
+    bsyms = list(trc.bound_symbols)
+    producer = {}
+    for i, b in enumerate(bsyms):
+        for o in b.flat_outputs():
+            if type(o) is TensorProxy:
+                producer[id(o)] = i
+    reads: dict = {}  # id(proxy) -> indices of the bound symbols that read it
+    for i, b in enumerate(bsyms):
+        for a in b.flat_args():
+            if is_proxy(a):
+                reads.setdefault(id(a), []).append(i)
+    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+
+    rewrite: dict = {}  # index -> in-place function
+    drop = set()
+    for ci, b in enumerate(bsyms):
+        if getattr(b.sym, "print_name", "") != "ttex.copy_":
+            continue
+        value, inp = b.args
+        if inp._tt_requires_grad and "@torch.no_grad()" not in trc.decorators:
+            continue
+        chain = _chain(value, inp, bsyms, producer)
+        if chain is None or any(id(bsyms[i].output) in returned for i in chain):
+            continue
+        if not _safe(chain, inp, ci, bsyms, reads):
+            continue
+        for i in chain:
+            rewrite[i] = _inplace_form(bsyms[i])
+        drop.add(ci)
+    if not drop:
+        return trc
+    new = trc.derive(header)
+    for i, b in enumerate(bsyms):
+        if i in drop:
+            continue
+        if i in rewrite:
+            note = f"{b.comment} (in place)" if b.comment else "in place"
+            b = b.replace(sym=impl_symbol(rewrite[i], side_effect=True), comment=note)
+        new.bound_symbols.append(b)
+    return new
+
+
+def _chain(value, inp, bsyms, producer):
+    """Indices of ``f_1 .. f_k`` producing ``value`` from ``inp`` through first arguments, or None."""
+    chain = []
+    cur = value
+    while cur is not inp:
+        i = producer.get(id(cur))
+        if i is None:
+            return None
+        b = bsyms[i]
+        if _inplace_form(b) is None or not b.args or type(b.args[0]) is not TensorProxy:
+            return None
+        out, first = b.output, b.args[0]
+        if type(out) is not TensorProxy or out._tt_shape != first._tt_shape or out._tt_dtype is not first._tt_dtype:
+            return None
+        if any(a is first for a in b.flat_args()[1:]):
+            return None  # x.mul_(x): reads the buffer it writes
+        chain.append(i)
+        cur = first
+    return list(reversed(chain))
+
+
+def _safe(chain, inp, copy_index, bsyms, reads):
+    """No value the chain overwrites is read after it is overwritten (other than by the chain itself)."""
+    values = [inp] + [bsyms[i].output for i in chain]
+    for k, v in enumerate(values[:-1]):
+        overwritten_at = chain[k]
+        if any(r > overwritten_at and r != copy_index for r in reads.get(id(v), ())):
+            return False
+    # The final value stays in the buffer until the program ends: reading it later is fine.
+    return True
