@@ -1,8 +1,11 @@
-"""Host overhead per call: eager, tt.compile (full prologue), thin mode, the computation itself, torch.compile.
+"""Host overhead per call: eager, tt.compile (full prologue), thin mode, the computation itself, torch.compile,
+and thin mode with Inductor fusion (``fusion="inductor"``, docs/fusion.md).
 
-Run: python benchmarks/overhead.py [--no-torch-compile] [--quick]
-Prints medians (µs per call) and ratios in one run.  Not a test: timings vary by machine.
-Target: thin-mode call ≤ 1.10× calling the generated computation function directly.
+Run: python benchmarks/overhead.py [--no-torch-compile] [--no-fusion] [--quick]
+Prints medians (µs per call) and ratios in one run, and the first-call (compile) time of the compiled variants.
+Not a test: timings vary by machine.
+Targets: thin-mode call ≤ 1.10× calling the generated computation function directly; with fusion, the
+elementwise case faster than eager and than torch.compile.
 """
 from __future__ import annotations
 
@@ -69,9 +72,16 @@ def bench_all(variants: dict, *, number, repeat) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_case(name, fn, args, *, number, repeat, with_torch_compile):
+def first_call(fn, args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def run_case(name, fn, args, *, number, repeat, with_torch_compile, with_fusion):
     full = tt.compile(fn)
     thin = tt.compile(fn, thin=True)
+    first = {"tt thin": first_call(thin, args)}
     for _ in range(3):
         full(*args)
         thin(*args)
@@ -84,17 +94,28 @@ def run_case(name, fn, args, *, number, repeat, with_torch_compile):
         "tt thin": (thin, args),
         "computation direct": (comp, inputs),
     }
-    unavailable = None
+    unavailable = {}
     if with_torch_compile:
         try:  # compiled before timing starts, so its compile workers do not disturb the others
             tc = torch.compile(fn)
-            tc(*args)
+            first["torch.compile"] = first_call(tc, args)
             variants["torch.compile"] = (tc, args)
         except Exception as e:  # noqa: BLE001 - report, don't fail the benchmark
-            unavailable = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+            unavailable["torch.compile"] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    if with_fusion:
+        try:
+            fused = tt.compile(fn, thin=True, fusion="inductor")
+            first["tt thin + inductor"] = first_call(fused, args)
+            for _ in range(3):
+                fused(*args)
+            torch.testing.assert_close(fused(*args), fn(*args))
+            variants["tt thin + inductor"] = (fused, args)
+            notes = tt.compile_stats(fused).fusion_notes
+        except Exception as e:  # noqa: BLE001
+            unavailable["tt thin + inductor"] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+            notes = []
     rows = bench_all(variants, number=number, repeat=repeat)
-    if unavailable:
-        rows["torch.compile"] = unavailable
+    rows.update(unavailable)
     direct = rows["computation direct"]
     print(f"\n{name}")
     for k, v in rows.items():
@@ -103,19 +124,25 @@ def run_case(name, fn, args, *, number, repeat, with_torch_compile):
         else:
             print(f"  {k:20s} {v:9.2f} µs   {v / direct:5.2f}× direct")
     print(f"  thin / direct = {rows['tt thin'] / direct:.3f}  (target ≤ 1.10)")
+    print("  first call (trace + compile): " + ", ".join(f"{k} {v:.2f} s" for k, v in first.items()))
+    for note in notes if with_fusion else ():
+        print(f"  fusion: {note}")
     return rows
 
 
 def main():
     quick = "--quick" in sys.argv
     with_tc = "--no-torch-compile" not in sys.argv
+    with_fusion = "--no-fusion" not in sys.argv
     number, repeat = (200, 5) if quick else (1000, 15)
     torch.manual_seed(0)
     with torch.no_grad():
         x, y = torch.randn(8), torch.randn(8)
-        run_case("20 elementwise ops on 8-element tensors", elementwise, (x, y), number=number, repeat=repeat, with_torch_compile=with_tc)
+        run_case("20 elementwise ops on 8-element tensors", elementwise, (x, y), number=number, repeat=repeat, with_torch_compile=with_tc,
+                 with_fusion=with_fusion)
         model = MLP()
-        run_case("3-layer MLP forward (batch 8, width 32)", mlp_forward, (model, torch.randn(8, 32)), number=number, repeat=repeat, with_torch_compile=with_tc)
+        run_case("3-layer MLP forward (batch 8, width 32)", mlp_forward, (model, torch.randn(8, 32)), number=number, repeat=repeat, with_torch_compile=with_tc,
+                 with_fusion=with_fusion)
 
 
 if __name__ == "__main__":

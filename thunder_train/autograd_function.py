@@ -93,16 +93,22 @@ class ThunderFunction(torch.autograd.Function):
 class AutogradProgram:
     """A cache entry's computation when gradients are needed: calls ``ThunderFunction``."""
 
-    def __init__(self, trc, fb: ag.ForwardBackward, executors):
+    def __init__(self, trc, fb: ag.ForwardBackward, executors, fusion=None, notes=None):
         names = ", ".join(ex.name for ex in executors)
-        fw = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
+        fw = fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
+        bw = bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
+        if fusion == "inductor":
+            from .compiler.executors.inductor_fusion import fuse_regions
+
+            notes = [] if notes is None else notes
+            fw = fuse_regions(fw, notes, prefix="inductor_fw_fusion", header="Forward fused by Inductor")
+            bw = fuse_regions(bw, notes, prefix="inductor_bw_fusion", header="Backward fused by Inductor")
         fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
         fw = ag.free_after_last_use(fw)
-        bw = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
         bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
         bw = ag.free_after_last_use(ag.take_saved_as_list(bw, fb.saved))
-        self.forward_traces = [fb.joint, fb.forward, fw]
-        self.backward_traces = [fb.backward, bw]
+        self.forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if fusion else []) + [fw]
+        self.backward_traces = [fb.backward] + ([bw_lowered] if fusion else []) + [bw]
         self.forward = fw.python_callable()
         self.backward = bw.python_callable()
         self.differentiable = fb.differentiable
@@ -145,7 +151,7 @@ class _NoBackwardProgram:
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
 
-def attach_autograd(entry, trc, executors) -> None:
+def attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
     """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
 
     ``trc`` is the computation after dead code elimination.  Nothing changes
@@ -161,7 +167,7 @@ def attach_autograd(entry, trc, executors) -> None:
         return
     if fb is None:
         return
-    program = AutogradProgram(trc, fb, executors)
+    program = AutogradProgram(trc, fb, executors, fusion, notes)
     keep = next(i for i, t in enumerate(entry.traces) if t is trc)
     entry.traces = entry.traces[: keep + 1] + program.forward_traces
     entry.backward_traces = program.backward_traces

@@ -1,0 +1,157 @@
+"""fusion="inductor": regions of elementwise ops and reductions compiled by Inductor, compared with eager.
+
+Inductor's C++ compiles are slow (seconds each, cached on disk across runs), so the tests share region
+structures: ``_block`` is compiled once and reused by several tests.
+"""
+import shutil
+
+import pytest
+import torch
+
+import thunder_train as tt
+
+
+def _cxx_available() -> bool:
+    try:
+        from torch._inductor import config
+    except Exception:  # noqa: BLE001
+        return False
+    names = [c for c in (config.cpp.cxx if isinstance(config.cpp.cxx, (tuple, list)) else (config.cpp.cxx,)) if c]
+    return any(shutil.which(c) for c in names + ["g++", "c++", "clang++"])
+
+
+pytestmark = pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+
+from thunder_train.compiler.executors import inductor_fusion  # noqa: E402
+
+
+def _block(x, y):
+    a = torch.sin(x) * y + 1.0
+    b = torch.tanh(a) - x / 3.0
+    return torch.sigmoid(b * a)
+
+
+def _fused_lines(cf):
+    return [ln for ln in str(tt.last_traces(cf)[-1]).splitlines() if "= inductor_" in ln]
+
+
+def test_elementwise_chain_matches_eager_and_prints_one_call():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cf = tt.compile(_block, fusion="inductor")
+    torch.testing.assert_close(cf(x, y), _block(x, y))
+    trace = str(tt.last_traces(cf)[-1])
+    assert len(_fused_lines(cf)) == 1 and "inductor_fusion_0(x, y)" in trace
+    assert "# t0 = torch.sin(x)" in trace  # the region's original lines stay as comments
+    assert any("fused 8 ops" in n for n in tt.compile_stats(cf).fusion_notes), tt.compile_stats(cf).fusion_notes
+    x2, y2 = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(cf(x2, y2), _block(x2, y2))
+
+
+def test_default_is_unfused_and_option_is_checked():
+    cf = tt.compile(_block)
+    cf(torch.randn(4, 4), torch.randn(4, 4))
+    assert not _fused_lines(cf) and tt.compile_stats(cf).fusion_notes == []
+    with pytest.raises(ValueError, match="fusion"):
+        tt.compile(_block, fusion="nvfuser-please")
+
+
+def test_identical_regions_compile_once():
+    def two_layers(x, y, z):
+        h = _block(x, y) @ z  # the matmul (not fusible) reads the first region and separates the two
+        return _block(h, z)  # the second region has the same structure as the first
+
+    x, y, z = (torch.randn(4, 4) for _ in range(3))
+    cf = tt.compile(two_layers, fusion="inductor", thin=True)
+    for _ in range(4):
+        torch.testing.assert_close(cf(x, y, z), two_layers(x, y, z))
+    assert cf.is_thin_bound
+    notes = tt.compile_stats(cf).fusion_notes
+    assert len(_fused_lines(cf)) == 2
+    assert sum("reused a kernel" in n for n in notes) >= 1, notes
+    before = len(inductor_fusion._kernels)
+    cf2 = tt.compile(_block, fusion="inductor")  # another compiled function, same structure
+    cf2(x, y)
+    assert len(inductor_fusion._kernels) == before
+    assert "reused a kernel" in tt.compile_stats(cf2).fusion_notes[0]
+
+
+def test_broadcasting_reductions_and_several_outputs():
+    def f(x, b, s):
+        h = torch.relu(x * s + b)        # [4, 8] * [4, 1] + [8]
+        m = h.sum(-1, keepdim=True)
+        p = torch.softmax(h - m / 8.0, dim=-1)
+        return p, h.amax(0), m.mean()
+
+    x, b, s = torch.randn(4, 8), torch.randn(8), torch.randn(4, 1)
+    cf = tt.compile(f, fusion="inductor")
+    for got, want in zip(cf(x, b, s), f(x, b, s)):
+        torch.testing.assert_close(got, want)
+    assert len(_fused_lines(cf)) == 1
+
+
+def test_in_place_update_is_written_back():
+    def step(w, x):
+        w.mul_(0.9).add_(torch.sin(x) * 0.1)
+        return torch.cos(w).sum()
+
+    w_ref, x = torch.randn(4, 4), torch.randn(4, 4)
+    w = w_ref.clone()
+    cf = tt.compile(step, fusion="inductor")
+    for _ in range(3):
+        torch.testing.assert_close(cf(w, x), step(w_ref, x))
+        torch.testing.assert_close(w, w_ref)
+    trace = str(tt.last_traces(cf)[-1])
+    assert _fused_lines(cf)
+    assert trace.index("= inductor_fusion_0(") < trace.index("ttex.copy_(")
+
+
+def test_backward_through_fused_regions():
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x, w):
+        return (torch.tanh(x * w + 1.0) * torch.sigmoid(w)).sum()
+
+    cf = tt.compile(f, fusion="inductor")
+    loss = cf(x, w)
+    loss.backward()
+    got = (x.grad, w.grad)
+    x.grad = w.grad = None
+    f(x, w).backward()
+    torch.testing.assert_close(loss, f(x, w))
+    torch.testing.assert_close(got, (x.grad, w.grad))
+    assert "= inductor_fw_fusion_0(" in str(tt.last_traces(cf)[-1])
+    assert "= inductor_bw_fusion_0(" in str(tt.last_backward_traces(cf)[-1])
+
+
+def test_non_contiguous_input_falls_back_per_call():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cf = tt.compile(_block, fusion="inductor")
+    cf(x, y)
+    xt = torch.randn(4, 4).t()  # same shape, other strides: no retrace, the kernel's stride check fails
+    torch.testing.assert_close(cf(xt, y), _block(xt, y))
+
+
+def test_compile_failure_falls_back_to_torch(monkeypatch):
+    def broken(gm, example):
+        raise RuntimeError("no C++ compiler today")
+
+    monkeypatch.setattr(inductor_fusion, "_inductor_compile", broken)
+
+    def f(x):
+        return torch.cos(torch.exp(x * 1.2345) + 0.5) * 7.0  # a structure no other test compiles
+
+    x = torch.randn(3)
+    cf = tt.compile(f, fusion="inductor")
+    torch.testing.assert_close(cf(x), f(x))
+    assert not _fused_lines(cf)
+    note = tt.compile_stats(cf).fusion_notes[0]
+    assert "left to torch: Inductor failed: RuntimeError: no C++ compiler today" in note
+
+
+def test_unfusible_candidates_are_explained():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cf = tt.compile(_block, fusion="inductor", dynamic=True)  # symbolic sizes: nothing to compile
+    torch.testing.assert_close(cf(x, y), _block(x, y))
+    assert not _fused_lines(cf)
+    assert any("left to torch: symbolic sizes" in n for n in tt.compile_stats(cf).fusion_notes), tt.compile_stats(cf).fusion_notes

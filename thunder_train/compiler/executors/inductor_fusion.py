@@ -1,0 +1,319 @@
+"""Fusion by Inductor: groups of small elementwise ops and reductions become one compiled CPU kernel.
+
+``tt.compile(fn, fusion="inductor")`` runs this pass on the trace after it was lowered to executors
+(docs/fusion.md).  It finds regions of *fusible* bound symbols (elementwise torch calls and simple
+reductions on CPU tensors of static shape), builds a torch.fx graph of each region, compiles it with
+Inductor (``make_fx`` with Inductor's decompositions, then ``compile_fx_inner``) and replaces the region by
+one bound symbol that calls the compiled kernel directly, without Dynamo or AOTAutograd wrappers:
+
+    # inductor_fusion_0: 20 ops fused by Inductor (add, mul, sub, sin, cos, ...)
+    t20 = inductor_fusion_0(x, y)  # t20: "cpu f32[8]"
+      # t0 = torch.Tensor.add(x, y)  # t0: "cpu f32[8]"
+      # ...
+
+Regions form in one forward walk.  A fusible op joins the open region; a non-fusible op that reads none
+of the region's values and has no side effect moves ahead of it (its relative order with other
+non-fusible ops is kept, and fusible ops are pure, so nothing observable changes); anything else closes
+the region: ops that read its values, write-backs (``ttex.copy_``) and ``Tensor.item``.  A region with
+fewer than ``MIN_OPS`` ops stays as it was.
+
+Kernels are cached by structure (ops, constants, input shapes, dtypes and devices, which values leave
+the region), process-wide, so identical regions — every layer of a model, a retrace, another compiled
+function — compile once.  If Inductor cannot compile a region (not installed, no C++ compiler, an op it
+does not lower) the region runs on the torch executor as before and one line in
+``compile_stats(cf).fusion_notes`` says why.  Kernels are compiled for contiguous inputs; an input with
+other strides fails Inductor's size/stride check before any work and that call runs the region's ops
+through torch instead (same values, no speedup).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_flatten, tree_map
+from ..symbols import BoundSymbol, Symbol
+from ..transforms.dce import has_side_effect
+from . import torch_impls
+
+MIN_OPS = 3
+
+# ---------------------------------------------------------------------------
+# What is fusible: torch callables by name, looked up where the tracer records them.
+# ---------------------------------------------------------------------------
+_ELEMENTWISE = """
+abs acos acosh asin asinh atan atanh ceil cos cosh erf erfc erfinv exp exp2 expm1 floor frac lgamma log
+log10 log1p log2 neg reciprocal round rsqrt sign sigmoid sin sinh sqrt square tan tanh trunc relu gelu silu
+mish softplus elu leaky_relu hardtanh hardsigmoid hardswish logit nan_to_num
+add sub mul div true_divide floor_divide remainder fmod pow atan2 hypot maximum minimum lerp addcmul addcdiv
+eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor
+bitwise_not where clamp clamp_min clamp_max clip isnan isinf isfinite
+__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __rdiv__ __neg__ __pow__
+__rpow__ __abs__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __invert__
+to float double half bfloat16 type_as
+""".split()
+_REDUCTIONS = "sum mean amax amin softmax log_softmax logsumexp".split()
+_OWNERS = (torch, torch.Tensor, torch._C.TensorBase, torch.nn.functional, torch.special)
+_FUSIBLE: dict = {}  # torch callable -> short name used in comments
+for _name in _ELEMENTWISE + _REDUCTIONS:
+    for _owner in _OWNERS:
+        _f = getattr(_owner, _name, None)
+        if _f is not None:
+            _FUSIBLE.setdefault(_f, _name.strip("_"))
+for _name in ("rsub", "rdiv", "where", "trunc_div", "broadcast_in_dim", "sum_none"):  # the torch executor's helpers
+    _FUSIBLE[getattr(torch_impls, _name)] = _name
+_DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
+
+
+def _static_cpu_tensor(x) -> str | None:
+    """None when ``x`` may enter a kernel, else why not."""
+    if type(x) is not TensorProxy:
+        return "a runtime number or size is an argument" if is_proxy(x) else None
+    if any(type(d) is not int for d in x._tt_shape):
+        return "symbolic sizes (dynamic=True)"
+    if x._tt_device.torch.type != "cpu":
+        return f"{x._tt_device.torch.type} tensors (this executor fuses CPU regions)"
+    return None
+
+
+def _classify(bsym) -> tuple[str | None, str | None]:
+    """``(op name, None)`` for a fusible bound symbol, ``(None, reason)`` for a candidate that is not,
+    ``(None, None)`` for anything else."""
+    name = _FUSIBLE.get(getattr(bsym.sym, "fn", None)) if bsym.sym.module == "torch_executor" else None
+    if name is None or has_side_effect(bsym) or type(bsym.output) is not TensorProxy:
+        return None, None
+    if name in _DTYPE_ONLY and name != "type_as":
+        extra = [a for a in bsym.flat_args()[1:] if not isinstance(a, torch.dtype)]
+        if extra or (set(bsym.kwargs) - {"dtype"}):
+            return None, None
+    for x in list(bsym.flat_args()) + [bsym.output]:
+        why = _static_cpu_tensor(x)
+        if why is not None:
+            return None, why
+    return name, None
+
+
+def _is_barrier(bsym) -> bool:
+    return has_side_effect(bsym) or getattr(bsym.sym, "fn", None) is torch.Tensor.item
+
+
+# ---------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------
+def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: str = "Fused by Inductor"):
+    """A new trace with each region of ≥ MIN_OPS fusible ops replaced by one Inductor kernel call.
+
+    ``notes`` receives one line per decision (``compile_stats(cf).fusion_notes``)."""
+    readers: dict = {}  # id(proxy) -> indices of the bound symbols that read it
+    for i, b in enumerate(trc.bound_symbols):
+        for a in b.flat_args():
+            if is_proxy(a):
+                readers.setdefault(id(a), set()).add(i)
+    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    state = _State(trc, readers, returned, notes, prefix)
+    region: list = []  # (index, bsym)
+    produced: set = set()
+    hoisted: list = []
+    for i, b in enumerate(trc.bound_symbols):
+        name, why = _classify(b)
+        if name is not None:
+            region.append((i, b))
+            produced.add(id(b.output))
+            continue
+        if why is not None:
+            state.skipped[why] = state.skipped.get(why, 0) + 1
+        if region and not _is_barrier(b) and not any(id(a) in produced for a in b.flat_args() if is_proxy(a)):
+            hoisted.append(b)
+            continue
+        state.flush(region, hoisted)
+        region, produced, hoisted = [], set(), []
+        state.out.append(b)
+    state.flush(region, hoisted)
+    fused = state.count
+    if state.reused:
+        names = ", ".join(state.reused[:6]) + (", ..." if len(state.reused) > 6 else "")
+        notes.append(f"{prefix}: {len(state.reused)} region(s) reused a kernel compiled for the same structure ({names})")
+    for why, n in state.skipped.items():
+        notes.append(f"{prefix}: {n} op(s) left to torch: {why}")
+    if fused == 0 and not state.skipped and not state.failed:
+        notes.append(f"{prefix}: nothing fused: no region of ≥ {MIN_OPS} elementwise/reduction ops on CPU tensors")
+    new = trc.derive(f"{header}: {fused} region(s)")
+    new.bound_symbols = state.out
+    return new
+
+
+class _State:
+    def __init__(self, trc, readers, returned, notes, prefix):
+        self.trc, self.readers, self.returned, self.notes, self.prefix = trc, readers, returned, notes, prefix
+        self.out: list = []
+        self.count = 0
+        self.failed = 0
+        self.skipped: dict = {}
+        self.reused: list = []  # names of fused regions whose kernel was compiled before
+
+    def flush(self, region, hoisted):
+        self.out.extend(hoisted)
+        if len(region) < MIN_OPS:
+            self.out.extend(b for _, b in region)
+            return
+        inside = {i for i, _ in region}
+        outputs = [b.output for _, b in region
+                   if id(b.output) in self.returned or self.readers.get(id(b.output), set()) - inside]
+        bsyms = [b for _, b in region]
+        if not outputs:  # dead code: the final DCE drops it
+            self.out.extend(bsyms)
+            return
+        name = f"{self.prefix}_{self.count + self.failed}"
+        ops = _op_names(bsyms)
+        kernel, inputs = _kernel_for(bsyms, outputs)
+        if isinstance(kernel, str):
+            self.failed += 1
+            self.notes.append(f"{name}: {len(bsyms)} ops ({ops}) left to torch: Inductor failed: {kernel}")
+            self.out.extend(bsyms)
+            return
+        self.count += 1
+        if kernel.uses > 0:
+            self.reused.append(name)
+        else:
+            self.notes.append(f"{name}: fused {len(bsyms)} ops ({ops}) into one Inductor kernel, compiled in {kernel.seconds:.2f} s")
+        kernel.uses += 1
+        sym = FusionSymbol(name, kernel.runner)
+        out = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        comment = f"{name}: {len(bsyms)} ops fused by Inductor ({ops})"
+        self.out.append(BoundSymbol(sym, tuple(inputs), {}, out, tuple(bsyms), comment))
+
+
+def _op_names(bsyms, limit: int = 8) -> str:
+    names = []
+    for b in bsyms:
+        n = _FUSIBLE[b.sym.fn]
+        if n not in names:
+            names.append(n)
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+class FusionSymbol(Symbol):
+    """The call of one compiled region; its subsymbols are the region's original lines."""
+
+    def __init__(self, name, runner):
+        super().__init__(name, runner, module="inductor", is_prim=True)
+
+    @property
+    def print_name(self) -> str:
+        return self.name
+
+    def codegen_globals(self) -> dict:
+        return {self.name: self.fn}
+
+
+# ---------------------------------------------------------------------------
+# Compiling a region, cached by structure
+# ---------------------------------------------------------------------------
+class _Kernel:
+    def __init__(self, runner, seconds):
+        self.runner = runner
+        self.seconds = seconds
+        self.uses = 0
+
+
+_kernels: dict = {}  # structural key -> _Kernel, or the reason compiling failed (str)
+
+
+def _const_key(x):
+    return (type(x), repr(x)) if type(x) is float else (type(x), x)
+
+
+def _structure(bsyms, outputs):
+    """The region's structural key and its input proxies (in order of first use)."""
+    index: dict = {}
+    inputs: list = []
+
+    def norm(x):
+        if not is_proxy(x):
+            return _const_key(x)
+        k = index.get(id(x))
+        if k is None:
+            k = index[id(x)] = ("in", len(inputs))
+            inputs.append(x)
+        return k
+
+    ops = []
+    for j, b in enumerate(bsyms):
+        ops.append((b.sym.fn, tuple(norm(a) for a in b.flat_args()), tree_flatten((b.args, b.kwargs))[1].__repr__()))
+        index[id(b.output)] = ("op", j)
+    metas = tuple((p._tt_shape, p._tt_dtype.torch, p._tt_device.torch) for p in inputs)
+    return (tuple(ops), metas, tuple(index[id(o)] for o in outputs)), inputs
+
+
+def _kernel_for(bsyms, outputs):
+    key, inputs = _structure(bsyms, outputs)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        t0 = time.perf_counter()
+        try:
+            kernel = _Kernel(_compile_region(bsyms, inputs, outputs), 0.0)
+            kernel.seconds = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - any failure means: run the region through torch
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            kernel = f"{type(e).__name__}: {first}"
+        _kernels[key] = kernel
+    return kernel, inputs
+
+
+def _region_graph(bsyms, inputs, outputs):
+    """The region as a torch-level fx.GraphModule calling the same torch callables as the trace."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    env = {id(p): g.placeholder(f"in{i}") for i, p in enumerate(inputs)}
+
+    def node(x):
+        return env[id(x)] if is_proxy(x) else x
+
+    for b in bsyms:
+        env[id(b.output)] = g.call_function(b.sym.fn, tree_map(node, b.args), tree_map(node, b.kwargs))
+    g.output(tuple(env[id(o)] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _inductor_compile(gm, example):
+    """Compile a torch-level graph module; returns ``call(list_of_tensors) -> tuple``."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if not config.size_asserts:
+        raise RuntimeError("torch._inductor.config.size_asserts is off: a kernel could not check its inputs' strides")
+
+    with torch.no_grad():
+        aten = make_fx(gm, tracing_mode="fake", decomposition_table=select_decomp_table())(*example)
+        compiled = compile_fx_inner(aten, example)
+    call = getattr(compiled, "current_callable", None)
+    return call if call is not None else compiled  # the bare generated ``call``: no per-call bookkeeping
+
+
+def _compile_region(bsyms, inputs, outputs):
+    gm = _region_graph(bsyms, inputs, outputs)
+    example = [torch.empty(p._tt_shape, dtype=p._tt_dtype.torch, device=p._tt_device.torch) for p in inputs]
+    call = _inductor_compile(gm, example)
+    return _runner(call, gm, len(outputs) == 1)
+
+
+def _runner(call, fallback, single):
+    """The function the trace calls.  Inductor's generated ``call`` checks every input's size and strides
+    before any work; when that check (or anything else) fails, the region's torch ops run instead."""
+    if single:
+        def run(*args):
+            try:
+                return call(list(args))[0]
+            except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
+                return fallback(*args)[0]
+    else:
+        def run(*args):
+            try:
+                return call(list(args))
+            except Exception:  # noqa: BLE001
+                return fallback(*args)
+    return run
