@@ -581,3 +581,74 @@ def test_update_chains_run_in_place_only_when_no_one_reads_the_old_value():
     cf(torch.randn(5), 2.0)
     src = tt.last_traces(cf)[-1].python_source()
     assert "ttex.copy_" not in src and "torch.Tensor.mul_(p, 2.0)" in src and "torch.Tensor.add_(" in src
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+], ids=["adamw", "sgd", "adam-foreach"])
+def test_one_cycle_schedule_changes_betas_and_momentum_without_retrace(make_opt):
+    """Every float hyper-parameter is a runtime input; decisions on them (weight_decay != 0) are checks."""
+    eager, compiled = twin(mlp, make_opt)
+    s1 = torch.optim.lr_scheduler.OneCycleLR(eager[1], max_lr=0.05, total_steps=12)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(compiled[1], max_lr=0.05, total_steps=12)
+    step = tt.compile(train_step, thin=True)
+    for x, y in mlp_batches(10):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+        s1.step()
+        s2.step()
+    assert_same_state(eager, compiled)
+    stats = tt.compile_stats(step)
+    assert stats.entries == 2 and stats.thin_calls == 7 and not stats.thin_invalidations
+
+
+def test_changing_a_decided_hyper_parameter_retraces_with_the_reason():
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01))
+    step = tt.compile(train_step, thin=True)
+    data = mlp_batches(6)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            for o in (eager[1], compiled[1]):
+                o.param_groups[0]["weight_decay"] = 0.0  # the optimizer branches on it
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert any("weight_decay != 0 was True, now False" in r for r in tt.compile_stats(step).retrace_reasons)
+
+
+def test_optimizer_step_hooks_are_refused_and_requires_grad_toggles_work():
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda o, a, k: None)
+
+    def step_fn(m, opt, x):
+        loss = m(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(Exception, match="optimizer step hooks"):
+        tt.compile(step_fn)(m, opt, torch.randn(3, 2))
+
+    def frozen_bias(m, x):
+        m.bias.requires_grad = False
+        loss = m(x).sum()
+        loss.backward()
+        m.bias.requires_grad = True
+        return loss
+
+    m1, m2 = nn.Linear(2, 2), nn.Linear(2, 2)
+    m2.load_state_dict(m1.state_dict())
+    x = torch.randn(3, 2)
+    tt.compile(frozen_bias)(m1, x)
+    frozen_bias(m2, x)
+    assert m1.bias.grad is None and m2.bias.grad is None and m1.bias.requires_grad
+    torch.testing.assert_close(m1.weight.grad, m2.weight.grad)
+    m3 = nn.Linear(2, 2)
+    def freeze(m, x):
+        m.bias.requires_grad_(False)
+        return m(x).sum()
+
+    tt.compile(freeze)(m3, x)
+    assert not m3.bias.requires_grad  # the epilogue applies a flag the function left changed

@@ -109,6 +109,11 @@ def finish(trc, out):
             continue  # a tensor created inside the function
         target = names(leaf.value, leaf.proxy._tt_name)
         lines.append(f"  {target}.grad = {extra(g)}")
+    # requires_grad flags of inputs the function changed and did not restore.
+    for p, before in getattr(trc, "requires_grad_changes", {}).values():
+        leaf = walker.leaf_of(p)
+        if leaf is not None and p._tt_requires_grad != before:
+            lines.append(f"  {names(leaf.value, p._tt_name)}.requires_grad_({p._tt_requires_grad})")
     # Optimizer state: new entries and replaced values.
     for traced in walker.optimizers:
         opt = names(traced.opt, "optimizer")

@@ -16,7 +16,7 @@ import math
 import operator
 
 from . import dtypes
-from .proxies import TensorProxy, NumberProxy, SizeProxy
+from .proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked
 from .symbols import Symbol
 
 Number = (int, float, bool, complex)
@@ -105,9 +105,9 @@ def _elementwise_meta(opname, args, *, bool_output=False):
         fn = _python_scalar.get(opname)
         _check(fn is not None, f"{opname} is not supported on Python numbers")
         value = fn(*[_number_value(a) for a in args])
-        if type(value) is int and any(type(a) is SizeProxy for a in args):
-            # Shape arithmetic on symbolic sizes stays symbolic (dynamic=True).
-            out = SizeProxy(value=value, python_type=int)
+        if any(is_checked(a) for a in args) and type(value) in (int, float):
+            # Arithmetic on symbolic sizes / checked hyper-parameters stays checked (their decisions are guarded).
+            out = SizeProxy(value=value, python_type=int) if type(value) is int else CheckedFloat(value=value, python_type=float)
             out.origin = ("op", opname) + tuple(args)
             return out
         return NumberProxy(value=value, python_type=type(value))

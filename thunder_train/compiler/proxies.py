@@ -123,7 +123,7 @@ class NumberProxy(Proxy):
         pt = python_type or type(value)
         if cls is NumberProxy:
             cls = _FloatProxy if pt is float else _IntProxy
-        if cls is _FloatProxy:
+        if issubclass(cls, float):
             self = float.__new__(cls, value)
         else:
             self = int.__new__(cls, value if value == value else 0)
@@ -248,18 +248,15 @@ class _IntProxy(NumberProxy, int):
     pass
 
 
-class SizeProxy(_IntProxy):
-    """A symbolic size (``tt.compile(fn, dynamic=True)``): a dimension of a per-call input.
+class _Checked:
+    """Runtime numbers whose Python decisions are checked instead of refused.
 
-    Arithmetic records scalar prims whose results are SizeProxies too (shape
-    arithmetic like ``t.reshape(t.size(0), -1)`` stays symbolic).  A Python
-    decision on a size — a comparison, ``bool()``, ``int()``/``range()`` — is
-    answered from the example value and recorded as a **size check**
-    (``trc.size_checks``) that the prologue evaluates on later inputs; a call
-    whose sizes decide differently gets its own program.
-
-    ``origin`` is ``("dim", tensor proxy, i)`` for an input dimension or
-    ``("op", prim name, a, b)`` for a computed size.
+    A comparison, ``bool()`` or conversion to a plain number is answered from the
+    example value and recorded as a check (``trc.size_checks``) that the prologue
+    and thin mode evaluate on every later input; a call that decides differently
+    gets its own program.  ``origin`` says how the number is computed from the
+    inputs: ``("dim", tensor proxy, i)``, ``("input",)`` (an input leaf itself) or
+    ``("op", prim name, *args)``.
     """
 
     def _check(self, op, other, result):
@@ -304,11 +301,39 @@ class SizeProxy(_IntProxy):
     def __bool__(self):
         return self._check("!=", 0, self.value != 0)
 
+
+class SizeProxy(_Checked, _IntProxy):
+    """A symbolic size (``tt.compile(fn, dynamic=True)``): a dimension of a per-call input.
+
+    Arithmetic records scalar prims whose results are SizeProxies too (shape
+    arithmetic like ``t.reshape(t.size(0), -1)`` stays symbolic).  Decisions on
+    sizes (comparisons, ``bool()``, ``int()``/``range()``) become checks (``_Checked``).
+    """
+
+    __hash__ = object.__hash__
+
     def __index__(self):
         # A plain int is needed (range(), a slice bound, ...): specialise on the value, checked later.
         return self._check("==", self.value, int.__int__(self))
 
     __int__ = __index__
+
+
+class CheckedFloat(_Checked, _FloatProxy):
+    """A float hyper-parameter read from an optimizer's ``param_groups`` (``lr``, ``betas``, ``weight_decay``).
+
+    A runtime input, so a scheduler changing it never retraces; code that decides on
+    it (``if weight_decay != 0``) records a check instead of failing.
+    """
+
+    __hash__ = object.__hash__
+
+    def __float__(self):
+        return self._check("==", self.value, float.__float__(self))
+
+
+def is_checked(x) -> bool:
+    return isinstance(x, _Checked)
 
 
 def size_value(s) -> int:

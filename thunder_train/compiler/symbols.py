@@ -85,9 +85,10 @@ class Symbol:
 
 
 def _is_size(x) -> bool:
-    from .proxies import SizeProxy
+    """Symbolic sizes and checked hyper-parameters (and arithmetic on them)."""
+    from .proxies import is_checked
 
-    return type(x) is SizeProxy
+    return is_checked(x)
 
 
 def _returns_an_input(out, args, kwargs) -> bool:

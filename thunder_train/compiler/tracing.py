@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import context, proxies
 from .opaque import call_opaque
-from .proxies import NumberProxy, SizeProxy, TensorProxy
+from .proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy
 from .torchlang import registry
 from .trace import Trace
 from .functional import Buffers
@@ -145,6 +145,7 @@ class InputWalker:
         self.optimizers: list = []  # TracedOptimizer
         self.dynamic = False  # symbolic sizes for per-call inputs (tt.compile(..., dynamic=True))
         self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
+        self.floats_are_inputs = False  # while walking an optimizer's hyper-parameters
         self.symbolic_inputs: list = []  # input proxies with symbolic sizes
 
     def walk_args(self, args, kwargs):
@@ -194,6 +195,8 @@ class InputWalker:
             if type(x) is TensorProxy:
                 raise TracingError(f"{path_str(path)} is already a proxy: nested compiled functions are not supported")
             return self.tensor(x, path, hint)
+        if t is float and self.floats_are_inputs:
+            return self.number(x, path, _name_from_path(path))
         if t in SCALAR_TYPES:
             self.leaves.append(Leaf(path, "constant", x))
             return x
@@ -280,8 +283,15 @@ class InputWalker:
             for k, v in group.items():
                 if k == "lr" and type(v) is float:
                     traced[k] = self.number(v, p + (Step("key", k),), "lr" if len(opt.param_groups) == 1 else f"lr{gi}")
-                else:
+                elif k == "params":
                     traced[k] = self.walk(v, p + (Step("key", k),))
+                else:
+                    # Float hyper-parameters (betas, momentum, weight_decay, eps, ...) are runtime inputs too.
+                    self.floats_are_inputs = True
+                    try:
+                        traced[k] = self.walk(v, p + (Step("key", k),))
+                    finally:
+                        self.floats_are_inputs = False
             groups.append(traced)
         state = collections.defaultdict(dict)
         initial = {}
@@ -299,6 +309,7 @@ class InputWalker:
                 entry = {k: self.walk(v, sp + (Step("key", k),), f"{_name_from_path(sp)}_{k}") for k, v in real_state.items()}
                 state[proxy] = entry
                 initial[id(proxy)] = dict(entry)
+        self._refuse_step_hooks(opt, path)
         self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])}))
         d = opt.__dict__
         self.swapped.append((d, "param_groups", d["param_groups"]))
@@ -306,10 +317,26 @@ class InputWalker:
         d["param_groups"] = groups
         d["state"] = state
 
+    def _refuse_step_hooks(self, opt, path):
+        """Step hooks are Python code the program cannot replay: stepping with them is an error, not a silent skip."""
+        from torch.optim import optimizer as optim_mod
+
+        hooks = [(opt.__dict__, "_optimizer_step_pre_hooks"), (opt.__dict__, "_optimizer_step_post_hooks"),
+                 (vars(optim_mod), "_global_optimizer_pre_hooks"), (vars(optim_mod), "_global_optimizer_post_hooks")]
+        for d, name in hooks:
+            if d.get(name):
+                self.swapped.append((d, name, d[name]))
+                d[name] = _RefusedHooks(d[name], f"{path_str(path)}.step(): optimizer step hooks ({name.strip('_')})")
+
     def number(self, v, path, hint):
-        """A Python number that is a runtime input of the computation (not a specialised constant)."""
+        """A float that is a runtime input of the computation (not a specialised constant).
+
+        Python decisions on it become checks (``CheckedFloat``): ``if weight_decay != 0`` is
+        re-evaluated by the prologue instead of freezing the program to one value.
+        """
         name = self.trc.unique_name(hint)
-        p = NumberProxy(name, value=v, python_type=type(v))
+        p = CheckedFloat(name, value=v, python_type=float)
+        p.origin = ("input",)
         self.leaves.append(Leaf(path, "number", v, p))
         return p
 
@@ -351,6 +378,20 @@ class InputWalker:
         for d, k, v in reversed(self.swapped):
             d[k] = v
         self.swapped.clear()
+
+
+class _RefusedHooks(collections.OrderedDict):
+    """Stands in for an optimizer's step hooks while tracing: stepping raises instead of running them once."""
+
+    def __init__(self, hooks, what):
+        super().__init__(hooks)
+        self.what = what
+
+    def values(self):
+        raise TracingError(
+            f"{self.what} would run only while tracing, not on every call. Remove the hooks, or call "
+            "optimizer.step() outside the compiled function."
+        )
 
 
 @dataclasses.dataclass
@@ -645,10 +686,10 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False) ->
     walker = InputWalker(trc, _arg_names(fn))
     walker.dynamic = dynamic
     trc.walker = walker
-    if dynamic:
-        trc.size_checks = []
+    trc.size_checks = []  # decisions on symbolic sizes and checked hyper-parameters
     trc.buffers = Buffers()
     trc.grads = GradState(trc)
+    trc.requires_grad_changes = {}  # id(proxy) -> (proxy, flag before the function set it)
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..compiler.proxies import NumberProxy, SizeProxy, size_value
+from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
 from ..compiler.tracing import path_str, _name_from_path
 from . import checks
 
@@ -168,16 +168,18 @@ def symbolic_shape_specs(leaf, var) -> list:
     return specs
 
 
-_SIZE_INFIX = {"add": "+", "sub": "-", "mul": "*", "floor_divide": "//", "remainder": "%"}
+_SIZE_INFIX = {"add": "+", "sub": "-", "mul": "*", "floor_divide": "//", "remainder": "%", "div": "/", "pow": "**"}
 
 
 def render_size(x, var_of_proxy) -> str:
     """Python source for a size in terms of the prologue's variables (``x.shape[0] * 4``)."""
-    if type(x) is not SizeProxy:
+    if not is_checked(x):
         return repr(size_value(x))
     o = x.origin
     if o[0] == "dim":
         return f"{var_of_proxy[id(o[1])]}.shape[{o[2]}]"
+    if o[0] == "input":
+        return var_of_proxy[id(x)]
     op, args = o[1], o[2:]
     if op == "mul" and len(args) == 2 and any(type(a) is int and a == 1 for a in args):
         return render_size(args[1] if type(args[0]) is int and args[0] == 1 else args[0], var_of_proxy)
@@ -313,10 +315,11 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
             label_leaf.append(i)
     size_exprs = []
     if size_checks:
-        var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves) if leaf.kind == "tensor" and leaf.alias_of is None}
-        first = next(i for i, leaf in enumerate(leaves) if is_symbolic(leaf))
+        var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
+                        if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
+        first = next((i for i, leaf in enumerate(leaves) if is_symbolic(leaf) or leaf.kind == "number"), 0)
         for text, expr, result in size_check_specs(size_checks, var_of_proxy):
-            labels.append(Label("sizes", text))
+            labels.append(Label("sizes", text))  # decisions on symbolic sizes and hyper-parameters
             exprs.append(expr)
             expected.append(result)
             label_leaf.append(first)
@@ -377,7 +380,7 @@ def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> li
         if lab.what == "object":
             out.append(f"{lab.path}: a different object than the one compiled for")
         elif lab.path == "sizes":
-            out.append(f"sizes: {lab.what} was {e}, now {a}")
+            out.append(f"{lab.what} was {e}, now {a}")
         elif lab.what == "is None":
             out.append(f"{lab.path}: {'None' if e else 'set'} → {'None' if a else 'set'}")
         elif lab.what == "identity":

@@ -178,12 +178,24 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             comp_arg[i] = bind(i)
             static_idx.append(i)
             continue
-        # Changed between the two validated calls: re-read it from its (unchanged) parent.
+        # Changed between the two validated calls (or a runtime number): re-read it from its nearest
+        # unchanged ancestor (a param group dict whose 'betas' tuple a scheduler replaces each step).
         leaf = leaves[i]
-        p = index_of_path.get(leaf.path[:-1])
-        if p is None or vals[p] is not prev_vals[p]:
+        depth = len(leaf.path) - 1
+        while depth > 0:
+            p = index_of_path.get(leaf.path[:depth])
+            if p is None:
+                depth = 0
+                break
+            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass"):
+                break
+            depth -= 1
+        if depth == 0:
             raise CannotBind(f"{path_str(leaf.path)} and its container changed between the two validated calls")
-        demoted_lines.append(f"    {names[i]} = {leaf.path[-1].expr(bind(p))}")
+        expr = bind(p)
+        for step in leaf.path[depth:]:
+            expr = step.expr(expr)
+        demoted_lines.append(f"    {names[i]} = {expr}")
         if leaf.kind == "number":
             # A runtime number (lr) is read every call: a scheduler's update is never stale.
             demoted_conds.append(f"type({names[i]}) is not {consts(type(leaf.value))}")
@@ -208,12 +220,12 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         lines += [f"    if {c}:", "      return _changed(args, kwargs)"]
     for c in mismatch:
         lines += [f"    if {c}:", "      return _mismatch(args, kwargs)"]
-    for expr, expected in getattr(prologue, "size_checks", ()):
-        # A decision taken on symbolic sizes goes the other way: this program does not apply; trace anew.
-        lines += [f"    if {expr} is not {expected}:", "      return _changed(args, kwargs)"]
     lines += demoted_lines
     for c in demoted_conds:
         lines += [f"    if {c}:", "      return _changed(args, kwargs)"]
+    for expr, expected in getattr(prologue, "size_checks", ()):
+        # A decision taken on sizes or hyper-parameters goes the other way: this program does not apply.
+        lines += [f"    if {expr} is not {expected}:", "      return _changed(args, kwargs)"]
     lines += ["  except (LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
     call_args = ", ".join(comp_arg[i] for i in entry.input_idx)
     lines.append(f"  return _computation({call_args})")

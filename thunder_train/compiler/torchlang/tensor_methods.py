@@ -259,10 +259,26 @@ def item(a):
 
 @_metadata_method(methods=("requires_grad_",))
 def requires_grad_(a, requires_grad=True):
+    set_requires_grad(a, requires_grad)
+    return a
+
+
+def set_requires_grad(a, requires_grad):
+    """``t.requires_grad = flag`` while tracing: later backwards see it; an input's flag is set by the epilogue."""
+    from ..context import get_trace
+
     if requires_grad and not a._tt_dtype.is_float:
         raise RuntimeError("only Tensors of floating point dtype can require gradients")
+    trc = get_trace()
+    changes = getattr(trc, "requires_grad_changes", None)
+    if changes is not None and id(a) not in changes:
+        changes[id(a)] = (a, a._tt_requires_grad)
     a._tt_requires_grad = bool(requires_grad)
-    return a
+
+
+@tensor_property_setter("requires_grad")
+def _set_requires_grad(a, value):
+    set_requires_grad(a, value)
 
 
 @_metadata_method(methods=("detach_",))
