@@ -412,6 +412,9 @@ class TorchExecutor:
             return BoundSymbol(impl_symbol(sym.torch_impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
+            direct = torch_impls.DIRECT_VJP.get(sym.forward_symbol.name)
+            if direct is not None and wanted == ((0,),):
+                return BoundSymbol(impl_symbol(direct), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
             impl = _vjp_impls.get((fn, wanted))
             if impl is None:
                 impl = _vjp_impls[(fn, wanted)] = ImplSymbol(torch_impls.TorchVJP(fn, wanted))

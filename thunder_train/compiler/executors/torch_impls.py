@@ -157,3 +157,16 @@ class TorchVJP:
             out = self.fn(*a, **k)
             return torch.autograd.grad(out, leaves, g)
 
+
+def gelu_vjp(g, reads, input, approximate="none"):
+    """GELU's gradient from its input alone: PyTorch's backward kernel, no forward recomputation."""
+    return (torch.ops.aten.gelu_backward(g, input, approximate=approximate),)
+
+
+def silu_vjp(g, reads, input, inplace=False):
+    return (torch.ops.aten.silu_backward(g, input),)
+
+
+# Forward symbol name -> a backward that needs no recomputation (used when only ``input`` needs grad).
+DIRECT_VJP = {"gelu": gelu_vjp, "silu": silu_vjp}
+
