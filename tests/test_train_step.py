@@ -652,3 +652,16 @@ def test_optimizer_step_hooks_are_refused_and_requires_grad_toggles_work():
 
     tt.compile(freeze)(m3, x)
     assert not m3.bias.requires_grad  # the epilogue applies a flag the function left changed
+
+
+def test_thin_mode_notices_gradients_created_between_steps():
+    """The bound step assumed .grad is None; an eager backward() in between makes it re-validate."""
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    step = tt.compile(train_step, thin=True)
+    for i, (x, y) in enumerate(mlp_batches(6)):
+        if i == 4:
+            for m, _ in (eager, compiled):
+                F.cross_entropy(m(x), y).backward()
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert any(".grad: None → set" in r for r in tt.compile_stats(step).thin_invalidations)

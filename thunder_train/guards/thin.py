@@ -209,6 +209,15 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
                 # A module tensor that was the same object as a batch tensor: rare; keep the full path.
                 raise CannotBind(f"{path_str(leaf.path)} aliases the per-call input {path_str(leaves[j].path)}")
 
+    # The program assumed some .grad was None (e.g. zero_grad(set_to_none=True) ends each step). One
+    # cheap probe catches the common violation — an eager backward() between compiled steps.
+    for i, leaf in enumerate(leaves):
+        if leaf.kind == "absent" and leaf.path[-1].kind == "attr" and leaf.path[-1].key == "grad" and not per_call[i]:
+            parent = index_of_path.get(leaf.path[:-1])
+            if parent is not None and leaves[parent].kind == "tensor":
+                demoted_conds.append(f"{bind(parent)}.grad is not None")
+                break
+
     grad = global_state[0]
     lines = ["def thin_call(*args, **kwargs):", "  _stats.calls += 1"]
     if check_every:
