@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_train as tt

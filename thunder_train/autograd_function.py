@@ -133,9 +133,9 @@ class _NoBackwardProgram:
         for i, x in enumerate(self._out_leaves):
             if is_proxy(x):
                 self._positions.setdefault(id(x), i)
-        needs = ag._Forward(trc.bound_symbols, ag.requires_grad_inputs(trc)).needs_grad
+        needs = ag.Forward(trc.bound_symbols, ag.requires_grad_inputs(trc)).needs_grad
         self._outputs = list({id(x): x for x in self._out_leaves if is_proxy(x)}.values())
-        self.differentiable = [ag._is_float_tensor(o) and id(o) in needs for o in self._outputs]
+        self.differentiable = [ag.is_float_tensor(o) and id(o) in needs for o in self._outputs]
         self.saved_names = []
 
     def forward(self, *inputs):

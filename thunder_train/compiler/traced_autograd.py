@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from . import prims
 from .proxies import TensorProxy
-from .transforms.autograd import _Cotangents, _Forward, _backward_pass, _emit_forward, _is_float_tensor
+from .transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 
 
 class GradState:
@@ -77,7 +77,7 @@ def grad_leaves(trc) -> list:
     """(user-visible tensor, current value) of every input tensor that requires grad."""
     out = []
     for p in trc.walker.input_proxies():
-        if _is_float_tensor(p) and p._tt_requires_grad:
+        if is_float_tensor(p) and p._tt_requires_grad:
             out.append((p, trc.buffers.read(p)))
     return out
 
@@ -87,11 +87,11 @@ def record_backward(trc, outputs, cotangents, wrt_values) -> list:
     trc.has_backward = True
     leaves = [v for _, v in grad_leaves(trc)] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
-    fwd = _Forward(list(trc.bound_symbols), leaves)
+    fwd = Forward(list(trc.bound_symbols), leaves)
     for i, o in enumerate(outputs):
         if type(o) is not TensorProxy or id(o) not in fwd.needs_grad:
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
-    cts = _Cotangents()
+    cts = Cotangents()
     for o, c in zip(outputs, cotangents):
         if c is None:
             if o._tt_shape:
@@ -100,12 +100,12 @@ def record_backward(trc, outputs, cotangents, wrt_values) -> list:
         elif type(c) is not TensorProxy or c._tt_shape != o._tt_shape:
             raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
         cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
-    _backward_pass(fwd, cts)
+    backward_pass(fwd, cts)
     # Composites differentiated through their decomposition: run the decomposition in the
     # forward when the backward reads one of its internal values (dropout's mask).
     read = {id(a) for b in trc.bound_symbols[n:] for a in b.flat_args()}
     forward: list = []
-    _emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
+    emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
     trc.bound_symbols[:n] = forward
     return [None if v is None else cts.get(v) for v in wrt_values]
 
@@ -183,6 +183,6 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
 
 
 def _on_grad_path(trc, v) -> bool:
-    fwd = _Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)])
+    fwd = Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)])
     return id(v) in fwd.needs_grad
 

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import context, proxies
 from .opaque import call_opaque
-from .proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy
+from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
 from .trace import Trace
 from .functional import Buffers

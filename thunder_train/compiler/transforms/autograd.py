@@ -49,12 +49,12 @@ def _is_tensor(x) -> bool:
     return type(x) is TensorProxy
 
 
-def _is_float_tensor(x) -> bool:
+def is_float_tensor(x) -> bool:
     return _is_tensor(x) and x._tt_dtype.is_float
 
 
 def requires_grad_inputs(trc) -> list:
-    return [a for a in trc.args if _is_float_tensor(a) and a._tt_requires_grad]
+    return [a for a in trc.args if is_float_tensor(a) and a._tt_requires_grad]
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class ForwardBackward:
 # ---------------------------------------------------------------------------
 # Forward: which values need gradients, which composites are decomposed
 # ---------------------------------------------------------------------------
-class _Forward:
+class Forward:
     """The forward bound symbols at the level the backward differentiates them.
 
     A composite on the gradient path without a gradient rule is replaced by its
@@ -91,7 +91,7 @@ class _Forward:
 
     def _add(self, bsym):
         on_path = self.on_path(bsym)
-        float_outs = [o for o in bsym.flat_outputs() if _is_float_tensor(o)]
+        float_outs = [o for o in bsym.flat_outputs() if is_float_tensor(o)]
         if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
             self.expanded.add(id(bsym))
             for sub in bsym.subsymbols:
@@ -105,7 +105,7 @@ class _Forward:
 # ---------------------------------------------------------------------------
 # Backward: reverse pass over the forward bound symbols
 # ---------------------------------------------------------------------------
-class _Cotangents:
+class Cotangents:
     def __init__(self):
         self._ct: dict = {}
 
@@ -130,7 +130,7 @@ def _describe(bsym) -> str:
     return name
 
 
-def _backward_pass(fwd: _Forward, cts: _Cotangents):
+def backward_pass(fwd: Forward, cts: Cotangents):
     for bsym in reversed(fwd.bsyms):
         outs = [o for o in bsym.flat_outputs() if _is_tensor(o)]
         if not any(cts.get(o) is not None for o in outs) or not fwd.on_path(bsym):
@@ -268,27 +268,27 @@ def _internal_ids(bsym) -> set:
     return ids - {id(o) for o in bsym.flat_outputs() if is_proxy(o)}
 
 
-def _emit_forward(bsyms, expanded, saved_ids, out):
+def emit_forward(bsyms, expanded, saved_ids, out):
     """Each composite whole unless the backward reads one of its internal values."""
     for b in bsyms:
         if id(b) in expanded and _internal_ids(b) & saved_ids:
-            _emit_forward(b.subsymbols, expanded, saved_ids, out)
+            emit_forward(b.subsymbols, expanded, saved_ids, out)
         else:
             out.append(b)
 
 
 def build_forward_backward(trc) -> ForwardBackward | None:
     """The joint trace and its split; None when no output carries gradient."""
-    fwd = _Forward(trc.bound_symbols, requires_grad_inputs(trc))
+    fwd = Forward(trc.bound_symbols, requires_grad_inputs(trc))
     flat_out, _ = tree_flatten(trc.output)
     outputs = list({id(o): o for o in flat_out if is_proxy(o)}.values())
-    differentiable = [_is_float_tensor(o) and id(o) in fwd.needs_grad for o in outputs]
+    differentiable = [is_float_tensor(o) and id(o) in fwd.needs_grad for o in outputs]
     if not any(differentiable):
         return None
 
     joint = trc.derive("Joint forward and backward (autograd)")
     joint.bound_symbols.extend(fwd.bsyms)
-    cts = _Cotangents()
+    cts = Cotangents()
     cotangents = []
     with context.tracing(joint):
         for o, d in zip(outputs, differentiable):
@@ -296,8 +296,8 @@ def build_forward_backward(trc) -> ForwardBackward | None:
                 c = TensorProxy(joint.make_name("ct"), shape=o._tt_shape, dtype=o._tt_dtype, device=o._tt_device)
                 cotangents.append(c)
                 cts.add(o, c)
-        _backward_pass(fwd, cts)
-    grads = tuple(cts.get(a) if _is_float_tensor(a) and a._tt_requires_grad else None for a in trc.args)
+        backward_pass(fwd, cts)
+    grads = tuple(cts.get(a) if is_float_tensor(a) and a._tt_requires_grad else None for a in trc.args)
     joint.args = list(trc.args) + cotangents
     joint.output = (trc.output, grads)
     joint = dce(joint, header="Joint forward and backward (autograd), after dead code elimination")
@@ -311,7 +311,7 @@ def build_forward_backward(trc) -> ForwardBackward | None:
 
     forward = trc.derive("Forward (autograd): the computation, also returning the values the backward reads")
     # fn_name stays "computation": the executed forward is the entry's computation.
-    _emit_forward(trc.bound_symbols, fwd.expanded, {id(p) for p in saved}, forward.bound_symbols)
+    emit_forward(trc.bound_symbols, fwd.expanded, {id(p) for p in saved}, forward.bound_symbols)
     forward.output = (tuple(outputs), tuple(saved))
     forward = dce(forward, header=forward.header)
 
@@ -330,7 +330,7 @@ def detach_float_tensors(out):
     """``prims.stop_gradient`` on every float tensor in ``out`` (the tracer calls this in no_grad regions)."""
     from ..pytree import tree_map
 
-    return tree_map(lambda x: prims.stop_gradient(x) if _is_float_tensor(x) else x, out)
+    return tree_map(lambda x: prims.stop_gradient(x) if is_float_tensor(x) else x, out)
 
 
 # ---------------------------------------------------------------------------
@@ -397,4 +397,5 @@ def free_after_last_use(trc, header=None) -> Trace:
     return new
 
 
-__all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "take_saved_as_list", "free_after_last_use", "detach_float_tensors"]
+__all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "take_saved_as_list", "free_after_last_use",
+           "detach_float_tensors", "Forward", "Cotangents", "backward_pass", "emit_forward", "is_float_tensor"]
