@@ -521,3 +521,21 @@ def test_decomposed_backward_matches_eager(name):
     torch.testing.assert_close(actual, expected)
     for a, e in zip(torch.autograd.grad(actual, leaves, cot), torch.autograd.grad(expected, leaves, cot)):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+def test_split_gradients_are_one_cat(decompose):
+    """split/chunk/tensor_split: the pieces' gradients are concatenated (missing pieces are zeros), as eager does."""
+    fns = [
+        lambda x: x.split(2, dim=1)[0].sum() + x.split(2, dim=1)[2].pow(2).sum(),
+        lambda x: sum((a * (i + 1)).sum() for i, a in enumerate(x.split([1, 3, 2], dim=-1))),
+        lambda x: sum((a ** 2).sum() for a in x.chunk(3, 1)),
+        lambda x: sum((a * 2).sum() for a in torch.tensor_split(x, 2, dim=1)),
+    ]
+    for fn in fns:
+        x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+        expected = torch.autograd.grad(fn(x), x)[0]
+        cf = tt.compile(fn, decompose=decompose)
+        torch.testing.assert_close(torch.autograd.grad(cf(x), x)[0], expected)
+        bwd = tt.last_backward_traces(cf)[-1].python_source()
+        assert "cat(" in bwd and "pad(" not in bwd

@@ -35,6 +35,7 @@ from ..proxies import TensorProxy
 from ..symbols import Symbol
 from ..torchlang import nn as tnn
 from ..torchlang import reductions as treductions
+from ..torchlang import shapes as tshapes
 
 _rules: dict = {}  # Symbol -> (rule, supports)
 _signatures: dict = {}
@@ -566,6 +567,24 @@ def _up(x):
 
 def _back(grad, like):
     return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
+
+
+# ---------------------------------------------------------------------------
+# split-like composites: one cat of the pieces' gradients (not a padded sum per piece)
+# ---------------------------------------------------------------------------
+def _cat_piece_grads(g, out, dim):
+    pieces = [gi if gi is not None else prims.full(o._tt_shape, 0, device=o._tt_device, dtype=o._tt_dtype) for gi, o in zip(g, out)]
+    return pieces[0] if len(pieces) == 1 else prims.cat(tuple(pieces), dim)
+
+
+@register_vjp(tshapes.split)
+def split_vjp(g, out, /, tensor, split_size_or_sections, dim=0):
+    return {"tensor": _cat_piece_grads(g, out, clang.canonicalize_dim(tensor.ndim_, dim))}
+
+
+@register_vjp(tshapes.tensor_split)
+def tensor_split_vjp(g, out, /, input, indices_or_sections, dim=0):
+    return {"input": _cat_piece_grads(g, out, clang.canonicalize_dim(input.ndim_, dim))}
 
 
 @register_vjp(tnn.linear, supports=lambda input, weight, bias=None: weight.ndim_ == 2 and input._tt_dtype is weight._tt_dtype)
