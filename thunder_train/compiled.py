@@ -15,6 +15,7 @@ from .compiler.executors.torch_executor import torch_executor, decomposing_torch
 from .compiler.transforms.dce import dce
 from .compiler.transforms.no_grad import without_autograd
 from .compiler.transforms.reinplace import reinplace
+from .compiler.transforms.autograd import free_after_last_use
 from .guards import thin
 from .autograd_function import attach_autograd
 from .guards.errors import GuardFailure
@@ -332,6 +333,9 @@ class CompiledFunction:
         if acquired.written:
             traces.append(trc)
             trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
+        # Intermediates are freed after their last use: a whole training step would otherwise keep every
+        # activation and gradient alive until it returns (memory, and fresh pages on every step).
+        trc = free_after_last_use(trc, header=trc.header)
         traces.append(trc)
         # Prologue: extraction + guard key, generated once per leaf structure and shared.
         written = [i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
