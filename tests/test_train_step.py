@@ -665,3 +665,30 @@ def test_thin_mode_notices_gradients_created_between_steps():
         torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
     assert_same_state(eager, compiled)
     assert any(".grad: None → set" in r for r in tt.compile_stats(step).thin_invalidations)
+
+
+def test_backward_kernels_reuse_forward_statistics_in_a_whole_step():
+    """SDPA (CPU flash) and cross-entropy keep the values their backward kernels read; results equal eager."""
+    eager, compiled = twin(gpt, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    step = tt.compile(train_step)
+    for x, y in gpt_batches(4):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    src = tt.last_traces(step)[-1].python_source()
+    n_layer = len(compiled[0].blocks)
+    assert src.count("ttex.sdpa_flash_cpu(") == n_layer and src.count("ttex.sdpa_flash_cpu_backward(") == n_layer
+    assert src.count("ttex.cross_entropy_with_stats(") == 1 and src.count("ttex.cross_entropy_backward(") == 1
+    # Not applicable (label smoothing): the generic backward runs instead, still equal to eager.
+    def smoothed(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), label_smoothing=0.1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    eager, compiled = twin(gpt, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    step = tt.compile(smoothed)
+    for x, y in gpt_batches(3):
+        torch.testing.assert_close(step(*compiled, x, y), smoothed(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert "cross_entropy_with_stats" not in tt.last_traces(step)[-1].python_source()

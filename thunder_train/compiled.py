@@ -15,6 +15,7 @@ from .compiler.executors.torch_executor import torch_executor, decomposing_torch
 from .compiler.transforms.dce import dce
 from .compiler.transforms.no_grad import without_autograd
 from .compiler.transforms.reinplace import reinplace
+from .compiler.executors.saved_statistics import reuse_forward_statistics
 from .compiler.transforms.autograd import free_after_last_use
 from .guards import thin
 from .autograd_function import attach_autograd
@@ -330,6 +331,8 @@ class CompiledFunction:
             trc = fuse_regions(trc, self.stats.fusion_notes)
             traces.append(trc)
         trc = dce(trc, header=f"Final computation (executors: {names})")
+        if getattr(acquired.trace, "has_backward", False) and not self.decompose:
+            trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
         if acquired.written:
             traces.append(trc)
             trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")

@@ -1,0 +1,163 @@
+"""Backward kernels that reuse what their forward computed (torch executor, whole-step programs).
+
+An ``<op>_vjp`` line run by ``TorchVJP`` re-runs its op's forward to get the values
+PyTorch's backward kernel needs.  When the same program also contains that forward —
+a training step with ``loss.backward()`` inside — the forward can produce them once:
+
+* ``scaled_dot_product_attention`` on CPU → ``_scaled_dot_product_flash_attention_for_cpu``
+  returns the output and the log-sum-exp, and its backward kernel reads both;
+* ``cross_entropy`` with class-index targets → ``log_softmax`` + ``nll_loss_forward`` give the
+  loss, the log-probabilities and the total weight that ``nll_loss_backward`` and
+  ``_log_softmax_backward_data`` read.
+
+These are the kernels eager PyTorch runs for the same calls, so values are bitwise
+equal; the pass only rewrites a forward/vjp pair it fully understands and leaves
+everything else alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import dtypes
+from ..proxies import TensorProxy
+from . import torch_impls
+from .torch_executor import impl_symbol
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _bind(names, defaults, args, kwargs):
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+# ---------------------------------------------------------------------------
+# Runtime functions (printed as ttex.<name> in traces)
+# ---------------------------------------------------------------------------
+def sdpa_flash_cpu(query, key, value, is_causal, scale):
+    """Attention output and log-sum-exp (what the backward kernel reads)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
+
+
+def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which):
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g.contiguous(), query, key, value, out, lse, 0.0, is_causal, scale=scale)
+    return tuple(grads[i] for i in which)
+
+
+def cross_entropy_with_stats(input, target, ignore_index, reduction):
+    """The loss plus the log-probabilities and total weight its backward reads (eager's own two kernels)."""
+    logp = torch.log_softmax(input, 1)
+    loss, total_weight = torch.ops.aten.nll_loss_forward(logp, target, None, reduction, ignore_index)
+    return loss, logp, total_weight
+
+
+def cross_entropy_backward(g, logp, target, total_weight, ignore_index, reduction):
+    g_logp = torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+    return (torch.ops.aten._log_softmax_backward_data(g_logp, logp, 1, logp.dtype),)
+
+
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_backward):
+    _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
+    setattr(torch_impls, _f.__name__, _f)
+
+
+# ---------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------
+def _vjp_of(bsym):
+    fn = getattr(bsym.sym, "fn", None)
+    return fn if isinstance(fn, torch_impls.TorchVJP) else None
+
+
+def _same_call(fwd, vjp) -> bool:
+    a, b = fwd.args, vjp.args[2:]
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
+        fwd.kwargs[k] is vjp.kwargs[k] or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy)
+
+
+def _new_proxy(trc, prefix, shape, dtype, device):
+    return TensorProxy(trc.make_name(prefix), shape=shape, dtype=dtype, device=device)
+
+
+def _rewrite_sdpa(trc, fwd, vjp, positions):
+    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or b["attn_mask"] is not None or b["dropout_p"] != 0.0 or b["enable_gqa"]:
+        return None
+    q, k, v = b["query"], b["key"], b["value"]
+    if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
+        return None
+    if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
+        return None
+    if k._tt_shape[1] != q._tt_shape[1] or v._tt_shape[1] != q._tt_shape[1]:
+        return None
+    arg_pos = {id(fwd.args[i]): i for i in range(min(3, len(fwd.args)))}
+    which = []
+    for pos in positions:
+        if len(pos) != 1 or pos[0] > 2 or pos[0] >= len(fwd.args):
+            return None
+        which.append(pos[0])
+    if not arg_pos or type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
+        return None
+    lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
+    lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
+    new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
+                          output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+    new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
+                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which)), kwargs={})
+    return new_fwd, new_vjp
+
+
+def _rewrite_cross_entropy(trc, fwd, vjp, positions):
+    b = _bind(_CE_ARGS, _CE_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or b["weight"] is not None or b["size_average"] is not None or b["reduce"] is not None:
+        return None
+    if b["label_smoothing"] != 0.0 or b["reduction"] not in _REDUCTION or type(b["ignore_index"]) is not int:
+        return None
+    x, y = b["input"], b["target"]
+    if type(x) is not TensorProxy or type(y) is not TensorProxy or x.ndim_ != 2 or y.ndim_ != 1 or not x._tt_dtype.is_float:
+        return None
+    if y._tt_dtype is not dtypes.int64 or positions != ((0,),):
+        return None
+    red = _REDUCTION[b["reduction"]]
+    logp = _new_proxy(trc, "logp", x._tt_shape, x._tt_dtype, x._tt_device)
+    total = _new_proxy(trc, "total_weight", (), x._tt_dtype, x._tt_device)
+    new_fwd = fwd.replace(sym=impl_symbol(cross_entropy_with_stats), args=(x, y, b["ignore_index"], red), kwargs={},
+                          output=(fwd.output, logp, total), comment="forward also keeps the log-probabilities its backward reads")
+    new_vjp = vjp.replace(sym=impl_symbol(cross_entropy_backward),
+                          args=(vjp.args[0], logp, y, total, b["ignore_index"], red), kwargs={})
+    return new_fwd, new_vjp
+
+
+_REWRITES = {F.scaled_dot_product_attention: _rewrite_sdpa, F.cross_entropy: _rewrite_cross_entropy}
+
+
+def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):
+    bsyms = list(trc.bound_symbols)
+    changed = False
+    for j, vb in enumerate(bsyms):
+        vjp = _vjp_of(vb)
+        if vjp is None or vjp.fn not in _REWRITES:
+            continue
+        for i in range(j - 1, -1, -1):
+            fb = bsyms[i]
+            if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb):
+                pair = _REWRITES[vjp.fn](trc, fb, vb, vjp.wanted)
+                if pair is not None:
+                    bsyms[i], bsyms[j] = pair
+                    changed = True
+                break
+    if not changed:
+        return trc
+    new = trc.derive(header)
+    new.bound_symbols = bsyms
+    return new
