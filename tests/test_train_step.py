@@ -678,6 +678,8 @@ def test_backward_kernels_reuse_forward_statistics_in_a_whole_step():
     n_layer = len(compiled[0].blocks)
     assert src.count("ttex.sdpa_flash_cpu(") == n_layer and src.count("ttex.sdpa_flash_cpu_backward(") == n_layer
     assert src.count("ttex.cross_entropy_with_stats(") == 1 and src.count("ttex.cross_entropy_backward(") == 1
+    n_ln = 2 * n_layer + 1
+    assert src.count("ttex.layer_norm_with_stats(") == n_ln and src.count("ttex.layer_norm_backward(") == n_ln
     # Not applicable (label smoothing): the generic backward runs instead, still equal to eager.
     def smoothed(model, opt, x, y):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), label_smoothing=0.1)

@@ -8,7 +8,9 @@ a training step with ``loss.backward()`` inside — the forward can produce them
   returns the output and the log-sum-exp, and its backward kernel reads both;
 * ``cross_entropy`` with class-index targets → ``log_softmax`` + ``nll_loss_forward`` give the
   loss, the log-probabilities and the total weight that ``nll_loss_backward`` and
-  ``_log_softmax_backward_data`` read.
+  ``_log_softmax_backward_data`` read;
+* ``layer_norm`` → ``native_layer_norm`` returns the mean and reciprocal std that
+  ``native_layer_norm_backward`` reads.
 
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal; the pass only rewrites a forward/vjp pair it fully understands and leaves
@@ -66,7 +68,19 @@ def cross_entropy_backward(g, logp, target, total_weight, ignore_index, reductio
     return (torch.ops.aten._log_softmax_backward_data(g_logp, logp, 1, logp.dtype),)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_backward):
+def layer_norm_with_stats(input, normalized_shape, weight, bias, eps):
+    """Layer norm's output plus the mean and reciprocal std its backward kernel reads."""
+    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_backward(g, input, normalized_shape, mean, rstd, weight, bias, which):
+    mask = [0 in which, 1 in which, 2 in which]
+    grads = torch.ops.aten.native_layer_norm_backward(g, input, normalized_shape, mean, rstd, weight, bias, mask)
+    return tuple(grads[i] for i in which)
+
+
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_backward,
+           layer_norm_with_stats, layer_norm_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)
 
@@ -138,7 +152,43 @@ def _rewrite_cross_entropy(trc, fwd, vjp, positions):
     return new_fwd, new_vjp
 
 
-_REWRITES = {F.scaled_dot_product_attention: _rewrite_sdpa, F.cross_entropy: _rewrite_cross_entropy}
+_LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
+_LN_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
+
+
+def _rewrite_layer_norm(trc, fwd, vjp, positions):
+    from ..pytree import tree_flatten
+
+    b = _bind(_LN_ARGS, _LN_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or type(b["eps"]) is not float:
+        return None
+    x, w, bias = b["input"], b["weight"], b["bias"]
+    shape = tuple(b["normalized_shape"]) if isinstance(b["normalized_shape"], (tuple, list)) else (b["normalized_shape"],)
+    if type(x) is not TensorProxy or not all(type(s) is int for s in shape):
+        return None
+    if not all(t is None or (type(t) is TensorProxy and t._tt_dtype is x._tt_dtype) for t in (w, bias)):
+        return None
+    leaves = tree_flatten((fwd.args, fwd.kwargs))[0]
+    which = []
+    for pos in positions:
+        target = leaves[pos[0]]
+        i = next((i for i, t in enumerate((x, w, bias)) if t is target), None)
+        if i is None or len(pos) != 1:
+            return None
+        which.append(i)
+    stat_shape = tuple(x._tt_shape[: x.ndim_ - len(shape)]) + (1,) * len(shape)
+    stat_dtype = dtypes.float32 if x._tt_dtype in (dtypes.bfloat16, dtypes.float16) else x._tt_dtype
+    mean = _new_proxy(trc, "ln_mean", stat_shape, stat_dtype, x._tt_device)
+    rstd = _new_proxy(trc, "ln_rstd", stat_shape, stat_dtype, x._tt_device)
+    new_fwd = fwd.replace(sym=impl_symbol(layer_norm_with_stats), args=(x, shape, w, bias, b["eps"]), kwargs={},
+                          output=(fwd.output, mean, rstd), comment="forward also keeps the mean and rstd its backward reads")
+    new_vjp = vjp.replace(sym=impl_symbol(layer_norm_backward),
+                          args=(vjp.args[0], x, shape, mean, rstd, w, bias, tuple(which)), kwargs={})
+    return new_fwd, new_vjp
+
+
+_REWRITES = {F.scaled_dot_product_attention: _rewrite_sdpa, F.cross_entropy: _rewrite_cross_entropy,
+             F.layer_norm: _rewrite_layer_norm}
 
 
 def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):
