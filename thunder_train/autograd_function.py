@@ -151,13 +151,18 @@ class _NoBackwardProgram:
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
 
+def may_need_autograd(trc) -> bool:
+    """Whether a call would route ``trc`` through ``ThunderFunction``: grad enabled and an input requires grad."""
+    return torch.is_grad_enabled() and bool(ag.requires_grad_inputs(trc))
+
+
 def attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
     """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
 
     ``trc`` is the computation after dead code elimination.  Nothing changes
     when grad is disabled, no input requires grad, or no output depends on one.
     """
-    if not torch.is_grad_enabled() or not ag.requires_grad_inputs(trc):
+    if not may_need_autograd(trc):
         return
     try:
         fb = ag.build_forward_backward(trc)

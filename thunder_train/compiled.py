@@ -18,7 +18,7 @@ from .compiler.transforms.reinplace import reinplace
 from .compiler.executors.saved_statistics import reuse_forward_statistics
 from .compiler.transforms.autograd import free_after_last_use
 from .guards import thin
-from .autograd_function import attach_autograd
+from .autograd_function import attach_autograd, may_need_autograd
 from .guards.errors import GuardFailure
 from .guards.prologue import GLOBAL_LABELS, Prologue, build_prologue, count_diffs, current_global_state, describe_diffs, fmt_value
 from .guards.thin import ThinBinding
@@ -182,13 +182,6 @@ def _with_epilogue(computation, epilogue):
     return run
 
 
-def _goes_through_autograd(acquired_trace, trc) -> bool:
-    """Whether attach_autograd will (most likely) replace the computation by a forward/backward pair."""
-    from .compiler.transforms.autograd import requires_grad_inputs
-
-    return not getattr(acquired_trace, "has_backward", False) and torch.is_grad_enabled() and bool(requires_grad_inputs(trc))
-
-
 def _select(idx: tuple) -> Callable:
     if len(idx) == 0:
         return lambda vals: ()
@@ -315,23 +308,25 @@ class CompiledFunction:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
         acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic)
+        # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
+        has_backward = getattr(acquired.trace, "has_backward", False)
         traces = [acquired.trace]
         trc = dce(acquired.trace, keep_sizes=True)
         traces.append(trc)
-        if getattr(acquired.trace, "has_backward", False):
+        if has_backward:
             trc = without_autograd(trc)
             traces.append(trc)
         names = ", ".join(ex.name for ex in self.executors)
         trc = lower_to_executors(trc, self.executors, header=f"Lowered to executors: {names}")
         traces.append(trc)
-        if self.fusion == "inductor" and not _goes_through_autograd(acquired.trace, traces[1]):
+        if self.fusion == "inductor" and (has_backward or not may_need_autograd(traces[1])):
             # (with autograd, attach_autograd fuses the forward and backward traces instead)
             from .compiler.executors.inductor_fusion import fuse_regions
 
             trc = fuse_regions(trc, self.stats.fusion_notes)
             traces.append(trc)
         trc = dce(trc, header=f"Final computation (executors: {names})")
-        if getattr(acquired.trace, "has_backward", False) and not self.decompose:
+        if has_backward and not self.decompose:
             trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
         if acquired.written:
             traces.append(trc)
@@ -348,9 +343,8 @@ class CompiledFunction:
         input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
         entry = CacheEntry(expected, key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                            acquired.leaves, input_idx, _select(input_idx))
-        if not getattr(acquired.trace, "has_backward", False):
-            # Outputs that require grad connect to PyTorch autograd (autograd_function.py).  After
-            # loss.backward() inside the function, gradients are values of the trace instead.
+        if not has_backward:
+            # Outputs that require grad connect to PyTorch autograd (autograd_function.py).
             attach_autograd(entry, traces[1], self.executors, fusion=self.fusion, notes=self.stats.fusion_notes)
         epilogue = acquired.trace.epilogue
         if epilogue is not None:

@@ -97,6 +97,11 @@ _python_scalar = {
 }
 
 
+# Python's infix spelling of the scalar prims (printed programs, prologue size checks).
+SCALAR_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floor_divide": "//", "remainder": "%", "pow": "**",
+                "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
 def _elementwise_meta(opname, args, *, bool_output=False):
     tensors = _tensor_args(args)
     if not tensors:

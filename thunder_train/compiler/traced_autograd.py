@@ -164,8 +164,11 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
     cts = _as_list(grad_outputs) or [None] * len(outs)
     cts = [None if c is None else buffers.read(c) for c in cts]
     values = [buffers.read(t) for t in ins]
+    on_path = None  # ids on the gradient path, computed once if an input is not itself a leaf requiring grad
     for i, v in enumerate(values):
-        if type(v) is not TensorProxy or not v._tt_requires_grad and not _on_grad_path(trc, v):
+        if type(v) is TensorProxy and not v._tt_requires_grad and on_path is None:
+            on_path = Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)]).needs_grad
+        if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path:
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = record_backward(trc, outs, cts, values)
     result = []
@@ -180,9 +183,4 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
                 )
         result.append(g)
     return tuple(result)
-
-
-def _on_grad_path(trc, v) -> bool:
-    fwd = Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)])
-    return id(v) in fwd.needs_grad
 

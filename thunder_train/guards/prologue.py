@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
 from ..compiler.tracing import path_str, _name_from_path
 from . import checks
@@ -168,9 +169,6 @@ def symbolic_shape_specs(leaf, var) -> list:
     return specs
 
 
-_SIZE_INFIX = {"add": "+", "sub": "-", "mul": "*", "floor_divide": "//", "remainder": "%", "div": "/", "pow": "**"}
-
-
 def render_size(x, var_of_proxy) -> str:
     """Python source for a size in terms of the prologue's variables (``x.shape[0] * 4``)."""
     if not is_checked(x):
@@ -184,8 +182,8 @@ def render_size(x, var_of_proxy) -> str:
     if op == "mul" and len(args) == 2 and any(type(a) is int and a == 1 for a in args):
         return render_size(args[1] if type(args[0]) is int and args[0] == 1 else args[0], var_of_proxy)
     parts = [render_size(a, var_of_proxy) for a in args]
-    if op in _SIZE_INFIX and len(parts) == 2:
-        return f"({parts[0]} {_SIZE_INFIX[op]} {parts[1]})"
+    if op in SCALAR_INFIX and len(parts) == 2:
+        return f"({parts[0]} {SCALAR_INFIX[op]} {parts[1]})"
     if op in ("maximum", "minimum"):
         return f"{'max' if op == 'maximum' else 'min'}({', '.join(parts)})"
     if op == "neg":

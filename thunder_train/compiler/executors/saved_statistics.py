@@ -114,13 +114,12 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         return None
     if k._tt_shape[1] != q._tt_shape[1] or v._tt_shape[1] != q._tt_shape[1]:
         return None
-    arg_pos = {id(fwd.args[i]): i for i in range(min(3, len(fwd.args)))}
     which = []
     for pos in positions:
         if len(pos) != 1 or pos[0] > 2 or pos[0] >= len(fwd.args):
             return None
         which.append(pos[0])
-    if not arg_pos or type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
+    if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)

@@ -99,10 +99,6 @@ _COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne", "bitwise_and", "
 _SWAPPED_CMP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
 
 
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floor_divide": "//", "pow": "**",
-          "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-
-
 class ScalarSymbol(Symbol):
     """Python arithmetic on runtime numbers, printed as an expression: ``n1 = 1 - n0``."""
 
@@ -112,13 +108,13 @@ class ScalarSymbol(Symbol):
 
     def format_lines(self, bsym, fmt):
         args = [fmt(a) for a in bsym.args]
-        op = _INFIX.get(self.op)
+        op = prims.SCALAR_INFIX.get(self.op)
         expr = f"{args[0]} {op} {args[1]}" if op and len(args) == 2 else f"_scalar_{self.op}({', '.join(args)})"
         out = bsym.output
         return [f"{fmt(out)} = {expr}  # {out.name}: {out.python_type.__name__}"]
 
     def codegen_globals(self) -> dict:
-        return {} if self.op in _INFIX else {f"_scalar_{self.op}": self.fn}
+        return {} if self.op in prims.SCALAR_INFIX else {f"_scalar_{self.op}": self.fn}
 
 
 _scalar_symbols = {name: ScalarSymbol(name, fn) for name, fn in prims._python_scalar.items()}

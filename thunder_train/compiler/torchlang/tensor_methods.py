@@ -91,16 +91,6 @@ def _grad_fn(a):
     return None
 
 
-@tensor_property("grad")
-def _grad(a):
-    return getattr(a, "_tt_grad", None)
-
-
-@tensor_property_setter("grad")
-def _set_grad(a, value):
-    a._tt_grad = value
-
-
 @tensor_property("names")
 def _names(a):
     return (None,) * len(a._tt_shape)
