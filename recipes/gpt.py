@@ -96,3 +96,32 @@ def batches(data: torch.Tensor, batch_size: int, block_size: int, device, seed: 
         x = torch.stack([data[s : s + block_size] for s in starts])
         y = torch.stack([data[s + 1 : s + block_size + 1] for s in starts])
         yield x.to(device), y.to(device)
+
+
+# ---------------------------------------------------------------------------
+# Command line shared by the recipes
+# ---------------------------------------------------------------------------
+def add_common_args(p, default_compile: str) -> None:
+    """--compile, --device, the model and data sizes, --lr, --seed, --print-trace, --no-progress."""
+    p.add_argument("--compile", choices=["eager", "thunder", "thunder-thin"], default=default_compile)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print-trace", action="store_true", help="print the executed computation trace after training")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else CPU; asking for CUDA without it is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but torch.cuda.is_available() is False")
+    return torch.device(name)
+

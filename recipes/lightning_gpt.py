@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, ALPHABET, make_corpus, batches  # noqa: E402
+from gpt import GPT, GPTConfig, ALPHABET, add_common_args, batches, make_corpus, pick_device  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 from thunder_train import ThunderCallback  # noqa: E402
@@ -38,31 +38,12 @@ from thunder_train import ThunderCallback  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compile", choices=["eager", "thunder", "thunder-thin"], default="thunder-thin")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_common_args(p, default_compile="thunder-thin")
     p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-optimizer", action="store_true",
                    help="ThunderCallback(fuse_optimizer=True): backward, clipping and AdamW inside the compiled step")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
-    p.add_argument("--print-trace", action="store_true", help="print the executed computation trace after training")
-    p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
-
-
-def pick_accelerator(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch.cuda.is_available() is False")
-    return name
 
 
 class GPTModule(L.LightningModule):
@@ -128,7 +109,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    accelerator = pick_accelerator(args.device)
+    accelerator = pick_device(args.device).type
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=len(ALPHABET), block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     module = GPTModule(cfg, args.lr)

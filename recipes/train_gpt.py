@@ -23,34 +23,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, ALPHABET, make_corpus, batches  # noqa: E402
+from gpt import GPT, GPTConfig, ALPHABET, add_common_args, batches, make_corpus, pick_device  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compile", choices=["eager", "thunder", "thunder-thin"], default="thunder")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--print-trace", action="store_true", help="print the executed computation trace after training")
-    p.add_argument("--no-progress", action="store_true")
+    add_common_args(p, default_compile="thunder")
     return p.parse_args(argv)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch.cuda.is_available() is False")
-    return torch.device(name)
 
 
 def train_step(model, opt, x, y):
