@@ -85,12 +85,11 @@ def _reject_aliased_inputs(walker, written):
 def finish(trc, out):
     """Emit the write-backs; return ``(trace output, Epilogue or None)``."""
     buffers, walker = trc.buffers, trc.walker
-    inputs = set(id(p) for p in walker.input_proxies())
 
     def final_value(p):
         if type(p) is not TensorProxy:
             return p
-        return p if id(p) in inputs else buffers.read(p)
+        return p if walker.is_input(p) else buffers.read(p)
 
     extras: list = []
     lines: list = []

@@ -140,7 +140,8 @@ class InputWalker:
         self.trc = trc
         self.arg_names = arg_names
         self.leaves: list[Leaf] = []
-        self.by_id: dict[int, Leaf] = {}
+        self.by_id: dict[int, Leaf] = {}  # id(real object) -> its leaf
+        self.leaf_of_proxy: dict[int, Leaf] = {}  # id(tensor proxy) -> the (non-alias) leaf it stands for
         self.swapped: list = []  # (dict, key, original value) to restore
         self.optimizers: list = []  # TracedOptimizer
         self.dynamic = False  # symbolic sizes for per-call inputs (tt.compile(..., dynamic=True))
@@ -175,6 +176,7 @@ class InputWalker:
         leaf = Leaf(path, "tensor", t, p)
         self.leaves.append(leaf)
         self.by_id[id(t)] = leaf
+        self.leaf_of_proxy[id(p)] = leaf
         return p
 
     def captured_tensor(self, t):
@@ -342,16 +344,14 @@ class InputWalker:
 
     # ---- lookups used while tracing ----
     def leaf_of(self, proxy):
-        for leaf in self.leaves:
-            if leaf.proxy is proxy and leaf.alias_of is None:
-                return leaf
-        return None
+        """The input leaf a tensor proxy stands for, or None for a tensor made inside the function."""
+        return self.leaf_of_proxy.get(id(proxy))
 
     def is_input(self, proxy) -> bool:
-        return any(leaf.proxy is proxy for leaf in self.leaves if leaf.kind == "tensor")
+        return id(proxy) in self.leaf_of_proxy
 
     def input_proxies(self) -> list:
-        return [leaf.proxy for leaf in self.leaves if leaf.kind == "tensor" and leaf.alias_of is None]
+        return [leaf.proxy for leaf in self.leaf_of_proxy.values()]
 
     def grad_leaf(self, proxy):
         """The ``.grad`` an input tensor had when the function was called: a new leaf (tensor or ``None``)."""
