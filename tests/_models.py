@@ -37,3 +37,16 @@ def leaves(x):
     if isinstance(x, dict):
         return [leaf for v in x.values() for leaf in leaves(v)]
     return [x]
+
+
+def without_key_bias(name, t, model=None):
+    """Drop the attention *key* bias (of a GPT's ``attn.qkv.bias``) for Adam-style comparisons.
+
+    Its gradient is zero in exact arithmetic (softmax ignores a constant added to
+    every key score), so it is pure float32 rounding noise — which Adam divides by
+    its own magnitude and turns into full-size, run-dependent steps.
+    """
+    if name.endswith("attn.qkv.bias"):
+        d = t.shape[0] // 3
+        return torch.cat([t[:d], t[2 * d:]])
+    return t

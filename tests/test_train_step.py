@@ -20,6 +20,7 @@ from thunder_train.compiler.prims import copy_ as prims_copy_
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from _models import without_key_bias  # noqa: E402
 
 
 def mlp():
@@ -69,24 +70,11 @@ def twin(make_model, make_opt, seed=0):
     return (m1, make_opt(m1.parameters())), (m2, make_opt(m2.parameters()))
 
 
-def _comparable(name, t, model):
-    """Drop the attention *key* bias of the GPT for Adam-style comparisons.
-
-    Its gradient is zero in exact arithmetic (softmax ignores a constant added to
-    every key score), so it is pure float32 rounding noise — which Adam divides by
-    its own magnitude and turns into full-size, run-dependent steps.
-    """
-    if isinstance(model, GPT) and name.endswith("attn.qkv.bias"):
-        d = t.shape[0] // 3
-        return torch.cat([t[:d], t[2 * d:]])
-    return t
-
-
 def assert_same_state(eager, compiled, atol=1e-6, rtol=1e-5):
     (m1, o1), (m2, o2) = eager, compiled
     names = {id(p): n for n, p in m1.named_parameters()}
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-        torch.testing.assert_close(_comparable(n, b, m1), _comparable(n, a, m1), atol=atol, rtol=rtol, msg=lambda m: f"parameter {n}: {m}")
+        torch.testing.assert_close(without_key_bias(n, b, m1), without_key_bias(n, a, m1), atol=atol, rtol=rtol, msg=lambda m: f"parameter {n}: {m}")
     for (n, a), b in zip(m1.named_buffers(), m2.buffers()):
         torch.testing.assert_close(b, a, atol=atol, rtol=rtol, msg=lambda m: f"buffer {n}: {m}")
     s1, s2 = o1.state_dict(), o2.state_dict()
@@ -97,8 +85,8 @@ def assert_same_state(eager, compiled, atol=1e-6, rtol=1e-5):
         assert s1["state"][k].keys() == s2["state"][k].keys()
         n = names.get(id(params[k]), "")
         for key, v in s1["state"][k].items():
-            torch.testing.assert_close(_comparable(n, s2["state"][k][key], m1) if v.ndim else s2["state"][k][key],
-                                       _comparable(n, v, m1) if v.ndim else v, atol=atol, rtol=rtol, msg=lambda m: f"state {k} {key}: {m}")
+            torch.testing.assert_close(without_key_bias(n, s2["state"][k][key], m1) if v.ndim else s2["state"][k][key],
+                                       without_key_bias(n, v, m1) if v.ndim else v, atol=atol, rtol=rtol, msg=lambda m: f"state {k} {key}: {m}")
 
 
 OPTIMIZERS = {
@@ -109,14 +97,16 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("kernels", ["fused", "traced"])
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
-def test_training_matches_eager_for_20_steps(model_name, opt_name, foreach):
+def test_training_matches_eager_for_20_steps(model_name, opt_name, foreach, kernels):
+    # kernels="fused": the update runs torch's fused kernel; "traced": the optimizer's own per-op code.
     make_model, data = (mlp, mlp_batches(20)) if model_name == "mlp" else (gpt, gpt_batches(20))
     eager, compiled = twin(make_model, OPTIMIZERS[opt_name](foreach))
     params_before = [id(p) for p in compiled[0].parameters()]
-    step = tt.compile(train_step, thin=True)
+    step = tt.compile(train_step, thin=True, optimizer_kernels=kernels)
     for x, y in data:
         expected = train_step(*eager, x, y)
         actual = step(*compiled, x, y)
@@ -148,7 +138,7 @@ def test_optimizer_state_objects_are_updated_in_place():
 
 def test_one_copy_per_updated_buffer():
     (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    step = tt.compile(train_step)
+    step = tt.compile(train_step, optimizer_kernels="traced")
     for x, y in mlp_batches(2):
         step(m, opt, x, y)
     functional = tt.last_traces(step)[-2]
@@ -164,6 +154,91 @@ def test_one_copy_per_updated_buffer():
     assert not any("copy_" in b.sym.name for b in final.bound_symbols)
     src = final.python_source()
     assert src.count("torch.Tensor.addcdiv_(") == n_params and src.count("torch.Tensor.lerp_(") == n_params
+
+
+def test_fused_update_runs_in_place_on_parameters_and_state():
+    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    m, opt = compiled
+    step = tt.compile(train_step, thin=True)
+    data = mlp_batches(4)
+    for x, y in data[:2]:
+        step(*compiled, x, y)
+        train_step(*eager, x, y)
+    ptrs = [t.data_ptr() for t in [*m.parameters(), *(v for st in opt.state.values() for v in st.values())]]
+    for x, y in data[2:]:
+        step(*compiled, x, y)
+        train_step(*eager, x, y)
+    assert_same_state(eager, compiled)
+    assert [t.data_ptr() for t in [*m.parameters(), *(v for st in opt.state.values() for v in st.values())]] == ptrs
+    n_params = len(list(m.parameters()))
+    # The functional trace writes every parameter and state tensor back exactly once ...
+    functional = tt.last_traces(step)[-2]
+    dsts = [b.args[1] for b in functional.bound_symbols if "copy_" in b.sym.name]
+    assert len(dsts) == len({id(d) for d in dsts}) == n_params * 4
+    # ... and the executed program runs one fused AdamW kernel in place instead (and the step counters' add).
+    src = tt.last_traces(step)[-1].python_source()
+    assert src.count("ttex.adam_update_(") == 1 and "copy_" not in src and src.count("ttex.foreach_add_(") == 1
+
+
+def test_returning_a_parameter_after_a_fused_update_returns_the_updated_object():
+    def step_fn(model, opt, x, y):
+        loss = train_step(model, opt, x, y)
+        return loss, model[0].weight
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    step = tt.compile(step_fn)
+    for x, y in mlp_batches(3):
+        l1, w1 = step_fn(*eager, x, y)
+        l2, w2 = step(*compiled, x, y)
+        torch.testing.assert_close(l2, l1.detach())
+        assert w2 is compiled[0][0].weight  # eager returns the parameter object itself
+        torch.testing.assert_close(w2, w1)
+    assert_same_state(eager, compiled)
+    assert "ttex.adam_update_(" in tt.last_traces(step)[-1].python_source()
+
+
+FUSED_ROUTES = {
+    "adam-amsgrad-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd-dampening-maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.5, dampening=0.1, maximize=True),
+    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "adam-fused-true": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw-fused-true": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd-fused-true": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+}
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
+@pytest.mark.parametrize("name", list(FUSED_ROUTES))
+def test_fused_optimizer_updates_match_eager(name, decompose):
+    # decompose=True runs the update formulas of torchlang/optim.py instead of torch's kernel.
+    eager, compiled = twin(mlp, FUSED_ROUTES[name])
+    step = tt.compile(train_step, thin=True, decompose=decompose)
+    for x, y in mlp_batches(6):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled, atol=1e-6 if not decompose else 1e-5)
+    src = tt.last_traces(step)[-1].python_source()
+    assert ("_update" in src) != decompose
+
+
+def test_updates_the_fused_kernels_cannot_compute_run_the_optimizers_code():
+    # A tensor learning rate is not one of the fused routes' arguments here.
+    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), foreach=False))
+    step = tt.compile(train_step)
+    for x, y in mlp_batches(3):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert "adam_update" not in tt.last_traces(step)[-1].python_source()
+
+
+def test_float64_models_use_the_fused_kernels_too():
+    eager, compiled = twin(lambda: mlp().double(), lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    step = tt.compile(train_step)
+    for x, y in mlp_batches(3):
+        torch.testing.assert_close(step(*compiled, x.double(), y), train_step(*eager, x.double(), y).detach())
+    assert_same_state(eager, compiled, atol=1e-12, rtol=1e-10)
+    assert "ttex.adam_update_(" in tt.last_traces(step)[-1].python_source()
 
 
 def test_lr_scheduler_changes_lr_without_retrace_and_thin_mode_reads_it():
@@ -486,9 +561,9 @@ def test_more_optimizers_match_eager(name):
     assert_same_state(eager, compiled, atol=1e-5)
 
 
-def test_fused_optimizer_is_a_clear_error():
-    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True))
-    with pytest.raises(Exception, match="fused=True optimizers are not supported"):
+def test_unsupported_fused_optimizer_is_a_clear_error():
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True))
+    with pytest.raises(Exception, match="fused=True optimizer is not supported .*Adam, AdamW and SGD are"):
         tt.compile(train_step)(m, opt, *mlp_batches(1)[0])
 
 
@@ -603,17 +678,22 @@ def test_one_cycle_schedule_changes_betas_and_momentum_without_retrace(make_opt)
     assert stats.entries == 2 and stats.thin_calls == 7 and not stats.thin_invalidations
 
 
-def test_changing_a_decided_hyper_parameter_retraces_with_the_reason():
+@pytest.mark.parametrize("kernels", ["traced", "fused"])
+def test_changing_a_decided_hyper_parameter_retraces_with_the_reason(kernels):
     eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01))
-    step = tt.compile(train_step, thin=True)
+    step = tt.compile(train_step, thin=True, optimizer_kernels=kernels)
     data = mlp_batches(6)
     for i, (x, y) in enumerate(data):
         if i == 3:
             for o in (eager[1], compiled[1]):
-                o.param_groups[0]["weight_decay"] = 0.0  # the optimizer branches on it
+                o.param_groups[0]["weight_decay"] = 0.0  # the optimizer's code branches on it
         torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
     assert_same_state(eager, compiled)
-    assert any("weight_decay != 0 was True, now False" in r for r in tt.compile_stats(step).retrace_reasons)
+    reasons = tt.compile_stats(step).retrace_reasons
+    if kernels == "traced":
+        assert any("weight_decay != 0 was True, now False" in r for r in reasons)
+    else:  # the fused kernel takes weight_decay as a number: no branch, no retrace
+        assert not any("weight_decay" in r for r in reasons)
 
 
 def test_optimizer_step_hooks_are_refused_and_requires_grad_toggles_work():

@@ -210,7 +210,7 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = None):
+                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         if check_every is not None:
@@ -227,6 +227,9 @@ class CompiledFunction:
         if fusion not in (None, "inductor"):
             raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
         self.fusion = fusion
+        if optimizer_kernels not in ("fused", "traced"):
+            raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
+        self.optimizer_kernels = optimizer_kernels
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
@@ -307,7 +310,8 @@ class CompiledFunction:
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic)
+        acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic,
+                                   fused_optimizers=self.optimizer_kernels == "fused")
         # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
         has_backward = getattr(acquired.trace, "has_backward", False)
         traces = [acquired.trace]
@@ -554,7 +558,7 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = None):
+            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -567,8 +571,12 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     size or sequence length reuses the program (see docs/thin_mode.md).
     ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
     (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
+    ``optimizer_kernels="fused"`` (default): an Adam, AdamW or SGD step inside the function runs
+    torch's fused kernel (one pass over all parameters) where that computes the same update;
+    ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
     """
-    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion)
+    options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
+                   optimizer_kernels=optimizer_kernels)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)

@@ -22,6 +22,7 @@ from . import context, proxies
 from .opaque import call_opaque
 from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
+from .torchlang.optim import fused_optimizer_kernels
 from .trace import Trace
 from .functional import Buffers
 from .traced_autograd import GradState
@@ -463,8 +464,8 @@ def handle_torch_function(func, types, args, kwargs):
         if any(type(a) is TensorProxy for a in _flat(args, kwargs)):
             if getattr(func, "__name__", "").startswith("_fused_"):
                 raise TracingError(
-                    f"{_callable_name(func)}: fused=True optimizers are not supported inside a compiled step yet; "
-                    "use foreach=True or the default implementation (thunder_train captures those from their own code)"
+                    f"{_callable_name(func)}: this fused=True optimizer is not supported inside a compiled step yet "
+                    "(Adam, AdamW and SGD are); use foreach=True or the default implementation"
                 )
             raise TracingError(
                 f"{_callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
@@ -550,8 +551,14 @@ def _converted_to(value, dst):
 
 def _functionalize(trc, sym, orig_args, args, kwargs):
     """A symbol that returns a result and also updates some arguments (``batch_norm``'s running stats)."""
+    from .pytree import tree_flatten
+
     out, writes = sym.functionalize(*args, **kwargs)
-    back = {id(a): o for o, a in zip(orig_args, args) if type(o) is TensorProxy}
+    # Writes name the current values they were given; write to the user's objects (also inside lists).
+    back = {id(a): o for o, a in zip(tree_flatten(orig_args)[0], tree_flatten(args)[0]) if type(o) is TensorProxy}
+    last = trc.bound_symbols[-1] if trc.bound_symbols else None
+    if len(writes) > 1 and last is not None and last.comment is None and any(o is writes[0][1] for o in last.flat_outputs()):
+        last.comment = f"{sym.name}: the new values of {len(writes)} tensors"
     for dst, value in writes:
         _write(trc, sym, back.get(id(dst), dst), value)
     return _no_grad_region(trc, out, sym)
@@ -676,8 +683,12 @@ def check_call_signature(fn, args, kwargs):
         raise TypeError(f"{name}{sig}: {e}") from None
 
 
-def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False) -> Acquired:
-    """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves."""
+def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fused_optimizers: bool = True) -> Acquired:
+    """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves.
+
+    ``fused_optimizers``: optimizer updates take torch's fused kernels where they compute the
+    same thing (``torchlang/optim.py``); False traces the optimizers' own per-op code.
+    """
     check_call_signature(fn, args, kwargs)
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
     trc.strict = strict
@@ -693,7 +704,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False) ->
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            with ProxyMode():
+            with ProxyMode(), fused_optimizer_kernels(fused_optimizers):
                 out = fn(*pargs, **pkwargs)
             out = _check_output(out)
             inputs = []

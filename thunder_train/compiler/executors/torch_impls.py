@@ -170,3 +170,37 @@ def silu_vjp(g, reads, input, inplace=False):
 # Forward symbol name -> a backward that needs no recomputation (used when only ``input`` needs grad).
 DIRECT_VJP = {"gelu": gelu_vjp, "silu": silu_vjp}
 
+
+
+# Optimizer updates (torchlang/optim.py) on torch's fused kernels.  The functional forms update
+# copies; re-inplacing (transforms/reinplace.py) switches to the in-place forms, which write into
+# the parameters and state themselves, where nothing reads their old values.
+def adam_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, decoupled_weight_decay, **hyper):
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyper)
+    return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+
+
+def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kwargs):
+    p, m, v, vmax = ([t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+    return adam_update_(p, grads, m, v, vmax, state_steps, **kwargs)
+
+
+def sgd_update_(params, grads, momentum_buffers, **hyper):
+    torch._fused_sgd_(params, grads, momentum_buffers, **hyper)
+    return params, momentum_buffers
+
+
+def sgd_update(params, grads, momentum_buffers, **kwargs):
+    return sgd_update_([p.clone() for p in params], grads, [b.clone() for b in momentum_buffers], **kwargs)
+
+
+def foreach_add_(tensors, other):
+    """``torch._foreach_add_`` returning its list (the re-inplaced form of ``(a, b) = _foreach_add([a, b], 1)``)."""
+    torch._foreach_add_(tensors, other)
+    return tensors
+
+
+# (functional form, output position -> the argument position its in-place form overwrites)
+adam_update.inplace, adam_update.overwrites = adam_update_, ((0, 0), (1, 2), (2, 3), (3, 4))
+sgd_update.inplace, sgd_update.overwrites = sgd_update_, ((0, 0), (1, 2))

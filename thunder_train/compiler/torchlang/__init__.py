@@ -4,7 +4,7 @@ Symbols are printed in traces as ``ltorch.<name>``.  Importing this package
 registers every symbol with the tracer (see ``registry``).
 """
 from .registry import all_symbols, by_torch_fn, lookup  # noqa: F401
-from . import tensor_methods, elementwise, reductions, shapes, factories, linalg, nn, inplace, foreach  # noqa: F401
+from . import tensor_methods, elementwise, reductions, shapes, factories, linalg, nn, inplace, foreach, optim  # noqa: F401
 
 
 def __getattr__(name):

@@ -43,12 +43,13 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
 
 
 def _sizes_read_inside(bsym, needed):
-    """Symbolic sizes a decomposition reads: computed at the top of the program, not passed as arguments."""
-    from ..proxies import SizeProxy
+    """Symbolic sizes and hyper-parameter arithmetic a decomposition reads: computed at the top of the
+    program (symbols.py), not passed as arguments."""
+    from ..proxies import is_checked
 
     for sub in bsym.subsymbols:
         for a in sub.flat_args():
-            if type(a) is SizeProxy:
+            if is_checked(a):
                 needed.add(id(a))
         _sizes_read_inside(sub, needed)
 

@@ -15,6 +15,10 @@ value as its first argument, runs that chain in place on ``inp`` (``inp.mul_(a)`
   except the chain's final value, which the buffer holds until the program ends;
 * no value of the chain is returned to the caller (a fresh output must not alias an input).
 
+Multi-tensor updates (``ttex.adam_update``, ``sgd_update``, the step counters' ``_foreach_add``)
+switch to their in-place forms the same way, all of a line's write-backs or none
+(``_overwritten_in_place``).
+
 Only used for programs not connected to PyTorch autograd (saved tensors must not change).
 """
 from __future__ import annotations
@@ -36,6 +40,19 @@ _INPLACE = {
 
 def _fn(bsym):
     return getattr(bsym.sym, "fn", None)
+
+
+def _multi_inplace_form(bsym):
+    """(in-place function, ((output position or None for the whole output, argument position), ...))
+    for updates of tensor lists: ``ttex.adam_update`` and friends, the step counters' ``_foreach_add``."""
+    from ..executors import torch_impls
+
+    fn = _fn(bsym)
+    if getattr(fn, "overwrites", None) is not None:
+        return fn.inplace, fn.overwrites
+    if fn is torch._foreach_add and len(bsym.args) == 2 and isinstance(bsym.args[1], (int, float)) and not bsym.kwargs:
+        return torch_impls.foreach_add_, ((None, 0),)
+    return None
 
 
 def _inplace_form(bsym):
@@ -66,11 +83,14 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
 
     rewrite: dict = {}  # index -> in-place function
     drop = set()
+    no_grad = "@torch.no_grad()" in trc.decorators
+    write_backs = {}  # id(value) -> index of the copy_ writing it back into an input
     for ci, b in enumerate(bsyms):
         if getattr(b.sym, "print_name", "") != "ttex.copy_":
             continue
+        write_backs[id(b.args[0])] = ci
         value, inp = b.args
-        if inp._tt_requires_grad and "@torch.no_grad()" not in trc.decorators:
+        if inp._tt_requires_grad and not no_grad:
             continue
         chain = _chain(value, inp, bsyms, producer)
         if chain is None or any(id(bsyms[i].output) in returned for i in chain):
@@ -80,6 +100,11 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
         for i in chain:
             rewrite[i] = _inplace_form(bsyms[i])
         drop.add(ci)
+    for i, b in enumerate(bsyms):
+        copies = _overwritten_in_place(i, b, bsyms, reads, write_backs, returned, no_grad)
+        if copies:
+            rewrite[i] = _multi_inplace_form(b)[0]
+            drop.update(copies)
     if not drop:
         return trc
     new = trc.derive(header)
@@ -123,3 +148,30 @@ def _safe(chain, inp, copy_index, bsyms, reads):
             return False
     # The final value stays in the buffer until the program ends: reading it later is fine.
     return True
+
+
+def _overwritten_in_place(i, b, bsyms, reads, write_backs, returned, no_grad):
+    """For a multi-tensor update (``ttex.adam_update``: its impl has ``overwrites``, pairs of output
+    and argument positions): the write-back copies its in-place form makes unnecessary, or None.
+
+    All or nothing: every overwritten argument must be an input that gets exactly this output written
+    back, whose old value nothing reads after the update, and whose new value is not returned.
+    """
+    plan = _multi_inplace_form(b)
+    if plan is None:
+        return None
+    _, overwrites = plan
+    arg_ids = [id(a) for a in b.flat_args() if is_proxy(a)]
+    copies = []
+    for out_pos, arg_pos in overwrites:
+        outputs = b.output if out_pos is None else b.output[out_pos]
+        for value, inp in zip(outputs, b.args[arg_pos]):
+            ci = write_backs.get(id(value))
+            if ci is None or bsyms[ci].args[1] is not inp or id(value) in returned or arg_ids.count(id(inp)) != 1:
+                return None
+            if inp._tt_requires_grad and not no_grad:
+                return None
+            if any(r > i and r != ci for r in reads.get(id(inp), ())):
+                return None
+            copies.append(ci)
+    return copies
