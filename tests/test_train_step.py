@@ -222,6 +222,25 @@ def test_fused_optimizer_updates_match_eager(name, decompose):
     assert ("_update" in src) != decompose
 
 
+@pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
+def test_fused_sgd_momentum_buffer_is_not_the_gradient(decompose):
+    # zero_grad(set_to_none=False) keeps .grad alive and zeroes it in place: a first momentum buffer
+    # that were the gradient tensor itself would be zeroed with it.
+    def step_fn(model, opt, x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    step = tt.compile(step_fn, decompose=decompose)
+    for x, y in mlp_batches(4):
+        step(*compiled, x, y)
+        step_fn(*eager, x, y)
+    assert_same_state(eager, compiled)
+    grads = {id(p.grad) for p in compiled[0].parameters()}
+    assert not grads & {id(st["momentum_buffer"]) for st in compiled[1].state.values()}
+
+
 def test_updates_the_fused_kernels_cannot_compute_run_the_optimizers_code():
     # A tensor learning rate is not one of the fused routes' arguments here.
     eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), foreach=False))

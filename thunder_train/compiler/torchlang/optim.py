@@ -116,7 +116,8 @@ def sgd_update(params, grads, momentum_buffers, *, weight_decay, momentum, lr, d
             g = ew.neg(g)
         g = ew.add(g, p, alpha=weight_decay)
         if momentum_buffers:
-            buf = g if is_first_step else ew.add(ew.mul(momentum_buffers[i], momentum), g, alpha=1 - dampening)
+            # The first buffer is a copy of the gradient (which may live on as ``.grad``), as in eager.
+            buf = prims.clone(g) if is_first_step else ew.add(ew.mul(momentum_buffers[i], momentum), g, alpha=1 - dampening)
             new_buf.append(buf)
             g = ew.add(g, buf, alpha=momentum) if nesterov else buf
         new_p.append(ew.add(p, g, alpha=-lr))
