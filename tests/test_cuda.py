@@ -80,3 +80,35 @@ def test_gradients_and_thin_mode_on_cuda(thin):
         for (n, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"{n} at step {step}: {s}")
     assert tt.last_backward_traces(cm), "the gradients should come from thunder_train's backward trace"
+
+
+CUDA_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # step counters on the CPU: the optimizer's own code
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),  # torch._fused_adamw_ on the GPU
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01),  # routed to _fused_sgd_
+}
+
+
+@pytest.mark.parametrize("name", list(CUDA_OPTIMIZERS))
+def test_whole_training_step_on_cuda(name):
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
+    m2 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = CUDA_OPTIMIZERS[name](m1.parameters()), CUDA_OPTIMIZERS[name](m2.parameters())
+    step = tt.compile(step_fn, thin=True)
+    for _ in range(5):
+        x = torch.randn(16, 32, device="cuda")
+        y = torch.randint(0, 8, (16,), device="cuda")
+        torch.testing.assert_close(step(m2, o2, x, y), step_fn(m1, o1, x, y).detach())
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
+    src = tt.last_traces(step)[-1].python_source()
+    assert ("_update" in src) == (name != "adamw")
