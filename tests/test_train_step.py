@@ -222,6 +222,33 @@ def test_fused_optimizer_updates_match_eager(name, decompose):
     assert ("_update" in src) != decompose
 
 
+@pytest.mark.parametrize("make_opt", [torch.optim.AdamW, lambda groups: torch.optim.SGD(groups, momentum=0.9)], ids=["adamw", "sgd"])
+def test_fused_updates_with_several_param_groups_and_an_unused_parameter(make_opt):
+    def groups(ps):
+        ps = list(ps)
+        return [{"params": ps[:2], "lr": 1e-2, "weight_decay": 0.1}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.unused = nn.Parameter(torch.ones(3))  # never gets a gradient: not in any update list
+
+        def forward(self, x):
+            return self.net(x)
+
+    eager, compiled = twin(WithUnused, lambda ps: make_opt(groups(ps)))
+    step = tt.compile(train_step, thin=True)
+    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (eager[1], compiled[1])]
+    for x, y in mlp_batches(6):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+        for s_ in sched:
+            s_.step()
+    assert_same_state(eager, compiled)
+    assert tt.last_traces(step)[-1].python_source().count("_update_(") == 2  # one kernel per param group
+    assert tt.compile_stats(step).cache_misses == 2
+
+
 @pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
 def test_fused_sgd_momentum_buffer_is_not_the_gradient(decompose):
     # zero_grad(set_to_none=False) keeps .grad alive and zeroes it in place: a first momentum buffer
