@@ -112,3 +112,5 @@ def test_whole_training_step_on_cuda(name):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
     src = tt.last_traces(step)[-1].python_source()
     assert ("_update" in src) == (name != "adamw")
+    if name == "adamw":  # eager's default on CUDA tensors is foreach; so is the traced update
+        assert "torch._foreach_lerp" in src

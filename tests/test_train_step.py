@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler.prims import copy_ as prims_copy_
+from thunder_train.compiler.proxies import TensorProxy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -266,6 +267,21 @@ def test_fused_sgd_momentum_buffer_is_not_the_gradient(decompose):
     assert_same_state(eager, compiled)
     grads = {id(p.grad) for p in compiled[0].parameters()}
     assert not grads & {id(st["momentum_buffer"]) for st in compiled[1].state.values()}
+
+
+def test_default_implementation_is_chosen_as_in_eager(monkeypatch):
+    # torch picks foreach for tensors on devices with foreach kernels (CUDA); pretend the CPU is one,
+    # so this CPU test sees the choice eager makes there: the proxies must not fall back to the for-loop.
+    from torch.optim import optimizer
+
+    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu", "cuda"])
+    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    step = tt.compile(train_step, optimizer_kernels="traced")
+    for x, y in mlp_batches(3):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled)
+    assert "torch._foreach_lerp" in tt.last_traces(step)[-1].python_source()
+    assert TensorProxy not in optimizer._foreach_supported_types  # restored after tracing
 
 
 def test_updates_the_fused_kernels_cannot_compute_run_the_optimizers_code():

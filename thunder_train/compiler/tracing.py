@@ -22,7 +22,7 @@ from . import context, proxies
 from .opaque import call_opaque
 from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
-from .torchlang.optim import fused_optimizer_kernels
+from .torchlang.optim import optimizers_while_tracing
 from .trace import Trace
 from .functional import Buffers
 from .traced_autograd import GradState
@@ -704,7 +704,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            with ProxyMode(), fused_optimizer_kernels(fused_optimizers):
+            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers):
                 out = fn(*pargs, **pkwargs)
             out = _check_output(out)
             inputs = []

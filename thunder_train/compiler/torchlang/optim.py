@@ -13,7 +13,7 @@ optimizer becomes one symbol per parameter group:
   (``decompose=True`` and fusion executors use them).  The torch executor runs the fused
   kernel on copies, and re-inplacing (``transforms/reinplace.py``) runs it directly on the
   parameters and state when nothing else reads their old values, dropping the copies.
-* ``fused_optimizer_kernels()`` routes the default and ``foreach`` implementations of
+* ``optimizers_while_tracing()`` routes the default and ``foreach`` implementations of
   Adam, AdamW and SGD to torch's own fused path (``torch.optim.adam._fused_adam``) while
   tracing, when that path computes the same thing for these tensors (float32/float64,
   no GradScaler, no capturable or differentiable mode, state on the parameters' device).
@@ -210,14 +210,22 @@ def _routed(original, fused, fits):
 
 
 @contextlib.contextmanager
-def fused_optimizer_kernels(enabled: bool = True):
-    """While tracing: Adam/AdamW/SGD updates take torch's fused path where it computes the same thing."""
-    if not enabled:
-        yield
-        return
+def optimizers_while_tracing(fused_kernels: bool = True):
+    """How ``torch.optim`` runs on proxies.
+
+    * Its default implementation is chosen as in eager: ``foreach`` for CUDA tensors (torch asks
+      ``type(p) in _foreach_supported_types``, which a proxy would fail), the for-loop on CPU.
+    * ``fused_kernels``: Adam/AdamW/SGD updates take torch's fused path where it computes the same thing.
+    """
+    from torch.optim import optimizer
+
     saved = []
+    supported = getattr(optimizer, "_foreach_supported_types", None)
+    added = isinstance(supported, list) and TensorProxy not in supported
     try:
-        for module, names, fused, fits in _routes():
+        if added:
+            supported.append(TensorProxy)
+        for module, names, fused, fits in _routes() if fused_kernels else ():
             for name in names:
                 original = getattr(module, name)
                 saved.append((module, name, original))
@@ -226,3 +234,5 @@ def fused_optimizer_kernels(enabled: bool = True):
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
+        if added:
+            supported.remove(TensorProxy)
