@@ -467,6 +467,12 @@ def handle_torch_function(func, types, args, kwargs):
                     f"{_callable_name(func)}: this fused=True optimizer is not supported inside a compiled step yet "
                     "(Adam, AdamW and SGD are); use foreach=True or the default implementation"
                 )
+            if getattr(func, "__name__", "").startswith("_amp_"):
+                raise TracingError(
+                    f"{_callable_name(func)}: a GradScaler inside a compiled step is not supported yet (its step is "
+                    "skipped when gradients overflow, a decision on tensor values). Train with bf16 autocast, which "
+                    "needs no scaler, or keep the scaler's unscale_/step/update outside the compiled function."
+                )
             raise TracingError(
                 f"{_callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
                 "it cannot run opaquely inside a compiled function (the update would be lost). "
