@@ -1,4 +1,4 @@
-"""DistributedDataParallel around a compiled module: DDP's gradient reduction still runs."""
+"""DistributedDataParallel around a compiled module (DDP's hooks reduce) and inside a compiled whole step (the trace reduces)."""
 from __future__ import annotations
 
 import os
@@ -27,3 +27,36 @@ def test_ddp_allreduces_gradients_of_a_compiled_module(tmp_path):
             torch.testing.assert_close(a, b)
     for a, b in zip(r0["compiled_params"], r1["compiled_params"]):
         torch.testing.assert_close(a, b)
+
+
+def test_ddp_inside_a_compiled_whole_step(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_ddp_whole_step.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for case in ("adamw", "sgd", "accumulate"):
+        for r in (r0, r1):
+            # The same losses and parameters as eager DDP on each rank (AdamW: float32 rounding of the fused kernel) ...
+            torch.testing.assert_close(torch.stack(r[case]["compiled"]), torch.stack(r[case]["eager"]))
+            for a, b in zip(r[case]["compiled_params"], r[case]["eager_params"]):
+                torch.testing.assert_close(a, b)
+        # ... different data per rank, yet gradients averaged: identical parameters on both ranks.
+        assert not torch.allclose(torch.stack(r0[case]["compiled"]), torch.stack(r1[case]["compiled"]))
+        for a, b in zip(r0[case]["compiled_params"], r1[case]["compiled_params"]):
+            torch.testing.assert_close(a, b)
+    assert r0["adamw"]["thin_calls"] == 3  # calls 1 and 2 validate (lazy optimizer state), then thin mode
+    # no_sync() on the first micro-batch: the averaged gradient is the sum of both, as in eager.
+    for r in (r0, r1):
+        for ge, gc in zip(r["accumulate"]["eager_grads"], r["accumulate"]["compiled_grads"]):
+            for a, b in zip(ge, gc):
+                torch.testing.assert_close(b, a)
+        torch.testing.assert_close(*r["eval"])
+    for r in (r0, r1):
+        for a, b in zip(r["thin_no_sync"]["eager_grads"], r["thin_no_sync"]["compiled_grads"]):
+            torch.testing.assert_close(b, a)
+        assert r["thin_no_sync"]["invalidations"]
+    errors = r0["errors"]
+    assert "communication hook" in errors["comm_hook"] and "DDP(tt.compile(model))" in errors["comm_hook"]
+    assert "backward is not in the same function" in errors["forward_only"]
+    assert "unused.weight" in errors["unused"] and "got no gradient" in errors["unused"]
+    assert "broadcast_buffers=False" in errors["buffers"]

@@ -520,6 +520,20 @@ def item(a):
     return NumberProxy(value=0, python_type=int)
 
 
+# ---------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------
+@_prim(tags=("side_effect",))
+def all_reduce_mean(tensors):
+    """The mean of each tensor over the ranks of the default process group (DDP's gradient average).
+
+    A side effect for DCE: every rank must run the same collectives, used or not.
+    """
+    _check(isinstance(tensors, (list, tuple)) and all(type(t) is TensorProxy and t._tt_dtype.is_float for t in tensors),
+           "all_reduce_mean: expected a list of floating-point tensors")
+    return [TensorProxy(shape=t._tt_shape, dtype=t._tt_dtype, device=t._tt_device) for t in tensors]
+
+
 def all_prims() -> dict:
     return dict(_all)
 

@@ -25,6 +25,7 @@ specialise on gradients.
 from __future__ import annotations
 
 from . import prims
+from .distributed import reduce_gradients
 from .proxies import TensorProxy
 from .transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 
@@ -67,6 +68,19 @@ class GradState:
         else:
             buffers = self.trc.buffers
             buffers.write(cur, prims.add(buffers.read(cur), g))
+
+    def replace(self, params, fn):
+        """New values for the current ``.grad`` of ``params``: ``fn(values) -> values`` (DDP's averaging).
+
+        A ``.grad`` tensor that is an input of the function is updated in place, as eager's reducer does.
+        """
+        buffers = self.trc.buffers
+        grads = [self.get(p) for p in params]
+        for p, g, v in zip(params, grads, fn([buffers.read(g) for g in grads])):
+            if self.trc.walker.is_input(g):
+                buffers.write(g, v)
+            else:
+                self.current[id(p)] = v
 
     def changes(self) -> list:
         """``(param, new grad or None)`` for every parameter whose ``.grad`` is a different object now."""
@@ -148,6 +162,8 @@ def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=Fa
         if trc.grads.get(p) is None:
             g = _fresh(trc, g, taken)
         trc.grads.accumulate(p, g)
+    # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.
+    reduce_gradients(trc, {id(p) for (p, _), g in zip(params, grads) if g is not None})
     return None
 
 

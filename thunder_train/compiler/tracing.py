@@ -23,6 +23,7 @@ from .opaque import call_opaque
 from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
 from .torchlang.optim import optimizers_while_tracing
+from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
 from .trace import Trace
 from .functional import Buffers
 from .traced_autograd import GradState
@@ -710,8 +711,9 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers):
+            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing():
                 out = fn(*pargs, **pkwargs)
+            check_ddp_finished(trc)
             out = _check_output(out)
             inputs = []
             seen = set()

@@ -26,6 +26,7 @@ import torch
 
 from ..compiler.tracing import path_str
 from .errors import ThinModeError
+from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
 from .prologue import is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
 
@@ -158,7 +159,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         elif k == "dataclass":
             mismatch.append(f"type({var}) is not {consts(type(v))}")
         elif k == "module":
-            changed.append(f"{var} is not {bind(i)} or {var}.training is not {vals[i].training}")
+            cond = f"{var} is not {bind(i)} or {var}.training is not {vals[i].training}"
+            if is_ddp(vals[i]):  # no_sync() decides whether the traced backward averages gradients
+                cond += f" or {var}.require_backward_grad_sync is not {vals[i].require_backward_grad_sync}"
+            changed.append(cond)
         elif k == "object":
             changed.append(f"{var} is not {bind(i)}")
         elif k == "optimizer":

@@ -453,3 +453,8 @@ decomposing_torch_executor = TorchExecutor(decompose=True)
 @_rule(prims.polygamma)
 def _(bsym):
     return torch.polygamma, bsym.args, {}
+
+
+@_rule(prims.all_reduce_mean)
+def _(bsym):
+    return torch_impls.all_reduce_mean, bsym.args, {}

@@ -204,3 +204,15 @@ def foreach_add_(tensors, other):
 # (functional form, output position -> the argument position its in-place form overwrites)
 adam_update.inplace, adam_update.overwrites = adam_update_, ((0, 0), (1, 2), (2, 3), (3, 4))
 sgd_update.inplace, sgd_update.overwrites = sgd_update_, ((0, 0), (1, 2))
+
+
+def all_reduce_mean(tensors):
+    """Each tensor divided by the world size, then summed over the ranks (as DDP's default hook does)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    out = [t / world for t in tensors]
+    works = [dist.all_reduce(o, async_op=True) for o in out]
+    for w in works:
+        w.wait()
+    return out
