@@ -88,6 +88,17 @@ def run(rank, world, out_dir, port):
         r["compiled_params"] = [p.detach().clone() for p in compiled.parameters()]
         r["thin_calls"] = tt.compile_stats(step).thin_calls
 
+    # The DDP model read from a closure, not passed in (the optimizer must be an argument).
+    eager, compiled = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    o1, o2 = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    step = tt.compile(lambda opt, x, y: train_step(compiled, opt, x, y))
+    r = result["closure"] = {"eager": [], "compiled": []}
+    for x, y in data:
+        r["eager"].append(train_step(eager, o1, x, y).detach())
+        r["compiled"].append(step(o2, x, y))
+    r["eager_params"] = [p.detach().clone() for p in eager.parameters()]
+    r["compiled_params"] = [p.detach().clone() for p in compiled.parameters()]
+
     eager, compiled = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
     o1, o2 = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
     step = tt.compile(accumulate_step)

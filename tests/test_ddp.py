@@ -34,7 +34,7 @@ def test_ddp_inside_a_compiled_whole_step(tmp_path):
                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    for case in ("adamw", "sgd", "accumulate"):
+    for case in ("adamw", "sgd", "closure", "accumulate"):
         for r in (r0, r1):
             # The same losses and parameters as eager DDP on each rank (AdamW: float32 rounding of the fused kernel) ...
             torch.testing.assert_close(torch.stack(r[case]["compiled"]), torch.stack(r[case]["eager"]))

@@ -107,8 +107,8 @@ def reduce_gradients(trc, got_grad: set):
         return
     trc.ddp_pending = []
     for ddp in pending:
-        named = [(n, p) for n, p in ddp.module.named_parameters()
-                 if p._tt_requires_grad and n not in ddp.parameters_to_ignore]
+        named = [(n, _proxy_of(trc, p)) for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        named = [(n, p) for n, p in named if p._tt_requires_grad]
         missing = [n for n, p in named if id(p) not in got_grad]
         if missing:
             raise _error(
@@ -117,6 +117,13 @@ def reduce_gradients(trc, got_grad: set):
                 f"compiled function yet. {_ADVICE}"
             )
         trc.grads.replace([p for _, p in named], prims.all_reduce_mean)
+
+
+def _proxy_of(trc, p):
+    """The proxy of a parameter: swapped in when the module was an argument, captured when it is a global."""
+    from .proxies import TensorProxy
+
+    return p if type(p) is TensorProxy else trc.walker.captured_tensor(p)
 
 
 def check_finished(trc):

@@ -11,6 +11,7 @@ the torch language; calls on proxies outside the mode arrive through
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 from typing import Any
@@ -711,7 +712,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing():
+            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
+                    _only_walked_optimizers_step(walker):
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
             out = _check_output(out)
@@ -728,6 +730,28 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in trc.written_inputs}
     return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
+
+
+@contextlib.contextmanager
+def _only_walked_optimizers_step(walker):
+    """An optimizer the function reads from a global or closure was not walked: its parameters are
+    the real tensors, whose ``.grad`` the traced backward does not set, so its step would silently
+    update nothing.  Stepping it is an error that says what to do."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(opt, args, kwargs):
+        if id(opt) not in walker.by_id:
+            raise TracingError(
+                f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
+                "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
+                "state. Pass it as an argument: step = tt.compile(train_step); step(model, opt, x, y)."
+            )
+
+    handle = register_optimizer_step_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _insert_shape_queries(trc, symbolic_inputs):
