@@ -641,6 +641,21 @@ def test_model_from_a_closure_trains_and_an_optimizer_from_a_closure_is_a_clear_
         tt.compile(lambda x, y: train_step(model, opt, x, y))(*mlp_batches(1)[0])
 
 
+def test_lr_scheduler_stepping_inside_the_step_is_a_clear_error():
+    # It would run once, while tracing, and the compiled program would keep the first lr.
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step_fn(model, opt, sched, x, y):
+        loss = train_step(model, opt, x, y)
+        sched.step()
+        return loss
+
+    with pytest.raises(Exception, match=r"args\[1\].param_groups\[0\]\['lr'\] was changed inside the compiled function"):
+        tt.compile(step_fn)(m, opt, sched, *mlp_batches(1)[0])
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 def test_grad_scaler_inside_a_step_is_a_clear_error():
     m = nn.Linear(4, 2)
     opt = torch.optim.AdamW(m.parameters())

@@ -315,7 +315,8 @@ class InputWalker:
                 state[proxy] = entry
                 initial[id(proxy)] = dict(entry)
         self._refuse_step_hooks(opt, path)
-        self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])}))
+        self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])},
+                                               [dict(g) for g in groups]))
         d = opt.__dict__
         self.swapped.append((d, "param_groups", d["param_groups"]))
         self.swapped.append((d, "state", d["state"]))
@@ -406,6 +407,22 @@ class TracedOptimizer:
     state: dict  # param proxy -> {key: proxy or value}
     initial: dict  # id(param proxy) -> the state entry as it was when tracing started
     real_param: dict  # id(param proxy) -> the real parameter
+    initial_groups: list = dataclasses.field(default_factory=list)  # copies of the traced groups before tracing
+
+    def check_groups_unchanged(self, path):
+        """Python writes into ``param_groups`` (an LR scheduler stepping inside the function) would happen
+        once, while tracing, and never in the compiled program: an error, not a silently frozen lr."""
+        for gi, (group, before) in enumerate(zip(self.groups, self.initial_groups)):
+            changed = sorted(k for k in set(group) | set(before) if group.get(k, _MISSING) is not before.get(k, _MISSING))
+            if changed:
+                raise TracingError(
+                    f"{path}.param_groups[{gi}][{changed[0]!r}] was changed inside the compiled function (an LR "
+                    "scheduler's step()?). Changes to param_groups are Python side effects the compiled program does "
+                    "not repeat; make them outside it: the lr and other hyper-parameters are read on every call."
+                )
+
+
+_MISSING = object()
 
 
 # ---------------------------------------------------------------------------
@@ -716,6 +733,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                     _only_walked_optimizers_step(walker):
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
+            for traced in walker.optimizers:
+                traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
             out = _check_output(out)
             inputs = []
             seen = set()
