@@ -1,4 +1,6 @@
-"""DDP on 2 CPU processes (gloo): the plain Trainer, then the same run with ThunderCallback(thin=True).
+"""DDP on 2 CPU processes (gloo): the plain Trainer, then the same run with ThunderCallback(thin=True), with
+fuse_optimizer=True (the program averages the gradients), split at on_after_backward, and with gradient
+accumulation.
 
 Run by tests/test_callback.py::test_ddp_two_cpu_processes as ``python tests/_ddp_callback.py OUT_DIR``.
 Lightning's launcher starts rank 1 by running this script again; each rank writes
@@ -42,7 +44,17 @@ class Losses(L.Callback):
         self.losses.append(outputs["loss"].detach().clone())
 
 
-def run(callbacks):
+class GradProbe(L.Callback):
+    """Overrides on_after_backward: a fused step splits there; the hook must see averaged gradients."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_after_backward(self, trainer, pl_module):
+        self.grads.append(pl_module.net[0].weight.grad.detach().clone())
+
+
+def run(callbacks, accumulate=1):
     torch.manual_seed(0)
     model = Net()
     g = torch.Generator().manual_seed(1)
@@ -51,19 +63,26 @@ def run(callbacks):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=12,
         callbacks=[*callbacks, losses], enable_progress_bar=False, logger=False, enable_checkpointing=False,
-        enable_model_summary=False,
+        enable_model_summary=False, accumulate_grad_batches=accumulate,
     )
     trainer.fit(model, DataLoader(data, batch_size=16))
+    probes = [cb for cb in callbacks if isinstance(cb, GradProbe)]
     return trainer, {"losses": torch.stack(losses.losses), "params": [p.detach().clone() for p in model.parameters()],
-                     "logged": float(trainer.callback_metrics["train_loss"])}
+                     "logged": float(trainer.callback_metrics["train_loss"]),
+                     "grads": torch.stack(probes[0].grads) if probes else None}
 
 
 def main(out_dir):
-    trainer, eager = run([])
-    cb = ThunderCallback(thin=True)
-    trainer, thunder = run([cb])
-    thunder["thin_calls"] = cb.compiled().stats.thin_calls
-    torch.save({"eager": eager, "thunder": thunder}, os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))
+    results = {}
+    for name, callbacks, accumulate in (("eager", [GradProbe()], 1), ("thunder", [ThunderCallback(thin=True)], 1),
+                                        ("fused_split", [ThunderCallback(thin=True, fuse_optimizer=True), GradProbe()], 1),
+                                        ("fused", [ThunderCallback(thin=True, fuse_optimizer=True)], 1),
+                                        ("eager_acc", [], 2), ("fused_acc", [ThunderCallback(thin=True, fuse_optimizer=True)], 2)):
+        trainer, results[name] = run(callbacks, accumulate)
+        if callbacks and isinstance(callbacks[0], ThunderCallback):
+            results[name]["thin_calls"] = callbacks[0].compiled().stats.thin_calls
+            results[name]["programs"] = sorted(callbacks[0].steps["training_step"].programs)
+    torch.save(results, os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -271,15 +271,24 @@ def test_ddp_two_cpu_processes(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     # The ranks saw different batches...
     assert not torch.allclose(r0["eager"]["losses"], r1["eager"]["losses"])
+    runs = {"thunder": "eager", "fused": "eager", "fused_split": "eager", "fused_acc": "eager_acc"}
     for r in (r0, r1):
-        torch.testing.assert_close(r["thunder"]["losses"], r["eager"]["losses"], rtol=1e-5, atol=1e-6)
-        for pe, pt in zip(r["eager"]["params"], r["thunder"]["params"]):
-            torch.testing.assert_close(pt, pe, rtol=1e-5, atol=1e-6)
-        assert r["thunder"]["logged"] == pytest.approx(r["eager"]["logged"], rel=1e-5)  # sync_dist=True replayed
-        assert r["thunder"]["thin_calls"] >= 9
+        for name, ref in runs.items():
+            torch.testing.assert_close(r[name]["losses"], r[ref]["losses"], rtol=1e-5, atol=1e-6)
+            for pe, pt in zip(r[ref]["params"], r[name]["params"]):
+                torch.testing.assert_close(pt, pe, rtol=1e-5, atol=1e-6)
+            assert r[name]["logged"] == pytest.approx(r[ref]["logged"], rel=1e-5)  # sync_dist=True replayed
+            assert r[name]["thin_calls"] >= 9
+        # fuse_optimizer=True: the program averages the gradients; split at on_after_backward, whose hook
+        # sees the averaged gradients as in eager DDP; with accumulation, only the stepping batch averages.
+        assert r["fused"]["programs"] == ["step"]
+        assert r["fused_split"]["programs"] == ["backward_sync", "update"]
+        torch.testing.assert_close(r["fused_split"]["grads"], r["eager"]["grads"])
+        assert r["fused_acc"]["programs"] == ["backward", "step_acc"]
     # ...and still ended with the same parameters: gradients were reduced across ranks.
-    for p0, p1 in zip(r0["thunder"]["params"], r1["thunder"]["params"]):
-        torch.testing.assert_close(p0, p1)
+    for name in runs:
+        for p0, p1 in zip(r0[name]["params"], r1[name]["params"]):
+            torch.testing.assert_close(p0, p1)
 
 
 # ---------------------------------------------------------------------------
@@ -514,17 +523,16 @@ def test_sharded_strategies_rejected(strategy):
         ThunderCallback().setup(trainer, Tiny(), "fit")
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_whole_steps_rejected_under_ddp(manual):
+def test_manual_optimization_rejected_under_ddp():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    cb = ThunderCallback(fuse_optimizer=not manual)
-    model = Manual() if manual else Tiny()
-    what = "manual optimization" if manual else r"fuse_optimizer=True\)"
-    with pytest.raises(MisconfigurationException, match=f"{what}.* not supported with DDPStrategy.*all-reduce"):
-        cb.setup(trainer, model, "fit")
+    model = Manual()
+    with pytest.raises(MisconfigurationException, match="manual optimization.* not supported with DDPStrategy.*all-reduce"):
+        ThunderCallback().setup(trainer, model, "fit")
     assert "training_step" not in model.__dict__
-    ThunderCallback().setup(trainer, Tiny(), "fit")  # the autograd path stays available under DDP
+    # The autograd path and fused automatic steps (the program averages the gradients) are available under DDP.
+    ThunderCallback().setup(trainer, Tiny(), "fit")
+    ThunderCallback(fuse_optimizer=True).setup(trainer, Tiny(), "fit")
 
 
 def test_fuse_optimizer_refuses_on_before_backward():

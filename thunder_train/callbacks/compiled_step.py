@@ -61,6 +61,7 @@ from collections.abc import Mapping
 import torch
 
 from ..compiled import compile as tt_compile
+from ..compiler.distributed import average_gradients_at_backward
 from ..compiler.proxies import is_proxy
 from ..compiler.pytree import tree_flatten
 from ..guards.errors import ThinModeError
@@ -185,14 +186,16 @@ def _forward_program(method, step_name: str, records: dict):
     return step
 
 
-def _fused_program(method, step_name: str, records: dict, stepping: bool):
+def _fused_program(method, step_name: str, records: dict, stepping: bool, average=None):
     """Forward, loss, backward (and for a stepping batch clipping and ``optimizer.step()``), one program.
 
     What Lightning's automatic optimization computes for one batch, ``zero_grad`` and the
     hooks aside (``whole_step.py`` runs those): the step, ``closure_loss = loss /
     accumulate_grad_batches``, ``LightningModule.backward(closure_loss)`` and, stepping,
     ``configure_gradient_clipping(...)`` with the Trainer's values and ``optimizer.step()``;
-    all but the step outside autocast, where Lightning runs them.
+    all but the step outside autocast, where Lightning runs them.  ``average``: under
+    ``DDPStrategy`` on a synchronising batch, the names of parameters DDP ignores; the
+    backward then averages the gradients over the ranks (``compiler/distributed.py``).
     """
 
     def step(self, optimizer, normalize, clip_val, clip_algorithm, *args, **kwargs):
@@ -202,6 +205,8 @@ def _fused_program(method, step_name: str, records: dict, stepping: bool):
         loss = _closure_loss(out)
         with _autocast_off():
             if loss is not None:
+                if average is not None:
+                    average_gradients_at_backward(self, average)
                 self.backward(loss / normalize)
             if stepping:
                 self.configure_gradient_clipping(optimizer, gradient_clip_val=clip_val,
@@ -360,19 +365,23 @@ class FusedCall:
     consumed: bool = False
 
 
+# (method, step name, records, names of parameters DDP ignores or None without DDP) -> the program's function
 _BUILDERS = {
-    "forward": lambda m, n, r: _forward_program(m, n, r),
-    "step": lambda m, n, r: _fused_program(m, n, r, stepping=True),
-    "step_acc": lambda m, n, r: _fused_program(m, n, r, stepping=True),
-    "backward": lambda m, n, r: _fused_program(m, n, r, stepping=False),
-    "backward_acc": lambda m, n, r: _fused_program(m, n, r, stepping=False),
-    "update": lambda m, n, r: _update_program(r),
-    "manual": lambda m, n, r: _manual_program(m, n, r),
+    "forward": lambda m, n, r, a: _forward_program(m, n, r),
+    "step": lambda m, n, r, a: _fused_program(m, n, r, stepping=True, average=a),
+    "step_acc": lambda m, n, r, a: _fused_program(m, n, r, stepping=True, average=a),
+    "backward": lambda m, n, r, a: _fused_program(m, n, r, stepping=False),
+    "backward_acc": lambda m, n, r, a: _fused_program(m, n, r, stepping=False),
+    # DDP: the backward of a split stepping batch (not inside no_sync) averages the gradients.
+    "backward_sync": lambda m, n, r, a: _fused_program(m, n, r, stepping=False, average=a),
+    "backward_acc_sync": lambda m, n, r, a: _fused_program(m, n, r, stepping=False, average=a),
+    "update": lambda m, n, r, a: _update_program(r),
+    "manual": lambda m, n, r, a: _manual_program(m, n, r),
 }
 # The program ``compiled()`` returns by default, by mode (the first one that has run).
 _MAIN = {
     "forward": ("forward",),
-    "fused": ("step", "step_acc", "backward", "backward_acc", "forward"),
+    "fused": ("step", "step_acc", "backward", "backward_acc", "backward_sync", "backward_acc_sync", "forward"),
     "manual": ("manual",),
 }
 
@@ -410,6 +419,7 @@ class CompiledStep:
         self._records: dict = {}
         self.programs: dict = {}  # program name -> CompiledFunction, created on first use
         self.pending: FusedCall | None = None  # set by whole_step for the next call
+        self.ddp_ignore = None  # under DDPStrategy (fused): names of parameters DDP does not reduce
         self.calls = 0
         self.program_calls: dict = {}
         self.thin_rebinds = 0  # calls whose batch broke thin mode's contract and ran the full path
@@ -437,7 +447,7 @@ class CompiledStep:
         """The ``CompiledFunction`` of one program (created on first use)."""
         cf = self.programs.get(name)
         if cf is None:
-            fn = _BUILDERS[name](self._method, self.name, self._records)
+            fn = _BUILDERS[name](self._method, self.name, self._records, self.ddp_ignore)
             cf = self.programs[name] = tt_compile(fn, **self._options)
         return cf
 

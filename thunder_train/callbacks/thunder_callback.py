@@ -57,14 +57,16 @@ class ThunderCallback(Callback):
         compile_eval: also compile ``validation_step``, ``test_step`` and ``predict_step``
             (by default they run eagerly).
         fuse_optimizer: automatic optimization: compile the backward, gradient clipping and
-            ``optimizer.step()`` into the step's program (not with ``DDPStrategy``).
+            ``optimizer.step()`` into the step's program (under ``DDPStrategy`` the program
+            averages the gradients over the ranks itself).
         strict: make torch ops unknown to the compiler an error instead of running them
             opaquely (``tt.compile(..., strict=True)``).
 
     Raises:
         MisconfigurationException: for setups that are not supported (yet): FSDP/DeepSpeed
-            or other non-DDP strategies, whole steps (``fuse_optimizer=True``, manual
-            optimization) under DDP, precisions other than ``32-true``/``bf16-mixed``, a step
+            or other non-DDP strategies, manual optimization under DDP (and, found on the first
+            batch, DDP options the fused program cannot reproduce: a communication hook, buffers
+            to broadcast, ...), precisions other than ``32-true``/``bf16-mixed``, a step
             that reads ``batch_idx``, ``self.global_step`` or ``self.current_epoch``, hooks a
             whole step cannot fire in their place (see docs/callback.md).
 
@@ -231,14 +233,12 @@ class ThunderCallback(Callback):
             return "forward"
         what = ("manual optimization (the whole training_step is compiled)" if manual
                 else "ThunderCallback(fuse_optimizer=True)")
-        if isinstance(trainer.strategy, DDPStrategy):
+        if manual and isinstance(trainer.strategy, DDPStrategy):
             raise MisconfigurationException(
                 f"ThunderCallback: {what} is not supported with {type(trainer.strategy).__name__}: the backward inside a "
                 "compiled step does not run DDP's gradient all-reduce hooks, so the ranks would drift apart. "
-                + ("Use automatic optimization with ThunderCallback(fuse_optimizer=False) (the forward and backward are "
-                   "compiled; DDP reduces the gradients), or remove the callback." if manual else
-                   "Use ThunderCallback(fuse_optimizer=False): the forward and backward are compiled and DDP reduces "
-                   "the gradients as usual.")
+                "Use automatic optimization with ThunderCallback(fuse_optimizer=True) (the program averages the "
+                "gradients) or fuse_optimizer=False (DDP reduces them), or remove the callback."
             )
         hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step") if manual else ("on_before_backward",)
         found = [f"{n}.{hook}" for hook in hooks for n in overriders(trainer, pl_module, hook)]

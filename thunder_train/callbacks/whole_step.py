@@ -35,11 +35,19 @@ update.  The stepping batch then runs the ``backward`` program, the hooks (and a
 custom ``configure_gradient_clipping``) eagerly, and the ``update`` program (clipping
 by the Trainer's settings and ``optimizer.step()``).
 
+``DDPStrategy``: the backward inside a program runs none of DDP's reducer hooks, so on a
+synchronising batch (``require_backward_grad_sync``; Lightning's ``no_sync()`` clears it on
+accumulating batches) the program averages the gradients itself (the ``step`` programs,
+``backward_sync`` of a split step), and DDP's own forward around it runs with the flag
+cleared, its reducer idle.  DDP options the averaging does not reproduce are refused on
+the first batch.
+
 Refused (``MisconfigurationException``, from ``ThunderCallback.setup``): a module or
-callback overriding ``on_before_backward`` (it would fire after the backward already
-ran), ``DDPStrategy`` (the backward inside a program does not run DDP's reducer hooks).
+callback overriding ``on_before_backward`` (it would fire after the backward already ran).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from lightning.pytorch.callbacks.callback import Callback
@@ -48,6 +56,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from ..compiler.distributed import is_ddp, unsupported
 from .compiled_step import CompiledStep, FusedCall
 
 _ABSENT = object()
@@ -82,6 +91,16 @@ class _Patch:
                 d[self.name] = self.previous
 
 
+@contextlib.contextmanager
+def _no_reducer(ddp):
+    before = ddp.require_backward_grad_sync
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = before
+
+
 class _FusedClosure(Closure):
     """Lightning's closure for one batch, run with the backward (and the update) inside a compiled program."""
 
@@ -107,8 +126,12 @@ class _FusedClosure(Closure):
             self._zero_grad_fn()
         trainer = driver.trainer
         stepping = self.stepping
+        ddp = driver.ddp()
+        # DDP: Lightning's no_sync() on accumulating batches clears the flag; a synchronising batch
+        # averages its gradients inside the program (a stepping program always does, when under DDP).
+        sync = ddp is not None and ddp.require_backward_grad_sync
         pending = FusedCall(
-            ("step" if stepping else "backward") + ("" if fresh else "_acc"),
+            ("step" if stepping else "backward") + ("" if fresh else "_acc") + ("_sync" if sync and not stepping else ""),
             self.optimizer if stepping else None,
             trainer.accumulate_grad_batches,
             trainer.gradient_clip_val if stepping else None,
@@ -116,7 +139,13 @@ class _FusedClosure(Closure):
         )
         driver.step.pending = pending
         try:
-            step_output = self._step_fn()
+            if ddp is None:
+                step_output = self._step_fn()
+            else:
+                # DDP's own forward runs around the program: with the flag cleared its reducer stays idle
+                # (no autograd hooks will fire for it to wait on); the program averages instead.
+                with _no_reducer(ddp):
+                    step_output = self._step_fn()
         finally:
             driver.step.pending = None
         self.in_program = pending.consumed
@@ -169,6 +198,22 @@ class FusedAutomatic:
             _Patch(precision, "optimizer_step", self._optimizer_step),
             _Patch(precision, "backward", self._backward),
         ]
+
+    def ddp(self):
+        """The ``DistributedDataParallel`` around the module under ``DDPStrategy`` (checked on first use), else None."""
+        model = self.trainer.strategy.model
+        if not is_ddp(model):
+            return None
+        if self.step.ddp_ignore is None:
+            problems = unsupported(model)
+            if problems:
+                raise MisconfigurationException(
+                    f"ThunderCallback(fuse_optimizer=True) under DDPStrategy: {'; '.join(problems)} is not supported. "
+                    "Use ThunderCallback(fuse_optimizer=False) (the forward and backward are compiled, DDP reduces)."
+                )
+            ignored = {id(p) for n, p in model.module.named_parameters() if n in model.parameters_to_ignore}
+            self.step.ddp_ignore = frozenset(n for n, p in self.module.named_parameters() if id(p) in ignored)
+        return model
 
     def unpatch(self) -> None:
         for p in reversed(self._patches):

@@ -73,13 +73,33 @@ def ddp_while_tracing():
 def _traced_forward(trc, ddp, inputs, kwargs):
     _check_supported(ddp)
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-        pending = trc.__dict__.setdefault("ddp_pending", [])
-        if not any(d is ddp for d in pending):
-            pending.append(ddp)
+        average_gradients_at_backward(ddp.module, ddp.parameters_to_ignore)
     return ddp.module(*inputs, **kwargs)
 
 
+def average_gradients_at_backward(module, ignore=()):
+    """Inside a compiled function: the next ``backward()`` averages the ``.grad`` of ``module``'s
+    parameters (except the names in ``ignore``) over the ranks, as DDP would.
+
+    A traced DDP forward calls it; so do ThunderCallback's whole-step programs under
+    ``DDPStrategy``, where DDP's own forward runs outside the program (with its reducer idle).
+    """
+    trc = context.get_trace()
+    if trc is None:
+        raise RuntimeError("average_gradients_at_backward is called inside a function compiled by thunder_train")
+    pending = trc.__dict__.setdefault("ddp_pending", [])
+    if not any(m is module for m, _ in pending):
+        pending.append((module, frozenset(ignore)))
+
+
 def _check_supported(ddp):
+    problems = unsupported(ddp)
+    if problems:
+        raise _error(f"DistributedDataParallel inside a compiled function: {'; '.join(problems)} is not supported yet. {_ADVICE}")
+
+
+def unsupported(ddp) -> list:
+    """What of this DDP's configuration gradient averaging in the trace does not do (empty: all supported)."""
     import torch.distributed as dist
 
     problems = []
@@ -91,14 +111,13 @@ def _check_supported(ddp):
         problems.append("mixed_precision")
     if getattr(ddp, "_delay_all_reduce_all_params", False) or getattr(ddp, "_use_python_reducer", False):
         problems.append("delayed or Python-reducer all-reduce")
-    if ddp.will_sync_module_buffers():
+    if getattr(ddp, "broadcast_buffers", False) and next(ddp.module.buffers(), None) is not None:
         problems.append("broadcasting buffers before each forward (pass broadcast_buffers=False, or use a model without buffers)")
-    if problems:
-        raise _error(f"DistributedDataParallel inside a compiled function: {'; '.join(problems)} is not supported yet. {_ADVICE}")
+    return problems
 
 
 def reduce_gradients(trc, got_grad: set):
-    """After a traced ``backward()``: average the ``.grad`` of DDP modules whose forward asked for it.
+    """After a traced ``backward()``: average the ``.grad`` of the modules whose (DDP) forward asked for it.
 
     ``got_grad``: ids of the parameters this backward produced a gradient for.
     """
@@ -106,8 +125,8 @@ def reduce_gradients(trc, got_grad: set):
     if not pending:
         return
     trc.ddp_pending = []
-    for ddp in pending:
-        named = [(n, _proxy_of(trc, p)) for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+    for module, ignore in pending:
+        named = [(n, _proxy_of(trc, p)) for n, p in module.named_parameters() if n not in ignore]
         named = [(n, p) for n, p in named if p._tt_requires_grad]
         missing = [n for n, p in named if id(p) not in got_grad]
         if missing:
