@@ -11,19 +11,15 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thunder_train as tt
+from _dist import spawn
 
 
-def run(rank, world, out_dir, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run(rank, world, out_dir):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
     eager = DDP(copy.deepcopy(base))
@@ -45,13 +41,7 @@ def run(rank, world, out_dir, port):
     result["eager_params"] = [p.detach().clone() for p in eager.parameters()]
     result["compiled_params"] = [p.detach().clone() for p in compiled.parameters()]
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(2, sys.argv[1], port), nprocs=2, join=True)
+    spawn(run, sys.argv[1])

@@ -11,13 +11,13 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thunder_train as tt
+from _dist import spawn
+from _models import train_step
 
 
 def make_model():
@@ -31,14 +31,6 @@ class OneHeadUnused(nn.Module):
 
     def forward(self, x):
         return self.used(x)
-
-
-def train_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def accumulate_step(model, opt, x1, y1, x2, y2):
@@ -67,10 +59,7 @@ def refused(fn, *args):
     return "no error"
 
 
-def run(rank, world, out_dir, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run(rank, world, out_dir):
     torch.manual_seed(0)
     base = make_model()
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard
@@ -152,13 +141,7 @@ def run(rank, world, out_dir, port):
         "buffers": refused(tt.compile(train_step), with_buffers, torch.optim.SGD(with_buffers.parameters(), lr=0.1), x, y),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(2, sys.argv[1], port), nprocs=2, join=True)
+    spawn(run, sys.argv[1])

@@ -50,3 +50,12 @@ def without_key_bias(name, t, model=None):
         d = t.shape[0] // 3
         return torch.cat([t[:d], t[2 * d:]])
     return t
+
+
+def train_step(model, opt, x, y):
+    """The whole training step the tests compile: forward, cross-entropy (any leading dims), backward, step."""
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss

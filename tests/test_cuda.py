@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_train as tt
+from _models import train_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -91,13 +92,7 @@ CUDA_OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", list(CUDA_OPTIMIZERS))
 def test_whole_training_step_on_cuda(name):
-    def step_fn(model, opt, x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step_fn = train_step
     torch.manual_seed(0)
     m1 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
     m2 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()

@@ -13,7 +13,7 @@ import thunder_train as tt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, GPTConfig  # noqa: E402
-from _models import without_key_bias  # noqa: E402
+from _models import train_step, without_key_bias  # noqa: E402
 
 
 def shape_queries(trc):
@@ -74,14 +74,6 @@ def test_size_one_is_specialised():
 
 def gpt():
     return GPT(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=16))
-
-
-def train_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_gpt_training_step_in_thin_mode_across_batch_sizes_and_lengths():

@@ -21,7 +21,7 @@ from thunder_train.compiler.proxies import TensorProxy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, GPTConfig  # noqa: E402
-from _models import without_key_bias  # noqa: E402
+from _models import train_step, without_key_bias  # noqa: E402
 
 
 def mlp():
@@ -44,15 +44,6 @@ def gpt_batches(n, seed=0):
         x = torch.randint(0, 13, (4, 8), generator=g)
         out.append((x, torch.roll(x, -1, 1)))
     return out
-
-
-def train_step(model, opt, x, y):
-    logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def clipped_step(model, opt, x, y):
