@@ -579,6 +579,30 @@ def test_checkpoint_round_trip_matches_eager(tmp_path):
     assert_same_state(eager, (m3, o3))
 
 
+def test_add_param_group_rebinds_thin_mode():
+    def step_fn(a, b, opt, x, y):
+        loss = F.cross_entropy(b(a(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def make():
+        torch.manual_seed(0)
+        a, b = nn.Linear(6, 4), nn.Linear(4, 4)
+        return a, b, torch.optim.SGD(a.parameters(), lr=0.1)
+
+    (a1, b1, o1), (a2, b2, o2) = make(), make()
+    step = tt.compile(step_fn, thin=True)
+    for i, (x, y) in enumerate(mlp_batches(6)):
+        if i == 3:  # the same param_groups list, one group longer: thin mode must not keep the old program
+            o1.add_param_group({"params": b1.parameters()})
+            o2.add_param_group({"params": b2.parameters()})
+        torch.testing.assert_close(step(a2, b2, o2, x, y), step_fn(a1, b1, o1, x, y).detach())
+    torch.testing.assert_close(b2.weight, b1.weight)
+    assert tt.compile_stats(step).thin_invalidations
+
+
 def test_optimizer_load_state_dict_rebinds_thin_mode():
     eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
     step = tt.compile(train_step, thin=True)

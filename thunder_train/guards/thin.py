@@ -168,8 +168,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         elif k == "optimizer":
             # load_state_dict replaces param_groups and state: what thin mode bound would be stale.
             opt = vals[i]
+            # add_param_group appends to the same list: its length tells.
             changed.append(f"{var} is not {bind(i)} or {var}.state is not {consts(opt.state)} "
-                           f"or {var}.param_groups is not {consts(opt.param_groups)}")
+                           f"or {var}.param_groups is not {consts(opt.param_groups)} "
+                           f"or len({var}.param_groups) != {len(opt.param_groups)}")
         elif k == "absent":
             mismatch.append(f"{var} is not None")
         elif k == "number":
