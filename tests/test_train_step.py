@@ -603,6 +603,43 @@ def test_add_param_group_rebinds_thin_mode():
     assert tt.compile_stats(step).thin_invalidations
 
 
+@pytest.mark.parametrize("whole_step", [True, False], ids=["whole-step", "autograd-path"])
+def test_freezing_and_unfreezing_parameters_rebinds_thin_mode(whole_step):
+    # Fine-tuning schedules freeze or unfreeze layers mid-training: the bound program computed the
+    # gradients (and updates) of the parameters that required grad when it was traced.
+    def make():
+        torch.manual_seed(0)
+        m = mlp()
+        m[0].requires_grad_(whole_step)  # whole step: freeze later; autograd path: unfreeze later
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    (m1, o1), (m2, o2) = make(), make()
+    if whole_step:
+        step = tt.compile(train_step, thin=True)
+        run = [lambda x, y: train_step(m1, o1, x, y), lambda x, y: step(m2, o2, x, y)]
+    else:
+        cm = tt.compile(m2, thin=True)
+
+        def autograd_step(model, opt, x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        run = [lambda x, y: autograd_step(m1, o1, x, y), lambda x, y: autograd_step(cm, o2, x, y)]
+    for i, (x, y) in enumerate(mlp_batches(6)):
+        if i == 3:
+            m1[0].requires_grad_(not whole_step)
+            m2[0].requires_grad_(not whole_step)
+        expected, actual = (f(x, y) for f in run)
+        torch.testing.assert_close(actual.detach(), expected.detach())
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(b, a)
+    stats = tt.compile_stats(step if whole_step else cm)
+    assert any("requires_grad" in r for r in stats.thin_invalidations)
+
+
 def test_optimizer_load_state_dict_rebinds_thin_mode():
     eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
     step = tt.compile(train_step, thin=True)

@@ -15,7 +15,8 @@ Leaves fall in two classes (see docs/thin_mode.md):
 Cheap automatic detection, checked on every thin call, drops the binding and runs the full
 path again: a parameter, buffer or submodule registered anywhere (torch's global
 registration hooks bump an epoch counter when the module is one a binding holds), a different top-level module/object, a
-top-level module switched between train and eval, a change of grad mode.
+top-level module switched between train and eval, a change of grad mode, a bound parameter frozen or unfrozen
+(when the program runs with grad or computes gradients), an optimizer's ``load_state_dict``/``add_param_group``.
 """
 from __future__ import annotations
 
@@ -214,6 +215,15 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if per_call[j]:
                 # A module tensor that was the same object as a batch tensor: rare; keep the full path.
                 raise CannotBind(f"{path_str(leaf.path)} aliases the per-call input {path_str(leaves[j].path)}")
+
+    # Freezing or unfreezing a parameter (requires_grad_) between steps changes what the program must
+    # compute (which gradients, which updates): one tuple comparison per call over the bound parameters.
+    # Not needed for a program bound (and checked) to run without grad that computes no gradients itself.
+    computes_grads = global_state[0] or getattr(entry.traces[0], "has_backward", False)
+    params = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter)] if computes_grads else []
+    if params:
+        flags = consts(tuple(vals[i].requires_grad for i in params))
+        demoted_conds.append(f"({''.join(f'{bind(i)}.requires_grad, ' for i in params)}) != {flags}")
 
     # The program assumed some .grad was None (e.g. zero_grad(set_to_none=True) ends each step). One
     # cheap probe catches the common violation — an eager backward() between compiled steps.
