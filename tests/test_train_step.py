@@ -433,6 +433,28 @@ def test_autograd_grad_inside_returns_grads_and_leaves_dot_grad_alone():
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_gradients_are_constants_to_a_later_backward(how):
+    # Without create_graph eager gradients have no grad_fn: a second backward through a loss built
+    # from them must not differentiate the first backward (silently 3g instead of 2g before).
+    def fn(w, x):
+        loss = (w * x).pow(2).sum()
+        if how == "backward":
+            loss.backward()
+            g = w.grad
+        else:
+            (g,) = torch.autograd.grad(loss, [w])
+        (g * w).sum().backward()
+        return g
+
+    w1 = torch.randn(5, requires_grad=True)
+    w2 = w1.detach().clone().requires_grad_()
+    x = torch.randn(5)
+    expected = fn(w1, x)
+    torch.testing.assert_close(tt.compile(fn)(w2, x), expected.detach())
+    torch.testing.assert_close(w2.grad, w1.grad)
+
+
 def test_backward_with_gradient_argument_and_errors():
     w = torch.randn(3, requires_grad=True)
 

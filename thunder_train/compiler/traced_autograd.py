@@ -161,7 +161,8 @@ def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=Fa
             continue
         if trc.grads.get(p) is None:
             g = _fresh(trc, g, taken)
-        trc.grads.accumulate(p, g)
+        # Without create_graph a gradient is a constant to any later backward (eager: no grad_fn).
+        trc.grads.accumulate(p, prims.stop_gradient(g))
     # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.
     reduce_gradients(trc, {id(p) for (p, _), g in zip(params, grads) if g is not None})
     return None
@@ -187,6 +188,8 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
         if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path:
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = record_backward(trc, outs, cts, values)
+    # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
+    grads = [None if g is None else prims.stop_gradient(g) for g in grads]
     result = []
     for i, (v, g) in enumerate(zip(values, grads)):
         if g is None:
