@@ -730,6 +730,31 @@ def test_lr_scheduler_stepping_inside_the_step_is_a_clear_error():
     assert opt.param_groups[0]["lr"] == 0.1
 
 
+def test_backward_hooks_are_a_clear_error_where_they_would_not_run():
+    x, y = mlp_batches(1)[0]
+    # Gradient hooks on parameters: not run by a backward inside the function ...
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    m[0].weight.register_hook(lambda g: g * 0.5)
+    with pytest.raises(Exception, match=r"gradient hooks .* on args\[0\].0.weight would not run"):
+        tt.compile(train_step)(m, opt, x, y)
+    # ... but run by PyTorch's engine around tt.compile(model): same .grad as eager.
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for model in (eager[0], compiled[0]):
+        model[0].weight.register_hook(lambda g: g * 0.5)
+    F.cross_entropy(eager[0](x), y).backward()
+    F.cross_entropy(tt.compile(compiled[0])(x), y).backward()
+    torch.testing.assert_close(compiled[0][0].weight.grad, eager[0][0].weight.grad)
+    # Module backward hooks: not run by our backward on either path.
+    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    m[2].register_full_backward_pre_hook(lambda mod, go: (go[0] * 2,))
+    with pytest.raises(Exception, match=r"module backward hooks .* on args\[0\].2 would not run"):
+        tt.compile(train_step)(m, opt, x, y)
+    with pytest.raises(Exception, match=r"module backward hooks .* would not run"):
+        tt.compile(m)(x)
+    with torch.no_grad():  # no gradients, nothing to refuse
+        torch.testing.assert_close(tt.compile(m)(x), m(x))
+
+
 def test_grad_scaler_inside_a_step_is_a_clear_error():
     m = nn.Linear(4, 2)
     opt = torch.optim.AdamW(m.parameters())

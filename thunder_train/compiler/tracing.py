@@ -733,6 +733,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                     _only_walked_optimizers_step(walker):
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
+            _refuse_backward_hooks(trc, walker)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
             out = _check_output(out)
@@ -749,6 +750,44 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in trc.written_inputs}
     return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
+
+
+def _refuse_backward_hooks(trc, walker):
+    """Python hooks PyTorch's autograd engine would call in the backward: our backward calls none of them.
+
+    Module backward hooks (``register_full_backward_hook``/``_pre_hook``) matter for any gradient of the
+    program (a backward inside, or outputs that require grad); gradient hooks on inputs
+    (``register_hook``, ``register_post_accumulate_grad_hook``) only for a backward inside the function —
+    around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
+    """
+    inside = getattr(trc, "has_backward", False)
+    # The autograd path (attach_autograd): grad enabled and an input requiring grad.
+    outside = torch.is_grad_enabled() and any(
+        leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
+    if not (inside or outside):
+        return
+    from torch.nn.modules import module as module_mod
+
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
+              if leaf.kind == "module" and (leaf.value._backward_hooks or leaf.value._backward_pre_hooks)]
+    if hooked or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        where = f"on {', '.join(hooked[:3])}" if hooked else "registered globally"
+        raise TracingError(
+            f"module backward hooks (register_full_backward_hook / register_full_backward_pre_hook) {where} would not "
+            "run: thunder_train computes the gradients of a compiled function with its own backward. Remove the hooks "
+            "from the compiled part (compile the modules without hooks), or do the hook's work in the training step."
+        )
+    if not inside:
+        return
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
+              if leaf.kind == "tensor" and leaf.alias_of is None
+              and (getattr(leaf.value, "_backward_hooks", None) or getattr(leaf.value, "_post_accumulate_grad_hooks", None))]
+    if hooked:
+        raise TracingError(
+            f"gradient hooks (register_hook / register_post_accumulate_grad_hook) on {', '.join(hooked[:3])} would not run "
+            "in a backward inside the compiled function. Compile the forward only (tt.compile(model)) and call backward() "
+            "outside — PyTorch's autograd then runs the hooks — or apply the hook's change to .grad inside the step."
+        )
 
 
 @contextlib.contextmanager
