@@ -479,6 +479,12 @@ def handle_torch_function(func, types, args, kwargs):
             if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
                 _record_views(trc, sym, orig_args[0], args[1:], kwargs, out)
         return _no_grad_region(trc, out, sym)
+    if fname in ("register_hook", "register_post_accumulate_grad_hook") and any(type(a) is TensorProxy for a in _flat(args, kwargs)):
+        raise TracingError(
+            f"Tensor.{fname} inside a compiled function: thunder_train computes gradients with its own backward and "
+            "would not call the hook. Apply its change to the gradient explicitly (torch.autograd.grad, then modify), "
+            "or register it outside on a parameter and call backward() outside the compiled function."
+        )
     if top and getattr(func, "__name__", "").endswith("_") and not getattr(func, "__name__", "").endswith("__"):
         if any(type(a) is TensorProxy for a in _flat(args, kwargs)):
             if getattr(func, "__name__", "").startswith("_fused_"):
@@ -730,7 +736,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    _only_walked_optimizers_step(walker):
+                    _only_walked_optimizers_step(walker), _custom_autograd_functions_refused():
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
             _refuse_backward_hooks(trc, walker)
@@ -750,6 +756,44 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in trc.written_inputs}
     return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
+
+
+@contextlib.contextmanager
+def _custom_autograd_functions_refused():
+    """A user's ``torch.autograd.Function`` on tensors that need gradients: its ``backward()`` is Python our
+    backward does not call (the forward's ops would be differentiated instead, or not at all), so it is an error.
+    """
+    from torch.autograd.function import Function
+    from torch.nn.modules._functions import BackwardHookFunction  # module backward hooks: refused on their own
+
+    original = Function.__dict__["apply"]
+
+    def needs_grad(trc, tensors) -> bool:
+        from .traced_autograd import grad_leaves
+        from .transforms.autograd import Forward
+
+        tensors = [trc.buffers.read(t) for t in tensors]
+        if any(t._tt_requires_grad for t in tensors):
+            return True
+        on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
+        return any(id(t) in on_path for t in tensors)
+
+    def apply(cls, *args, **kwargs):
+        trc = context.get_trace()
+        tensors = [a for a in _flat(args, kwargs) if type(a) is TensorProxy]
+        if trc is not None and tensors and torch.is_grad_enabled() and cls is not BackwardHookFunction and needs_grad(trc, tensors):
+            raise TracingError(
+                f"custom torch.autograd.Function {cls.__name__} on tensors that require grad: thunder_train computes "
+                "gradients with its own backward and would not call its backward(). Write it with differentiable torch "
+                "ops, run it under torch.no_grad() if it needs no gradient, or keep it outside the compiled function."
+            )
+        return original.__func__(cls, *args, **kwargs)
+
+    Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        Function.apply = original
 
 
 def _refuse_backward_hooks(trc, walker):
