@@ -25,6 +25,7 @@ from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
 from .torchlang.optim import optimizers_while_tracing
 from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
+from .custom_function import custom_functions_while_tracing
 from .trace import Trace
 from .functional import Buffers
 from .traced_autograd import GradState
@@ -736,7 +737,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    _only_walked_optimizers_step(walker), _custom_autograd_functions_refused():
+                    _only_walked_optimizers_step(walker), custom_functions_while_tracing(_needs_grad):
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
             _refuse_backward_hooks(trc, walker)
@@ -758,42 +759,16 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
 
 
-@contextlib.contextmanager
-def _custom_autograd_functions_refused():
-    """A user's ``torch.autograd.Function`` on tensors that need gradients: its ``backward()`` is Python our
-    backward does not call (the forward's ops would be differentiated instead, or not at all), so it is an error.
-    """
-    from torch.autograd.function import Function
-    from torch.nn.modules._functions import BackwardHookFunction  # module backward hooks: refused on their own
+def _needs_grad(trc, tensors) -> bool:
+    """Whether any of ``tensors`` (current values) requires grad or depends on an input that does."""
+    from .traced_autograd import grad_leaves
+    from .transforms.autograd import Forward
 
-    original = Function.__dict__["apply"]
-
-    def needs_grad(trc, tensors) -> bool:
-        from .traced_autograd import grad_leaves
-        from .transforms.autograd import Forward
-
-        tensors = [trc.buffers.read(t) for t in tensors]
-        if any(t._tt_requires_grad for t in tensors):
-            return True
-        on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
-        return any(id(t) in on_path for t in tensors)
-
-    def apply(cls, *args, **kwargs):
-        trc = context.get_trace()
-        tensors = [a for a in _flat(args, kwargs) if type(a) is TensorProxy]
-        if trc is not None and tensors and torch.is_grad_enabled() and cls is not BackwardHookFunction and needs_grad(trc, tensors):
-            raise TracingError(
-                f"custom torch.autograd.Function {cls.__name__} on tensors that require grad: thunder_train computes "
-                "gradients with its own backward and would not call its backward(). Write it with differentiable torch "
-                "ops, run it under torch.no_grad() if it needs no gradient, or keep it outside the compiled function."
-            )
-        return original.__func__(cls, *args, **kwargs)
-
-    Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        Function.apply = original
+    tensors = [trc.buffers.read(t) for t in tensors]
+    if any(t._tt_requires_grad for t in tensors):
+        return True
+    on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
+    return any(id(t) in on_path for t in tensors)
 
 
 def _refuse_backward_hooks(trc, walker):

@@ -76,6 +76,9 @@ def bind_arguments(bsym) -> dict:
 
 def get_rule(bsym):
     """The gradient rule that applies to ``bsym``, or None."""
+    own = getattr(bsym.sym, "vjp_rule", None)  # a symbol made for one call (a custom autograd.Function)
+    if own is not None:
+        return own
     entry = _rules.get(bsym.sym)
     if entry is None:
         return None
