@@ -455,6 +455,47 @@ def test_gradients_are_constants_to_a_later_backward(how):
     torch.testing.assert_close(w2.grad, w1.grad)
 
 
+def _gradient_penalty_step(model, opt, x):
+    # WGAN-GP style: the penalty differentiates a gradient (create_graph=True).
+    x = x.clone().requires_grad_()
+    out = model(x).sum()
+    (gx,) = torch.autograd.grad(out, [x], create_graph=True)
+    loss = out / x.shape[0] + 10 * ((gx.norm(dim=1) - 1) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _grad_norm_penalty_step(model, opt, x):
+    loss = model(x).pow(2).mean()
+    loss.backward(create_graph=True)
+    penalty = sum((p.grad ** 2).sum() for p in model.parameters())
+    penalty.backward()
+    opt.step()
+    opt.zero_grad()
+    return penalty
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # eager's, about its own .grad cycle
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+@pytest.mark.parametrize("step_fn", [_gradient_penalty_step, _grad_norm_penalty_step], ids=["autograd.grad", "backward"])
+def test_double_backward_with_create_graph_matches_eager(step_fn, decompose):
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    eager, compiled = make(), make()
+    step = tt.compile(step_fn, thin=True, decompose=decompose)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(8, 6, generator=g)
+        torch.testing.assert_close(step(*compiled, x), step_fn(*eager, x).detach())
+    for a, b in zip(eager[0].parameters(), compiled[0].parameters()):
+        torch.testing.assert_close(b, a)
+
+
 def test_backward_with_gradient_argument_and_errors():
     w = torch.randn(3, requires_grad=True)
 

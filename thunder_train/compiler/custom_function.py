@@ -8,9 +8,10 @@ second composite (``<Fn>_backward``), so a straight-through estimator's gradient
 one its author wrote, not the derivative of its forward.  Both paths use it: a backward
 inside the function and ``tt.compile(model)`` with PyTorch autograd around it.
 
-Not supported (a clear error): ``ctx.mark_dirty`` (in-place custom functions) and
-``once_differentiable``-style double backward.  Under ``torch.no_grad()`` (or on tensors
-that need no gradient) ``apply`` runs the forward directly, as eager does.
+Not supported (a clear error): ``ctx.mark_dirty`` (in-place custom functions).  With
+``create_graph=True`` the traced ``Fn.backward`` is differentiated through its ops.  Under
+``torch.no_grad()`` (or on tensors that need no gradient) ``apply`` runs the forward
+directly, as eager does.
 """
 from __future__ import annotations
 

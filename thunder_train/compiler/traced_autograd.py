@@ -142,8 +142,6 @@ def _fresh(trc, g, taken: set):
 
 def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing."""
-    if create_graph:
-        raise NotImplementedError("backward(create_graph=True) (double backward) is not supported inside a compiled function yet")
     buffers = trc.buffers
     outs = [buffers.read(t) for t in _as_list(tensors)]
     cts = _as_list(grad_tensors) or [None] * len(outs)
@@ -162,7 +160,7 @@ def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=Fa
         if trc.grads.get(p) is None:
             g = _fresh(trc, g, taken)
         # Without create_graph a gradient is a constant to any later backward (eager: no grad_fn).
-        trc.grads.accumulate(p, prims.stop_gradient(g))
+        trc.grads.accumulate(p, g if create_graph else prims.stop_gradient(g))
     # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.
     reduce_gradients(trc, {id(p) for (p, _), g in zip(params, grads) if g is not None})
     return None
@@ -171,8 +169,6 @@ def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=Fa
 def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
          allow_unused=None, is_grads_batched=False, materialize_grads=False):
     """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
-    if create_graph:
-        raise NotImplementedError("torch.autograd.grad(create_graph=True) is not supported inside a compiled function yet")
     if is_grads_batched:
         raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
     buffers = trc.buffers
@@ -189,7 +185,8 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = record_backward(trc, outs, cts, values)
     # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
-    grads = [None if g is None else prims.stop_gradient(g) for g in grads]
+    if not create_graph:
+        grads = [None if g is None else prims.stop_gradient(g) for g in grads]
     result = []
     for i, (v, g) in enumerate(zip(values, grads)):
         if g is None:
