@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from . import context
+from .errors import TracingError
 from .proxies import TensorProxy
 from .symbols import Symbol
 
@@ -46,8 +47,6 @@ class TracedCtx:
         self.materialize_grads = value
 
     def mark_dirty(self, *tensors):
-        from .tracing import TracingError
-
         raise TracingError("a custom torch.autograd.Function that modifies its inputs in place (ctx.mark_dirty) "
                            "is not supported inside a compiled function")
 
@@ -80,8 +79,6 @@ def traced_apply(cls, args, kwargs):
     from torch.autograd.function import _is_setup_context_defined
 
     if kwargs:
-        from .tracing import TracingError
-
         raise TracingError(f"custom torch.autograd.Function {cls.__name__}: keyword arguments to apply() are not supported")
     ctx = TracedCtx(tuple(type(a) is TensorProxy and a._tt_dtype.is_float for a in args))
     setup = _is_setup_context_defined(cls.setup_context)

@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from . import context, prims
+from .errors import TracingError
 
 
 def _ddp_class():
@@ -37,12 +38,6 @@ def _ddp_class():
 def is_ddp(module) -> bool:
     cls = _ddp_class()
     return cls is not None and isinstance(module, cls)
-
-
-def _error(msg):
-    from .tracing import TracingError
-
-    return TracingError(msg)
 
 
 _ADVICE = ("Wrap the compiled module instead — DDP(tt.compile(model)) — and call backward() and the optimizer "
@@ -95,7 +90,7 @@ def average_gradients_at_backward(module, ignore=()):
 def _check_supported(ddp):
     problems = unsupported(ddp)
     if problems:
-        raise _error(f"DistributedDataParallel inside a compiled function: {'; '.join(problems)} is not supported yet. {_ADVICE}")
+        raise TracingError(f"DistributedDataParallel inside a compiled function: {'; '.join(problems)} is not supported yet. {_ADVICE}")
 
 
 def unsupported(ddp) -> list:
@@ -130,7 +125,7 @@ def reduce_gradients(trc, got_grad: set):
         named = [(n, p) for n, p in named if p._tt_requires_grad]
         missing = [n for n, p in named if id(p) not in got_grad]
         if missing:
-            raise _error(
+            raise TracingError(
                 f"DistributedDataParallel inside a compiled function: parameter(s) {', '.join(missing[:3])} got no gradient "
                 "in this backward; parameters unused by the loss (find_unused_parameters) are not supported inside a "
                 f"compiled function yet. {_ADVICE}"
@@ -148,7 +143,7 @@ def _proxy_of(trc, p):
 def check_finished(trc):
     """At the end of tracing: every synchronising DDP forward had its backward in the function."""
     if getattr(trc, "ddp_pending", None):
-        raise _error(
+        raise TracingError(
             "DistributedDataParallel inside a compiled function ran its forward with grad enabled, but the backward "
             "is not in the same function: DDP's gradient averaging would not run. Call loss.backward() (and the "
             f"optimizer) inside the compiled function, run the forward under torch.no_grad() for evaluation, or: {_ADVICE}"

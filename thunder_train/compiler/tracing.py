@@ -11,7 +11,6 @@ the torch language; calls on proxies outside the mode arrive through
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import inspect
 from typing import Any
@@ -26,14 +25,12 @@ from .torchlang import registry
 from .torchlang.optim import optimizers_while_tracing
 from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
 from .custom_function import custom_functions_while_tracing
+from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
+from .errors import TracingError
 from .trace import Trace
 from .functional import Buffers
 from .traced_autograd import GradState
 from .epilogue import finish
-
-
-class TracingError(RuntimeError):
-    """The function cannot be traced as written; the message says why and what to do."""
 
 
 # ---------------------------------------------------------------------------
@@ -737,10 +734,10 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    _only_walked_optimizers_step(walker), custom_functions_while_tracing(_needs_grad):
+                    only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
             check_ddp_finished(trc)
-            _refuse_backward_hooks(trc, walker)
+            refuse_backward_hooks(trc, walker)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
             out = _check_output(out)
@@ -757,78 +754,6 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in trc.written_inputs}
     return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
-
-
-def _needs_grad(trc, tensors) -> bool:
-    """Whether any of ``tensors`` (current values) requires grad or depends on an input that does."""
-    from .traced_autograd import grad_leaves
-    from .transforms.autograd import Forward
-
-    tensors = [trc.buffers.read(t) for t in tensors]
-    if any(t._tt_requires_grad for t in tensors):
-        return True
-    on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
-    return any(id(t) in on_path for t in tensors)
-
-
-def _refuse_backward_hooks(trc, walker):
-    """Python hooks PyTorch's autograd engine would call in the backward: our backward calls none of them.
-
-    Module backward hooks (``register_full_backward_hook``/``_pre_hook``) matter for any gradient of the
-    program (a backward inside, or outputs that require grad); gradient hooks on inputs
-    (``register_hook``, ``register_post_accumulate_grad_hook``) only for a backward inside the function —
-    around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
-    """
-    inside = getattr(trc, "has_backward", False)
-    # The autograd path (attach_autograd): grad enabled and an input requiring grad.
-    outside = torch.is_grad_enabled() and any(
-        leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
-    if not (inside or outside):
-        return
-    from torch.nn.modules import module as module_mod
-
-    hooked = [path_str(leaf.path) for leaf in walker.leaves
-              if leaf.kind == "module" and (leaf.value._backward_hooks or leaf.value._backward_pre_hooks)]
-    if hooked or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
-        where = f"on {', '.join(hooked[:3])}" if hooked else "registered globally"
-        raise TracingError(
-            f"module backward hooks (register_full_backward_hook / register_full_backward_pre_hook) {where} would not "
-            "run: thunder_train computes the gradients of a compiled function with its own backward. Remove the hooks "
-            "from the compiled part (compile the modules without hooks), or do the hook's work in the training step."
-        )
-    if not inside:
-        return
-    hooked = [path_str(leaf.path) for leaf in walker.leaves
-              if leaf.kind == "tensor" and leaf.alias_of is None
-              and (getattr(leaf.value, "_backward_hooks", None) or getattr(leaf.value, "_post_accumulate_grad_hooks", None))]
-    if hooked:
-        raise TracingError(
-            f"gradient hooks (register_hook / register_post_accumulate_grad_hook) on {', '.join(hooked[:3])} would not run "
-            "in a backward inside the compiled function. Compile the forward only (tt.compile(model)) and call backward() "
-            "outside — PyTorch's autograd then runs the hooks — or apply the hook's change to .grad inside the step."
-        )
-
-
-@contextlib.contextmanager
-def _only_walked_optimizers_step(walker):
-    """An optimizer the function reads from a global or closure was not walked: its parameters are
-    the real tensors, whose ``.grad`` the traced backward does not set, so its step would silently
-    update nothing.  Stepping it is an error that says what to do."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    def check(opt, args, kwargs):
-        if id(opt) not in walker.by_id:
-            raise TracingError(
-                f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
-                "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
-                "state. Pass it as an argument: step = tt.compile(train_step); step(model, opt, x, y)."
-            )
-
-    handle = register_optimizer_step_pre_hook(check)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

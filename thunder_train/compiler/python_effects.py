@@ -1,0 +1,92 @@
+"""Python-level behaviour a compiled program would not repeat, found while tracing.
+
+Tracing runs the user's Python once; the program then replays only tensor work.  What
+would silently go missing — an optimizer the walker never saw, backward hooks our
+backward does not call — is an error here that says what to do instead.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .errors import TracingError
+
+
+
+def _path_str(path):
+    from .tracing import path_str
+
+    return path_str(path)
+
+
+def needs_grad(trc, tensors) -> bool:
+    """Whether any of ``tensors`` (current values) requires grad or depends on an input that does."""
+    from .traced_autograd import grad_leaves
+    from .transforms.autograd import Forward
+
+    tensors = [trc.buffers.read(t) for t in tensors]
+    if any(t._tt_requires_grad for t in tensors):
+        return True
+    on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
+    return any(id(t) in on_path for t in tensors)
+
+
+def refuse_backward_hooks(trc, walker):
+    """Python hooks PyTorch's autograd engine would call in the backward: our backward calls none of them.
+
+    Module backward hooks (``register_full_backward_hook``/``_pre_hook``) matter for any gradient of the
+    program (a backward inside, or outputs that require grad); gradient hooks on inputs
+    (``register_hook``, ``register_post_accumulate_grad_hook``) only for a backward inside the function —
+    around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
+    """
+    inside = getattr(trc, "has_backward", False)
+    # The autograd path (attach_autograd): grad enabled and an input requiring grad.
+    outside = torch.is_grad_enabled() and any(
+        leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
+    if not (inside or outside):
+        return
+    from torch.nn.modules import module as module_mod
+
+    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+              if leaf.kind == "module" and (leaf.value._backward_hooks or leaf.value._backward_pre_hooks)]
+    if hooked or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        where = f"on {', '.join(hooked[:3])}" if hooked else "registered globally"
+        raise TracingError(
+            f"module backward hooks (register_full_backward_hook / register_full_backward_pre_hook) {where} would not "
+            "run: thunder_train computes the gradients of a compiled function with its own backward. Remove the hooks "
+            "from the compiled part (compile the modules without hooks), or do the hook's work in the training step."
+        )
+    if not inside:
+        return
+    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+              if leaf.kind == "tensor" and leaf.alias_of is None
+              and (getattr(leaf.value, "_backward_hooks", None) or getattr(leaf.value, "_post_accumulate_grad_hooks", None))]
+    if hooked:
+        raise TracingError(
+            f"gradient hooks (register_hook / register_post_accumulate_grad_hook) on {', '.join(hooked[:3])} would not run "
+            "in a backward inside the compiled function. Compile the forward only (tt.compile(model)) and call backward() "
+            "outside — PyTorch's autograd then runs the hooks — or apply the hook's change to .grad inside the step."
+        )
+
+
+@contextlib.contextmanager
+def only_walked_optimizers_step(walker):
+    """An optimizer the function reads from a global or closure was not walked: its parameters are
+    the real tensors, whose ``.grad`` the traced backward does not set, so its step would silently
+    update nothing.  Stepping it is an error that says what to do."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(opt, args, kwargs):
+        if id(opt) not in walker.by_id:
+            raise TracingError(
+                f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
+                "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
+                "state. Pass it as an argument: step = tt.compile(train_step); step(model, opt, x, y)."
+            )
+
+    handle = register_optimizer_step_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
