@@ -198,6 +198,8 @@ FUSED_ROUTES = {
     "adam-fused-true": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
     "adamw-fused-true": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
     "sgd-fused-true": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad-decay-maximize": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, maximize=True),
+    "adagrad-fused-true": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1, fused=True),
 }
 
 
@@ -736,12 +738,6 @@ def test_more_optimizers_match_eager(name):
     for x, y in mlp_batches(4):
         torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
     assert_same_state(eager, compiled, atol=1e-5)
-
-
-def test_unsupported_fused_optimizer_is_a_clear_error():
-    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True))
-    with pytest.raises(Exception, match="fused=True optimizer is not supported .*Adam, AdamW and SGD are"):
-        tt.compile(train_step)(m, opt, *mlp_batches(1)[0])
 
 
 def test_model_from_a_closure_trains_and_an_optimizer_from_a_closure_is_a_clear_error():

@@ -571,7 +571,7 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     size or sequence length reuses the program (see docs/thin_mode.md).
     ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
     (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
-    ``optimizer_kernels="fused"`` (default): an Adam, AdamW or SGD step inside the function runs
+    ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
     """

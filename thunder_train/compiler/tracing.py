@@ -488,7 +488,7 @@ def handle_torch_function(func, types, args, kwargs):
             if getattr(func, "__name__", "").startswith("_fused_"):
                 raise TracingError(
                     f"{_callable_name(func)}: this fused=True optimizer is not supported inside a compiled step yet "
-                    "(Adam, AdamW and SGD are); use foreach=True or the default implementation"
+                    "(Adam, AdamW, SGD and Adagrad are); use foreach=True or the default implementation"
                 )
             if getattr(func, "__name__", "").startswith("_amp_"):
                 raise TracingError(

@@ -195,6 +195,15 @@ def sgd_update(params, grads, momentum_buffers, **kwargs):
     return sgd_update_([p.clone() for p in params], grads, [b.clone() for b in momentum_buffers], **kwargs)
 
 
+def adagrad_update_(params, grads, state_sums, state_steps, **hyper):
+    torch._fused_adagrad_(params, grads, state_sums, state_steps, **hyper)
+    return params, state_sums
+
+
+def adagrad_update(params, grads, state_sums, state_steps, **kwargs):
+    return adagrad_update_([p.clone() for p in params], grads, [s.clone() for s in state_sums], state_steps, **kwargs)
+
+
 def foreach_add_(tensors, other):
     """``torch._foreach_add_`` returning its list (the re-inplaced form of ``(a, b) = _foreach_add([a, b], 1)``)."""
     torch._foreach_add_(tensors, other)
@@ -204,6 +213,7 @@ def foreach_add_(tensors, other):
 # (functional form, output position -> the argument position its in-place form overwrites)
 adam_update.inplace, adam_update.overwrites = adam_update_, ((0, 0), (1, 2), (2, 3), (3, 4))
 sgd_update.inplace, sgd_update.overwrites = sgd_update_, ((0, 0), (1, 2))
+adagrad_update.inplace, adagrad_update.overwrites = adagrad_update_, ((0, 0), (1, 2))
 
 
 def all_reduce_mean(tensors):

@@ -7,14 +7,14 @@ kernels per parameter (``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div``, ``a
 one pass for all parameters in about 3 ms.  So, while tracing, the update of a known
 optimizer becomes one symbol per parameter group:
 
-* ``torch._fused_adam_``/``_fused_adamw_``/``_fused_sgd_`` (what ``fused=True`` optimizers
-  call) are in-place torch symbols; the tracer records their functional forms
-  ``adam_update``/``sgd_update``, whose decompositions below are the update formulas
+* ``torch._fused_adam_``/``_fused_adamw_``/``_fused_sgd_``/``_fused_adagrad_`` (what
+  ``fused=True`` optimizers call) are in-place torch symbols; the tracer records their
+  functional forms ``adam_update``/``sgd_update``/``adagrad_update``, whose decompositions below are the update formulas
   (``decompose=True`` and fusion executors use them).  The torch executor runs the fused
   kernel on copies, and re-inplacing (``transforms/reinplace.py``) runs it directly on the
   parameters and state when nothing else reads their old values, dropping the copies.
 * ``optimizers_while_tracing()`` routes the default and ``foreach`` implementations of
-  Adam, AdamW and SGD to torch's own fused path (``torch.optim.adam._fused_adam``) while
+  Adam, AdamW, SGD and (on CPU) Adagrad to torch's own fused path (``torch.optim.adam._fused_adam``) while
   tracing, when that path computes the same thing for these tensors (float32/float64,
   no GradScaler, no capturable or differentiable mode, state on the parameters' device).
   ``tt.compile(..., optimizer_kernels="traced")`` keeps the optimizer's own per-op code.
@@ -143,6 +143,44 @@ def fused_sgd_(*args, **kwargs):
 fused_sgd_.functionalize = _sgd_new_values
 
 
+# ---------------------------------------------------------------------------
+# Adagrad (torch has the fused kernel on CPU)
+# ---------------------------------------------------------------------------
+@torchsymbol(name="adagrad_update", torch_impl=torch_impls.adagrad_update)
+def adagrad_update(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize):
+    """New (params, state_sums) after one Adagrad step; ``state_steps`` already incremented."""
+    new_p, new_sum = [], []
+    for p, g, acc, step in zip(params, grads, state_sums, state_steps):
+        if maximize:
+            g = ew.neg(g)
+        g = ew.add(g, p, alpha=weight_decay)
+        step = clang.maybe_convert(step, dtypes.float64)
+        clr = ew.rtruediv(ew.add(ew.mul(ew.sub(step, 1), lr_decay), 1), lr)  # lr / (1 + (step - 1) * lr_decay)
+        acc = ew.addcmul(acc, g, g)
+        new_p.append(ew.sub(p, ew.mul(clr, ew.div(g, ew.add(ew.sqrt(acc), eps)))))
+        new_sum.append(acc)
+    return new_p, new_sum
+
+
+def _adagrad_new_values(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
+                        grad_scale=None, found_inf=None):
+    _no_grad_scaler(torch._fused_adagrad_, grad_scale, found_inf)
+    params, grads, sums, steps = _lists(params, grads, state_sums, state_steps)
+    new = adagrad_update(params, grads, sums, steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
+                         maximize=maximize)
+    return None, [(dst, value) for dsts, values in zip((params, sums), new) for dst, value in zip(dsts, values)]
+
+
+@torchsymbol(torch._fused_adagrad_, name="_fused_adagrad_", tags=("inplace",))
+def fused_adagrad_(*args, **kwargs):
+    _, writes = _adagrad_new_values(*args, **kwargs)
+    for dst, value in writes:
+        prims.copy_(value, dst)
+
+
+fused_adagrad_.functionalize = _adagrad_new_values
+
+
 def _no_grad_scaler(kernel, grad_scale, found_inf):
     if grad_scale is not None or found_inf is not None:
         raise NotImplementedError(
@@ -187,13 +225,24 @@ def _sgd_fits(params, grads, momentum_buffer_list, grad_scale, found_inf, *, lr,
     return _same_device_floats([*params, *grads, *(b for b in bufs if b is not None)], ())
 
 
+def _adagrad_fits(params, grads, state_sums, state_steps, grad_scale, found_inf, *, lr, has_sparse_grad=False,
+                  differentiable=False, has_complex=False, **_):
+    if grad_scale is not None or found_inf is not None or has_sparse_grad or differentiable or has_complex:
+        return False
+    if isinstance(lr, torch.Tensor) or not params or params[0]._tt_device.type != "cpu":
+        return False  # torch's fused Adagrad runs on the CPU only
+    return _same_device_floats([*params, *grads, *state_sums], state_steps)
+
+
 def _routes():
     """(module, names of its per-op implementations, its fused implementation, fits) for each optimizer."""
-    from torch.optim import adam, sgd
+    from torch.optim import adagrad, adam, sgd
 
     routes = []
     for module, names, fused, fits in ((adam, ("_single_tensor_adam", "_multi_tensor_adam"), "_fused_adam", _adam_fits),
-                                       (sgd, ("_single_tensor_sgd", "_multi_tensor_sgd"), "_fused_sgd", _sgd_fits)):
+                                       (sgd, ("_single_tensor_sgd", "_multi_tensor_sgd"), "_fused_sgd", _sgd_fits),
+                                       (adagrad, ("_single_tensor_adagrad", "_multi_tensor_adagrad"), "_fused_adagrad",
+                                        _adagrad_fits)):
         if hasattr(module, fused) and all(hasattr(module, n) for n in names):
             routes.append((module, names, getattr(module, fused), fits))
     return routes
@@ -215,7 +264,7 @@ def optimizers_while_tracing(fused_kernels: bool = True):
 
     * Its default implementation is chosen as in eager: ``foreach`` for CUDA tensors (torch asks
       ``type(p) in _foreach_supported_types``, which a proxy would fail), the for-loop on CPU.
-    * ``fused_kernels``: Adam/AdamW/SGD updates take torch's fused path where it computes the same thing.
+    * ``fused_kernels``: Adam/AdamW/SGD/Adagrad updates take torch's fused path where it computes the same thing.
     """
     from torch.optim import optimizer
 
