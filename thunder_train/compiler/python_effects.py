@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from . import context
 from .errors import TracingError
 
 
@@ -77,8 +78,11 @@ def only_walked_optimizers_step(walker):
     update nothing.  Stepping it is an error that says what to do."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    trc = context.get_trace()
+
     def check(opt, args, kwargs):
-        if id(opt) not in walker.by_id:
+        # The hook is global: an optimizer stepping in another thread meanwhile is none of our business.
+        if context.get_trace() is trc and id(opt) not in walker.by_id:
             raise TracingError(
                 f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
                 "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
