@@ -11,7 +11,7 @@ import torch
 
 from .compiler import tracing
 from .compiler.executors.passes import lower_to_executors
-from .compiler.executors.torch_executor import decomposing_torch_executor, fusing_torch_executor, torch_executor
+from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.transforms.dce import dce
 from .compiler.transforms.no_grad import without_autograd
 from .compiler.transforms.reinplace import reinplace
@@ -231,8 +231,7 @@ class CompiledFunction:
             raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
         self.optimizer_kernels = optimizer_kernels
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
-        self.executors = [decomposing_torch_executor if decompose
-                          else fusing_torch_executor if fusion == "inductor" else torch_executor]
+        self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
         self._last: CacheEntry | None = None

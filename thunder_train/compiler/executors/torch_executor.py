@@ -384,23 +384,15 @@ def _(bsym):
 
 
 class TorchExecutor:
-    """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``.
-
-    ``leave_to_fusion``: names of elementwise composites left to their decomposition on static-shape
-    CPU tensors, so that a fusion pass after lowering sees their prims (GELU's tanh formula and its
-    gradient fuse with the neighbouring bias adds and residual sums into one Inductor kernel).
-    """
+    """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``."""
 
     name = "torch"
 
-    def __init__(self, decompose: bool = False, leave_to_fusion: frozenset = frozenset()):
+    def __init__(self, decompose: bool = False):
         self.decompose = decompose
-        self.leave_to_fusion = leave_to_fusion
 
     def claim(self, bsym) -> BoundSymbol | None:
         sym = bsym.sym
-        if sym.name in self.leave_to_fusion and bsym.subsymbols and _static_cpu(bsym.output):
-            return None
         if sym.module == "prims":
             rule = _prim_rules.get(sym)
             if rule is None:
@@ -454,16 +446,8 @@ def _as_meta_proxy(x):
     return x
 
 
-def _static_cpu(out) -> bool:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return all(type(o) is TensorProxy and o._tt_device.type == "cpu" and all(type(d) is int for d in o._tt_shape)
-               for o in outs if o is not None)
-
-
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
-# fusion="inductor": elementwise activations and their gradients decompose for the fusion pass.
-fusing_torch_executor = TorchExecutor(leave_to_fusion=frozenset({"gelu", "silu", "gelu_vjp", "silu_vjp"}))
 
 
 @_rule(prims.polygamma)
