@@ -1,6 +1,6 @@
 """Whole training step: forward, cross-entropy, backward, AdamW, zero_grad — compiled as one program.
 
-Run: python benchmarks/train_step.py [--no-torch-compile] [--steps N] [--models gpt,mlp]
+Run: python benchmarks/train_step.py [--no-torch-compile] [--fusion] [--steps N] [--models gpt,mlp]
 
 For each model, copies of the same weights train on the same batches:
 eager PyTorch, ``torch.compile`` of the whole step, and
@@ -66,7 +66,7 @@ def mlp_setup(batch=64, d=256, classes=10):
     return model, data
 
 
-def bench(model_name, setup, steps, with_torch_compile):
+def bench(model_name, setup, steps, with_torch_compile, with_fusion=False):
     torch.manual_seed(0)
     base, data = setup()
     batches = data(steps)
@@ -78,6 +78,8 @@ def bench(model_name, setup, steps, with_torch_compile):
     if with_torch_compile:
         modes["torch.compile"] = (torch.compile(train_step), {})
     modes["thunder_train thin"] = (tt.compile(train_step, thin=True), {})
+    if with_fusion:
+        modes["thunder_train thin+inductor"] = (tt.compile(train_step, thin=True, fusion="inductor"), {})
     runs = {}
     for name, (fn, opt_kwargs) in modes.items():
         model = copy.deepcopy(base)
@@ -118,6 +120,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--models", default="gpt,mlp")
     p.add_argument("--no-torch-compile", action="store_true")
+    p.add_argument("--fusion", action="store_true", help="also tt.compile(..., fusion='inductor') (C++ compiles: slow first call)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -125,7 +128,7 @@ def main(argv=None):
               "mlp": ("MLP (3 layers, d 256, batch 64)", mlp_setup)}
     for key in args.models.split(","):
         label, setup = setups[key]
-        bench(label, setup, args.steps, not args.no_torch_compile)
+        bench(label, setup, args.steps, not args.no_torch_compile, args.fusion)
 
 
 if __name__ == "__main__":
