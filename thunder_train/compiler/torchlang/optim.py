@@ -39,6 +39,27 @@ def _lists(*lists):
     return [list(x) for x in lists]
 
 
+def _writes(targets, new_values) -> list:
+    """``(destination, new value)`` pairs: each list of targets with its list of new values."""
+    return [(dst, value) for dsts, values in zip(targets, new_values) for dst, value in zip(dsts, values)]
+
+
+def _inplace_kernel(kernel, new_values):
+    """``torch._fused_*_`` as an in-place torch symbol.  While tracing only ``new_values`` runs
+    (``functionalize``: the result and the writes); run on real tensors (a printed trace), its
+    decomposition writes the new values back with ``prims.copy_``."""
+
+    def inplace(*args, **kwargs):
+        _, writes = new_values(*args, **kwargs)
+        for dst, value in writes:
+            prims.copy_(value, dst)
+
+    inplace.__name__ = kernel.__name__
+    sym = torchsymbol(kernel, name=kernel.__name__, tags=("inplace",))(inplace)
+    sym.functionalize = new_values
+    return sym
+
+
 # ---------------------------------------------------------------------------
 # Adam / AdamW
 # ---------------------------------------------------------------------------
@@ -85,19 +106,9 @@ def _fused_adam(decoupled):
         new = adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=lr, beta1=beta1,
                           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
                           decoupled_weight_decay=decoupled)
-        targets = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [])
-        return None, [(dst, value) for dsts, values in zip(targets, new) for dst, value in zip(dsts, values)]
+        return None, _writes((params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []), new)
 
-    def inplace(*args, **kwargs):
-        _, writes = new_values(*args, **kwargs)
-        for dst, value in writes:
-            prims.copy_(value, dst)
-
-    name = kernel.__name__
-    inplace.__name__ = name
-    sym = torchsymbol(kernel, name=name, tags=("inplace",))(inplace)
-    sym.functionalize = new_values
-    return sym
+    return _inplace_kernel(kernel, new_values)
 
 
 fused_adam_ = _fused_adam(decoupled=False)
@@ -130,17 +141,10 @@ def _sgd_new_values(params, grads, momentum_buffer_list, *, weight_decay, moment
     params, grads, bufs = _lists(params, grads, momentum_buffer_list)
     new = sgd_update(params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                      nesterov=nesterov, maximize=maximize, is_first_step=is_first_step)
-    return None, [(dst, value) for dsts, values in zip((params, bufs), new) for dst, value in zip(dsts, values)]
+    return None, _writes((params, bufs), new)
 
 
-@torchsymbol(torch._fused_sgd_, name="_fused_sgd_", tags=("inplace",))
-def fused_sgd_(*args, **kwargs):
-    _, writes = _sgd_new_values(*args, **kwargs)
-    for dst, value in writes:
-        prims.copy_(value, dst)
-
-
-fused_sgd_.functionalize = _sgd_new_values
+fused_sgd_ = _inplace_kernel(torch._fused_sgd_, _sgd_new_values)
 
 
 # ---------------------------------------------------------------------------
@@ -168,17 +172,10 @@ def _adagrad_new_values(params, grads, state_sums, state_steps, *, lr, lr_decay,
     params, grads, sums, steps = _lists(params, grads, state_sums, state_steps)
     new = adagrad_update(params, grads, sums, steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                          maximize=maximize)
-    return None, [(dst, value) for dsts, values in zip((params, sums), new) for dst, value in zip(dsts, values)]
+    return None, _writes((params, sums), new)
 
 
-@torchsymbol(torch._fused_adagrad_, name="_fused_adagrad_", tags=("inplace",))
-def fused_adagrad_(*args, **kwargs):
-    _, writes = _adagrad_new_values(*args, **kwargs)
-    for dst, value in writes:
-        prims.copy_(value, dst)
-
-
-fused_adagrad_.functionalize = _adagrad_new_values
+fused_adagrad_ = _inplace_kernel(torch._fused_adagrad_, _adagrad_new_values)
 
 
 def _no_grad_scaler(kernel, grad_scale, found_inf):
