@@ -7,8 +7,6 @@ accumulation semantics.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -17,33 +15,8 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler.prims import copy_ as prims_copy_
-from thunder_train.compiler.proxies import TensorProxy
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-from gpt import GPT, GPTConfig  # noqa: E402
-from _models import train_step, without_key_bias  # noqa: E402
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def gpt():
-    return GPT(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=16))
-
-
-def mlp_batches(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
-
-
-def gpt_batches(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 13, (4, 8), generator=g)
-        out.append((x, torch.roll(x, -1, 1)))
-    return out
+from _models import train_step
+from _steps import assert_same_state, gpt, gpt_batches, mlp, mlp_batches, twin
 
 
 def clipped_step(model, opt, x, y):
@@ -53,32 +26,6 @@ def clipped_step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
-
-
-def twin(make_model, make_opt, seed=0):
-    torch.manual_seed(seed)
-    m1 = make_model()
-    m2 = copy.deepcopy(m1)
-    return (m1, make_opt(m1.parameters())), (m2, make_opt(m2.parameters()))
-
-
-def assert_same_state(eager, compiled, atol=1e-6, rtol=1e-5):
-    (m1, o1), (m2, o2) = eager, compiled
-    names = {id(p): n for n, p in m1.named_parameters()}
-    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-        torch.testing.assert_close(without_key_bias(n, b, m1), without_key_bias(n, a, m1), atol=atol, rtol=rtol, msg=lambda m: f"parameter {n}: {m}")
-    for (n, a), b in zip(m1.named_buffers(), m2.buffers()):
-        torch.testing.assert_close(b, a, atol=atol, rtol=rtol, msg=lambda m: f"buffer {n}: {m}")
-    s1, s2 = o1.state_dict(), o2.state_dict()
-    assert s1["param_groups"] == s2["param_groups"]
-    assert s1["state"].keys() == s2["state"].keys()
-    params = [p for g in o1.param_groups for p in g["params"]]
-    for k in s1["state"]:
-        assert s1["state"][k].keys() == s2["state"][k].keys()
-        n = names.get(id(params[k]), "")
-        for key, v in s1["state"][k].items():
-            torch.testing.assert_close(without_key_bias(n, s2["state"][k][key], m1) if v.ndim else s2["state"][k][key],
-                                       without_key_bias(n, v, m1) if v.ndim else v, atol=atol, rtol=rtol, msg=lambda m: f"state {k} {key}: {m}")
 
 
 OPTIMIZERS = {
@@ -146,154 +93,6 @@ def test_one_copy_per_updated_buffer():
     assert not any("copy_" in b.sym.name for b in final.bound_symbols)
     src = final.python_source()
     assert src.count("torch.Tensor.addcdiv_(") == n_params and src.count("torch.Tensor.lerp_(") == n_params
-
-
-def test_fused_update_runs_in_place_on_parameters_and_state():
-    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    m, opt = compiled
-    step = tt.compile(train_step, thin=True)
-    data = mlp_batches(4)
-    for x, y in data[:2]:
-        step(*compiled, x, y)
-        train_step(*eager, x, y)
-    ptrs = [t.data_ptr() for t in [*m.parameters(), *(v for st in opt.state.values() for v in st.values())]]
-    for x, y in data[2:]:
-        step(*compiled, x, y)
-        train_step(*eager, x, y)
-    assert_same_state(eager, compiled)
-    assert [t.data_ptr() for t in [*m.parameters(), *(v for st in opt.state.values() for v in st.values())]] == ptrs
-    n_params = len(list(m.parameters()))
-    # The functional trace writes every parameter and state tensor back exactly once ...
-    functional = tt.last_traces(step)[-2]
-    dsts = [b.args[1] for b in functional.bound_symbols if "copy_" in b.sym.name]
-    assert len(dsts) == len({id(d) for d in dsts}) == n_params * 4
-    # ... and the executed program runs one fused AdamW kernel in place instead (and the step counters' add).
-    src = tt.last_traces(step)[-1].python_source()
-    assert src.count("ttex.adam_update_(") == 1 and "copy_" not in src and src.count("ttex.foreach_add_(") == 1
-
-
-def test_returning_a_parameter_after_a_fused_update_returns_the_updated_object():
-    def step_fn(model, opt, x, y):
-        loss = train_step(model, opt, x, y)
-        return loss, model[0].weight
-
-    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    step = tt.compile(step_fn)
-    for x, y in mlp_batches(3):
-        l1, w1 = step_fn(*eager, x, y)
-        l2, w2 = step(*compiled, x, y)
-        torch.testing.assert_close(l2, l1.detach())
-        assert w2 is compiled[0][0].weight  # eager returns the parameter object itself
-        torch.testing.assert_close(w2, w1)
-    assert_same_state(eager, compiled)
-    assert "ttex.adam_update_(" in tt.last_traces(step)[-1].python_source()
-
-
-FUSED_ROUTES = {
-    "adam-amsgrad-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
-    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
-    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "sgd-dampening-maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.5, dampening=0.1, maximize=True),
-    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=1e-2),
-    "adam-fused-true": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
-    "adamw-fused-true": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
-    "sgd-fused-true": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
-    "adagrad-decay-maximize": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, maximize=True),
-    "adagrad-fused-true": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1, fused=True),
-}
-
-
-@pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
-@pytest.mark.parametrize("name", list(FUSED_ROUTES))
-def test_fused_optimizer_updates_match_eager(name, decompose):
-    # decompose=True runs the update formulas of torchlang/optim.py instead of torch's kernel.
-    eager, compiled = twin(mlp, FUSED_ROUTES[name])
-    step = tt.compile(train_step, thin=True, decompose=decompose)
-    for x, y in mlp_batches(6):
-        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
-    assert_same_state(eager, compiled, atol=1e-6 if not decompose else 1e-5)
-    src = tt.last_traces(step)[-1].python_source()
-    assert ("_update" in src) != decompose
-
-
-@pytest.mark.parametrize("make_opt", [torch.optim.AdamW, lambda groups: torch.optim.SGD(groups, momentum=0.9)], ids=["adamw", "sgd"])
-def test_fused_updates_with_several_param_groups_and_an_unused_parameter(make_opt):
-    def groups(ps):
-        ps = list(ps)
-        return [{"params": ps[:2], "lr": 1e-2, "weight_decay": 0.1}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
-
-    class WithUnused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp()
-            self.unused = nn.Parameter(torch.ones(3))  # never gets a gradient: not in any update list
-
-        def forward(self, x):
-            return self.net(x)
-
-    eager, compiled = twin(WithUnused, lambda ps: make_opt(groups(ps)))
-    step = tt.compile(train_step, thin=True)
-    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (eager[1], compiled[1])]
-    for x, y in mlp_batches(6):
-        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
-        for s_ in sched:
-            s_.step()
-    assert_same_state(eager, compiled)
-    assert tt.last_traces(step)[-1].python_source().count("_update_(") == 2  # one kernel per param group
-    assert tt.compile_stats(step).cache_misses == 2
-
-
-@pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
-def test_fused_sgd_momentum_buffer_is_not_the_gradient(decompose):
-    # zero_grad(set_to_none=False) keeps .grad alive and zeroes it in place: a first momentum buffer
-    # that were the gradient tensor itself would be zeroed with it.
-    def step_fn(model, opt, x, y):
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
-    step = tt.compile(step_fn, decompose=decompose)
-    for x, y in mlp_batches(4):
-        step(*compiled, x, y)
-        step_fn(*eager, x, y)
-    assert_same_state(eager, compiled)
-    grads = {id(p.grad) for p in compiled[0].parameters()}
-    assert not grads & {id(st["momentum_buffer"]) for st in compiled[1].state.values()}
-
-
-def test_default_implementation_is_chosen_as_in_eager(monkeypatch):
-    # torch picks foreach for tensors on devices with foreach kernels (CUDA); pretend the CPU is one,
-    # so this CPU test sees the choice eager makes there: the proxies must not fall back to the for-loop.
-    from torch.optim import optimizer
-
-    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu", "cuda"])
-    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    step = tt.compile(train_step, optimizer_kernels="traced")
-    for x, y in mlp_batches(3):
-        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
-    assert_same_state(eager, compiled)
-    assert "torch._foreach_lerp" in tt.last_traces(step)[-1].python_source()
-    assert TensorProxy not in optimizer._foreach_supported_types  # restored after tracing
-
-
-def test_updates_the_fused_kernels_cannot_compute_run_the_optimizers_code():
-    # A tensor learning rate is not one of the fused routes' arguments here.
-    eager, compiled = twin(mlp, lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2), foreach=False))
-    step = tt.compile(train_step)
-    for x, y in mlp_batches(3):
-        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
-    assert_same_state(eager, compiled)
-    assert "adam_update" not in tt.last_traces(step)[-1].python_source()
-
-
-def test_float64_models_use_the_fused_kernels_too():
-    eager, compiled = twin(lambda: mlp().double(), lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    step = tt.compile(train_step)
-    for x, y in mlp_batches(3):
-        torch.testing.assert_close(step(*compiled, x.double(), y), train_step(*eager, x.double(), y).detach())
-    assert_same_state(eager, compiled, atol=1e-12, rtol=1e-10)
-    assert "ttex.adam_update_(" in tt.last_traces(step)[-1].python_source()
 
 
 def test_lr_scheduler_changes_lr_without_retrace_and_thin_mode_reads_it():
@@ -738,84 +537,6 @@ def test_more_optimizers_match_eager(name):
     for x, y in mlp_batches(4):
         torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
     assert_same_state(eager, compiled, atol=1e-5)
-
-
-def test_model_from_a_closure_trains_and_an_optimizer_from_a_closure_is_a_clear_error():
-    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    model, opt = compiled
-    step = tt.compile(lambda opt, x, y: train_step(model, opt, x, y), thin=True)
-    for x, y in mlp_batches(5):
-        torch.testing.assert_close(step(opt, x, y), train_step(*eager, x, y).detach())
-    assert_same_state(eager, compiled)
-    # Not walked, the optimizer would see the real parameters, whose .grad the traced backward does not set.
-    with pytest.raises(Exception, match="AdamW.step.*not an argument of the function.*Pass it as an argument"):
-        tt.compile(lambda x, y: train_step(model, opt, x, y))(*mlp_batches(1)[0])
-
-
-def test_lr_scheduler_stepping_inside_the_step_is_a_clear_error():
-    # It would run once, while tracing, and the compiled program would keep the first lr.
-    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-    def step_fn(model, opt, sched, x, y):
-        loss = train_step(model, opt, x, y)
-        sched.step()
-        return loss
-
-    with pytest.raises(Exception, match=r"args\[1\].param_groups\[0\]\['lr'\] was changed inside the compiled function"):
-        tt.compile(step_fn)(m, opt, sched, *mlp_batches(1)[0])
-    assert opt.param_groups[0]["lr"] == 0.1
-
-
-def test_backward_hooks_are_a_clear_error_where_they_would_not_run():
-    x, y = mlp_batches(1)[0]
-    # Gradient hooks on parameters: not run by a backward inside the function ...
-    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    m[0].weight.register_hook(lambda g: g * 0.5)
-    with pytest.raises(Exception, match=r"gradient hooks .* on args\[0\].0.weight would not run"):
-        tt.compile(train_step)(m, opt, x, y)
-    # ... but run by PyTorch's engine around tt.compile(model): same .grad as eager.
-    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    for model in (eager[0], compiled[0]):
-        model[0].weight.register_hook(lambda g: g * 0.5)
-    F.cross_entropy(eager[0](x), y).backward()
-    F.cross_entropy(tt.compile(compiled[0])(x), y).backward()
-    torch.testing.assert_close(compiled[0][0].weight.grad, eager[0][0].weight.grad)
-    # Module backward hooks: not run by our backward on either path.
-    (_, _), (m, opt) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    m[2].register_full_backward_pre_hook(lambda mod, go: (go[0] * 2,))
-    with pytest.raises(Exception, match=r"module backward hooks .* on args\[0\].2 would not run"):
-        tt.compile(train_step)(m, opt, x, y)
-    with pytest.raises(Exception, match=r"module backward hooks .* would not run"):
-        tt.compile(m)(x)
-    with torch.no_grad():  # no gradients, nothing to refuse
-        torch.testing.assert_close(tt.compile(m)(x), m(x))
-
-
-def test_tensor_hooks_inside_are_a_clear_error():
-    x, y = mlp_batches(1)[0]
-
-    def hooked(model, x, y):
-        h = model(x)
-        h.register_hook(lambda g: g * 2)
-        F.cross_entropy(h, y).backward()
-
-    with pytest.raises(Exception, match="Tensor.register_hook inside a compiled function"):
-        tt.compile(hooked)(mlp(), x, y)
-
-
-def test_grad_scaler_inside_a_step_is_a_clear_error():
-    m = nn.Linear(4, 2)
-    opt = torch.optim.AdamW(m.parameters())
-    scaler = torch.amp.GradScaler("cpu")
-
-    def step_fn(m, opt, x):
-        scaler.scale(m(x).sum()).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    with pytest.raises(Exception, match="GradScaler inside a compiled step is not supported yet.*bf16 autocast"):
-        tt.compile(step_fn)(m, opt, torch.randn(3, 4))
 
 
 def test_out_argument_is_functionalized():
