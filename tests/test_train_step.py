@@ -132,6 +132,32 @@ def test_clip_grad_norm_inside_the_step(foreach):
     assert_same_state(eager, compiled)
 
 
+def test_clip_grad_norm_error_if_nonfinite_checks_when_the_program_runs():
+    # Its decision is on the norm's value: a check inside the program, every call (thin mode too).
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    step = tt.compile(step_fn, thin=True)
+    for x, y in mlp_batches(4):
+        torch.testing.assert_close(step(*compiled, x, y), step_fn(*eager, x, y).detach())
+    assert tt.compile_stats(step).thin_calls
+    x, y = mlp_batches(1)[0]
+    x[0, 0] = float("inf")
+    before = [p.detach().clone() for p in compiled[0].parameters()]
+    for fn, (m, o) in ((step_fn, eager), (step, compiled)):
+        with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+            fn(m, o, x, y)
+    # The program stopped before its updates, as eager stops before opt.step().
+    assert all(torch.equal(a, b) for a, b in zip(before, compiled[0].parameters()))
+    assert_same_state(eager, compiled)
+
+
 # ---------------------------------------------------------------------------
 # .grad semantics of loss.backward() inside a compiled function
 # ---------------------------------------------------------------------------

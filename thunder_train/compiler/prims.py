@@ -520,6 +520,13 @@ def item(a):
     return NumberProxy(value=0, python_type=int)
 
 
+@_prim(tags=("side_effect",))
+def check_finite(a, message):
+    """Raise ``RuntimeError(message)`` when ``a`` holds a NaN or an infinity (a check on values, at run time)."""
+    _check(type(a) is TensorProxy and isinstance(message, str), "check_finite: expected a tensor and a message")
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------

@@ -458,3 +458,8 @@ def _(bsym):
 @_rule(prims.all_reduce_mean)
 def _(bsym):
     return torch_impls.all_reduce_mean, bsym.args, {}
+
+
+@_rule(prims.check_finite)
+def _(bsym):
+    return torch_impls.check_finite, bsym.args, {}

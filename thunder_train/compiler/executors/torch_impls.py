@@ -226,3 +226,8 @@ def all_reduce_mean(tensors):
     for w in works:
         w.wait()
     return out
+
+
+def check_finite(a, message):
+    if not bool(torch.isfinite(a).all()):
+        raise RuntimeError(message)

@@ -255,14 +255,34 @@ def _routed(original, fused, fits):
     return route
 
 
+def _total_norm_checked_at_run_time(original):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` decides on the norm's value: compute the norm
+    without the decision and record it as a check the program runs (``prims.check_finite``)."""
+
+    def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        norm = original(tensors, norm_type, False, foreach)
+        if error_if_nonfinite and type(norm) is TensorProxy:
+            prims.check_finite(norm, f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                                     "non-finite, so it cannot be clipped. To disable this error and scale the "
+                                     "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        elif error_if_nonfinite:
+            return original(tensors, norm_type, True, foreach)
+        return norm
+
+    total_norm.__wrapped__ = original
+    return total_norm
+
+
 @contextlib.contextmanager
 def optimizers_while_tracing(fused_kernels: bool = True):
-    """How ``torch.optim`` runs on proxies.
+    """How ``torch.optim`` (and ``clip_grad_norm_``) run on proxies.
 
     * Its default implementation is chosen as in eager: ``foreach`` for CUDA tensors (torch asks
       ``type(p) in _foreach_supported_types``, which a proxy would fail), the for-loop on CPU.
     * ``fused_kernels``: Adam/AdamW/SGD/Adagrad updates take torch's fused path where it computes the same thing.
+    * ``clip_grad_norm_(error_if_nonfinite=True)`` checks the norm when the program runs.
     """
+    from torch.nn.utils import clip_grad
     from torch.optim import optimizer
 
     saved = []
@@ -276,6 +296,9 @@ def optimizers_while_tracing(fused_kernels: bool = True):
                 original = getattr(module, name)
                 saved.append((module, name, original))
                 setattr(module, name, _routed(original, fused, fits))
+        if hasattr(clip_grad, "_get_total_norm"):
+            saved.append((clip_grad, "_get_total_norm", clip_grad._get_total_norm))
+            clip_grad._get_total_norm = _total_norm_checked_at_run_time(clip_grad._get_total_norm)
         yield
     finally:
         for module, name, original in reversed(saved):
