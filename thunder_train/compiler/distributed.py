@@ -25,6 +25,7 @@ import torch
 
 from . import context, prims
 from .errors import TracingError
+from .proxies import TensorProxy
 
 
 def _ddp_class():
@@ -81,7 +82,7 @@ def average_gradients_at_backward(module, ignore=()):
     """
     trc = context.get_trace()
     if trc is None:
-        raise RuntimeError("average_gradients_at_backward is called inside a function compiled by thunder_train")
+        raise RuntimeError("average_gradients_at_backward must be called inside a function compiled by thunder_train")
     pending = trc.__dict__.setdefault("ddp_pending", [])
     if not any(m is module for m, _ in pending):
         pending.append((module, frozenset(ignore)))
@@ -135,8 +136,6 @@ def reduce_gradients(trc, got_grad: set):
 
 def _proxy_of(trc, p):
     """The proxy of a parameter: swapped in when the module was an argument, captured when it is a global."""
-    from .proxies import TensorProxy
-
     return p if type(p) is TensorProxy else trc.walker.captured_tensor(p)
 
 
