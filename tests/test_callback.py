@@ -385,6 +385,19 @@ def test_fuse_optimizer_matches_plain_trainer_with_scheduler(thin):
     assert not tt.last_backward_traces(cb.compiled())  # the backward is part of the program too
 
 
+@pytest.mark.parametrize("kernels", ["fused", "traced"])
+def test_fuse_optimizer_with_either_optimizer_kernels(kernels):
+    eager = fit(module_cls=Scheduled)
+    cb = ThunderCallback(thin=True, fuse_optimizer=True, optimizer_kernels=kernels)
+    compiled = fit([cb], module_cls=Scheduled)
+    assert_same_training_state(eager, compiled)
+    final = str(tt.last_traces(cb.compiled())[-1])
+    assert ("ttex.adam_update_(" in final) == (kernels == "fused")  # one fused AdamW kernel, or AdamW's own ops
+    assert cb.state_dict()["options"]["optimizer_kernels"] == kernels
+    with pytest.raises(MisconfigurationException, match="optimizer_kernels"):
+        ThunderCallback(optimizer_kernels="nvfuser")
+
+
 class Warmup(Tiny):
     """The learning-rate warm-up of Lightning's ``optimizer_step`` documentation: lr changes after every step."""
 

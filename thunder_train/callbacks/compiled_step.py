@@ -401,7 +401,7 @@ class CompiledStep:
     RETRACE_WARNING = 8
 
     def __init__(self, module, name: str, *, batch_idx_position, batch_idx_name, thin: bool, check_every, strict: bool,
-                 warn, mode: str = "forward"):
+                 warn, mode: str = "forward", optimizer_kernels: str = "fused"):
         if mode not in _MAIN:
             raise ValueError(f"unknown mode {mode!r}")
         self.module = module
@@ -409,7 +409,7 @@ class CompiledStep:
         self.mode = mode
         self.batch_idx_position = batch_idx_position
         self.batch_idx_name = batch_idx_name
-        self._options = dict(thin=thin, check_every=check_every, strict=strict)
+        self._options = dict(thin=thin, check_every=check_every, strict=strict, optimizer_kernels=optimizer_kernels)
         self._warn = warn
         leftover = getattr(module.__dict__.get(name), "_tt_step", None)
         if leftover is not None:  # patched by a ThunderCallback whose stage never tore down

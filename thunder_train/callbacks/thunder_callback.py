@@ -61,6 +61,9 @@ class ThunderCallback(Callback):
             averages the gradients over the ranks itself).
         strict: make torch ops unknown to the compiler an error instead of running them
             opaquely (``tt.compile(..., strict=True)``).
+        optimizer_kernels: whole steps (``fuse_optimizer=True``, manual optimization): ``"fused"``
+            runs Adam/AdamW/SGD/Adagrad updates on torch's fused kernels, ``"traced"`` the
+            optimizer's own per-op code (``tt.compile(..., optimizer_kernels=...)``).
 
     Raises:
         MisconfigurationException: for setups that are not supported (yet): FSDP/DeepSpeed
@@ -79,7 +82,7 @@ class ThunderCallback(Callback):
     """
 
     def __init__(self, *, thin: bool = False, check_every: int | None = None, compile_eval: bool = False,
-                 fuse_optimizer: bool = False, strict: bool = False) -> None:
+                 fuse_optimizer: bool = False, strict: bool = False, optimizer_kernels: str = "fused") -> None:
         super().__init__()
         if check_every is not None and not thin:
             raise MisconfigurationException("ThunderCallback(check_every=N) applies to thin mode; pass thin=True as well")
@@ -90,6 +93,9 @@ class ThunderCallback(Callback):
         self.compile_eval = compile_eval
         self.fuse_optimizer = fuse_optimizer
         self.strict = strict
+        if optimizer_kernels not in ("fused", "traced"):
+            raise MisconfigurationException(f"ThunderCallback(optimizer_kernels=...) must be 'fused' or 'traced', got {optimizer_kernels!r}")
+        self.optimizer_kernels = optimizer_kernels
         self._steps: dict[str, CompiledStep] = {}
         self._earlier_calls: dict[str, int] = {}
         self._fused: FusedAutomatic | None = None
@@ -140,7 +146,8 @@ class ThunderCallback(Callback):
         for name, (position, pname) in plan.items():
             self._steps[name] = CompiledStep(
                 pl_module, name, batch_idx_position=position, batch_idx_name=pname, thin=self.thin,
-                check_every=self.check_every, strict=self.strict, warn=rank_zero_warn,
+                check_every=self.check_every, strict=self.strict, optimizer_kernels=self.optimizer_kernels,
+                warn=rank_zero_warn,
                 mode=training_mode if name == "training_step" else "forward",
             )
         if training_mode == "fused":
@@ -192,7 +199,7 @@ class ThunderCallback(Callback):
 
     def _options(self) -> dict:
         return {"thin": self.thin, "check_every": self.check_every, "compile_eval": self.compile_eval,
-                "fuse_optimizer": self.fuse_optimizer, "strict": self.strict}
+                "fuse_optimizer": self.fuse_optimizer, "strict": self.strict, "optimizer_kernels": self.optimizer_kernels}
 
     def _check_unique(self, trainer) -> None:
         mine = [cb for cb in trainer.callbacks if isinstance(cb, ThunderCallback)]
