@@ -220,7 +220,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     # compute (which gradients, which updates): one tuple comparison per call over the bound parameters.
     # Not needed for a program bound (and checked) to run without grad that computes no gradients itself.
     computes_grads = global_state[0] or getattr(entry.traces[0], "has_backward", False)
-    params = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter)] if computes_grads else []
+    params = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter) and leaves[i].alias_of is None] if computes_grads else []
     if params:
         flags = consts(tuple(vals[i].requires_grad for i in params))
         demoted_conds.append(f"({''.join(f'{bind(i)}.requires_grad, ' for i in params)}) != {flags}")
