@@ -23,6 +23,7 @@ from . import context
 from .errors import TracingError
 from .proxies import TensorProxy
 from .symbols import Symbol
+from .transforms.grad_rules import zeros_like
 
 
 class TracedCtx:
@@ -68,19 +69,13 @@ def _proxies_in(ctx) -> list:
     return out
 
 
-def _zeros_like(t):
-    from . import prims
-
-    return prims.full(t._tt_shape, 0, device=t._tt_device, dtype=t._tt_dtype)
-
-
-def traced_apply(cls, args, kwargs):
+def traced_apply(cls, args, kwargs, needs_input_grad):
     """Record ``cls.apply(*args, **kwargs)`` as a composite with ``cls.backward`` as its gradient rule."""
     from torch.autograd.function import _is_setup_context_defined
 
     if kwargs:
         raise TracingError(f"custom torch.autograd.Function {cls.__name__}: keyword arguments to apply() are not supported")
-    ctx = TracedCtx(tuple(type(a) is TensorProxy and a._tt_dtype.is_float for a in args))
+    ctx = TracedCtx(needs_input_grad)
     setup = _is_setup_context_defined(cls.setup_context)
 
     def forward(*inputs):
@@ -110,11 +105,11 @@ def traced_apply(cls, args, kwargs):
             if type(o) is TensorProxy and id(o) in ctx.non_differentiable:
                 go = None
             if go is None and ctx.materialize_grads and type(o) is TensorProxy:
-                go = _zeros_like(o)
+                go = zeros_like(o)
             grads_out.append(go)
         grads = bwd(tuple(grads_out), _proxies_in(ctx))
         grads = grads if isinstance(grads, tuple) else (grads,)
-        if len(grads) < len(inputs):
+        if len(grads) < len(inputs) or any(g is not None for g in grads[len(inputs):]):
             raise RuntimeError(f"function {cls.__name__}Backward returned an incorrect number of gradients "
                                f"(expected {len(inputs)}, got {len(grads)})")
         result = []
@@ -138,7 +133,8 @@ def traced_apply(cls, args, kwargs):
 @contextlib.contextmanager
 def custom_functions_while_tracing(needs_grad):
     """``Function.apply`` while tracing: ``traced_apply`` when an argument needs a gradient
-    (``needs_grad(trc, tensors)``), else the plain forward (what eager does without grad)."""
+    (``needs_grad(trc, tensors)``: one flag per tensor, also ``ctx.needs_input_grad``), else the plain
+    forward (what eager does without grad)."""
     from torch.autograd.function import Function
     from torch.nn.modules._functions import BackwardHookFunction  # module backward hooks: refused on their own
 
@@ -146,10 +142,15 @@ def custom_functions_while_tracing(needs_grad):
 
     def apply(cls, *args, **kwargs):
         trc = context.get_trace()
-        tensors = [a for a in (*args, *kwargs.values()) if type(a) is TensorProxy]
-        if (trc is not None and tensors and torch.is_grad_enabled() and cls is not BackwardHookFunction
-                and needs_grad(trc, tensors)):
-            return traced_apply(cls, args, kwargs)
+        if trc is not None and torch.is_grad_enabled() and cls is not BackwardHookFunction:
+            positions = [i for i, a in enumerate(args) if type(a) is TensorProxy]
+            extra = [v for v in kwargs.values() if type(v) is TensorProxy]
+            flags = needs_grad(trc, [args[i] for i in positions] + extra) if positions or extra else []
+            if any(flags):
+                needs_input_grad = [False] * len(args)
+                for i, flag in zip(positions, flags):
+                    needs_input_grad[i] = flag
+                return traced_apply(cls, args, kwargs, tuple(needs_input_grad))
         return original.__func__(cls, *args, **kwargs)
 
     Function.apply = classmethod(apply)

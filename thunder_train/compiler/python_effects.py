@@ -21,16 +21,13 @@ def _path_str(path):
     return path_str(path)
 
 
-def needs_grad(trc, tensors) -> bool:
-    """Whether any of ``tensors`` (current values) requires grad or depends on an input that does."""
-    from .traced_autograd import grad_leaves
-    from .transforms.autograd import Forward
+def needs_grad(trc, tensors) -> list:
+    """For each of ``tensors`` (current values): whether it requires grad or depends on an input that does."""
+    from .traced_autograd import gradient_path
 
     tensors = [trc.buffers.read(t) for t in tensors]
-    if any(t._tt_requires_grad for t in tensors):
-        return True
-    on_path = Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
-    return any(id(t) in on_path for t in tensors)
+    on_path = None if all(t._tt_requires_grad for t in tensors) else gradient_path(trc)
+    return [t._tt_requires_grad or id(t) in on_path for t in tensors]
 
 
 def refuse_backward_hooks(trc, walker):

@@ -96,6 +96,11 @@ def grad_leaves(trc) -> list:
     return out
 
 
+def gradient_path(trc) -> set:
+    """Ids of the values so far that depend on an input requiring grad (what a backward would reach)."""
+    return Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
+
+
 def record_backward(trc, outputs, cotangents, wrt_values) -> list:
     """Record the backward of ``outputs`` into ``trc``; returns one gradient (or None) per ``wrt_values``."""
     trc.has_backward = True
@@ -180,7 +185,7 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
     on_path = None  # ids on the gradient path, computed once if an input is not itself a leaf requiring grad
     for i, v in enumerate(values):
         if type(v) is TensorProxy and not v._tt_requires_grad and on_path is None:
-            on_path = Forward(list(trc.bound_symbols), [x for _, x in grad_leaves(trc)]).needs_grad
+            on_path = gradient_path(trc)
         if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path:
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = record_backward(trc, outs, cts, values)
