@@ -383,6 +383,21 @@ def _(bsym):
     return torch.Tensor.item, bsym.args, {}
 
 
+@_rule(prims.polygamma)
+def _(bsym):
+    return torch.polygamma, bsym.args, {}
+
+
+@_rule(prims.all_reduce_mean)
+def _(bsym):
+    return torch_impls.all_reduce_mean, bsym.args, {}
+
+
+@_rule(prims.check_finite)
+def _(bsym):
+    return torch_impls.check_finite, bsym.args, {}
+
+
 class TorchExecutor:
     """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``."""
 
@@ -449,17 +464,3 @@ def _as_meta_proxy(x):
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
 
-
-@_rule(prims.polygamma)
-def _(bsym):
-    return torch.polygamma, bsym.args, {}
-
-
-@_rule(prims.all_reduce_mean)
-def _(bsym):
-    return torch_impls.all_reduce_mean, bsym.args, {}
-
-
-@_rule(prims.check_finite)
-def _(bsym):
-    return torch_impls.check_finite, bsym.args, {}

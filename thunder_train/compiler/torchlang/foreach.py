@@ -64,16 +64,8 @@ def _define(name, per_element, n_operands, n_optional=0):
     return out_sym, _functional(in_sym, new_values)
 
 
-def _add(a, b, alpha=1):
-    return ew.add(a, b, alpha=alpha)
-
-
-def _sub(a, b, alpha=1):
-    return ew.sub(a, b, alpha=alpha)
-
-
-foreach_add, foreach_add_ = _define("add", _add, 1)
-foreach_sub, foreach_sub_ = _define("sub", _sub, 1)
+foreach_add, foreach_add_ = _define("add", ew.add, 1)
+foreach_sub, foreach_sub_ = _define("sub", ew.sub, 1)
 foreach_mul, foreach_mul_ = _define("mul", ew.mul, 1)
 foreach_div, foreach_div_ = _define("div", ew.div, 1)
 foreach_maximum, foreach_maximum_ = _define("maximum", ew.maximum, 1)

@@ -261,12 +261,12 @@ def _total_norm_checked_at_run_time(original):
 
     def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         norm = original(tensors, norm_type, False, foreach)
-        if error_if_nonfinite and type(norm) is TensorProxy:
-            prims.check_finite(norm, f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-                                     "non-finite, so it cannot be clipped. To disable this error and scale the "
-                                     "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        elif error_if_nonfinite:
-            return original(tensors, norm_type, True, foreach)
+        if error_if_nonfinite:
+            message = (f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                       "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                       "set `error_if_nonfinite=False`")
+            # On proxies a line of the program; on real tensors (read from a global) checked right away.
+            (prims.check_finite if type(norm) is TensorProxy else torch_impls.check_finite)(norm, message)
         return norm
 
     total_norm.__wrapped__ = original

@@ -101,9 +101,10 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
             rewrite[i] = _inplace_form(bsyms[i])
         drop.add(ci)
     for i, b in enumerate(bsyms):
-        copies = _overwritten_in_place(i, b, bsyms, reads, write_backs, returned, no_grad)
+        plan = _multi_inplace_form(b)
+        copies = plan and _overwritten_in_place(i, b, plan[1], bsyms, reads, write_backs, returned, no_grad)
         if copies:
-            rewrite[i] = _multi_inplace_form(b)[0]
+            rewrite[i] = plan[0]
             drop.update(copies)
     if not drop:
         return trc
@@ -150,17 +151,13 @@ def _safe(chain, inp, copy_index, bsyms, reads):
     return True
 
 
-def _overwritten_in_place(i, b, bsyms, reads, write_backs, returned, no_grad):
-    """For a multi-tensor update (``ttex.adam_update``: its impl has ``overwrites``, pairs of output
-    and argument positions): the write-back copies its in-place form makes unnecessary, or None.
+def _overwritten_in_place(i, b, overwrites, bsyms, reads, write_backs, returned, no_grad):
+    """For a multi-tensor update (``ttex.adam_update``; ``overwrites``: pairs of output and argument
+    positions, from ``_multi_inplace_form``): the write-back copies its in-place form makes unnecessary, or None.
 
     All or nothing: every overwritten argument must be an input that gets exactly this output written
     back, whose old value nothing reads after the update, and whose new value is not returned.
     """
-    plan = _multi_inplace_form(b)
-    if plan is None:
-        return None
-    _, overwrites = plan
     arg_ids = [id(a) for a in b.flat_args() if is_proxy(a)]
     copies = []
     for out_pos, arg_pos in overwrites:
