@@ -213,22 +213,14 @@ class CompiledFunction:
                  dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
-        if check_every is not None:
-            if not thin:
-                raise ValueError("check_every=N applies to thin mode; use tt.compile(fn, thin=True, check_every=N)")
-            if type(check_every) is not int or check_every < 1:
-                raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+        check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels)
         self.fn = fn
         self.strict = strict
         self.decompose = decompose
         self.thin = thin
         self.check_every = check_every
         self.dynamic = dynamic
-        if fusion not in (None, "inductor"):
-            raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
         self.fusion = fusion
-        if optimizer_kernels not in ("fused", "traced"):
-            raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
         self.optimizer_kernels = optimizer_kernels
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
@@ -580,6 +572,19 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)
+
+
+def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused"):
+    """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
+    if check_every is not None:
+        if not thin:
+            raise ValueError("check_every=N applies to thin mode; pass thin=True as well")
+        if type(check_every) is not int or check_every < 1:
+            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+    if fusion not in (None, "inductor"):
+        raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
+    if optimizer_kernels not in ("fused", "traced"):
+        raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 
 
 def _compiled(cf) -> CompiledFunction:

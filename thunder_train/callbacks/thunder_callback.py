@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
+from ..compiled import check_options
 from . import code_checks
 from .compiled_step import CompiledStep
 from .whole_step import FusedAutomatic, overriders
@@ -84,17 +85,15 @@ class ThunderCallback(Callback):
     def __init__(self, *, thin: bool = False, check_every: int | None = None, compile_eval: bool = False,
                  fuse_optimizer: bool = False, strict: bool = False, optimizer_kernels: str = "fused") -> None:
         super().__init__()
-        if check_every is not None and not thin:
-            raise MisconfigurationException("ThunderCallback(check_every=N) applies to thin mode; pass thin=True as well")
-        if check_every is not None and (type(check_every) is not int or check_every < 1):
-            raise MisconfigurationException(f"ThunderCallback(check_every=...) must be a positive int, got {check_every!r}")
+        try:
+            check_options(thin=thin, check_every=check_every, optimizer_kernels=optimizer_kernels)
+        except ValueError as e:  # Lightning's exception type for a misconfigured Trainer
+            raise MisconfigurationException(f"ThunderCallback: {e}") from None
         self.thin = thin
         self.check_every = check_every
         self.compile_eval = compile_eval
         self.fuse_optimizer = fuse_optimizer
         self.strict = strict
-        if optimizer_kernels not in ("fused", "traced"):
-            raise MisconfigurationException(f"ThunderCallback(optimizer_kernels=...) must be 'fused' or 'traced', got {optimizer_kernels!r}")
         self.optimizer_kernels = optimizer_kernels
         self._steps: dict[str, CompiledStep] = {}
         self._earlier_calls: dict[str, int] = {}
