@@ -97,6 +97,24 @@ _ABSENT = object()
 _token = itertools.count()
 
 
+class _Patch:
+    """An instance attribute set on ``obj`` until ``undo()`` (which leaves a value someone set since alone)."""
+
+    def __init__(self, obj, name: str, value):
+        self.obj, self.name = obj, name
+        self.previous = obj.__dict__.get(name, _ABSENT)
+        self.value = value
+        obj.__dict__[name] = value
+
+    def undo(self) -> None:
+        d = self.obj.__dict__
+        if d.get(self.name) is self.value:
+            if self.previous is _ABSENT:
+                del d[self.name]
+            else:
+                d[self.name] = self.previous
+
+
 class _StepRecord:
     """What a step did in Python while it was traced, to replay after every call of that trace.
 
@@ -137,16 +155,11 @@ class _StepRecord:
 
     @contextlib.contextmanager
     def logging_into(self, module):
-        d = module.__dict__
-        previous = d.get("log", _ABSENT)
-        d["log"] = self.log
+        patch = _Patch(module, "log", self.log)
         try:
             yield
         finally:
-            if previous is _ABSENT:
-                del d["log"]
-            else:
-                d["log"] = previous
+            patch.undo()
 
     def register(self, records: dict) -> int:
         token = next(_token)
@@ -271,13 +284,11 @@ def _manual_program(method, step_name: str, records: dict):
         for i, w in enumerate(wrappers):
             w._on_before_step = functools.partial(rec.events.append, ("optimizer_step", i))
             w._on_after_step = _nothing
-        d = self.__dict__
         shadows = {"lr_schedulers": functools.partial(_recorded_schedulers, self, rec),
                    "toggle_optimizer": _no_toggle, "untoggle_optimizer": _no_toggle}
-        previous = {k: d.get(k, _ABSENT) for k in shadows}
         schedulers = [c.scheduler for c in self.trainer.lr_scheduler_configs]
         epochs = [getattr(sch, "last_epoch", None) for sch in schedulers]
-        d.update(shadows)
+        patches = [_Patch(self, k, v) for k, v in shadows.items()]
         try:
             with rec.logging_into(self):
                 out = method(*args, **kwargs)
@@ -291,11 +302,8 @@ def _manual_program(method, step_name: str, records: dict):
         finally:
             for w, (before, after) in zip(wrappers, saved):
                 w._on_before_step, w._on_after_step = before, after
-            for k, v in previous.items():
-                if v is _ABSENT:
-                    del d[k]
-                else:
-                    d[k] = v
+            for patch in reversed(patches):
+                patch.undo()
         stepped = {e[1] for e in rec.events if e[0] == "optimizer_step"}
         seen_scheduler = False
         for e in rec.events:
@@ -414,7 +422,6 @@ class CompiledStep:
         leftover = getattr(module.__dict__.get(name), "_tt_step", None)
         if leftover is not None:  # patched by a ThunderCallback whose stage never tore down
             leftover.unpatch()
-        self._previous = module.__dict__.get(name, _ABSENT)
         self._method = getattr(module, name)
         self._records: dict = {}
         self.programs: dict = {}  # program name -> CompiledFunction, created on first use
@@ -432,8 +439,7 @@ class CompiledStep:
             return self(*args, **kwargs)
 
         patched._tt_step = self
-        self._patched = patched
-        module.__dict__[name] = patched
+        self._patch = _Patch(module, name, patched)
 
     @property
     def compiled(self):
@@ -452,12 +458,7 @@ class CompiledStep:
         return cf
 
     def unpatch(self) -> None:
-        d = self.module.__dict__
-        if d.get(self.name) is self._patched:
-            if self._previous is _ABSENT:
-                del d[self.name]
-            else:
-                d[self.name] = self._previous
+        self._patch.undo()
 
     # ---- calling ----
     def __call__(self, *args, **kwargs):

@@ -57,9 +57,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ..compiler.distributed import is_ddp, unsupported
-from .compiled_step import CompiledStep, FusedCall
-
-_ABSENT = object()
+from .compiled_step import CompiledStep, FusedCall, _Patch
 
 
 def overriders(trainer, pl_module, hook: str, *, module: bool = True) -> list:
@@ -71,24 +69,6 @@ def overriders(trainer, pl_module, hook: str, *, module: bool = True) -> list:
         if is_overridden(hook, cb, parent=Callback):
             names.append(type(cb).__name__)
     return names
-
-
-class _Patch:
-    """An instance attribute set on ``obj`` until ``undo()``."""
-
-    def __init__(self, obj, name: str, value):
-        self.obj, self.name = obj, name
-        self.previous = obj.__dict__.get(name, _ABSENT)
-        self.value = value
-        obj.__dict__[name] = value
-
-    def undo(self) -> None:
-        d = self.obj.__dict__
-        if d.get(self.name) is self.value:
-            if self.previous is _ABSENT:
-                del d[self.name]
-            else:
-                d[self.name] = self.previous
 
 
 @contextlib.contextmanager
