@@ -89,17 +89,28 @@ def _watching_setattr(self, name, value):
     d = self.__dict__
     old = d.get(name, _NOTHING)
     _setattr(self, name, value)
-    # Assigning the value it already has (Lightning's model.train() each epoch) changes nothing.
-    if d.get(name, _NOTHING) is not old and (name[:1] != "_" or name in ("_parameters", "_buffers", "_modules")):
+    new = d.get(name, _NOTHING)
+    # Assigning the value it already has (Lightning's model.train() each epoch) changes nothing; nor does
+    # swapping a function (Lightning's DDP wrapper patches ``forward`` around every step).
+    if new is not old and (name[:1] != "_" or name in ("_parameters", "_buffers", "_modules")) \
+            and not (_is_routine(old) and _is_routine(new)):
         _bump(self, f"{type(self).__name__}.{name} was assigned")
+
+
+def _is_routine(v) -> bool:
+    return v is _NOTHING or (callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor, type)))
 
 
 _NOTHING = object()
 
 
 def _watching_delattr(self, name):
+    if id(self) not in _watched:
+        return _delattr(self, name)
+    registered = name in self._parameters or name in self._buffers or name in self._modules
+    old = self.__dict__.get(name, _NOTHING)
     _delattr(self, name)
-    if id(self) in _watched:
+    if registered or (name[:1] != "_" and not _is_routine(old)):
         _bump(self, f"{type(self).__name__}.{name} was deleted")
 
 
@@ -282,7 +293,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             c = value_cond(names[i], lf, lf.value)
             if lf.kind == "seq" and lf.path[-1].kind == "key" and lf.path[-1].key == "params":
                 members = [j for j in mine if leaves[j].path[:-1] == lf.path]
-                c += f" or not _all(map(_is, {names[i]}, {consts([vals[j] for j in members])}))"
+                c += " or " + same_objects(names[i], [vals[j] for j in members], consts)
             if c is not None:
                 static_conds.append(c)
             if lf.kind == "number":
@@ -297,10 +308,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
                 raise CannotBind(f"{path_str(leaves[demoted_state[0]].path) if demoted_state else 'optimizer state'} "
                                  "is a different object on each call")
             s = f"{names[o]}.state"
-            static_conds.append(f"len({s}) != {len(state)} or not _all(map(_is, {s}, {consts(list(state))})) "
-                                f"or not _all(map(_is, {s}.values(), {consts(dicts)}))")
-            static_conds.append(f"sum(map(len, {consts(dicts)})) != {len(flat)} "
-                                f"or not _all(map(_is, _chain(map(_values, {consts(dicts)})), {consts(flat)}))")
+            static_conds.append(f"len({s}) != {len(state)} or " + same_objects(f"_list({s})", list(state), consts))
+            static_lines.append(f"    _sv{o} = _list({s}.values())")
+            static_conds.append(same_state_dicts(f"_sv{o}", dicts, consts))
 
     for i in sorted(used):
         if per_call[i] or i in comp_arg:
@@ -366,7 +376,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
                 continue  # re-read and checked every call above
             owners.append(vals[parent])
     if owners:
-        static_conds.append(f"not _all(map(_is, map(_grad, {consts(owners)}), {consts(grads)}))")
+        static_conds.append(same_objects(f"_list(map(_grad, {consts(owners)}))", grads, consts))
 
     # A per-call tensor sharing storage with an input the program updates in place (a batch that is a
     # view of a parameter, or two overlapping views passed together): the full path decides.
@@ -434,6 +444,44 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         + (f"\nfull prologue every {check_every} calls" if check_every else "")
     )
     return GeneratedFunction("thin_call", header, lines, g), tuple(static_idx)
+
+
+def _small(v) -> bool:
+    """A tensor whose ``==`` with another tensor is a single truth value (not an error): compare it by identity."""
+    return isinstance(v, torch.Tensor) and v.numel() <= 1
+
+
+def same_objects(live: str, bound: list, consts) -> str:
+    """Condition: the list ``live`` does not hold exactly the ``bound`` objects.
+
+    List ``==`` is C code that takes the identity shortcut, about 1 ns an element. A different tensor
+    in a slot compares elementwise: an error (caught: the check fails) unless it has one element,
+    so lists holding such tensors are compared by identity (``map(is_)``, about 12 ns an element).
+    """
+    cond = f"{live} != {consts(list(bound))}"
+    if any(_small(v) for v in bound):
+        cond += f" or not _all(map(_is, {live}, {consts(list(bound))}))"
+    return cond
+
+
+def same_state_dicts(live: str, dicts: list, consts) -> str:
+    """Condition: the per-parameter state dicts ``live`` differ from ``dicts`` (replaced, or a value replaced).
+
+    The live dicts are compared with copies taken at binding: dict ``==`` compares keys and values
+    (identity shortcut) in C. One-element tensors (``step``) are compared by identity on their own.
+    """
+    copies = [dict(d) for d in dicts]
+    cond = f"{live} != {consts(copies)}"
+    small_keys = {k for d in dicts for k, v in d.items() if _small(v)}
+    for k in sorted(small_keys, key=str):
+        if all(k in d for d in dicts):
+            getter = consts(operator.itemgetter(k))
+            cond += f" or not _all(map(_is, map({getter}, {live}), {consts([d[k] for d in dicts])}))"
+        else:
+            flat = [v for d in dicts for v in d.values()]
+            cond += f" or not _all(map(_is, _chain(map(_values, {live})), {consts(flat)}))"
+            break
+    return cond
 
 
 class _Changed(Exception):
