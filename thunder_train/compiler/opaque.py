@@ -9,13 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import context, devices
+from .errors import UnsupportedOpError  # noqa: F401  (defined with the other user-facing errors)
 from .proxies import TensorProxy, is_tensor_proxy
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
-
-
-class UnsupportedOpError(NotImplementedError):
-    """A torch op the compiler cannot trace (strict mode, or no meta implementation)."""
 
 
 _NAMESPACES = (

@@ -31,6 +31,7 @@ import math
 import torch
 
 from .. import clang, dtypes, prims
+from ..errors import NoGradientRuleError  # noqa: F401  (defined with the other user-facing errors)
 from ..proxies import TensorProxy
 from ..symbols import Symbol
 
@@ -43,10 +44,6 @@ NON_DIFFERENTIABLE = {
     prims.floor, prims.ceil, prims.round, prims.trunc, prims.sign, prims.argmax, prims.argmin, prims.shape,
     prims.floor_divide,
 }
-
-
-class NoGradientRuleError(NotImplementedError):
-    """Backward through an operation that has no gradient rule."""
 
 
 def register_vjp(*syms, supports=None):
