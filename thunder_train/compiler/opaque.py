@@ -63,6 +63,12 @@ class OpaqueSymbol(Symbol):
     def codegen_globals(self) -> dict:
         return self._globals
 
+    @property
+    def has_side_effect(self) -> bool:
+        # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
+        n = self.name
+        return n.endswith("_") and not n.endswith("__") or n.endswith(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"))
+
 
 def printable_reference(func, name: str):
     """(source text, globals) that refer to ``func`` in generated code."""

@@ -13,12 +13,9 @@ import torch
 from . import context
 from .errors import TracingError
 
-
-
-def _path_str(path):
-    from .tracing import path_str
-
-    return path_str(path)
+# How a leaf's provenance path reads (``args[0].fc1.weight``): installed by tracing.py, which defines
+# the paths and sits above this module.
+path_str = None
 
 
 def needs_grad(trc, tensors) -> list:
@@ -46,7 +43,7 @@ def refuse_backward_hooks(trc, walker):
         return
     from torch.nn.modules import module as module_mod
 
-    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
               if leaf.kind == "module" and (leaf.value._backward_hooks or leaf.value._backward_pre_hooks)]
     if hooked or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
         where = f"on {', '.join(hooked[:3])}" if hooked else "registered globally"
@@ -57,7 +54,7 @@ def refuse_backward_hooks(trc, walker):
         )
     if not inside:
         return
-    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
               if leaf.kind == "tensor" and leaf.alias_of is None
               and (getattr(leaf.value, "_backward_hooks", None) or getattr(leaf.value, "_post_accumulate_grad_hooks", None))]
     if hooked:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import context, proxies
+from . import context, proxies, python_effects
 from .opaque import call_opaque
 from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
@@ -671,6 +671,7 @@ def _no_grad_region(trc, out, sym=None):
 
 
 proxies._torch_function_handler = handle_torch_function
+python_effects.path_str = path_str
 
 
 class ProxyMode(TorchFunctionMode):

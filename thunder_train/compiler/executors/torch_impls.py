@@ -6,8 +6,12 @@ claimed the symbol).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
+
+from .. import codegen
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -231,3 +235,6 @@ def all_reduce_mean(tensors):
 def check_finite(a, message):
     if not bool(torch.isfinite(a).all()):
         raise RuntimeError(message)
+
+
+codegen.register_namespace("ttex", sys.modules[__name__])  # printed traces call these as ``ttex.<name>``

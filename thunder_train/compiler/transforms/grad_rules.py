@@ -553,8 +553,3 @@ def convolution_vjp(g, out, /, a, weight, bias, stride, padding, dilation, group
     if _t(bias):
         grads["bias"] = prims.sum(g, tuple(d for d in range(g.ndim_) if d != 1))
     return grads
-
-
-# Direct rules for torch-language composites (linear, norms, attention, cross-entropy, ...): registered
-# on import, after everything above exists.
-from . import composite_grad_rules  # noqa: E402,F401
