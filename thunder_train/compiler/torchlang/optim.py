@@ -11,7 +11,7 @@ optimizer becomes one symbol per parameter group:
   ``fused=True`` optimizers call) are in-place torch symbols; the tracer records their
   functional forms ``adam_update``/``sgd_update``/``adagrad_update``, whose decompositions below are the update formulas
   (``decompose=True`` and fusion executors use them).  The torch executor runs the fused
-  kernel on copies, and re-inplacing (``transforms/reinplace.py``) runs it directly on the
+  kernel on copies, and re-inplacing (``executors/reinplace.py``) runs it directly on the
   parameters and state when nothing else reads their old values, dropping the copies.
 * ``optimizers_while_tracing()`` routes the default and ``foreach`` implementations of
   Adam, AdamW, SGD and (on CPU) Adagrad to torch's own fused path (``torch.optim.adam._fused_adam``) while
