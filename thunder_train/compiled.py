@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .compiler import tracing
+from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import thin
@@ -188,7 +188,7 @@ class CompiledFunction:
         self._binding: ThinBinding | None = None
         self._call = self._full_call
         self.stats = CompileStats()
-        self._arg_names = tracing._arg_names(fn)
+        self._arg_names = acquisition.arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----

@@ -12,7 +12,7 @@ from typing import Callable
 
 from ..autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
 from ..guards.prologue import Prologue, build_prologue
-from . import tracing
+from . import acquisition
 from .errors import NoGradientRuleError
 from .executors.inductor_fusion import fuse_regions
 from .executors.lowering import lower_to_executors
@@ -37,6 +37,7 @@ class CacheEntry:
     select: Callable  # leaf values -> computation arguments
     backward_traces: list | None = None  # set when the entry computes gradients for PyTorch autograd
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
+    has_backward: bool = False  # the function calls backward(): gradients are values of the computation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,12 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     leaf structure; ``fusion_notes`` collects what Inductor fusion did (``compile_stats``).
     """
     names = ", ".join(ex.name for ex in executors)
-    # 1. Acquisition (compiler/tracing.py): run fn on proxies; in-place ops functionalized, a backward and an
+    # 1. Acquisition (compiler/acquisition/): run fn on proxies; in-place ops functionalized, a backward and an
     #    optimizer step inside fn recorded, Python side effects collected for the epilogue.
-    acquired = tracing.acquire(fn, args, kwargs, strict=options.strict, dynamic=options.dynamic,
+    acquired = acquisition.acquire(fn, args, kwargs, strict=options.strict, dynamic=options.dynamic,
                                fused_optimizers=options.optimizer_kernels == "fused")
     # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
-    has_backward = getattr(acquired.trace, "has_backward", False)
+    has_backward = acquired.has_backward
     traces = [acquired.trace]
     # 2. Dead code elimination (transforms/dce.py).
     trc = dce(acquired.trace, keep_sizes=True)
@@ -100,13 +101,13 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
     input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
-                       acquired.leaves, input_idx, _select(input_idx))
+                       acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward)
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     if not has_backward:
         _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
     # 10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
-    epilogue = acquired.trace.epilogue
+    epilogue = acquired.epilogue
     if epilogue is not None:
         entry.epilogue = epilogue
         entry.computation = _with_epilogue(entry.computation, epilogue.fn)

@@ -10,24 +10,20 @@ import contextlib
 
 import torch
 
-from . import context
-from .errors import TracingError
-
-# How a leaf's provenance path reads (``args[0].fc1.weight``): installed by tracing.py, which defines
-# the paths and sits above this module.
-path_str = None
+from .. import context
+from ..errors import TracingError
+from ..traced_autograd import gradient_path
+from .provenance import path_str
 
 
-def needs_grad(trc, tensors) -> list:
+def needs_grad(st, tensors) -> list:
     """For each of ``tensors`` (current values): whether it requires grad or depends on an input that does."""
-    from .traced_autograd import gradient_path
-
-    tensors = [trc.buffers.read(t) for t in tensors]
-    on_path = None if all(t._tt_requires_grad for t in tensors) else gradient_path(trc)
+    tensors = [st.buffers.read(t) for t in tensors]
+    on_path = None if all(t._tt_requires_grad for t in tensors) else gradient_path(st)
     return [t._tt_requires_grad or id(t) in on_path for t in tensors]
 
 
-def refuse_backward_hooks(trc, walker):
+def refuse_backward_hooks(st):
     """Python hooks PyTorch's autograd engine would call in the backward: our backward calls none of them.
 
     Module backward hooks (``register_full_backward_hook``/``_pre_hook``) matter for any gradient of the
@@ -35,7 +31,7 @@ def refuse_backward_hooks(trc, walker):
     (``register_hook``, ``register_post_accumulate_grad_hook``) only for a backward inside the function —
     around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
     """
-    inside = getattr(trc, "has_backward", False)
+    inside, walker = st.has_backward, st.walker
     # The autograd path (attach_autograd): grad enabled and an input requiring grad.
     outside = torch.is_grad_enabled() and any(
         leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
@@ -72,11 +68,11 @@ def only_walked_optimizers_step(walker):
     update nothing.  Stepping it is an error that says what to do."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    trc = context.get_trace()
+    st = context.tracer_state()
 
     def check(opt, args, kwargs):
         # The hook is global: an optimizer stepping in another thread meanwhile is none of our business.
-        if context.get_trace() is trc and id(opt) not in walker.by_id:
+        if context.tracer_state() is st and id(opt) not in walker.by_id:
             raise TracingError(
                 f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
                 "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
