@@ -106,8 +106,7 @@ class Twin:
             if eager_err is None:
                 assert isinstance(compiled_err, tt.ThinModeError) or expect_thin_error, f"{what}: compiled raised {compiled_err!r} where eager ran"
             assert_same_inputs(before, snapshot(self.model, self.opt), what)
-            if eager_err is not None:
-                self.resync()
+            self.resync()  # eager raised part-way, or ran where thin mode refused the call: start from the same state
             return eager_err, compiled_err
         atol, rtol = tolerance
         torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
