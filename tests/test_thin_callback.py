@@ -112,9 +112,10 @@ def test_user_callback_hazard_matches_plain_trainer(name, fuse):
     assert tt.compile_stats(cb.compiled()).thin_calls > 0
 
 
+@pytest.mark.parametrize("option", ["thin", "strict", "fuse_optimizer", "compile_eval"])
 @pytest.mark.parametrize("value", ["False", 1, None])
-def test_callback_flags_must_be_bools(value):
+def test_callback_flags_must_be_bools(option, value):
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises((ValueError, MisconfigurationException), match="thin must be a bool"):
-        ThunderCallback(thin=value)
+    with pytest.raises(MisconfigurationException, match=f"{option} must be a bool"):
+        ThunderCallback(**{option: value})
