@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
+from ..transforms.grad_rules import register_vjp
 from .registry import torchsymbol
 
 
@@ -21,13 +22,31 @@ def _up(a):
     return clang.maybe_convert(a, clang.compute_dtype(a._tt_dtype)), a._tt_dtype
 
 
+def _back(grad, like):
+    """A gradient computed in the upcast dtype, converted back to its input's dtype."""
+    return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
+
+
+# Gradient rules are written with prims (the backward is an ordinary trace); see transforms/grad_rules.py.
+_mul, _add, _sub = prims.mul, prims.add, prims.sub
+
+
+def _square(x):
+    return prims.mul(x, x)
+
+
 # ---------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------
-@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu)
+@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu, tags=("fusible",))
 def relu(input, inplace=False):
     """max(input, 0); NaN propagates like eager."""
     return clang.elementwise_binary(prims.maximum, input, 0, upcast=False)
+
+
+@register_vjp(relu)
+def _relu_vjp(g, out, /, input, inplace=False):
+    return {"input": prims.where(prims.gt(out, 0.0), g, 0.0)}
 
 
 @torchsymbol(F.relu6)
@@ -35,18 +54,18 @@ def relu6(input, inplace=False):
     return hardtanh(input, 0.0, 6.0)
 
 
-@torchsymbol(F.hardtanh)
+@torchsymbol(F.hardtanh, tags=("fusible",))
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
     x = clang.where(clang.lt(input, min_val), clang.maybe_convert(min_val, input._tt_dtype), input)
     return clang.where(clang.elementwise_binary(prims.gt, x, max_val, Promotion.ALWAYS_BOOL, upcast=False), clang.maybe_convert(max_val, input._tt_dtype), x)
 
 
-@torchsymbol(F.leaky_relu)
+@torchsymbol(F.leaky_relu, tags=("fusible",))
 def leaky_relu(input, negative_slope=0.01, inplace=False):
     return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, clang.mul(input, negative_slope))
 
 
-@torchsymbol(F.gelu)
+@torchsymbol(F.gelu, tags=("fusible", "fused_backward",))
 def gelu(input, approximate="none"):
     """GELU, exact (erf) or tanh approximation; computed in float32 for low precision."""
     x, dt = _up(input)
@@ -60,13 +79,39 @@ def gelu(input, approximate="none"):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.silu)
+@register_vjp(gelu)
+def _gelu_vjp(g, out, /, input, approximate="none"):
+    """Computed in float32 for low precision, like the forward.  With the torch executor this rule is the
+    decomposition of one ``gelu_vjp`` line that runs PyTorch's own backward kernel (``fused_backward``;
+    executors/torch_impls.py ``gelu_vjp``)."""
+    x, gu = _up(input)[0], _up(g)[0]
+    if approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        inner = _mul(_add(x, _mul(_mul(_square(x), x), 0.044715)), k)
+        t = prims.tanh(inner)
+        dinner = _mul(_add(_mul(_square(x), 3 * 0.044715), 1.0), k)
+        d = _add(_mul(_add(t, 1.0), 0.5), _mul(_mul(_mul(x, 0.5), _sub(1.0, _square(t))), dinner))
+    else:
+        cdf = _mul(_add(prims.erf(_mul(x, 1 / math.sqrt(2))), 1.0), 0.5)
+        pdf = _mul(prims.exp(_mul(_square(x), -0.5)), 1 / math.sqrt(2 * math.pi))
+        d = _add(cdf, _mul(x, pdf))
+    return {"input": _back(_mul(gu, d), input)}
+
+
+@torchsymbol(F.silu, tags=("fusible", "fused_backward",))
 def silu(input, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.mul(x, prims.sigmoid(x)), dt)
 
 
-@torchsymbol(F.mish)
+@register_vjp(silu)
+def _silu_vjp(g, out, /, input, inplace=False):
+    x, gu = _up(input)[0], _up(g)[0]
+    s = prims.sigmoid(x)
+    return {"input": _back(_mul(gu, _mul(s, _add(_mul(x, _sub(1.0, s)), 1.0))), input)}
+
+
+@torchsymbol(F.mish, tags=("fusible",))
 def mish(input, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.mul(x, prims.tanh(_softplus(x, 1.0, 20.0))), dt)
@@ -78,13 +123,13 @@ def _softplus(x, beta, threshold):
     return prims.where(prims.gt(bx, threshold), x, soft)
 
 
-@torchsymbol(F.softplus)
+@torchsymbol(F.softplus, tags=("fusible",))
 def softplus(input, beta=1.0, threshold=20.0):
     x, dt = _up(input)
     return clang.maybe_convert(_softplus(x, beta, threshold), dt)
 
 
-@torchsymbol(F.elu)
+@torchsymbol(F.elu, tags=("fusible",))
 def elu(input, alpha=1.0, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.where(prims.gt(x, 0.0), x, prims.mul(prims.expm1(x), alpha)), dt)
@@ -96,12 +141,12 @@ def logsigmoid(input):
     return clang.maybe_convert(prims.neg(_softplus(prims.neg(x), 1.0, 20.0)), dt)
 
 
-@torchsymbol(F.hardsigmoid)
+@torchsymbol(F.hardsigmoid, tags=("fusible",))
 def hardsigmoid(input, inplace=False):
     return clang.true_divide(hardtanh(clang.add(input, 3.0), -3.0 + 3.0, 6.0), 6.0)
 
 
-@torchsymbol(F.hardswish)
+@torchsymbol(F.hardswish, tags=("fusible",))
 def hardswish(input, inplace=False):
     return clang.mul(input, hardsigmoid(input))
 
@@ -128,7 +173,7 @@ def linear(input, weight, bias=None):
     return out
 
 
-@torchsymbol(F.embedding)
+@torchsymbol(F.embedding, tags=("fused_backward",))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
@@ -271,7 +316,7 @@ def _nll(logp, target, weight, ignore_index, reduction):
     return clang.true_divide(clang.sum(loss), clang.sum(w))
 
 
-@torchsymbol(F.cross_entropy)
+@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",))
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""
     x, dt = _up(input)
@@ -326,7 +371,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 # ---------------------------------------------------------------------------
 # Normalisation
 # ---------------------------------------------------------------------------
-@torchsymbol(F.layer_norm)
+@torchsymbol(F.layer_norm, tags=("fused_backward",))
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -343,7 +388,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.rms_norm)
+@torchsymbol(F.rms_norm, tags=("fused_backward",))
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -441,7 +486,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 # ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-@torchsymbol(F.scaled_dot_product_attention)
+@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",))
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
     q, dt = _up(query)

@@ -17,12 +17,12 @@ def _dims(dim):
     return dim
 
 
-@torchsymbol(torch.sum, methods=("sum",))
+@torchsymbol(torch.sum, methods=("sum",), tags=("fusible",))
 def sum(input, dim=None, keepdim=False, *, dtype=None):
     return clang.sum(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
 
-@torchsymbol(torch.mean, methods=("mean",))
+@torchsymbol(torch.mean, methods=("mean",), tags=("fusible",))
 def mean(input, dim=None, keepdim=False, *, dtype=None):
     return clang.mean(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
@@ -37,7 +37,7 @@ def _amax_like(name, prim):
         return clang.reduction(prim, input, _dims(dim), keepdim, upcast=False)
 
     fn.__name__ = name
-    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name, tags=("fusible",))(fn)
 
 
 amax = _amax_like("amax", prims.amax)
@@ -120,7 +120,7 @@ def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return clang.sqrt(v), m
 
 
-@torchsymbol(torch.logsumexp, methods=("logsumexp",))
+@torchsymbol(torch.logsumexp, methods=("logsumexp",), tags=("fusible",))
 def logsumexp(input, dim, keepdim=False):
     d = clang.canonicalize_dims(input.ndim_, dim)
     x = clang.maybe_convert(input, clang.compute_dtype(input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float()))
@@ -133,7 +133,8 @@ def logsumexp(input, dim, keepdim=False):
     return clang.maybe_convert(out, input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float())
 
 
-@torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax)
+@torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax,
+             tags=("fusible", "fused_backward",))
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """softmax along ``dim`` (computed in float32 for low-precision inputs)."""
     if dim is None:
@@ -141,7 +142,8 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
     return clang.softmax(input, dim, to_dtype(dtype))
 
 
-@torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax)
+@torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax,
+             tags=("fusible", "fused_backward",))
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")

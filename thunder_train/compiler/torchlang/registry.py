@@ -25,11 +25,24 @@ property_setters: dict = {}
 all_symbols: dict = {}
 
 
-def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None):
-    """``returns``: a ``torch.return_types`` class the caller gets when the symbol returns a tuple."""
+def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None, autocast=None,
+                not_differentiated_by_torch=()):
+    """Define a torch-language symbol whose decomposition is the decorated function.
+
+    ``torch_fns``/``methods``: the torch callables and ``Tensor`` methods routed to it while tracing;
+    ``torch_impl``: what the torch executor runs for the whole op (default: the first of them);
+    ``tags``: see ``Symbol``; ``returns``: a ``torch.return_types`` class the caller gets when the
+    symbol returns a tuple; ``autocast``: ``{"cpu": policy, "cuda": policy}`` (torchlang/autocast.py);
+    ``not_differentiated_by_torch``: arguments PyTorch's autograd does not differentiate, so a
+    ``fused_backward`` gradient for them stays op by op.
+    """
 
     def deco(fn):
         sym = Symbol(name or fn.__name__, fn, module="ltorch", tags=tags)
+        if autocast is not None:
+            sym.autocast = dict(autocast)
+        if not_differentiated_by_torch:
+            sym.not_differentiated_by_torch = frozenset(not_differentiated_by_torch)
         impl = torch_impl
         if impl is _DEFAULT:
             impl = torch_fns[0] if torch_fns else (getattr(torch.Tensor, methods[0]) if methods else None)
