@@ -8,6 +8,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import NumberProxy, TensorProxy
+from .autocast import FP32, PROMOTE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 P = Promotion
@@ -18,47 +19,47 @@ P = Promotion
 FUSIBLE = ("fusible",)
 
 
-def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None, tags=FUSIBLE):
+def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None, tags=FUSIBLE, autocast=None):
     def fn(input):
         return clang.elementwise_unary(prim, input, kind, upcast=upcast)
 
     fn.__name__ = name
     fn.__doc__ = doc or f"torch.{name}"
     fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
-    return torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags)(fn)
+    return torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags, autocast=autocast)(fn)
 
 
 F_ = P.INT_TO_FLOAT
 abs = _unary("abs", prims.abs, P.COMPLEX_TO_FLOAT, methods=("abs", "__abs__"), upcast=False)
 neg = _unary("neg", prims.neg, methods=("neg", "__neg__", "negative"), upcast=False)
-exp = _unary("exp", prims.exp, F_)
+exp = _unary("exp", prims.exp, F_, autocast={"cuda": FP32})
 exp2 = _unary("exp2", prims.exp2, F_)
-expm1 = _unary("expm1", prims.expm1, F_)
-log = _unary("log", prims.log, F_)
-log1p = _unary("log1p", prims.log1p, F_)
-log2 = _unary("log2", prims.log2, F_)
-log10 = _unary("log10", prims.log10, F_)
+expm1 = _unary("expm1", prims.expm1, F_, autocast={"cuda": FP32})
+log = _unary("log", prims.log, F_, autocast={"cuda": FP32})
+log1p = _unary("log1p", prims.log1p, F_, autocast={"cuda": FP32})
+log2 = _unary("log2", prims.log2, F_, autocast={"cuda": FP32})
+log10 = _unary("log10", prims.log10, F_, autocast={"cuda": FP32})
 sqrt = _unary("sqrt", prims.sqrt, F_)
-rsqrt = _unary("rsqrt", prims.rsqrt, F_)
+rsqrt = _unary("rsqrt", prims.rsqrt, F_, autocast={"cuda": FP32})
 sin = _unary("sin", prims.sin, F_)
 cos = _unary("cos", prims.cos, F_)
-tan = _unary("tan", prims.tan, F_)
-asin = _unary("asin", prims.asin, F_)
-acos = _unary("acos", prims.acos, F_)
+tan = _unary("tan", prims.tan, F_, autocast={"cuda": FP32})
+asin = _unary("asin", prims.asin, F_, autocast={"cuda": FP32})
+acos = _unary("acos", prims.acos, F_, autocast={"cuda": FP32})
 atan = _unary("atan", prims.atan, F_)
-sinh = _unary("sinh", prims.sinh, F_)
-cosh = _unary("cosh", prims.cosh, F_)
+sinh = _unary("sinh", prims.sinh, F_, autocast={"cuda": FP32})
+cosh = _unary("cosh", prims.cosh, F_, autocast={"cuda": FP32})
 tanh = _unary("tanh", prims.tanh, F_, torch_fns=(torch.tanh, torch.nn.functional.tanh))
 asinh = _unary("asinh", prims.asinh, F_)
 acosh = _unary("acosh", prims.acosh, F_)
 atanh = _unary("atanh", prims.atanh, F_)
 erf = _unary("erf", prims.erf, F_, torch_fns=(torch.erf, torch.special.erf))
 erfc = _unary("erfc", prims.erfc, F_, torch_fns=(torch.erfc, torch.special.erfc))
-erfinv = _unary("erfinv", prims.erfinv, F_, torch_fns=(torch.erfinv, torch.special.erfinv))
+erfinv = _unary("erfinv", prims.erfinv, F_, torch_fns=(torch.erfinv, torch.special.erfinv), autocast={"cuda": FP32})
 lgamma = _unary("lgamma", prims.lgamma, F_)
 digamma = _unary("digamma", prims.digamma, F_, torch_fns=(torch.digamma, torch.special.digamma), tags=())
 sigmoid = _unary("sigmoid", prims.sigmoid, F_, torch_fns=(torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit))
-reciprocal = _unary("reciprocal", prims.reciprocal, F_)
+reciprocal = _unary("reciprocal", prims.reciprocal, F_, autocast={"cuda": FP32})
 floor = _unary("floor", prims.floor, upcast=False)
 ceil = _unary("ceil", prims.ceil, upcast=False)
 trunc = _unary("trunc", prims.trunc, upcast=False, methods=("trunc", "fix"))
@@ -82,7 +83,7 @@ def round(input, *, decimals=0):
     return clang.true_divide(clang.elementwise_unary(prims.round, clang.mul(input, scale), upcast=False), scale)
 
 
-@torchsymbol(torch.square, methods=("square",), tags=("fusible",))
+@torchsymbol(torch.square, methods=("square",), tags=("fusible",), autocast={"cuda": FP32})
 def square(input):
     if input._tt_dtype.is_bool:
         input = clang.maybe_convert(input, dtypes.int64)
@@ -109,14 +110,15 @@ def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
 # ---------------------------------------------------------------------------
 # Binary
 # ---------------------------------------------------------------------------
-def _binary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, reverse_methods=(), tags=FUSIBLE):
+def _binary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, reverse_methods=(), tags=FUSIBLE,
+            autocast=None):
     def fn(input, other):
         return clang.elementwise_binary(prim, input, other, kind, upcast=upcast)
 
     fn.__name__ = name
     fn.__doc__ = f"torch.{name}"
     fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
-    sym = torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags)(fn)
+    sym = torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags, autocast=autocast)(fn)
     for rm in reverse_methods:
         _reversed(rm, sym)
     return sym
@@ -176,7 +178,8 @@ def div(input, other, *, rounding_mode=None):
     raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found {rounding_mode!r}")
 
 
-@torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv", tags=("fusible",))
+@torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv", tags=("fusible",),
+             autocast={"cuda": FP32})
 def rtruediv(input, other):
     """``other / input``."""
     return clang.true_divide(other, input)
@@ -207,7 +210,7 @@ def _nan_ignoring(name, prim):
 
 fmax = _nan_ignoring("fmax", prims.maximum)
 fmin = _nan_ignoring("fmin", prims.minimum)
-atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"))
+atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"), autocast={"cuda": PROMOTE})
 copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT, tags=())
 hypot = _binary("hypot", prims.hypot)
 nextafter = _binary("nextafter", prims.nextafter, upcast=False, tags=())
@@ -224,7 +227,7 @@ gt = _binary("gt", prims.gt, P.ALWAYS_BOOL, torch_fns=(torch.gt, torch.greater),
 ge = _binary("ge", prims.ge, P.ALWAYS_BOOL, torch_fns=(torch.ge, torch.greater_equal), methods=("ge", "__ge__", "greater_equal"), upcast=False)
 
 
-@torchsymbol(torch.pow, methods=("pow", "__pow__"), tags=("fusible",))
+@torchsymbol(torch.pow, methods=("pow", "__pow__"), tags=("fusible",), autocast={"cuda": FP32})
 def pow(input, exponent):
     """torch.pow; ``x ** 2`` becomes ``x * x``."""
     if type(input) is TensorProxy and type(exponent) in (int, float) and exponent == 2:
@@ -234,7 +237,7 @@ def pow(input, exponent):
     return clang.elementwise_binary(prims.pow, input, exponent)
 
 
-@torchsymbol(methods=("__rpow__",), name="rpow", tags=("fusible",))
+@torchsymbol(methods=("__rpow__",), name="rpow", tags=("fusible",), autocast={"cuda": FP32})
 def rpow(input, other):
     """``other ** input``."""
     return clang.elementwise_binary(prims.pow, other, input)
@@ -304,12 +307,12 @@ def lerp(input, end, weight):
     return clang.where(small, low, high)
 
 
-@torchsymbol(torch.addcmul, methods=("addcmul",), tags=("fusible",))
+@torchsymbol(torch.addcmul, methods=("addcmul",), tags=("fusible",), autocast={"cuda": PROMOTE})
 def addcmul(input, tensor1, tensor2, *, value=1):
     return clang.add(input, clang.mul(clang.mul(tensor1, tensor2), value))
 
 
-@torchsymbol(torch.addcdiv, methods=("addcdiv",), tags=("fusible",))
+@torchsymbol(torch.addcdiv, methods=("addcdiv",), tags=("fusible",), autocast={"cuda": PROMOTE})
 def addcdiv(input, tensor1, tensor2, *, value=1):
     if not clang.result_dtype(tensor1, tensor2).is_float:
         raise RuntimeError("Integer division with addcdiv is no longer supported (as in eager); use addcmul(input, tensor1, 1 / tensor2)")

@@ -10,6 +10,7 @@ from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
 from ..transforms.grad_rules import register_vjp
+from .autocast import BANNED, FP32, LOWER  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -123,7 +124,7 @@ def _softplus(x, beta, threshold):
     return prims.where(prims.gt(bx, threshold), x, soft)
 
 
-@torchsymbol(F.softplus, tags=("fusible",))
+@torchsymbol(F.softplus, tags=("fusible",), autocast={"cuda": FP32})
 def softplus(input, beta=1.0, threshold=20.0):
     x, dt = _up(input)
     return clang.maybe_convert(_softplus(x, beta, threshold), dt)
@@ -165,7 +166,7 @@ def glu(input, dim=-1):
 # ---------------------------------------------------------------------------
 # Linear, embedding, dropout
 # ---------------------------------------------------------------------------
-@torchsymbol(F.linear)
+@torchsymbol(F.linear, autocast={"cpu": LOWER, "cuda": LOWER})
 def linear(input, weight, bias=None):
     out = prims.matmul(input, clang.transpose(weight, 0, 1) if weight.ndim_ == 2 else weight)
     if bias is not None:
@@ -211,18 +212,18 @@ def _reduce(loss, reduction, weight_sum=None):
     raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
-@torchsymbol(F.mse_loss)
+@torchsymbol(F.mse_loss, autocast={"cpu": FP32, "cuda": FP32})
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
     d = clang.sub(input, target)
     return _reduce(clang.mul(d, d), reduction)
 
 
-@torchsymbol(F.l1_loss)
+@torchsymbol(F.l1_loss, autocast={"cpu": FP32, "cuda": FP32})
 def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
     return _reduce(clang.elementwise_unary(prims.abs, clang.sub(input, target)), reduction)
 
 
-@torchsymbol(F.smooth_l1_loss)
+@torchsymbol(F.smooth_l1_loss, autocast={"cpu": FP32, "cuda": FP32})
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
     d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
     if beta == 0:
@@ -231,7 +232,7 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
 
 
-@torchsymbol(F.binary_cross_entropy_with_logits)
+@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     x, dt = _up(input)
     t = clang.maybe_convert(target, x._tt_dtype)
@@ -247,7 +248,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.binary_cross_entropy)
+@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
     x, dt = _up(input)
@@ -260,7 +261,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.huber_loss)
+@torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
 def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
     d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
@@ -269,7 +270,7 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
 
 
-@torchsymbol(F.kl_div)
+@torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     """target (log target - input), with 0 where target is 0 (xlogy)."""
     if log_target:
@@ -283,7 +284,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     return _reduce(loss, reduction)
 
 
-@torchsymbol(F.nll_loss)
+@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     return _nll(input, target, weight, ignore_index, reduction)
 
@@ -316,7 +317,8 @@ def _nll(logp, target, weight, ignore_index, reduction):
     return clang.true_divide(clang.sum(loss), clang.sum(w))
 
 
-@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",))
+@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
+             autocast={"cpu": FP32, "cuda": FP32})
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""
     x, dt = _up(input)
@@ -371,7 +373,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 # ---------------------------------------------------------------------------
 # Normalisation
 # ---------------------------------------------------------------------------
-@torchsymbol(F.layer_norm, tags=("fused_backward",))
+@torchsymbol(F.layer_norm, tags=("fused_backward",), autocast={"cuda": FP32})
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -388,7 +390,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.rms_norm, tags=("fused_backward",))
+@torchsymbol(F.rms_norm, tags=("fused_backward",), autocast={"cuda": FP32})
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -455,7 +457,7 @@ def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bia
 batch_norm.functionalize = _batch_norm_functionalize
 
 
-@torchsymbol(F.group_norm)
+@torchsymbol(F.group_norm, autocast={"cuda": FP32})
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
     x, dt = _up(input)
@@ -475,7 +477,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.normalize)
+@torchsymbol(F.normalize, autocast={"cuda": FP32})
 def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     from .reductions import norm
 
@@ -486,7 +488,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 # ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",))
+@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",), autocast={"cpu": LOWER, "cuda": LOWER})
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
     q, dt = _up(query)
@@ -550,12 +552,12 @@ def _conv(input, weight, bias, stride, padding, dilation, groups, nd):
     return clang.squeeze(out, (0,)) if unbatched else out
 
 
-@torchsymbol(F.conv1d, torch.conv1d)
+@torchsymbol(F.conv1d, torch.conv1d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 1)
 
 
-@torchsymbol(F.conv2d, torch.conv2d)
+@torchsymbol(F.conv2d, torch.conv2d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 2)
 
@@ -641,7 +643,7 @@ def one_hot(tensor, num_classes=-1):
     return prims.convert_element_type(eq, dtypes.int64)
 
 
-@torchsymbol(F.cosine_similarity, torch.cosine_similarity)
+@torchsymbol(F.cosine_similarity, torch.cosine_similarity, autocast={"cuda": FP32})
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     num = clang.sum(clang.mul(x1, x2), dim)
     n1 = clang.sqrt(clang.sum(clang.mul(x1, x1), dim))

@@ -8,6 +8,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from .convert import to_dtype
+from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -17,7 +18,7 @@ def _dims(dim):
     return dim
 
 
-@torchsymbol(torch.sum, methods=("sum",), tags=("fusible",))
+@torchsymbol(torch.sum, methods=("sum",), tags=("fusible",), autocast={"cuda": FP32_UNLESS_DTYPE})
 def sum(input, dim=None, keepdim=False, *, dtype=None):
     return clang.sum(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
@@ -27,7 +28,7 @@ def mean(input, dim=None, keepdim=False, *, dtype=None):
     return clang.mean(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
 
-@torchsymbol(torch.prod, methods=("prod",))
+@torchsymbol(torch.prod, methods=("prod",), autocast={"cpu": FP32, "cuda": FP32_UNLESS_DTYPE})
 def prod(input, dim=None, keepdim=False, *, dtype=None):
     return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG)
 
@@ -120,7 +121,7 @@ def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return clang.sqrt(v), m
 
 
-@torchsymbol(torch.logsumexp, methods=("logsumexp",), tags=("fusible",))
+@torchsymbol(torch.logsumexp, methods=("logsumexp",), tags=("fusible",), autocast={"cuda": FP32})
 def logsumexp(input, dim, keepdim=False):
     d = clang.canonicalize_dims(input.ndim_, dim)
     x = clang.maybe_convert(input, clang.compute_dtype(input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float()))
@@ -134,7 +135,8 @@ def logsumexp(input, dim, keepdim=False):
 
 
 @torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax,
-             tags=("fusible", "fused_backward",))
+             tags=("fusible", "fused_backward",),
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """softmax along ``dim`` (computed in float32 for low-precision inputs)."""
     if dim is None:
@@ -143,14 +145,15 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
 
 
 @torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax,
-             tags=("fusible", "fused_backward",))
+             tags=("fusible", "fused_backward",),
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")
     return clang.log_softmax(input, dim, to_dtype(dtype))
 
 
-@torchsymbol(torch.cumsum, methods=("cumsum",))
+@torchsymbol(torch.cumsum, methods=("cumsum",), autocast={"cuda": FP32_UNLESS_DTYPE})
 def cumsum(input, dim, *, dtype=None):
     dt = to_dtype(dtype)
     x = input
@@ -190,7 +193,8 @@ def count_nonzero(input, dim=None):
     return clang.sum(clang.maybe_convert(clang.ne(input, 0), dtypes.int64), _dims(dim))
 
 
-@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm)
+@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm,
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def norm(input, p=2, dim=None, keepdim=False, dtype=None):
     """Vector norms (p = 2, 1, inf, or any number)."""
     if p == "fro":
