@@ -4,8 +4,10 @@
 the torch language whose decomposition is the decorated function, routes
 ``torch.add`` and the ``Tensor`` methods to it while tracing, and records
 ``torch.add`` as its torch implementation (the torch executor runs that when
-it claims the symbol whole).  The gradient rule, where there is one, is
-registered next to the definition with ``@grad_rule``.
+it claims the symbol whole).  The op's other facts are declared in the same
+place: tags (``"fusible"``, ``"fused_backward"``, ...), its autocast policy,
+and, where it has a direct one, its gradient rule, registered right after the
+definition with ``@register_vjp(symbol)`` (``transforms/grad_rules.py``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ _DEFAULT = object()
 by_torch_fn: dict = {}
 # Tensor method name → Symbol; fallback for wrappers whose identity differs
 by_method_name: dict = {}
-# property name → getter(proxy) and setter(proxy, value); see tensor_properties.py
+# property name → getter(proxy) and setter(proxy, value); the properties are in tensor_methods.py
 property_getters: dict = {}
 property_setters: dict = {}
 all_symbols: dict = {}
