@@ -223,3 +223,15 @@ def test_overlapping_views_per_call(mode):
 def test_flags_must_be_bools(option, value):
     with pytest.raises(ValueError, match=rf"{option} must be a bool"):
         tt.compile(train_step, **{option: value})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_replaced_parameters_get_their_own_grad(mode):
+    # The guard key does not hold parameter identity: after load_state_dict(assign=True) the same program runs
+    # on new Parameter objects, and its epilogue must set .grad on those, not on the traced call's objects.
+    other = small_model(seed=3).state_dict()
+    t = Twin(make_opt=lambda ps: torch.optim.AdamW(list(ps)[:-1], lr=0.05), **mode)
+    t.steps(3)
+    for _ in range(3):
+        t.hazard(lambda m, o: m.load_state_dict({k: v.clone() for k, v in other.items()}, assign=True))
+        t.steps(2)

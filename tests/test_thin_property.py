@@ -119,7 +119,7 @@ def _opt(kind):
     return make
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(kind=st.sampled_from(["adamw-fused", "adamw-traced", "sgd"]),
        plan=st.lists(st.tuples(HAZARDS, st.integers(1, 2)), min_size=1, max_size=5))
