@@ -34,7 +34,6 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
-from . import composite_grad_rules  # noqa: F401  (registers the torch-language composites' direct rules)
 from .dce import dce
 from .grad_rules import NON_DIFFERENTIABLE, NoGradientRuleError, bind_arguments, get_rule
 
