@@ -6,9 +6,11 @@ strict — elementwise inputs have one shape and one dtype, reductions take
 explicit dims — so that executors implement a small, simple set; clang builds
 the conveniences (broadcasting, type promotion, -1 in reshape) on top.
 
-Each prim's torch implementation is in ``executors/torch_executor.py`` and
-its gradient rule in ``transforms/grad_rules.py``; both are keyed by the
-symbol object defined here.
+Facts about a prim hang off its symbol: its tags (``"fusible"``,
+``"side_effect"``, ...) and what it is on Python numbers are declared here;
+its gradient rule (``Symbol.grad_rule``) is registered in
+``transforms/grad_rules.py`` and its torch implementation in
+``executors/torch_executor.py`` (an executor adds its own implementations).
 """
 from __future__ import annotations
 
