@@ -11,6 +11,7 @@ from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import thin
+from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
 from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
 from .guards.thin import ThinBinding
@@ -188,6 +189,7 @@ class CompiledFunction:
         self._prev_validated = None  # (entry, leaf values) of the previous full-path call
         self._binding: ThinBinding | None = None
         self._call = self._full_call
+        self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
@@ -226,6 +228,8 @@ class CompiledFunction:
         else:
             st.cache_hits += 1
         self._last = entry
+        if entry.updates_parameters:
+            self._autocast_region.check()
         if self.thin:
             self._after_validation(entry, vals)
         return entry.computation(*entry.select(vals))
@@ -309,6 +313,15 @@ class CompiledFunction:
         binding.fn, binding.static_idx = fn, static_idx
         self._binding = binding
         self._call = fn.fn
+        if entry.updates_parameters and torch._C._is_any_autocast_enabled():
+            # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
+            probe, thin_fn = self._autocast_region.check, fn.fn
+
+            def call_in_region(*args, **kwargs):
+                probe()
+                return thin_fn(*args, **kwargs)
+
+            self._call = call_in_region
         self.stats.thin_binds += 1
 
     def _unbind(self, reason: str | None):

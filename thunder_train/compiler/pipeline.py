@@ -38,6 +38,7 @@ class CacheEntry:
     backward_traces: list | None = None  # set when the entry computes gradients for PyTorch autograd
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
+    updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
     input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
-                       acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward)
+                       acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
+                       updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     if not has_backward:

@@ -45,8 +45,11 @@ prints on top of the trace.  Calls without autocast pay nothing.  The backward
 recommends calling it outside the autocast region.
 
 Known limits: ops run opaquely (``compile_stats(cf).opaque_ops``) are not
-autocast; eager autocast's weight-cast cache is not reproduced (each use of a
-weight gets its own conversion, same values); devices other than CPU and CUDA.
+autocast; devices other than CPU and CUDA.  Eager autocast's weight-cast cache
+is not reproduced: each use of a weight gets its own conversion, the same values
+within one call; across calls of a parameter-updating step inside one cached
+region eager would reuse stale casts, and ``guards/autocast_region.py`` refuses
+such a second call (``AutocastCacheError``).
 """
 from __future__ import annotations
 
