@@ -182,6 +182,15 @@ def _with_epilogue(computation, epilogue):
     return run
 
 
+def _rebuilding(computation, spec):
+    rebuild = spec.rebuild
+
+    def run(*inputs):
+        return rebuild(computation(*inputs))
+
+    return run
+
+
 def _select(idx: tuple) -> Callable:
     if len(idx) == 0:
         return lambda vals: ()
@@ -346,6 +355,9 @@ class CompiledFunction:
         if epilogue is not None:
             entry.epilogue = epilogue
             entry.computation = _with_epilogue(entry.computation, epilogue.fn)
+        if acquired.output_spec is not None:
+            # The trace returns the leaves of a user type (ModelOutput, dataclass, ...): rebuild it around them.
+            entry.computation = _rebuilding(entry.computation, acquired.output_spec)
         for name in acquired.opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)

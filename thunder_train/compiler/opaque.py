@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import context, devices
-from .proxies import TensorProxy, is_tensor_proxy
+from .proxies import TensorProxy, is_tensor_proxy, meta_tensor
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
 
@@ -87,6 +87,8 @@ _opaque_symbols: dict = {}
 def _to_meta(x):
     if type(x) is TensorProxy:
         return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=x._tt_requires_grad)
+    if is_tensor_proxy(x):
+        return meta_tensor(x)
     if isinstance(x, torch.Tensor):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
@@ -118,7 +120,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
 
     def to_proxy(x):
         if isinstance(x, torch.Tensor):
-            return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+            return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad,
+                               strides=x.stride(), storage_offset=x.storage_offset())
         return x
 
     out = tree_map(to_proxy, meta_out)

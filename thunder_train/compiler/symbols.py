@@ -17,6 +17,10 @@ from typing import Callable
 
 from . import context
 
+# Sets the eager memory layout of a new bound symbol's output proxies; installed by
+# executors/layout_rules.py (it needs the torch executor's implementations).
+layout_hook = None
+
 
 class Symbol:
     """An operation with a meta function (prims) or a decomposition (composites).
@@ -80,6 +84,8 @@ class Symbol:
                 # A no-op at trace level (contiguous(), to(same dtype), ...): nothing to record.
                 return out
             bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
+        if layout_hook is not None:
+            layout_hook(bsym)
         trc.add(bsym)
         return out
 

@@ -163,7 +163,8 @@ def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=Fa
         if g is None:
             continue
         if trc.grads.get(p) is None:
-            g = _fresh(trc, g, taken)
+            # A new .grad: eager's AccumulateGrad lays it out like the parameter (fused optimizer kernels rely on it).
+            g = prims.grad_layout(_fresh(trc, g, taken), p)
         # Without create_graph a gradient is a constant to any later backward (eager: no grad_fn).
         trc.grads.accumulate(p, g if create_graph else prims.stop_gradient(g))
     # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.

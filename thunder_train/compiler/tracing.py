@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import context, proxies
+from . import context, proxies, symbols
 from .opaque import call_opaque
 from .proxies import CheckedFloat, SizeProxy, TensorProxy
 from .torchlang import registry
@@ -168,7 +168,8 @@ class InputWalker:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
             # they decide broadcasting and emptiness).
             shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 else s for i, s in enumerate(shape))
-        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
+                        strides=t.stride(), storage_offset=t.storage_offset())
         if symbolic:
             for i, s in enumerate(p._tt_shape):
                 if type(s) is SizeProxy:
@@ -472,6 +473,8 @@ def handle_torch_function(func, types, args, kwargs):
         out = sym(*args, **kwargs)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
+            if func is not getattr(sym, "torch_impl", None) and symbols.layout_hook is not None:
+                symbols.layout_hook(scope[-1])  # the layout of what the torch executor will call
         if top:
             out = _back_to_buffers(orig_args, args, out)
             if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
@@ -690,6 +693,7 @@ class Acquired:
     opaque_ops: list
     written: set = dataclasses.field(default_factory=set)  # ids of input proxies updated in place
     size_checks: list = dataclasses.field(default_factory=list)  # (op, size, other, result) decided while tracing
+    output_spec: object = None  # pytree.OutputSpec rebuilding a returned user type (ModelOutput, dataclass, ...)
 
 
 def _arg_names(fn) -> list:
@@ -740,7 +744,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             refuse_backward_hooks(trc, walker)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
-            out = _check_output(out)
+            out, output_spec = _check_output(out)
             inputs = []
             seen = set()
             for leaf in walker.leaves:
@@ -753,7 +757,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         finally:
             walker.restore()
     written = {id(dst) for dst in trc.written_inputs}
-    return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())))
+    return Acquired(trc, walker.leaves, trc.opaque_ops, written, list(getattr(trc, "size_checks", ())), output_spec)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):
@@ -769,9 +773,18 @@ def _insert_shape_queries(trc, symbolic_inputs):
 
 
 def _check_output(out):
-    from .pytree import tree_flatten
+    """``(trace output, OutputSpec or None)``: user types in the output are flattened (pytree.flatten_output)."""
+    from .pytree import flatten_output, holds, tree_flatten
 
-    for v in tree_flatten(out)[0]:
-        if isinstance(v, torch.nn.Module):
-            raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
-    return out
+    def refuse_modules(leaves):
+        for v in leaves:
+            if isinstance(v, torch.nn.Module):
+                raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
+
+    refuse_modules(tree_flatten(out)[0])
+    try:
+        out, spec = flatten_output(out, lambda x: holds(x, proxies.is_proxy))
+    except TypeError as e:
+        raise TracingError(str(e)) from None
+    refuse_modules(tree_flatten(out)[0])
+    return out, spec

@@ -132,8 +132,11 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             sizes = " or ".join(f"{var}.shape[{i}] < 2" if type(s) is SizeProxy else f"{var}.shape[{i}] != {s}"
                                 for i, s in enumerate(leaf.proxy._tt_shape))
             shape_cond = f"len({var}.shape) != {v.ndim} or {sizes}"
+            if v.is_contiguous():
+                shape_cond += f" or not {var}.is_contiguous()"
         else:
-            shape_cond = f"{var}.shape != {consts(tuple(v.shape))}"
+            # The program assumed this memory layout (stride() answers, view legality, kernels' layouts).
+            shape_cond = f"{var}.shape != {consts(tuple(v.shape))} or {var}.stride() != {consts(v.stride())}"
         return (f"{shape_cond} or {var}.dtype is not {consts(v.dtype)} "
                 f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad}")
 
@@ -224,6 +227,12 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     if params:
         flags = consts(tuple(vals[i].requires_grad for i in params))
         demoted_conds.append(f"({''.join(f'{bind(i)}.requires_grad, ' for i in params)}) != {flags}")
+    # ``p.data = other`` keeps the bound object but may change its layout, which the program (gradient
+    # layouts, fused optimizer kernels) assumed: one tuple comparison per call over the bound parameters.
+    laid_out = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter) and leaves[i].alias_of is None]
+    if laid_out:
+        strides = consts(tuple(vals[i].stride() for i in laid_out))
+        demoted_conds.append(f"({''.join(f'{bind(i)}.stride(), ' for i in laid_out)}) != {strides}")
 
     # The program assumed some .grad was None (e.g. zero_grad(set_to_none=True) ends each step). One
     # cheap probe catches the common violation — an eager backward() between compiled steps.

@@ -184,7 +184,13 @@ def _(bsym):
 
 @_rule(prims.clone)
 def _(bsym):
-    return torch.clone, bsym.args, {}
+    a, *fmt = bsym.args
+    return torch.clone, (a,), ({"memory_format": fmt[0]} if fmt and fmt[0] is not None else {})
+
+
+@_rule(prims.grad_layout)
+def _(bsym):
+    return torch_impls.grad_layout, bsym.args, {}
 
 
 @_rule(prims.stop_gradient)
@@ -464,3 +470,6 @@ def _as_meta_proxy(x):
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
 
+
+# Installs the eager-layout hook (it uses the implementations above).
+from . import layout_rules  # noqa: E402,F401

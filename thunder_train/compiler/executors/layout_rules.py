@@ -1,0 +1,124 @@
+"""Eager's memory layout for every traced op.
+
+A bound symbol's output proxies get the strides and storage offset eager PyTorch
+would give them, found by running what the torch executor will run for that
+symbol (a prim's torch implementation, or the torch callable the user called for a
+torch-language symbol) on fake tensors (``FakeTensorMode``: meta kernels that know
+the device, since some layouts do — a CPU convolution keeps channels_last) laid out
+like the inputs.  These are torch's own stride rules, not a second copy; the torch
+executor then produces exactly these layouts at run time.
+
+An error that eager would raise because of a layout (``view`` of a non-contiguous
+tensor) is raised here, at trace time, from the user's line.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import symbols
+from ..proxies import NumberProxy, TensorProxy, meta_tensor
+from ..pytree import tree_flatten, tree_map
+from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
+
+_fake_mode = None
+
+
+def _mode():
+    global _fake_mode
+    if _fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    return _fake_mode
+
+
+def _fake(p):
+    """Inside the fake mode: a tensor with ``p``'s shape, dtype, device and layout."""
+    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    strides, offset = p._tt_strides, p._tt_storage_offset
+    extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
+    base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
+    return base.as_strided(shape, strides, offset)
+# Meta-kernel errors that are eager's own layout errors (raised again at trace time).
+_LAYOUT_ERRORS = ("view size is not compatible", "stride", "contiguous", "memory format")
+
+
+def _callable(bsym):
+    sym = bsym.sym
+    if sym.module == "prims":
+        rule = _prim_rules.get(sym)
+        r = rule(bsym) if rule is not None else None
+        if r is None or isinstance(r[0], ScalarSymbol):
+            return None
+        return r
+    if sym.module == "ltorch":
+        fn = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
+        return None if fn is None else (fn, bsym.args, bsym.kwargs)
+    return None
+
+
+def _to_meta(x):
+    if type(x) is TensorProxy:
+        return meta_tensor(x)
+    x = _to_fake(x)
+    return _META if isinstance(x, torch.device) else x
+
+
+_META = torch.device("meta")
+
+
+def _to_fake(x):
+    if type(x) is TensorProxy:
+        return _fake(x)
+    if isinstance(x, NumberProxy):
+        return x.python_type(x.value) if x.value == x.value else x.python_type(1)
+    return to_torch_arg(x)
+
+
+def _on_meta(fn, args, kwargs):
+    """The op on plain meta tensors (C++ meta kernels raise eager's own messages); None if it cannot run."""
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            margs, mkwargs = tree_map(_to_meta, (tuple(args), dict(kwargs)))
+            return fn(*margs, **mkwargs)
+    except Exception as e:  # noqa: BLE001 - a meta kernel may be missing; only layout errors are eager's
+        msg = str(e)
+        if isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(s in msg for s in _LAYOUT_ERRORS) \
+                and "meta" not in msg.lower():
+            raise RuntimeError(msg) from None
+        return None
+
+
+def set_layout(bsym) -> None:
+    outs = [o for o in bsym.flat_outputs() if type(o) is TensorProxy]
+    if not outs:
+        return
+    flat_in = bsym.flat_args()
+    if not any(type(x) is TensorProxy for x in flat_in):
+        return  # factories: row-major, as created
+    ins = {id(x) for x in flat_in}
+    if all(id(o) in ins for o in outs):
+        return
+    c = _callable(bsym)
+    if c is None:
+        return
+    fn, args, kwargs = c
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad(), _mode():
+            margs, mkwargs = tree_map(_to_fake, (tuple(args), dict(kwargs)))
+            mout = fn(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - fake tensors lack some kernels, and word errors differently
+        mout = _on_meta(fn, args, kwargs)
+        if mout is None:
+            return
+    mflat = [m for m in tree_flatten(mout)[0] if isinstance(m, torch.Tensor)]
+    pflat = [o for o in bsym.flat_outputs() if isinstance(o, torch.Tensor)]
+    if len(mflat) != len(pflat):
+        return
+    for p, m in zip(pflat, mflat):
+        if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(int.__int__(s) for s in p._tt_shape):
+            p._tt_strides = tuple(m.stride())
+            p._tt_storage_offset = m.storage_offset()
+
+
+symbols.layout_hook = set_layout
