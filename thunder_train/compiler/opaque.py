@@ -9,13 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import context, devices
+from .errors import UnsupportedOpError  # noqa: F401  (defined with the other user-facing errors)
 from .proxies import TensorProxy, is_tensor_proxy, meta_tensor
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
-
-
-class UnsupportedOpError(NotImplementedError):
-    """A torch op the compiler cannot trace (strict mode, or no meta implementation)."""
 
 
 _NAMESPACES = (
@@ -65,6 +62,12 @@ class OpaqueSymbol(Symbol):
 
     def codegen_globals(self) -> dict:
         return self._globals
+
+    @property
+    def has_side_effect(self) -> bool:
+        # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
+        n = self.name
+        return n.endswith("_") and not n.endswith("__") or n.endswith(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"))
 
 
 def printable_reference(func, name: str):
@@ -135,7 +138,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         sym = _opaque_symbols[func] = OpaqueSymbol(func)
     trc = context.get_trace()
     trc.add(BoundSymbol(sym, args, kwargs, out, ()))
-    opaque = getattr(trc, "opaque_ops", None)
-    if opaque is not None and name not in opaque:
-        opaque.append(name)
+    st = context.tracer_state()
+    if st is not None and name not in st.opaque_ops:
+        st.opaque_ops.append(name)
     return out

@@ -18,8 +18,11 @@ import torch
 from . import dtypes, devices
 from .context import fresh_name
 
-# The tracer installs its handler here (avoids an import cycle).
+# Hooks the layers above install when they are imported (proxies sit below both):
+# the tracer's torch-function handler, and the prims module, whose scalar prims
+# record arithmetic on runtime numbers.
 _torch_function_handler = None
+_prims = None
 
 
 class Proxy:
@@ -175,14 +178,12 @@ class NumberProxy(Proxy):
 
     __str__ = __repr__
 
-    # Arithmetic on runtime scalars records scalar prims; see clang.scalar_binary.
+    # Arithmetic on runtime scalars records scalar prims (``prims.add(n0, 1)``, printed ``n1 = n0 + 1``).
     def _binop(self, other, opname, reverse=False):
-        from . import clang
-
         if not isinstance(other, (int, float)):
             return NotImplemented
         a, b = (other, self) if reverse else (self, other)
-        return clang.scalar_binary(opname, a, b)
+        return getattr(_prims, opname)(a, b)
 
     def __add__(self, o):
         return self._binop(o, "add")
@@ -233,9 +234,7 @@ class NumberProxy(Proxy):
         return self
 
     def __abs__(self):
-        from . import prims
-
-        return prims.abs(self)
+        return _prims.abs(self)
 
     def __eq__(self, o):
         return self._binop(o, "eq") if o is not self else True
@@ -283,7 +282,7 @@ class _Checked:
     """Runtime numbers whose Python decisions are checked instead of refused.
 
     A comparison, ``bool()`` or conversion to a plain number is answered from the
-    example value and recorded as a check (``trc.size_checks``) that the prologue
+    example value and recorded as a check (the tracer state's ``size_checks``) that the prologue
     and thin mode evaluate on every later input; a call that decides differently
     gets its own program.  ``origin`` says how the number is computed from the
     inputs: ``("dim", tensor proxy, i)``, ``("input",)`` (an input leaf itself) or
@@ -291,11 +290,11 @@ class _Checked:
     """
 
     def _check(self, op, other, result):
-        from .context import get_trace
+        from .context import tracer_state
 
-        trc = get_trace()
-        if trc is not None and hasattr(trc, "size_checks"):
-            trc.size_checks.append((op, self, other, result))
+        st = tracer_state()
+        if st is not None:
+            st.size_checks.append((op, self, other, result))
         return result
 
     @staticmethod

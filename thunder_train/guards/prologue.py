@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.tracing import path_str, _name_from_path
+from ..compiler.acquisition.provenance import name_from_path, path_str
 from . import checks
 
 _counter = itertools.count()
@@ -236,7 +236,7 @@ def leaf_vars(leaves, arg_names=()) -> list:
     used = {"args", "kwargs", "_MISSING", "_float_key", "torch", "len", "type", "id", "tuple", "float"}
     names = []
     for leaf in leaves:
-        base = _name_from_path(leaf.path, "v")
+        base = name_from_path(leaf.path, "v")
         root = leaf.path[0]
         if root.kind == "arg" and root.key < len(arg_names):
             base = arg_names[root.key] + base[len(f"arg{root.key}"):]
@@ -284,6 +284,16 @@ def _storage_overlaps(written, others) -> tuple:
     return tuple(out)
 
 
+def per_call_mask(leaves) -> list:
+    """True for leaves reached without passing through a module or other object."""
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
+    mask = []
+    for leaf in leaves:
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        mask.append(not static)
+    return mask
+
+
 def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
     """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
 
@@ -326,8 +336,6 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
             label_leaf.append(first)
             size_exprs.append((expr, result))
     if written:
-        from .thin import per_call_mask
-
         per_call = per_call_mask(leaves)
         others = [i for i, leaf in enumerate(leaves) if per_call[i] and leaf.kind == "tensor" and leaf.alias_of is None]
         if others:

@@ -4,13 +4,10 @@ from __future__ import annotations
 import torch
 
 from .. import clang, dtypes, prims
+from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
 from ..proxies import TensorProxy, meta_tensor
 from .convert import to_dtype, to_device
 from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
-
-
-class DataDependentError(RuntimeError):
-    """Python code needs a tensor's value, which does not exist while tracing."""
 
 
 # ---------------------------------------------------------------------------
@@ -282,12 +279,12 @@ def requires_grad_(a, requires_grad=True):
 
 def set_requires_grad(a, requires_grad):
     """``t.requires_grad = flag`` while tracing: later backwards see it; an input's flag is set by the epilogue."""
-    from ..context import get_trace
+    from ..context import tracer_state
 
     if requires_grad and not a._tt_dtype.is_float:
         raise RuntimeError("only Tensors of floating point dtype can require gradients")
-    trc = get_trace()
-    changes = getattr(trc, "requires_grad_changes", None)
+    st = tracer_state()
+    changes = st.requires_grad_changes if st is not None else None
     if changes is not None and id(a) not in changes:
         changes[id(a)] = (a, a._tt_requires_grad)
     a._tt_requires_grad = bool(requires_grad)
@@ -413,8 +410,6 @@ def contiguous(a, memory_format=torch.contiguous_format):
 def detach(a):
     """Same values, no gradient."""
     return prims.stop_gradient(a)
-
-
 
 
 # Imported late: shape functions used by properties above.
