@@ -60,6 +60,8 @@ class TensorProxy(torch.Tensor):
         self._tt_requires_grad = bool(requires_grad) and dt.category >= dtypes.FLOAT
         self._tt_strides = tuple(strides) if strides is not None else contiguous_strides(shape)
         self._tt_storage_offset = storage_offset
+        # Freshly laid out row-major: lets the layout hook skip elementwise ops on such inputs.
+        self._tt_rowmajor = strides is None or (storage_offset == 0 and self._tt_strides == contiguous_strides(shape))
         return self
 
     def __init__(self, *args, **kwargs):  # everything happens in __new__

@@ -80,16 +80,19 @@ class Symbol:
                 trc._scopes[0].append(bsym)
                 return out
         else:
+            claimed = getattr(self, "torch_impl", None) is not None
             trc.push_scope()
+            trc.claimed_depth += claimed
             try:
                 out = self.fn(*args, **kwargs)
             finally:
                 subs = trc.pop_scope()
+                trc.claimed_depth -= claimed
             if not subs and _returns_an_input(out, args, kwargs):
                 # A no-op at trace level (contiguous(), to(same dtype), ...): nothing to record.
                 return out
             bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
-        if layout_hook is not None:
+        if layout_hook is not None and not trc.claimed_depth:
             layout_hook(bsym)
         trc.add(bsym)
         return out

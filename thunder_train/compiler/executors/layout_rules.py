@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..proxies import NumberProxy, TensorProxy, meta_tensor
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -89,13 +89,65 @@ def _on_meta(fn, args, kwargs):
         return None
 
 
+_elementwise = None
+
+
+def _is_elementwise(sym) -> bool:
+    global _elementwise
+    if _elementwise is None:
+        from .. import prims
+
+        names = set(prims.UNARY_OPS) | set(prims.UNARY_BOOL_OPS) | set(prims.BINARY_OPS) | set(prims.BINARY_BOOL_OPS)
+        _elementwise = {s for n, s in vars(prims).items() if n in names and isinstance(s, symbols.Symbol)}
+        _elementwise |= {prims.where, prims.convert_element_type, prims.stop_gradient}
+    return sym in _elementwise or (sym.module == "ltorch" and getattr(sym.fn, "__module__", "").endswith("torchlang.elementwise"))
+
+
+def _like(p, src) -> None:
+    """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
+    from ..proxies import is_non_overlapping_and_dense
+
+    if src._tt_rowmajor or not is_non_overlapping_and_dense(meta_tensor(src)):
+        p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = contiguous_strides(p._tt_shape), 0, True
+    else:
+        p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = src._tt_strides, 0, False
+
+
+def _direct_rule(bsym) -> bool:
+    """Layouts known without running anything (the costly ops to run on fake tensors); True if handled."""
+    from .. import prims
+    from . import torch_impls
+
+    sym = bsym.sym
+    if sym is prims.copy_:  # returns its destination
+        bsym.output._tt_strides, bsym.output._tt_rowmajor = bsym.args[1]._tt_strides, bsym.args[1]._tt_rowmajor
+        bsym.output._tt_storage_offset = bsym.args[1]._tt_storage_offset
+        return True
+    if sym is prims.grad_layout:  # the parameter's layout when dense, else row-major (torch_impls.grad_layout)
+        _like(bsym.output, bsym.args[1])
+        return True
+    impl = getattr(sym, "torch_impl", None) if sym.module == "ltorch" else None
+    overwrites = getattr(impl, "overwrites", None) if impl in (torch_impls.adam_update, torch_impls.sgd_update,
+                                                                torch_impls.adagrad_update) else None
+    if overwrites is not None:  # multi-tensor updates of clones: output list i mirrors argument list j
+        for i, j in overwrites:
+            for o, a in zip(bsym.output[i], bsym.args[j]):
+                _like(o, a)
+        return True
+    return False
+
+
 def set_layout(bsym) -> None:
     outs = [o for o in bsym.flat_outputs() if type(o) is TensorProxy]
-    if not outs:
+    if not outs or _direct_rule(bsym):
         return
     flat_in = bsym.flat_args()
-    if not any(type(x) is TensorProxy for x in flat_in):
+    tensors = [x for x in flat_in if type(x) is TensorProxy]
+    if not tensors:
         return  # factories: row-major, as created
+    if _is_elementwise(bsym.sym) and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
+            and all(o._tt_shape == outs[0]._tt_shape for o in outs):
+        return  # elementwise on row-major inputs of the output's shape: row-major, as created
     ins = {id(x) for x in flat_in}
     if all(id(o) in ins for o in outs):
         return
@@ -119,6 +171,7 @@ def set_layout(bsym) -> None:
         if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(int.__int__(s) for s in p._tt_shape):
             p._tt_strides = tuple(m.stride())
             p._tt_storage_offset = m.storage_offset()
+            p._tt_rowmajor = p._tt_storage_offset == 0 and p._tt_strides == contiguous_strides(p._tt_shape)
 
 
 symbols.layout_hook = set_layout

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import context, prims
+from .. import context, prims, symbols
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
@@ -182,10 +182,14 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
     """Run ``rule`` in a nested scope and record what it recorded as one ``<name>_vjp`` bound symbol."""
     trc = context.get_trace()
     trc.push_scope()
+    # Torch's own backward usually runs this rule whole: the layouts inside it are computed only if not.
+    whole = bsym.sym.name in TORCH_VJP
+    trc.claimed_depth += whole
     try:
         grads = rule(g, bsym.output, **args)
     finally:
         subs = trc.pop_scope()
+        trc.claimed_depth -= whole
     made = {id(o) for b in subs for o in b.flat_outputs()}
     arg_leaves = tree_flatten((bsym.args, bsym.kwargs))[0]
     outs, wanted = [], []  # gradient proxies; for each, the positions of its input among bsym's flat args
@@ -204,6 +208,8 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
             wanted.append(tuple(i for i, a in enumerate(arg_leaves) if a is v))
     if not ok or not outs:
         for b in subs:
+            if whole and symbols.layout_hook is not None and not trc.claimed_depth:
+                symbols.layout_hook(b)
             trc.add(b)
         return grads
     vsym = vjp_symbol(bsym.sym)
