@@ -204,3 +204,22 @@ def test_whole_step_returning_a_model_output(thin):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     if thin:
         assert tt.compile_stats(cs).thin_calls >= 1
+
+
+def test_hf_encoder_decoder_output_with_its_cache():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    ref_model = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 8))
+    out, ref = tt.compile(model)(input_ids=ids, labels=ids), ref_model(input_ids=ids, labels=ids)
+    assert type(out) is type(ref) and type(out.past_key_values) is type(ref.past_key_values)
+    _no_proxy(out)
+    torch.testing.assert_close(out.loss, ref.loss)
+    torch.testing.assert_close(out.encoder_last_hidden_state, ref.encoder_last_hidden_state)
+    out.loss.backward()
+    ref.loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)

@@ -145,19 +145,20 @@ def _flatten_out(x, leaves, contains_proxy):
 
 
 # Third-party types whose library ships a torch.utils._pytree registration that it does not install
-# by default (transformers registers its caches only for torch.export): installed on first use.
-_KNOWN_REGISTRATIONS = {
-    "transformers.cache_utils.DynamicCache": ("transformers.integrations.executorch", "register_dynamic_cache_export_support"),
-}
-
-
+# by default: transformers registers its caches (DynamicCache, EncoderDecoderCache, ...) only for
+# torch.export. Installed on first use, with the library's own functions.
 def _register_known(t) -> bool:
     import importlib
 
-    where = _KNOWN_REGISTRATIONS.get(f"{t.__module__}.{t.__qualname__}")
-    if where is None:
+    if not t.__module__.startswith("transformers."):
         return False
-    getattr(importlib.import_module(where[0]), where[1])()
+    try:
+        exporter = importlib.import_module("transformers.exporters.exporter_dynamo")
+        if exporter.is_cache_class(t):
+            exporter.register_pytree_node(t)
+    except (ImportError, AttributeError):  # older transformers: only DynamicCache has a registration
+        if t.__qualname__ == "DynamicCache":
+            importlib.import_module("transformers.integrations.executorch").register_dynamic_cache_export_support()
     return t in _torch_pytree().SUPPORTED_NODES
 
 
