@@ -27,6 +27,12 @@ LAYOUT_FUNCS = {
     "clone_preserve": lambda x: x.transpose(1, 2).clone(),
     "zeros_like_t": lambda x: torch.zeros_like(x.transpose(0, 2)),
     "softmax_t": lambda x: x.transpose(0, 1).softmax(-1),
+    "to_channels_last": lambda x: x.unsqueeze(0).to(memory_format=torch.channels_last) * 3,
+    "to_dtype_transposed": lambda x: x.transpose(0, 2).to(torch.float64),
+    "to_contiguous_format": lambda x: x.transpose(0, 2).to(memory_format=torch.contiguous_format),
+    "contiguous_channels_last": lambda x: x.unsqueeze(0).contiguous(memory_format=torch.channels_last),
+    "clone_channels_last": lambda x: x.unsqueeze(0).clone(memory_format=torch.channels_last) + 1,
+    "empty_like_channels_last": lambda x: torch.zeros_like(x.unsqueeze(0), memory_format=torch.channels_last),
 }
 
 

@@ -353,6 +353,9 @@ def to(a, *args, **kwargs):
             f"moving a tensor from {a._tt_device} to {device} inside a compiled function is not supported yet; "
             "move inputs before calling it"
         )
+    fmt = kwargs.get("memory_format", torch.preserve_format)
+    if fmt is not torch.preserve_format and not _is_contiguous_for(a, fmt):
+        a = prims.clone(a, fmt)  # to(memory_format=torch.channels_last): a copy laid out so, as in eager
     if dtype is None or dtype is a._tt_dtype:
         return a
     return prims.convert_element_type(a, dtype)
