@@ -179,8 +179,8 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
     """Run ``rule`` in a nested scope and record what it recorded as one ``<name>_vjp`` bound symbol."""
     trc = context.get_trace()
     trc.push_scope()
-    # Torch's own backward usually runs this rule whole: the layouts inside it are computed only if not.
-    whole = bsym.sym.name in TORCH_VJP
+    # Torch's own backward ("fused_backward") runs this rule whole: the layouts inside it are computed only if not.
+    whole = True
     trc.claimed_depth += whole
     try:
         grads = rule(g, bsym.output, **args)
