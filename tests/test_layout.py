@@ -64,6 +64,24 @@ def test_hf_loss_shift_contiguous_view_runs_and_contiguous_is_in_the_trace():
     assert "contiguous" in str(tt.last_traces(cf)[-1])
 
 
+def test_printed_traces_with_layout_changes_run_as_python():
+    from thunder_train.compiler.codegen import standard_namespace
+
+    def f(x, labels):
+        y = x.transpose(1, 2).contiguous().view(-1)
+        z = x.to(memory_format=torch.channels_last).contiguous()
+        return y * 2, z, labels[..., 1:].contiguous().view(-1)
+
+    x, labels = torch.randn(2, 3, 4, 5), torch.randint(0, 9, (2, 6))
+    cf = tt.compile(f)
+    cf(x, labels)
+    for trc in (tt.last_traces(cf)[0], tt.last_traces(cf)[-1]):
+        ns = standard_namespace()
+        exec(str(trc), ns)
+        for a, b in zip(ns["computation"](x, labels), f(x, labels)):
+            torch.testing.assert_close(a, b)
+
+
 def test_contiguous_is_recorded_only_when_it_changes_the_layout():
     cf = tt.compile(lambda x: x.contiguous() * 2)
     cf(torch.randn(3, 4))
