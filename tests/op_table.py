@@ -349,6 +349,15 @@ _GETITEM = {
     "ellipsis_none": lambda x: x[..., None, 0:2],
     "int_tensor": lambda x: x[torch.tensor([0, -1, 1])],
     "int_tensor_dim1": lambda x: x[:, torch.tensor([[2, 0], [1, 1]])],
+    # several tensor indices: they broadcast; adjacent ones keep their place, separated ones go first
+    "two_tensors_adjacent": lambda x: x[:, torch.tensor([0, 2, -1]), torch.tensor([1, 3, 0])],
+    "two_tensors_broadcast": lambda x: x[torch.tensor([[0], [1]]), torch.tensor([[0, 2, 1]])],
+    "two_tensors_separated": lambda x: x[torch.tensor([1, 0]), :, torch.tensor([3, -4])],
+    "three_tensors": lambda x: x[torch.tensor([1]), torch.tensor([[2], [0]]), torch.tensor([3, 1])],
+    "int_then_tensors": lambda x: x[1, torch.tensor([0, 2]), torch.tensor([1, 3])],
+    "none_ellipsis_tensors": lambda x: x[None, torch.tensor([0, 1]), ..., torch.tensor([1, 2])],
+    "tensors_after_slice": lambda x: x[..., torch.tensor([0, 1]), torch.tensor([[3], [2]])],
+    "two_lists": lambda x: x[[0, 1], [2, 0]],
 }
 for _name, _fn in _GETITEM.items():
     op(f"getitem_{_name}", _fn, x234, ALL)
