@@ -322,11 +322,12 @@ def triu(input, diagonal=0):
 
 @torchsymbol(torch.masked_fill, methods=("masked_fill",))
 def masked_fill(input, mask, value):
+    """Out of place, input and mask broadcast together (as eager); ``masked_fill_`` keeps the input's shape."""
+    if _t(value) and value.ndim_ != 0:
+        raise RuntimeError(f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with {value.ndim_} dimension(s).")
     value = clang.maybe_convert(value, input._tt_dtype)
     target = clang.broadcast_shapes(input._tt_shape, mask._tt_shape)
-    if target != input._tt_shape:
-        raise ValueError(f"masked_fill: mask of shape {mask._tt_shape} does not broadcast to input of shape {input._tt_shape}")
-    return clang.where(clang.expand(mask, target), value, input)
+    return clang.where(clang.expand(mask, target), value, clang.expand(input, target))
 
 
 # ---------------------------------------------------------------------------
