@@ -132,7 +132,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         sym = _opaque_symbols[func] = OpaqueSymbol(func)
     trc = context.get_trace()
     trc.add(BoundSymbol(sym, args, kwargs, out, ()))
-    opaque = getattr(trc, "opaque_ops", None)
-    if opaque is not None and name not in opaque:
-        opaque.append(name)
+    st = context.tracer_state()
+    if st is not None and name not in st.opaque_ops:
+        st.opaque_ops.append(name)
     return out
