@@ -83,6 +83,9 @@ _LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, 
                    num_attention_heads=HEADS, max_position_embeddings=64, attention_dropout=0.0)
 
 
+_llama = _decoder("Llama", num_key_value_heads=2, tie_word_embeddings=False, **_LLAMA_LIKE)
+
+
 def gpt2():
     import transformers
 
@@ -97,6 +100,23 @@ def bloom():
     cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0)
     return transformers.BloomForCausalLM(cfg)
+
+
+def falcon():
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                    hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.FalconForCausalLM(cfg)
+
+
+def padded_lm_batch(g):
+    """A decoder batch with left padding (the first 3 tokens of row 1), as batched fine-tuning data has."""
+    batch = lm_batch(g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :3] = 0
+    batch["labels"][mask == 0] = -100
+    return {**batch, "attention_mask": mask}
 
 
 def bert_cls():
@@ -202,13 +222,14 @@ class ResNet(nn.Module):
 CASES = {c.name: c for c in [
     # decoder LMs
     Case("gpt2", "GPT-2 (learned positions, tied embeddings)", gpt2, lm_batch),
-    Case("llama", "Llama (rotary, grouped-query attention, untied embeddings)",
-         _decoder("Llama", num_key_value_heads=2, tie_word_embeddings=False, **_LLAMA_LIKE), lm_batch),
+    Case("llama", "Llama (rotary, grouped-query attention, untied embeddings)", _llama, lm_batch),
     Case("mistral", "Mistral (sliding-window attention, grouped-query attention)",
          _decoder("Mistral", num_key_value_heads=2, sliding_window=4, tie_word_embeddings=False, **_LLAMA_LIKE), lm_batch),
     Case("qwen2", "Qwen2 (rotary, QKV biases, tied embeddings)",
          _decoder("Qwen2", num_key_value_heads=2, tie_word_embeddings=True, **_LLAMA_LIKE), lm_batch),
     Case("bloom", "BLOOM (ALiBi positions, tied embeddings)", bloom, lm_batch),
+    Case("falcon", "Falcon (multi-query attention, rotary, parallel attention/MLP, weight used as W.T)", falcon, lm_batch),
+    Case("llama_padded", "Llama with a left-padding attention mask", _llama, padded_lm_batch),
     # encoders, encoder-decoder, vision
     Case("bert_cls", "BERT sequence classification with a padding mask", bert_cls, lambda g: padded_cls_batch(g, 0)),
     Case("roberta_cls", "RoBERTa sequence classification with a padding mask", roberta_cls,

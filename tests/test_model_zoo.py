@@ -37,7 +37,10 @@ for _name in _zoo.CASES:
     XFAIL[_name, "forward"] = XFAIL[_name, "grads"] = _OUTPUT
 for _name in ("gpt2", "llama", "mistral", "qwen2", "bloom"):
     XFAIL[_name, "step_full"] = XFAIL[_name, "step_thin"] = _VIEW
-for _name in ("bert_cls", "roberta_cls", "t5"):
+XFAIL["falcon", "step_full"] = XFAIL["falcon", "step_thin"] = _VIEW + (
+    "; behind it, layout: FalconLinear computes x @ W.T, so W's gradient comes out transposed and the fused AdamW "
+    "kernel (which assumes the parameter's layout) updates W wrongly: gradients must get AccumulateGrad's layout")
+for _name in ("bert_cls", "roberta_cls", "t5", "llama_padded"):
     for _check in ("forward", "grads", "step_full", "step_thin"):
         XFAIL[_name, _check] = _MASK
 for _name, _op in (("transformer_encoder", "F.multi_head_attention_forward"), ("lstm", "torch.lstm"), ("gru", "torch.gru")):
