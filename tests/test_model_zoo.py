@@ -6,7 +6,7 @@ Each model of ``tests/_zoo.py`` is checked four ways, each its own test so xdist
   same values) and leaves the same buffers (BatchNorm running statistics) as eager;
 - ``grads``: ``tt.compile(model)(**batch).loss.backward()`` gives eager's gradients;
 - ``step_full`` / ``step_thin``: the whole training step (AdamW, ``model(**batch).loss``, backward,
-  step, zero_grad), compiled, over 5 steps gives eager's losses and final ``state_dict``;
+  step, zero_grad), compiled, over 5 steps gives eager's losses, final ``state_dict`` and AdamW state;
 - ``closure_full`` / ``closure_thin``: the same step written as ``step(batch)`` with the model and the
   optimizer captured from the enclosing scope (a few models).
 
@@ -143,6 +143,11 @@ def check_steps(name, *, thin, closure):
         assert type(a) is torch.Tensor, f"step {i} returned a {type(a).__name__}"
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"loss of step {i}: {m}")
     assert_same_state(model, eager, f"after {STEPS} steps,")
+    got_state, want_state = opt.state_dict()["state"], eager_opt.state_dict()["state"]
+    assert got_state.keys() == want_state.keys()
+    for k, st in want_state.items():
+        for key, v in st.items():
+            torch.testing.assert_close(got_state[k][key], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"AdamW state {k} {key}: {m}")
     if thin:
         assert tt.compile_stats(step).thin_calls > 0, "thin mode never took the thin path"
 
