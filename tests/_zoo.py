@@ -257,11 +257,17 @@ def batches(name, n, seed=1):
 
 
 def tensor_leaves(out, path="out"):
-    """(path, value) for every leaf of a model output: ModelOutput/dicts, dataclasses, tuples, lists."""
+    """(path, value) for every leaf of a model output: ModelOutput/dicts, dataclasses, tuples, lists, and types
+    registered with torch.utils._pytree (e.g. transformers' DynamicCache once its registration is installed)."""
+    import torch.utils._pytree as pytree
+
     if isinstance(out, dict):
         return [leaf for k, v in out.items() for leaf in tensor_leaves(v, f"{path}[{k!r}]")]
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         return [leaf for f in dataclasses.fields(out) for leaf in tensor_leaves(getattr(out, f.name), f"{path}.{f.name}")]
     if isinstance(out, (tuple, list)):
         return [leaf for i, v in enumerate(out) for leaf in tensor_leaves(v, f"{path}[{i}]")]
+    if not isinstance(out, torch.Tensor) and not pytree.tree_is_leaf(out):
+        children, _ = pytree.tree_flatten(out, is_leaf=lambda y: y is not out)
+        return [leaf for i, v in enumerate(children) for leaf in tensor_leaves(v, f"{path}<{i}>")]
     return [(path, out)]
