@@ -31,23 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 # (case, check) -> root cause (and the area that owns it); check is forward, grads, step_full, step_thin,
 # closure_full or closure_thin.
 XFAIL: dict[tuple[str, str], str] = {}
-_OUTPUT = "layout: a returned ModelOutput/dataclass is not rebuilt with real tensors (the caller gets TensorProxy objects)"
-_VIEW = "layout: traces drop .contiguous(), so HF's loss `labels[..., 1:].contiguous().view(-1)` fails on a strided tensor"
 _MASK = ("acquire: HF masking_utils decides `padding_mask.all()` on an input tensor (DataDependentError); "
          "decisions on input values must become prologue checks")
 _NO_GRAD = "ops: {} runs opaquely and has no gradient (NoGradientRuleError); opaque ops need torch-autograd backward"
-for _name in _zoo.CASES:
-    XFAIL[_name, "forward"] = XFAIL[_name, "grads"] = _OUTPUT
-for _name in ("gpt2", "llama", "mistral", "qwen2", "bloom"):
-    XFAIL[_name, "step_full"] = XFAIL[_name, "step_thin"] = _VIEW
-XFAIL["falcon", "step_full"] = XFAIL["falcon", "step_thin"] = _VIEW + (
-    "; behind it, layout: FalconLinear computes x @ W.T, so W's gradient comes out transposed and the fused AdamW "
-    "kernel (which assumes the parameter's layout) updates W wrongly: gradients must get AccumulateGrad's layout")
 for _name in ("bert_cls", "roberta_cls", "t5", "llama_padded"):
     for _check in ("forward", "grads", "step_full", "step_thin"):
         XFAIL[_name, _check] = _MASK
 for _name, _op in (("transformer_encoder", "F.multi_head_attention_forward"), ("lstm", "torch.lstm"), ("gru", "torch.gru")):
-    XFAIL[_name, "step_full"] = XFAIL[_name, "step_thin"] = _NO_GRAD.format(_op)
+    XFAIL[_name, "grads"] = XFAIL[_name, "step_full"] = XFAIL[_name, "step_thin"] = _NO_GRAD.format(_op)
 
 
 def params(check):
@@ -194,9 +185,6 @@ class _TransposedUse(torch.nn.Module):
         return _zoo.ZooOutput((x @ self.weight.T).pow(2).mean(), None)
 
 
-@pytest.mark.xfail(strict=True, reason="layout: the gradient of W.T comes out transposed and the fused AdamW kernel "
-                                       "assumes the parameter's layout (silently wrong parameters); gradients must get "
-                                       "AccumulateGrad's layout")
 @pytest.mark.parametrize("thin", [False, True])
 def test_weight_used_transposed_trains_like_eager(thin):
     """The standalone form of Falcon's failure: eager's .grad has the parameter's layout, whatever the backward made."""
