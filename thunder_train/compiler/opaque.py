@@ -82,11 +82,16 @@ def printable_reference(func, name: str):
 
 
 _opaque_symbols: dict = {}
+# Installed by transforms/opaque_grad.py: ``gradient_positions(flat_args)`` -> positions of the inputs a
+# gradient flows into; ``record_differentiable(func, args, kwargs, out, positions)`` records the op with
+# its autograd graph and returns the name compile_stats lists.
+gradient_positions = None
+record_differentiable = None
 
 
-def _to_meta(x):
+def _to_meta(x, requires_grad=False):
     if type(x) is TensorProxy:
-        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=x._tt_requires_grad)
+        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
     if isinstance(x, torch.Tensor):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
@@ -101,7 +106,9 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         )
     flat, spec = tree_flatten((args, kwargs))
     proxies = [x for x in flat if is_tensor_proxy(x)]
-    meta_args, meta_kwargs = tree_unflatten([_to_meta(x) for x in flat], spec)
+    # Inputs a gradient would flow into (they require grad or depend on one that does).
+    diff = gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ()
+    meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
     try:
         with torch._C.DisableTorchFunction(), torch.device("meta"):
             meta_out = func(*meta_args, **meta_kwargs)
@@ -127,11 +134,14 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         if not proxies:
             return meta_out
         return out
-    sym = _opaque_symbols.get(func)
-    if sym is None:
-        sym = _opaque_symbols[func] = OpaqueSymbol(func)
     trc = context.get_trace()
-    trc.add(BoundSymbol(sym, args, kwargs, out, ()))
+    if diff and any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(meta_out)[0]):
+        name = record_differentiable(func, args, kwargs, out, diff)
+    else:
+        sym = _opaque_symbols.get(func)
+        if sym is None:
+            sym = _opaque_symbols[func] = OpaqueSymbol(func)
+        trc.add(BoundSymbol(sym, args, kwargs, out, ()))
     opaque = getattr(trc, "opaque_ops", None)
     if opaque is not None and name not in opaque:
         opaque.append(name)

@@ -28,7 +28,7 @@ from .custom_function import custom_functions_while_tracing
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
 from .errors import TracingError
 from .trace import Trace
-from .functional import Buffers
+from .functional import Buffers, fresh_results
 from .traced_autograd import GradState
 from .epilogue import finish
 
@@ -473,6 +473,7 @@ def handle_torch_function(func, types, args, kwargs):
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
         if top:
+            out = fresh_results(func, args, kwargs, out)
             out = _back_to_buffers(orig_args, args, out)
             if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
                 _record_views(trc, sym, orig_args[0], args[1:], kwargs, out)

@@ -92,6 +92,10 @@ class Forward:
     def _add(self, bsym):
         on_path = self.on_path(bsym)
         float_outs = [o for o in bsym.flat_outputs() if is_float_tensor(o)]
+        if getattr(bsym.sym, "output_grad_flags", False):
+            # The symbol knows which outputs eager differentiates (an opaque op's meta run): the others
+            # (native_layer_norm's mean and rstd) carry no gradient.
+            float_outs = [o for o in float_outs if o._tt_requires_grad]
         if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
             self.expanded.add(id(bsym))
             for sub in bsym.subsymbols:
@@ -399,3 +403,6 @@ def free_after_last_use(trc, header=None) -> Trace:
 
 __all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "take_saved_as_list", "free_after_last_use",
            "detach_float_tensors", "Forward", "Cotangents", "backward_pass", "emit_forward", "is_float_tensor"]
+
+
+from . import opaque_grad  # noqa: E402,F401 - installs the gradients of opaque ops (it uses Forward above)
