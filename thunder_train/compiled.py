@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .compiler import tracing
+from .compiler import acquisition
 from .compiler.executors.passes import lower_to_executors
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.transforms.dce import dce
@@ -67,6 +67,7 @@ class CacheEntry:
     select: Callable  # leaf values -> computation arguments
     backward_traces: list | None = None  # set by attach_autograd
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
+    has_backward: bool = False  # the function calls backward(): gradients are values of the computation
 
 
 @dataclasses.dataclass
@@ -231,7 +232,7 @@ class CompiledFunction:
         self._binding: ThinBinding | None = None
         self._call = self._full_call
         self.stats = CompileStats()
-        self._arg_names = tracing._arg_names(fn)
+        self._arg_names = acquisition.arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----
@@ -302,10 +303,10 @@ class CompiledFunction:
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        acquired = tracing.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic,
+        acquired = acquisition.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic,
                                    fused_optimizers=self.optimizer_kernels == "fused")
         # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
-        has_backward = getattr(acquired.trace, "has_backward", False)
+        has_backward = acquired.has_backward
         traces = [acquired.trace]
         trc = dce(acquired.trace, keep_sizes=True)
         traces.append(trc)
@@ -338,11 +339,11 @@ class CompiledFunction:
         leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves) if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
         input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
         entry = CacheEntry(expected, key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
-                           acquired.leaves, input_idx, _select(input_idx))
+                           acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward)
         if not has_backward:
             # Outputs that require grad connect to PyTorch autograd (autograd_function.py).
             attach_autograd(entry, traces[1], self.executors, fusion=self.fusion, notes=self.stats.fusion_notes)
-        epilogue = acquired.trace.epilogue
+        epilogue = acquired.epilogue
         if epilogue is not None:
             entry.epilogue = epilogue
             entry.computation = _with_epilogue(entry.computation, epilogue.fn)

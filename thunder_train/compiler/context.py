@@ -1,8 +1,10 @@
-"""The active trace and deterministic name generation.
+"""The active trace, the active tracer state, and deterministic name generation.
 
 While a trace is being built, calling a symbol records a bound symbol into
 the innermost *scope* of the active trace.  Composite symbols open a nested
 scope so that the symbols their decomposition calls become their subsymbols.
+While a function is acquired, ``tracer_state()`` is its ``TracerState``
+(``acquisition/state.py``); it is None while other passes build traces.
 """
 from __future__ import annotations
 
@@ -15,19 +17,26 @@ def get_trace():
     return getattr(_state, "trace", None)
 
 
-class tracing:
-    """Context manager: make ``trc`` the active trace."""
+def tracer_state():
+    """The acquisition state of the active trace, or None (no trace, or a trace a pass builds)."""
+    return getattr(_state, "tracer", None)
 
-    def __init__(self, trc):
+
+class tracing:
+    """Context manager: make ``trc`` the active trace (and ``state`` its tracer state)."""
+
+    def __init__(self, trc, state=None):
         self.trc = trc
+        self.state = state
 
     def __enter__(self):
-        self.prev = getattr(_state, "trace", None)
+        self.prev = getattr(_state, "trace", None), getattr(_state, "tracer", None)
         _state.trace = self.trc
+        _state.tracer = self.state
         return self.trc
 
     def __exit__(self, *exc):
-        _state.trace = self.prev
+        _state.trace, _state.tracer = self.prev
         return False
 
 

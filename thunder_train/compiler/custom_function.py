@@ -133,7 +133,7 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
 @contextlib.contextmanager
 def custom_functions_while_tracing(needs_grad):
     """``Function.apply`` while tracing: ``traced_apply`` when an argument needs a gradient
-    (``needs_grad(trc, tensors)``: one flag per tensor, also ``ctx.needs_input_grad``), else the plain
+    (``needs_grad(st, tensors)``: one flag per tensor, also ``ctx.needs_input_grad``), else the plain
     forward (what eager does without grad)."""
     from torch.autograd.function import Function
     from torch.nn.modules._functions import BackwardHookFunction  # module backward hooks: refused on their own
@@ -141,11 +141,11 @@ def custom_functions_while_tracing(needs_grad):
     original = Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        trc = context.get_trace()
-        if trc is not None and torch.is_grad_enabled() and cls is not BackwardHookFunction:
+        st = context.tracer_state()
+        if st is not None and torch.is_grad_enabled() and cls is not BackwardHookFunction:
             positions = [i for i, a in enumerate(args) if type(a) is TensorProxy]
             extra = [v for v in kwargs.values() if type(v) is TensorProxy]
-            flags = needs_grad(trc, [args[i] for i in positions] + extra) if positions or extra else []
+            flags = needs_grad(st, [args[i] for i in positions] + extra) if positions or extra else []
             if any(flags):
                 needs_input_grad = [False] * len(args)
                 for i, flag in zip(positions, flags):

@@ -80,10 +80,10 @@ def average_gradients_at_backward(module, ignore=()):
     A traced DDP forward calls it; so do ThunderCallback's whole-step programs under
     ``DDPStrategy``, where DDP's own forward runs outside the program (with its reducer idle).
     """
-    trc = context.get_trace()
-    if trc is None:
+    st = context.tracer_state()
+    if st is None:
         raise RuntimeError("average_gradients_at_backward must be called inside a function compiled by thunder_train")
-    pending = trc.__dict__.setdefault("ddp_pending", [])
+    pending = st.ddp_pending
     if not any(m is module for m, _ in pending):
         pending.append((module, frozenset(ignore)))
 
@@ -112,17 +112,17 @@ def unsupported(ddp) -> list:
     return problems
 
 
-def reduce_gradients(trc, got_grad: set):
+def reduce_gradients(st, got_grad: set):
     """After a traced ``backward()``: average the ``.grad`` of the modules whose (DDP) forward asked for it.
 
     ``got_grad``: ids of the parameters this backward produced a gradient for.
     """
-    pending = getattr(trc, "ddp_pending", None)
+    pending = st.ddp_pending
     if not pending:
         return
-    trc.ddp_pending = []
+    st.ddp_pending = []
     for module, ignore in pending:
-        named = [(n, _proxy_of(trc, p)) for n, p in module.named_parameters() if n not in ignore]
+        named = [(n, _proxy_of(st, p)) for n, p in module.named_parameters() if n not in ignore]
         named = [(n, p) for n, p in named if p._tt_requires_grad]
         missing = [n for n, p in named if id(p) not in got_grad]
         if missing:
@@ -131,17 +131,17 @@ def reduce_gradients(trc, got_grad: set):
                 "in this backward; parameters unused by the loss (find_unused_parameters) are not supported inside a "
                 f"compiled function yet. {_ADVICE}"
             )
-        trc.grads.replace([p for _, p in named], prims.all_reduce_mean)
+        st.grads.replace([p for _, p in named], prims.all_reduce_mean)
 
 
-def _proxy_of(trc, p):
+def _proxy_of(st, p):
     """The proxy of a parameter: swapped in when the module was an argument, captured when it is a global."""
-    return p if type(p) is TensorProxy else trc.walker.captured_tensor(p)
+    return p if type(p) is TensorProxy else st.walker.captured_tensor(p)
 
 
-def check_finished(trc):
+def check_finished(st):
     """At the end of tracing: every synchronising DDP forward had its backward in the function."""
-    if getattr(trc, "ddp_pending", None):
+    if st.ddp_pending:
         raise TracingError(
             "DistributedDataParallel inside a compiled function ran its forward with grad enabled, but the backward "
             "is not in the same function: DDP's gradient averaging would not run. Call loss.backward() (and the "

@@ -11,7 +11,7 @@ Three kinds of effect outlive a traced call:
 3. **Python side effects** the computation cannot perform — a new ``.grad``
    tensor, ``p.grad = None``, new ``optimizer.state`` entries — are replayed by
    the **epilogue**, generated Python that runs after the computation with the
-   values it returned (``tt.last_traces(fn)[-1].epilogue`` prints it).
+   values it returned (``print(entry.epilogue)`` on a cache entry shows it).
 """
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def _reject_aliased_inputs(walker, written):
             )
 
 
-def finish(trc, out):
-    """Emit the write-backs; return ``(trace output, Epilogue or None)``."""
-    buffers, walker = trc.buffers, trc.walker
+def finish(st, out):
+    """Emit the write-backs; return ``(trace output, Epilogue or None)`` (``st``: the TracerState)."""
+    buffers, walker, trc = st.buffers, st.walker, st.trace
 
     def final_value(p):
         if type(p) is not TensorProxy:
@@ -102,14 +102,14 @@ def finish(trc, out):
         return f"extras[{len(extras) - 1}]"
 
     # .grad of parameters: new tensors, None.
-    for p, g in trc.grads.changes():
+    for p, g in st.grads.changes():
         leaf = walker.leaf_of(p)
         if leaf is None:
             continue  # a tensor created inside the function
         target = names(leaf.value, leaf.proxy._tt_name)
         lines.append(f"  {target}.grad = {extra(g)}")
     # requires_grad flags of inputs the function changed and did not restore.
-    for p, before in getattr(trc, "requires_grad_changes", {}).values():
+    for p, before in st.requires_grad_changes.values():
         leaf = walker.leaf_of(p)
         if leaf is not None and p._tt_requires_grad != before:
             lines.append(f"  {names(leaf.value, p._tt_name)}.requires_grad_({p._tt_requires_grad})")
@@ -136,7 +136,7 @@ def finish(trc, out):
     # One copy_ per changed input; a source that is itself an overwritten input is read first.
     writes = buffers.final_writes(walker.input_proxies())
     _reject_aliased_inputs(walker, [dst for _, dst in writes])
-    trc.written_inputs = [dst for _, dst in writes]
+    st.written_inputs = [dst for _, dst in writes]
     written = {id(dst) for _, dst in writes}
     writes = [(prims.clone(v) if id(v) in written else v, dst) for v, dst in writes]
     for v, dst in writes:

@@ -142,7 +142,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         if sym is None:
             sym = _opaque_symbols[func] = OpaqueSymbol(func)
         trc.add(BoundSymbol(sym, args, kwargs, out, ()))
-    opaque = getattr(trc, "opaque_ops", None)
-    if opaque is not None and name not in opaque:
-        opaque.append(name)
+    st = context.tracer_state()
+    if st is not None and name not in st.opaque_ops:
+        st.opaque_ops.append(name)
     return out

@@ -252,7 +252,7 @@ class _Checked:
     """Runtime numbers whose Python decisions are checked instead of refused.
 
     A comparison, ``bool()`` or conversion to a plain number is answered from the
-    example value and recorded as a check (``trc.size_checks``) that the prologue
+    example value and recorded as a check (the tracer state's ``size_checks``) that the prologue
     and thin mode evaluate on every later input; a call that decides differently
     gets its own program.  ``origin`` says how the number is computed from the
     inputs: ``("dim", tensor proxy, i)``, ``("input",)`` (an input leaf itself) or
@@ -260,11 +260,11 @@ class _Checked:
     """
 
     def _check(self, op, other, result):
-        from .context import get_trace
+        from .context import tracer_state
 
-        trc = get_trace()
-        if trc is not None and hasattr(trc, "size_checks"):
-            trc.size_checks.append((op, self, other, result))
+        st = tracer_state()
+        if st is not None:
+            st.size_checks.append((op, self, other, result))
         return result
 
     @staticmethod

@@ -33,15 +33,15 @@ from .transforms.autograd import Cotangents, Forward, backward_pass, emit_forwar
 class GradState:
     """The ``.grad`` of every tensor the traced function touched: initial and current."""
 
-    def __init__(self, trc):
-        self.trc = trc
+    def __init__(self, st):
+        self.st = st  # the TracerState (acquisition/state.py)
         self.initial: dict = {}  # id(param) -> proxy | None
         self.current: dict = {}  # id(param) -> proxy | None
         self.params: dict = {}  # id(param) -> param proxy (the user-visible object)
 
     def _ensure(self, p):
         if id(p) not in self.current:
-            g = self.trc.walker.grad_leaf(p)
+            g = self.st.walker.grad_leaf(p)
             self.initial[id(p)] = g
             self.current[id(p)] = g
             self.params[id(p)] = p
@@ -66,7 +66,7 @@ class GradState:
         if cur is None:
             self.current[id(p)] = g
         else:
-            buffers = self.trc.buffers
+            buffers = self.st.buffers
             buffers.write(cur, prims.add(buffers.read(cur), g))
 
     def replace(self, params, fn):
@@ -74,10 +74,10 @@ class GradState:
 
         A ``.grad`` tensor that is an input of the function is updated in place, as eager's reducer does.
         """
-        buffers = self.trc.buffers
+        buffers = self.st.buffers
         grads = [self.get(p) for p in params]
         for p, g, v in zip(params, grads, fn([buffers.read(g) for g in grads])):
-            if self.trc.walker.is_input(g):
+            if self.st.walker.is_input(g):
                 buffers.write(g, v)
             else:
                 self.current[id(p)] = v
@@ -87,24 +87,25 @@ class GradState:
         return [(self.params[k], v) for k, v in self.current.items() if v is not self.initial[k]]
 
 
-def grad_leaves(trc) -> list:
-    """(user-visible tensor, current value) of every input tensor that requires grad."""
+def grad_leaves(st) -> list:
+    """(user-visible tensor, current value) of every input tensor that requires grad (``st``: the TracerState)."""
     out = []
-    for p in trc.walker.input_proxies():
+    for p in st.walker.input_proxies():
         if is_float_tensor(p) and p._tt_requires_grad:
-            out.append((p, trc.buffers.read(p)))
+            out.append((p, st.buffers.read(p)))
     return out
 
 
-def gradient_path(trc) -> set:
+def gradient_path(st) -> set:
     """Ids of the values so far that depend on an input requiring grad (what a backward would reach)."""
-    return Forward(list(trc.bound_symbols), [v for _, v in grad_leaves(trc)]).needs_grad
+    return Forward(list(st.trace.bound_symbols), [v for _, v in grad_leaves(st)]).needs_grad
 
 
-def record_backward(trc, outputs, cotangents, wrt_values) -> list:
-    """Record the backward of ``outputs`` into ``trc``; returns one gradient (or None) per ``wrt_values``."""
-    trc.has_backward = True
-    leaves = [v for _, v in grad_leaves(trc)] + [v for v in wrt_values if v is not None]
+def record_backward(st, outputs, cotangents, wrt_values) -> list:
+    """Record the backward of ``outputs`` into the trace; returns one gradient (or None) per ``wrt_values``."""
+    st.has_backward = True
+    trc = st.trace
+    leaves = [v for _, v in grad_leaves(st)] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
     fwd = Forward(list(trc.bound_symbols), leaves)
     for i, o in enumerate(outputs):
@@ -137,46 +138,46 @@ def _as_list(x):
     return [x]
 
 
-def _fresh(trc, g, taken: set):
+def _fresh(st, g, taken: set):
     """A gradient that becomes a new ``.grad`` must be its own tensor (eager never shares one between parameters)."""
-    if id(g) in taken or trc.walker.is_input(g):
+    if id(g) in taken or st.walker.is_input(g):
         g = prims.clone(g)
     taken.add(id(g))
     return g
 
 
-def backward(trc, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
-    """``torch.autograd.backward`` / ``Tensor.backward`` while tracing."""
-    buffers = trc.buffers
+def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
+    buffers = st.buffers
     outs = [buffers.read(t) for t in _as_list(tensors)]
     cts = _as_list(grad_tensors) or [None] * len(outs)
     cts = [None if c is None else buffers.read(c) for c in cts]
-    params = grad_leaves(trc)
+    params = grad_leaves(st)
     if inputs is not None:
         wanted = {id(t) for t in _as_list(inputs)}
         params = [(p, v) for p, v in params if id(p) in wanted]
         if len(params) != len(wanted):
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
-    grads = record_backward(trc, outs, cts, [v for _, v in params])
+    grads = record_backward(st, outs, cts, [v for _, v in params])
     taken: set = set()
     for (p, _), g in zip(params, grads):
         if g is None:
             continue
-        if trc.grads.get(p) is None:
-            g = _fresh(trc, g, taken)
+        if st.grads.get(p) is None:
+            g = _fresh(st, g, taken)
         # Without create_graph a gradient is a constant to any later backward (eager: no grad_fn).
-        trc.grads.accumulate(p, g if create_graph else prims.stop_gradient(g))
+        st.grads.accumulate(p, g if create_graph else prims.stop_gradient(g))
     # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.
-    reduce_gradients(trc, {id(p) for (p, _), g in zip(params, grads) if g is not None})
+    reduce_gradients(st, {id(p) for (p, _), g in zip(params, grads) if g is not None})
     return None
 
 
-def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
          allow_unused=None, is_grads_batched=False, materialize_grads=False):
     """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
     if is_grads_batched:
         raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
-    buffers = trc.buffers
+    buffers = st.buffers
     ins = _as_list(inputs)
     outs = [buffers.read(t) for t in _as_list(outputs)]
     cts = _as_list(grad_outputs) or [None] * len(outs)
@@ -185,10 +186,10 @@ def grad(trc, outputs, inputs, grad_outputs=None, retain_graph=None, create_grap
     on_path = None  # ids on the gradient path, computed once if an input is not itself a leaf requiring grad
     for i, v in enumerate(values):
         if type(v) is TensorProxy and not v._tt_requires_grad and on_path is None:
-            on_path = gradient_path(trc)
+            on_path = gradient_path(st)
         if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path:
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
-    grads = record_backward(trc, outs, cts, values)
+    grads = record_backward(st, outs, cts, values)
     # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
     if not create_graph:
         grads = [None if g is None else prims.stop_gradient(g) for g in grads]

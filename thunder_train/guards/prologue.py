@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.tracing import path_str, _name_from_path
+from ..compiler.acquisition.provenance import name_from_path, path_str
 from . import checks
 
 _counter = itertools.count()
@@ -233,7 +233,7 @@ def leaf_vars(leaves, arg_names=()) -> list:
     used = {"args", "kwargs", "_MISSING", "_float_key", "torch", "len", "type", "id", "tuple", "float"}
     names = []
     for leaf in leaves:
-        base = _name_from_path(leaf.path, "v")
+        base = name_from_path(leaf.path, "v")
         root = leaf.path[0]
         if root.kind == "arg" and root.key < len(arg_names):
             base = arg_names[root.key] + base[len(f"arg{root.key}"):]

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from ..compiler.tracing import path_str
+from ..compiler.acquisition.provenance import path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
@@ -219,7 +219,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     # Freezing or unfreezing a parameter (requires_grad_) between steps changes what the program must
     # compute (which gradients, which updates): one tuple comparison per call over the bound parameters.
     # Not needed for a program bound (and checked) to run without grad that computes no gradients itself.
-    computes_grads = global_state[0] or getattr(entry.traces[0], "has_backward", False)
+    computes_grads = global_state[0] or entry.has_backward
     params = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter) and leaves[i].alias_of is None] if computes_grads else []
     if params:
         flags = consts(tuple(vals[i].requires_grad for i in params))

@@ -255,12 +255,12 @@ def requires_grad_(a, requires_grad=True):
 
 def set_requires_grad(a, requires_grad):
     """``t.requires_grad = flag`` while tracing: later backwards see it; an input's flag is set by the epilogue."""
-    from ..context import get_trace
+    from ..context import tracer_state
 
     if requires_grad and not a._tt_dtype.is_float:
         raise RuntimeError("only Tensors of floating point dtype can require gradients")
-    trc = get_trace()
-    changes = getattr(trc, "requires_grad_changes", None)
+    st = tracer_state()
+    changes = st.requires_grad_changes if st is not None else None
     if changes is not None and id(a) not in changes:
         changes[id(a)] = (a, a._tt_requires_grad)
     a._tt_requires_grad = bool(requires_grad)

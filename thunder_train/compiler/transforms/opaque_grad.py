@@ -142,12 +142,11 @@ def gradient_positions(flat_args) -> tuple:
         return ()
     if all(flat_args[i]._tt_requires_grad for i in floats):
         return tuple(floats)
-    trc = context.get_trace()
-    walker = getattr(trc, "walker", None)
-    if walker is None:
+    st = context.tracer_state()
+    if st is None:
         return ()
-    leaves = [trc.buffers.read(p) for p in walker.input_proxies() if is_float_tensor(p) and p._tt_requires_grad]
-    on_path = Forward(list(trc.bound_symbols), leaves).needs_grad
+    leaves = [st.buffers.read(p) for p in st.walker.input_proxies() if is_float_tensor(p) and p._tt_requires_grad]
+    on_path = Forward(list(context.get_trace().bound_symbols), leaves).needs_grad
     return tuple(i for i in floats if flat_args[i]._tt_requires_grad or id(flat_args[i]) in on_path)
 
 

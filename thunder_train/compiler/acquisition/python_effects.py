@@ -10,27 +10,20 @@ import contextlib
 
 import torch
 
-from . import context
-from .errors import TracingError
+from .. import context
+from ..errors import TracingError
+from ..traced_autograd import gradient_path
+from .provenance import path_str
 
 
-
-def _path_str(path):
-    from .tracing import path_str
-
-    return path_str(path)
-
-
-def needs_grad(trc, tensors) -> list:
+def needs_grad(st, tensors) -> list:
     """For each of ``tensors`` (current values): whether it requires grad or depends on an input that does."""
-    from .traced_autograd import gradient_path
-
-    tensors = [trc.buffers.read(t) for t in tensors]
-    on_path = None if all(t._tt_requires_grad for t in tensors) else gradient_path(trc)
+    tensors = [st.buffers.read(t) for t in tensors]
+    on_path = None if all(t._tt_requires_grad for t in tensors) else gradient_path(st)
     return [t._tt_requires_grad or id(t) in on_path for t in tensors]
 
 
-def refuse_backward_hooks(trc, walker):
+def refuse_backward_hooks(st):
     """Python hooks PyTorch's autograd engine would call in the backward: our backward calls none of them.
 
     Module backward hooks (``register_full_backward_hook``/``_pre_hook``) matter for any gradient of the
@@ -38,7 +31,7 @@ def refuse_backward_hooks(trc, walker):
     (``register_hook``, ``register_post_accumulate_grad_hook``) only for a backward inside the function —
     around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
     """
-    inside = getattr(trc, "has_backward", False)
+    inside, walker = st.has_backward, st.walker
     # The autograd path (attach_autograd): grad enabled and an input requiring grad.
     outside = torch.is_grad_enabled() and any(
         leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
@@ -46,7 +39,7 @@ def refuse_backward_hooks(trc, walker):
         return
     from torch.nn.modules import module as module_mod
 
-    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
               if leaf.kind == "module" and (leaf.value._backward_hooks or leaf.value._backward_pre_hooks)]
     if hooked or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
         where = f"on {', '.join(hooked[:3])}" if hooked else "registered globally"
@@ -57,7 +50,7 @@ def refuse_backward_hooks(trc, walker):
         )
     if not inside:
         return
-    hooked = [_path_str(leaf.path) for leaf in walker.leaves
+    hooked = [path_str(leaf.path) for leaf in walker.leaves
               if leaf.kind == "tensor" and leaf.alias_of is None
               and (getattr(leaf.value, "_backward_hooks", None) or getattr(leaf.value, "_post_accumulate_grad_hooks", None))]
     if hooked:
@@ -75,11 +68,11 @@ def only_walked_optimizers_step(walker):
     update nothing.  Stepping it is an error that says what to do."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    trc = context.get_trace()
+    st = context.tracer_state()
 
     def check(opt, args, kwargs):
         # The hook is global: an optimizer stepping in another thread meanwhile is none of our business.
-        if context.get_trace() is trc and id(opt) not in walker.by_id:
+        if context.tracer_state() is st and id(opt) not in walker.by_id:
             raise TracingError(
                 f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
                 "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "

@@ -1,0 +1,118 @@
+"""``acquire``: run the user's function on proxies and record its computation trace.
+
+Inputs are walked once (``walker.py``); every tensor becomes a ``TensorProxy``
+and every leaf gets a provenance path (``provenance.py``).  While the function
+runs, ``ProxyMode`` routes every torch call to the torch language
+(``dispatch.py``), and the optimizers, DDP and custom autograd Functions are
+patched to trace.  At the end the epilogue pass turns in-place updates into
+write-backs and Python side effects into the epilogue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+from .. import context, prims
+from ..custom_function import custom_functions_while_tracing
+from ..distributed import check_finished as check_ddp_finished, ddp_while_tracing
+from ..epilogue import finish
+from ..errors import TracingError
+from ..functional import Buffers
+from ..pytree import tree_flatten
+from ..symbols import BoundSymbol
+from ..torchlang.optim import optimizers_while_tracing
+from ..trace import Trace
+from ..traced_autograd import GradState
+from .dispatch import ProxyMode
+from .provenance import path_str
+from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
+from .state import TracerState
+from .walker import InputWalker
+
+
+@dataclasses.dataclass
+class Acquired:
+    trace: Trace
+    leaves: list
+    opaque_ops: list
+    written: set = dataclasses.field(default_factory=set)  # ids of input proxies updated in place
+    size_checks: list = dataclasses.field(default_factory=list)  # (op, size, other, result) decided while tracing
+    has_backward: bool = False  # the function called backward(): gradients are values of the trace
+    epilogue: object = None  # epilogue.Epilogue replaying Python side effects, or None
+
+
+def arg_names(fn) -> list:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def check_call_signature(fn, args, kwargs):
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(fn, "__qualname__", getattr(fn, "__name__", "the function"))
+        raise TypeError(f"{name}{sig}: {e}") from None
+
+
+def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fused_optimizers: bool = True) -> Acquired:
+    """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves.
+
+    ``fused_optimizers``: optimizer updates take torch's fused kernels where they compute the
+    same thing (``torchlang/optim.py``); False traces the optimizers' own per-op code.
+    """
+    check_call_signature(fn, args, kwargs)
+    trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
+    walker = InputWalker(trc, arg_names(fn))
+    walker.dynamic = dynamic
+    # grad_enabled: torch.no_grad() regions inside fn (dispatch.no_grad_region)
+    state = TracerState(trc, walker, Buffers(), strict=strict, grad_enabled=torch.is_grad_enabled())
+    state.grads = GradState(state)
+    with context.tracing(trc, state):
+        try:
+            pargs, pkwargs = walker.walk_args(args, kwargs)
+            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
+                    only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
+                out = fn(*pargs, **pkwargs)
+            check_ddp_finished(state)
+            refuse_backward_hooks(state)
+            for traced in walker.optimizers:
+                traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
+            out = _check_output(out)
+            inputs = []
+            seen = set()
+            for leaf in walker.leaves:
+                if leaf.kind in ("tensor", "number") and leaf.alias_of is None and id(leaf.proxy) not in seen:
+                    seen.add(id(leaf.proxy))
+                    inputs.append(leaf.proxy)
+            trc.args = inputs
+            trc.output, epilogue = finish(state, out)
+            _insert_shape_queries(trc, walker.symbolic_inputs)
+        finally:
+            walker.restore()
+    written = {id(dst) for dst in state.written_inputs}
+    return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue)
+
+
+def _insert_shape_queries(trc, symbolic_inputs):
+    """``(x_size0, _) = prims.shape(x)`` at the top of the program for every input with symbolic sizes.
+
+    DCE removes the queries nothing reads; everything else reads sizes through these names.
+    """
+    queries = [BoundSymbol(prims.shape, (p,), {}, tuple(p._tt_shape)) for p in symbolic_inputs]
+    trc.bound_symbols[:0] = queries
+
+
+def _check_output(out):
+    for v in tree_flatten(out)[0]:
+        if isinstance(v, torch.nn.Module):
+            raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
+    return out

@@ -1,0 +1,183 @@
+"""Dispatch of torch calls while tracing, with its special cases.
+
+Every torch call made while tracing arrives here — through ``ProxyMode`` (a
+``TorchFunctionMode``, so factories with no tensor argument come too) or
+through ``TensorProxy.__torch_function__``.  It resolves to a torch-language
+symbol; what has no symbol runs opaquely (``compiler/opaque.py``).  Special
+cases: ``.grad`` and other tensor properties, ``backward``/``autograd.grad``,
+real tensors the function captured, ``torch.no_grad()`` regions and in-place
+ops the compiler does not know (refused: the update would be lost).
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import context, proxies
+from ..errors import TracingError
+from ..opaque import call_opaque, callable_name
+from ..functional import fresh_results
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_map
+from .. import traced_autograd
+from ..torchlang import registry
+from ..torchlang.autocast import cast_inputs
+from .state import TracerState
+from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, inplace, no_grad_region, read_current,
+                      record_views, write)
+
+
+# ---------------------------------------------------------------------------
+# Dispatch of torch calls while tracing
+# ---------------------------------------------------------------------------
+def handle_torch_function(func, types, args, kwargs):
+    st = context.tracer_state()
+    if st is None:
+        trc = context.get_trace()
+        if trc is None:
+            raise TracingError(
+                "a thunder_train proxy escaped the compiled function and was used outside tracing; "
+                "do not store tensors from inside a compiled function on Python objects"
+            )
+        # A pass building a trace runs torch code on proxies (a custom Function's backward while the
+        # joint trace is built): plain recording, no functionalization.
+        st = TracerState(trc, walker=None, buffers=None, grad_enabled=False)
+        top = False
+    else:
+        trc = st.trace
+        top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
+    fname = getattr(func, "__name__", "")
+    if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
+        return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
+    special = _AUTOGRAD_CALLS.get(func)
+    if special is not None:
+        if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+            args, kwargs = _capture_real_tensors(st, args, kwargs)
+        return special(st, *args, **kwargs)
+    sym = registry.lookup(func)
+    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+        args, kwargs = _capture_real_tensors(st, args, kwargs)
+    # Functionalization (compiler/functional.py): read the current value of every buffer.
+    orig_args, orig_kwargs = args, kwargs
+    if top:
+        args, kwargs = read_current(st, args, kwargs)
+    if sym is not None:
+        out_arg = kwargs.get("out")
+        if out_arg is not None:
+            if not top or type(out_arg) is not TensorProxy:
+                raise TracingError(f"{sym.name}(..., out=...) is not supported inside a compiled function; use the returned value")
+            # out=: the result becomes the destination's new value (functionalized like an in-place op).
+            dst = orig_kwargs["out"]
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+            write(st, sym, dst, converted_to(sym(*args, **kwargs), dst))
+            return dst
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        if top and getattr(sym, "functional", None) is not None:
+            return inplace(st, sym, orig_args, args, kwargs)
+        if top and getattr(sym, "functionalize", None) is not None:
+            return functionalize(st, sym, orig_args, args, kwargs)
+        scope = trc._scopes[-1]
+        n = len(scope)
+        if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
+            args, kwargs = cast_inputs(sym, func, args, kwargs)
+        out = sym(*args, **kwargs)
+        if len(scope) > n and scope[-1].sym is sym:
+            scope[-1].torch_fn = func
+        if top:
+            out = fresh_results(func, args, kwargs, out)
+            out = back_to_buffers(orig_args, args, out)
+            if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
+                record_views(st, sym, orig_args[0], args[1:], kwargs, out)
+        return no_grad_region(st, out, sym)
+    if fname in ("register_hook", "register_post_accumulate_grad_hook") and any(type(a) is TensorProxy for a in _flat(args, kwargs)):
+        raise TracingError(
+            f"Tensor.{fname} inside a compiled function: thunder_train computes gradients with its own backward and "
+            "would not call the hook. Apply its change to the gradient explicitly (torch.autograd.grad, then modify), "
+            "or register it outside on a parameter and call backward() outside the compiled function."
+        )
+    if top and getattr(func, "__name__", "").endswith("_") and not getattr(func, "__name__", "").endswith("__"):
+        if any(type(a) is TensorProxy for a in _flat(args, kwargs)):
+            if getattr(func, "__name__", "").startswith("_fused_"):
+                raise TracingError(
+                    f"{callable_name(func)}: this fused=True optimizer is not supported inside a compiled step yet "
+                    "(Adam, AdamW, SGD and Adagrad are); use foreach=True or the default implementation"
+                )
+            if getattr(func, "__name__", "").startswith("_amp_"):
+                raise TracingError(
+                    f"{callable_name(func)}: a GradScaler inside a compiled step is not supported yet (its step is "
+                    "skipped when gradients overflow, a decision on tensor values). Train with bf16 autocast, which "
+                    "needs no scaler, or keep the scaler's unscale_/step/update outside the compiled function."
+                )
+            raise TracingError(
+                f"{callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
+                "it cannot run opaquely inside a compiled function (the update would be lost). "
+                "Use its out-of-place form, or compute this outside the compiled function."
+            )
+    return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+
+
+def _property(st, prop, get, args, top):
+    a = args[0]
+    if prop == "grad":
+        if get:
+            return st.grads.get(a)
+        return st.grads.set(a, args[1])
+    if not get:
+        setter = registry.property_setters.get(prop)
+        if setter is None:
+            raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
+        return setter(a, args[1])
+    getter = registry.property_getters.get(prop)
+    if getter is None:
+        raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
+    if not top or type(a) is not TensorProxy:
+        return getter(a)
+    out = getter(st.buffers.read(a))
+    if prop in ("data", "T", "mT", "H", "mH"):
+        st.buffers.add_view(out, a, getter)
+    return out
+
+
+def _autograd_backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+    return traced_autograd.backward(st, tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _tensor_backward(st, self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    return traced_autograd.backward(st, self, gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_grad(st, *args, **kwargs):
+    return traced_autograd.grad(st, *args, **kwargs)
+
+
+_AUTOGRAD_CALLS = {
+    torch.Tensor.backward: _tensor_backward,
+    torch.autograd.backward: _autograd_backward,
+    torch.autograd.grad: _autograd_grad,
+}
+
+
+def _flat(args, kwargs):
+    return tree_flatten((args, kwargs))[0]
+
+
+def _capture_real_tensors(st, args, kwargs):
+    walker = st.walker
+
+    def swap(a):
+        if isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+            return walker.captured_tensor(a)
+        return a
+
+    return tree_map(swap, (args, kwargs))
+
+
+proxies._torch_function_handler = handle_torch_function
+
+
+class ProxyMode(TorchFunctionMode):
+    """Routes every torch call made while tracing to the torch language."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return handle_torch_function(func, types, args, kwargs or {})
+

@@ -1,0 +1,104 @@
+"""Provenance: how the prologue finds an input leaf again.
+
+Every leaf the walker records carries a path of ``Step``s from a root (an
+argument, a keyword argument, a captured tensor).  ``path_expr`` is the
+Python expression the prologue evaluates; ``path_str`` is how errors and
+prologue comments print it (``args[0].fc1.weight``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+# ---------------------------------------------------------------------------
+# Provenance: how the prologue finds a leaf again
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # "arg", "kwarg", "item", "key", "attr", "param", "buffer", "module"
+    key: Any
+
+    def expr(self, base: str) -> str:
+        k = self.kind
+        if k == "arg":
+            return f"args[{self.key}]"
+        if k == "kwarg":
+            return f"kwargs[{self.key!r}]"
+        if k in ("item", "key"):
+            return f"{base}[{self.key!r}]"
+        if k == "attr":
+            return f"{base}.{self.key}"
+        if k == "param":
+            return f"{base}._parameters[{self.key!r}]"
+        if k == "buffer":
+            return f"{base}._buffers[{self.key!r}]"
+        if k == "module":
+            return f"{base}._modules[{self.key!r}]"
+        if k == "const":
+            return base  # the prologue refers to the captured tensor directly
+        if k == "optstate":
+            g, i = self.key
+            return f"{base}.state.get({base}.param_groups[{g}]['params'][{i}])"
+        raise AssertionError(k)
+
+    def pretty(self, base: str) -> str:
+        """The path as a user reads it: ``args[0].fc1.weight`` rather than ``._modules[...]``."""
+        if self.kind in ("attr", "param", "buffer", "module"):
+            return f"{base}.{self.key}"
+        if self.kind == "const":
+            return f"<tensor captured from the function's closure #{self.key}>"
+        if self.kind == "optstate":
+            return f"{base}.state[{base}.param_groups[{self.key[0]}]['params'][{self.key[1]}]]"
+        return self.expr(base)
+
+
+def path_expr(path) -> str:
+    s = ""
+    for st in path:
+        s = st.expr(s)
+    return s
+
+
+def path_str(path) -> str:
+    s = ""
+    for st in path:
+        s = st.pretty(s)
+    return s
+
+
+def name_from_path(path, fallback="t") -> str:
+    parts = []
+    for st in path:
+        if st.kind in ("arg", "kwarg"):
+            parts.append(st.key if isinstance(st.key, str) else f"arg{st.key}")
+        elif st.kind in ("attr", "param", "buffer", "module", "key"):
+            parts.append(str(st.key))
+        elif st.kind == "item":
+            parts.append(str(st.key))
+        elif st.kind == "optstate":
+            parts.append(f"state{st.key[0]}_{st.key[1]}")
+    name = "_".join(parts).replace(".", "_")
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    if not name or name[0].isdigit():
+        name = f"{fallback}_{name}"
+    return name
+
+
+@dataclasses.dataclass
+class Leaf:
+    """An input the computation reads, or a Python value it specialised on."""
+
+    path: tuple
+    kind: str  # "tensor", "number", "absent", "constant", "object", "module", "optimizer", "seq", "dict", "dataclass"
+    value: Any
+    proxy: Any = None
+    alias_of: "Leaf | None" = None
+    # For modules: Python state read before tracing ran (guards/prologue.py guards it).
+    snapshot: Any = None
+
+    @property
+    def where(self) -> str:
+        return path_str(self.path)
+
+

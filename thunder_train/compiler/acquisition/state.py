@@ -1,0 +1,32 @@
+"""The tracer's state while one function is acquired: one object, not attributes on the Trace.
+
+``acquire`` makes one ``TracerState`` and activates it with the trace
+(``context.tracing(trc, state)``).  Code that runs during tracing — the
+dispatcher, ``traced_autograd``, the epilogue, opaque ops, checked numbers in
+``proxies`` — reads it with ``context.tracer_state()`` (None outside
+acquisition, e.g. while a pass builds a joint trace), so a lower layer needs
+no import of this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..trace import Trace
+
+
+@dataclasses.dataclass
+class TracerState:
+    trace: Trace
+    walker: Any  # acquisition.walker.InputWalker: leaves and proxies of the inputs
+    buffers: Any  # functional.Buffers: current value of every buffer (functionalization)
+    grads: Any = None  # traced_autograd.GradState: ``.grad`` of the tensors the function touched
+    strict: bool = False  # unknown torch ops are errors instead of running opaquely
+    grad_enabled: bool = True  # grad mode when the call began (``torch.no_grad()`` regions inside)
+    opaque_ops: list = dataclasses.field(default_factory=list)  # names of ops run opaquely by torch
+    # Decisions on symbolic sizes and checked numbers: (op, value, other, result); the prologue re-checks them.
+    size_checks: list = dataclasses.field(default_factory=list)
+    requires_grad_changes: dict = dataclasses.field(default_factory=dict)  # id(proxy) -> (proxy, flag before)
+    has_backward: bool = False  # the function called backward()/autograd.grad
+    ddp_pending: list = dataclasses.field(default_factory=list)  # (module, ignored names): DDP forwards awaiting a backward
+    written_inputs: list = dataclasses.field(default_factory=list)  # input proxies updated in place (set by the epilogue)

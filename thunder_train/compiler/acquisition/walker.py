@@ -1,0 +1,320 @@
+"""Input walking: real inputs become proxied inputs, each part recorded as a ``Leaf``.
+
+Tensors become ``TensorProxy`` objects; modules have their parameters and
+buffers swapped for proxies and optimizers their ``param_groups``/``state``
+while tracing (``InputWalker.restore`` puts the real ones back, also when
+tracing raises).  Python values are specialised on; an optimizer's float
+hyper-parameters are runtime numbers.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..errors import TracingError
+from ..proxies import CheckedFloat, SizeProxy, TensorProxy
+from ..trace import Trace
+from .provenance import Leaf, Step, name_from_path, path_str
+
+
+SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
+
+
+def module_snapshot(m) -> dict:
+    """A module's Python state before tracing runs it: flags, structure, public scalar attributes."""
+    d = m.__dict__
+    attrs = tuple((k, v) for k, v in d.items() if k[:1] != "_" and k != "training" and type(v) in SCALAR_TYPES)
+    return {"training": m.training, "dict_len": len(d), "attrs": attrs}
+
+
+class InputWalker:
+    """Turns real inputs into proxied inputs, recording a Leaf for every part."""
+
+    def __init__(self, trc: Trace, arg_names):
+        self.trc = trc
+        self.arg_names = arg_names
+        self.leaves: list[Leaf] = []
+        self.by_id: dict[int, Leaf] = {}  # id(real object) -> its leaf
+        self.leaf_of_proxy: dict[int, Leaf] = {}  # id(tensor proxy) -> the (non-alias) leaf it stands for
+        self.swapped: list = []  # (dict, key, original value) to restore
+        self.optimizers: list = []  # TracedOptimizer
+        self.dynamic = False  # symbolic sizes for per-call inputs (tt.compile(..., dynamic=True))
+        self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
+        self.floats_are_inputs = False  # while walking an optimizer's hyper-parameters
+        self.symbolic_inputs: list = []  # input proxies with symbolic sizes
+
+    def walk_args(self, args, kwargs):
+        pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
+        pkwargs = {k: self.walk(v, (Step("kwarg", k),), k) for k, v in kwargs.items()}
+        return pargs, pkwargs
+
+    def tensor(self, t, path, hint):
+        prev = self.by_id.get(id(t))
+        if prev is not None:
+            # The same tensor reached twice (tied weights, one tensor passed twice): one proxy.
+            self.leaves.append(Leaf(path, "tensor", t, prev.proxy, alias_of=prev))
+            return prev.proxy
+        name = self.trc.unique_name(hint or name_from_path(path))
+        shape = tuple(t.shape)
+        symbolic = self.dynamic and not self.static_depth and path[0].kind != "const"
+        if symbolic:
+            # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
+            # they decide broadcasting and emptiness).
+            shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 else s for i, s in enumerate(shape))
+        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+        if symbolic:
+            for i, s in enumerate(p._tt_shape):
+                if type(s) is SizeProxy:
+                    s.origin = ("dim", p, i)
+            self.symbolic_inputs.append(p)
+        leaf = Leaf(path, "tensor", t, p)
+        self.leaves.append(leaf)
+        self.by_id[id(t)] = leaf
+        self.leaf_of_proxy[id(p)] = leaf
+        return p
+
+    def captured_tensor(self, t):
+        """A real tensor the function reads without receiving it (a closure or global).
+
+        It becomes an input of the computation that the prologue passes by
+        reference, so in-place changes to it are seen and nothing is baked in.
+        """
+        prev = self.by_id.get(id(t))
+        if prev is not None:
+            return prev.proxy
+        n = sum(1 for leaf in self.leaves if leaf.path and leaf.path[0].kind == "const")
+        return self.tensor(t, (Step("const", n),), f"captured{n}")
+
+    def walk(self, x, path, hint=None):
+        t = type(x)
+        if isinstance(x, torch.Tensor):
+            if type(x) is TensorProxy:
+                raise TracingError(f"{path_str(path)} is already a proxy: nested compiled functions are not supported")
+            return self.tensor(x, path, hint)
+        if t is float and self.floats_are_inputs:
+            return self.number(x, path, name_from_path(path))
+        if t in SCALAR_TYPES:
+            self.leaves.append(Leaf(path, "constant", x))
+            return x
+        if t is tuple or t is list or (isinstance(x, tuple) and hasattr(x, "_fields")):
+            self.leaves.append(Leaf(path, "seq", x))
+            items = [self.walk(v, path + (Step("item", i),)) for i, v in enumerate(x)]
+            return t(*items) if hasattr(x, "_fields") else t(items)
+        if t is dict:
+            self.leaves.append(Leaf(path, "dict", x))
+            return {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
+        if isinstance(x, torch.nn.Module):
+            self.module(x, path)
+            return x
+        if isinstance(x, torch.optim.Optimizer):
+            self.optimizer(x, path)
+            return x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            self.leaves.append(Leaf(path, "dataclass", x))
+            fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
+            new = object.__new__(t)
+            new.__dict__.update(getattr(x, "__dict__", {}))
+            for k, v in fields.items():
+                object.__setattr__(new, k, v)
+            return new
+        # Anything else (configs, callables, ...) is specialised on by identity.
+        self.leaves.append(Leaf(path, "object", x))
+        return x
+
+    def module(self, m, path):
+        self.static_depth += 1
+        try:
+            self._module(m, path)
+        finally:
+            self.static_depth -= 1
+
+    def _module(self, m, path):
+        if id(m) in self.by_id:
+            return
+        leaf = Leaf(path, "module", m, snapshot=module_snapshot(m))
+        self.by_id[id(m)] = leaf
+        self.leaves.append(leaf)
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                proxy = self.tensor(p, path + (Step("param", name),), None)
+                self.swapped.append((m._parameters, name, p))
+                m._parameters[name] = proxy
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                proxy = self.tensor(b, path + (Step("buffer", name),), None)
+                self.swapped.append((m._buffers, name, b))
+                m._buffers[name] = proxy
+        for name, sub in m._modules.items():
+            if sub is not None:
+                self._module(sub, path + (Step("module", name),))
+
+    # ---- optimizers ----
+    def optimizer(self, opt, path):
+        self.static_depth += 1
+        try:
+            self._optimizer(opt, path)
+        finally:
+            self.static_depth -= 1
+
+    def _optimizer(self, opt, path):
+        """Walk ``param_groups`` and ``state``; while tracing the optimizer sees proxies.
+
+        ``lr`` becomes a runtime number (an LR scheduler never causes a retrace);
+        other hyper-parameters are constants the trace specialises on.  The
+        traced ``param_groups``/``state`` replace the real ones until tracing ends;
+        ``TracedOptimizer`` compares them afterwards to find new state entries.
+        """
+        if id(opt) in self.by_id:
+            return
+        leaf = Leaf(path, "optimizer", opt)
+        self.by_id[id(opt)] = leaf
+        self.leaves.append(leaf)
+        gpath = path + (Step("attr", "param_groups"),)
+        self.leaves.append(Leaf(gpath, "seq", opt.param_groups))
+        groups = []
+        for gi, group in enumerate(opt.param_groups):
+            p = gpath + (Step("item", gi),)
+            self.leaves.append(Leaf(p, "dict", group))
+            traced = {}
+            for k, v in group.items():
+                if k == "lr" and type(v) is float:
+                    traced[k] = self.number(v, p + (Step("key", k),), "lr" if len(opt.param_groups) == 1 else f"lr{gi}")
+                elif k == "params":
+                    traced[k] = self.walk(v, p + (Step("key", k),))
+                else:
+                    # Float hyper-parameters (betas, momentum, weight_decay, eps, ...) are runtime inputs too.
+                    self.floats_are_inputs = True
+                    try:
+                        traced[k] = self.walk(v, p + (Step("key", k),))
+                    finally:
+                        self.floats_are_inputs = False
+            groups.append(traced)
+        state = collections.defaultdict(dict)
+        initial = {}
+        for gi, group in enumerate(opt.param_groups):
+            for pi, param in enumerate(group["params"]):
+                real_state = opt.state.get(param)
+                sp = path + (Step("optstate", (gi, pi)),)
+                proxy = groups[gi]["params"][pi]
+                if real_state is None:
+                    self.leaves.append(Leaf(sp, "absent", None))
+                    continue
+                if type(real_state) is not dict:
+                    raise TracingError(f"{path_str(sp)} is a {type(real_state).__name__}; optimizer state entries must be dicts")
+                self.leaves.append(Leaf(sp, "dict", real_state))
+                entry = {k: self.walk(v, sp + (Step("key", k),), f"{name_from_path(sp)}_{k}") for k, v in real_state.items()}
+                state[proxy] = entry
+                initial[id(proxy)] = dict(entry)
+        self._refuse_step_hooks(opt, path)
+        self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])},
+                                               [dict(g) for g in groups]))
+        d = opt.__dict__
+        self.swapped.append((d, "param_groups", d["param_groups"]))
+        self.swapped.append((d, "state", d["state"]))
+        d["param_groups"] = groups
+        d["state"] = state
+
+    def _refuse_step_hooks(self, opt, path):
+        """Step hooks are Python code the program cannot replay: stepping with them is an error, not a silent skip."""
+        from torch.optim import optimizer as optim_mod
+
+        hooks = [(opt.__dict__, "_optimizer_step_pre_hooks"), (opt.__dict__, "_optimizer_step_post_hooks"),
+                 (vars(optim_mod), "_global_optimizer_pre_hooks"), (vars(optim_mod), "_global_optimizer_post_hooks")]
+        for d, name in hooks:
+            if d.get(name):
+                self.swapped.append((d, name, d[name]))
+                d[name] = _RefusedHooks(d[name], f"{path_str(path)}.step(): optimizer step hooks ({name.strip('_')})")
+
+    def number(self, v, path, hint):
+        """A float that is a runtime input of the computation (not a specialised constant).
+
+        Python decisions on it become checks (``CheckedFloat``): ``if weight_decay != 0`` is
+        re-evaluated by the prologue instead of freezing the program to one value.
+        """
+        name = self.trc.unique_name(hint)
+        p = CheckedFloat(name, value=v, python_type=float)
+        p.origin = ("input",)
+        self.leaves.append(Leaf(path, "number", v, p))
+        return p
+
+    # ---- lookups used while tracing ----
+    def leaf_of(self, proxy):
+        """The input leaf a tensor proxy stands for, or None for a tensor made inside the function."""
+        return self.leaf_of_proxy.get(id(proxy))
+
+    def is_input(self, proxy) -> bool:
+        return id(proxy) in self.leaf_of_proxy
+
+    def input_proxies(self) -> list:
+        return [leaf.proxy for leaf in self.leaf_of_proxy.values()]
+
+    def grad_leaf(self, proxy):
+        """The ``.grad`` an input tensor had when the function was called: a new leaf (tensor or ``None``)."""
+        leaf = self.leaf_of(proxy)
+        if leaf is None or leaf.path[-1].kind == "const":
+            if leaf is not None and leaf.value.grad is not None:
+                raise TracingError(
+                    f"{leaf.where} has a .grad; reading or accumulating .grad of a tensor the function captured "
+                    "from its closure is not supported: pass the tensor (or its module) as an argument"
+                )
+            return None  # created inside the function, or a captured tensor without grad
+        path = leaf.path + (Step("attr", "grad"),)
+        g = leaf.value.grad
+        if g is None:
+            self.leaves.append(Leaf(path, "absent", None))
+            return None
+        self.static_depth += 1
+        try:
+            return self.tensor(g, path, f"{leaf.proxy._tt_name}_grad")
+        finally:
+            self.static_depth -= 1
+
+    def restore(self):
+        for d, k, v in reversed(self.swapped):
+            d[k] = v
+        self.swapped.clear()
+
+
+class _RefusedHooks(collections.OrderedDict):
+    """Stands in for an optimizer's step hooks while tracing: stepping raises instead of running them once."""
+
+    def __init__(self, hooks, what):
+        super().__init__(hooks)
+        self.what = what
+
+    def values(self):
+        raise TracingError(
+            f"{self.what} would run only while tracing, not on every call. Remove the hooks, or call "
+            "optimizer.step() outside the compiled function."
+        )
+
+
+@dataclasses.dataclass
+class TracedOptimizer:
+    """An optimizer's real object and the traced ``param_groups``/``state`` it saw while tracing."""
+
+    opt: Any
+    groups: list
+    state: dict  # param proxy -> {key: proxy or value}
+    initial: dict  # id(param proxy) -> the state entry as it was when tracing started
+    real_param: dict  # id(param proxy) -> the real parameter
+    initial_groups: list = dataclasses.field(default_factory=list)  # copies of the traced groups before tracing
+
+    def check_groups_unchanged(self, path):
+        """Python writes into ``param_groups`` (an LR scheduler stepping inside the function) would happen
+        once, while tracing, and never in the compiled program: an error, not a silently frozen lr."""
+        for gi, (group, before) in enumerate(zip(self.groups, self.initial_groups)):
+            changed = sorted(k for k in set(group) | set(before) if group.get(k, _MISSING) is not before.get(k, _MISSING))
+            if changed:
+                raise TracingError(
+                    f"{path}.param_groups[{gi}][{changed[0]!r}] was changed inside the compiled function (an LR "
+                    "scheduler's step()?). Changes to param_groups are Python side effects the compiled program does "
+                    "not repeat; make them outside it: the lr and other hyper-parameters are read on every call."
+                )
+
+
+_MISSING = object()
+
