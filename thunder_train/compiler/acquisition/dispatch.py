@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from .. import context, proxies
 from ..errors import TracingError
 from ..opaque import call_opaque, callable_name
+from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
 from ..functional import fresh_results
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
