@@ -49,6 +49,10 @@ def callable_name(func) -> str:
 class OpaqueSymbol(Symbol):
     """A symbol standing for an unknown torch callable, executed by torch as is."""
 
+    # Its output proxies' requires_grad come from the meta run, i.e. eager's: autograd.Forward reads them
+    # (an output eager does not differentiate carries no gradient).
+    output_grad_flags = True
+
     def __init__(self, func):
         name = callable_name(func)
         super().__init__(name, func, module="opaque", is_prim=True, tags=("opaque",))

@@ -24,8 +24,8 @@ from .. import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
 from .state import TracerState
-from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, inplace, no_grad_region, read_current,
-                      record_views, write)
+from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, no_grad_region,
+                      opaque_out, read_current, record_views, write)
 
 
 # ---------------------------------------------------------------------------
@@ -109,12 +109,35 @@ def handle_torch_function(func, types, args, kwargs):
                     "skipped when gradients overflow, a decision on tensor values). Train with bf16 autocast, which "
                     "needs no scaler, or keep the scaler's unscale_/step/update outside the compiled function."
                 )
-            raise TracingError(
-                f"{callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
-                "it cannot run opaquely inside a compiled function (the update would be lost). "
-                "Use its out-of-place form, or compute this outside the compiled function."
-            )
+    if top and _is_inplace(func) and not orig_args:
+        # torch.nn.init.uniform_(tensor=w): the destination as the first positional argument
+        key = next((k for k in ("tensor", "input", "self") if type(kwargs.get(k)) is TensorProxy), None)
+        if key is not None:
+            orig_args, args = (orig_kwargs[key],), (kwargs[key],)
+            orig_kwargs = {k: v for k, v in orig_kwargs.items() if k != key}
+            kwargs = {k: v for k, v in kwargs.items() if k != key}
+    if top and _is_inplace(func) and any(type(a) is TensorProxy for a in _flat(orig_args[:1], {})):
+        # Functionalized: the out-of-place form (native where known, else the op on a copy), one write-back.
+        return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
+    if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
+        return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
     return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "") or ""
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__") and name not in _NOT_INPLACE_DUNDERS)
+
+
+_NOT_INPLACE_DUNDERS = {"__init__", "__index__", "__int__", "__iter__", "__invert__"}
+
+
+def _dispatch_top(fn, args, kwargs):
+    return handle_torch_function(fn, (), args, kwargs)
+
+
+def _run_opaque(st):
+    return lambda fn, args, kwargs: call_opaque(fn, args, kwargs, strict=st.strict)
 
 
 def _property(st, prop, get, args, top):
