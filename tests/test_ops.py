@@ -109,14 +109,38 @@ def test_dropout_statistics():
 # Cases that cannot be compiled raise a clear error rather than computing something else.
 UNSUPPORTED = {
     "boolean_mask_index": (lambda x: x[x > 0], NotImplementedError, "boolean-mask indexing"),
-    "two_tensor_indices": (lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 0])], NotImplementedError, "more than one tensor index"),
     "where_one_argument": (lambda x: torch.where(x > 0), NotImplementedError, "three-argument form"),
     "one_hot_without_num_classes": (lambda x: torch.nn.functional.one_hot(x.long().abs()), NotImplementedError, "num_classes"),
     "branch on item": (lambda x: x if x.sum().item() > 0 else -x, RuntimeError, "runtime scalar"),
-    "einsum_trace": (lambda x: torch.einsum("ii->i", x[0, :, :3]), NotImplementedError, "repeated indices"),
-    "round_decimals_int": (lambda x: torch.round(x.long(), decimals=1), NotImplementedError, "floating point"),
     "addcdiv_int": (lambda x: torch.addcdiv(x.long(), x.long(), x.long() + 10), RuntimeError, "addcdiv"),
 }
+
+
+# Arguments the torch language has no decomposition for run through torch (opaquely), with eager's result
+# or eager's own error.
+BEYOND_DECOMPOSITIONS = {
+    "two_tensor_indices": lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 0])],
+    "einsum_trace": lambda x: torch.einsum("ii->i", x[0, :, :3]),
+    "pad_reflect": lambda x: torch.nn.functional.pad(x, (1, 2), mode="reflect"),
+    "avg_pool_ceil_mode": lambda x: torch.nn.functional.avg_pool1d(x, 3, ceil_mode=True),
+}
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+@pytest.mark.parametrize("name", list(BEYOND_DECOMPOSITIONS))
+def test_arguments_beyond_decompositions_run_through_torch(name, decompose):
+    fn = BEYOND_DECOMPOSITIONS[name]
+    x = torch.randn(2, 3, 4)
+    cf = tt.compile(fn, decompose=decompose)
+    torch.testing.assert_close(cf(x), fn(x))
+    assert tt.compile_stats(cf).opaque_ops
+    with pytest.raises(tt.UnsupportedOpError):
+        tt.compile(fn, strict=True)(x)
+
+
+def test_round_decimals_of_an_integer_tensor_raises_eagers_error():
+    with pytest.raises(NotImplementedError):
+        tt.compile(lambda x: torch.round(x.long(), decimals=1))(torch.randn(3))
 
 
 @pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])

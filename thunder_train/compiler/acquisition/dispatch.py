@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import context, proxies
-from ..errors import TracingError
+from ..errors import TracingError, UnsupportedOpError
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
 from ..functional import fresh_results
@@ -81,7 +81,21 @@ def handle_torch_function(func, types, args, kwargs):
         n = len(scope)
         if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
-        out = sym(*args, **kwargs)
+        try:
+            out = sym(*args, **kwargs)
+        except NotImplementedError as e:
+            # The torch language does not cover these arguments (F.pad(mode='reflect'), ceil_mode=True, ...):
+            # run the call opaquely, as torch, rather than fail (strict=True still refuses it).
+            if isinstance(e, UnsupportedOpError) or st.walker is None:
+                raise
+            del scope[n:]
+            try:
+                out = call_opaque(func, args, kwargs, strict=st.strict)
+            except UnsupportedOpError:
+                if st.strict:
+                    raise UnsupportedOpError(f"{e} (and strict=True forbids running it through torch)") from None
+                raise e from None  # torch cannot run it on proxies either (t[mask]): the torch language's reason
+            return no_grad_region(st, out)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
         if top:
