@@ -158,3 +158,16 @@ def test_returning_named_tuple():
         assert type(out) is torch.return_types.max
         torch.testing.assert_close(out.values, x.max(1).values)
         torch.testing.assert_close(out.indices, x.max(1).indices)
+
+
+def test_factory_requires_grad_is_refused_not_dropped():
+    with pytest.raises(tt.TracingError, match="requires_grad=True"):
+        tt.compile(lambda x: torch.zeros(3, requires_grad=True) + x)(torch.randn(3))
+
+
+def test_factory_memory_format_is_honoured():
+    fn = lambda x: torch.zeros_like(x, memory_format=torch.channels_last)  # noqa: E731
+    x = torch.randn(2, 3, 4, 5)
+    out = tt.compile(fn)(x)
+    assert out.is_contiguous(memory_format=torch.channels_last) == fn(x).is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, fn(x))
