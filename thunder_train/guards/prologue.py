@@ -357,6 +357,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
     )
     pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf))
     pro.size_checks = size_exprs
+    pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
     return pro, tuple(expected)
 
 
