@@ -122,7 +122,6 @@ UNSUPPORTED = {
 # Arguments the torch language has no decomposition for run through torch (opaquely), with eager's result
 # or eager's own error.
 BEYOND_DECOMPOSITIONS = {
-    "two_tensor_indices": lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 0])],
     "einsum_trace": lambda x: torch.einsum("ii->i", x[0, :, :3]),
     "pad_reflect": lambda x: torch.nn.functional.pad(x, (1, 2), mode="reflect"),
     "avg_pool_ceil_mode": lambda x: torch.nn.functional.avg_pool1d(x, 3, ceil_mode=True),
