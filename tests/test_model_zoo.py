@@ -33,12 +33,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 XFAIL: dict[tuple[str, str], str] = {}
 _MASK = ("acquire: HF masking_utils decides `padding_mask.all()` on an input tensor (DataDependentError); "
          "decisions on input values must become prologue checks")
-_NO_GRAD = "ops: {} runs opaquely and has no gradient (NoGradientRuleError); opaque ops need torch-autograd backward"
 for _name in ("bert_cls", "roberta_cls", "t5", "llama_padded"):
     for _check in ("forward", "grads", "step_full", "step_thin"):
         XFAIL[_name, _check] = _MASK
-for _name, _op in (("transformer_encoder", "F.multi_head_attention_forward"), ("lstm", "torch.lstm"), ("gru", "torch.gru")):
-    XFAIL[_name, "grads"] = XFAIL[_name, "step_full"] = XFAIL[_name, "step_thin"] = _NO_GRAD.format(_op)
+# transformer_encoder, lstm and gru train: their opaque ops differentiate through torch autograd.
 
 
 def params(check):

@@ -117,7 +117,8 @@ class InputWalker:
             self.leaves.append(Leaf(path, "dataclass", x))
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
             new = object.__new__(t)
-            new.__dict__.update(getattr(x, "__dict__", {}))
+            if hasattr(x, "__dict__"):  # slotted dataclasses have none
+                new.__dict__.update(x.__dict__)
             for k, v in fields.items():
                 object.__setattr__(new, k, v)
             return new

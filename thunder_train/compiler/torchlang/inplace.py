@@ -31,6 +31,9 @@ def _new_value(out, a):
     return out
 
 
+converted_value = _new_value  # the dispatcher's generic in-place path uses the same rule
+
+
 def _functional(sym, new_value):
     """Attach the functional form: ``sym.functional(dst, *args) -> new value of dst``."""
     sym.functional = new_value

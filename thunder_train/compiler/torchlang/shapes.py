@@ -276,6 +276,8 @@ def tile(input, dims):
 
 @torchsymbol(torch.index_select, methods=("index_select",))
 def index_select(input, dim, index):
+    if input.ndim_ == 0:  # eager treats a 0-d input as one element along dim 0 and returns 0-d
+        return clang.reshape(index_select(clang.reshape(input, (1,)), dim, index), ())
     dim = clang.canonicalize_dim(input.ndim_, dim)
     return prims.take(input, index if index.ndim_ == 1 else clang.reshape(index, (1,)), dim)
 
@@ -309,6 +311,11 @@ def scatter_add(input, dim, index, src):
 @torchsymbol(torch.index_add, methods=("index_add",))
 def index_add(input, dim, index, source, *, alpha=1):
     """``input.index_add(dim, index, source)`` via scatter_add with an expanded index."""
+    if input.ndim_ == 0:  # 0-d: one element along dim 0
+        one = index_add(clang.reshape(input, (1,)), dim, clang.reshape(index, (-1,)), clang.reshape(source, (-1,)), alpha=alpha)
+        return clang.reshape(one, ())
+    if index.ndim_ == 0:
+        index = clang.reshape(index, (1,))
     dim = clang.canonicalize_dim(input.ndim_, dim)
     if alpha != 1:
         source = clang.mul(source, alpha)

@@ -91,6 +91,10 @@ class Forward:
     def _add(self, bsym):
         on_path = self.on_path(bsym)
         float_outs = [o for o in bsym.flat_outputs() if is_float_tensor(o)]
+        if getattr(bsym.sym, "output_grad_flags", False):
+            # The symbol knows which outputs eager differentiates (an opaque op's meta run): the others
+            # (native_layer_norm's mean and rstd) carry no gradient.
+            float_outs = [o for o in float_outs if o._tt_requires_grad]
         if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
             self.expanded.add(id(bsym))
             for sub in bsym.subsymbols:
