@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from _models import Block  # noqa: E402
-from thunder_train.compiler.transforms.grad_rules import NoGradientRuleError
 
 
 def _rand(*shape, dtype=torch.float32, positive=False, unit=False):
@@ -240,14 +239,16 @@ def test_saved_input_modified_in_place_errors():
         loss.backward()
 
 
-def test_missing_gradient_rule_names_the_op():
-    # torch.logcumsumexp is unknown to the compiler and runs opaquely: the forward works, backward explains.
-    cf = tt.compile(lambda x: torch.logcumsumexp(x, 0).sum())
+def test_opaque_op_gradient_comes_from_torch_autograd():
+    # torch.logcumsumexp is unknown to the compiler and runs opaquely; its gradient is eager's (transforms/opaque_grad.py).
+    cf = tt.compile(lambda x: (torch.logcumsumexp(x, 0) * torch.arange(4.0)).sum())
     x = torch.randn(4, requires_grad=True)
     out = cf(x)
-    torch.testing.assert_close(out, torch.logcumsumexp(x, 0).sum())
-    with pytest.raises(NoGradientRuleError, match="logcumsumexp"):
-        out.backward()
+    expected = (torch.logcumsumexp(x, 0) * torch.arange(4.0)).sum()
+    torch.testing.assert_close(out, expected)
+    (g,) = torch.autograd.grad(out, x)
+    torch.testing.assert_close(g, torch.autograd.grad(expected, x)[0])
+    assert any("logcumsumexp" in n and "gradient by torch autograd" in n for n in tt.compile_stats(cf).opaque_ops)
 
 
 def test_dropout_backward_uses_the_forward_mask():
@@ -345,6 +346,10 @@ def _more_cases(dtype):
         "setitem_values": (lambda x, v: _setitem(x, v, torch.tensor([2, 0])), (r(4, 3), r(2, 3))),
         "setitem_broadcast_values": (lambda x, v: _setitem(x, v, (slice(None), torch.tensor([1, -1]))), (r(3, 4), r(2))),
         "setitem_rows": (lambda x, v: _setitem(x, v, slice(1, 3)), (r(4, 3), r(3))),
+        # several tensor indices (HF attention-mask helpers index padding_mask[batch_idx, kv_idx])
+        "getitem_two_tensors_repeated": (lambda x: x[torch.tensor([[0], [2]]), torch.tensor([1, 1, -1])] * 2, (r(3, 4, 2),)),
+        "getitem_tensors_separated": (lambda x: x[torch.tensor([1, 0, 1]), :, torch.tensor([0, 2, 0])], (r(2, 3, 4),)),
+        "setitem_two_tensors": (lambda x, v: _setitem(x, v, (torch.tensor([0, 2]), slice(None), torch.tensor([1, -1]))), (r(3, 2, 4), r(2, 2))),
         "copysign": (lambda x, y: torch.copysign(x, y), (_zeros_at(r(6), 2), r(6))),
         "copysign_scalar": (lambda x: torch.copysign(x, -1.5), (r(6),)),
         "nextafter": (lambda x, y: torch.nextafter(x, y) * 3, (r(5), r(5))),

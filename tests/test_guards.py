@@ -40,7 +40,7 @@ def test_prologue_is_extraction_plus_checks_as_generated_code():
     assert "def guard_key(" in gsrc and "x.shape,  # args[1]: shape" in gsrc
     # Both are real functions compiled from that source.
     vals = extract.python_callable()(m, torch.randn(5, 4), {"a": torch.randn(3)})
-    assert guard_key.python_callable()(*vals)[-4:] == (torch.Size([3]), torch.float32, torch.device("cpu"), False)
+    assert guard_key.python_callable()(*vals)[-5:] == (torch.Size([3]), (1,), torch.float32, torch.device("cpu"), False)
 
 
 def test_retrace_reason_names_input_and_change():

@@ -30,10 +30,11 @@ def test_data_dependent_error_is_exported():
 
 
 def test_no_gradient_rule_error_is_exported():
-    x = torch.randn(4, requires_grad=True)
-    out = tt.compile(lambda x: torch.logcumsumexp(x, 0).sum())(x)
-    e = _raised(out.backward)
-    assert type(e) is tt.NoGradientRuleError and "logcumsumexp" in str(e)
+    # Ops without a native rule now differentiate through torch's autograd (test_opaque_grad.py), so no public
+    # call is known to raise it; the exported class is the one the autograd transform raises.
+    from thunder_train.compiler.transforms.grad_rules import NoGradientRuleError
+
+    assert tt.NoGradientRuleError is NoGradientRuleError
 
 
 def test_tracing_error_is_exported():

@@ -56,7 +56,9 @@ def format_value(x, g: _Globals | None) -> str:
         return repr(x)
     if t is complex:
         return f"complex({format_value(x.real, g)}, {format_value(x.imag, g)})"
-    if t is tuple or t is torch.Size:
+    if t is torch.Size:  # eager's sizes are torch.Size, also when a program returns one
+        return f"torch.Size([{', '.join(format_value(v, g) for v in x)}])"
+    if t is tuple:
         inner = ", ".join(format_value(v, g) for v in x)
         return f"({inner},)" if len(x) == 1 else f"({inner})"
     if t is list:

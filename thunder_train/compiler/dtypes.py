@@ -54,6 +54,10 @@ BOOL, INT, FLOAT, COMPLEX = 0, 1, 2, 3
 bool8 = DType("bool8", BOOL, 1, torch.bool, "b8")
 uint8 = DType("uint8", INT, 1, torch.uint8, "u8")
 int8 = DType("int8", INT, 1, torch.int8, "i8")
+# torch implements few ops for the wider unsigned types (and no promotion with them); eager's errors apply.
+uint16 = DType("uint16", INT, 2, torch.uint16, "u16")
+uint32 = DType("uint32", INT, 4, torch.uint32, "u32")
+uint64 = DType("uint64", INT, 8, torch.uint64, "u64")
 int16 = DType("int16", INT, 2, torch.int16, "i16")
 int32 = DType("int32", INT, 4, torch.int32, "i32")
 int64 = DType("int64", INT, 8, torch.int64, "i64")
@@ -64,7 +68,7 @@ float64 = DType("float64", FLOAT, 8, torch.float64, "f64")
 complex64 = DType("complex64", COMPLEX, 8, torch.complex64, "c64")
 complex128 = DType("complex128", COMPLEX, 16, torch.complex128, "c128")
 
-all_dtypes = (bool8, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64, complex64, complex128)
+all_dtypes = (bool8, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, bfloat16, float32, float64, complex64, complex128)
 _from_torch = {d.torch: d for d in all_dtypes}
 
 

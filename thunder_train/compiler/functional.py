@@ -112,3 +112,60 @@ class Buffers:
                 if v is not p:
                     out.append((v, p))
         return out
+
+
+# ---------------------------------------------------------------------------
+# Object identity of results
+# ---------------------------------------------------------------------------
+def fresh_results(func, args, kwargs, out):
+    """Results that are an argument proxy where eager returns a new tensor object get one.
+
+    At trace level ``x.view_as(x)``, ``x.permute(0, 1)`` or ``torch.roll(x, 0)`` compute nothing and
+    return ``x``; eager returns a new tensor (a view for view ops, a copy otherwise), while
+    ``x.contiguous()`` or ``F.dropout(x, training=False)`` return ``x`` itself.  Which one eager does
+    is read from running ``func`` on meta tensors (torch's own rule); a new view becomes
+    ``prims.reshape(x, x.shape)`` (a real alias at run time), a new copy ``prims.clone(x)``.
+    """
+    import torch
+
+    from . import prims
+    from .pytree import tree_flatten, tree_map, tree_unflatten
+
+    flat_out, spec = tree_flatten(out)
+    arg_ids = {id(a) for a in tree_flatten((args, kwargs))[0] if type(a) is TensorProxy}
+    if not any(type(o) is TensorProxy and id(o) in arg_ids for o in flat_out):
+        return out
+    metas, owner = {}, {}  # id(proxy) -> meta tensor; id(meta tensor) -> proxy
+
+    def to_meta(x):
+        if type(x) is TensorProxy:
+            m = metas.get(id(x))
+            if m is None:
+                shape = tuple(int(s) for s in x._tt_shape)
+                m = metas[id(x)] = torch.empty(shape, dtype=x._tt_dtype.torch, device="meta")
+                owner[id(m)] = x
+            return m
+        return x
+
+    try:
+        margs, mkwargs = tree_map(to_meta, (args, kwargs))
+        with torch._C.DisableTorchFunction():
+            mout = tree_flatten(func(*margs, **mkwargs))[0]
+    except Exception:  # noqa: BLE001 - no meta kernel: keep the trace-level answer
+        return out
+    if len(mout) != len(flat_out):
+        return out
+    new = []
+    for o, m in zip(flat_out, mout):
+        if type(o) is TensorProxy and id(o) in arg_ids and owner.get(id(m)) is not o:
+            is_view = isinstance(m, torch.Tensor) and any(m._base is mi or _same_storage(m, mi) for mi in metas.values())
+            o = prims.reshape(o, tuple(o._tt_shape)) if is_view else prims.clone(o)
+        new.append(o)
+    return tree_unflatten(new, spec)
+
+
+def _same_storage(a, b) -> bool:
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001
+        return False

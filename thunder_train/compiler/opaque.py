@@ -49,6 +49,10 @@ def callable_name(func) -> str:
 class OpaqueSymbol(Symbol):
     """A symbol standing for an unknown torch callable, executed by torch as is."""
 
+    # Its output proxies' requires_grad come from the meta run, i.e. eager's: autograd.Forward reads them
+    # (an output eager does not differentiate carries no gradient).
+    output_grad_flags = True
+
     def __init__(self, func):
         name = callable_name(func)
         super().__init__(name, func, module="opaque", is_prim=True, tags=("opaque",))
@@ -85,11 +89,16 @@ def printable_reference(func, name: str):
 
 
 _opaque_symbols: dict = {}
+# Installed by transforms/opaque_grad.py: ``gradient_positions(flat_args)`` -> positions of the inputs a
+# gradient flows into; ``record_differentiable(func, args, kwargs, out, positions)`` records the op with
+# its autograd graph and returns the name compile_stats lists.
+gradient_positions = None
+record_differentiable = None
 
 
-def _to_meta(x):
+def _to_meta(x, requires_grad=False):
     if type(x) is TensorProxy:
-        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=x._tt_requires_grad)
+        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
     if isinstance(x, torch.Tensor):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
@@ -104,7 +113,9 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         )
     flat, spec = tree_flatten((args, kwargs))
     proxies = [x for x in flat if is_tensor_proxy(x)]
-    meta_args, meta_kwargs = tree_unflatten([_to_meta(x) for x in flat], spec)
+    # Inputs a gradient would flow into (they require grad or depend on one that does).
+    diff = gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ()
+    meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
     try:
         with torch._C.DisableTorchFunction(), torch.device("meta"):
             meta_out = func(*meta_args, **meta_kwargs)
@@ -121,7 +132,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
 
     def to_proxy(x):
         if isinstance(x, torch.Tensor):
-            return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+            return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad,
+                               strides=x.stride(), storage_offset=x.storage_offset())
         return x
 
     out = tree_map(to_proxy, meta_out)
@@ -130,11 +142,14 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         if not proxies:
             return meta_out
         return out
-    sym = _opaque_symbols.get(func)
-    if sym is None:
-        sym = _opaque_symbols[func] = OpaqueSymbol(func)
     trc = context.get_trace()
-    trc.add(BoundSymbol(sym, args, kwargs, out, ()))
+    if diff and any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(meta_out)[0]):
+        name = record_differentiable(func, args, kwargs, out, diff)
+    else:
+        sym = _opaque_symbols.get(func)
+        if sym is None:
+            sym = _opaque_symbols[func] = OpaqueSymbol(func)
+        trc.add(BoundSymbol(sym, args, kwargs, out, ()))
     st = context.tracer_state()
     if st is not None and name not in st.opaque_ops:
         st.opaque_ops.append(name)

@@ -14,6 +14,7 @@ from ..autograd_function import AutogradProgram, NoBackwardProgram, may_need_aut
 from ..guards.prologue import Prologue, build_prologue
 from . import acquisition
 from .errors import NoGradientRuleError
+from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors.inductor_fusion import fuse_regions
 from .executors.lowering import lower_to_executors
 from .executors.reinplace import reinplace
@@ -118,6 +119,10 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         entry.computation = _with_epilogue(entry.computation, epilogue, len(input_idx), [n for n, _ in targets])
         entry.input_idx = input_idx + tuple(i for _, i in targets)
         entry.select = _select(entry.input_idx)
+    # 11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
+    #     trace time; it is rebuilt around the real tensors after every call.
+    if acquired.output_spec is not None:
+        entry.computation = _rebuilding(entry.computation, acquired.output_spec)
     return entry, acquired.opaque_ops
 
 
@@ -178,6 +183,15 @@ def _with_epilogue(computation, epilogue, n_inputs, target_names):
         g.update(zip(names, inputs[n_inputs:]))
         fn(extras)
         return result
+
+    return run
+
+
+def _rebuilding(computation, spec):
+    rebuild = spec.rebuild
+
+    def run(*inputs):
+        return rebuild(computation(*inputs))
 
     return run
 

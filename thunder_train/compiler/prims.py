@@ -205,9 +205,17 @@ def convert_element_type(a, dtype):
 
 
 @_prim
-def clone(a):
-    """A fresh copy of ``a`` (never aliases it)."""
+def clone(a, memory_format=None):
+    """A fresh copy of ``a`` (never aliases it), laid out in ``memory_format`` (default: like ``a``)."""
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
+
+
+@_prim
+def grad_layout(g, param):
+    """``g`` laid out as eager's AccumulateGrad lays out a new ``param.grad``: like the parameter when
+    it is dense, else row-major (torch's "gradient layout contract"); ``g`` itself when it already is."""
+    _check(g._tt_shape == param._tt_shape, f"grad_layout: gradient {g._tt_shape} for a parameter of {param._tt_shape}")
+    return TensorProxy(shape=g._tt_shape, dtype=g._tt_dtype, device=g._tt_device)
 
 
 @_prim

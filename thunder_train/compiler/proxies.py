@@ -36,10 +36,15 @@ def _shape_str(shape) -> str:
 
 
 class TensorProxy(torch.Tensor):
-    """A tensor known only by its metadata: shape, dtype, device, requires_grad."""
+    """A tensor known only by its metadata: shape, dtype, device, requires_grad and memory layout.
+
+    The layout (``_tt_strides``, ``_tt_storage_offset``) is what eager PyTorch would give the
+    tensor: row-major when created, then set by ``layout_hook`` (installed by the torch
+    executor, ``executors/layout_rules.py``) from running each op on meta tensors.
+    """
 
     @staticmethod
-    def __new__(cls, name=None, *, shape, dtype, device, requires_grad=False):
+    def __new__(cls, name=None, *, shape, dtype, device, requires_grad=False, strides=None, storage_offset=0):
         dt = dtypes.from_torch(dtype)
         dev = devices.from_torch(device)
         # Symbolic sizes (SizeProxy, dynamic=True) stay symbolic; torch gets their example values.
@@ -53,6 +58,10 @@ class TensorProxy(torch.Tensor):
         self._tt_dtype = dt
         self._tt_device = dev
         self._tt_requires_grad = bool(requires_grad) and dt.category >= dtypes.FLOAT
+        self._tt_strides = tuple(strides) if strides is not None else contiguous_strides(shape)
+        self._tt_storage_offset = storage_offset
+        # Freshly laid out row-major: lets the layout hook skip elementwise ops on such inputs.
+        self._tt_rowmajor = strides is None or (storage_offset == 0 and self._tt_strides == contiguous_strides(shape))
         return self
 
     def __init__(self, *args, **kwargs):  # everything happens in __new__
@@ -105,6 +114,30 @@ class TensorProxy(torch.Tensor):
             "copy.deepcopy of a tensor while tracing is not supported by thunder_train; "
             "create the copy outside the compiled function"
         )
+
+
+def contiguous_strides(shape) -> tuple:
+    """Row-major strides of ``shape`` (of its example values where sizes are symbolic)."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    return tuple(make_contiguous_strides_for(tuple(int.__int__(s) for s in shape)))
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """torch._prims_common's rule (its name changed across torch versions)."""
+    import torch._prims_common as pc
+
+    rule = getattr(pc, "is_non_overlapping_and_dense", None) or pc.is_non_overlapping_and_dense_or_false
+    return bool(rule(t))
+
+
+def meta_tensor(p) -> torch.Tensor:
+    """A meta tensor with ``p``'s shape, dtype and layout (strides and storage offset)."""
+    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    strides, offset = p._tt_strides, p._tt_storage_offset
+    extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
+    base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device="meta")
+    return base.as_strided(shape, strides, offset)
 
 
 def is_tensor_proxy(x) -> bool:

@@ -53,3 +53,149 @@ def _is_tuple_like(t) -> bool:
 def tree_map(fn, x):
     leaves, spec = tree_flatten(x)
     return tree_unflatten([fn(v) for v in leaves], spec)
+
+
+# ---------------------------------------------------------------------------
+# Outputs: any structure a compiled function returns is rebuilt with real tensors.
+#
+# The trace returns plain containers only (it is printed as Python); a user type in
+# the output (HF ModelOutput, a dataclass, an OrderedDict subclass, a type registered
+# with torch.utils._pytree) is flattened at trace time into a tuple of leaves and an
+# ``OutputSpec``, which rebuilds it around the real tensors after every call.
+
+def _plain(x, contains_proxy) -> bool:
+    """Whether our own tree handles ``x`` (and everything inside it) without a user type."""
+    t = type(x)
+    if t is tuple or t is list or t is torch.Size or (isinstance(x, tuple) and _is_tuple_like(t)):
+        return all(_plain(v, contains_proxy) for v in x)
+    if t is dict:
+        return all(_plain(v, contains_proxy) for v in x.values())
+    if t is slice or x is None or t in (int, float, bool, str) or isinstance(x, torch.Tensor):
+        return True
+    return (_torch_pytree().tree_is_leaf(x) and not _is_dataclass_instance(x) and not isinstance(x, (dict, list, tuple))
+            and not contains_proxy(x))
+
+
+def _torch_pytree():
+    import torch.utils._pytree as pytree
+
+    return pytree
+
+
+def _is_dataclass_instance(x) -> bool:
+    import dataclasses
+
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+class OutputSpec:
+    """How to rebuild a returned structure from its flat leaves (``rebuild(leaves)``)."""
+
+    def __init__(self, node):
+        self._node = node
+
+    def rebuild(self, leaves):
+        it = iter(leaves)
+        return _build(self._node, it)
+
+
+def flatten_output(out, contains_proxy):
+    """``(out, None)`` when ``out`` is plain containers; else ``(tuple of leaves, OutputSpec)``.
+
+    A leaf of a type nothing knows how to rebuild that holds a proxy (found by
+    ``contains_proxy``) is refused: returning it would hand the caller a proxy.
+    """
+    if _plain(out, contains_proxy):
+        return out, None
+    leaves: list = []
+    node = _flatten_out(out, leaves, contains_proxy)
+    return tuple(leaves), OutputSpec(node)
+
+
+def _flatten_out(x, leaves, contains_proxy):
+    import dataclasses
+
+    pytree = _torch_pytree()
+    t = type(x)
+    if t is slice or t is torch.Size:
+        leaves.append(x)
+        return None
+    if not pytree.tree_is_leaf(x):
+        # One level through torch's registry (tuples, lists, dicts, named tuples, OrderedDict,
+        # HF ModelOutput, user registrations), then recurse into the children.
+        children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
+        return ("pytree", spec, [_flatten_out(c, leaves, contains_proxy) for c in children])
+    if _is_dataclass_instance(x):
+        names = [f.name for f in dataclasses.fields(x)]
+        return ("fields", x, names, [_flatten_out(getattr(x, n), leaves, contains_proxy) for n in names])
+    if isinstance(x, dict):  # an unregistered dict subclass (e.g. an OrderedDict subclass)
+        keys = list(x.keys())
+        return ("items", x, keys, [_flatten_out(x[k], leaves, contains_proxy) for k in keys])
+    if not isinstance(x, torch.Tensor) and contains_proxy(x):
+        if _register_known(t):
+            return _flatten_out(x, leaves, contains_proxy)
+        hint = " (for a transformers cache, pass use_cache=False)" if t.__module__.startswith("transformers.") else ""
+        raise TypeError(
+            f"the compiled function returned a {t.__module__}.{t.__qualname__} holding tensors computed by the "
+            "function, and thunder_train cannot rebuild that type with the real tensors. Register it with "
+            f"torch.utils._pytree.register_pytree_node (or make it a dataclass), or return a tuple or dict{hint}."
+        )
+    leaves.append(x)
+    return None
+
+
+# Third-party types whose library ships a torch.utils._pytree registration that it does not install
+# by default: transformers registers its caches (DynamicCache, EncoderDecoderCache, ...) only for
+# torch.export. Installed on first use, with the library's own functions.
+def _register_known(t) -> bool:
+    import importlib
+
+    if not t.__module__.startswith("transformers."):
+        return False
+    try:
+        exporter = importlib.import_module("transformers.exporters.exporter_dynamo")
+        if exporter.is_cache_class(t):
+            exporter.register_pytree_node(t)
+    except (ImportError, AttributeError):  # older transformers: only DynamicCache has a registration
+        if t.__qualname__ == "DynamicCache":
+            importlib.import_module("transformers.integrations.executorch").register_dynamic_cache_export_support()
+    return t in _torch_pytree().SUPPORTED_NODES
+
+
+def _build(node, it):
+    import copy
+
+    if node is None:
+        return next(it)
+    kind = node[0]
+    if kind == "pytree":
+        _, spec, children = node
+        return _torch_pytree().tree_unflatten([_build(c, it) for c in children], spec)
+    _, template, names, children = node
+    values = [_build(c, it) for c in children]
+    new = copy.copy(template)  # keeps fields without __init__ arguments and frozen dataclasses
+    if kind == "fields":
+        for n, v in zip(names, values):
+            object.__setattr__(new, n, v)
+    else:
+        for k, v in zip(names, values):
+            new[k] = v
+    return new
+
+
+def holds(x, pred, limit: int = 10_000) -> bool:
+    """Whether an object graph reachable from ``x`` contains a value satisfying ``pred`` (bounded walk)."""
+    import gc
+
+    seen, stack = set(), [x]
+    while stack and len(seen) < limit:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if pred(v):
+            return True
+        if isinstance(v, (torch.Tensor, type, str, bytes, int, float, type(None))):
+            continue
+        stack.extend(gc.get_referents(v))
+    return False

@@ -26,6 +26,10 @@ eager_executor: Callable | None = None
 # Tags that make a bound symbol a side effect (DCE keeps it, fusion leaves it alone).
 SIDE_EFFECT_TAGS = frozenset({"side_effect", "inplace"})
 
+# Sets the eager memory layout of a new bound symbol's output proxies; installed by
+# executors/layout_rules.py (it needs the torch executor's implementations).
+layout_hook = None
+
 
 class Symbol:
     """An operation with a meta function (prims) or a decomposition (composites).
@@ -97,15 +101,20 @@ class Symbol:
                 trc._scopes[0].append(bsym)
                 return out
         else:
+            claimed = getattr(self, "torch_impl", None) is not None
             trc.push_scope()
+            trc.claimed_depth += claimed
             try:
                 out = self.fn(*args, **kwargs)
             finally:
                 subs = trc.pop_scope()
+                trc.claimed_depth -= claimed
             if not subs and _returns_an_input(out, args, kwargs):
                 # A no-op at trace level (contiguous(), to(same dtype), ...): nothing to record.
                 return out
             bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
+        if layout_hook is not None and not trc.claimed_depth:
+            layout_hook(bsym)
         trc.add(bsym)
         return out
 

@@ -22,6 +22,9 @@ class Trace:
         self.names: set = set()
         self._counters: dict = {}
         self._scopes: list = [self.bound_symbols]
+        # Composites being decomposed that the torch executor runs whole: the layouts of the values
+        # inside them are never seen, so Symbol.__call__ does not compute them (it is the costly part).
+        self.claimed_depth = 0
         self.decorators: list = []  # source lines like "@torch.no_grad()"
         self._callable = None
 

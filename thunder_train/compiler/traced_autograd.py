@@ -169,7 +169,8 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
         if g is None:
             continue
         if st.grads.get(p) is None:
-            g = _fresh(st, g, taken)
+            # A new .grad: eager's AccumulateGrad lays it out like the parameter (fused optimizer kernels rely on it).
+            g = prims.grad_layout(_fresh(st, g, taken), p)
         # Without create_graph a gradient is a constant to any later backward (eager: no grad_fn).
         st.grads.accumulate(p, g if create_graph else prims.stop_gradient(g))
     # DistributedDataParallel's gradient averaging, which eager runs from autograd hooks.

@@ -103,12 +103,15 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             return [("identity", f"{var} is {var_of_leaf(leaf.alias_of)}", True)]
         if is_symbolic(leaf):
             return symbolic_shape_specs(leaf, var) + [
+                ("contiguous", f"{var}.is_contiguous()", v.is_contiguous()),
                 ("dtype", f"{var}.dtype", v.dtype),
                 ("device", f"{var}.device", v.device),
                 ("requires_grad", f"{var}.requires_grad", v.requires_grad),
             ]
         return [
             ("shape", f"{var}.shape", tuple(v.shape)),
+            # The trace assumed this memory layout (stride() answers, view legality, gradient layouts).
+            ("stride", f"{var}.stride()", v.stride()),
             ("dtype", f"{var}.dtype", v.dtype),
             ("device", f"{var}.device", v.device),
             ("requires_grad", f"{var}.requires_grad", v.requires_grad),

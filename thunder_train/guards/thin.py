@@ -113,8 +113,11 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             sizes = " or ".join(f"{var}.shape[{i}] < 2" if type(s) is SizeProxy else f"{var}.shape[{i}] != {s}"
                                 for i, s in enumerate(leaf.proxy._tt_shape))
             shape_cond = f"len({var}.shape) != {v.ndim} or {sizes}"
+            if v.is_contiguous():
+                shape_cond += f" or not {var}.is_contiguous()"
         else:
-            shape_cond = f"{var}.shape != {consts(tuple(v.shape))}"
+            # The program assumed this memory layout (stride() answers, view legality, kernels' layouts).
+            shape_cond = f"{var}.shape != {consts(tuple(v.shape))} or {var}.stride() != {consts(v.stride())}"
         return (f"{shape_cond} or {var}.dtype is not {consts(v.dtype)} "
                 f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad}")
 
@@ -256,6 +259,12 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     if params:
         static_conds.append(f"_list(map(_rg, {consts([vals[i] for i in params])})) != "
                             f"{consts([vals[i].requires_grad for i in params])}")
+    # ``p.data = other`` keeps the bound object but may change its layout, which the program (gradient
+    # layouts, fused optimizer kernels) assumed: one bulk comparison per call over the bound parameters.
+    laid_out = [i for i in bound_tensors if isinstance(vals[i], torch.nn.Parameter)]
+    if laid_out:
+        static_conds.append(f"_list(map(_stride, {consts([vals[i] for i in laid_out])})) != "
+                            f"{consts([vals[i].stride() for i in laid_out])}")
 
     # .grad of every bound tensor whose .grad the program read: None (set_to_none) or the bound tensor.
     owners, grads = [], []
@@ -325,7 +334,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
-        "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
+        "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG, "_stride": _STRIDE,
         "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
         "_computation": entry.computation, "_b": binding_holder,
@@ -390,6 +399,7 @@ class _Mismatch(Exception):
 
 _GRAD = operator.attrgetter("grad")
 _RG = operator.attrgetter("requires_grad")
+_STRIDE = torch.Tensor.stride
 
 
 def _shares_storage(tensors, ptrs) -> bool:

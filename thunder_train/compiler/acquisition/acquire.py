@@ -20,7 +20,8 @@ from ..distributed import check_finished as check_ddp_finished, ddp_while_tracin
 from ..epilogue import finish
 from ..errors import TracingError
 from ..functional import Buffers
-from ..pytree import tree_flatten
+from ..proxies import is_proxy
+from ..pytree import flatten_output, holds, tree_flatten
 from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
@@ -41,6 +42,7 @@ class Acquired:
     size_checks: list = dataclasses.field(default_factory=list)  # (op, size, other, result) decided while tracing
     has_backward: bool = False  # the function called backward(): gradients are values of the trace
     epilogue: object = None  # epilogue.Epilogue replaying Python side effects, or None
+    output_spec: object = None  # pytree.OutputSpec rebuilding a returned user type (ModelOutput, dataclass, ...)
 
 
 def arg_names(fn) -> list:
@@ -86,7 +88,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
-            out = _check_output(out)
+            out, output_spec = _check_output(out)
             inputs = []
             seen = set()
             for leaf in walker.leaves:
@@ -99,7 +101,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         finally:
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
-    return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue)
+    return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
+                    output_spec)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):
@@ -112,7 +115,17 @@ def _insert_shape_queries(trc, symbolic_inputs):
 
 
 def _check_output(out):
-    for v in tree_flatten(out)[0]:
-        if isinstance(v, torch.nn.Module):
-            raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
-    return out
+    """``(trace output, OutputSpec or None)``: user types in the output are flattened (pytree.flatten_output)."""
+
+    def refuse_modules(leaves):
+        for v in leaves:
+            if isinstance(v, torch.nn.Module):
+                raise TracingError("a compiled function cannot return an nn.Module; return tensors and Python values")
+
+    refuse_modules(tree_flatten(out)[0])
+    try:
+        out, spec = flatten_output(out, lambda x: holds(x, is_proxy))
+    except TypeError as e:
+        raise TracingError(str(e)) from None
+    refuse_modules(tree_flatten(out)[0])
+    return out, spec

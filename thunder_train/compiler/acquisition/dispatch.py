@@ -13,17 +13,19 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import context, proxies
-from ..errors import TracingError
+from .. import context, proxies, symbols
+from ..errors import TracingError, UnsupportedOpError
 from ..opaque import call_opaque, callable_name
+from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
+from ..functional import fresh_results
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
 from .. import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
 from .state import TracerState
-from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, inplace, no_grad_region, read_current,
-                      record_views, write)
+from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, no_grad_region,
+                      opaque_out, read_current, record_views, write)
 
 
 # ---------------------------------------------------------------------------
@@ -79,10 +81,27 @@ def handle_torch_function(func, types, args, kwargs):
         n = len(scope)
         if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
-        out = sym(*args, **kwargs)
+        try:
+            out = sym(*args, **kwargs)
+        except NotImplementedError as e:
+            # The torch language does not cover these arguments (F.pad(mode='reflect'), ceil_mode=True, ...):
+            # run the call opaquely, as torch, rather than fail (strict=True still refuses it).
+            if isinstance(e, UnsupportedOpError) or st.walker is None:
+                raise
+            del scope[n:]
+            try:
+                out = call_opaque(func, args, kwargs, strict=st.strict)
+            except UnsupportedOpError:
+                if st.strict:
+                    raise UnsupportedOpError(f"{e} (and strict=True forbids running it through torch)") from None
+                raise e from None  # torch cannot run it on proxies either (t[mask]): the torch language's reason
+            return no_grad_region(st, out)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
+            if func is not getattr(sym, "torch_impl", None) and symbols.layout_hook is not None:
+                symbols.layout_hook(scope[-1])  # the layout of what the torch executor will call
         if top:
+            out = fresh_results(func, args, kwargs, out)
             out = back_to_buffers(orig_args, args, out)
             if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
                 record_views(st, sym, orig_args[0], args[1:], kwargs, out)
@@ -106,12 +125,35 @@ def handle_torch_function(func, types, args, kwargs):
                     "skipped when gradients overflow, a decision on tensor values). Train with bf16 autocast, which "
                     "needs no scaler, or keep the scaler's unscale_/step/update outside the compiled function."
                 )
-            raise TracingError(
-                f"{callable_name(func)} updates a tensor in place and thunder_train does not know it yet; "
-                "it cannot run opaquely inside a compiled function (the update would be lost). "
-                "Use its out-of-place form, or compute this outside the compiled function."
-            )
+    if top and _is_inplace(func) and not orig_args:
+        # torch.nn.init.uniform_(tensor=w): the destination as the first positional argument
+        key = next((k for k in ("tensor", "input", "self") if type(kwargs.get(k)) is TensorProxy), None)
+        if key is not None:
+            orig_args, args = (orig_kwargs[key],), (kwargs[key],)
+            orig_kwargs = {k: v for k, v in orig_kwargs.items() if k != key}
+            kwargs = {k: v for k, v in kwargs.items() if k != key}
+    if top and _is_inplace(func) and any(type(a) is TensorProxy for a in _flat(orig_args[:1], {})):
+        # Functionalized: the out-of-place form (native where known, else the op on a copy), one write-back.
+        return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
+    if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
+        return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
     return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "") or ""
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__") and name not in _NOT_INPLACE_DUNDERS)
+
+
+_NOT_INPLACE_DUNDERS = {"__init__", "__index__", "__int__", "__iter__", "__invert__"}
+
+
+def _dispatch_top(fn, args, kwargs):
+    return handle_torch_function(fn, (), args, kwargs)
+
+
+def _run_opaque(st):
+    return lambda fn, args, kwargs: call_opaque(fn, args, kwargs, strict=st.strict)
 
 
 def _property(st, prop, get, args, top):

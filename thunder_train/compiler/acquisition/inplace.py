@@ -101,3 +101,116 @@ def no_grad_region(st, out, sym=None):
     if sym is not None and "inplace" in sym.tags:
         return out
     return detach_float_tensors(out)
+
+
+# ---------------------------------------------------------------------------
+# In-place ops without a symbol: the out-of-place form, then one write-back
+# ---------------------------------------------------------------------------
+# In-place methods that change a tensor's shape or other metadata rather than its values: a proxy's
+# metadata is fixed, so they have no "out-of-place form + write-back" and are refused.
+METADATA_INPLACE = {
+    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_",
+    "swapaxes_", "detach_", "share_memory_", "sparse_resize_", "sparse_resize_and_clear_", "as_strided_scatter_",
+    "map_", "map2_", "apply_", "record_stream", "pin_memory_",
+}
+
+
+def inplace_name(func):
+    """The out-of-place name of an in-place torch callable (``abs_`` -> ``abs``, ``__iand__`` -> ``__and__``), or None."""
+    name = getattr(func, "__name__", "") or ""
+    if name.startswith("__i") and name.endswith("__") and len(name) > 5:
+        return "__" + name[3:]
+    if name.endswith("_") and not name.endswith("__"):
+        return name[:-1]
+    return None
+
+
+class CopyThenInplace:
+    """``func`` applied to a copy of its first argument: eager's in-place result, computed out of place.
+
+    The fallback for in-place ops whose out-of-place form the compiler does not know (or that have
+    none: ``uniform_``, ``fill_diagonal_``, ``scatter_reduce_``): it runs opaquely, so values, dtype
+    rules and autograd are eager's own.
+    """
+
+    _cache: dict = {}
+
+    def __init__(self, func):
+        self.func = func
+        name = getattr(func, "__name__", "op")
+        self.__name__ = name
+        self.__qualname__ = f"on_copy.{name}"
+        self.__module__ = "thunder_train"
+
+    @classmethod
+    def of(cls, func):
+        c = cls._cache.get(func)
+        if c is None:
+            c = cls._cache[func] = cls(func)
+        return c
+
+    def __call__(self, dst, *args, **kwargs):
+        if isinstance(dst, (list, tuple)):
+            copy = [t.clone() for t in dst]
+            self.func(copy, *args, **kwargs)
+            return copy
+        return self.func(dst.clone(), *args, **kwargs)
+
+
+class _Named:
+    tags = frozenset()
+
+    def __init__(self, name):
+        self.name = name
+
+
+def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
+    """``X_(dst, ...)`` (or ``dst op= ...``): compute ``X(dst, ...)`` and make it ``dst``'s new value.
+
+    ``X`` is the out-of-place form where the torch language knows it (so the op stays native); otherwise
+    the in-place op runs opaquely on a copy (``CopyThenInplace``).  ``dispatch(fn, args, kwargs)`` runs a
+    known torch callable through the dispatcher, ``run_opaque(fn, args, kwargs)`` runs one opaquely.
+    """
+    from ..torchlang import registry
+    from ..torchlang.inplace import converted_value
+
+    name = getattr(func, "__name__", "")
+    dst = orig_args[0]
+    if name in METADATA_INPLACE:
+        raise TracingError(
+            f"Tensor.{name} changes the shape or metadata of a tensor in place, which thunder_train does not support "
+            f"inside a compiled function; use its out-of-place form ({name[:-1]}) and the returned tensor"
+        )
+    out_name = inplace_name(func)
+    outplace = None
+    if out_name is not None:
+        owner = torch.Tensor if "Tensor" in (getattr(func, "__qualname__", "") or "") or name.startswith("__") else torch
+        outplace = getattr(owner, out_name, None)
+    if outplace is not None and registry.lookup(outplace) is not None:
+        value = dispatch(outplace, orig_args, kwargs)
+    else:
+        value = run_opaque(CopyThenInplace.of(func), args, kwargs)
+    op = _Named(name)
+    if isinstance(dst, (list, tuple)):
+        for d, v in zip(dst, value):
+            write(st, op, d, converted_value(v, d))
+    else:
+        if type(value) is not TensorProxy:
+            raise TracingError(f"{name}: its out-of-place form returned {type(value).__name__}, not a tensor")
+        write(st, op, dst, converted_value(value, dst))
+    return dst
+
+
+def opaque_out(st, func, orig_kwargs, args, kwargs, run_opaque):
+    """``func(..., out=dst)`` for an op without a symbol: run it without ``out``, write the result into ``dst``."""
+    dst = orig_kwargs["out"]
+    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    value = run_opaque(func, args, kwargs)
+    if isinstance(dst, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(dst):
+            raise TracingError(f"{getattr(func, '__name__', func)}(..., out=...): the result does not match the out tensors")
+        for d, v in zip(dst, value):
+            write(st, _Named("out="), d, converted_to(v, d))
+    else:
+        write(st, _Named("out="), dst, converted_to(value, dst))
+    return dst

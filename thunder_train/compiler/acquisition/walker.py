@@ -64,7 +64,8 @@ class InputWalker:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
             # they decide broadcasting and emptiness).
             shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 else s for i, s in enumerate(shape))
-        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
+                        strides=t.stride(), storage_offset=t.storage_offset())
         if symbolic:
             for i, s in enumerate(p._tt_shape):
                 if type(s) is SizeProxy:
@@ -116,7 +117,8 @@ class InputWalker:
             self.leaves.append(Leaf(path, "dataclass", x))
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
             new = object.__new__(t)
-            new.__dict__.update(getattr(x, "__dict__", {}))
+            if hasattr(x, "__dict__"):  # slotted dataclasses have none
+                new.__dict__.update(x.__dict__)
             for k, v in fields.items():
                 object.__setattr__(new, k, v)
             return new

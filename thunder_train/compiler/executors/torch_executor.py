@@ -184,7 +184,13 @@ def _(bsym):
 
 @_rule(prims.clone)
 def _(bsym):
-    return torch.clone, bsym.args, {}
+    a, *fmt = bsym.args
+    return torch.clone, (a,), ({"memory_format": fmt[0]} if fmt and fmt[0] is not None else {})
+
+
+@_rule(prims.grad_layout)
+def _(bsym):
+    return torch_impls.grad_layout, bsym.args, {}
 
 
 @_rule(prims.stop_gradient)

@@ -187,12 +187,65 @@ ltorch_nn.gelu.torch_direct_vjp = gelu_vjp
 ltorch_nn.silu.torch_direct_vjp = silu_vjp
 
 
+def grad_layout(g, param):
+    """A new ``.grad`` laid out as eager's AccumulateGrad would (torch's gradient layout contract,
+    ``obeys_layout_contract``/``clone_obey_contract`` in torch/csrc/autograd/functions/accumulate_grad.h):
+    ``g`` itself when it already obeys, else a copy with the parameter's strides (dense parameter) or row-major."""
+    if param.is_contiguous():
+        if g.is_contiguous():
+            return g
+        return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    from ..proxies import is_non_overlapping_and_dense
+
+    if not is_non_overlapping_and_dense(param):
+        return g.contiguous()
+    if all(gs == ps if n != 1 else gs != 0 for n, gs, ps in zip(g.shape, g.stride(), param.stride())):
+        return g
+    return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
+
+
+def _alike(i, lists) -> bool:
+    p = lists[0][i]
+    if p.is_contiguous():
+        return all(ts[i].is_contiguous() for ts in lists[1:] if i < len(ts))
+    from ..proxies import is_non_overlapping_and_dense
+
+    st = p.stride()
+    return is_non_overlapping_and_dense(p) and all(ts[i].stride() == st for ts in lists[1:] if i < len(ts))
+
+
+def _fused(kernel, lists, written, *rest, **hyper):
+    """Call a fused multi-tensor optimizer kernel on tensors it supports.
+
+    The fused kernels walk each parameter's memory together with its gradient's and state's
+    as flat arrays, so all of them must share one dense layout; eager's AccumulateGrad and
+    ``zeros_like`` state usually give them that, but not for a non-dense parameter (a strided
+    slice) or a gradient assigned by hand.  Such a parameter's tensors run on row-major copies,
+    written back into the tensors the kernel updates (``written``: indices into ``lists``).
+    """
+    n = len(lists[0])
+    odd = [i for i in range(n) if not _alike(i, lists)]
+    if not odd:
+        kernel(*lists, *rest, **hyper)
+        return
+    sub = [list(ts) for ts in lists]
+    for ts in sub:
+        for i in odd:
+            if i < len(ts):
+                ts[i] = ts[i].contiguous()
+    kernel(*sub, *rest, **hyper)
+    for k in written:
+        for i in odd:
+            if i < len(lists[k]) and sub[k][i] is not lists[k][i]:
+                lists[k][i].copy_(sub[k][i])
+
+
 # Optimizer updates (torchlang/optim.py) on torch's fused kernels.  The functional forms update
 # copies; re-inplacing (executors/reinplace.py) switches to the in-place forms, which write into
 # the parameters and state themselves, where nothing reads their old values.
 def adam_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, decoupled_weight_decay, **hyper):
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyper)
+    _fused(kernel, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs), (0, 2, 3, 4), state_steps, **hyper)
     return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
 
 
@@ -202,7 +255,7 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_ste
 
 
 def sgd_update_(params, grads, momentum_buffers, **hyper):
-    torch._fused_sgd_(params, grads, momentum_buffers, **hyper)
+    _fused(torch._fused_sgd_, (params, grads, momentum_buffers), (0, 2), **hyper)
     return params, momentum_buffers
 
 
@@ -211,7 +264,7 @@ def sgd_update(params, grads, momentum_buffers, **kwargs):
 
 
 def adagrad_update_(params, grads, state_sums, state_steps, **hyper):
-    torch._fused_adagrad_(params, grads, state_sums, state_steps, **hyper)
+    _fused(torch._fused_adagrad_, (params, grads, state_sums), (0, 2), state_steps, **hyper)
     return params, state_sums
 
 

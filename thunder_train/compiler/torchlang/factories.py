@@ -6,6 +6,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
 from .convert import to_dtype, to_device, size_args, default_device
+from ..errors import TracingError
 from .registry import torchsymbol
 
 
@@ -18,7 +19,41 @@ def _check_layout(layout, pin_memory=False):
         raise NotImplementedError(f"layout={layout} is not supported")
 
 
-@torchsymbol(torch.empty)
+_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
+
+
+def _factory(*torch_fns, **kw):
+    """``torchsymbol`` for a factory; its options are honoured or refused, never dropped.
+
+    ``requires_grad=True`` (a new leaf inside the compiled program, whose gradient the program would have to
+    hand out) is refused; ``layout``, ``pin_memory`` and ``memory_format`` other than the defaults raise
+    ``NotImplementedError``, on which the dispatcher runs the call through torch (eager's result).
+    """
+
+    def deco(fn):
+        import functools
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            if kwargs.get("requires_grad"):
+                raise TracingError(
+                    f"{fn.__name__}(..., requires_grad=True) inside a compiled function is not supported: the new "
+                    "tensor would be a leaf of the compiled program. Create it outside and pass it in (or register it "
+                    "as a parameter of the module)."
+                )
+            _check_layout(kwargs.get("layout"))
+            if kwargs.get("pin_memory"):
+                raise NotImplementedError(f"{fn.__name__}(pin_memory=True) has no decomposition")
+            if kwargs.get("memory_format") not in _FORMATS:
+                raise NotImplementedError(f"{fn.__name__}(memory_format={kwargs['memory_format']}) has no decomposition")
+            return fn(*args, **kwargs)
+
+        return torchsymbol(*torch_fns, **kw)(checked)
+
+    return deco
+
+
+@_factory(torch.empty)
 def empty(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, memory_format=None, out=None):
     _check_layout(layout)
     dt, dev = _dd(dtype, device)
@@ -35,20 +70,20 @@ def _fill_value_dtype(v):
     return dtypes.default_float()
 
 
-@torchsymbol(torch.full)
+@_factory(torch.full)
 def full(size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     _check_layout(layout)
     dt, dev = _dd(dtype, device, _fill_value_dtype(fill_value))
     return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.zeros)
+@_factory(torch.zeros)
 def zeros(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     dt, dev = _dd(dtype, device)
     return prims.full(size_args(size), 0 if not dt.is_bool else False, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.ones)
+@_factory(torch.ones)
 def ones(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     dt, dev = _dd(dtype, device)
     return prims.full(size_args(size), 1 if not dt.is_bool else True, device=dev, dtype=dt)
@@ -58,55 +93,55 @@ def _like(a, dtype, device):
     return (to_dtype(dtype) or a._tt_dtype), (to_device(device) or a._tt_device)
 
 
-@torchsymbol(torch.empty_like)
+@_factory(torch.empty_like)
 def empty_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.empty(input._tt_shape, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.full_like)
+@_factory(torch.full_like)
 def full_like(input, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(input._tt_shape, fill_value, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.zeros_like)
+@_factory(torch.zeros_like)
 def zeros_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(input._tt_shape, False if dt.is_bool else 0, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.ones_like)
+@_factory(torch.ones_like)
 def ones_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(input._tt_shape, True if dt.is_bool else 1, device=dev, dtype=dt)
 
 
-@torchsymbol(methods=("new_zeros",))
+@_factory(methods=("new_zeros",))
 def new_zeros(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(size_args(size), 0, device=dev, dtype=dt)
 
 
-@torchsymbol(methods=("new_ones",))
+@_factory(methods=("new_ones",))
 def new_ones(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(size_args(size), 1, device=dev, dtype=dt)
 
 
-@torchsymbol(methods=("new_full",))
+@_factory(methods=("new_full",))
 def new_full(input, size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
 
 
-@torchsymbol(methods=("new_empty",))
+@_factory(methods=("new_empty",))
 def new_empty(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.empty(size_args(size), device=dev, dtype=dt)
 
 
-@torchsymbol(torch.arange)
+@_factory(torch.arange)
 def arange(start=0, end=None, step=1, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     if end is None:
         start, end = 0, start
@@ -117,7 +152,7 @@ def arange(start=0, end=None, step=1, *, dtype=None, device=None, layout=None, r
     return clang.arange(start, end, step, device=to_device(device) or default_device(), dtype=dt)
 
 
-@torchsymbol(torch.linspace)
+@_factory(torch.linspace)
 def linspace(start, end, steps, *, dtype=None, device=None, layout=None, requires_grad=False, out=None):
     dt = to_dtype(dtype) or dtypes.default_float()
     dev = to_device(device) or default_device()
@@ -128,7 +163,7 @@ def linspace(start, end, steps, *, dtype=None, device=None, layout=None, require
     return clang.maybe_convert(prims.add(prims.mul(idx, step), float(start)), dt)
 
 
-@torchsymbol(torch.randn)
+@_factory(torch.randn)
 def randn(*size, generator=None, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     if generator is not None:
         raise NotImplementedError("randn(generator=...) is not supported inside a compiled function")
@@ -136,7 +171,7 @@ def randn(*size, generator=None, dtype=None, device=None, layout=None, requires_
     return prims.randn(size_args(size), device=dev, dtype=dt)
 
 
-@torchsymbol(torch.rand)
+@_factory(torch.rand)
 def rand(*size, generator=None, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     if generator is not None:
         raise NotImplementedError("rand(generator=...) is not supported inside a compiled function")
@@ -144,19 +179,19 @@ def rand(*size, generator=None, dtype=None, device=None, layout=None, requires_g
     return prims.uniform(size_args(size), 0.0, 1.0, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.randn_like)
+@_factory(torch.randn_like)
 def randn_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.randn(input._tt_shape, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.rand_like)
+@_factory(torch.rand_like)
 def rand_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
     return prims.uniform(input._tt_shape, 0.0, 1.0, device=dev, dtype=dt)
 
 
-@torchsymbol(torch.tensor, torch.as_tensor)
+@_factory(torch.tensor, torch.as_tensor)
 def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
     """A tensor from Python numbers (nested lists of constants)."""
     if type(data) is TensorProxy:
@@ -175,13 +210,13 @@ def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=Fal
     return clang.reshape(out, tuple(ref.shape))
 
 
-@torchsymbol(torch.scalar_tensor)
+@_factory(torch.scalar_tensor)
 def scalar_tensor(s, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _dd(dtype, device)
     return prims.full((), s, device=dev, dtype=dt)
 
 
-@torchsymbol(methods=("new_tensor",))
+@_factory(methods=("new_tensor",))
 def new_tensor(input, data, *, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
     """Like ``torch.tensor`` but defaulting to ``input``'s dtype and device."""
     dt, dev = _like(input, dtype, device)

@@ -215,11 +215,14 @@ def count_nonzero(input, dim=None):
     return clang.sum(clang.maybe_convert(clang.ne(input, 0), dtypes.int64), _dims(dim))
 
 
-@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm,
-             autocast={"cuda": FP32_UNLESS_DTYPE})
+@torchsymbol(torch.norm, methods=("norm",), autocast={"cuda": FP32_UNLESS_DTYPE})
 def norm(input, p=2, dim=None, keepdim=False, dtype=None):
     """Vector norms (p = 2, 1, inf, or any number)."""
     if p == "fro":
+        p = 2
+    if isinstance(p, str):
+        raise NotImplementedError(f"torch.norm(p={p!r}) has no decomposition (the dispatcher runs it through torch)")
+    if p is None:
         p = 2
     x = input if dtype is None else clang.maybe_convert(input, to_dtype(dtype))
     ax = clang.elementwise_unary(prims.abs, x, Promotion.COMPLEX_TO_FLOAT, upcast=False)
@@ -240,3 +243,9 @@ def norm(input, p=2, dim=None, keepdim=False, dtype=None):
 def aminmax(input, *, dim=None, keepdim=False):
     """(amin, amax) over ``dim`` (all dims when None)."""
     return clang.amin(input, _dims(dim), keepdim), clang.amax(input, _dims(dim), keepdim)
+
+
+@torchsymbol(torch.linalg.vector_norm, autocast={"cuda": FP32_UNLESS_DTYPE})
+def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    """``torch.linalg.vector_norm``: ``norm`` with eager's ``ord`` keyword."""
+    return norm(x, ord, dim, keepdim, dtype)

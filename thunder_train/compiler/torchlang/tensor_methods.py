@@ -5,7 +5,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, meta_tensor
 from .convert import to_dtype, to_device
 from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
 
@@ -196,8 +196,39 @@ def element_size(a):
 
 
 @_metadata_method(methods=("is_contiguous",))
-def is_contiguous(a, memory_format=None):
-    return True
+def is_contiguous(a, memory_format=torch.contiguous_format):
+    """Eager's answer for the proxy's layout (torch._prims_common's rules)."""
+    return _is_contiguous_for(a, memory_format)
+
+
+def _is_contiguous_for(a, memory_format) -> bool:
+    from torch._prims_common import is_channels_last_contiguous_2d, is_channels_last_contiguous_3d
+
+    m = meta_tensor(a)
+    if memory_format is torch.channels_last:
+        return is_channels_last_contiguous_2d(m)
+    if memory_format is torch.channels_last_3d:
+        return is_channels_last_contiguous_3d(m)
+    if memory_format is torch.preserve_format:
+        raise RuntimeError("preserve memory format is unsupported by the contiguous operator")
+    return m.is_contiguous()
+
+
+@_metadata_method(methods=("storage_offset",))
+def storage_offset(a):
+    # Inputs are not specialised on their storage offset (a batch sliced from a bigger tensor moves
+    # every step), so an answer would be baked in silently.
+    raise NotImplementedError(
+        "Tensor.storage_offset() inside a compiled function is not supported: the program is not specialised "
+        "on its inputs' storage offsets. Compute it outside and pass it in, or use as_strided without an offset."
+    )
+
+
+@_metadata_method(methods=("is_non_overlapping_and_dense",))
+def _is_non_overlapping_and_dense(a):
+    from ..proxies import is_non_overlapping_and_dense
+
+    return is_non_overlapping_and_dense(meta_tensor(a))
 
 
 @_metadata_method(methods=("get_device",))
@@ -207,11 +238,7 @@ def get_device(a):
 
 @_metadata_method(methods=("stride",))
 def stride(a, dim=None):
-    st, acc = [], 1
-    for s in reversed(a._tt_shape):
-        st.append(acc)
-        acc *= max(s, 1)
-    st = tuple(reversed(st))
+    st = a._tt_strides
     return st if dim is None else st[clang.canonicalize_dim(len(a._tt_shape), dim)]
 
 
@@ -326,6 +353,9 @@ def to(a, *args, **kwargs):
             f"moving a tensor from {a._tt_device} to {device} inside a compiled function is not supported yet; "
             "move inputs before calling it"
         )
+    fmt = kwargs.get("memory_format", torch.preserve_format)
+    if fmt is not torch.preserve_format and not _is_contiguous_for(a, fmt):
+        a = prims.clone(a, fmt)  # to(memory_format=torch.channels_last): a copy laid out so, as in eager
     if dtype is None or dtype is a._tt_dtype:
         return a
     return prims.convert_element_type(a, dtype)
@@ -368,14 +398,16 @@ def cuda(a, device=None, non_blocking=False, memory_format=None):
 
 
 @torchsymbol(torch.clone, methods=("clone",))
-def clone(a, *, memory_format=None):
-    return prims.clone(a)
+def clone(a, *, memory_format=torch.preserve_format):
+    return prims.clone(a) if memory_format is torch.preserve_format else prims.clone(a, memory_format)
 
 
 @torchsymbol(methods=("contiguous",))
-def contiguous(a, memory_format=None):
-    """Layout is an executor concern; at trace level contiguous is the identity."""
-    return a
+def contiguous(a, memory_format=torch.contiguous_format):
+    """``a`` itself when already laid out so (as in eager: ``x.contiguous() is x``), else a copy that is."""
+    if _is_contiguous_for(a, memory_format):
+        return a
+    return prims.clone(a, memory_format)
 
 
 @torchsymbol(torch.detach, methods=("detach",))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import context, prims
+from .. import context, prims, symbols
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
@@ -91,6 +91,10 @@ class Forward:
     def _add(self, bsym):
         on_path = self.on_path(bsym)
         float_outs = [o for o in bsym.flat_outputs() if is_float_tensor(o)]
+        if getattr(bsym.sym, "output_grad_flags", False):
+            # The symbol knows which outputs eager differentiates (an opaque op's meta run): the others
+            # (native_layer_norm's mean and rstd) carry no gradient.
+            float_outs = [o for o in float_outs if o._tt_requires_grad]
         if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
             self.expanded.add(id(bsym))
             for sub in bsym.subsymbols:
@@ -179,10 +183,14 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
     """Run ``rule`` in a nested scope and record what it recorded as one ``<name>_vjp`` bound symbol."""
     trc = context.get_trace()
     trc.push_scope()
+    # Torch's own backward ("fused_backward") runs this rule whole: the layouts inside it are computed only if not.
+    whole = True
+    trc.claimed_depth += whole
     try:
         grads = rule(g, bsym.output, **args)
     finally:
         subs = trc.pop_scope()
+        trc.claimed_depth -= whole
     made = {id(o) for b in subs for o in b.flat_outputs()}
     arg_leaves = tree_flatten((bsym.args, bsym.kwargs))[0]
     outs, wanted = [], []  # gradient proxies; for each, the positions of its input among bsym's flat args
@@ -201,6 +209,8 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
             wanted.append(tuple(i for i, a in enumerate(arg_leaves) if a is v))
     if not ok or not outs:
         for b in subs:
+            if whole and symbols.layout_hook is not None and not trc.claimed_depth:
+                symbols.layout_hook(b)
             trc.add(b)
         return grads
     vsym = vjp_symbol(bsym.sym)

@@ -306,8 +306,13 @@ def convert_element_type_vjp(g, out, /, a, dtype):
 
 
 @register_vjp(prims.clone)
-def clone_vjp(g, out, /, a):
+def clone_vjp(g, out, /, a, memory_format=None):
     return {"a": g}
+
+
+@register_vjp(prims.grad_layout)
+def grad_layout_vjp(ct, out, /, g, param):
+    return {"g": ct}
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""Ops without a native gradient rule train through PyTorch's autograd (compiler/transforms/opaque_grad.py).
+
+nn.LSTM (torch.lstm) and nn.TransformerEncoder (F.multi_head_attention_forward inside) are compared with
+eager: forward, gradients through ``tt.compile(module)``, and three whole training steps with AdamW
+(plain and thin mode).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+
+
+class LSTMNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(5, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.head(out[:, -1]) + h.sum() * 0.1 + c.mean()
+
+
+class EncoderNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+MODELS = [pytest.param(LSTMNet, id="lstm"), pytest.param(EncoderNet, id="transformer_encoder")]
+
+
+def _x(model_cls, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feat = 5 if model_cls is LSTMNet else 8
+    return torch.randn(4, 6, feat, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+@pytest.mark.parametrize("model_cls", MODELS)
+def test_module_forward_and_gradients_match_eager(model_cls):
+    torch.manual_seed(0)
+    eager = model_cls()
+    compiled_model = copy.deepcopy(eager)
+    cm = tt.compile(compiled_model)
+    x, y = _x(model_cls)
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    out_e, out_c = eager(x), cm(x)
+    torch.testing.assert_close(out_c, out_e)
+    (out_e * w).sum().backward()
+    (out_c * w).sum().backward()
+    for (n, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}.grad: {m}")
+    assert any("gradient by torch autograd" in op for op in tt.compile_stats(cm).opaque_ops)
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+@pytest.mark.parametrize("model_cls", MODELS)
+def test_whole_training_step_with_adamw_matches_eager(model_cls, thin):
+    torch.manual_seed(0)
+    m1 = model_cls()
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    step = tt.compile(_step, thin=thin)
+    for i in range(3):
+        x, y = _x(model_cls, seed=i)
+        le = _step(m1, o1, x, y)
+        lc = step(m2, o2, x, y)
+        torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-5)
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(_without_key_bias(n, b), _without_key_bias(n, a), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert any("gradient by torch autograd" in op for op in tt.compile_stats(step).opaque_ops)
+
+
+def _without_key_bias(name, t):
+    """The attention key bias has an exactly-zero gradient; AdamW turns its rounding noise into full steps."""
+    if name.endswith("in_proj_bias"):
+        d = t.shape[0] // 3
+        return torch.cat([t[:d], t[2 * d:]])
+    return t
+
+
+def test_random_opaque_op_backward_uses_the_forward_mask():
+    # dropout2d runs opaquely; its backward must use the forward's mask (saved by torch's autograd, not recomputed).
+    cf = tt.compile(lambda x: F.dropout2d(x, 0.5, training=True))
+    x = (torch.rand(2, 16, 3, 3) + 1).requires_grad_()
+    y = cf(x)
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(g, (y != 0).float() * 2.0)

@@ -1,0 +1,177 @@
+"""Eager's memory layout for every traced op.
+
+A bound symbol's output proxies get the strides and storage offset eager PyTorch
+would give them, found by running what the torch executor will run for that
+symbol (a prim's torch implementation, or the torch callable the user called for a
+torch-language symbol) on fake tensors (``FakeTensorMode``: meta kernels that know
+the device, since some layouts do — a CPU convolution keeps channels_last) laid out
+like the inputs.  These are torch's own stride rules, not a second copy; the torch
+executor then produces exactly these layouts at run time.
+
+An error that eager would raise because of a layout (``view`` of a non-contiguous
+tensor) is raised here, at trace time, from the user's line.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import symbols
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor
+from ..pytree import tree_flatten, tree_map
+from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
+
+_fake_mode = None
+
+
+def _mode():
+    global _fake_mode
+    if _fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    return _fake_mode
+
+
+def _fake(p):
+    """Inside the fake mode: a tensor with ``p``'s shape, dtype, device and layout."""
+    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    strides, offset = p._tt_strides, p._tt_storage_offset
+    extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
+    base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
+    return base.as_strided(shape, strides, offset)
+# Meta-kernel errors that are eager's own layout errors (raised again at trace time).
+_LAYOUT_ERRORS = ("view size is not compatible", "stride", "contiguous", "memory format")
+
+
+def _callable(bsym):
+    sym = bsym.sym
+    if sym.module == "prims":
+        rule = _prim_rules.get(sym)
+        r = rule(bsym) if rule is not None else None
+        if r is None or isinstance(r[0], ScalarSymbol):
+            return None
+        return r
+    if sym.module == "ltorch":
+        fn = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
+        return None if fn is None else (fn, bsym.args, bsym.kwargs)
+    return None
+
+
+def _to_meta(x):
+    if type(x) is TensorProxy:
+        return meta_tensor(x)
+    x = _to_fake(x)
+    return _META if isinstance(x, torch.device) else x
+
+
+_META = torch.device("meta")
+
+
+def _to_fake(x):
+    if type(x) is TensorProxy:
+        return _fake(x)
+    if isinstance(x, NumberProxy):
+        return x.python_type(x.value) if x.value == x.value else x.python_type(1)
+    return to_torch_arg(x)
+
+
+def _on_meta(fn, args, kwargs):
+    """The op on plain meta tensors (C++ meta kernels raise eager's own messages); None if it cannot run."""
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            margs, mkwargs = tree_map(_to_meta, (tuple(args), dict(kwargs)))
+            return fn(*margs, **mkwargs)
+    except Exception as e:  # noqa: BLE001 - a meta kernel may be missing; only layout errors are eager's
+        msg = str(e)
+        if isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(s in msg for s in _LAYOUT_ERRORS) \
+                and "meta" not in msg.lower():
+            raise RuntimeError(msg) from None
+        return None
+
+
+_elementwise = None
+
+
+def _is_elementwise(sym) -> bool:
+    global _elementwise
+    if _elementwise is None:
+        from .. import prims
+
+        names = set(prims.UNARY_OPS) | set(prims.UNARY_BOOL_OPS) | set(prims.BINARY_OPS) | set(prims.BINARY_BOOL_OPS)
+        _elementwise = {s for n, s in vars(prims).items() if n in names and isinstance(s, symbols.Symbol)}
+        _elementwise |= {prims.where, prims.convert_element_type, prims.stop_gradient}
+    return sym in _elementwise or (sym.module == "ltorch" and getattr(sym.fn, "__module__", "").endswith("torchlang.elementwise"))
+
+
+def _like(p, src) -> None:
+    """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
+    from ..proxies import is_non_overlapping_and_dense
+
+    if src._tt_rowmajor or not is_non_overlapping_and_dense(meta_tensor(src)):
+        p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = contiguous_strides(p._tt_shape), 0, True
+    else:
+        p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = src._tt_strides, 0, False
+
+
+def _direct_rule(bsym) -> bool:
+    """Layouts known without running anything (the costly ops to run on fake tensors); True if handled."""
+    from .. import prims
+    from . import torch_impls
+
+    sym = bsym.sym
+    if sym is prims.copy_:  # returns its destination
+        bsym.output._tt_strides, bsym.output._tt_rowmajor = bsym.args[1]._tt_strides, bsym.args[1]._tt_rowmajor
+        bsym.output._tt_storage_offset = bsym.args[1]._tt_storage_offset
+        return True
+    if sym is prims.grad_layout:  # the parameter's layout when dense, else row-major (torch_impls.grad_layout)
+        _like(bsym.output, bsym.args[1])
+        return True
+    impl = getattr(sym, "torch_impl", None) if sym.module == "ltorch" else None
+    overwrites = getattr(impl, "overwrites", None) if impl in (torch_impls.adam_update, torch_impls.sgd_update,
+                                                                torch_impls.adagrad_update) else None
+    if overwrites is not None:  # multi-tensor updates of clones: output list i mirrors argument list j
+        for i, j in overwrites:
+            for o, a in zip(bsym.output[i], bsym.args[j]):
+                _like(o, a)
+        return True
+    return False
+
+
+def set_layout(bsym) -> None:
+    outs = [o for o in bsym.flat_outputs() if type(o) is TensorProxy]
+    if not outs or _direct_rule(bsym):
+        return
+    flat_in = bsym.flat_args()
+    tensors = [x for x in flat_in if type(x) is TensorProxy]
+    if not tensors:
+        return  # factories: row-major, as created
+    if _is_elementwise(bsym.sym) and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
+            and all(o._tt_shape == outs[0]._tt_shape for o in outs):
+        return  # elementwise on row-major inputs of the output's shape: row-major, as created
+    ins = {id(x) for x in flat_in}
+    if all(id(o) in ins for o in outs):
+        return
+    c = _callable(bsym)
+    if c is None:
+        return
+    fn, args, kwargs = c
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad(), _mode():
+            margs, mkwargs = tree_map(_to_fake, (tuple(args), dict(kwargs)))
+            mout = fn(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - fake tensors lack some kernels, and word errors differently
+        mout = _on_meta(fn, args, kwargs)
+        if mout is None:
+            return
+    mflat = [m for m in tree_flatten(mout)[0] if isinstance(m, torch.Tensor)]
+    pflat = [o for o in bsym.flat_outputs() if isinstance(o, torch.Tensor)]
+    if len(mflat) != len(pflat):
+        return
+    for p, m in zip(pflat, mflat):
+        if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(int.__int__(s) for s in p._tt_shape):
+            p._tt_strides = tuple(m.stride())
+            p._tt_storage_offset = m.storage_offset()
+            p._tt_rowmajor = p._tt_storage_offset == 0 and p._tt_strides == contiguous_strides(p._tt_shape)
+
+
+symbols.layout_hook = set_layout

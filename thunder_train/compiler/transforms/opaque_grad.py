@@ -1,0 +1,168 @@
+"""Gradients of ops run opaquely: PyTorch's own autograd of the op, at run time.
+
+An op the compiler does not know runs through torch (``compiler/opaque.py``).  When an input it
+reads requires grad, it is recorded as ``(out, graph) = torch_autograd_<op>(...)`` instead: the
+forward runs the op with autograd enabled on detached inputs, returns its outputs detached, and
+``graph`` — a zero-element tensor carrying the autograd graph — is saved for the backward like any
+other value.  The gradient rule records ``opaque_vjp(graph, *cotangents)``, which calls
+``torch.autograd.grad`` on that graph.  So the op's backward is exactly eager's, it saves exactly
+what eager's autograd saves (random ops such as dropout2d keep their mask, nothing is recomputed),
+and the whole-step, thin and ``tt.compile(module)`` paths all differentiate through it.
+``compile_stats(cf).opaque_ops`` names such ops with "(gradient by torch autograd)".
+Native gradient rules stay the fast path; this is the path for everything else.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import context, devices, dtypes, opaque
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_unflatten
+from ..symbols import BoundSymbol, Symbol
+from .autograd import Forward, is_float_tensor
+from .grad_rules import register_vjp
+
+NOTE = "gradient by torch autograd"
+
+
+class AutogradRun:
+    """Runs ``func`` with autograd on the inputs at ``positions``; returns ``(outputs, graph handle)``."""
+
+    def __init__(self, func, positions, short):
+        self.func = func
+        self.positions = positions
+        # Printed in executed traces as ``_op_autograd_<op>(...)`` (torch_executor.ImplSymbol).
+        self.__name__ = short
+        self.__qualname__ = f"autograd.{short}"
+        self.__module__ = "thunder_train"
+
+    def __call__(self, *args, **kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        leaves = list(flat)
+        inputs = []
+        for i in self.positions:
+            t = flat[i].detach().requires_grad_()
+            leaves[i] = t
+            inputs.append(t)
+        a, k = tree_unflatten(leaves, spec)
+        with torch.enable_grad():
+            out = self.func(*a, **k)
+        flat_out, out_spec = tree_flatten(out)
+        graph_outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None for o in flat_out]
+        handle = torch.empty(0, dtype=torch.uint8)
+        handle._tt_autograd_graph = (inputs, graph_outs)
+        result = tree_unflatten([o.detach() if g is not None else o for o, g in zip(flat_out, graph_outs)], out_spec)
+        return result, handle
+
+
+def opaque_vjp(handle, cotangents):
+    """Gradients of the inputs the forward differentiated, from its saved autograd graph."""
+    inputs, outs = handle._tt_autograd_graph
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
+    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True) if pairs else [None] * len(inputs)
+    return tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads))
+
+
+opaque_vjp.__qualname__ = "autograd.vjp"
+opaque_vjp.__module__ = "thunder_train"
+
+
+class AutogradOpaqueSymbol(opaque.OpaqueSymbol):
+    """An opaque op whose inputs require grad: also returns its autograd graph for the backward."""
+
+    output_grad_flags = True  # its output proxies' requires_grad are eager's (autograd.Forward reads them)
+
+    def __init__(self, func, positions):
+        super().__init__(func)
+        short = "".join(c if c.isalnum() else "_" for c in self.name.removeprefix("torch."))
+        # One symbol per (op, differentiated positions): printed names must differ.
+        short += "".join(f"_{i}" for i in positions)
+        self.torch_impl = AutogradRun(func, positions, short)
+        self.fn = _any_arguments
+        ident = "torch_autograd_" + short
+        self._print_name, self._globals = ident, {ident: self.torch_impl}
+        self.id = f"opaque.{self.name}"
+
+
+def _any_arguments(*args, **kwargs):
+    """Signature of an opaque op's bound arguments (gradient rules bind them by name)."""
+
+
+class _VJPSymbol(Symbol):
+    def __init__(self):
+        super().__init__("opaque_vjp", _any_arguments, module="opaque", is_prim=True)
+        self.torch_impl = opaque_vjp
+        self.id = "grad_rules.opaque_vjp"  # "grad_rules." keeps it out of the "run opaquely" wording
+
+    @property
+    def print_name(self) -> str:
+        return "opaque_vjp"
+
+    def codegen_globals(self) -> dict:
+        return {"opaque_vjp": opaque_vjp}
+
+
+OPAQUE_VJP = _VJPSymbol()
+_symbols: dict = {}
+
+
+def _make_rule(positions):
+    def rule(g, output, *, args, kwargs):
+        out, handle = output
+        flat_out = tree_flatten(out)[0]
+        g_out = g[0] if isinstance(g, (tuple, list)) and len(g) == 2 else None
+        flat_ct = tree_flatten(g_out)[0] if g_out is not None else [None] * len(flat_out)
+        cts = tuple(c if type(o) is TensorProxy and type(c) is TensorProxy else None for o, c in zip(flat_out, flat_ct))
+        flat_in = tree_flatten((args, kwargs))[0]
+        ins = [flat_in[i] for i in positions]
+        grads = tuple(TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device) for a in ins)
+        context.get_trace().add(BoundSymbol(OPAQUE_VJP, (handle, cts), {}, grads, ()))
+        flat_grads = [None] * len(flat_in)
+        for i, gr in zip(positions, grads):
+            flat_grads[i] = gr
+        n_args = len(tree_flatten(args)[0])
+        return {"args": flat_grads[:n_args], "kwargs": flat_grads[n_args:]}
+
+    return rule
+
+
+def autograd_symbol(func, positions):
+    key = (func, positions)
+    sym = _symbols.get(key)
+    if sym is None:
+        sym = _symbols[key] = AutogradOpaqueSymbol(func, positions)
+        register_vjp(sym)(_make_rule(positions))
+    return sym
+
+
+def gradient_positions(flat_args) -> tuple:
+    """Positions of the float tensors that require grad or depend on an input that does."""
+    floats = [i for i, a in enumerate(flat_args) if type(a) is TensorProxy and a._tt_dtype.is_float]
+    if not floats:
+        return ()
+    if all(flat_args[i]._tt_requires_grad for i in floats):
+        return tuple(floats)
+    st = context.tracer_state()
+    if st is None:
+        return ()
+    leaves = [st.buffers.read(p) for p in st.walker.input_proxies() if is_float_tensor(p) and p._tt_requires_grad]
+    on_path = Forward(list(context.get_trace().bound_symbols), leaves).needs_grad
+    return tuple(i for i in floats if flat_args[i]._tt_requires_grad or id(flat_args[i]) in on_path)
+
+
+def record(func, args, kwargs, out, positions):
+    """Records ``(out, graph) = torch_autograd_<op>(...)``; returns the name compile_stats lists."""
+    if any(type(o) is TensorProxy and o._tt_requires_grad and o._tt_dtype.is_complex for o in tree_flatten(out)[0]):
+        raise opaque.UnsupportedOpError(
+            f"{opaque.callable_name(func)}: gradients through complex outputs are not supported by thunder_train; "
+            "compute this part under torch.no_grad() or outside the compiled function"
+        )
+    sym = autograd_symbol(func, positions)
+    handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))  # AutogradRun makes it on CPU
+    trc = context.get_trace()
+    trc.add(BoundSymbol(sym, args, kwargs, (out, handle), ()))
+    return f"{sym.name} ({NOTE})"
+
+
+opaque.record_differentiable = record
+opaque.gradient_positions = gradient_positions
