@@ -223,3 +223,12 @@ def test_hf_encoder_decoder_output_with_its_cache():
     ref.loss.backward()
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_runtime_numbers_in_a_user_type_are_returned_as_values():
+    def f(x):
+        return Out(loss=x.sum(), logits=x * 2, extra=x.max().item()), x.min().item()
+
+    x = torch.randn(4)
+    out, lo = tt.compile(f)(x)
+    assert type(out) is Out and out.extra == x.max().item() and lo == x.min().item()

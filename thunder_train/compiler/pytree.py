@@ -70,8 +70,8 @@ def _plain(x, contains_proxy) -> bool:
         return all(_plain(v, contains_proxy) for v in x)
     if t is dict:
         return all(_plain(v, contains_proxy) for v in x.values())
-    if t is slice or x is None or t in (int, float, bool, str) or isinstance(x, torch.Tensor):
-        return True
+    if t is slice or x is None or isinstance(x, (int, float, str, torch.Tensor)):
+        return True  # (runtime numbers, NumberProxy, are int/float subclasses: leaves of the trace's output)
     return (_torch_pytree().tree_is_leaf(x) and not _is_dataclass_instance(x) and not isinstance(x, (dict, list, tuple))
             and not contains_proxy(x))
 
@@ -131,7 +131,7 @@ def _flatten_out(x, leaves, contains_proxy):
     if isinstance(x, dict):  # an unregistered dict subclass (e.g. an OrderedDict subclass)
         keys = list(x.keys())
         return ("items", x, keys, [_flatten_out(x[k], leaves, contains_proxy) for k in keys])
-    if not isinstance(x, torch.Tensor) and contains_proxy(x):
+    if not isinstance(x, (torch.Tensor, int, float, str)) and contains_proxy(x):
         if _register_known(t):
             return _flatten_out(x, leaves, contains_proxy)
         hint = " (for a transformers cache, pass use_cache=False)" if t.__module__.startswith("transformers.") else ""
