@@ -256,10 +256,15 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
         leaf = leaves[i]
         step = leaf.path[-1]
         if step.kind == "const":
-            # A tensor captured from the function's closure: passed by reference.
+            # A tensor the function reached through an object it does not walk: passed by reference.
             if consts is None:
                 raise ValueError("extraction of captured tensors needs a Consts table")
             expr = consts(leaf.value)
+        elif step.kind in ("global", "closure") and len(leaf.path) == 1:
+            # Read again on every call from the function's globals dict or closure cell (rebinding is seen).
+            if consts is None:
+                raise ValueError("extraction of globals and closure cells needs a Consts table")
+            expr = step.expr(consts(step.ref))
         elif len(leaf.path) == 1:
             expr = step.expr("")
         else:

@@ -25,6 +25,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
+from .captured import captured_roots
 from .dispatch import ProxyMode
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
@@ -79,9 +80,11 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
+            walker.walk_captured(captured_roots(fn))
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
                     only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
+            walker.check_copies_unmodified()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
