@@ -1,14 +1,18 @@
 """thunder_train: compile PyTorch training steps.
 
 Public API: ``compile``, ``last_traces``, ``last_prologue_traces``, ``last_backward_traces``,
-``compile_stats`` and (lazily, it imports Lightning) ``ThunderCallback``.
+``compile_stats``, the errors a user meets (``UnsupportedOpError``, ``DataDependentError``,
+``NoGradientRuleError``, ``TracingError``, ``ThinModeError``, ``GuardFailure``) and (lazily, it
+imports Lightning) ``ThunderCallback``.
 """
 from .compiled import compile, last_traces, last_prologue_traces, last_backward_traces, compile_stats, CompiledFunction, ThunderModule  # noqa: F401
+from .compiler.errors import DataDependentError, NoGradientRuleError, TracingError, UnsupportedOpError  # noqa: F401
 from .guards.errors import GuardFailure, ThinModeError  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "last_traces", "last_prologue_traces", "last_backward_traces", "compile_stats", "ThunderCallback", "GuardFailure", "ThinModeError"]
+__all__ = ["compile", "last_traces", "last_prologue_traces", "last_backward_traces", "compile_stats", "ThunderCallback",
+           "UnsupportedOpError", "DataDependentError", "NoGradientRuleError", "TracingError", "ThinModeError", "GuardFailure"]
 
 
 def __getattr__(name):

@@ -23,12 +23,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .compiler.executors.passes import lower_to_executors
+from .compiler.errors import NoGradientRuleError
 from .compiler.proxies import is_proxy
 from .compiler.pytree import tree_flatten, tree_unflatten
 from .compiler.transforms import autograd as ag
-from .compiler.transforms.dce import dce
-from .compiler.transforms.grad_rules import NoGradientRuleError
 
 SECOND_BACKWARD_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "
@@ -91,24 +89,13 @@ class ThunderFunction(torch.autograd.Function):
 
 
 class AutogradProgram:
-    """A cache entry's computation when gradients are needed: calls ``ThunderFunction``."""
+    """A cache entry's computation when gradients are needed: calls ``ThunderFunction``.
 
-    def __init__(self, trc, fb: ag.ForwardBackward, executors, fusion=None, notes=None):
-        names = ", ".join(ex.name for ex in executors)
-        fw = fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
-        bw = bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
-        if fusion == "inductor":
-            from .compiler.executors.inductor_fusion import fuse_regions
+    ``fw`` and ``bw`` are the executed forward and backward traces (compiler/pipeline.py makes them
+    from ``fb``, the forward/backward split of ``trc``).
+    """
 
-            notes = [] if notes is None else notes
-            fw = fuse_regions(fw, notes, prefix="inductor_fw_fusion", header="Forward fused by Inductor")
-            bw = fuse_regions(bw, notes, prefix="inductor_bw_fusion", header="Backward fused by Inductor")
-        fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
-        fw = ag.free_after_last_use(fw)
-        bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
-        bw = ag.free_after_last_use(ag.take_saved_as_list(bw, fb.saved))
-        self.forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if fusion else []) + [fw]
-        self.backward_traces = [fb.backward] + ([bw_lowered] if fusion else []) + [bw]
+    def __init__(self, trc, fb: ag.ForwardBackward, fw, bw):
         self.forward = fw.python_callable()
         self.backward = bw.python_callable()
         self.differentiable = fb.differentiable
@@ -122,7 +109,7 @@ class AutogradProgram:
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
 
-class _NoBackwardProgram:
+class NoBackwardProgram:
     """Forward as compiled; the backward raises the error that prevented building it (eager reports it there too)."""
 
     def __init__(self, trc, computation, error: NoGradientRuleError):
@@ -154,26 +141,3 @@ class _NoBackwardProgram:
 def may_need_autograd(trc) -> bool:
     """Whether a call would route ``trc`` through ``ThunderFunction``: grad enabled and an input requires grad."""
     return torch.is_grad_enabled() and bool(ag.requires_grad_inputs(trc))
-
-
-def attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
-    """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
-
-    ``trc`` is the computation after dead code elimination.  Nothing changes
-    when grad is disabled, no input requires grad, or no output depends on one.
-    """
-    if not may_need_autograd(trc):
-        return
-    try:
-        fb = ag.build_forward_backward(trc)
-    except NoGradientRuleError as error:
-        entry.computation = _NoBackwardProgram(trc, entry.computation, error)
-        entry.backward_traces = []
-        return
-    if fb is None:
-        return
-    program = AutogradProgram(trc, fb, executors, fusion, notes)
-    keep = next(i for i, t in enumerate(entry.traces) if t is trc)
-    entry.traces = entry.traces[: keep + 1] + program.forward_traces
-    entry.backward_traces = program.backward_traces
-    entry.computation = program

@@ -3,24 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import time
-from typing import Callable
 
 import torch
 
 from .compiler import acquisition
-from .compiler.executors.passes import lower_to_executors
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
-from .compiler.transforms.dce import dce
-from .compiler.transforms.no_grad import without_autograd
-from .compiler.transforms.reinplace import reinplace
-from .compiler.executors.saved_statistics import reuse_forward_statistics
-from .compiler.transforms.autograd import free_after_last_use
+from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import thin
-from .autograd_function import attach_autograd, may_need_autograd
 from .guards.errors import GuardFailure
-from .guards.prologue import GLOBAL_LABELS, Prologue, build_prologue, count_diffs, current_global_state, describe_diffs, fmt_value
+from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
 from .guards.thin import ThinBinding
 
 
@@ -52,22 +44,6 @@ class CompileStats:
     @property
     def thin_calls(self) -> int:
         return self.calls - self.full_calls
-
-
-@dataclasses.dataclass
-class CacheEntry:
-    key: tuple  # the guard key (everything the trace was specialised on)
-    struct_key: tuple  # the cheap structural key of the arguments + global state
-    prologue: Prologue  # extract + guard_key, shared by entries with the same leaf structure
-    computation: Callable
-    traces: list
-    prologue_traces: list
-    leaves: list
-    input_idx: tuple  # leaf index of each computation argument
-    select: Callable  # leaf values -> computation arguments
-    backward_traces: list | None = None  # set by attach_autograd
-    epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
-    has_backward: bool = False  # the function calls backward(): gradients are values of the computation
 
 
 @dataclasses.dataclass
@@ -170,26 +146,6 @@ def _struct_diffs(old: tuple, new: tuple, limit: int = 3) -> list:
 def _describe_struct_diff(old_key, args, kwargs) -> str:
     diffs = _struct_diffs(old_key, _struct_key(args, kwargs))
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
-
-
-def _with_epilogue(computation, epilogue):
-    """The computation returns ``(result, extras)``; the epilogue assigns the extras to Python objects."""
-
-    def run(*inputs):
-        result, extras = computation(*inputs)
-        epilogue(extras)
-        return result
-
-    return run
-
-
-def _select(idx: tuple) -> Callable:
-    if len(idx) == 0:
-        return lambda vals: ()
-    if len(idx) == 1:
-        i = idx[0]
-        return lambda vals: (vals[i],)
-    return operator.itemgetter(*idx)
 
 
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
@@ -299,55 +255,18 @@ class CompiledFunction:
         return "the structure of a module or container inside the arguments changed"
 
     def _compile(self, args, kwargs, key, reason) -> CacheEntry:
+        """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        acquired = acquisition.acquire(self.fn, args, kwargs, strict=self.strict, dynamic=self.dynamic,
-                                   fused_optimizers=self.optimizer_kernels == "fused")
-        # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
-        has_backward = acquired.has_backward
-        traces = [acquired.trace]
-        trc = dce(acquired.trace, keep_sizes=True)
-        traces.append(trc)
-        if has_backward:
-            trc = without_autograd(trc)
-            traces.append(trc)
-        names = ", ".join(ex.name for ex in self.executors)
-        trc = lower_to_executors(trc, self.executors, header=f"Lowered to executors: {names}")
-        traces.append(trc)
-        if self.fusion == "inductor" and (has_backward or not may_need_autograd(traces[1])):
-            # (with autograd, attach_autograd fuses the forward and backward traces instead)
-            from .compiler.executors.inductor_fusion import fuse_regions
-
-            trc = fuse_regions(trc, self.stats.fusion_notes)
-            traces.append(trc)
-        trc = dce(trc, header=f"Final computation (executors: {names})")
-        if has_backward and not self.decompose:
-            trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
-        if acquired.written:
-            traces.append(trc)
-            trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
-        # Intermediates are freed after their last use: a whole training step would otherwise keep every
-        # activation and gradient alive until it returns (memory, and fresh pages on every step).
-        trc = free_after_last_use(trc, header=trc.header)
-        traces.append(trc)
-        # Prologue: extraction + guard key, generated once per leaf structure and shared.
-        written = [i for i, leaf in enumerate(acquired.leaves) if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
-        prologue, expected = build_prologue(acquired.leaves, self._arg_names, written, acquired.size_checks)
-        prologue = self._prologues.setdefault(prologue.structure, prologue)
-        leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves) if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
-        input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
-        entry = CacheEntry(expected, key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
-                           acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward)
-        if not has_backward:
-            # Outputs that require grad connect to PyTorch autograd (autograd_function.py).
-            attach_autograd(entry, traces[1], self.executors, fusion=self.fusion, notes=self.stats.fusion_notes)
-        epilogue = acquired.epilogue
-        if epilogue is not None:
-            entry.epilogue = epilogue
-            entry.computation = _with_epilogue(entry.computation, epilogue.fn)
-        for name in acquired.opaque_ops:
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self.fusion,
+                          optimizer_kernels=self.optimizer_kernels)
+        entry, opaque_ops = compile_entry(
+            self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
+            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
+        prologue, expected = entry.prologue, entry.key
+        for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
         probes = self._cache.setdefault(key, [])

@@ -394,11 +394,6 @@ def to_bool(a):
     return bool(a)
 
 
-def scalar_binary(opname, a, b):
-    """Arithmetic between runtime numbers (NumberProxy) — recorded as scalar prims."""
-    return getattr(prims, opname)(a, b)
-
-
 # ---------------------------------------------------------------------------
 # Factories
 # ---------------------------------------------------------------------------

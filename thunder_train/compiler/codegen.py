@@ -175,12 +175,18 @@ def trace_source(trc, *, with_subsymbols: bool = True) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", g.d
 
 
+# Modules printed traces call into by prefix ("prims", "ltorch", "ttex"): each registers itself when it is
+# imported (they sit in layers above this one).
+namespaces: dict = {}
+
+
+def register_namespace(prefix: str, module) -> None:
+    namespaces[prefix] = module
+
+
 def standard_namespace() -> dict:
     """The names a printed trace refers to, for executing its printed source by hand."""
-    from . import prims, torchlang
-    from .executors import torch_impls
-
-    return {"torch": torch, "prims": prims, "ltorch": torchlang, "ttex": torch_impls, "dtypes": dtypes, "devices": devices}
+    return {"torch": torch, **namespaces, "dtypes": dtypes, "devices": devices}
 
 
 def compile_trace(trc):

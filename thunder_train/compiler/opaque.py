@@ -9,13 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import context, devices
+from .errors import UnsupportedOpError  # noqa: F401  (defined with the other user-facing errors)
 from .proxies import TensorProxy, is_tensor_proxy
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
-
-
-class UnsupportedOpError(NotImplementedError):
-    """A torch op the compiler cannot trace (strict mode, or no meta implementation)."""
 
 
 _NAMESPACES = (
@@ -65,6 +62,12 @@ class OpaqueSymbol(Symbol):
 
     def codegen_globals(self) -> dict:
         return self._globals
+
+    @property
+    def has_side_effect(self) -> bool:
+        # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
+        n = self.name
+        return n.endswith("_") and not n.endswith("__") or n.endswith(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"))
 
 
 def printable_reference(func, name: str):

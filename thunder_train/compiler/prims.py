@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
-from . import dtypes
+from . import codegen, dtypes, proxies
 from .proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked
 from .symbols import Symbol
 
@@ -557,3 +558,8 @@ def polygamma(n, a):
     _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0, lambda: f"polygamma: n must be a non-negative int, got {n!r}")
     _check(type(a) is TensorProxy and a._tt_dtype.is_float, "polygamma: expected a floating-point tensor")
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
+
+
+# Printed traces call prims as ``prims.<name>``; arithmetic on runtime numbers records scalar prims.
+codegen.register_namespace("prims", sys.modules[__name__])
+proxies._prims = sys.modules[__name__]

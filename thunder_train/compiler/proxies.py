@@ -18,8 +18,11 @@ import torch
 from . import dtypes, devices
 from .context import fresh_name
 
-# The tracer installs its handler here (avoids an import cycle).
+# Hooks the layers above install when they are imported (proxies sit below both):
+# the tracer's torch-function handler, and the prims module, whose scalar prims
+# record arithmetic on runtime numbers.
 _torch_function_handler = None
+_prims = None
 
 
 class Proxy:
@@ -144,14 +147,12 @@ class NumberProxy(Proxy):
 
     __str__ = __repr__
 
-    # Arithmetic on runtime scalars records scalar prims; see clang.scalar_binary.
+    # Arithmetic on runtime scalars records scalar prims (``prims.add(n0, 1)``, printed ``n1 = n0 + 1``).
     def _binop(self, other, opname, reverse=False):
-        from . import clang
-
         if not isinstance(other, (int, float)):
             return NotImplemented
         a, b = (other, self) if reverse else (self, other)
-        return clang.scalar_binary(opname, a, b)
+        return getattr(_prims, opname)(a, b)
 
     def __add__(self, o):
         return self._binop(o, "add")
@@ -202,9 +203,7 @@ class NumberProxy(Proxy):
         return self
 
     def __abs__(self):
-        from . import prims
-
-        return prims.abs(self)
+        return _prims.abs(self)
 
     def __eq__(self, o):
         return self._binop(o, "eq") if o is not self else True

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import context
+from . import codegen, context
+from .proxies import is_checked, is_proxy
+from .pytree import tree_flatten
+
+# How a symbol runs outside tracing (on real tensors).  The torch executor installs its
+# implementation here when it is imported (it sits in a higher layer).
+eager_executor: Callable | None = None
+
+# Tags that make a bound symbol a side effect (DCE keeps it, fusion leaves it alone).
+SIDE_EFFECT_TAGS = frozenset({"side_effect", "inplace"})
 
 
 class Symbol:
@@ -33,8 +42,6 @@ class Symbol:
         self.is_prim = is_prim
         self.tags = frozenset(tags)
         self.__doc__ = getattr(fn, "__doc__", None)
-        # Gradient rule (autograd transform) and torch implementation live in
-        # registries keyed by this symbol; see executors/torch_executor.py.
         self.id = f"{module}.{name}"
 
     def __repr__(self) -> str:
@@ -46,22 +53,20 @@ class Symbol:
 
     def codegen_globals(self) -> dict:
         """Names the printed call needs in scope."""
-        if self.module == "prims":
-            from . import prims
+        ns = codegen.namespaces.get(self.module) if self.module in ("prims", "ltorch") else None
+        return {} if ns is None else {self.module: ns}
 
-            return {"prims": prims}
-        if self.module == "ltorch":
-            from . import torchlang
-
-            return {"ltorch": torchlang}
-        return {}
+    @property
+    def has_side_effect(self) -> bool:
+        """Whether a call mutates something or must run even when nobody reads its outputs."""
+        return bool(self.tags & SIDE_EFFECT_TAGS)
 
     def __call__(self, *args, **kwargs):
         trc = context.get_trace()
         if trc is None:
-            from .executors.eager import run_eagerly
-
-            return run_eagerly(self, args, kwargs)
+            if eager_executor is None:
+                raise RuntimeError(f"{self.id} was called outside tracing before any executor was imported; import thunder_train first")
+            return eager_executor(self, args, kwargs)
         if self.is_prim:
             out = self.fn(*args, **kwargs)
             bsym = BoundSymbol(self, args, kwargs, out, ())
@@ -86,20 +91,20 @@ class Symbol:
 
 def _is_size(x) -> bool:
     """Symbolic sizes and checked hyper-parameters (and arithmetic on them)."""
-    from .proxies import is_checked
-
     return is_checked(x)
 
 
 def _returns_an_input(out, args, kwargs) -> bool:
-    from .pytree import tree_flatten
-    from .proxies import is_proxy
-
     outs = [o for o in tree_flatten(out)[0] if is_proxy(o)]
     if not outs:
         return True
     ins = {id(x) for x in tree_flatten((args, kwargs))[0]}
     return all(id(o) in ins for o in outs)
+
+
+def run_eagerly(sym, *args, **kwargs):
+    """Run ``sym`` on real values now, even while a trace is being recorded (nothing is recorded)."""
+    return eager_executor(sym, args, kwargs)
 
 
 class BoundSymbol:
@@ -124,23 +129,19 @@ class BoundSymbol:
         return BoundSymbol(**d)
 
     def flat_args(self):
-        from .pytree import tree_flatten
-
         return tree_flatten((self.args, self.kwargs))[0]
 
     def flat_outputs(self):
-        from .pytree import tree_flatten
-
         return tree_flatten(self.output)[0]
 
-    def __repr__(self) -> str:
-        from .codegen import format_bsym
+    @property
+    def has_side_effect(self) -> bool:
+        """The symbol's own side effect, or one of its decomposition's (DCE keeps the line)."""
+        return self.sym.has_side_effect or any(s.has_side_effect for s in self.subsymbols)
 
-        return "\n".join(format_bsym(self, None, with_subsymbols=False))
+    def __repr__(self) -> str:
+        return "\n".join(codegen.format_bsym(self, None, with_subsymbols=False))
 
 
 def flat_proxies(x) -> list:
-    from .proxies import is_proxy
-    from .pytree import tree_flatten
-
     return [v for v in tree_flatten(x)[0] if is_proxy(v)]

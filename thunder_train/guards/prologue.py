@@ -286,6 +286,16 @@ def _storage_overlaps(written, others) -> tuple:
     return tuple(out)
 
 
+def per_call_mask(leaves) -> list:
+    """True for leaves reached without passing through a module or other object."""
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
+    mask = []
+    for leaf in leaves:
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        mask.append(not static)
+    return mask
+
+
 def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
     """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
 
@@ -328,8 +338,6 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
             label_leaf.append(first)
             size_exprs.append((expr, result))
     if written:
-        from .thin import per_call_mask
-
         per_call = per_call_mask(leaves)
         others = [i for i, leaf in enumerate(leaves) if per_call[i] and leaf.kind == "tensor" and leaf.alias_of is None]
         if others:

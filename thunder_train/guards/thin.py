@@ -32,7 +32,7 @@ from ..compiler.acquisition.provenance import path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
-from .prologue import is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
+from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
 
 
 # ---------------------------------------------------------------------------
@@ -94,16 +94,6 @@ def _annotate(path: str, arg_names) -> str:
         if i < len(arg_names):
             return f"{path[:end + 1]} ({arg_names[i]}){path[end + 1:]}"
     return path
-
-
-def per_call_mask(leaves) -> list:
-    """True for leaves reached without passing through a module or other object."""
-    kind_of = {leaf.path: leaf.kind for leaf in leaves}
-    mask = []
-    for leaf in leaves:
-        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
-        mask.append(not static)
-    return mask
 
 
 def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every):

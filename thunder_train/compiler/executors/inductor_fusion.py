@@ -34,7 +34,6 @@ import torch
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
-from ..transforms.dce import has_side_effect
 from . import torch_impls
 
 MIN_OPS = 3
@@ -81,7 +80,7 @@ def _classify(bsym) -> tuple[str | None, str | None]:
     """``(op name, None)`` for a fusible bound symbol, ``(None, reason)`` for a candidate that is not,
     ``(None, None)`` for anything else."""
     name = _FUSIBLE.get(getattr(bsym.sym, "fn", None)) if bsym.sym.module == "torch_executor" else None
-    if name is None or has_side_effect(bsym) or type(bsym.output) is not TensorProxy:
+    if name is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
         return None, None
     if name in _DTYPE_ONLY and name != "type_as":
         extra = [a for a in bsym.flat_args()[1:] if not isinstance(a, torch.dtype)]
@@ -95,7 +94,7 @@ def _classify(bsym) -> tuple[str | None, str | None]:
 
 
 def _is_barrier(bsym) -> bool:
-    return has_side_effect(bsym) or getattr(bsym.sym, "fn", None) is torch.Tensor.item
+    return bsym.has_side_effect or getattr(bsym.sym, "fn", None) is torch.Tensor.item
 
 
 # ---------------------------------------------------------------------------

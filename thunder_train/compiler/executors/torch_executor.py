@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import dtypes, devices, prims
+from .. import dtypes, devices, prims, symbols
 from ..opaque import printable_reference
 from ..proxies import TensorProxy
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
-from ..transforms.dce import has_side_effect
+from ..torchlang import optim as ltorch_optim
 from . import torch_impls
 
 _impl_symbols: dict = {}
@@ -417,10 +417,10 @@ class TorchExecutor:
                 return None
             fn, args, kwargs = r
             args, kwargs = _conv_args(args, kwargs)
-            impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, has_side_effect(bsym))
+            impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, bsym.has_side_effect)
             return BoundSymbol(impl, args, kwargs, bsym.output, (), bsym.comment)
         if sym.module == "opaque":
-            return BoundSymbol(impl_symbol(sym.torch_impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(sym.torch_impl, bsym.has_side_effect), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
             direct = torch_impls.DIRECT_VJP.get(sym.forward_symbol.name)
@@ -434,7 +434,7 @@ class TorchExecutor:
             impl = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
             if impl is None:
                 return None
-            return BoundSymbol(impl_symbol(impl, has_side_effect(bsym)), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(impl, bsym.has_side_effect), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         return None
 
     def eager_impl(self, sym, args, kwargs):
@@ -464,3 +464,11 @@ def _as_meta_proxy(x):
 torch_executor = TorchExecutor()
 decomposing_torch_executor = TorchExecutor(decompose=True)
 
+
+# Symbols run outside tracing (printed traces executed as Python) run here.
+symbols.eager_executor = torch_executor.eager_impl
+
+# Torch-language symbols with no torch function of their own: the torch executor runs its fused kernels.
+ltorch_optim.adam_update.torch_impl = torch_impls.adam_update
+ltorch_optim.sgd_update.torch_impl = torch_impls.sgd_update
+ltorch_optim.adagrad_update.torch_impl = torch_impls.adagrad_update

@@ -6,8 +6,12 @@ claimed the symbol).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
+
+from .. import codegen
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -173,7 +177,7 @@ DIRECT_VJP = {"gelu": gelu_vjp, "silu": silu_vjp}
 
 
 # Optimizer updates (torchlang/optim.py) on torch's fused kernels.  The functional forms update
-# copies; re-inplacing (transforms/reinplace.py) switches to the in-place forms, which write into
+# copies; re-inplacing (executors/reinplace.py) switches to the in-place forms, which write into
 # the parameters and state themselves, where nothing reads their old values.
 def adam_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, decoupled_weight_decay, **hyper):
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
@@ -231,3 +235,6 @@ def all_reduce_mean(tensors):
 def check_finite(a, message):
     if not bool(torch.isfinite(a).all()):
         raise RuntimeError(message)
+
+
+codegen.register_namespace("ttex", sys.modules[__name__])  # printed traces call these as ``ttex.<name>``

@@ -11,7 +11,7 @@ optimizer becomes one symbol per parameter group:
   ``fused=True`` optimizers call) are in-place torch symbols; the tracer records their
   functional forms ``adam_update``/``sgd_update``/``adagrad_update``, whose decompositions below are the update formulas
   (``decompose=True`` and fusion executors use them).  The torch executor runs the fused
-  kernel on copies, and re-inplacing (``transforms/reinplace.py``) runs it directly on the
+  kernel on copies, and re-inplacing (``executors/reinplace.py``) runs it directly on the
   parameters and state when nothing else reads their old values, dropping the copies.
 * ``optimizers_while_tracing()`` routes the default and ``foreach`` implementations of
   Adam, AdamW, SGD and (on CPU) Adagrad to torch's own fused path (``torch.optim.adam._fused_adam``) while
@@ -28,8 +28,7 @@ import contextlib
 
 import torch
 
-from .. import clang, dtypes, prims
-from ..executors import torch_impls
+from .. import clang, dtypes, prims, symbols
 from ..proxies import TensorProxy
 from . import elementwise as ew
 from .registry import torchsymbol
@@ -63,7 +62,7 @@ def _inplace_kernel(kernel, new_values):
 # ---------------------------------------------------------------------------
 # Adam / AdamW
 # ---------------------------------------------------------------------------
-@torchsymbol(name="adam_update", torch_impl=torch_impls.adam_update)
+@torchsymbol(name="adam_update")  # torch kernel: executors/torch_executor.py
 def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
                 weight_decay, eps, amsgrad, maximize, decoupled_weight_decay):
     """New (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) after one Adam (or AdamW) step.
@@ -118,7 +117,7 @@ fused_adamw_ = _fused_adam(decoupled=True)
 # ---------------------------------------------------------------------------
 # SGD
 # ---------------------------------------------------------------------------
-@torchsymbol(name="sgd_update", torch_impl=torch_impls.sgd_update)
+@torchsymbol(name="sgd_update")  # torch kernel: executors/torch_executor.py
 def sgd_update(params, grads, momentum_buffers, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step):
     """New (params, momentum_buffers) after one SGD step; no momentum when ``momentum_buffers`` is empty."""
     new_p, new_buf = [], []
@@ -150,7 +149,7 @@ fused_sgd_ = _inplace_kernel(torch._fused_sgd_, _sgd_new_values)
 # ---------------------------------------------------------------------------
 # Adagrad (torch has the fused kernel on CPU)
 # ---------------------------------------------------------------------------
-@torchsymbol(name="adagrad_update", torch_impl=torch_impls.adagrad_update)
+@torchsymbol(name="adagrad_update")  # torch kernel: executors/torch_executor.py
 def adagrad_update(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize):
     """New (params, state_sums) after one Adagrad step; ``state_steps`` already incremented."""
     new_p, new_sum = [], []
@@ -266,7 +265,10 @@ def _total_norm_checked_at_run_time(original):
                        "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                        "set `error_if_nonfinite=False`")
             # On proxies a line of the program; on real tensors (read from a global) checked right away.
-            (prims.check_finite if type(norm) is TensorProxy else torch_impls.check_finite)(norm, message)
+            if type(norm) is TensorProxy:
+                prims.check_finite(norm, message)
+            else:
+                symbols.run_eagerly(prims.check_finite, norm, message)
         return norm
 
     total_norm.__wrapped__ = original

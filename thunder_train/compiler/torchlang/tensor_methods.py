@@ -4,13 +4,10 @@ from __future__ import annotations
 import torch
 
 from .. import clang, dtypes, prims
+from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
 from ..proxies import TensorProxy
 from .convert import to_dtype, to_device
 from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
-
-
-class DataDependentError(RuntimeError):
-    """Python code needs a tensor's value, which does not exist while tracing."""
 
 
 # ---------------------------------------------------------------------------
@@ -384,8 +381,6 @@ def contiguous(a, memory_format=None):
 def detach(a):
     """Same values, no gradient."""
     return prims.stop_gradient(a)
-
-
 
 
 # Imported late: shape functions used by properties above.

@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 
 from .. import context, prims
-from ..codegen import Name
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
+from . import composite_grad_rules  # noqa: F401  (registers the torch-language composites' direct rules)
 from .dce import dce
 from .grad_rules import NON_DIFFERENTIABLE, NoGradientRuleError, bind_arguments, get_rule
 
@@ -333,69 +333,4 @@ def detach_float_tensors(out):
     return tree_map(lambda x: prims.stop_gradient(x) if is_float_tensor(x) else x, out)
 
 
-# ---------------------------------------------------------------------------
-# Lines only the executed traces need: unpacking the saved list, freeing values
-# ---------------------------------------------------------------------------
-class _SourceOnly(Symbol):
-    """A trace line with custom source and no semantics for passes (after lowering only)."""
-
-    def __init__(self, name, format_lines):
-        super().__init__(name, None, module="autograd", is_prim=True)
-        self._format_lines = format_lines
-
-    def format_lines(self, bsym, fmt):
-        return self._format_lines(bsym, fmt)
-
-    def codegen_globals(self) -> dict:
-        return {}
-
-
-def _unpack_lines(bsym, fmt):
-    names = [fmt(p) for p in bsym.output]
-    lines = [f"({', '.join(names)},) = saved" if len(names) == 1 else f"({', '.join(names)}) = saved"]
-    lines.append("saved.clear()  # the names above now hold the only references")
-    for p in bsym.output:
-        lines.append(f"# {p._tt_name}: \"{p.type_string()}\"" if _is_tensor(p) else f"# {p.name}: {p.type_string()}")
-    return lines
-
-
-UNPACK_SAVED = _SourceOnly("unpack_saved", _unpack_lines)
-DEL = _SourceOnly("del", lambda bsym, fmt: [f"del {', '.join(fmt(p) for p in bsym.args)}"])
-
-
-def take_saved_as_list(trc, saved) -> Trace:
-    """``backward(saved, *cotangents)``: the saved values arrive in one list the trace empties."""
-    new = trc.derive(trc.header)
-    new.args = [Name("saved")] + [a for a in trc.args if not any(a is s for s in saved)]
-    if saved:
-        new.bound_symbols.append(BoundSymbol(UNPACK_SAVED, (), {}, tuple(saved)))
-    new.bound_symbols.extend(trc.bound_symbols)
-    return new
-
-
-def free_after_last_use(trc, header=None) -> Trace:
-    """Insert ``del`` after the last use of every tensor the trace does not return."""
-    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
-    last: dict = {}
-    for i, b in enumerate(trc.bound_symbols):
-        for p in list(b.flat_args()) + list(b.flat_outputs()) if b.sym is not UNPACK_SAVED else b.flat_outputs():
-            if _is_tensor(p):
-                last[id(p)] = (i, p)
-    for a in trc.args:
-        if _is_tensor(a) and id(a) not in last:
-            last[id(a)] = (-1, a)
-    dead_at: dict = {}
-    for i, p in last.values():
-        if id(p) not in returned:
-            dead_at.setdefault(i, []).append(p)
-    new = trc.derive(header or trc.header)
-    new.bound_symbols.extend(BoundSymbol(DEL, tuple(dead_at[-1]), {}, None) for _ in [0] if -1 in dead_at)
-    for i, b in enumerate(trc.bound_symbols):
-        new.bound_symbols.append(b)
-        if i in dead_at:
-            new.bound_symbols.append(BoundSymbol(DEL, tuple(dead_at[i]), {}, None))
-    return new
-
-
-__all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "take_saved_as_list", "free_after_last_use",
-           "detach_float_tensors", "Forward", "Cotangents", "backward_pass", "emit_forward", "is_float_tensor"]
+__all__ = ["ForwardBackward", "build_forward_backward", "requires_grad_inputs", "detach_float_tensors", "Forward", "Cotangents", "backward_pass", "emit_forward", "is_float_tensor"]

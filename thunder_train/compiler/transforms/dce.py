@@ -4,20 +4,11 @@ from __future__ import annotations
 from ..proxies import is_proxy
 from ..pytree import tree_flatten
 
-SIDE_EFFECT_TAGS = {"side_effect", "inplace"}
 
 
 def has_side_effect(bsym) -> bool:
-    sym = bsym.sym
-    if sym.tags & SIDE_EFFECT_TAGS:
-        return True
-    if sym.module == "opaque":
-        n = sym.name
-        # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
-        return n.endswith("_") and not n.endswith("__") or n.endswith(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"))
-    if any(has_side_effect(s) for s in bsym.subsymbols):
-        return True
-    return False
+    """``bsym.has_side_effect`` (a property of its symbol; symbols.py, opaque.py)."""
+    return bsym.has_side_effect
 
 
 def dce(trc, header="Dead code elimination", *, keep_sizes=False):
@@ -27,7 +18,7 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
     kept = []
     for bsym in reversed(trc.bound_symbols):
         outs = [o for o in bsym.flat_outputs() if is_proxy(o)]
-        if has_side_effect(bsym) or any(id(o) in needed for o in outs):
+        if bsym.has_side_effect or any(id(o) in needed for o in outs):
             kept.append(bsym)
             for a in bsym.flat_args():
                 if is_proxy(a):

@@ -31,6 +31,7 @@ import math
 import torch
 
 from .. import clang, dtypes, prims
+from ..errors import NoGradientRuleError  # noqa: F401  (defined with the other user-facing errors)
 from ..proxies import TensorProxy
 from ..symbols import Symbol
 
@@ -43,10 +44,6 @@ NON_DIFFERENTIABLE = {
     prims.floor, prims.ceil, prims.round, prims.trunc, prims.sign, prims.argmax, prims.argmin, prims.shape,
     prims.floor_divide,
 }
-
-
-class NoGradientRuleError(NotImplementedError):
-    """Backward through an operation that has no gradient rule."""
 
 
 def register_vjp(*syms, supports=None):
@@ -556,8 +553,3 @@ def convolution_vjp(g, out, /, a, weight, bias, stride, padding, dilation, group
     if _t(bias):
         grads["bias"] = prims.sum(g, tuple(d for d in range(g.ndim_) if d != 1))
     return grads
-
-
-# Direct rules for torch-language composites (linear, norms, attention, cross-entropy, ...): registered
-# on import, after everything above exists.
-from . import composite_grad_rules  # noqa: E402,F401

@@ -1,4 +1,4 @@
-"""Re-inplacing: run an input's update chain in place instead of computing it aside and copying.
+"""Re-inplacing (torch executor): run an input's update chain in place instead of computing it aside and copying.
 
 Functionalization (``compiler/functional.py``) turns ``p.mul_(a); p.addcdiv_(m, d, value=s)``
 into ``t1 = mul(p, a); t2 = addcdiv(t1, m, d, value=s); ...; copy_(t2, p)``: exact, but
@@ -27,6 +27,8 @@ import torch
 
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
+from . import torch_impls
+from .torch_executor import impl_symbol
 
 _T = torch.Tensor
 _INPLACE = {
@@ -45,8 +47,6 @@ def _fn(bsym):
 def _multi_inplace_form(bsym):
     """(in-place function, ((output position or None for the whole output, argument position), ...))
     for updates of tensor lists: ``ttex.adam_update`` and friends, the step counters' ``_foreach_add``."""
-    from ..executors import torch_impls
-
     fn = _fn(bsym)
     if getattr(fn, "overwrites", None) is not None:
         return fn.inplace, fn.overwrites
@@ -66,8 +66,6 @@ def _inplace_form(bsym):
 def reinplace(trc, header="Write-backs run in place where nothing reads the old values"):
     """``trc``: a lowered trace.  Inputs that require grad are only updated in place when the
     program runs under ``torch.no_grad()`` (eager refuses in-place updates of such leaves otherwise)."""
-    from ..executors.torch_executor import impl_symbol
-
     bsyms = list(trc.bound_symbols)
     producer = {}
     for i, b in enumerate(bsyms):

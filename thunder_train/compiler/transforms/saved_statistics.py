@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import dtypes
+from ..executors import torch_impls
+from ..executors.torch_executor import impl_symbol
 from ..proxies import TensorProxy
-from . import torch_impls
-from .torch_executor import impl_symbol
+from ..pytree import tree_flatten
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -156,8 +157,6 @@ _LN_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
 
 
 def _rewrite_layer_norm(trc, fwd, vjp, positions):
-    from ..pytree import tree_flatten
-
     b = _bind(_LN_ARGS, _LN_DEFAULTS, fwd.args, fwd.kwargs)
     if b is None or type(b["eps"]) is not float:
         return None

@@ -1,0 +1,72 @@
+"""The errors a user meets are exported from ``thunder_train`` and are the classes the code raises."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import thunder_train as tt
+
+
+def _raised(fn, *args):
+    with pytest.raises(Exception) as info:
+        fn(*args)
+    return info.value
+
+
+def test_unsupported_op_error_is_exported():
+    e = _raised(tt.compile(lambda x: torch.special.erfcx(x), strict=True), torch.randn(3))
+    assert type(e) is tt.UnsupportedOpError and "erfcx" in str(e)
+
+
+def test_data_dependent_error_is_exported():
+    def f(x):
+        return x if x.sum() > 0 else -x
+
+    e = _raised(tt.compile(f), torch.randn(3))
+    assert type(e) is tt.DataDependentError and "torch.where" in str(e)
+
+
+def test_no_gradient_rule_error_is_exported():
+    x = torch.randn(4, requires_grad=True)
+    out = tt.compile(lambda x: torch.logcumsumexp(x, 0).sum())(x)
+    e = _raised(out.backward)
+    assert type(e) is tt.NoGradientRuleError and "logcumsumexp" in str(e)
+
+
+def test_tracing_error_is_exported():
+    inner = tt.compile(lambda x: x + 1)
+    e = _raised(tt.compile(lambda x: inner(x) * 2), torch.randn(3))
+    assert isinstance(e, tt.TracingError) and "nested" in str(e)
+
+
+def test_thin_mode_error_and_guard_failure_are_exported():
+    cf = tt.compile(lambda x, w: x @ w, thin=True)
+    x, w = torch.randn(2, 3), torch.randn(3, 4)
+    for _ in range(3):
+        cf(x, w)
+    e = _raised(cf, x, torch.randn(3, 5))
+    assert type(e) is tt.ThinModeError and isinstance(e, tt.GuardFailure) and e.path.startswith("args[1]")
+
+
+def test_the_exported_classes_are_the_defining_modules_classes():
+    from thunder_train.compiler import errors, opaque
+    from thunder_train.compiler.torchlang import tensor_methods
+    from thunder_train.compiler.transforms import grad_rules
+    from thunder_train.guards import errors as guard_errors
+
+    assert tt.UnsupportedOpError is errors.UnsupportedOpError is opaque.UnsupportedOpError
+    assert tt.DataDependentError is errors.DataDependentError is tensor_methods.DataDependentError
+    assert tt.NoGradientRuleError is errors.NoGradientRuleError is grad_rules.NoGradientRuleError
+    assert tt.TracingError is errors.TracingError
+    assert tt.GuardFailure is guard_errors.GuardFailure and tt.ThinModeError is guard_errors.ThinModeError
+    for name in ("UnsupportedOpError", "DataDependentError", "NoGradientRuleError", "TracingError", "ThinModeError", "GuardFailure"):
+        assert name in tt.__all__
+
+
+def test_importing_thunder_train_does_not_import_lightning():
+    code = "import sys, thunder_train; print('lightning' in sys.modules or 'lightning.pytorch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
