@@ -246,6 +246,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     for expr, expected in getattr(prologue, "size_checks", ()):
         # A decision taken on sizes or hyper-parameters goes the other way: this program does not apply.
         lines += [f"    if {expr} is not {expected}:", "      return _changed(args, kwargs)"]
+    for j, expr in prologue.decision_checks:
+        # A Python decision on per-call inputs (decisions.py) goes another way: another program.
+        lines += [f"    if {expr} != {consts(entry.key[j])}:", "      return _changed(args, kwargs)"]
     lines += ["  except (LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
     call_args = ", ".join(comp_arg[i] for i in entry.input_idx)
     lines.append(f"  return _computation({call_args})")
@@ -254,7 +257,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
         "_computation": entry.computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
-        **consts.d, **bound,
+        **consts.d, **bound, **prologue.check_globals,
     }
     header = (
         f"Thin mode: bound {len(static_idx)} static tensor(s); per call: extract and check "

@@ -25,6 +25,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
+from . import decisions as _decisions  # noqa: F401 — installs the decision handler
 from .captured import captured_roots
 from .dispatch import ProxyMode
 from .provenance import path_str
@@ -42,6 +43,7 @@ class Acquired:
     size_checks: list = dataclasses.field(default_factory=list)  # (op, size, other, result) decided while tracing
     has_backward: bool = False  # the function called backward(): gradients are values of the trace
     epilogue: object = None  # epilogue.Epilogue replaying Python side effects, or None
+    decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
 
 
 def arg_names(fn) -> list:
@@ -102,7 +104,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         finally:
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
-    return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue)
+    return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
+                    list(state.decisions))
 
 
 def _insert_shape_queries(trc, symbolic_inputs):
