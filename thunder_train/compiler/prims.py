@@ -132,13 +132,17 @@ def _elementwise_meta(opname, args, *, bool_output=False):
     return TensorProxy(shape=shape, dtype=out_dtype, device=device)
 
 
+# Tag "fusible": Inductor fusion (executors/inductor_fusion.py) may take the prim's torch call into a kernel.
+_FUSIBLE_ELEMENTWISE = ("elementwise", "fusible")
+
+
 def _make_unary(name, bool_output=False):
     def meta(a):
         return _elementwise_meta(name, (a,), bool_output=bool_output)
 
     meta.__name__ = name
     meta.__doc__ = f"Elementwise {name}."
-    return _prim(meta, name=name, tags=("elementwise",))
+    return _prim(meta, name=name, tags=_FUSIBLE_ELEMENTWISE)
 
 
 def _make_binary(name, bool_output=False):
@@ -147,7 +151,7 @@ def _make_binary(name, bool_output=False):
 
     meta.__name__ = name
     meta.__doc__ = f"Elementwise {name}; inputs have equal shapes and dtypes (or are numbers)."
-    return _prim(meta, name=name, tags=("elementwise",))
+    return _prim(meta, name=name, tags=_FUSIBLE_ELEMENTWISE)
 
 
 for _n in UNARY_OPS:
@@ -158,9 +162,12 @@ for _n in BINARY_OPS:
     globals()[_n] = _make_binary(_n)
 for _n in BINARY_BOOL_OPS:
     globals()[_n] = _make_binary(_n, bool_output=True)
+# Elementwise, but not taken into Inductor kernels (not checked with Inductor here).
+for _p in (digamma, signbit, copysign, nextafter, bitwise_left_shift, bitwise_right_shift):  # noqa: F821
+    _p.tags = _p.tags - {"fusible"}
 
 
-@_prim(tags=("elementwise",))
+@_prim(tags=_FUSIBLE_ELEMENTWISE)
 def where(pred, a, b):
     """Select ``a`` where ``pred`` else ``b``; equal shapes, ``a`` and ``b`` one dtype."""
     tensors = _tensor_args((pred, a, b))
@@ -180,7 +187,7 @@ def where(pred, a, b):
 # ---------------------------------------------------------------------------
 # Type conversion
 # ---------------------------------------------------------------------------
-@_prim
+@_prim(tags=("fusible",))
 def convert_element_type(a, dtype):
     """Cast to ``dtype`` (a compiler dtype)."""
     _check(isinstance(dtype, dtypes.DType), "convert_element_type: dtype must be a compiler dtype")
@@ -209,18 +216,18 @@ def _reduced_shape(a, dims, opname):
     return tuple(s for i, s in enumerate(a._tt_shape) if i not in dims)
 
 
-def _make_reduction(name, output_dtype=None):
+def _make_reduction(name, output_dtype=None, tags=("reduction", "fusible")):
     def meta(a, dims):
         shape = _reduced_shape(a, dims, name)
         return TensorProxy(shape=shape, dtype=output_dtype or a._tt_dtype, device=a._tt_device)
 
     meta.__name__ = name
     meta.__doc__ = f"Reduce ``a`` with {name} over ``dims``; reduced dims are removed."
-    return _prim(meta, name=name, tags=("reduction",))
+    return _prim(meta, name=name, tags=tags)
 
 
 sum = _make_reduction("sum")
-prod = _make_reduction("prod")
+prod = _make_reduction("prod", tags=("reduction",))
 amax = _make_reduction("amax")
 amin = _make_reduction("amin")
 
@@ -274,7 +281,7 @@ def sort(a, dim, descending, stable):
 # ---------------------------------------------------------------------------
 # Shapes
 # ---------------------------------------------------------------------------
-@_prim
+@_prim(tags=("fusible",))  # when the torch executor runs it as ttex.broadcast_in_dim (a view otherwise)
 def broadcast_in_dim(a, shape, broadcast_dimensions):
     """Broadcast ``a`` to ``shape``; dim i of ``a`` maps to ``broadcast_dimensions[i]``."""
     shape = tuple(shape)

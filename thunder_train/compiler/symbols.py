@@ -33,7 +33,26 @@ class Symbol:
     ``module`` is the name the symbol is printed under in traces ("prims",
     "ltorch"); ``fn`` is the meta function for prims and the decomposition for
     composites.
+
+    Every other fact about the op hangs off the symbol and is declared where the
+    op is defined (``@torchsymbol(...)`` in torchlang/, ``@register_vjp`` next to
+    it); executors add their own implementations from their side.  ``tags``:
+
+    - ``"side_effect"``, ``"inplace"``: a call must run even if nobody reads it;
+    - ``"elementwise"``, ``"reduction"``: Inductor fusion may put the op's torch call
+      in a fused kernel (executors/inductor_fusion.py);
+    - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose
+      subsymbols are the rule's prims; the torch executor runs PyTorch's own fused
+      backward for it (transforms/autograd.py, executors/torch_impls.py ``TorchVJP``).
     """
+
+    # Class defaults of the facts (an instance sets what applies to it).
+    grad_rule = None  # (rule, supports): the gradient rule, set by @register_vjp (transforms/grad_rules.py)
+    torch_impl = None  # the torch callable the torch executor runs for the whole op
+    autocast = None  # {"cpu": policy, "cuda": policy}: what torch.autocast does to its inputs (torchlang/autocast.py)
+    not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
+    torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
+    torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name
@@ -110,12 +129,15 @@ def run_eagerly(sym, *args, **kwargs):
 class BoundSymbol:
     """One line of a trace: ``output = sym(*args, **kwargs)``."""
 
-    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn")
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source")
 
-    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None):
+    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None):
         # torch_fn: the torch callable the user actually called (torch.softmax,
         # F.softmax, Tensor.softmax ...); the torch executor calls exactly it.
         self.torch_fn = torch_fn
+        # source: for a line an executor claimed, the symbol it was lowered from (a prim, a torch-language
+        # symbol, a ``<name>_vjp``): passes after lowering read the op's facts (tags) from it.
+        self.source = source
         self.sym = sym
         self.args = tuple(args)
         self.kwargs = dict(kwargs)

@@ -35,34 +35,29 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
+from .torch_executor import NOT_A_KERNEL
 
 MIN_OPS = 3
 
 # ---------------------------------------------------------------------------
-# What is fusible: torch callables by name, looked up where the tracer records them.
+# What is fusible: a line of the torch executor whose op (``bsym.source``, the symbol it was lowered
+# from) is tagged "fusible" where it is defined (torchlang/, prims.py), unless the torch executor ran it as
+# a view or a wrapper for a Python number (``torch_executor.NOT_A_KERNEL``).
 # ---------------------------------------------------------------------------
-_ELEMENTWISE = """
-abs acos acosh asin asinh atan atanh ceil cos cosh erf erfc erfinv exp exp2 expm1 floor frac lgamma log
-log10 log1p log2 neg reciprocal round rsqrt sign sigmoid sin sinh sqrt square tan tanh trunc relu gelu silu
-mish softplus elu leaky_relu hardtanh hardsigmoid hardswish logit nan_to_num
-add sub mul div true_divide floor_divide remainder fmod pow atan2 hypot maximum minimum lerp addcmul addcdiv
-eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor
-bitwise_not where clamp clamp_min clamp_max clip isnan isinf isfinite
-__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __rdiv__ __neg__ __pow__
-__rpow__ __abs__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __invert__
-to float double half bfloat16 type_as
-""".split()
-_REDUCTIONS = "sum mean amax amin softmax log_softmax logsumexp".split()
-_OWNERS = (torch, torch.Tensor, torch._C.TensorBase, torch.nn.functional, torch.special)
-_FUSIBLE: dict = {}  # torch callable -> short name used in comments
-for _name in _ELEMENTWISE + _REDUCTIONS:
-    for _owner in _OWNERS:
-        _f = getattr(_owner, _name, None)
-        if _f is not None:
-            _FUSIBLE.setdefault(_f, _name.strip("_"))
-for _name in ("rsub", "rdiv", "where", "trunc_div", "broadcast_in_dim", "sum_none"):  # the torch executor's helpers
-    _FUSIBLE[getattr(torch_impls, _name)] = _name
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
+
+
+def _fusible_name(bsym) -> str | None:
+    """The op's short name (for comments) when Inductor may fuse the line, else None."""
+    src, fn = bsym.source, getattr(bsym.sym, "fn", None)
+    if bsym.sym.module != "torch_executor" or src is None or "fusible" not in src.tags or fn is None:
+        return None
+    if src.module == "ltorch":
+        name = getattr(fn, "__name__", "")
+        return None if name.endswith("_") and not name.endswith("__") else src.name  # in-place method forms
+    if fn in NOT_A_KERNEL or isinstance(fn, torch_impls.ScalarWrapper):
+        return None
+    return getattr(fn, "__name__", src.name).strip("_")
 
 
 def _static_cpu_tensor(x) -> str | None:
@@ -79,7 +74,7 @@ def _static_cpu_tensor(x) -> str | None:
 def _classify(bsym) -> tuple[str | None, str | None]:
     """``(op name, None)`` for a fusible bound symbol, ``(None, reason)`` for a candidate that is not,
     ``(None, None)`` for anything else."""
-    name = _FUSIBLE.get(getattr(bsym.sym, "fn", None)) if bsym.sym.module == "torch_executor" else None
+    name = _fusible_name(bsym)
     if name is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
         return None, None
     if name in _DTYPE_ONLY and name != "type_as":
@@ -186,7 +181,7 @@ class _State:
 def _op_names(bsyms, limit: int = 8) -> str:
     names = []
     for b in bsyms:
-        n = _FUSIBLE[b.sym.fn]
+        n = _fusible_name(b)
         if n not in names:
             names.append(n)
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")

@@ -14,10 +14,11 @@ from ..opaque import printable_reference
 from ..proxies import TensorProxy
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
-from ..torchlang import optim as ltorch_optim
 from . import torch_impls
 
 _impl_symbols: dict = {}
+# Calls the prim rules below emit for a "fusible" prim that are not kernels Inductor fusion may take: views.
+NOT_A_KERNEL = frozenset({torch.Tensor.expand, torch.reshape})
 _vjp_impls: dict = {}  # (torch function, wanted positions) -> ImplSymbol of a TorchVJP
 
 
@@ -407,6 +408,12 @@ class TorchExecutor:
         self.decompose = decompose
 
     def claim(self, bsym) -> BoundSymbol | None:
+        claimed = self._claim(bsym)
+        if claimed is not None:
+            claimed.source = bsym.sym
+        return claimed
+
+    def _claim(self, bsym) -> BoundSymbol | None:
         sym = bsym.sym
         if sym.module == "prims":
             rule = _prim_rules.get(sym)
@@ -423,7 +430,7 @@ class TorchExecutor:
             return BoundSymbol(impl_symbol(sym.torch_impl, bsym.has_side_effect), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
-            direct = torch_impls.DIRECT_VJP.get(sym.forward_symbol.name)
+            direct = sym.forward_symbol.torch_direct_vjp
             if direct is not None and wanted == ((0,),):
                 return BoundSymbol(impl_symbol(direct), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
             impl = _vjp_impls.get((fn, wanted))
@@ -467,8 +474,3 @@ decomposing_torch_executor = TorchExecutor(decompose=True)
 
 # Symbols run outside tracing (printed traces executed as Python) run here.
 symbols.eager_executor = torch_executor.eager_impl
-
-# Torch-language symbols with no torch function of their own: the torch executor runs its fused kernels.
-ltorch_optim.adam_update.torch_impl = torch_impls.adam_update
-ltorch_optim.sgd_update.torch_impl = torch_impls.sgd_update
-ltorch_optim.adagrad_update.torch_impl = torch_impls.adagrad_update

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import codegen
+from ..torchlang import nn as ltorch_nn, optim as ltorch_optim
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -89,26 +90,36 @@ def rdiv(a, b):
     return b.__rtruediv__(a)
 
 
-def _named_wrapper(op, suffix, make):
+class ScalarWrapper:
+    """A binary torch op called with a Python number on one side, made a tensor first (``ttex.<op>_scalar_first``)."""
+
+    def __init__(self, op, name, first):
+        self.op, self.first = op, first
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = __name__
+
+    def __call__(self, a, b):
+        return self.op(torch.full_like(b, a), b) if self.first else self.op(a, torch.full_like(a, b))
+
+
+def _named_wrapper(op, suffix, first):
     """Build (once) a wrapper of ``op`` and publish it in this module, so the
     generated code can refer to it as ``ttex.<name>``."""
     name = f"{op.__name__}_{suffix}"
     fn = globals().get(name)
     if fn is None:
-        fn = make(op)
-        fn.__name__ = name
-        globals()[name] = fn
+        fn = globals()[name] = ScalarWrapper(op, name, first)
     return fn
 
 
 def scalar_first(op):
     """Wrap a binary torch op so a Python number may come first."""
-    return _named_wrapper(op, "scalar_first", lambda op: lambda a, b: op(torch.full_like(b, a), b))
+    return _named_wrapper(op, "scalar_first", True)
 
 
 def scalar_second(op):
     """Wrap a binary torch op that needs tensors on both sides."""
-    return _named_wrapper(op, "scalar_second", lambda op: lambda a, b: op(a, torch.full_like(a, b)))
+    return _named_wrapper(op, "scalar_second", False)
 
 
 def where(pred, a, b):
@@ -162,6 +173,7 @@ class TorchVJP:
             return torch.autograd.grad(out, leaves, g)
 
 
+# Backwards that need no forward recomputation (``Symbol.torch_direct_vjp``; used when only ``input`` needs grad).
 def gelu_vjp(g, reads, input, approximate="none"):
     """GELU's gradient from its input alone: PyTorch's backward kernel, no forward recomputation."""
     return (torch.ops.aten.gelu_backward(g, input, approximate=approximate),)
@@ -171,9 +183,8 @@ def silu_vjp(g, reads, input, inplace=False):
     return (torch.ops.aten.silu_backward(g, input),)
 
 
-# Forward symbol name -> a backward that needs no recomputation (used when only ``input`` needs grad).
-DIRECT_VJP = {"gelu": gelu_vjp, "silu": silu_vjp}
-
+ltorch_nn.gelu.torch_direct_vjp = gelu_vjp
+ltorch_nn.silu.torch_direct_vjp = silu_vjp
 
 
 # Optimizer updates (torchlang/optim.py) on torch's fused kernels.  The functional forms update
@@ -218,6 +229,11 @@ def foreach_add_(tensors, other):
 adam_update.inplace, adam_update.overwrites = adam_update_, ((0, 0), (1, 2), (2, 3), (3, 4))
 sgd_update.inplace, sgd_update.overwrites = sgd_update_, ((0, 0), (1, 2))
 adagrad_update.inplace, adagrad_update.overwrites = adagrad_update_, ((0, 0), (1, 2))
+
+# The torch-language optimizer updates (torchlang/optim.py) have no torch function of their own: these kernels.
+ltorch_optim.adam_update.torch_impl = adam_update
+ltorch_optim.sgd_update.torch_impl = sgd_update
+ltorch_optim.adagrad_update.torch_impl = adagrad_update
 
 
 def all_reduce_mean(tensors):

@@ -59,49 +59,9 @@ from ..proxies import TensorProxy
 
 LOWER, FP32, FP32_UNLESS_DTYPE, PROMOTE, BANNED, EINSUM = "lower", "fp32", "fp32_unless_dtype", "promote", "banned", "einsum"
 
-# Torch-language symbol name -> policy.  Symbols not listed are not autocast.
-_CPU = {
-    **dict.fromkeys(
-        ("conv1d", "conv2d", "bmm", "mm", "baddbmm", "addmm", "linear", "matmul", "rmatmul", "scaled_dot_product_attention"),
-        LOWER,
-    ),
-    # einsum is not on the CPU list, but its contractions run bmm, which is.
-    "einsum": EINSUM,
-    **dict.fromkeys(
-        ("prod", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
-         "binary_cross_entropy", "binary_cross_entropy_with_logits"),
-        FP32,
-    ),
-    # hstack/vstack are cat underneath.
-    **dict.fromkeys(("cat", "stack", "hstack", "vstack"), PROMOTE),
-}
-
-_CUDA = {
-    **dict.fromkeys(
-        ("conv1d", "conv2d", "addmm", "matmul", "rmatmul", "einsum", "mm", "linear", "baddbmm", "bmm",
-         "scaled_dot_product_attention"),
-        LOWER,
-    ),
-    **dict.fromkeys(
-        ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-         "sinh", "tan", "pow", "softplus", "layer_norm", "rms_norm", "group_norm", "cosine_similarity", "nll_loss",
-         "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits",
-         "logsumexp",
-         # Not listed themselves, but eager runs them through listed ops:
-         "rpow",  # Tensor.__rpow__ is torch.pow(number, tensor)
-         "square",  # pow(x, 2)
-         "rtruediv",  # Tensor.__rdiv__ is x.reciprocal() * number
-         "cross_entropy",  # log_softmax (float32 output) + nll_loss (fp32)
-         "normalize",  # x / linalg_vector_norm(x) (float32 output)
-         ),
-        FP32,
-    ),
-    **dict.fromkeys(("prod", "softmax", "log_softmax", "cumsum", "sum", "norm"), FP32_UNLESS_DTYPE),
-    **dict.fromkeys(("addcdiv", "addcmul", "atan2", "dot", "scatter_add"), PROMOTE),
-    "binary_cross_entropy": BANNED,
-}
-
-POLICIES = {"cpu": _CPU, "cuda": _CUDA}
+# Each torch-language symbol declares its policy per device where it is defined:
+# ``@torchsymbol(F.linear, autocast={"cpu": LOWER, "cuda": LOWER})`` (``Symbol.autocast``); symbols without
+# one are not autocast.  The policies follow torch 2.13's lists (see the module docstring).
 _DEVICES = ("cuda", "cpu")  # dispatcher priority: AutocastCUDA before AutocastCPU
 
 
@@ -133,11 +93,11 @@ def cast_inputs(sym, func, args, kwargs):
     _run_without_autocast(trc, enabled, nested)
     if not enabled:
         return args, kwargs
-    name = getattr(sym, "name", None)
+    policies = getattr(getattr(sym, "sym", sym), "autocast", None) or {}  # _NamedResult wraps a symbol; metadata queries have none
     types = {t._tt_device.type for t in _tensors(args, kwargs)}
     for device in enabled:
         if device in types:
-            policy = POLICIES[device].get(name)
+            policy = policies.get(device)
             if policy is None:
                 return args, kwargs
             return _apply(policy, device, sym, func, args, kwargs)
@@ -301,4 +261,4 @@ def _callable_name(func, sym) -> str:
         return getattr(sym, "name", "op")
 
 
-__all__ = ["cast_inputs", "POLICIES"]
+__all__ = ["cast_inputs", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED", "EINSUM"]

@@ -8,65 +8,71 @@ import torch
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import NumberProxy, TensorProxy
+from .autocast import FP32, PROMOTE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 P = Promotion
 
 
-def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None):
+# Tag "fusible" (Symbol): Inductor fusion may take the op's torch call into a kernel.  Elementwise ops are,
+# except the few passed ``tags=()`` below (not checked with Inductor).
+FUSIBLE = ("fusible",)
+
+
+def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None, tags=FUSIBLE, autocast=None):
     def fn(input):
         return clang.elementwise_unary(prim, input, kind, upcast=upcast)
 
     fn.__name__ = name
     fn.__doc__ = doc or f"torch.{name}"
     fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
-    return torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name)(fn)
+    return torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags, autocast=autocast)(fn)
 
 
 F_ = P.INT_TO_FLOAT
 abs = _unary("abs", prims.abs, P.COMPLEX_TO_FLOAT, methods=("abs", "__abs__"), upcast=False)
 neg = _unary("neg", prims.neg, methods=("neg", "__neg__", "negative"), upcast=False)
-exp = _unary("exp", prims.exp, F_)
+exp = _unary("exp", prims.exp, F_, autocast={"cuda": FP32})
 exp2 = _unary("exp2", prims.exp2, F_)
-expm1 = _unary("expm1", prims.expm1, F_)
-log = _unary("log", prims.log, F_)
-log1p = _unary("log1p", prims.log1p, F_)
-log2 = _unary("log2", prims.log2, F_)
-log10 = _unary("log10", prims.log10, F_)
+expm1 = _unary("expm1", prims.expm1, F_, autocast={"cuda": FP32})
+log = _unary("log", prims.log, F_, autocast={"cuda": FP32})
+log1p = _unary("log1p", prims.log1p, F_, autocast={"cuda": FP32})
+log2 = _unary("log2", prims.log2, F_, autocast={"cuda": FP32})
+log10 = _unary("log10", prims.log10, F_, autocast={"cuda": FP32})
 sqrt = _unary("sqrt", prims.sqrt, F_)
-rsqrt = _unary("rsqrt", prims.rsqrt, F_)
+rsqrt = _unary("rsqrt", prims.rsqrt, F_, autocast={"cuda": FP32})
 sin = _unary("sin", prims.sin, F_)
 cos = _unary("cos", prims.cos, F_)
-tan = _unary("tan", prims.tan, F_)
-asin = _unary("asin", prims.asin, F_)
-acos = _unary("acos", prims.acos, F_)
+tan = _unary("tan", prims.tan, F_, autocast={"cuda": FP32})
+asin = _unary("asin", prims.asin, F_, autocast={"cuda": FP32})
+acos = _unary("acos", prims.acos, F_, autocast={"cuda": FP32})
 atan = _unary("atan", prims.atan, F_)
-sinh = _unary("sinh", prims.sinh, F_)
-cosh = _unary("cosh", prims.cosh, F_)
+sinh = _unary("sinh", prims.sinh, F_, autocast={"cuda": FP32})
+cosh = _unary("cosh", prims.cosh, F_, autocast={"cuda": FP32})
 tanh = _unary("tanh", prims.tanh, F_, torch_fns=(torch.tanh, torch.nn.functional.tanh))
 asinh = _unary("asinh", prims.asinh, F_)
 acosh = _unary("acosh", prims.acosh, F_)
 atanh = _unary("atanh", prims.atanh, F_)
 erf = _unary("erf", prims.erf, F_, torch_fns=(torch.erf, torch.special.erf))
 erfc = _unary("erfc", prims.erfc, F_, torch_fns=(torch.erfc, torch.special.erfc))
-erfinv = _unary("erfinv", prims.erfinv, F_, torch_fns=(torch.erfinv, torch.special.erfinv))
+erfinv = _unary("erfinv", prims.erfinv, F_, torch_fns=(torch.erfinv, torch.special.erfinv), autocast={"cuda": FP32})
 lgamma = _unary("lgamma", prims.lgamma, F_)
-digamma = _unary("digamma", prims.digamma, F_, torch_fns=(torch.digamma, torch.special.digamma))
+digamma = _unary("digamma", prims.digamma, F_, torch_fns=(torch.digamma, torch.special.digamma), tags=())
 sigmoid = _unary("sigmoid", prims.sigmoid, F_, torch_fns=(torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit))
-reciprocal = _unary("reciprocal", prims.reciprocal, F_)
+reciprocal = _unary("reciprocal", prims.reciprocal, F_, autocast={"cuda": FP32})
 floor = _unary("floor", prims.floor, upcast=False)
 ceil = _unary("ceil", prims.ceil, upcast=False)
 trunc = _unary("trunc", prims.trunc, upcast=False, methods=("trunc", "fix"))
 sign = _unary("sign", prims.sign, upcast=False)
-sgn = _unary("sgn", prims.sign, upcast=False)
+sgn = _unary("sgn", prims.sign, upcast=False, tags=())
 bitwise_not = _unary("bitwise_not", prims.bitwise_not, upcast=False, methods=("bitwise_not", "__invert__"))
 isfinite = _unary("isfinite", prims.isfinite, P.ALWAYS_BOOL, upcast=False)
 isnan = _unary("isnan", prims.isnan, P.ALWAYS_BOOL, upcast=False)
 isinf = _unary("isinf", prims.isinf, P.ALWAYS_BOOL, upcast=False)
-signbit = _unary("signbit", prims.signbit, P.ALWAYS_BOOL, upcast=False)
+signbit = _unary("signbit", prims.signbit, P.ALWAYS_BOOL, upcast=False, tags=())
 
 
-@torchsymbol(torch.round, methods=("round",))
+@torchsymbol(torch.round, methods=("round",), tags=("fusible",))
 def round(input, *, decimals=0):
     """torch.round (half to even), optionally to ``decimals`` places."""
     if decimals == 0:
@@ -77,19 +83,19 @@ def round(input, *, decimals=0):
     return clang.true_divide(clang.elementwise_unary(prims.round, clang.mul(input, scale), upcast=False), scale)
 
 
-@torchsymbol(torch.square, methods=("square",))
+@torchsymbol(torch.square, methods=("square",), tags=("fusible",), autocast={"cuda": FP32})
 def square(input):
     if input._tt_dtype.is_bool:
         input = clang.maybe_convert(input, dtypes.int64)
     return clang.mul(input, input)
 
 
-@torchsymbol(torch.logical_not, methods=("logical_not",))
+@torchsymbol(torch.logical_not, methods=("logical_not",), tags=("fusible",))
 def logical_not(input):
     return prims.eq(clang.to_bool(input), False) if input._tt_dtype.is_bool else clang.eq(input, 0)
 
 
-@torchsymbol(torch.nan_to_num, methods=("nan_to_num",))
+@torchsymbol(torch.nan_to_num, methods=("nan_to_num",), tags=("fusible",))
 def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
     if not input._tt_dtype.is_float:
         return clang.maybe_convert(input, input._tt_dtype) if False else prims.clone(input)
@@ -104,14 +110,15 @@ def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
 # ---------------------------------------------------------------------------
 # Binary
 # ---------------------------------------------------------------------------
-def _binary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, reverse_methods=()):
+def _binary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, reverse_methods=(), tags=FUSIBLE,
+            autocast=None):
     def fn(input, other):
         return clang.elementwise_binary(prim, input, other, kind, upcast=upcast)
 
     fn.__name__ = name
     fn.__doc__ = f"torch.{name}"
     fns = torch_fns if torch_fns is not None else tuple(f for f in (getattr(torch, name, None),) if f is not None)
-    sym = torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name)(fn)
+    sym = torchsymbol(*fns, methods=methods if methods is not None else (name,), name=name, tags=tags, autocast=autocast)(fn)
     for rm in reverse_methods:
         _reversed(rm, sym)
     return sym
@@ -131,7 +138,7 @@ def _scales(alpha) -> bool:
     return isinstance(alpha, NumberProxy) or alpha != 1
 
 
-@torchsymbol(torch.add, methods=("add", "__add__", "__radd__"))
+@torchsymbol(torch.add, methods=("add", "__add__", "__radd__"), tags=("fusible",))
 def add(input, other, *, alpha=1):
     """torch.add: ``input + alpha * other``."""
     if _scales(alpha):
@@ -139,7 +146,7 @@ def add(input, other, *, alpha=1):
     return clang.add(input, other)
 
 
-@torchsymbol(torch.sub, torch.subtract, methods=("sub", "__sub__", "subtract"))
+@torchsymbol(torch.sub, torch.subtract, methods=("sub", "__sub__", "subtract"), tags=("fusible",))
 def sub(input, other, *, alpha=1):
     """torch.sub: ``input - alpha * other``."""
     if _scales(alpha):
@@ -147,7 +154,7 @@ def sub(input, other, *, alpha=1):
     return clang.sub(input, other)
 
 
-@torchsymbol(torch.rsub, methods=("__rsub__",), name="rsub")
+@torchsymbol(torch.rsub, methods=("__rsub__",), name="rsub", tags=("fusible",))
 def rsub(input, other, *, alpha=1):
     """``other - input`` (Tensor.__rsub__)."""
     return sub(other, input, alpha=alpha) if type(other) is TensorProxy else clang.sub(other, clang.mul(input, alpha) if _scales(alpha) else input)
@@ -156,7 +163,7 @@ def rsub(input, other, *, alpha=1):
 mul = _binary("mul", prims.mul, torch_fns=(torch.mul, torch.multiply), methods=("mul", "__mul__", "__rmul__", "multiply"))
 
 
-@torchsymbol(torch.div, torch.divide, torch.true_divide, methods=("div", "__truediv__", "divide", "true_divide"))
+@torchsymbol(torch.div, torch.divide, torch.true_divide, methods=("div", "__truediv__", "divide", "true_divide"), tags=("fusible",))
 def div(input, other, *, rounding_mode=None):
     """torch.div with rounding_mode None (true), 'trunc' or 'floor'."""
     if rounding_mode is None:
@@ -171,7 +178,8 @@ def div(input, other, *, rounding_mode=None):
     raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found {rounding_mode!r}")
 
 
-@torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv")
+@torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv", tags=("fusible",),
+             autocast={"cuda": FP32})
 def rtruediv(input, other):
     """``other / input``."""
     return clang.true_divide(other, input)
@@ -202,15 +210,15 @@ def _nan_ignoring(name, prim):
 
 fmax = _nan_ignoring("fmax", prims.maximum)
 fmin = _nan_ignoring("fmin", prims.minimum)
-atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"))
-copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT)
+atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"), autocast={"cuda": PROMOTE})
+copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT, tags=())
 hypot = _binary("hypot", prims.hypot)
-nextafter = _binary("nextafter", prims.nextafter, upcast=False)
+nextafter = _binary("nextafter", prims.nextafter, upcast=False, tags=())
 bitwise_and = _binary("bitwise_and", prims.bitwise_and, methods=("bitwise_and", "__and__", "__rand__"), upcast=False)
 bitwise_or = _binary("bitwise_or", prims.bitwise_or, methods=("bitwise_or", "__or__", "__ror__"), upcast=False)
 bitwise_xor = _binary("bitwise_xor", prims.bitwise_xor, methods=("bitwise_xor", "__xor__", "__rxor__"), upcast=False)
-bitwise_left_shift = _binary("bitwise_left_shift", prims.bitwise_left_shift, methods=("bitwise_left_shift", "__lshift__"), upcast=False, reverse_methods=("__rlshift__",))
-bitwise_right_shift = _binary("bitwise_right_shift", prims.bitwise_right_shift, methods=("bitwise_right_shift", "__rshift__"), upcast=False, reverse_methods=("__rrshift__",))
+bitwise_left_shift = _binary("bitwise_left_shift", prims.bitwise_left_shift, methods=("bitwise_left_shift", "__lshift__"), upcast=False, reverse_methods=("__rlshift__",), tags=())
+bitwise_right_shift = _binary("bitwise_right_shift", prims.bitwise_right_shift, methods=("bitwise_right_shift", "__rshift__"), upcast=False, reverse_methods=("__rrshift__",), tags=())
 eq = _binary("eq", prims.eq, P.ALWAYS_BOOL, methods=("eq", "__eq__"), upcast=False)
 ne = _binary("ne", prims.ne, P.ALWAYS_BOOL, torch_fns=(torch.ne, torch.not_equal), methods=("ne", "__ne__", "not_equal"), upcast=False)
 lt = _binary("lt", prims.lt, P.ALWAYS_BOOL, torch_fns=(torch.lt, torch.less), methods=("lt", "__lt__", "less"), upcast=False)
@@ -219,7 +227,7 @@ gt = _binary("gt", prims.gt, P.ALWAYS_BOOL, torch_fns=(torch.gt, torch.greater),
 ge = _binary("ge", prims.ge, P.ALWAYS_BOOL, torch_fns=(torch.ge, torch.greater_equal), methods=("ge", "__ge__", "greater_equal"), upcast=False)
 
 
-@torchsymbol(torch.pow, methods=("pow", "__pow__"))
+@torchsymbol(torch.pow, methods=("pow", "__pow__"), tags=("fusible",), autocast={"cuda": FP32})
 def pow(input, exponent):
     """torch.pow; ``x ** 2`` becomes ``x * x``."""
     if type(input) is TensorProxy and type(exponent) in (int, float) and exponent == 2:
@@ -229,13 +237,13 @@ def pow(input, exponent):
     return clang.elementwise_binary(prims.pow, input, exponent)
 
 
-@torchsymbol(methods=("__rpow__",), name="rpow")
+@torchsymbol(methods=("__rpow__",), name="rpow", tags=("fusible",), autocast={"cuda": FP32})
 def rpow(input, other):
     """``other ** input``."""
     return clang.elementwise_binary(prims.pow, other, input)
 
 
-def _logical(name, prim):
+def _logical(name, prim):  # fusible
     def fn(input, other):
         a, b = clang.maybe_broadcast(clang.to_bool(input), clang.to_bool(other))
         if type(a) is not TensorProxy:
@@ -246,7 +254,7 @@ def _logical(name, prim):
 
     fn.__name__ = name
     fn.__doc__ = f"torch.{name}"
-    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name, tags=FUSIBLE)(fn)
 
 
 logical_and = _logical("logical_and", prims.bitwise_and)
@@ -254,7 +262,7 @@ logical_or = _logical("logical_or", prims.bitwise_or)
 logical_xor = _logical("logical_xor", prims.bitwise_xor)
 
 
-@torchsymbol(torch.where, methods=("where",))
+@torchsymbol(torch.where, methods=("where",), tags=("fusible",))
 def where(condition, input=None, other=None):
     """torch.where(condition, input, other); the one-argument form is data-dependent."""
     if input is None and other is None:
@@ -262,7 +270,7 @@ def where(condition, input=None, other=None):
     return clang.where(condition, input, other)
 
 
-@torchsymbol(torch.clamp, torch.clip, methods=("clamp", "clip"))
+@torchsymbol(torch.clamp, torch.clip, methods=("clamp", "clip"), tags=("fusible",))
 def clamp(input, min=None, max=None):
     """torch.clamp = minimum(maximum(input, min), max); NaN in input or a bound propagates."""
     if min is None and max is None:
@@ -275,17 +283,17 @@ def clamp(input, min=None, max=None):
     return out
 
 
-@torchsymbol(torch.clamp_min, methods=("clamp_min",))
+@torchsymbol(torch.clamp_min, methods=("clamp_min",), tags=("fusible",))
 def clamp_min(input, min):
     return clamp(input, min=min)
 
 
-@torchsymbol(torch.clamp_max, methods=("clamp_max",))
+@torchsymbol(torch.clamp_max, methods=("clamp_max",), tags=("fusible",))
 def clamp_max(input, max):
     return clamp(input, max=max)
 
 
-@torchsymbol(torch.lerp, methods=("lerp",))
+@torchsymbol(torch.lerp, methods=("lerp",), tags=("fusible",))
 def lerp(input, end, weight):
     """Like torch: ``input + w * d`` for |w| < 0.5, else ``end - d * (1 - w)`` (exact at w = 1)."""
     diff = clang.sub(end, input)
@@ -299,12 +307,12 @@ def lerp(input, end, weight):
     return clang.where(small, low, high)
 
 
-@torchsymbol(torch.addcmul, methods=("addcmul",))
+@torchsymbol(torch.addcmul, methods=("addcmul",), tags=("fusible",), autocast={"cuda": PROMOTE})
 def addcmul(input, tensor1, tensor2, *, value=1):
     return clang.add(input, clang.mul(clang.mul(tensor1, tensor2), value))
 
 
-@torchsymbol(torch.addcdiv, methods=("addcdiv",))
+@torchsymbol(torch.addcdiv, methods=("addcdiv",), tags=("fusible",), autocast={"cuda": PROMOTE})
 def addcdiv(input, tensor1, tensor2, *, value=1):
     if not clang.result_dtype(tensor1, tensor2).is_float:
         raise RuntimeError("Integer division with addcdiv is no longer supported (as in eager); use addcmul(input, tensor1, 1 / tensor2)")

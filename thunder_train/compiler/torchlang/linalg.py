@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import clang, prims
+from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -14,31 +15,31 @@ def _matmul(a, b):
     return prims.matmul(a, b)
 
 
-@torchsymbol(torch.matmul, methods=("matmul", "__matmul__"))
+@torchsymbol(torch.matmul, methods=("matmul", "__matmul__"), autocast={"cpu": LOWER, "cuda": LOWER})
 def matmul(input, other):
     return _matmul(input, other)
 
 
-@torchsymbol(methods=("__rmatmul__",), name="rmatmul")
+@torchsymbol(methods=("__rmatmul__",), name="rmatmul", autocast={"cpu": LOWER, "cuda": LOWER})
 def rmatmul(input, other):
     return _matmul(other, input)
 
 
-@torchsymbol(torch.mm, methods=("mm",))
+@torchsymbol(torch.mm, methods=("mm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def mm(input, mat2):
     if input.ndim_ != 2 or mat2.ndim_ != 2:
         raise ValueError(f"mm: expected 2-D tensors, got {input.ndim_}-D and {mat2.ndim_}-D")
     return _matmul(input, mat2)
 
 
-@torchsymbol(torch.bmm, methods=("bmm",))
+@torchsymbol(torch.bmm, methods=("bmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def bmm(input, mat2):
     if input.ndim_ != 3 or mat2.ndim_ != 3:
         raise ValueError(f"bmm: expected 3-D tensors, got {input.ndim_}-D and {mat2.ndim_}-D")
     return _matmul(input, mat2)
 
 
-@torchsymbol(torch.addmm, methods=("addmm",))
+@torchsymbol(torch.addmm, methods=("addmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     return _scaled_add(input, _matmul(mat1, mat2), beta, alpha)
 
@@ -55,12 +56,12 @@ def outer(input, vec2):
     return clang.mul(clang.unsqueeze(input, 1), clang.unsqueeze(vec2, 0))
 
 
-@torchsymbol(torch.dot, methods=("dot",))
+@torchsymbol(torch.dot, methods=("dot",), autocast={"cuda": PROMOTE})
 def dot(input, other):
     return _matmul(input, other)
 
 
-@torchsymbol(torch.einsum)
+@torchsymbol(torch.einsum, autocast={"cpu": EINSUM, "cuda": LOWER})
 def einsum(equation, *operands):
     """Two-operand and one-operand einsum via permute/reshape/matmul; other forms fall back to torch."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -121,6 +122,6 @@ def einsum(equation, *operands):
     return clang.permute(r, [cur.index(c) for c in out])
 
 
-@torchsymbol(torch.baddbmm, methods=("baddbmm",))
+@torchsymbol(torch.baddbmm, methods=("baddbmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_add(input, bmm(batch1, batch2), beta, alpha)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
+from ..transforms.grad_rules import register_vjp
+from .autocast import BANNED, FP32, LOWER  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -21,13 +23,31 @@ def _up(a):
     return clang.maybe_convert(a, clang.compute_dtype(a._tt_dtype)), a._tt_dtype
 
 
+def _back(grad, like):
+    """A gradient computed in the upcast dtype, converted back to its input's dtype."""
+    return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
+
+
+# Gradient rules are written with prims (the backward is an ordinary trace); see transforms/grad_rules.py.
+_mul, _add, _sub = prims.mul, prims.add, prims.sub
+
+
+def _square(x):
+    return prims.mul(x, x)
+
+
 # ---------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------
-@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu)
+@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu, tags=("fusible",))
 def relu(input, inplace=False):
     """max(input, 0); NaN propagates like eager."""
     return clang.elementwise_binary(prims.maximum, input, 0, upcast=False)
+
+
+@register_vjp(relu)
+def _relu_vjp(g, out, /, input, inplace=False):
+    return {"input": prims.where(prims.gt(out, 0.0), g, 0.0)}
 
 
 @torchsymbol(F.relu6)
@@ -35,18 +55,18 @@ def relu6(input, inplace=False):
     return hardtanh(input, 0.0, 6.0)
 
 
-@torchsymbol(F.hardtanh)
+@torchsymbol(F.hardtanh, tags=("fusible",))
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
     x = clang.where(clang.lt(input, min_val), clang.maybe_convert(min_val, input._tt_dtype), input)
     return clang.where(clang.elementwise_binary(prims.gt, x, max_val, Promotion.ALWAYS_BOOL, upcast=False), clang.maybe_convert(max_val, input._tt_dtype), x)
 
 
-@torchsymbol(F.leaky_relu)
+@torchsymbol(F.leaky_relu, tags=("fusible",))
 def leaky_relu(input, negative_slope=0.01, inplace=False):
     return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, clang.mul(input, negative_slope))
 
 
-@torchsymbol(F.gelu)
+@torchsymbol(F.gelu, tags=("fusible", "fused_backward",))
 def gelu(input, approximate="none"):
     """GELU, exact (erf) or tanh approximation; computed in float32 for low precision."""
     x, dt = _up(input)
@@ -60,13 +80,39 @@ def gelu(input, approximate="none"):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.silu)
+@register_vjp(gelu)
+def _gelu_vjp(g, out, /, input, approximate="none"):
+    """Computed in float32 for low precision, like the forward.  With the torch executor this rule is the
+    decomposition of one ``gelu_vjp`` line that runs PyTorch's own backward kernel (``fused_backward``;
+    executors/torch_impls.py ``gelu_vjp``)."""
+    x, gu = _up(input)[0], _up(g)[0]
+    if approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        inner = _mul(_add(x, _mul(_mul(_square(x), x), 0.044715)), k)
+        t = prims.tanh(inner)
+        dinner = _mul(_add(_mul(_square(x), 3 * 0.044715), 1.0), k)
+        d = _add(_mul(_add(t, 1.0), 0.5), _mul(_mul(_mul(x, 0.5), _sub(1.0, _square(t))), dinner))
+    else:
+        cdf = _mul(_add(prims.erf(_mul(x, 1 / math.sqrt(2))), 1.0), 0.5)
+        pdf = _mul(prims.exp(_mul(_square(x), -0.5)), 1 / math.sqrt(2 * math.pi))
+        d = _add(cdf, _mul(x, pdf))
+    return {"input": _back(_mul(gu, d), input)}
+
+
+@torchsymbol(F.silu, tags=("fusible", "fused_backward",))
 def silu(input, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.mul(x, prims.sigmoid(x)), dt)
 
 
-@torchsymbol(F.mish)
+@register_vjp(silu)
+def _silu_vjp(g, out, /, input, inplace=False):
+    x, gu = _up(input)[0], _up(g)[0]
+    s = prims.sigmoid(x)
+    return {"input": _back(_mul(gu, _mul(s, _add(_mul(x, _sub(1.0, s)), 1.0))), input)}
+
+
+@torchsymbol(F.mish, tags=("fusible",))
 def mish(input, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.mul(x, prims.tanh(_softplus(x, 1.0, 20.0))), dt)
@@ -78,13 +124,13 @@ def _softplus(x, beta, threshold):
     return prims.where(prims.gt(bx, threshold), x, soft)
 
 
-@torchsymbol(F.softplus)
+@torchsymbol(F.softplus, tags=("fusible",), autocast={"cuda": FP32})
 def softplus(input, beta=1.0, threshold=20.0):
     x, dt = _up(input)
     return clang.maybe_convert(_softplus(x, beta, threshold), dt)
 
 
-@torchsymbol(F.elu)
+@torchsymbol(F.elu, tags=("fusible",))
 def elu(input, alpha=1.0, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.where(prims.gt(x, 0.0), x, prims.mul(prims.expm1(x), alpha)), dt)
@@ -96,12 +142,12 @@ def logsigmoid(input):
     return clang.maybe_convert(prims.neg(_softplus(prims.neg(x), 1.0, 20.0)), dt)
 
 
-@torchsymbol(F.hardsigmoid)
+@torchsymbol(F.hardsigmoid, tags=("fusible",))
 def hardsigmoid(input, inplace=False):
     return clang.true_divide(hardtanh(clang.add(input, 3.0), -3.0 + 3.0, 6.0), 6.0)
 
 
-@torchsymbol(F.hardswish)
+@torchsymbol(F.hardswish, tags=("fusible",))
 def hardswish(input, inplace=False):
     return clang.mul(input, hardsigmoid(input))
 
@@ -120,7 +166,7 @@ def glu(input, dim=-1):
 # ---------------------------------------------------------------------------
 # Linear, embedding, dropout
 # ---------------------------------------------------------------------------
-@torchsymbol(F.linear)
+@torchsymbol(F.linear, autocast={"cpu": LOWER, "cuda": LOWER})
 def linear(input, weight, bias=None):
     out = prims.matmul(input, clang.transpose(weight, 0, 1) if weight.ndim_ == 2 else weight)
     if bias is not None:
@@ -128,7 +174,7 @@ def linear(input, weight, bias=None):
     return out
 
 
-@torchsymbol(F.embedding)
+@torchsymbol(F.embedding, tags=("fused_backward",))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
@@ -166,18 +212,18 @@ def _reduce(loss, reduction, weight_sum=None):
     raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
-@torchsymbol(F.mse_loss)
+@torchsymbol(F.mse_loss, autocast={"cpu": FP32, "cuda": FP32})
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
     d = clang.sub(input, target)
     return _reduce(clang.mul(d, d), reduction)
 
 
-@torchsymbol(F.l1_loss)
+@torchsymbol(F.l1_loss, autocast={"cpu": FP32, "cuda": FP32})
 def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
     return _reduce(clang.elementwise_unary(prims.abs, clang.sub(input, target)), reduction)
 
 
-@torchsymbol(F.smooth_l1_loss)
+@torchsymbol(F.smooth_l1_loss, autocast={"cpu": FP32, "cuda": FP32})
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
     d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
     if beta == 0:
@@ -186,7 +232,7 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
 
 
-@torchsymbol(F.binary_cross_entropy_with_logits)
+@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     x, dt = _up(input)
     t = clang.maybe_convert(target, x._tt_dtype)
@@ -202,7 +248,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.binary_cross_entropy)
+@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
     x, dt = _up(input)
@@ -215,7 +261,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.huber_loss)
+@torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
 def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
     d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
@@ -224,7 +270,7 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
 
 
-@torchsymbol(F.kl_div)
+@torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     """target (log target - input), with 0 where target is 0 (xlogy)."""
     if log_target:
@@ -238,7 +284,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     return _reduce(loss, reduction)
 
 
-@torchsymbol(F.nll_loss)
+@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     return _nll(input, target, weight, ignore_index, reduction)
 
@@ -271,7 +317,8 @@ def _nll(logp, target, weight, ignore_index, reduction):
     return clang.true_divide(clang.sum(loss), clang.sum(w))
 
 
-@torchsymbol(F.cross_entropy)
+@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
+             autocast={"cpu": FP32, "cuda": FP32})
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""
     x, dt = _up(input)
@@ -326,7 +373,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 # ---------------------------------------------------------------------------
 # Normalisation
 # ---------------------------------------------------------------------------
-@torchsymbol(F.layer_norm)
+@torchsymbol(F.layer_norm, tags=("fused_backward",), autocast={"cuda": FP32})
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -343,7 +390,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.rms_norm)
+@torchsymbol(F.rms_norm, tags=("fused_backward",), autocast={"cuda": FP32})
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     x, dt = _up(input)
     nd = len(tuple(normalized_shape))
@@ -410,7 +457,7 @@ def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bia
 batch_norm.functionalize = _batch_norm_functionalize
 
 
-@torchsymbol(F.group_norm)
+@torchsymbol(F.group_norm, autocast={"cuda": FP32})
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
     x, dt = _up(input)
@@ -430,7 +477,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return clang.maybe_convert(out, dt)
 
 
-@torchsymbol(F.normalize)
+@torchsymbol(F.normalize, autocast={"cuda": FP32})
 def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     from .reductions import norm
 
@@ -441,7 +488,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 # ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-@torchsymbol(F.scaled_dot_product_attention)
+@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",), autocast={"cpu": LOWER, "cuda": LOWER})
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
     q, dt = _up(query)
@@ -505,12 +552,12 @@ def _conv(input, weight, bias, stride, padding, dilation, groups, nd):
     return clang.squeeze(out, (0,)) if unbatched else out
 
 
-@torchsymbol(F.conv1d, torch.conv1d)
+@torchsymbol(F.conv1d, torch.conv1d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 1)
 
 
-@torchsymbol(F.conv2d, torch.conv2d)
+@torchsymbol(F.conv2d, torch.conv2d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 2)
 
@@ -596,7 +643,7 @@ def one_hot(tensor, num_classes=-1):
     return prims.convert_element_type(eq, dtypes.int64)
 
 
-@torchsymbol(F.cosine_similarity, torch.cosine_similarity)
+@torchsymbol(F.cosine_similarity, torch.cosine_similarity, autocast={"cuda": FP32})
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     num = clang.sum(clang.mul(x1, x2), dim)
     n1 = clang.sqrt(clang.sum(clang.mul(x1, x1), dim))

@@ -8,6 +8,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from .convert import to_dtype
+from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -17,17 +18,17 @@ def _dims(dim):
     return dim
 
 
-@torchsymbol(torch.sum, methods=("sum",))
+@torchsymbol(torch.sum, methods=("sum",), tags=("fusible",), autocast={"cuda": FP32_UNLESS_DTYPE})
 def sum(input, dim=None, keepdim=False, *, dtype=None):
     return clang.sum(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
 
-@torchsymbol(torch.mean, methods=("mean",))
+@torchsymbol(torch.mean, methods=("mean",), tags=("fusible",))
 def mean(input, dim=None, keepdim=False, *, dtype=None):
     return clang.mean(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
 
-@torchsymbol(torch.prod, methods=("prod",))
+@torchsymbol(torch.prod, methods=("prod",), autocast={"cpu": FP32, "cuda": FP32_UNLESS_DTYPE})
 def prod(input, dim=None, keepdim=False, *, dtype=None):
     return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG)
 
@@ -37,7 +38,7 @@ def _amax_like(name, prim):
         return clang.reduction(prim, input, _dims(dim), keepdim, upcast=False)
 
     fn.__name__ = name
-    return torchsymbol(getattr(torch, name), methods=(name,), name=name)(fn)
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name, tags=("fusible",))(fn)
 
 
 amax = _amax_like("amax", prims.amax)
@@ -120,7 +121,7 @@ def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return clang.sqrt(v), m
 
 
-@torchsymbol(torch.logsumexp, methods=("logsumexp",))
+@torchsymbol(torch.logsumexp, methods=("logsumexp",), tags=("fusible",), autocast={"cuda": FP32})
 def logsumexp(input, dim, keepdim=False):
     d = clang.canonicalize_dims(input.ndim_, dim)
     x = clang.maybe_convert(input, clang.compute_dtype(input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float()))
@@ -133,7 +134,9 @@ def logsumexp(input, dim, keepdim=False):
     return clang.maybe_convert(out, input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float())
 
 
-@torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax)
+@torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax,
+             tags=("fusible", "fused_backward",),
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """softmax along ``dim`` (computed in float32 for low-precision inputs)."""
     if dim is None:
@@ -141,14 +144,16 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
     return clang.softmax(input, dim, to_dtype(dtype))
 
 
-@torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax)
+@torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax,
+             tags=("fusible", "fused_backward",),
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")
     return clang.log_softmax(input, dim, to_dtype(dtype))
 
 
-@torchsymbol(torch.cumsum, methods=("cumsum",))
+@torchsymbol(torch.cumsum, methods=("cumsum",), autocast={"cuda": FP32_UNLESS_DTYPE})
 def cumsum(input, dim, *, dtype=None):
     dt = to_dtype(dtype)
     x = input
@@ -188,7 +193,8 @@ def count_nonzero(input, dim=None):
     return clang.sum(clang.maybe_convert(clang.ne(input, 0), dtypes.int64), _dims(dim))
 
 
-@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm)
+@torchsymbol(torch.norm, torch.linalg.vector_norm, methods=("norm",), torch_impl=torch.linalg.vector_norm,
+             autocast={"cuda": FP32_UNLESS_DTYPE})
 def norm(input, p=2, dim=None, keepdim=False, dtype=None):
     """Vector norms (p = 2, 1, inf, or any number)."""
     if p == "fro":

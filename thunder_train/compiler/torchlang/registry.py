@@ -4,8 +4,10 @@
 the torch language whose decomposition is the decorated function, routes
 ``torch.add`` and the ``Tensor`` methods to it while tracing, and records
 ``torch.add`` as its torch implementation (the torch executor runs that when
-it claims the symbol whole).  The gradient rule, where there is one, is
-registered next to the definition with ``@grad_rule``.
+it claims the symbol whole).  The op's other facts are declared in the same
+place: tags (``"fusible"``, ``"fused_backward"``, ...), its autocast policy,
+and, where it has a direct one, its gradient rule, registered right after the
+definition with ``@register_vjp(symbol)`` (``transforms/grad_rules.py``).
 """
 from __future__ import annotations
 
@@ -19,17 +21,30 @@ _DEFAULT = object()
 by_torch_fn: dict = {}
 # Tensor method name → Symbol; fallback for wrappers whose identity differs
 by_method_name: dict = {}
-# property name → getter(proxy) and setter(proxy, value); see tensor_properties.py
+# property name → getter(proxy) and setter(proxy, value); the properties are in tensor_methods.py
 property_getters: dict = {}
 property_setters: dict = {}
 all_symbols: dict = {}
 
 
-def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None):
-    """``returns``: a ``torch.return_types`` class the caller gets when the symbol returns a tuple."""
+def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None, autocast=None,
+                not_differentiated_by_torch=()):
+    """Define a torch-language symbol whose decomposition is the decorated function.
+
+    ``torch_fns``/``methods``: the torch callables and ``Tensor`` methods routed to it while tracing;
+    ``torch_impl``: what the torch executor runs for the whole op (default: the first of them);
+    ``tags``: see ``Symbol``; ``returns``: a ``torch.return_types`` class the caller gets when the
+    symbol returns a tuple; ``autocast``: ``{"cpu": policy, "cuda": policy}`` (torchlang/autocast.py);
+    ``not_differentiated_by_torch``: arguments PyTorch's autograd does not differentiate, so a
+    ``fused_backward`` gradient for them stays op by op.
+    """
 
     def deco(fn):
         sym = Symbol(name or fn.__name__, fn, module="ltorch", tags=tags)
+        if autocast is not None:
+            sym.autocast = dict(autocast)
+        if not_differentiated_by_torch:
+            sym.not_differentiated_by_torch = frozenset(not_differentiated_by_torch)
         impl = torch_impl
         if impl is _DEFAULT:
             impl = torch_fns[0] if torch_fns else (getattr(torch.Tensor, methods[0]) if methods else None)

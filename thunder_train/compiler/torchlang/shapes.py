@@ -9,6 +9,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy, NumberProxy
 from .convert import size_args
+from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -117,23 +118,23 @@ def broadcast_tensors(*tensors):
     return tuple(clang.maybe_broadcast(*tensors))
 
 
-@torchsymbol(torch.cat, torch.concat, torch.concatenate)
+@torchsymbol(torch.cat, torch.concat, torch.concatenate, autocast={"cpu": PROMOTE})
 def cat(tensors, dim=0):
     return clang.cat(list(tensors), dim)
 
 
-@torchsymbol(torch.stack)
+@torchsymbol(torch.stack, autocast={"cpu": PROMOTE})
 def stack(tensors, dim=0):
     return clang.stack(list(tensors), dim)
 
 
-@torchsymbol(torch.hstack)
+@torchsymbol(torch.hstack, autocast={"cpu": PROMOTE})
 def hstack(tensors):
     tensors = [clang.reshape(x, (1,)) if x.ndim_ == 0 else x for x in tensors]
     return clang.cat(tensors, 0 if tensors[0].ndim_ == 1 else 1)
 
 
-@torchsymbol(torch.vstack)
+@torchsymbol(torch.vstack, autocast={"cpu": PROMOTE})
 def vstack(tensors):
     tensors = [clang.reshape(x, (1, -1)) if x.ndim_ < 2 else x for x in tensors]
     return clang.cat(tensors, 0)
@@ -281,7 +282,7 @@ def take_along_dim(input, indices, dim=None):
     return prims.gather(clang.expand(input, tuple(shape_in)), clang.expand(indices, tuple(shape_idx)), dim)
 
 
-@torchsymbol(torch.scatter_add, methods=("scatter_add",))
+@torchsymbol(torch.scatter_add, methods=("scatter_add",), autocast={"cuda": PROMOTE})
 def scatter_add(input, dim, index, src):
     return prims.scatter_add(input, index, src, clang.canonicalize_dim(input.ndim_, dim))
 

@@ -331,7 +331,7 @@ def _parse_to(a, args, kwargs):
     return to_dtype(dtype), to_device(device)
 
 
-@torchsymbol(methods=("to",))
+@torchsymbol(methods=("to",), tags=("fusible",))
 def to(a, *args, **kwargs):
     """Tensor.to(dtype | device | tensor, ...): a cast; devices must not change inside the program."""
     dtype, device = _parse_to(a, args, kwargs)
@@ -347,19 +347,20 @@ def to(a, *args, **kwargs):
     return prims.convert_element_type(a, dtype)
 
 
-def _cast_method(name, dt):
+def _cast_method(name, dt, tags=()):
     def fn(a, memory_format=None):
         return clang.maybe_convert(a, dt)
 
     fn.__name__ = name
     fn.__doc__ = f"Tensor.{name}()"
-    return torchsymbol(methods=(name,), name=name)(fn)
+    return torchsymbol(methods=(name,), name=name, tags=tags)(fn)
 
 
-float_ = _cast_method("float", dtypes.float32)
-double = _cast_method("double", dtypes.float64)
-half = _cast_method("half", dtypes.float16)
-bfloat16 = _cast_method("bfloat16", dtypes.bfloat16)
+# Float conversions are fusible (Inductor fusion takes them into kernels); integer ones are not.
+float_ = _cast_method("float", dtypes.float32, ("fusible",))
+double = _cast_method("double", dtypes.float64, ("fusible",))
+half = _cast_method("half", dtypes.float16, ("fusible",))
+bfloat16 = _cast_method("bfloat16", dtypes.bfloat16, ("fusible",))
 long = _cast_method("long", dtypes.int64)
 int_ = _cast_method("int", dtypes.int32)
 bool_ = _cast_method("bool", dtypes.bool8)
@@ -367,7 +368,7 @@ byte = _cast_method("byte", dtypes.uint8)
 short = _cast_method("short", dtypes.int16)
 
 
-@torchsymbol(methods=("type_as",))
+@torchsymbol(methods=("type_as",), tags=("fusible",))
 def type_as(a, other):
     return clang.maybe_convert(a, other._tt_dtype)
 

@@ -146,7 +146,7 @@ def backward_pass(fwd: Forward, cts: Cotangents):
         flat_out, spec = tree_flatten(bsym.output)
         g = tree_unflatten([cts.get(o) if _is_tensor(o) else None for o in flat_out], spec)
         args = bind_arguments(bsym)
-        if bsym.sym.module == "ltorch" and bsym.sym.name in TORCH_VJP and _is_tensor(bsym.output) and _is_tensor(g):
+        if "fused_backward" in bsym.sym.tags and _is_tensor(bsym.output) and _is_tensor(g):
             grads = _as_vjp_symbol(bsym, rule, g, args, fwd.needs_grad)
         else:
             grads = rule(g, bsym.output, **args)
@@ -160,14 +160,11 @@ def backward_pass(fwd: Forward, cts: Cotangents):
                     cts.add(v, gv)
 
 
-# Composites whose gradient is recorded as one ``<name>_vjp`` symbol: its subsymbols are the
-# rule's prims (what decomposing executors run), and the torch executor claims it whole and
-# runs PyTorch's own fused backward kernels (executors/torch_impls.py ``TorchVJP``).
-TORCH_VJP = {"gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy",
-             "scaled_dot_product_attention", "embedding"}
+# Composites tagged "fused_backward" (declared with the op) record their gradient as one
+# ``<name>_vjp`` symbol: its subsymbols are the rule's prims (what decomposing executors run), and
+# the torch executor claims it whole and runs PyTorch's own fused backward kernels
+# (executors/torch_impls.py ``TorchVJP``).
 _vjp_symbols: dict = {}
-# Arguments PyTorch's autograd does not differentiate (our rules do): those stay op by op.
-_TORCH_NOT_DIFFERENTIABLE = {"cross_entropy": {"weight"}}
 
 
 def vjp_symbol(sym) -> Symbol:
@@ -196,7 +193,7 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
         for v, gv in zip(tree_flatten(args[name])[0], tree_flatten(grad)[0]):
             if gv is None or not _is_tensor(v) or id(v) not in needs_grad:
                 continue
-            if name in _TORCH_NOT_DIFFERENTIABLE.get(bsym.sym.name, ()):
+            if name in bsym.sym.not_differentiated_by_torch:
                 ok = False
             if id(gv) not in made or any(gv is o for o in outs):
                 ok = False

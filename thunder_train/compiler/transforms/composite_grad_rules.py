@@ -58,34 +58,6 @@ def linear_vjp(g, out, /, input, weight, bias=None):
     return grads
 
 
-@register_vjp(tnn.relu)
-def relu_vjp(g, out, /, input, inplace=False):
-    return {"input": prims.where(prims.gt(out, 0.0), g, 0.0)}
-
-
-@register_vjp(tnn.gelu)
-def gelu_vjp(g, out, /, input, approximate="none"):
-    x, gu = _up(input), _up(g)
-    if approximate == "tanh":
-        k = math.sqrt(2 / math.pi)
-        inner = mul(add(x, mul(mul(_square(x), x), 0.044715)), k)
-        t = prims.tanh(inner)
-        dinner = mul(add(mul(_square(x), 3 * 0.044715), 1.0), k)
-        d = add(mul(add(t, 1.0), 0.5), mul(mul(mul(x, 0.5), sub(1.0, _square(t))), dinner))
-    else:
-        cdf = mul(add(prims.erf(mul(x, 1 / math.sqrt(2))), 1.0), 0.5)
-        pdf = mul(prims.exp(mul(_square(x), -0.5)), 1 / math.sqrt(2 * math.pi))
-        d = add(cdf, mul(x, pdf))
-    return {"input": _back(mul(gu, d), input)}
-
-
-@register_vjp(tnn.silu)
-def silu_vjp(g, out, /, input, inplace=False):
-    x, gu = _up(input), _up(g)
-    s = prims.sigmoid(x)
-    return {"input": _back(mul(gu, mul(s, add(mul(x, sub(1.0, s)), 1.0))), input)}
-
-
 def _softmax_dims_ok(input, dim=None, _stacklevel=3, dtype=None):
     return dim is not None and dtype is None and input._tt_dtype.is_float
 

@@ -35,7 +35,6 @@ from ..errors import NoGradientRuleError  # noqa: F401  (defined with the other 
 from ..proxies import TensorProxy
 from ..symbols import Symbol
 
-_rules: dict = {}  # Symbol -> (rule, supports)
 _signatures: dict = {}
 
 # Prims whose outputs carry no gradient (random values, factories, integer-valued results).
@@ -47,11 +46,13 @@ NON_DIFFERENTIABLE = {
 
 
 def register_vjp(*syms, supports=None):
-    """Register the decorated function as the gradient rule of ``syms``."""
+    """Register the decorated function as the gradient rule of ``syms`` (``Symbol.grad_rule``).
+
+    Write it next to the op's definition; ``supports(**arguments)`` restricts it to the calls it handles."""
 
     def deco(fn):
         for s in syms:
-            _rules[s] = (fn, supports)
+            s.grad_rule = (fn, supports)
         return fn
 
     return deco
@@ -73,7 +74,7 @@ def get_rule(bsym):
     own = getattr(bsym.sym, "vjp_rule", None)  # a symbol made for one call (a custom autograd.Function)
     if own is not None:
         return own
-    entry = _rules.get(bsym.sym)
+    entry = bsym.sym.grad_rule
     if entry is None:
         return None
     fn, supports = entry
@@ -83,7 +84,7 @@ def get_rule(bsym):
 
 
 def has_rule(sym) -> bool:
-    return sym in _rules
+    return sym.grad_rule is not None
 
 
 # ---------------------------------------------------------------------------

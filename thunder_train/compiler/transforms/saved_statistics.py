@@ -19,12 +19,12 @@ everything else alone.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import dtypes
 from ..executors import torch_impls
 from ..executors.torch_executor import impl_symbol
 from ..proxies import TensorProxy
+from ..torchlang import nn as ltorch_nn
 from ..pytree import tree_flatten
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -185,8 +185,11 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
     return new_fwd, new_vjp
 
 
-_REWRITES = {F.scaled_dot_product_attention: _rewrite_sdpa, F.cross_entropy: _rewrite_cross_entropy,
-             F.layer_norm: _rewrite_layer_norm}
+# Which forward statistics an op's backward reuses: a fact of the op (``Symbol.torch_saved_statistics``),
+# registered here because the kernels are the torch executor's.
+ltorch_nn.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
+ltorch_nn.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy
+ltorch_nn.layer_norm.torch_saved_statistics = _rewrite_layer_norm
 
 
 def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):
@@ -194,12 +197,14 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
     changed = False
     for j, vb in enumerate(bsyms):
         vjp = _vjp_of(vb)
-        if vjp is None or vjp.fn not in _REWRITES:
+        op = getattr(vb.source, "forward_symbol", None)  # the op whose <name>_vjp line this is
+        rewrite = getattr(op, "torch_saved_statistics", None)
+        if vjp is None or rewrite is None or vjp.fn is not op.torch_impl:
             continue
         for i in range(j - 1, -1, -1):
             fb = bsyms[i]
             if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb):
-                pair = _REWRITES[vjp.fn](trc, fb, vb, vjp.wanted)
+                pair = rewrite(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
                     changed = True
