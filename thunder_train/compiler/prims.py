@@ -6,12 +6,15 @@ strict — elementwise inputs have one shape and one dtype, reductions take
 explicit dims — so that executors implement a small, simple set; clang builds
 the conveniences (broadcasting, type promotion, -1 in reshape) on top.
 
-Each prim's torch implementation is in ``executors/torch_executor.py`` and
-its gradient rule in ``transforms/grad_rules.py``; both are keyed by the
-symbol object defined here.
+Facts about a prim hang off its symbol: its tags (``"fusible"``,
+``"side_effect"``, ...) and what it is on Python numbers are declared here;
+its gradient rule (``Symbol.grad_rule``) is registered in
+``transforms/grad_rules.py`` and its torch implementation in
+``executors/torch_executor.py`` (an executor adds its own implementations).
 """
 from __future__ import annotations
 
+import builtins
 import math
 import operator
 import sys
@@ -72,43 +75,12 @@ BINARY_OPS = (
 ).split()
 BINARY_BOOL_OPS = "eq ne lt le gt ge".split()
 
-_python_scalar = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "div": operator.truediv,
-    "floor_divide": operator.floordiv,
-    "remainder": operator.mod,
-    "pow": operator.pow,
-    "maximum": max,
-    "minimum": min,
-    "eq": operator.eq,
-    "ne": operator.ne,
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
-    "neg": operator.neg,
-    "abs": abs,
-    "sqrt": math.sqrt,
-    "exp": math.exp,
-    "log": math.log,
-    "floor": math.floor,
-    "ceil": math.ceil,
-}
-
-
-# Python's infix spelling of the scalar prims (printed programs, prologue size checks).
-SCALAR_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floor_divide": "//", "remainder": "%", "pow": "**",
-                "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-
-
 def _elementwise_meta(opname, args, *, bool_output=False):
     tensors = _tensor_args(args)
     if not tensors:
         # A scalar computation on runtime numbers: recorded, output is a NumberProxy.
         _check(any(isinstance(a, NumberProxy) for a in args), f"{opname}: expected a tensor or NumberProxy input")
-        fn = _python_scalar.get(opname)
+        fn = _all[opname].python_op
         _check(fn is not None, f"{opname} is not supported on Python numbers")
         value = fn(*[_number_value(a) for a in args])
         if any(is_checked(a) for a in args) and type(value) in (int, float):
@@ -165,6 +137,44 @@ for _n in BINARY_BOOL_OPS:
 # Elementwise, but not taken into Inductor kernels (not checked with Inductor here).
 for _p in (digamma, signbit, copysign, nextafter, bitwise_left_shift, bitwise_right_shift):  # noqa: F821
     _p.tags = _p.tags - {"fusible"}
+
+
+def _on_numbers(sym, python_op, infix=None, *, commutative=False, mirrored=None):
+    """What an elementwise prim is on Python numbers (runtime scalars: an lr, a symbolic size): the Python
+    function computing it, its infix spelling (printed programs, prologue checks), whether its operands
+    commute and which comparison swaps them (``a < b`` is ``b > a``)."""
+    sym.python_op, sym.infix, sym.mirrored = python_op, infix, mirrored
+    if commutative:
+        sym.tags = sym.tags | {"commutative"}
+
+
+_on_numbers(add, operator.add, "+", commutative=True)
+_on_numbers(sub, operator.sub, "-")
+_on_numbers(mul, operator.mul, "*", commutative=True)
+_on_numbers(div, operator.truediv, "/")
+_on_numbers(floor_divide, operator.floordiv, "//")
+_on_numbers(remainder, operator.mod, "%")
+_on_numbers(pow, operator.pow, "**")
+_on_numbers(maximum, max, commutative=True)
+_on_numbers(minimum, min, commutative=True)
+_on_numbers(eq, operator.eq, "==", commutative=True)
+_on_numbers(ne, operator.ne, "!=", commutative=True)
+_on_numbers(lt, operator.lt, "<", mirrored=gt)
+_on_numbers(le, operator.le, "<=", mirrored=ge)
+_on_numbers(gt, operator.gt, ">", mirrored=lt)
+_on_numbers(ge, operator.ge, ">=", mirrored=le)
+_on_numbers(neg, operator.neg)
+_on_numbers(abs, builtins.abs)
+_on_numbers(sqrt, math.sqrt)
+_on_numbers(exp, math.exp)
+_on_numbers(log, math.log)
+_on_numbers(floor, math.floor)
+_on_numbers(ceil, math.ceil)
+for _p in (bitwise_and, bitwise_or, bitwise_xor, hypot):  # commutative on tensors (no Python-number form)
+    _p.tags = _p.tags | {"commutative"}
+
+# Python's infix spelling of the scalar prims, by prim name (prologue size checks read it).
+SCALAR_INFIX = {n: s.infix for n, s in _all.items() if s.infix is not None}
 
 
 @_prim(tags=_FUSIBLE_ELEMENTWISE)

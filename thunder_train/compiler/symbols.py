@@ -41,6 +41,7 @@ class Symbol:
     - ``"side_effect"``, ``"inplace"``: a call must run even if nobody reads it;
     - ``"elementwise"``, ``"reduction"``: Inductor fusion may put the op's torch call
       in a fused kernel (executors/inductor_fusion.py);
+    - ``"commutative"``: the operands of a binary prim may be swapped;
     - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose
       subsymbols are the rule's prims; the torch executor runs PyTorch's own fused
       backward for it (transforms/autograd.py, executors/torch_impls.py ``TorchVJP``).
@@ -53,6 +54,7 @@ class Symbol:
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
+    python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims.py ``_on_numbers``)
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

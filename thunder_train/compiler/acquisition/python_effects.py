@@ -32,7 +32,7 @@ def refuse_backward_hooks(st):
     around ``tt.compile(model)`` PyTorch's engine still runs them when it accumulates ``.grad``.
     """
     inside, walker = st.has_backward, st.walker
-    # The autograd path (attach_autograd): grad enabled and an input requiring grad.
+    # The autograd path (compiler/pipeline.py, step 9): grad enabled and an input requiring grad.
     outside = torch.is_grad_enabled() and any(
         leaf.kind == "tensor" and leaf.proxy._tt_requires_grad for leaf in walker.leaves)
     if not (inside or outside):

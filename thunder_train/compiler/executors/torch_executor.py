@@ -96,29 +96,28 @@ def _rule(*syms):
 
 _UNARY_TORCH = {n: getattr(torch, n) for n in prims.UNARY_OPS + prims.UNARY_BOOL_OPS}
 _BINARY_TORCH = {n: getattr(torch, n) for n in prims.BINARY_OPS + prims.BINARY_BOOL_OPS if n not in ("div",)}
-_COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne", "bitwise_and", "bitwise_or", "bitwise_xor", "hypot"}
-_SWAPPED_CMP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
 
 
 class ScalarSymbol(Symbol):
     """Python arithmetic on runtime numbers, printed as an expression: ``n1 = 1 - n0``."""
 
-    def __init__(self, name, fn):
+    def __init__(self, name, fn, infix):
         super().__init__(f"scalar_{name}", fn, module="torch_executor", is_prim=True)
         self.op = name
+        self.infix = infix
 
     def format_lines(self, bsym, fmt):
         args = [fmt(a) for a in bsym.args]
-        op = prims.SCALAR_INFIX.get(self.op)
+        op = self.infix
         expr = f"{args[0]} {op} {args[1]}" if op and len(args) == 2 else f"_scalar_{self.op}({', '.join(args)})"
         out = bsym.output
         return [f"{fmt(out)} = {expr}  # {out.name}: {out.python_type.__name__}"]
 
     def codegen_globals(self) -> dict:
-        return {} if self.op in prims.SCALAR_INFIX else {f"_scalar_{self.op}": self.fn}
+        return {} if self.infix else {f"_scalar_{self.op}": self.fn}
 
 
-_scalar_symbols = {name: ScalarSymbol(name, fn) for name, fn in prims._python_scalar.items()}
+_scalar_symbols = {name: ScalarSymbol(name, p.python_op, p.infix) for name, p in prims.all_prims().items() if p.python_op is not None}
 
 
 def _scalar_rule(bsym):
@@ -154,10 +153,10 @@ def _binary_rule(bsym):
         t, s = (a, b) if _t(a) else (b, a)
         return (torch.clamp_min if name == "maximum" else torch.clamp_max), (t, s), {}
     if not _t(a):
-        if name in _COMMUTATIVE:
+        if "commutative" in bsym.sym.tags:
             return op, (b, a), {}
-        if name in _SWAPPED_CMP:
-            return _BINARY_TORCH[_SWAPPED_CMP[name]], (b, a), {}
+        if bsym.sym.mirrored is not None:
+            return _BINARY_TORCH[bsym.sym.mirrored.name], (b, a), {}
         if name == "sub":
             return torch_impls.rsub, (a, b), {}
         if name == "pow":

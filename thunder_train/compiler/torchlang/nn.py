@@ -1,4 +1,6 @@
-"""torch.nn.functional: activations, losses, normalisation, attention, convolution, pooling."""
+"""torch.nn.functional: activations, linear/embedding/dropout, normalisation, attention, convolution, pooling.
+
+Losses are in losses.py.  Each op's gradient rule, where it has a direct one, follows its definition."""
 from __future__ import annotations
 
 import math
@@ -9,8 +11,8 @@ import torch.nn.functional as F
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
-from ..transforms.grad_rules import register_vjp
-from .autocast import BANNED, FP32, LOWER  # autocast policies: see autocast.py
+from ..transforms.grad_rules import _float, downcast_like, register_vjp, sum_to, upcast, zeros_like
+from .autocast import FP32, LOWER  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
 
@@ -174,6 +176,19 @@ def linear(input, weight, bias=None):
     return out
 
 
+@register_vjp(linear, supports=lambda input, weight, bias=None: weight.ndim_ == 2 and input._tt_dtype is weight._tt_dtype)
+def _linear_vjp(g, out, /, input, weight, bias=None):
+    n_out, n_in = weight._tt_shape
+    g2 = clang.reshape(g, (-1, n_out))
+    grads = {
+        "input": clang.reshape(prims.matmul(g2, weight), input._tt_shape),
+        "weight": prims.matmul(clang.transpose(g2, 0, 1), clang.reshape(input, (-1, n_in))),
+    }
+    if _t(bias):
+        grads["bias"] = downcast_like(prims.sum(g2, (0,)), bias)
+    return grads
+
+
 @torchsymbol(F.embedding, tags=("fused_backward",))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
@@ -181,6 +196,18 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     flat = clang.reshape(input, (-1,))
     out = prims.take(weight, flat, 0)
     return clang.reshape(out, input._tt_shape + (weight._tt_shape[1],))
+
+
+@register_vjp(embedding, supports=lambda input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False: not scale_grad_by_freq and not sparse)
+def _embedding_vjp(g, out, /, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    # Rows are accumulated with index_put; the padding row gets no gradient (torch semantics).
+    idx = clang.reshape(input, (-1,))
+    rows = clang.reshape(g, (-1, weight._tt_shape[1]))
+    if padding_idx is not None:
+        pad = padding_idx % weight._tt_shape[0]
+        is_pad = prims.broadcast_in_dim(prims.eq(idx, pad), rows._tt_shape, (0,))
+        rows = prims.where(is_pad, 0.0, rows)
+    return {"weight": prims.index_put(zeros_like(weight), (idx,), rows, True)}
 
 
 @torchsymbol(F.dropout, torch.dropout)
@@ -195,179 +222,6 @@ def dropout(input, p=0.5, training=True, inplace=False):
     # As eager computes it on CPU: noise = bernoulli(1 - p) / (1 - p); input * noise (the same random draws).
     noise = prims.div(prims.bernoulli(input, 1.0 - p), 1.0 - p)
     return prims.mul(input, noise)
-
-
-# ---------------------------------------------------------------------------
-# Losses
-# ---------------------------------------------------------------------------
-def _reduce(loss, reduction, weight_sum=None):
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return clang.sum(loss)
-    if reduction == "mean":
-        if weight_sum is not None:
-            return clang.true_divide(clang.sum(loss), weight_sum)
-        return clang.mean(loss)
-    raise ValueError(f"{reduction} is not a valid value for reduction")
-
-
-@torchsymbol(F.mse_loss, autocast={"cpu": FP32, "cuda": FP32})
-def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-    d = clang.sub(input, target)
-    return _reduce(clang.mul(d, d), reduction)
-
-
-@torchsymbol(F.l1_loss, autocast={"cpu": FP32, "cuda": FP32})
-def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    return _reduce(clang.elementwise_unary(prims.abs, clang.sub(input, target)), reduction)
-
-
-@torchsymbol(F.smooth_l1_loss, autocast={"cpu": FP32, "cuda": FP32})
-def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
-    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
-    if beta == 0:
-        return _reduce(d, reduction)
-    quad = clang.true_divide(clang.mul(clang.mul(d, d), 0.5), beta)
-    return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
-
-
-@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
-def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
-    x, dt = _up(input)
-    t = clang.maybe_convert(target, x._tt_dtype)
-    # loss = (1 - t) * x + (1 + (pw - 1) * t) * softplus(-x), in a stable form.
-    log_sig_neg = _softplus(prims.neg(x), 1.0, 20.0)
-    if pos_weight is not None:
-        lw = clang.add(clang.mul(clang.sub(clang.maybe_convert(pos_weight, x._tt_dtype), 1), t), 1)
-        loss = clang.add(clang.mul(clang.sub(1, t), x), clang.mul(lw, log_sig_neg))
-    else:
-        loss = clang.add(clang.mul(clang.sub(1, t), x), log_sig_neg)
-    if weight is not None:
-        loss = clang.mul(loss, weight)
-    return clang.maybe_convert(_reduce(loss, reduction), dt)
-
-
-@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
-def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
-    """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
-    x, dt = _up(input)
-    t = clang.maybe_convert(target, x._tt_dtype)
-    log_p = clang.maximum(clang.log(x), -100.0)
-    log_1mp = clang.maximum(clang.log(clang.sub(1, x)), -100.0)
-    loss = clang.neg(clang.add(clang.mul(t, log_p), clang.mul(clang.sub(1, t), log_1mp)))
-    if weight is not None:
-        loss = clang.mul(loss, weight)
-    return clang.maybe_convert(_reduce(loss, reduction), dt)
-
-
-@torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
-def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
-    """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
-    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
-    quad = clang.mul(clang.mul(d, d), 0.5)
-    lin = clang.mul(clang.sub(d, 0.5 * delta), delta)
-    return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
-
-
-@torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
-def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
-    """target (log target - input), with 0 where target is 0 (xlogy)."""
-    if log_target:
-        loss = clang.mul(clang.exp(target), clang.sub(target, input))
-    else:
-        from .elementwise import xlogy
-
-        loss = clang.sub(xlogy(target, target), clang.mul(target, input))
-    if reduction == "batchmean":
-        return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)
-    return _reduce(loss, reduction)
-
-
-@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
-def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
-    return _nll(input, target, weight, ignore_index, reduction)
-
-
-def _nll(logp, target, weight, ignore_index, reduction):
-    # logp: (N, C, ...) or (C,); target: (N, ...) or ()
-    if logp.ndim_ == 1:
-        logp = clang.unsqueeze(logp, 0)
-        target = clang.unsqueeze(target, 0)
-    c_dim = 1
-    lp = clang.permute(logp, [0] + list(range(2, logp.ndim_)) + [1]) if logp.ndim_ > 2 else logp
-    C = logp._tt_shape[c_dim]
-    lp = clang.reshape(lp, (-1, C))
-    t = clang.reshape(target, (-1,))
-    valid = clang.ne(t, ignore_index)
-    safe_t = clang.where(valid, t, 0)
-    picked = prims.gather(lp, clang.unsqueeze(safe_t, 1), 1)
-    picked = clang.reshape(picked, (-1,))
-    w = None
-    if weight is not None:
-        w = prims.take(clang.maybe_convert(weight, lp._tt_dtype), safe_t, 0)
-        w = clang.where(valid, w, 0.0)
-    else:
-        w = clang.maybe_convert(valid, lp._tt_dtype)
-    loss = clang.neg(clang.mul(picked, w))
-    if reduction == "none":
-        return clang.reshape(loss, target._tt_shape if target.ndim_ else ())
-    if reduction == "sum":
-        return clang.sum(loss)
-    return clang.true_divide(clang.sum(loss), clang.sum(w))
-
-
-@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
-             autocast={"cpu": FP32, "cuda": FP32})
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
-    """Cross entropy over class indices or class probabilities, with label smoothing."""
-    x, dt = _up(input)
-    c_dim = 0 if x.ndim_ == 1 else 1
-    C = x._tt_shape[c_dim]
-    logp = clang.log_softmax(x, c_dim)
-    if target._tt_dtype.is_float:  # class probabilities
-        t = clang.maybe_convert(target, x._tt_dtype)
-        if label_smoothing > 0:
-            t = clang.add(clang.mul(t, 1 - label_smoothing), label_smoothing / C)
-        prod = clang.mul(logp, t)
-        if weight is not None:
-            shape = [1] * x.ndim_
-            shape[c_dim] = C
-            prod = clang.mul(prod, clang.reshape(clang.maybe_convert(weight, x._tt_dtype), tuple(shape)))
-        loss = clang.neg(clang.sum(prod, c_dim))
-        if reduction == "mean":
-            n = math.prod(x._tt_shape) // C
-            return clang.maybe_convert(clang.true_divide(clang.sum(loss), float(n)), dt)
-        return clang.maybe_convert(_reduce(loss, reduction), dt)
-    nll = _nll(logp, target, weight, ignore_index, reduction)
-    if label_smoothing <= 0:
-        return clang.maybe_convert(nll, dt)
-    # Smoothing term: mean over classes of -logp (weighted), masked by ignore_index.
-    lp = logp if x.ndim_ > 1 else clang.unsqueeze(logp, 0)
-    t = target if x.ndim_ > 1 else clang.unsqueeze(target, 0)
-    if weight is not None:
-        shape = [1] * lp.ndim_
-        shape[1] = C
-        lpw = clang.mul(lp, clang.reshape(clang.maybe_convert(weight, lp._tt_dtype), tuple(shape)))
-    else:
-        lpw = lp
-    smooth = clang.neg(clang.sum(lpw, 1))
-    valid = clang.ne(t, ignore_index)
-    smooth = clang.where(valid, smooth, 0.0)
-    if reduction == "none":
-        smooth = smooth if x.ndim_ > 1 else clang.reshape(smooth, ())
-    elif reduction == "sum":
-        smooth = clang.sum(smooth)
-    else:
-        if weight is not None:
-            flat_valid = clang.reshape(valid, (-1,))
-            w_per = prims.take(clang.maybe_convert(weight, lp._tt_dtype), clang.reshape(clang.where(valid, t, 0), (-1,)), 0)
-            wsum = clang.sum(clang.where(flat_valid, w_per, 0.0))
-        else:
-            wsum = clang.sum(clang.maybe_convert(valid, lp._tt_dtype))
-        smooth = clang.true_divide(clang.sum(smooth), wsum)
-    out = clang.add(clang.mul(nll, 1 - label_smoothing), clang.mul(smooth, label_smoothing / C))
-    return clang.maybe_convert(out, dt)
 
 
 # ---------------------------------------------------------------------------
@@ -402,6 +256,53 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if weight is not None:
         out = clang.mul(out, clang.maybe_convert(weight, out._tt_dtype))
     return clang.maybe_convert(out, dt)
+
+
+def _norm_dims(x, normalized_shape):
+    nd = len(tuple(normalized_shape))
+    return tuple(range(x.ndim_ - nd, x.ndim_))
+
+
+def _mean_keep(x, dims):
+    return clang.expand(clang.mean(x, dims, keepdim=True), x._tt_shape)
+
+
+def _affine_grads(gy, xhat, weight, bias, dims):
+    """Gradients of ``y = xhat * weight + bias`` for weight and bias (summed over the batch dims)."""
+    batch = tuple(d for d in range(gy.ndim_) if d not in dims)
+    grads = {}
+    if _t(weight):
+        grads["weight"] = downcast_like(clang.reshape(clang.sum(_mul(gy, xhat), batch), weight._tt_shape), weight)
+    if _t(bias):
+        grads["bias"] = downcast_like(clang.reshape(clang.sum(gy, batch), bias._tt_shape), bias)
+    return grads
+
+
+@register_vjp(layer_norm)
+def _layer_norm_vjp(g, out, /, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    # Mean and rstd are recomputed from the input (cheap reductions) instead of being saved.
+    x, gy = upcast(input), upcast(g)
+    dims = _norm_dims(x, normalized_shape)
+    mean = _mean_keep(x, dims)
+    centred = _sub(x, mean)
+    rstd = clang.expand(prims.rsqrt(_add(clang.mean(_square(centred), dims, keepdim=True), eps)), x._tt_shape)
+    xhat = _mul(centred, rstd)
+    gxhat = clang.mul(gy, weight) if _t(weight) else gy
+    gx = _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, bias, dims)}
+
+
+@register_vjp(rms_norm)
+def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
+    x, gy = upcast(input), upcast(g)
+    dims = _norm_dims(x, normalized_shape)
+    if eps is None:
+        eps = torch.finfo(input._tt_dtype.torch).eps
+    rrms = clang.expand(prims.rsqrt(_add(clang.mean(_square(x), dims, keepdim=True), eps)), x._tt_shape)
+    xhat = _mul(x, rrms)
+    gxhat = clang.mul(gy, weight) if _t(weight) else gy
+    gx = _mul(rrms, _sub(gxhat, _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, None, dims)}
 
 
 @torchsymbol(F.batch_norm)
@@ -525,6 +426,65 @@ def _repeat_heads(x, rep):
     x = clang.unsqueeze(x, -3)
     x = clang.expand(x, shape[:-2] + (rep,) + shape[-2:])
     return clang.reshape(x, shape[:-3] + (shape[-3] * rep,) + shape[-2:])
+
+
+def _sdpa_supported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """No dropout (its mask exists only inside the forward: the decomposition, which keeps it, is used then)."""
+    if dropout_p != 0.0 or not query.ndim_ == key.ndim_ == value.ndim_:
+        return False
+    hq, hk, hv = (t._tt_shape[-3:-2] for t in (query, key, value))
+    if hq == hk == hv:
+        return True
+    return bool(enable_gqa) and hk == hv and hq[0] % hk[0] == 0
+
+
+@register_vjp(scaled_dot_product_attention, supports=_sdpa_supported)
+def _sdpa_vjp(g, out, /, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Attention probabilities are recomputed from q and k; nothing of size L×S is saved.
+
+    Grouped-query attention (``enable_gqa``, fewer key/value heads): each kv
+    head serves ``Hq / Hkv`` consecutive query heads, so it is repeated for the
+    computation and its gradient is the sum over its group.
+    """
+    q, k, v, gu = upcast(query), upcast(key), upcast(value), upcast(g)
+    rep = 1
+    if q.ndim_ >= 3 and k._tt_shape[-3] != q._tt_shape[-3]:
+        rep = q._tt_shape[-3] // k._tt_shape[-3]
+        k, v = _repeat_heads(k, rep), _repeat_heads(v, rep)
+    L, S = q._tt_shape[-2], k._tt_shape[-2]
+    scale = 1.0 / math.sqrt(q._tt_shape[-1]) if scale is None else scale
+    scores = _mul(prims.matmul(q, clang.transpose(k, -2, -1)), scale)
+    if is_causal:
+        r = prims.broadcast_in_dim(prims.iota(L, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (0,))
+        c = prims.broadcast_in_dim(prims.iota(S, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (1,))
+        scores = clang.where(clang.expand(prims.ge(r, c), scores._tt_shape), scores, -math.inf)
+    elif _t(attn_mask):
+        if attn_mask._tt_dtype.is_bool:
+            scores = clang.where(clang.expand(attn_mask, scores._tt_shape), scores, -math.inf)
+        else:
+            scores = clang.add(scores, clang.maybe_convert(attn_mask, scores._tt_dtype))
+    p = clang.softmax(scores, -1)
+    gv = prims.matmul(clang.transpose(p, -2, -1), gu)
+    gp = prims.matmul(gu, clang.transpose(v, -2, -1))
+    gs = _mul(p, _sub(gp, clang.expand(clang.sum(_mul(gp, p), -1, keepdim=True), p._tt_shape)))
+    gk = _mul(prims.matmul(clang.transpose(gs, -2, -1), q), scale)
+    if rep > 1:
+        gk, gv = _sum_head_groups(gk, rep), _sum_head_groups(gv, rep)
+    grads = {
+        "query": downcast_like(sum_to(_mul(prims.matmul(gs, k), scale), query._tt_shape), query),
+        "key": downcast_like(sum_to(gk, key._tt_shape), key),
+        "value": downcast_like(sum_to(gv, value._tt_shape), value),
+    }
+    if _float(attn_mask) and not is_causal:
+        grads["attn_mask"] = downcast_like(sum_to(gs, attn_mask._tt_shape), attn_mask)
+    return grads
+
+
+def _sum_head_groups(x, rep):
+    """(..., H·rep, S, E) -> (..., H, S, E): the sum over each group of ``rep`` consecutive heads."""
+    shape = x._tt_shape
+    grouped = clang.reshape(x, shape[:-3] + (shape[-3] // rep, rep) + shape[-2:])
+    return prims.sum(grouped, (len(shape) - 2,))
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from .. import clang, dtypes, prims
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
+from ..transforms.grad_rules import downcast_like, mul, register_vjp, sub, upcast
 from .registry import torchsymbol
 
 
@@ -151,6 +152,27 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")
     return clang.log_softmax(input, dim, to_dtype(dtype))
+
+
+# Direct rules: the softmax output is all the gradient needs.
+def _softmax_dims_ok(input, dim=None, _stacklevel=3, dtype=None):
+    return dim is not None and dtype is None and input._tt_dtype.is_float
+
+
+@register_vjp(softmax, supports=_softmax_dims_ok)
+def _softmax_vjp(g, out, /, input, dim=None, _stacklevel=3, dtype=None):
+    y, gu = upcast(out), upcast(g)
+    d = clang.canonicalize_dim(input.ndim_, dim)
+    inner = clang.sum(mul(gu, y), d, keepdim=True)
+    return {"input": downcast_like(mul(y, sub(gu, clang.expand(inner, y._tt_shape))), input)}
+
+
+@register_vjp(log_softmax, supports=_softmax_dims_ok)
+def _log_softmax_vjp(g, out, /, input, dim=None, _stacklevel=3, dtype=None):
+    y, gu = upcast(out), upcast(g)
+    d = clang.canonicalize_dim(input.ndim_, dim)
+    total = clang.expand(clang.sum(gu, d, keepdim=True), y._tt_shape)
+    return {"input": downcast_like(sub(gu, mul(prims.exp(y), total)), input)}
 
 
 @torchsymbol(torch.cumsum, methods=("cumsum",), autocast={"cuda": FP32_UNLESS_DTYPE})

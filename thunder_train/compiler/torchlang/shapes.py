@@ -10,6 +10,7 @@ from .. import clang, dtypes, prims
 from ..proxies import TensorProxy, NumberProxy
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
+from ..transforms.grad_rules import register_vjp
 from .registry import torchsymbol
 
 
@@ -181,6 +182,24 @@ def tensor_split(input, indices_or_sections, dim=0):
         out.append(clang.slice_in_dim(input, start, start + s, 1, dim))
         start += s
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# split-like composites: one cat of the pieces' gradients (not a padded sum per piece)
+# ---------------------------------------------------------------------------
+def _cat_piece_grads(g, out, dim):
+    pieces = [gi if gi is not None else prims.full(o._tt_shape, 0, device=o._tt_device, dtype=o._tt_dtype) for gi, o in zip(g, out)]
+    return pieces[0] if len(pieces) == 1 else prims.cat(tuple(pieces), dim)
+
+
+@register_vjp(split)
+def _split_vjp(g, out, /, tensor, split_size_or_sections, dim=0):
+    return {"tensor": _cat_piece_grads(g, out, clang.canonicalize_dim(tensor.ndim_, dim))}
+
+
+@register_vjp(tensor_split)
+def _tensor_split_vjp(g, out, /, input, indices_or_sections, dim=0):
+    return {"input": _cat_piece_grads(g, out, clang.canonicalize_dim(input.ndim_, dim))}
 
 
 @torchsymbol(torch.unbind, methods=("unbind",))

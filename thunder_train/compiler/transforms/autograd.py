@@ -34,7 +34,6 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
-from . import composite_grad_rules  # noqa: F401  (registers the torch-language composites' direct rules)
 from .dce import dce
 from .grad_rules import NON_DIFFERENTIABLE, NoGradientRuleError, bind_arguments, get_rule
 
@@ -140,7 +139,8 @@ def backward_pass(fwd: Forward, cts: Cotangents):
             raise NoGradientRuleError(
                 f"cannot compute gradients: {_describe(bsym)} has no gradient rule "
                 f"(it produces {', '.join(o._tt_name for o in outs)}, which a differentiable output depends on). "
-                "Add one with @register_vjp in thunder_train/compiler/transforms/grad_rules.py, "
+                "Add one with @register_vjp next to the op's definition (thunder_train/compiler/torchlang/; "
+                "a prim's in thunder_train/compiler/transforms/grad_rules.py), "
                 "or compute this part under torch.no_grad() / on detached tensors."
             )
         flat_out, spec = tree_flatten(bsym.output)

@@ -127,6 +127,16 @@ def _square(x):
     return mul(x, x)
 
 
+def upcast(x):
+    """Low-precision floats in their compute dtype (float32): rules compute there, like the forwards."""
+    return clang.maybe_convert(x, clang.compute_dtype(x._tt_dtype))
+
+
+def downcast_like(grad, like):
+    """A gradient computed in the compute dtype, converted back to its input's dtype."""
+    return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
+
+
 # ---------------------------------------------------------------------------
 # Elementwise prims
 # ---------------------------------------------------------------------------

@@ -1,0 +1,285 @@
+"""torch.nn.functional losses: mse, l1, smooth L1, Huber, binary cross-entropy (with logits), KL divergence,
+NLL and cross-entropy.  Cross-entropy's direct gradient rule follows its definition."""
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+
+from .. import clang, prims
+from ..proxies import TensorProxy
+from ..transforms.grad_rules import _float, downcast_like, register_vjp, upcast
+from .autocast import BANNED, FP32  # autocast policies: see autocast.py
+from .nn import _softplus
+from .registry import torchsymbol
+
+
+def _t(x):
+    return type(x) is TensorProxy
+
+
+def _up(a):
+    """Upcast low-precision floats for a composite; returns (value, original dtype)."""
+    return clang.maybe_convert(a, clang.compute_dtype(a._tt_dtype)), a._tt_dtype
+
+
+def _reduce(loss, reduction, weight_sum=None):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return clang.sum(loss)
+    if reduction == "mean":
+        if weight_sum is not None:
+            return clang.true_divide(clang.sum(loss), weight_sum)
+        return clang.mean(loss)
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+@torchsymbol(F.mse_loss, autocast={"cpu": FP32, "cuda": FP32})
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    d = clang.sub(input, target)
+    return _reduce(clang.mul(d, d), reduction)
+
+
+@torchsymbol(F.l1_loss, autocast={"cpu": FP32, "cuda": FP32})
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _reduce(clang.elementwise_unary(prims.abs, clang.sub(input, target)), reduction)
+
+
+@torchsymbol(F.smooth_l1_loss, autocast={"cpu": FP32, "cuda": FP32})
+def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
+    if beta == 0:
+        return _reduce(d, reduction)
+    quad = clang.true_divide(clang.mul(clang.mul(d, d), 0.5), beta)
+    return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
+
+
+@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    x, dt = _up(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    # loss = (1 - t) * x + (1 + (pw - 1) * t) * softplus(-x), in a stable form.
+    log_sig_neg = _softplus(prims.neg(x), 1.0, 20.0)
+    if pos_weight is not None:
+        lw = clang.add(clang.mul(clang.sub(clang.maybe_convert(pos_weight, x._tt_dtype), 1), t), 1)
+        loss = clang.add(clang.mul(clang.sub(1, t), x), clang.mul(lw, log_sig_neg))
+    else:
+        loss = clang.add(clang.mul(clang.sub(1, t), x), log_sig_neg)
+    if weight is not None:
+        loss = clang.mul(loss, weight)
+    return clang.maybe_convert(_reduce(loss, reduction), dt)
+
+
+@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
+    x, dt = _up(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    log_p = clang.maximum(clang.log(x), -100.0)
+    log_1mp = clang.maximum(clang.log(clang.sub(1, x)), -100.0)
+    loss = clang.neg(clang.add(clang.mul(t, log_p), clang.mul(clang.sub(1, t), log_1mp)))
+    if weight is not None:
+        loss = clang.mul(loss, weight)
+    return clang.maybe_convert(_reduce(loss, reduction), dt)
+
+
+@torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
+def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
+    d = clang.elementwise_unary(prims.abs, clang.sub(input, target))
+    quad = clang.mul(clang.mul(d, d), 0.5)
+    lin = clang.mul(clang.sub(d, 0.5 * delta), delta)
+    return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
+
+
+@torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """target (log target - input), with 0 where target is 0 (xlogy)."""
+    if log_target:
+        loss = clang.mul(clang.exp(target), clang.sub(target, input))
+    else:
+        from .elementwise import xlogy
+
+        loss = clang.sub(xlogy(target, target), clang.mul(target, input))
+    if reduction == "batchmean":
+        return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)
+    return _reduce(loss, reduction)
+
+
+@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    return _nll(input, target, weight, ignore_index, reduction)
+
+
+def _nll(logp, target, weight, ignore_index, reduction):
+    # logp: (N, C, ...) or (C,); target: (N, ...) or ()
+    if logp.ndim_ == 1:
+        logp = clang.unsqueeze(logp, 0)
+        target = clang.unsqueeze(target, 0)
+    c_dim = 1
+    lp = clang.permute(logp, [0] + list(range(2, logp.ndim_)) + [1]) if logp.ndim_ > 2 else logp
+    C = logp._tt_shape[c_dim]
+    lp = clang.reshape(lp, (-1, C))
+    t = clang.reshape(target, (-1,))
+    valid = clang.ne(t, ignore_index)
+    safe_t = clang.where(valid, t, 0)
+    picked = prims.gather(lp, clang.unsqueeze(safe_t, 1), 1)
+    picked = clang.reshape(picked, (-1,))
+    w = None
+    if weight is not None:
+        w = prims.take(clang.maybe_convert(weight, lp._tt_dtype), safe_t, 0)
+        w = clang.where(valid, w, 0.0)
+    else:
+        w = clang.maybe_convert(valid, lp._tt_dtype)
+    loss = clang.neg(clang.mul(picked, w))
+    if reduction == "none":
+        return clang.reshape(loss, target._tt_shape if target.ndim_ else ())
+    if reduction == "sum":
+        return clang.sum(loss)
+    return clang.true_divide(clang.sum(loss), clang.sum(w))
+
+
+@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
+             autocast={"cpu": FP32, "cuda": FP32})
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
+    """Cross entropy over class indices or class probabilities, with label smoothing."""
+    x, dt = _up(input)
+    c_dim = 0 if x.ndim_ == 1 else 1
+    C = x._tt_shape[c_dim]
+    logp = clang.log_softmax(x, c_dim)
+    if target._tt_dtype.is_float:  # class probabilities
+        t = clang.maybe_convert(target, x._tt_dtype)
+        if label_smoothing > 0:
+            t = clang.add(clang.mul(t, 1 - label_smoothing), label_smoothing / C)
+        prod = clang.mul(logp, t)
+        if weight is not None:
+            shape = [1] * x.ndim_
+            shape[c_dim] = C
+            prod = clang.mul(prod, clang.reshape(clang.maybe_convert(weight, x._tt_dtype), tuple(shape)))
+        loss = clang.neg(clang.sum(prod, c_dim))
+        if reduction == "mean":
+            n = math.prod(x._tt_shape) // C
+            return clang.maybe_convert(clang.true_divide(clang.sum(loss), float(n)), dt)
+        return clang.maybe_convert(_reduce(loss, reduction), dt)
+    nll = _nll(logp, target, weight, ignore_index, reduction)
+    if label_smoothing <= 0:
+        return clang.maybe_convert(nll, dt)
+    # Smoothing term: mean over classes of -logp (weighted), masked by ignore_index.
+    lp = logp if x.ndim_ > 1 else clang.unsqueeze(logp, 0)
+    t = target if x.ndim_ > 1 else clang.unsqueeze(target, 0)
+    if weight is not None:
+        shape = [1] * lp.ndim_
+        shape[1] = C
+        lpw = clang.mul(lp, clang.reshape(clang.maybe_convert(weight, lp._tt_dtype), tuple(shape)))
+    else:
+        lpw = lp
+    smooth = clang.neg(clang.sum(lpw, 1))
+    valid = clang.ne(t, ignore_index)
+    smooth = clang.where(valid, smooth, 0.0)
+    if reduction == "none":
+        smooth = smooth if x.ndim_ > 1 else clang.reshape(smooth, ())
+    elif reduction == "sum":
+        smooth = clang.sum(smooth)
+    else:
+        if weight is not None:
+            flat_valid = clang.reshape(valid, (-1,))
+            w_per = prims.take(clang.maybe_convert(weight, lp._tt_dtype), clang.reshape(clang.where(valid, t, 0), (-1,)), 0)
+            wsum = clang.sum(clang.where(flat_valid, w_per, 0.0))
+        else:
+            wsum = clang.sum(clang.maybe_convert(valid, lp._tt_dtype))
+        smooth = clang.true_divide(clang.sum(smooth), wsum)
+    out = clang.add(clang.mul(nll, 1 - label_smoothing), clang.mul(smooth, label_smoothing / C))
+    return clang.maybe_convert(out, dt)
+
+
+def _cross_entropy_supported(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
+    if size_average is not None or reduce is not None or reduction not in ("none", "sum", "mean"):
+        return False
+    if target._tt_dtype.is_float:
+        return target._tt_shape == input._tt_shape
+    # A weight that is an input requiring grad: the decomposition differentiates it everywhere (the torch
+    # executor runs this rule's backward with eager's kernels, which refuse weight gradients for class indices).
+    return not (_t(weight) and weight._tt_requires_grad)
+
+
+@register_vjp(cross_entropy, supports=_cross_entropy_supported)
+def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
+    """Gradients from ``softmax(x)`` recomputed from the logits (class indices or probabilities, label smoothing).
+
+    With class indices, per sample ``i`` (``w_t`` its target's weight, 0 if ignored)::
+
+        dloss_i/dx = (1 - ε) · w_t · (p - onehot(t)) + ε/C · (p · Σ_c w_c - w)   (second term 0 if ignored)
+
+    scaled by the cotangent, and for ``mean`` divided by ``Σ_i w_t`` (eager's
+    normaliser for both terms).  Probability targets: see ``_cross_entropy_probs_vjp``.
+    """
+    x, gu = upcast(input), upcast(g)
+    c_dim = 0 if x.ndim_ == 1 else 1
+    C = x._tt_shape[c_dim]
+    eps = float(label_smoothing)
+    classes_shape = tuple(C if i == c_dim else 1 for i in range(x.ndim_))
+    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if _t(weight) else None
+    p = clang.softmax(x, c_dim)
+    if target._tt_dtype.is_float:
+        return _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input)
+    batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
+    t = clang.unsqueeze(target, c_dim)
+    classes = clang.reshape(prims.iota(C, start=0, step=1, device=x._tt_device, dtype=target._tt_dtype), classes_shape)
+    onehot = clang.maybe_convert(clang.eq(classes, t), x._tt_dtype)
+    valid = clang.ne(target, ignore_index)
+    vf = clang.maybe_convert(valid, x._tt_dtype)
+    w_t = vf
+    if _t(weight):
+        safe = clang.where(valid, target, 0)
+        w_per = clang.reshape(prims.take(clang.maybe_convert(weight, x._tt_dtype), clang.reshape(safe, (-1,)), 0), target._tt_shape)
+        w_t = clang.mul(vf, w_per)
+    if reduction == "mean":
+        total = clang.sum(w_t)
+        s = clang.expand(clang.true_divide(gu, total), target._tt_shape)
+    else:
+        s = clang.expand(gu, target._tt_shape)  # "sum": one scalar for every sample
+    gx = clang.mul(clang.sub(p, onehot), clang.unsqueeze(w_t, c_dim))
+    if eps:
+        w_sum = clang.sum(wc) if wc is not None else float(C)
+        smooth = clang.sub(clang.mul(p, w_sum), wc if wc is not None else 1.0)
+        gx = clang.add(clang.mul(gx, 1.0 - eps), clang.mul(clang.mul(smooth, clang.unsqueeze(vf, c_dim)), eps / C))
+    grads = {"input": downcast_like(clang.mul(gx, clang.unsqueeze(s, c_dim)), input)}
+    if _t(weight):
+        # d/dw_c: the -log p terms that w_c multiplies; "mean" also moves the normaliser Σ w_t.
+        neg_logp = clang.neg(clang.log_softmax(x, c_dim))
+        sv = clang.unsqueeze(clang.mul(s, vf), c_dim)
+        per_class = clang.mul(clang.mul(onehot, neg_logp), 1.0 - eps)
+        if eps:
+            per_class = clang.add(per_class, clang.mul(neg_logp, eps / C))
+        gw = clang.sum(clang.mul(per_class, sv), batch_dims) if batch_dims else clang.mul(per_class, sv)
+        if reduction == "mean":
+            count = clang.sum(clang.mul(onehot, clang.unsqueeze(vf, c_dim)), batch_dims) if batch_dims else clang.mul(onehot, vf)
+            gw = clang.sub(gw, clang.mul(clang.mul(count, clang.true_divide(gu, total)), upcast(out)))
+        grads["weight"] = downcast_like(clang.reshape(gw, weight._tt_shape), weight)
+    return grads
+
+
+def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input):
+    """Probability targets: ``loss_i = -Σ_c w_c t_ic log p_ic`` with ``t = t (1 - ε) + ε / C``."""
+    t = clang.maybe_convert(target, x._tt_dtype)
+    if eps:
+        t = clang.add(clang.mul(t, 1.0 - eps), eps / C)
+    wt = clang.mul(t, wc) if wc is not None else t
+    sample_shape = tuple(n for i, n in enumerate(x._tt_shape) if i != c_dim)
+    if reduction == "mean":
+        gu = clang.true_divide(gu, float(math.prod(x._tt_shape) // C))
+    s = clang.unsqueeze(clang.expand(gu, sample_shape), c_dim)
+    gx = clang.mul(clang.sub(clang.mul(p, clang.sum(wt, c_dim, keepdim=True)), wt), s)
+    grads = {"input": downcast_like(gx, input)}
+    if _float(target) or _t(weight):
+        neg_logp_s = clang.mul(clang.neg(clang.log_softmax(x, c_dim)), s)
+        if _float(target):
+            gt = clang.mul(neg_logp_s, clang.mul(wc, 1.0 - eps) if wc is not None else 1.0 - eps)
+            grads["target"] = downcast_like(gt, target)
+        if _t(weight):
+            batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
+            gw = clang.mul(neg_logp_s, t)
+            gw = clang.sum(gw, batch_dims) if batch_dims else gw
+            grads["weight"] = downcast_like(clang.reshape(gw, weight._tt_shape), weight)
+    return grads
