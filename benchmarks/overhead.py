@@ -1,11 +1,16 @@
 """Host overhead per call: eager, tt.compile (full prologue), thin mode, the computation itself, torch.compile,
 and thin mode with Inductor fusion (``fusion="inductor"``, docs/fusion.md).
 
-Run: python benchmarks/overhead.py [--no-torch-compile] [--no-fusion] [--quick]
+Run: python benchmarks/overhead.py [--no-torch-compile] [--no-fusion] [--quick] [--steps-only]
 Prints medians (µs per call) and ratios in one run, and the first-call (compile) time of the compiled variants.
 Not a test: timings vary by machine.
 Targets: thin-mode call ≤ 1.10× calling the generated computation function directly; with fusion, the
 elementwise case faster than eager and than torch.compile.
+
+Thin mode's per-call checks on whole training steps (AdamW, a 10-parameter and a 1,000-parameter model):
+the thin call and the direct computation, and the checks alone (the same ``thin_call`` with its
+computation replaced by a function that returns at once, minus calling that function directly).
+Target: the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
 """
 from __future__ import annotations
 
@@ -130,11 +135,61 @@ def run_case(name, fn, args, *, number, repeat, with_torch_compile, with_fusion)
     return rows
 
 
+def deep_linear(n_layers):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n_layers)])
+
+
+def train_step(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def run_step_case(n_params, *, number, repeat):
+    """Thin mode on a whole AdamW step of ``n_params`` parameters: full step and the checks alone."""
+    model = deep_linear(n_params // 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    args = (model, opt, torch.randn(8, 4), torch.randn(8, 4))
+    thin = tt.compile(train_step, thin=True)
+    for _ in range(3):
+        thin(*args)
+    assert thin.is_thin_bound
+    comp, inputs = thin.direct_call_parts(*args)
+    g = thin._binding.fn.fn.__globals__
+    stub_calls = number // 10 or 1
+    steps = bench_all({"tt thin": (thin, args), "computation direct": (comp, inputs)}, number=stub_calls, repeat=repeat)
+
+    def nothing(*_):
+        return None
+
+    real = g["_computation"]
+    g["_computation"] = nothing
+    try:
+        checks = bench_all({"thin_call, computation stubbed": (thin, args), "stub direct": (nothing, inputs)},
+                           number=number, repeat=repeat)
+        assert thin.is_thin_bound, "the stubbed thin call left thin mode"
+    finally:
+        g["_computation"] = real
+    added = checks["thin_call, computation stubbed"] - checks["stub direct"]
+    print(f"\nAdamW training step, {n_params} parameters ({n_params // 2} x Linear(4, 4)), batch 8")
+    print(f"  tt thin            {steps['tt thin']:10.2f} µs   {steps['tt thin'] / steps['computation direct']:5.3f}× direct")
+    print(f"  computation direct {steps['computation direct']:10.2f} µs")
+    print(f"  thin checks alone  {added:10.2f} µs   ({added * 1000 / n_params:.1f} ns per parameter; target for 1000: < 50 µs)")
+    return added
+
+
 def main():
     quick = "--quick" in sys.argv
     with_tc = "--no-torch-compile" not in sys.argv
     with_fusion = "--no-fusion" not in sys.argv
     number, repeat = (200, 5) if quick else (1000, 15)
+    for n in (10, 1000):
+        run_step_case(n, number=number, repeat=repeat)
+    if "--steps-only" in sys.argv:
+        return
     torch.manual_seed(0)
     with torch.no_grad():
         x, y = torch.randn(8), torch.randn(8)

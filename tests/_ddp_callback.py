@@ -81,6 +81,7 @@ def main(out_dir):
         trainer, results[name] = run(callbacks, accumulate)
         if callbacks and isinstance(callbacks[0], ThunderCallback):
             results[name]["thin_calls"] = callbacks[0].compiled().stats.thin_calls
+            results[name]["thin_invalidations"] = callbacks[0].compiled().stats.thin_invalidations[:6]
             results[name]["programs"] = sorted(callbacks[0].steps["training_step"].programs)
     torch.save(results, os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))
 

@@ -144,7 +144,7 @@ def test_replacing_a_parameter_is_detected(bound):
     m[0].weight = nn.Parameter(torch.randn(8, 4))
     torch.testing.assert_close(step(m, x, y), loss_fn(m, x, y))
     st = tt.compile_stats(step)
-    assert st.thin_invalidations == ["a parameter, buffer or submodule was registered or replaced"]
+    assert st.thin_invalidations == ["a bound module changed: Linear.weight was registered or replaced"]
     step(m, x, y)
     assert step.is_thin_bound
     torch.testing.assert_close(step(m, x, y), loss_fn(m, x, y))
@@ -163,7 +163,7 @@ def test_load_state_dict_in_place_and_assign(bound):
     assert tt.compile_stats(step).thin_invalidations
 
 
-def test_model_to_dtype_needs_revalidate_and_check_every_names_it():
+def test_model_to_dtype_revalidates_and_data_assignment_is_named():
     m = _mlp()
     step = tt.compile(loss_fn, thin=True, check_every=3)
     x, y = torch.randn(5, 4), torch.randn(5, 2)
@@ -173,22 +173,20 @@ def test_model_to_dtype_needs_revalidate_and_check_every_names_it():
     for _ in range(3):
         torch.testing.assert_close(step(m, x, y), loss_fn(m, x, y))
     assert tt.compile_stats(step).validations == validations + 1 and step.is_thin_bound
-    m.double()  # parameters change dtype in place (same objects): not cheaply detectable
-    with pytest.raises(tt.ThinModeError, match=r"args\[1\] \(x\): dtype expected float32, got float64") as bad_batch:
-        step(m, x.double(), y.double())  # the batch check still catches the new dtype
-    assert bad_batch.value.kind == "per_call_input" and step.is_thin_bound
-    with pytest.raises(tt.ThinModeError, match=r"check_every: args\[0\] \(model\).0.weight.dtype: float32 → float64 since thin mode bound") as periodic:
-        for _ in range(3):
-            try:
-                step(m, x, y)
-            except RuntimeError as e:  # the computation itself may reject mixed dtypes first
-                if isinstance(e, tt.ThinModeError):
-                    raise
-    assert periodic.value.kind == "check_every" and not step.is_thin_bound
-    # Revalidated: the next calls run the full prologue, retrace for float64 and bind again.
-    step.revalidate()
+    m.double()  # Module._apply: the epoch tells, the next call validates again and retraces for float64
     xd, yd = x.double(), y.double()
     for _ in range(3):
+        torch.testing.assert_close(step(m, xd, yd), loss_fn(m, xd, yd))
+    assert "args[0].0.weight.dtype: float32 → float64" in tt.compile_stats(step).thin_invalidations[-1]
+    assert step.is_thin_bound
+    # p.data = ... bypasses every hook: the computation's own error is diagnosed by the full prologue.
+    for p in m.parameters():
+        p.data = p.data.float()
+    with pytest.raises(tt.ThinModeError, match=r"thin mode: args\[0\] \(model\).0.weight.dtype: float64 → float32;.* since thin mode bound") as err:
+        step(m, xd, yd)
+    assert not step.is_thin_bound and "revalidate()" in str(err.value)
+    m.double()
+    for _ in range(3):  # the next calls validate again and bind again
         torch.testing.assert_close(step(m, xd, yd), loss_fn(m, xd, yd))
     assert step.is_thin_bound
 

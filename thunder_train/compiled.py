@@ -170,7 +170,8 @@ class CompiledFunction:
                  dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
-        check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels)
+        check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
+                      dynamic=dynamic, strict=strict, decompose=decompose)
         self.fn = fn
         self.strict = strict
         self.decompose = decompose
@@ -294,7 +295,8 @@ class CompiledFunction:
         thin.watch(v for leaf, v in zip(entry.leaves, vals) if leaf.kind == "module")
         binding = ThinBinding(entry, vals, (), None, self.stats.calls, self.check_every or 0, self.check_every or 0,
                               entry.struct_key[2], thin.epoch())
-        handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic}
+        handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
+                    "failed": self._thin_failed}
         try:
             fn, static_idx = thin.build_thin_call(
                 entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
@@ -318,18 +320,24 @@ class CompiledFunction:
 
     def _thin_changed(self, args, kwargs):
         b = self._binding
-        if thin.epoch() != b.epoch:
-            reason = "a parameter, buffer or submodule was registered or replaced"
-        elif torch.is_grad_enabled() is not b.global_state[0]:
-            reason = f"grad mode changed: {b.global_state[0]} → {torch.is_grad_enabled()}"
-        else:
+        g = current_global_state()
+        diffs = describe_diffs(GLOBAL_LABELS, b.global_state, g)
+        if not diffs:
             try:
                 diffs = describe_diffs(b.entry.prologue.labels, b.entry.key, b.entry.prologue.key_of(args, kwargs))
             except _STRUCTURE_ERRORS:
                 diffs = []
-            reason = "; ".join(diffs) or "a bound module or object changed"
-        self._unbind(reason)
+        if not diffs and thin.epoch() != b.epoch:
+            diffs = [f"a bound module changed: {thin._Epoch.why}"]
+        self._unbind("; ".join(diffs) or "something the binding assumed changed (optimizer state, .grad, requires_grad, storage)")
         return self._run_full(args, kwargs)
+
+    def _thin_failed(self, args, kwargs, exc):
+        """The computation raised: if the inputs no longer match what thin mode bound, say so (else re-raise)."""
+        raise_if_stale = thin.stale_binding_error(self._binding, args, kwargs, self._arg_names, exc)
+        if raise_if_stale is not None:
+            self._unbind("the computation raised on inputs that changed since binding")
+            raise raise_if_stale from exc
 
     def _thin_mismatch(self, args, kwargs):
         b = self._binding
@@ -494,8 +502,11 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     return CompiledFunction(fn, **options)
 
 
-def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused"):
+def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
+    for name, value in (("thin", thin), *flags.items()):
+        if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
+            raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
     if check_every is not None:
         if not thin:
             raise ValueError("check_every=N applies to thin mode; pass thin=True as well")

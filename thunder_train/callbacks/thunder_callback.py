@@ -86,7 +86,8 @@ class ThunderCallback(Callback):
                  fuse_optimizer: bool = False, strict: bool = False, optimizer_kernels: str = "fused") -> None:
         super().__init__()
         try:
-            check_options(thin=thin, check_every=check_every, optimizer_kernels=optimizer_kernels)
+            check_options(thin=thin, check_every=check_every, optimizer_kernels=optimizer_kernels, strict=strict,
+                          compile_eval=compile_eval, fuse_optimizer=fuse_optimizer)
         except ValueError as e:  # Lightning's exception type for a misconfigured Trainer
             raise MisconfigurationException(f"ThunderCallback: {e}") from None
         self.thin = thin

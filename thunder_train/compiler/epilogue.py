@@ -28,7 +28,12 @@ _counter = itertools.count()
 class Epilogue:
     """``epilogue(extras)``: assigns what the computation returned to Python objects."""
 
-    def __init__(self, lines: list, globals_: dict):
+    def __init__(self, lines: list, globals_: dict, targets: dict | None = None):
+        # Globals naming an input of the call (a parameter whose .grad is set, the key of an optimizer-state
+        # entry): name -> its Leaf. The caller rebinds them to this call's objects before every run
+        # (compiler/pipeline.py), so a later call with other tensor objects writes to those, never to the
+        # objects of the traced call.
+        self.targets = dict(targets or {})
         self.source = "\n".join(["# Epilogue: Python side effects of the traced call, replayed after the computation",
                                  "def epilogue(extras):"] + (lines or ["  pass"])) + "\n"
         filename = f"<thunder_train epilogue {next(_counter)}>"
@@ -36,6 +41,7 @@ class Epilogue:
         ns = dict(globals_)
         exec(compile(self.source, filename, "exec"), ns)
         self.fn = ns["epilogue"]
+        self.globals = ns
 
     def __str__(self):
         return self.source
@@ -49,9 +55,12 @@ class _Names:
     def __init__(self):
         self.globals: dict = {}
         self._by_id: dict = {}
+        self.targets: dict = {}  # name -> Leaf, for objects that are inputs of the call
 
-    def __call__(self, obj, hint: str) -> str:
+    def __call__(self, obj, hint: str, leaf=None) -> str:
         name = self._by_id.get(id(obj))
+        if name is not None and leaf is not None:
+            self.targets.setdefault(name, leaf)
         if name is None:
             base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "obj"
             name, i = base, 1
@@ -59,6 +68,8 @@ class _Names:
                 name, i = f"{base}_{i}", i + 1
             self.globals[name] = obj
             self._by_id[id(obj)] = name
+            if leaf is not None:
+                self.targets[name] = leaf
         return name
 
 
@@ -106,13 +117,13 @@ def finish(st, out):
         leaf = walker.leaf_of(p)
         if leaf is None:
             continue  # a tensor created inside the function
-        target = names(leaf.value, leaf.proxy._tt_name)
+        target = names(leaf.value, leaf.proxy._tt_name, leaf)
         lines.append(f"  {target}.grad = {extra(g)}")
     # requires_grad flags of inputs the function changed and did not restore.
     for p, before in st.requires_grad_changes.values():
         leaf = walker.leaf_of(p)
         if leaf is not None and p._tt_requires_grad != before:
-            lines.append(f"  {names(leaf.value, p._tt_name)}.requires_grad_({p._tt_requires_grad})")
+            lines.append(f"  {names(leaf.value, p._tt_name, leaf)}.requires_grad_({p._tt_requires_grad})")
     # Optimizer state: new entries and replaced values.
     for traced in walker.optimizers:
         opt = names(traced.opt, "optimizer")
@@ -120,7 +131,7 @@ def finish(st, out):
             real = traced.real_param.get(id(proxy))
             if real is None:
                 continue
-            param = names(real, getattr(proxy, "_tt_name", "param"))
+            param = names(real, getattr(proxy, "_tt_name", "param"), walker.leaf_of(proxy))
             before = traced.initial.get(id(proxy))
             if before is None:
                 items = ", ".join(f"{k!r}: {extra(v)}" for k, v in entry.items())
@@ -146,4 +157,4 @@ def finish(st, out):
     result = tree_map(final_value, out)
     if not lines:
         return result, None
-    return (result, tuple(extras)), Epilogue(lines, names.globals)
+    return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets)

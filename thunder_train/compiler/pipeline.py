@@ -109,8 +109,13 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
     epilogue = acquired.epilogue
     if epilogue is not None:
+        # The objects the epilogue writes to are leaves of the call: passed after the computation's inputs.
+        index_of_leaf = {id(leaf): i for i, leaf in enumerate(acquired.leaves)}
+        targets = [(name, index_of_leaf[id(leaf)]) for name, leaf in epilogue.targets.items() if leaf is not None]
         entry.epilogue = epilogue
-        entry.computation = _with_epilogue(entry.computation, epilogue.fn)
+        entry.computation = _with_epilogue(entry.computation, epilogue, len(input_idx), [n for n, _ in targets])
+        entry.input_idx = input_idx + tuple(i for _, i in targets)
+        entry.select = _select(entry.input_idx)
     return entry, acquired.opaque_ops
 
 
@@ -150,12 +155,26 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
     entry.computation = program
 
 
-def _with_epilogue(computation, epilogue):
-    """The computation returns ``(result, extras)``; the epilogue assigns the extras to Python objects."""
+def _with_epilogue(computation, epilogue, n_inputs, target_names):
+    """The computation returns ``(result, extras)``; the epilogue assigns the extras to Python objects.
+
+    ``run`` takes the computation's inputs followed by the epilogue's targets (this call's parameter
+    objects), which are bound to the epilogue's names before it runs.
+    """
+    fn, g = epilogue.fn, epilogue.globals
+    if not target_names:
+        def run(*inputs):
+            result, extras = computation(*inputs)
+            fn(extras)
+            return result
+
+        return run
+    names = tuple(target_names)
 
     def run(*inputs):
-        result, extras = computation(*inputs)
-        epilogue(extras)
+        result, extras = computation(*inputs[:n_inputs])
+        g.update(zip(names, inputs[n_inputs:]))
+        fn(extras)
         return result
 
     return run

@@ -24,6 +24,8 @@ specialise on gradients.
 """
 from __future__ import annotations
 
+import torch
+
 from . import prims
 from .distributed import reduce_gradients
 from .proxies import TensorProxy
@@ -108,8 +110,11 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     leaves = [v for _, v in grad_leaves(st)] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
     fwd = Forward(list(trc.bound_symbols), leaves)
+    # A function called under torch.no_grad()/inference_mode() computes nothing that requires grad, as in
+    # eager (unless it enables grad itself around both the forward and this backward).
+    no_grad = not st.grad_enabled and not torch.is_grad_enabled()
     for i, o in enumerate(outputs):
-        if type(o) is not TensorProxy or id(o) not in fwd.needs_grad:
+        if type(o) is not TensorProxy or id(o) not in fwd.needs_grad or (no_grad and not st.walker.is_input(o)):
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
     cts = Cotangents()
     for o, c in zip(outputs, cotangents):

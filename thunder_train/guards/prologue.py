@@ -385,6 +385,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     pro.size_checks = size_exprs
     pro.check_globals = {"_as_list": _as_list, **dec.d}
     pro.decision_checks = decision_checks
+    pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
     return pro, tuple(expected)
 
 

@@ -15,16 +15,17 @@ Leaves fall in two classes (see docs/thin_mode.md):
   calls that led to binding is bound as a constant of ``thin_call``; one that changed between
   them (e.g. a ``.grad`` recreated each step) is re-read from its bound parent every call.
 
-Cheap automatic detection, checked on every thin call, drops the binding and runs the full
-path again: a parameter, buffer or submodule registered anywhere (torch's global
-registration hooks bump an epoch counter when the module is one a binding holds), a different top-level module/object, a
-top-level module switched between train and eval, a change of grad mode, a bound parameter frozen or unfrozen
-(when the program runs with grad or computes gradients), an optimizer's ``load_state_dict``/``add_param_group``.
+Every assumption of the binding has a per-call check (the table in docs/thin_mode.md): the module
+epoch (``module_epoch.py``) for the module tree, bulk identity comparisons for ``.grad``,
+``requires_grad`` and optimizer state, the live ``param_groups`` re-read, global state compared.
+A changed assumption re-validates (full path); a per-call input that does not match raises
+``ThinModeError``; an error of the computation on inputs that changed unseen is named as such.
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
+import itertools
+import operator
 
 import torch
 
@@ -32,41 +33,11 @@ from ..compiler.acquisition.provenance import path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
-from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS
+from .checks import autocast_state
+from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS, _storage_overlaps
 
 
-# ---------------------------------------------------------------------------
-# The registration epoch: bumped whenever a watched module (one a thin binding
-# holds) registers a parameter, buffer or submodule (assignment ``m.weight = nn.Parameter(...)``,
-# ``load_state_dict(..., assign=True)``, ``m.fc = nn.Linear(...)``).
-# ---------------------------------------------------------------------------
-class _Epoch:
-    n = 0
-
-
-# Only modules some thin binding bound: building an unrelated model does not invalidate.
-_watched: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _bump(module, *_):
-    if module in _watched:
-        _Epoch.n += 1
-    return None
-
-
-def watch(modules) -> None:
-    for m in modules:
-        _watched.add(m)
-
-
-_mm = torch.nn.modules.module
-_mm.register_module_parameter_registration_hook(_bump)
-_mm.register_module_buffer_registration_hook(_bump)
-_mm.register_module_module_registration_hook(_bump)
-
-
-def epoch() -> int:
-    return _Epoch.n
+from .module_epoch import _Epoch, epoch, watch  # noqa: F401  (compiled.py uses thin.watch/epoch)
 
 
 class CannotBind(Exception):
@@ -96,11 +67,31 @@ def _annotate(path: str, arg_names) -> str:
     return path
 
 
+def _owner(leaf, kind_of):
+    """Index path prefix of the nearest module/object/optimizer ancestor of ``leaf`` (None: reached from the arguments)."""
+    for j in range(len(leaf.path) - 1, 0, -1):
+        if kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer"):
+            return leaf.path[:j]
+    return None
+
+
+def _under_state(leaf) -> bool:
+    return any(st.kind == "optstate" for st in leaf.path)
+
+
 def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every):
-    """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls."""
+    """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
+
+    Every assumption the guard key makes has a per-call check here (docs/thin_mode.md has the table):
+    per-call leaves are extracted and checked; an optimizer's ``param_groups`` are re-read from the live
+    dicts (hyper-parameters, tuples included, and its non-float options compared); its ``state`` is
+    compared by identity in bulk; ``.grad`` and ``requires_grad`` of the bound tensors in bulk; modules
+    through the epoch (registration, attribute assignment, ``_apply``); global state directly.
+    """
     names = prologue.var_names
     per_call = per_call_mask(leaves)
     index_of_path = {leaf.path: i for i, leaf in enumerate(leaves)}
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
     index_of_leaf = {id(leaf): i for i, leaf in enumerate(leaves)}
     consts = Consts("_k")
     bound: dict = {}
@@ -130,7 +121,26 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         return (f"{shape_cond} or {var}.dtype is not {consts(v.dtype)} "
                 f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad}")
 
-    demoted_lines, demoted_conds = [], []
+    def value_cond(var, leaf, v):
+        """The check of a non-tensor leaf's guard-key properties (type, value, length)."""
+        k = leaf.kind
+        if k == "constant":
+            if v is None or type(v) is bool:
+                return f"{var} is not {v!r}"
+            if type(v) is float and v != v:
+                return f"type({var}) is not float or {var} == {var}"
+            return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
+        if k in ("seq", "dict"):
+            return f"type({var}) is not {consts(type(v))} or len({var}) != {len(v)}"
+        if k == "dataclass":
+            return f"type({var}) is not {consts(type(v))}"
+        if k == "absent":
+            return f"{var} is not None"
+        if k == "number":
+            return f"type({var}) is not {consts(type(v))}"
+        return None
+
+    static_lines, static_conds = [], []  # re-read from live containers every call (after the per-call checks)
     comp_arg = {}
     static_idx = []
     for i in pc_idx:
@@ -145,15 +155,6 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
                 j = index_of_leaf[id(leaf.alias_of)]
                 other = names[j] if per_call[j] else bind(j)
                 mismatch.append(f"{var} is not {other}")
-        elif k == "constant":
-            if type(v) is float and v != v:
-                mismatch.append(f"type({var}) is not float or {var} == {var}")
-            else:
-                mismatch.append(f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}")
-        elif k in ("seq", "dict"):
-            mismatch.append(f"type({var}) is not {consts(type(v))} or len({var}) != {len(v)}")
-        elif k == "dataclass":
-            mismatch.append(f"type({var}) is not {consts(type(v))}")
         elif k == "module":
             cond = f"{var} is not {bind(i)} or {var}.training is not {vals[i].training}"
             if is_ddp(vals[i]):  # no_sync() decides whether the traced backward averages gradients
@@ -164,24 +165,64 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         elif k == "optimizer":
             # load_state_dict replaces param_groups and state: what thin mode bound would be stale.
             opt = vals[i]
-            # add_param_group appends to the same list: its length tells.
             changed.append(f"{var} is not {bind(i)} or {var}.state is not {consts(opt.state)} "
                            f"or {var}.param_groups is not {consts(opt.param_groups)} "
                            f"or len({var}.param_groups) != {len(opt.param_groups)}")
-        elif k == "absent":
-            mismatch.append(f"{var} is not None")
-        elif k == "number":
-            mismatch.append(f"type({var}) is not {consts(type(v))}")
+        else:
+            c = value_cond(var, leaf, v)
+            if c is not None:
+                mismatch.append(c)
+
+    # Optimizers: param_groups are re-read from the live dicts on every call (a scheduler's lr, a new
+    # betas tuple, a toggled maximize); params by identity; state by identity of its dicts and tensors.
+    reread = set()
+    for o, leaf in enumerate(leaves):
+        if leaf.kind != "optimizer":
+            continue
+        opt = vals[o]
+        if not per_call[o]:
+            static_lines.append(f"    {names[o]} = {bind(o)}")
+            static_conds.append(f"{names[o]}.state is not {consts(opt.state)} or {names[o]}.param_groups is not "
+                                f"{consts(opt.param_groups)} or len({names[o]}.param_groups) != {len(opt.param_groups)}")
+        mine = [i for i, lf in enumerate(leaves) if i != o and _owner(lf, kind_of) == leaf.path]
+        for i in mine:
+            lf = leaves[i]
+            if _under_state(lf) or lf.kind == "tensor":
+                continue
+            reread.add(i)
+            static_lines += extraction_lines(leaves, names, [i], indent="    ")
+            c = value_cond(names[i], lf, lf.value)
+            if lf.kind == "seq" and lf.path[-1].kind == "key" and lf.path[-1].key == "params":
+                members = [j for j in mine if leaves[j].path[:-1] == lf.path]
+                c += " or " + same_objects(names[i], [vals[j] for j in members], consts)
+            if c is not None:
+                static_conds.append(c)
+            if lf.kind == "number":
+                comp_arg[i] = names[i]
+        if any(_under_state(leaves[i]) for i in mine):
+            state = opt.state
+            dicts = list(state.values())
+            flat = [v for d in dicts for v in d.values()]
+            demoted_state = [i for i in mine if _under_state(leaves[i]) and leaves[i].path[-1].kind == "key"
+                             and vals[i] is not prev_vals[i]]
+            if demoted_state or any(type(d) is not dict for d in dicts):
+                raise CannotBind(f"{path_str(leaves[demoted_state[0]].path) if demoted_state else 'optimizer state'} "
+                                 "is a different object on each call")
+            s = f"{names[o]}.state"
+            static_conds.append(f"len({s}) != {len(state)} or " + same_objects(f"_list({s})", list(state), consts))
+            static_lines.append(f"    _sv{o} = _list({s}.values())")
+            static_conds.append(same_state_dicts(f"_sv{o}", dicts, consts))
+
     for i in sorted(used):
-        if per_call[i]:
-            comp_arg[i] = names[i]
+        if per_call[i] or i in comp_arg:
+            comp_arg.setdefault(i, names[i])
             continue
         if vals[i] is prev_vals[i] and leaves[i].kind != "number":
             comp_arg[i] = bind(i)
             static_idx.append(i)
             continue
         # Changed between the two validated calls (or a runtime number): re-read it from its nearest
-        # unchanged ancestor (a param group dict whose 'betas' tuple a scheduler replaces each step).
+        # unchanged ancestor (a module attribute replaced each step).
         leaf = leaves[i]
         depth = len(leaf.path) - 1
         while depth > 0:
@@ -197,12 +238,12 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         expr = bind(p)
         for step in leaf.path[depth:]:
             expr = step.expr(expr)
-        demoted_lines.append(f"    {names[i]} = {expr}")
+        static_lines.append(f"    {names[i]} = {expr}")
         if leaf.kind == "number":
-            # A runtime number (lr) is read every call: a scheduler's update is never stale.
-            demoted_conds.append(f"type({names[i]}) is not {consts(type(leaf.value))}")
+            # A runtime number is read every call: a new value is never stale.
+            static_conds.append(f"type({names[i]}) is not {consts(type(leaf.value))}")
         else:
-            demoted_conds.append(tensor_cond(names[i], leaf.value))
+            static_conds.append(tensor_cond(names[i], leaf.value))
         comp_arg[i] = names[i]
     for i, leaf in enumerate(leaves):
         if leaf.kind == "tensor" and leaf.alias_of is not None and not per_call[i]:
@@ -212,59 +253,158 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
                 raise CannotBind(f"{path_str(leaf.path)} aliases the per-call input {path_str(leaves[j].path)}")
 
     # Freezing or unfreezing a parameter (requires_grad_) between steps changes what the program must
-    # compute (which gradients, which updates): one tuple comparison per call over the bound parameters.
+    # compute (which gradients, which updates): one bulk comparison per call over the bound tensors.
     # Not needed for a program bound (and checked) to run without grad that computes no gradients itself.
     computes_grads = global_state[0] or entry.has_backward
-    params = [i for i in static_idx if isinstance(vals[i], torch.nn.Parameter) and leaves[i].alias_of is None] if computes_grads else []
+    bound_tensors = [i for i in static_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
+    params = [i for i in bound_tensors if isinstance(vals[i], torch.nn.Parameter)] if computes_grads else []
     if params:
-        flags = consts(tuple(vals[i].requires_grad for i in params))
-        demoted_conds.append(f"({''.join(f'{bind(i)}.requires_grad, ' for i in params)}) != {flags}")
+        static_conds.append(f"_list(map(_rg, {consts([vals[i] for i in params])})) != "
+                            f"{consts([vals[i].requires_grad for i in params])}")
 
-    # The program assumed some .grad was None (e.g. zero_grad(set_to_none=True) ends each step). One
-    # cheap probe catches the common violation — an eager backward() between compiled steps.
+    # .grad of every bound tensor whose .grad the program read: None (set_to_none) or the bound tensor.
+    owners, grads = [], []
     for i, leaf in enumerate(leaves):
-        if leaf.kind == "absent" and leaf.path[-1].kind == "attr" and leaf.path[-1].key == "grad" and not per_call[i]:
+        if leaf.path[-1].kind == "attr" and leaf.path[-1].key == "grad" and not per_call[i] and leaf.kind in ("absent", "tensor"):
             parent = index_of_path.get(leaf.path[:-1])
-            if parent is not None and leaves[parent].kind == "tensor":
-                demoted_conds.append(f"{bind(parent)}.grad is not None")
-                break
+            if parent is None or leaves[parent].kind != "tensor" or parent not in static_idx:
+                continue
+            if leaf.kind == "absent":
+                grads.append(None)
+            elif i in static_idx or (vals[i] is prev_vals[i] and i not in used):
+                grads.append(vals[i])
+            else:
+                continue  # re-read and checked every call above
+            owners.append(vals[parent])
+    if owners:
+        static_conds.append(same_objects(f"_list(map(_grad, {consts(owners)}))", grads, consts))
+
+    # A per-call tensor sharing storage with an input the program updates in place (a batch that is a
+    # view of a parameter, or two overlapping views passed together): the full path decides.
+    written = getattr(prologue, "written", ())
+    pc_tensors = [i for i in pc_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
+    if written and pc_tensors:
+        w_static = frozenset(vals[i].untyped_storage().data_ptr() for i in written if not per_call[i])
+        w_pc = [names[i] for i in written if per_call[i]]
+        o = "".join(names[i] + ", " for i in pc_tensors)
+        cond = f"_shares_storage(({o}), {consts(w_static)})"
+        if w_pc:
+            cond += f" or _storage_overlaps(({''.join(n + ', ' for n in w_pc)}), ({o}))"
+        static_conds.append(cond)
 
     grad = global_state[0]
     lines = ["def thin_call(*args, **kwargs):", "  _stats.calls += 1"]
     if check_every:
         lines += ["  _b.countdown -= 1", "  if _b.countdown <= 0:", "    return _periodic(args, kwargs)"]
-    lines += [f"  if _Epoch.n != {epoch()} or _is_grad_enabled() is not {grad}:", "    return _changed(args, kwargs)"]
+    glob = f"_Epoch.n != {epoch()} or _is_grad_enabled() is not {grad} or _get_default_dtype() is not {consts(global_state[1])}"
+    if global_state[2] is None and global_state[3] is None:
+        glob += " or _any_autocast()"
+    else:
+        glob += f" or _autocast_state() != {consts(tuple(global_state[2:4]))}"
+    lines += [f"  if {glob}:", "    return _changed(args, kwargs)"]
     lines += [f"  if len(args) != {nargs} or len(kwargs) != {len(kwnames)}:", "    return _mismatch(args, kwargs)"]
+    # A failed check raises _Changed/_Mismatch inside the try; the handlers run outside it, so an error
+    # of the full path they take is never mistaken for a failed check.
     lines += ["  try:"] + (extract or ["    pass"])
     for c in changed:
-        lines += [f"    if {c}:", "      return _changed(args, kwargs)"]
+        lines += [f"    if {c}:", "      raise _Changed"]
     for c in per_call_mismatch:
-        lines += [f"    if {c}:", "      return _mismatch(args, kwargs)"]
-    lines += demoted_lines
-    for c in demoted_conds:
-        lines += [f"    if {c}:", "      return _changed(args, kwargs)"]
-    for expr, expected in getattr(prologue, "size_checks", ()):
-        # A decision taken on sizes or hyper-parameters goes the other way: this program does not apply.
-        lines += [f"    if {expr} is not {expected}:", "      return _changed(args, kwargs)"]
+        lines += [f"    if {c}:", "      raise _Mismatch"]
+    lines += ["  except _Changed:", "    return _changed(args, kwargs)",
+              "  except (_Mismatch, LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
+    lines += ["  try:"] + (static_lines or ["    pass"])
+    for c in static_conds:
+        lines += [f"    if {c}:", "      raise _Changed"]
+    # Decisions taken on sizes or hyper-parameters: this entry's own recorded results (entries that share
+    # the prologue took other decisions).
+    size_exprs = [e for e, _ in getattr(prologue, "size_checks", ())]
+    expected = [e for lab, e in zip(prologue.labels, entry.key) if lab.path == "sizes"]
+    for expr, result in zip(size_exprs, expected):
+        lines += [f"    if {expr} is not {result}:", "      raise _Changed"]
     for j, expr in prologue.decision_checks:
-        # A Python decision on per-call inputs (decisions.py) goes another way: another program.
-        lines += [f"    if {expr} != {consts(entry.key[j])}:", "      return _changed(args, kwargs)"]
-    lines += ["  except (LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
+        # A Python decision on per-call inputs (acquisition/decisions.py) goes another way: another program.
+        lines += [f"    if {expr} != {consts(entry.key[j])}:", "      raise _Changed"]
+    lines += ["  except Exception:  # _Changed, or a bound container that no longer has what was read",
+              "    return _changed(args, kwargs)"]
     call_args = ", ".join(comp_arg[i] for i in entry.input_idx)
-    lines.append(f"  return _computation({call_args})")
+    lines += ["  try:", f"    return _computation({call_args})", "  except Exception as e:",
+              "    _failed(args, kwargs, e)", "    raise"]
 
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
+        "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
+        "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
+        "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
+        "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
         "_computation": entry.computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
+        "_failed": handlers["failed"],
         **consts.d, **bound, **prologue.check_globals,
     }
     header = (
         f"Thin mode: bound {len(static_idx)} static tensor(s); per call: extract and check "
-        f"{sum(1 for i in pc_idx if leaves[i].kind == 'tensor')} per-call tensor(s), then the computation"
+        f"{sum(1 for i in pc_idx if leaves[i].kind == 'tensor')} per-call tensor(s), re-read the optimizers' "
+        "param_groups, compare state, .grad and requires_grad in bulk, then the computation"
         + (f"\nfull prologue every {check_every} calls" if check_every else "")
     )
     return GeneratedFunction("thin_call", header, lines, g), tuple(static_idx)
+
+
+def _small(v) -> bool:
+    """A tensor whose ``==`` with another tensor is a single truth value (not an error): compare it by identity."""
+    return isinstance(v, torch.Tensor) and v.numel() <= 1
+
+
+def same_objects(live: str, bound: list, consts) -> str:
+    """Condition: the list ``live`` does not hold exactly the ``bound`` objects.
+
+    List ``==`` is C code that takes the identity shortcut, about 1 ns an element. A different tensor
+    in a slot compares elementwise: an error (caught: the check fails) unless it has one element,
+    so lists holding such tensors are compared by identity (``map(is_)``, about 12 ns an element).
+    """
+    cond = f"{live} != {consts(list(bound))}"
+    if any(_small(v) for v in bound):
+        cond += f" or not _all(map(_is, {live}, {consts(list(bound))}))"
+    return cond
+
+
+def same_state_dicts(live: str, dicts: list, consts) -> str:
+    """Condition: the per-parameter state dicts ``live`` differ from ``dicts`` (replaced, or a value replaced).
+
+    The live dicts are compared with copies taken at binding: dict ``==`` compares keys and values
+    (identity shortcut) in C. One-element tensors (``step``) are compared by identity on their own.
+    """
+    copies = [dict(d) for d in dicts]
+    cond = f"{live} != {consts(copies)}"
+    small_keys = {k for d in dicts for k, v in d.items() if _small(v)}
+    for k in sorted(small_keys, key=str):
+        if all(k in d for d in dicts):
+            getter = consts(operator.itemgetter(k))
+            cond += f" or not _all(map(_is, map({getter}, {live}), {consts([d[k] for d in dicts])}))"
+        else:
+            flat = [v for d in dicts for v in d.values()]
+            cond += f" or not _all(map(_is, _chain(map(_values, {live})), {consts(flat)}))"
+            break
+    return cond
+
+
+class _Changed(Exception):
+    """A per-call check found that what the binding assumed changed: validate again (full path)."""
+
+
+class _Mismatch(Exception):
+    """A per-call input does not match the bound program: ThinModeError."""
+
+
+_GRAD = operator.attrgetter("grad")
+_RG = operator.attrgetter("requires_grad")
+
+
+def _shares_storage(tensors, ptrs) -> bool:
+    for t in tensors:
+        if t.untyped_storage().data_ptr() in ptrs:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------
@@ -329,3 +469,24 @@ def periodic_check(binding, prologue, leaves, args, kwargs, arg_names):
                                 f"check_every: {where} is a different tensor object than the one bound {since} "
                                 f"(was it replaced without registration, e.g. m._parameters[...] = ...?){advice}", kind="check_every")
     return vals
+
+
+def stale_binding_error(binding, args, kwargs, arg_names, exc):
+    """A ``ThinModeError`` when the full prologue finds that what the binding assumed no longer holds, else None."""
+    entry = binding.entry
+    prologue = entry.prologue
+    g = current_global_state()
+    diffs = describe_diffs(GLOBAL_LABELS, binding.global_state, g)
+    if not diffs:
+        try:
+            key = prologue.key_of(args, kwargs)
+        except (LookupError, AttributeError, TypeError):
+            diffs = ["the inputs no longer have the structure thin mode bound"]
+        else:
+            if key == entry.key:
+                return None
+            diffs = [_annotate(d, arg_names) for d in describe_diffs(prologue.labels, entry.key, key)]
+    return ThinModeError("args", "stale binding", None, None,
+                         f"thin mode: {'; '.join(diffs)} since thin mode bound its inputs at call {binding.bound_at_call} "
+                         f"(changed without a step the binding sees, e.g. p.data = ...); the computation raised "
+                         f"{type(exc).__name__}: {exc}. Call step.revalidate() after such a change.", kind="check_every")

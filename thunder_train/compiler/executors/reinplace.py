@@ -19,6 +19,12 @@ Multi-tensor updates (``ttex.adam_update``, ``sgd_update``, the step counters' `
 switch to their in-place forms the same way, all of a line's write-backs or none
 (``_overwritten_in_place``).
 
+A call must stay transactional: when it raises, its inputs are as they were. So an input is
+only written in place after the last op that can raise on the values it reads (``_FALLIBLE``:
+class indices out of range, ``clip_grad_norm_(error_if_nonfinite=True)``'s check, an op run
+opaquely, ...); a BatchNorm's running statistics, updated in the forward, keep their write-back
+at the end of the program.
+
 Only used for programs not connected to PyTorch autograd (saved tensors must not change).
 """
 from __future__ import annotations
@@ -38,6 +44,16 @@ _INPLACE = {
     torch.addcdiv: _T.addcdiv_, _T.addcdiv: _T.addcdiv_, torch.sqrt: _T.sqrt_, _T.sqrt: _T.sqrt_,
     torch.neg: _T.neg_, _T.neg: _T.neg_, torch.clamp_min: _T.clamp_min_, torch.clamp_max: _T.clamp_max_,
 }
+
+
+# Ops whose run-time values can make them raise (print names contain one of these).
+_FALLIBLE = ("cross_entropy", "nll_loss", "embedding", "check_finite", "gather", "scatter", "index", "take",
+             "one_hot", "multinomial", "bincount", "opaque", "assert")
+
+
+def _fallible(bsym) -> bool:
+    name = getattr(bsym.sym, "print_name", "") or getattr(bsym.sym, "name", "")
+    return getattr(bsym.sym, "module", None) == "opaque" or any(m in name for m in _FALLIBLE)
 
 
 def _fn(bsym):
@@ -81,6 +97,7 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
 
     rewrite: dict = {}  # index -> in-place function
     drop = set()
+    last_fallible = max((i for i, b in enumerate(bsyms) if _fallible(b)), default=-1)
     no_grad = "@torch.no_grad()" in trc.decorators
     write_backs = {}  # id(value) -> index of the copy_ writing it back into an input
     for ci, b in enumerate(bsyms):
@@ -91,7 +108,7 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
         if inp._tt_requires_grad and not no_grad:
             continue
         chain = _chain(value, inp, bsyms, producer)
-        if chain is None or any(id(bsyms[i].output) in returned for i in chain):
+        if chain is None or chain[0] < last_fallible or any(id(bsyms[i].output) in returned for i in chain):
             continue
         if not _safe(chain, inp, ci, bsyms, reads):
             continue
@@ -100,7 +117,7 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
         drop.add(ci)
     for i, b in enumerate(bsyms):
         plan = _multi_inplace_form(b)
-        copies = plan and _overwritten_in_place(i, b, plan[1], bsyms, reads, write_backs, returned, no_grad)
+        copies = plan and i > last_fallible and _overwritten_in_place(i, b, plan[1], bsyms, reads, write_backs, returned, no_grad)
         if copies:
             rewrite[i] = plan[0]
             drop.update(copies)

@@ -192,13 +192,14 @@ _FLOATS = (dtypes.float32, dtypes.float64)
 
 
 def _same_device_floats(tensors, devices_of) -> bool:
-    """Every tensor a float32/float64 proxy on one cpu or cuda device, ``devices_of`` (step counts) there too."""
+    """Every tensor a proxy of one float32/float64 dtype on one cpu or cuda device, ``devices_of`` (step counts)
+    there too.  (State left in float32 by ``model.to(torch.float64)`` runs the per-op path, as eager's foreach.)"""
     if not tensors or not all(type(t) is TensorProxy for t in tensors):
         return False
-    device = tensors[0]._tt_device
-    if device.type not in ("cpu", "cuda"):
+    device, dtype = tensors[0]._tt_device, tensors[0]._tt_dtype
+    if device.type not in ("cpu", "cuda") or dtype not in _FLOATS:
         return False
-    if not all(t._tt_device == device and t._tt_dtype in _FLOATS for t in tensors):
+    if not all(t._tt_device == device and t._tt_dtype is dtype for t in tensors):
         return False
     return all(type(s) is TensorProxy and s._tt_device == device and s._tt_dtype in _FLOATS for s in devices_of)
 

@@ -1,0 +1,107 @@
+"""The module epoch: one integer that every change of a module a thin binding holds bumps.
+
+Thin mode compares it on every call instead of reading the module tree (docs/thin_mode.md): torch's
+global registration hooks, plus wrappers of ``nn.Module.__setattr__``/``__delattr__``/``_apply``
+installed once at import, bump it for watched modules only.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+# ---------------------------------------------------------------------------
+# The module epoch: bumped whenever a watched module (one a thin binding holds) changes in a way
+# the guard key sees: it registers a parameter, buffer or submodule (torch's global registration
+# hooks: ``m.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``, ``m.fc = ...``), a
+# public attribute or ``training`` is assigned or deleted (``m.eval()``, ``m.p = 0.2``), or
+# ``_apply`` converts its tensors (``.to(dtype/device)``, ``.half()``, ``.double()``, ``.cuda()``).
+# One integer comparison per thin call covers every module of the tree, wherever it was found.
+# ---------------------------------------------------------------------------
+class _Epoch:
+    n = 0
+    why = ""
+
+
+# Only modules some thin binding bound (by id; dropped when the module dies): building or training an
+# unrelated model does not invalidate.
+_watched: set = set()
+
+
+def _bump(module, why):
+    if id(module) in _watched:
+        _Epoch.n += 1
+        _Epoch.why = why
+
+
+def _registered(module, name, *_):
+    _bump(module, f"{type(module).__name__}.{name} was registered or replaced")
+    return None
+
+
+def watch(modules) -> None:
+    for m in modules:
+        if id(m) not in _watched:
+            _watched.add(id(m))
+            weakref.finalize(m, _watched.discard, id(m))
+
+
+_mm = torch.nn.modules.module
+_mm.register_module_parameter_registration_hook(_registered)
+_mm.register_module_buffer_registration_hook(_registered)
+_mm.register_module_module_registration_hook(_registered)
+
+# torch has no hook for plain attribute assignment or for ``_apply``: wrap the two methods once. The
+# wrappers do the original's work and then one set lookup; names starting with "_" (bookkeeping that
+# Lightning and others set every step) are not guarded and do not bump.
+_Module = torch.nn.Module
+_setattr, _delattr, _apply = _Module.__setattr__, _Module.__delattr__, _Module._apply
+
+
+def _watching_setattr(self, name, value):
+    if id(self) not in _watched:
+        return _setattr(self, name, value)
+    d = self.__dict__
+    old = d.get(name, _NOTHING)
+    _setattr(self, name, value)
+    new = d.get(name, _NOTHING)
+    # Assigning the value it already has (Lightning's model.train() each epoch) changes nothing; nor does
+    # swapping a function (Lightning's DDP wrapper patches ``forward`` around every step).
+    if new is not old and (name[:1] != "_" or name in ("_parameters", "_buffers", "_modules")) \
+            and not (_is_routine(old) and _is_routine(new)):
+        _bump(self, f"{type(self).__name__}.{name} was assigned")
+
+
+def _is_routine(v) -> bool:
+    return v is _NOTHING or (callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor, type)))
+
+
+_NOTHING = object()
+
+
+def _watching_delattr(self, name):
+    if id(self) not in _watched:
+        return _delattr(self, name)
+    registered = name in self._parameters or name in self._buffers or name in self._modules
+    old = self.__dict__.get(name, _NOTHING)
+    _delattr(self, name)
+    if registered or (name[:1] != "_" and not _is_routine(old)):
+        _bump(self, f"{type(self).__name__}.{name} was deleted")
+
+
+def _watching_apply(self, fn, *args, **kwargs):
+    out = _apply(self, fn, *args, **kwargs)
+    _bump(self, f"{type(self).__name__}'s tensors were converted (.to(), .half(), .double(), ...)")
+    return out
+
+
+for _name, _fn, _orig in (("__setattr__", _watching_setattr, _setattr), ("__delattr__", _watching_delattr, _delattr),
+                          ("_apply", _watching_apply, _apply)):
+    _fn.__wrapped__ = _orig
+    _fn.__doc__ = _orig.__doc__
+    setattr(_Module, _name, _fn)
+
+
+def epoch() -> int:
+    return _Epoch.n
