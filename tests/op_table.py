@@ -326,6 +326,9 @@ op("tril", lambda x: torch.tril(x), lambda dt: [S(T(4, 5, dtype=dt))], ALL)
 op("triu_diag", lambda x: x.triu(1), lambda dt: [S(T(2, 4, 5, dtype=dt))], ALL)
 op("masked_fill", lambda x, m: x.masked_fill(m, 0), lambda dt: [S(T(3, 4, dtype=dt), T(3, 4, dtype=b8)), S(T(3, 4, dtype=dt), T(1, 4, dtype=b8))], ALL)
 op("masked_fill_float", lambda x, m: x.masked_fill(m, -float("inf")), lambda dt: [S(T(3, 4, dtype=dt), T(4, dtype=b8))], FLOATS)
+# out of place, input and mask broadcast together (Falcon's ALiBi bias (b, h, 1, k) filled with a (b, 1, q, k) mask)
+op("masked_fill_broadcast_input", lambda x, m: torch.masked_fill(x, m, -1.5), lambda dt: [S(T(2, 3, 1, 4, dtype=dt), T(2, 1, 5, 4, dtype=b8)), S(T(4, dtype=dt), T(3, 4, dtype=b8))], NUMERIC)
+op("masked_fill_tensor_value", lambda x, m, v: x.masked_fill(m, v), lambda dt: [S(T(2, 1, 4, dtype=dt), T(3, 4, dtype=b8), T(dtype=dt))], ALL)
 op("index_select", lambda x, i: torch.index_select(x, 1, i), lambda dt: [S(T(3, 4, dtype=dt), idx(5, high=4))], ALL)
 op("gather", lambda x, i: torch.gather(x, 1, i), lambda dt: [S(T(3, 4, dtype=dt), idx(3, 2, high=4))], ALL)
 op("scatter_add", lambda x, i, s: x.scatter_add(0, i, s), lambda dt: [S(T(3, 4, dtype=dt), idx(2, 4, high=3), T(2, 4, dtype=dt))], NUMERIC)
@@ -349,6 +352,15 @@ _GETITEM = {
     "ellipsis_none": lambda x: x[..., None, 0:2],
     "int_tensor": lambda x: x[torch.tensor([0, -1, 1])],
     "int_tensor_dim1": lambda x: x[:, torch.tensor([[2, 0], [1, 1]])],
+    # several tensor indices: they broadcast; adjacent ones keep their place, separated ones go first
+    "two_tensors_adjacent": lambda x: x[:, torch.tensor([0, 2, -1]), torch.tensor([1, 3, 0])],
+    "two_tensors_broadcast": lambda x: x[torch.tensor([[0], [1]]), torch.tensor([[0, 2, 1]])],
+    "two_tensors_separated": lambda x: x[torch.tensor([1, 0]), :, torch.tensor([3, -4])],
+    "three_tensors": lambda x: x[torch.tensor([1]), torch.tensor([[2], [0]]), torch.tensor([3, 1])],
+    "int_then_tensors": lambda x: x[1, torch.tensor([0, 2]), torch.tensor([1, 3])],
+    "none_ellipsis_tensors": lambda x: x[None, torch.tensor([0, 1]), ..., torch.tensor([1, 2])],
+    "tensors_after_slice": lambda x: x[..., torch.tensor([0, 1]), torch.tensor([[3], [2]])],
+    "two_lists": lambda x: x[[0, 1], [2, 0]],
 }
 for _name, _fn in _GETITEM.items():
     op(f"getitem_{_name}", _fn, x234, ALL)

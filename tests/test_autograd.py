@@ -345,6 +345,10 @@ def _more_cases(dtype):
         "setitem_values": (lambda x, v: _setitem(x, v, torch.tensor([2, 0])), (r(4, 3), r(2, 3))),
         "setitem_broadcast_values": (lambda x, v: _setitem(x, v, (slice(None), torch.tensor([1, -1]))), (r(3, 4), r(2))),
         "setitem_rows": (lambda x, v: _setitem(x, v, slice(1, 3)), (r(4, 3), r(3))),
+        # several tensor indices (HF attention-mask helpers index padding_mask[batch_idx, kv_idx])
+        "getitem_two_tensors_repeated": (lambda x: x[torch.tensor([[0], [2]]), torch.tensor([1, 1, -1])] * 2, (r(3, 4, 2),)),
+        "getitem_tensors_separated": (lambda x: x[torch.tensor([1, 0, 1]), :, torch.tensor([0, 2, 0])], (r(2, 3, 4),)),
+        "setitem_two_tensors": (lambda x, v: _setitem(x, v, (torch.tensor([0, 2]), slice(None), torch.tensor([1, -1]))), (r(3, 2, 4), r(2, 2))),
         "copysign": (lambda x, y: torch.copysign(x, y), (_zeros_at(r(6), 2), r(6))),
         "copysign_scalar": (lambda x: torch.copysign(x, -1.5), (r(6),)),
         "nextafter": (lambda x, y: torch.nextafter(x, y) * 3, (r(5), r(5))),

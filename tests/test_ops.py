@@ -109,7 +109,9 @@ def test_dropout_statistics():
 # Cases that cannot be compiled raise a clear error rather than computing something else.
 UNSUPPORTED = {
     "boolean_mask_index": (lambda x: x[x > 0], NotImplementedError, "boolean-mask indexing"),
-    "two_tensor_indices": (lambda x: x[torch.tensor([1, 0]), torch.tensor([2, 0])], NotImplementedError, "more than one tensor index"),
+    # as eager: in place, the mask may not grow the input; the value must be 0-d
+    "masked_fill__grows_input": (lambda x: (x * 1).masked_fill_(torch.ones(5, 1, 1, 1, dtype=torch.bool), 0.0), RuntimeError, "broadcast shape"),
+    "masked_fill_vector_value": (lambda x: x.masked_fill(x > 0, torch.ones(4)), RuntimeError, "0-dimensional value"),
     "where_one_argument": (lambda x: torch.where(x > 0), NotImplementedError, "three-argument form"),
     "one_hot_without_num_classes": (lambda x: torch.nn.functional.one_hot(x.long().abs()), NotImplementedError, "num_classes"),
     # (branching on .item() of an input is specialised now: tests/test_decisions.py)

@@ -24,9 +24,10 @@ def _new_value(out, a):
             raise RuntimeError(f"result type {out._tt_dtype.torch} can't be cast to the desired output type {a._tt_dtype.torch}")
         out = prims.convert_element_type(out, a._tt_dtype)
     if out._tt_shape != a._tt_shape:
+        target = clang.broadcast_shapes(out._tt_shape, a._tt_shape)
+        if target != tuple(a._tt_shape):  # the result would not fit the destination
+            raise RuntimeError(f"output with shape {list(a._tt_shape)} doesn't match the broadcast shape {list(target)}")
         out = clang.expand(out, a._tt_shape)
-        if out._tt_shape != a._tt_shape:
-            raise RuntimeError(f"output with shape {a._tt_shape} doesn't match the broadcast shape {out._tt_shape}")
     return out
 
 

@@ -342,11 +342,12 @@ def triu(input, diagonal=0):
 
 @torchsymbol(torch.masked_fill, methods=("masked_fill",))
 def masked_fill(input, mask, value):
+    """Out of place, input and mask broadcast together (as eager); ``masked_fill_`` keeps the input's shape."""
+    if _t(value) and value.ndim_ != 0:
+        raise RuntimeError(f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with {value.ndim_} dimension(s).")
     value = clang.maybe_convert(value, input._tt_dtype)
     target = clang.broadcast_shapes(input._tt_shape, mask._tt_shape)
-    if target != input._tt_shape:
-        raise ValueError(f"masked_fill: mask of shape {mask._tt_shape} does not broadcast to input of shape {input._tt_shape}")
-    return clang.where(clang.expand(mask, target), value, input)
+    return clang.where(clang.expand(mask, target), value, clang.expand(input, target))
 
 
 # ---------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def _normalize_index(input, key):
         if _t(k) and k._tt_dtype.is_bool is False and k._tt_dtype.category != dtypes.INT:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     if any(k is Ellipsis for k in key):
-        i = key.index(Ellipsis)
+        i = next(j for j, k in enumerate(key) if k is Ellipsis)  # not key.index: that compares tensors with ==
         fill = (slice(None),) * (input.ndim_ - n_real)
         key = key[:i] + fill + key[i + 1 :]
     else:
@@ -387,7 +388,7 @@ def _normalize_index(input, key):
 
 @torchsymbol(methods=("__getitem__",), name="getitem")
 def getitem(input, key):
-    """Basic indexing (ints, slices, None, ...) and integer-tensor indexing along one dim."""
+    """Basic indexing (ints, slices, None, ...) and integer-tensor indexing (one or several tensors)."""
     key = _normalize_index(input, key)
     x = input
     out_dim = 0  # current dim of x being processed
@@ -416,14 +417,46 @@ def getitem(input, key):
     if not tensor_dims:
         return x
     if len(tensor_dims) > 1:
-        raise NotImplementedError("indexing with more than one tensor index is not supported yet")
+        return _multi_tensor_index(x, tensor_dims)
     dim, idx = tensor_dims[0]
     n = x._tt_shape[dim]
-    flat = clang.reshape(idx, (-1,))
-    # Negative indices wrap, like eager.
-    flat = clang.where(clang.lt(flat, 0), clang.add(flat, n), flat)
+    flat = _wrap_negative(clang.reshape(idx, (-1,)), n)  # negative indices wrap, like eager
     taken = prims.take(x, flat, dim)
     return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+def _wrap_negative(idx, n):
+    return clang.where(clang.lt(idx, 0), clang.add(idx, n), idx)
+
+
+def _multi_tensor_index(x, tensor_dims):
+    """``x[i, j]`` with several integer tensors (after ints and None are applied), as eager.
+
+    The index tensors broadcast to one shape ``S``. Their result dims replace the indexed dims in place
+    when those were adjacent, and go first otherwise. Each index is applied by its own take/gather, so
+    an out-of-range entry raises at run time as in eager (a combined linear index would not).
+    """
+    dims = [d for d, _ in tensor_dims]
+    idxs = [k for _, k in tensor_dims]
+    s = clang.broadcast_shapes(*(k._tt_shape for k in idxs))
+    rest = [i for i in range(x.ndim_) if i not in dims]
+    x = clang.permute(x, dims + rest)  # indexed dims first, in order
+    rest_shape = tuple(x._tt_shape[len(dims):])
+    p = math.prod(s)
+    flat = [_wrap_negative(clang.reshape(clang.expand(k, s), (p,)), x._tt_shape[i]) for i, k in enumerate(idxs)]
+    x = prims.take(x, flat[0], 0)  # (p, n1, ..., rest)
+    for k in flat[1:]:
+        # Row r keeps entry k[r] of the next dim: a gather with the index broadcast over the other dims.
+        shape = (p, 1) + tuple(x._tt_shape[2:])
+        index = prims.broadcast_in_dim(k, shape, (0,))
+        x = clang.squeeze(prims.gather(x, index, 1), (1,))
+    x = clang.reshape(x, tuple(s) + rest_shape)
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    if adjacent and dims[0] > 0:  # S goes where the indexed dims were
+        n_s, before = len(s), dims[0]
+        order = list(range(n_s, n_s + before)) + list(range(n_s)) + list(range(n_s + before, x.ndim_))
+        x = clang.permute(x, order)
+    return x
 
 
 @torchsymbol(torch.diff, methods=("diff",))
