@@ -136,14 +136,15 @@ def test_roberta_sequence_classification_with_an_all_ones_mask_matches_eager(rob
                                    roberta(ids, attention_mask=mask, return_dict=False)[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="the mask decision is specialised; HF's padded-mask path then indexes with two broadcast "
-                          "index tensors (padding_mask[batch_idx, kv_idx]), which shapes.getitem does not support yet")
-def test_roberta_sequence_classification_with_a_padding_mask_matches_eager(roberta):
+def test_roberta_sequence_classification_with_a_padding_mask_matches_eager_and_retraces_on_the_decision(roberta):
     ids = torch.randint(3, 60, (2, 7))
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, 5:] = 0
+    ones = torch.ones(2, 7, dtype=torch.long)
+    padded = ones.clone()
+    padded[1, 5:] = 0
     cm = tt.compile(roberta)
     with torch.no_grad():
-        torch.testing.assert_close(cm(ids, attention_mask=mask, return_dict=False)[0],
-                                   roberta(ids, attention_mask=mask, return_dict=False)[0], rtol=1e-5, atol=1e-6)
+        for mask in (ones, padded, padded, ones):
+            torch.testing.assert_close(cm(ids, attention_mask=mask, return_dict=False)[0],
+                                       roberta(ids, attention_mask=mask, return_dict=False)[0], rtol=1e-5, atol=1e-6)
+    stats = tt.compile_stats(cm)
+    assert stats.entries == 2 and "masking_utils.py" in stats.retrace_reasons[0], stats.retrace_reasons
