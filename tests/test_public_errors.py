@@ -22,8 +22,10 @@ def test_unsupported_op_error_is_exported():
 
 
 def test_data_dependent_error_is_exported():
-    def f(x):
-        return x if x.sum() > 0 else -x
+    w = torch.nn.Linear(3, 3)
+
+    def f(x):  # a decision on a value computed with parameters (one on the inputs alone is specialised)
+        return x if w(x).sum() > 0 else -x
 
     e = _raised(tt.compile(f), torch.randn(3))
     assert type(e) is tt.DataDependentError and "torch.where" in str(e)

@@ -97,7 +97,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 8. Prologue (guards/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
                if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
-    prologue, expected = build_prologue(acquired.leaves, arg_names, written, acquired.size_checks)
+    prologue, expected = build_prologue(acquired.leaves, arg_names, written, acquired.size_checks, acquired.decisions)
     prologue = intern_prologue(prologue)
     leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves)
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}

@@ -22,6 +22,8 @@ from .context import fresh_name
 # the tracer's torch-function handler, and the prims module, whose scalar prims
 # record arithmetic on runtime numbers.
 _torch_function_handler = None
+# Installed by compiler/acquisition/decisions.py: (value, conversion, description) -> the specialised Python value.
+_decision_handler = None
 _prims = None
 
 
@@ -257,6 +259,9 @@ class NumberProxy(Proxy):
         return self._binop(o, "ge")
 
     def __bool__(self):
+        if _decision_handler is not None and not isinstance(self, _Checked):
+            # acquisition/decisions.py: computed from the inputs and specialised on, if it is a function of them alone.
+            return _decision_handler(self, "bool", f"bool() of the runtime number {self.name}")
         raise RuntimeError(
             f"Python control flow on the runtime scalar {self.name} cannot be traced; "
             "the value changes between calls. Use torch.where or move the branch outside the compiled function."

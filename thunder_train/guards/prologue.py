@@ -226,6 +226,9 @@ class Prologue:
     structure: str  # the generated source: equal structure ⇔ shareable prologue
     var_names: list  # variable name of each leaf, in leaf order
     label_leaf: tuple  # leaf index of each guard-key element
+    check_globals: dict = dataclasses.field(default_factory=dict)  # names decision checks use (thin mode needs them)
+    # (guard-key index, expression) per decision: the expected value is each entry's own key (entries share prologues).
+    decision_checks: list = dataclasses.field(default_factory=list)
 
     def key_of(self, args, kwargs) -> tuple:
         return self.guard_key_fn.fn(*self.extract.fn(*args, **kwargs))
@@ -259,10 +262,15 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
         leaf = leaves[i]
         step = leaf.path[-1]
         if step.kind == "const":
-            # A tensor captured from the function's closure: passed by reference.
+            # A tensor the function reached through an object it does not walk: passed by reference.
             if consts is None:
                 raise ValueError("extraction of captured tensors needs a Consts table")
             expr = consts(leaf.value)
+        elif step.kind in ("global", "closure") and len(leaf.path) == 1:
+            # Read again on every call from the function's globals dict or closure cell (rebinding is seen).
+            if consts is None:
+                raise ValueError("extraction of globals and closure cells needs a Consts table")
+            expr = step.expr(consts(step.ref))
         elif len(leaf.path) == 1:
             expr = step.expr("")
         else:
@@ -294,13 +302,15 @@ def per_call_mask(leaves) -> list:
     return mask
 
 
-def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
+def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=()) -> tuple:
     """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
 
     ``written``: leaf indices of the inputs the computation updates in place.
     The key then also says that no per-call input (an argument not reached
     through a module or optimizer) shares storage with one of them: a batch
     that is a view of a parameter would otherwise be read after it was updated.
+    ``decisions``: Python values the trace computed from per-call inputs
+    (``compiler/acquisition/decisions.py``): the key holds each one, recomputed.
     """
     names = leaf_vars(leaves, arg_names)
     index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
@@ -335,6 +345,21 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
             expected.append(result)
             label_leaf.append(first)
             size_exprs.append((expr, result))
+    decision_sources = []
+    dec = Consts("_decision")  # its own names: thin mode's generated code uses them too
+    decision_checks = []
+    if decisions:
+        var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
+                        if leaf.kind == "tensor" and leaf.alias_of is None}
+        for d in decisions:
+            fn = dec(d.fn)
+            call = _DECISION_EXPR[d.convert].format(f"{fn}({''.join(var_of_proxy[id(p)] + ', ' for p in d.inputs)})")
+            labels.append(Label("decision", d.text))
+            exprs.append(call)
+            expected.append(_float_key(d.result) if d.convert == "float" else d.result)
+            label_leaf.append(index_of[id(next(leaf for leaf in leaves if leaf.proxy is d.inputs[0]))] if d.inputs else 0)
+            decision_checks.append((len(labels) - 1, call))  # thin mode: compared with its entry's key every call
+            decision_sources.append(d.source)
     if written:
         per_call = per_call_mask(leaves)
         others = [i for i, leaf in enumerate(leaves) if per_call[i] and leaf.kind == "tensor" and leaf.alias_of is None]
@@ -350,8 +375,9 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
     for lab, e in zip(labels, exprs):
         gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
     gk_lines.append("  )")
-    structure = "\n".join(ex_lines + gk_lines)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_storage_overlaps": _storage_overlaps, "torch": torch, **consts.d}
+    structure = "\n".join(ex_lines + gk_lines + decision_sources)
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
+         "torch": torch, **consts.d, **dec.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(
         "guard_key",
@@ -360,8 +386,19 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=()) -> tuple:
     )
     pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf))
     pro.size_checks = size_exprs
+    pro.check_globals = {"_as_list": _as_list, **dec.d}
+    pro.decision_checks = decision_checks
     pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
     return pro, tuple(expected)
+
+
+# How the recomputed value of a decision is keyed (``{}``: the call of the decision's program).
+_DECISION_EXPR = {"bool": "bool({})", "int": "int({})", "float": "_float_key(float({}))", "index": "({}).__index__()",
+                  "list": "_as_list({})"}
+
+
+def _as_list(v):
+    return v.tolist() if isinstance(v, torch.Tensor) else v
 
 
 # ---------------------------------------------------------------------------
@@ -389,8 +426,8 @@ def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> li
             continue
         if lab.what == "object":
             out.append(f"{lab.path}: a different object than the one compiled for")
-        elif lab.path == "sizes":
-            out.append(f"{lab.what} was {e}, now {a}")
+        elif lab.path in ("sizes", "decision"):
+            out.append(f"{lab.what} was {e!r}, now {a!r}" if lab.path == "decision" else f"{lab.what} was {e}, now {a}")
         elif lab.what == "is None":
             out.append(f"{lab.path}: {'None' if e else 'set'} → {'None' if a else 'set'}")
         elif lab.what == "identity":

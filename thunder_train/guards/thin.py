@@ -7,6 +7,9 @@ Leaves fall in two classes (see docs/thin_mode.md):
   ``thin_call`` extracts them on every call and checks the cheap properties (tensor shape,
   dtype, device, ``requires_grad``; constant type and value; container type and length).
   A mismatch raises ``ThinModeError`` naming the argument — never a silent wrong result.
+  Globals and closure cells the function reads are per-call leaves too, read again from
+  the globals dict or cell; a failed check on one (a rebound name) drops the binding and
+  runs the full path instead (docs/captured_inputs.md).
 * **static** leaves have a module (or other object) among their ancestors: parameters,
   buffers, submodules.  A static tensor that was the *same object* on the two validated
   calls that led to binding is bound as a constant of ``thin_call``; one that changed between
@@ -104,8 +107,8 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             used.add(i)
 
     pc_idx = [i for i in range(len(leaves)) if per_call[i]]
-    extract = extraction_lines(leaves, names, pc_idx, indent="    ")
-    mismatch, changed = [], []  # conditions
+    extract = extraction_lines(leaves, names, pc_idx, indent="    ", consts=consts)
+    per_call_mismatch, changed = [], []  # conditions
 
     def tensor_cond(var, v, leaf=None):
         if leaf is not None and is_symbolic(leaf):
@@ -146,6 +149,8 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     for i in pc_idx:
         leaf, var, v = leaves[i], names[i], leaves[i].value
         k = leaf.kind
+        # A global or closure value the caller rebound: a change to recompile for, not a broken contract.
+        mismatch = changed if leaf.path[0].kind in ("global", "closure") else per_call_mismatch
         if k == "tensor":
             if leaf.alias_of is None:
                 mismatch.append(tensor_cond(var, v, leaf))
@@ -312,7 +317,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     lines += ["  try:"] + (extract or ["    pass"])
     for c in changed:
         lines += [f"    if {c}:", "      raise _Changed"]
-    for c in mismatch:
+    for c in per_call_mismatch:
         lines += [f"    if {c}:", "      raise _Mismatch"]
     lines += ["  except _Changed:", "    return _changed(args, kwargs)",
               "  except (_Mismatch, LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
@@ -325,6 +330,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     expected = [e for lab, e in zip(prologue.labels, entry.key) if lab.path == "sizes"]
     for expr, result in zip(size_exprs, expected):
         lines += [f"    if {expr} is not {result}:", "      raise _Changed"]
+    for j, expr in prologue.decision_checks:
+        # A Python decision on per-call inputs (acquisition/decisions.py) goes another way: another program.
+        lines += [f"    if {expr} != {consts(entry.key[j])}:", "      raise _Changed"]
     lines += ["  except Exception:  # _Changed, or a bound container that no longer has what was read",
               "    return _changed(args, kwargs)"]
     call_args = ", ".join(comp_arg[i] for i in entry.input_idx)
@@ -340,7 +348,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_computation": entry.computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"],
-        **consts.d, **bound,
+        **consts.d, **bound, **prologue.check_globals,
     }
     header = (
         f"Thin mode: bound {len(static_idx)} static tensor(s); per call: extract and check "

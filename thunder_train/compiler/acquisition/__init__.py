@@ -4,6 +4,7 @@ One idea per module:
 
 * ``provenance`` — access paths (``Step``, ``Leaf``): how the prologue finds an input again;
 * ``walker`` — input walking: tensors, containers, modules, optimizers become proxied inputs;
+* ``captured`` — the globals and closure cells the function reads: inputs like arguments;
 * ``dispatch`` — every torch call while tracing, routed to the torch language, with its special cases;
 * ``inplace`` — functionalization glue: in-place ops, ``out=`` and views;
 * ``python_effects`` — Python behaviour a program would not repeat, refused with a clear error;

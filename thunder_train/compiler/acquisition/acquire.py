@@ -26,6 +26,8 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
+from . import decisions as _decisions  # noqa: F401 — installs the decision handler
+from .captured import captured_roots
 from .dispatch import ProxyMode
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
@@ -43,6 +45,7 @@ class Acquired:
     has_backward: bool = False  # the function called backward(): gradients are values of the trace
     epilogue: object = None  # epilogue.Epilogue replaying Python side effects, or None
     output_spec: object = None  # pytree.OutputSpec rebuilding a returned user type (ModelOutput, dataclass, ...)
+    decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
 
 
 def arg_names(fn) -> list:
@@ -81,9 +84,11 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
+            walker.walk_captured(captured_roots(fn))
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
                     only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
+            walker.check_copies_unmodified()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
@@ -102,7 +107,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
-                    output_spec)
+                    output_spec=output_spec, decisions=list(state.decisions))
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

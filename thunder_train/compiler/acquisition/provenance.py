@@ -1,7 +1,8 @@
 """Provenance: how the prologue finds an input leaf again.
 
-Every leaf the walker records carries a path of ``Step``s from a root (an
-argument, a keyword argument, a captured tensor).  ``path_expr`` is the
+Every leaf the walker records carries a path of ``Step``s from a root: an
+argument, a keyword argument, a global or closure cell the function reads
+(``captured.py``), or a tensor reached some other way and passed by reference.  ``path_expr`` is the
 Python expression the prologue evaluates; ``path_str`` is how errors and
 prologue comments print it (``args[0].fc1.weight``).
 """
@@ -16,8 +17,11 @@ from typing import Any
 # ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # "arg", "kwarg", "item", "key", "attr", "param", "buffer", "module"
+    kind: str  # "arg", "kwarg", "global", "closure", "const", "item", "key", "attr", "param", "buffer", "module", "optstate"
     key: Any
+    # Roots "global"/"closure": the globals dict or the cell the value is read from; the prologue
+    # refers to it by reference (base = its name there). Not part of the path's identity.
+    ref: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def expr(self, base: str) -> str:
         k = self.kind
@@ -25,6 +29,10 @@ class Step:
             return f"args[{self.key}]"
         if k == "kwarg":
             return f"kwargs[{self.key!r}]"
+        if k == "global":
+            return f"{base}[{self.key!r}]"  # base: the globals dict
+        if k == "closure":
+            return f"{base}.cell_contents"  # base: the cell
         if k in ("item", "key"):
             return f"{base}[{self.key!r}]"
         if k == "attr":
@@ -47,7 +55,12 @@ class Step:
         if self.kind in ("attr", "param", "buffer", "module"):
             return f"{base}.{self.key}"
         if self.kind == "const":
-            return f"<tensor captured from the function's closure #{self.key}>"
+            return f"<tensor #{self.key} read by the function through an object it does not walk>"
+        if self.kind == "global":
+            return f"globals[{self.key!r}]"
+        if self.kind == "closure":
+            owner, name = self.key
+            return f"closure[{name!r}]" if owner is None else f"{owner}.closure[{name!r}]"
         if self.kind == "optstate":
             return f"{base}.state[{base}.param_groups[{self.key[0]}]['params'][{self.key[1]}]]"
         return self.expr(base)
@@ -72,6 +85,10 @@ def name_from_path(path, fallback="t") -> str:
     for st in path:
         if st.kind in ("arg", "kwarg"):
             parts.append(st.key if isinstance(st.key, str) else f"arg{st.key}")
+        elif st.kind == "global":
+            parts.append(st.key)
+        elif st.kind == "closure":
+            parts.append(st.key[1])
         elif st.kind in ("attr", "param", "buffer", "module", "key"):
             parts.append(str(st.key))
         elif st.kind == "item":

@@ -63,7 +63,7 @@ def refuse_backward_hooks(st):
 
 @contextlib.contextmanager
 def only_walked_optimizers_step(walker):
-    """An optimizer the function reads from a global or closure was not walked: its parameters are
+    """An optimizer the walker never saw (reached through an object it does not walk): its parameters are
     the real tensors, whose ``.grad`` the traced backward does not set, so its step would silently
     update nothing.  Stepping it is an error that says what to do."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -74,9 +74,11 @@ def only_walked_optimizers_step(walker):
         # The hook is global: an optimizer stepping in another thread meanwhile is none of our business.
         if context.tracer_state() is st and id(opt) not in walker.by_id:
             raise TracingError(
-                f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an argument of the "
-                "function (it is read from a global or a closure), so thunder_train cannot capture its parameters and "
-                "state. Pass it as an argument: step = tt.compile(train_step); step(model, opt, x, y)."
+                f"{type(opt).__name__}.step() inside a compiled function: the optimizer is not an input of the "
+                "function — neither an argument nor a global or closure value the function reads, but reached through "
+                "an object thunder_train does not walk (an attribute of a plain object, code in another module) — so its "
+                "parameters and state cannot be captured. Pass it as an argument (step(model, opt, x, y)) or read it "
+                "from a global or closure of the step."
             )
 
     handle = register_optimizer_step_pre_hook(check)

@@ -30,3 +30,4 @@ class TracerState:
     has_backward: bool = False  # the function called backward()/autograd.grad
     ddp_pending: list = dataclasses.field(default_factory=list)  # (module, ignored names): DDP forwards awaiting a backward
     written_inputs: list = dataclasses.field(default_factory=list)  # input proxies updated in place (set by the epilogue)
+    decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision: Python values computed from inputs

@@ -9,7 +9,9 @@ hyper-parameters are runtime numbers.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
+import io
 from typing import Any
 
 import torch
@@ -45,11 +47,49 @@ class InputWalker:
         self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
         self.floats_are_inputs = False  # while walking an optimizer's hyper-parameters
         self.symbolic_inputs: list = []  # input proxies with symbolic sizes
+        self.copies: list = []  # (proxied container, its items) made for captured values: must stay unmodified
+        self._capturing = False
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
         pkwargs = {k: self.walk(v, (Step("kwarg", k),), k) for k, v in kwargs.items()}
         return pargs, pkwargs
+
+    def walk_captured(self, roots):
+        """Globals and closure cells the function reads (``captured.py``): walked like arguments.
+
+        The function reads the proxied value while tracing (the global or the cell is set to it and
+        restored afterwards). An object already walked (``model`` passed as an argument and read as
+        a global) gets an identity leaf under this path, so rebinding the name is still seen.
+        """
+        self._capturing = True
+        try:
+            for root in roots:
+                path, v = (root.step,), root.value
+                if id(v) in self.by_id and not isinstance(v, torch.Tensor):
+                    self.leaves.append(Leaf(path, "object", v))
+                    continue
+                new = self.walk(v, path, root.step.key if root.step.kind == "global" else root.step.key[1])
+                if new is not v:
+                    self.swapped.append((root, None, v))
+                    root.set(new)
+        finally:
+            self._capturing = False
+
+    def check_copies_unmodified(self):
+        """A captured list or dict the function changed (``losses.append(loss)``): the change went into the
+        proxied copy and would be lost, and would not happen on later calls. An error, not a silent drop."""
+        for leaf, copy, items in self.copies:
+            is_dict = isinstance(copy, dict)
+            now = list(copy.items()) if is_dict else list(copy)
+            same = len(now) == len(items) and all(
+                (x[0] == y[0] and x[1] is y[1]) if is_dict else x is y for x, y in zip(now, items))
+            if not same:
+                raise TracingError(
+                    f"the function modified {leaf.where} ({type(copy).__name__} read from a global or closure): the change "
+                    "would happen once, while tracing, not on every call. Return the values and collect them outside the "
+                    "compiled function."
+                )
 
     def tensor(self, t, path, hint):
         prev = self.by_id.get(id(t))
@@ -59,7 +99,8 @@ class InputWalker:
             return prev.proxy
         name = self.trc.unique_name(hint or name_from_path(path))
         shape = tuple(t.shape)
-        symbolic = self.dynamic and not self.static_depth and path[0].kind != "const"
+        # Captured values (globals, closures) keep constant shapes like module tensors.
+        symbolic = self.dynamic and not self.static_depth and path[0].kind not in ("const", "global", "closure")
         if symbolic:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
             # they decide broadcasting and emptiness).
@@ -101,12 +142,20 @@ class InputWalker:
             self.leaves.append(Leaf(path, "constant", x))
             return x
         if t is tuple or t is list or (isinstance(x, tuple) and hasattr(x, "_fields")):
-            self.leaves.append(Leaf(path, "seq", x))
+            leaf = Leaf(path, "seq", x)
+            self.leaves.append(leaf)
             items = [self.walk(v, path + (Step("item", i),)) for i, v in enumerate(x)]
-            return t(*items) if hasattr(x, "_fields") else t(items)
+            new = t(*items) if hasattr(x, "_fields") else t(items)
+            if t is list and self._capturing and not self.static_depth:
+                self.copies.append((leaf, new, list(new)))
+            return new
         if t is dict:
-            self.leaves.append(Leaf(path, "dict", x))
-            return {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
+            leaf = Leaf(path, "dict", x)
+            self.leaves.append(leaf)
+            new = {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
+            if self._capturing and not self.static_depth:
+                self.copies.append((leaf, new, list(new.items())))
+            return new
         if isinstance(x, torch.nn.Module):
             self.module(x, path)
             return x
@@ -122,6 +171,12 @@ class InputWalker:
             for k, v in fields.items():
                 object.__setattr__(new, k, v)
             return new
+        if isinstance(x, collections.abc.Iterator) and not isinstance(x, io.IOBase):
+            raise TracingError(
+                f"{path_str(path)} is an iterator ({t.__name__}): the compiled function runs its Python code once, while "
+                "tracing, so a next() inside it would return the same first item on every call. Take the batch outside "
+                "and pass it: batch = next(it); step(batch)."
+            )
         # Anything else (configs, callables, ...) is specialised on by identity.
         self.leaves.append(Leaf(path, "object", x))
         return x
@@ -276,7 +331,10 @@ class InputWalker:
 
     def restore(self):
         for d, k, v in reversed(self.swapped):
-            d[k] = v
+            if k is None:
+                d.set(v)  # a captured root (captured.Root)
+            else:
+                d[k] = v
         self.swapped.clear()
 
 
@@ -319,4 +377,5 @@ class TracedOptimizer:
 
 
 _MISSING = object()
+
 

@@ -264,7 +264,23 @@ def _data_dependent(what):
     return f
 
 
-_metadata_method(methods=("__bool__",))(_data_dependent("bool(tensor)"))
+def _decided(convert, what):
+    """A Python value of a tensor: computed from the inputs and specialised on when it is a function of them
+    alone (``compiler/acquisition/decisions.py`` installs the handler), else the error above."""
+    refuse = _data_dependent(what)
+
+    def f(a, *args, **kwargs):
+        from .. import proxies
+
+        if proxies._decision_handler is None or args or kwargs:
+            return refuse(a)
+        return proxies._decision_handler(a, convert, what)
+
+    f.__name__ = what
+    return f
+
+
+_metadata_method(methods=("__bool__",))(_decided("bool", "bool(tensor)"))
 @_metadata_method(methods=("item",))
 def item(a):
     """A runtime number (``prims.item``); arithmetic on it is recorded, branching on it is an error."""
@@ -299,10 +315,10 @@ def _set_requires_grad(a, value):
 def detach_(a):
     a._tt_requires_grad = False
     return a
-_metadata_method(methods=("tolist",))(_data_dependent("Tensor.tolist()"))
-_metadata_method(methods=("__int__",))(_data_dependent("int(tensor)"))
-_metadata_method(methods=("__float__",))(_data_dependent("float(tensor)"))
-_metadata_method(methods=("__index__",))(_data_dependent("using a tensor as an index"))
+_metadata_method(methods=("tolist",))(_decided("list", "Tensor.tolist()"))
+_metadata_method(methods=("__int__",))(_decided("int", "int(tensor)"))
+_metadata_method(methods=("__float__",))(_decided("float", "float(tensor)"))
+_metadata_method(methods=("__index__",))(_decided("index", "using a tensor as an index"))
 _metadata_method(methods=("numpy",))(_data_dependent("Tensor.numpy()"))
 _metadata_method(methods=("data_ptr",))(_data_dependent("Tensor.data_ptr()"))
 _metadata_method(methods=("__array__",))(_data_dependent("numpy conversion"))

@@ -1,0 +1,151 @@
+"""Globals and closure cells the function reads: inputs, found from its code.
+
+A training step written ``def step(batch): loss = model(batch).loss; ...`` reads
+``model`` and ``opt`` from its module's globals or from closure cells.  They are
+inputs like arguments: walked, guarded and bound, each under a root path
+``globals['model']`` or ``closure['opt']`` that the prologue reads again on
+every call, so rebinding the name is seen.
+
+The rule (``docs/captured_inputs.md``):
+
+* the compiled function's own reads: every ``LOAD_GLOBAL``/``LOAD_NAME`` in its code
+  and in the code nested in it (inner functions, lambdas, comprehensions) that names
+  a key of its ``__globals__``, and every cell of its ``__closure__``;
+* recursively the same for every plain Python function among those values that is
+  defined in the same module as the step (helpers: ``def loss_fn(...)`` next to the
+  step);
+* not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
+  thing training code does), builtins, and what code in *other* modules reads
+  (library code, model classes defined elsewhere). A tensor such code reads is still
+  an input, passed by reference (in-place changes are seen), but rebinding that name
+  is not detected.
+* thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
+  transparent: their cells and globals are not inputs, the user functions they wrap are
+  scanned by the rule above.
+
+Writing a captured name inside the function (``global n; n += 1``, ``nonlocal``) would
+happen once, while tracing: it is an error that says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import dis
+import functools
+import inspect
+import types
+from typing import Any
+
+from ..errors import TracingError
+from .provenance import Step
+
+_INTERNAL = "thunder_train."
+
+
+@dataclasses.dataclass
+class Root:
+    step: Step  # Step("global", name, ref=globals) or Step("closure", (owner, name), ref=cell)
+    value: Any
+
+    def set(self, value) -> None:
+        """Make the function read ``value`` (while tracing: its proxies)."""
+        if self.step.kind == "global":
+            self.step.ref[self.step.key] = value
+        else:
+            self.step.ref.cell_contents = value
+
+
+def _code_names(code, loads: set, stores: set) -> None:
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            loads.add(ins.argval)
+        elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.add(ins.argval)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, loads, stores)
+
+
+def _free_stores(code) -> set:
+    """Names among ``code.co_freevars`` the function assigns (``nonlocal x; x = ...``)."""
+    free = set(code.co_freevars)
+    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in free}
+
+
+def _function_of(fn):
+    """The plain function behind ``fn`` (bound methods, ``functools.wraps`` wrappers stay as they are)."""
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _is_internal(fn) -> bool:
+    return (getattr(fn, "__module__", None) or "").startswith(_INTERNAL)
+
+
+def captured_roots(fn) -> list:
+    """The globals and closure cells ``fn`` reads, by the rule above, in a deterministic order."""
+    roots: list = []
+    seen_fns: set = set()
+    seen_roots: set = set()
+    home = [None]  # the step's module: the first user function's __module__
+
+    def scan(f, owner):
+        f = _function_of(f)
+        if f is None or id(f) in seen_fns:
+            return
+        seen_fns.add(id(f))
+        code = f.__code__
+        cells = dict(zip(code.co_freevars, f.__closure__ or ()))
+        if _is_internal(f):
+            # A wrapper of ours: follow the user functions it closes over, capture nothing of its own.
+            for cell in cells.values():
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if _function_of(v) is not None:
+                    scan(v, None)
+            return
+        if home[0] is None:
+            home[0] = f.__module__
+        elif f.__module__ != home[0]:
+            return
+        name = None if owner is None else f.__qualname__
+        loads, stores = set(), set()
+        _code_names(code, loads, stores)
+        for what, names in (("global", sorted(stores & set(f.__globals__))), ("nonlocal", sorted(_free_stores(code)))):
+            if names:
+                raise TracingError(
+                    f"{f.__qualname__} assigns the {what} {names[0]!r}: a compiled function runs its Python code once, "
+                    "while tracing, so the assignment would not happen on later calls. Return the value and assign it "
+                    "outside the compiled function (or keep it in a tensor updated in place)."
+                )
+        g = f.__globals__
+        found = []
+        for n in sorted(loads):
+            if n in g and not isinstance(g[n], types.ModuleType):
+                found.append(Root(Step("global", n, ref=g), g[n]))
+        for n in code.co_freevars:
+            cell = cells[n]
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue  # not assigned yet
+            if not isinstance(v, types.ModuleType):
+                found.append(Root(Step("closure", (name, n), ref=cell), v))
+        for r in found:
+            key = (r.step.kind, id(r.step.ref), r.step.key)
+            if key in seen_roots:
+                continue
+            seen_roots.add(key)
+            roots.append(r)
+        for r in found:
+            h = _function_of(r.value)
+            if h is not None and not _is_internal(h) and h.__module__ == home[0]:
+                scan(h, h)
+
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if inspect.isclass(target):
+        return []
+    scan(target, None)
+    return roots
