@@ -7,13 +7,16 @@ When eager raises, the compiled step must raise too; when the compiled step rais
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import thunder_train as tt
+from thunder_train.guards import bulk
 
 
 def small_model(seed=0):
@@ -27,6 +30,23 @@ def train_step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+@contextlib.contextmanager
+def forced_checks(kind):
+    """Bind thin mode with its per-parameter checks in Python (``"python"``) or in torch's guard trees (``"c++"``,
+    guards/bulk.py), whatever the model's size; ``None`` keeps the default choice."""
+    if kind is None:
+        yield
+        return
+    if kind == "c++" and not bulk.supported():
+        pytest.skip("this torch has no usable guard trees (thin mode checks in Python)")
+    saved = bulk.ENABLED, bulk.MIN_PARAMS
+    bulk.ENABLED, bulk.MIN_PARAMS = (kind == "c++"), 0
+    try:
+        yield
+    finally:
+        bulk.ENABLED, bulk.MIN_PARAMS = saved
 
 
 def snapshot(model, opt):

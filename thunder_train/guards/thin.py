@@ -33,6 +33,7 @@ from ..compiler.acquisition.provenance import path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
+from . import bulk
 from .checks import autocast_state
 from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS, _storage_overlaps
 
@@ -79,7 +80,8 @@ def _under_state(leaf) -> bool:
     return any(st.kind == "optstate" for st in leaf.path)
 
 
-def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every):
+def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
+                    python_checks=False):
     """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
 
     Every assumption the guard key makes has a per-call check here (docs/thin_mode.md has the table):
@@ -144,6 +146,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         return None
 
     static_lines, static_conds = [], []  # re-read from live containers every call (after the per-call checks)
+    # Per-parameter assumptions checked in one C++ pass where this torch allows (bulk.py), else in Python.
+    fast = frozenset() if python_checks else bulk.kinds_for(
+        sum(1 for i, v in enumerate(vals) if not per_call[i] and isinstance(v, torch.nn.Parameter)))
+    bulk_meta, bulk_grads, bulk_dicts = [], [], []
     comp_arg = {}
     static_idx = []
     for i in pc_idx:
@@ -205,16 +211,19 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         if any(_under_state(leaves[i]) for i in mine):
             state = opt.state
             dicts = list(state.values())
-            flat = [v for d in dicts for v in d.values()]
             demoted_state = [i for i in mine if _under_state(leaves[i]) and leaves[i].path[-1].kind == "key"
                              and vals[i] is not prev_vals[i]]
             if demoted_state or any(type(d) is not dict for d in dicts):
                 raise CannotBind(f"{path_str(leaves[demoted_state[0]].path) if demoted_state else 'optimizer state'} "
                                  "is a different object on each call")
-            s = f"{names[o]}.state"
-            static_conds.append(f"len({s}) != {len(state)} or " + same_objects(f"_list({s})", list(state), consts))
-            static_lines.append(f"    _sv{o} = _list({s}.values())")
-            static_conds.append(same_state_dicts(f"_sv{o}", dicts, consts))
+            if "dict" in fast and isinstance(state, dict):
+                # Any insertion, deletion or replaced value bumps a dict's version: one C++ pass.
+                bulk_dicts += [state] + dicts
+            else:
+                s = f"{names[o]}.state"
+                static_conds.append(f"len({s}) != {len(state)} or " + same_objects(f"_list({s})", list(state), consts))
+                static_lines.append(f"    _sv{o} = _list({s}.values())")
+                static_conds.append(same_state_dicts(f"_sv{o}", dicts, consts))
 
     for i in sorted(used):
         if per_call[i] or i in comp_arg:
@@ -260,16 +269,21 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     # Not needed for a program bound (and checked) to run without grad that computes no gradients itself.
     computes_grads = global_state[0] or entry.has_backward
     bound_tensors = [i for i in static_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
-    params = [i for i in bound_tensors if isinstance(vals[i], torch.nn.Parameter)] if computes_grads else []
-    if params:
-        static_conds.append(f"_list(map(_rg, {consts([vals[i] for i in params])})) != "
-                            f"{consts([vals[i].requires_grad for i in params])}")
-    # ``p.data = other`` keeps the bound object but may change its layout, which the program (gradient
-    # layouts, fused optimizer kernels) assumed: one bulk comparison per call over the bound parameters.
     laid_out = [i for i in bound_tensors if isinstance(vals[i], torch.nn.Parameter)]
-    if laid_out:
-        static_conds.append(f"_list(map(_stride, {consts([vals[i] for i in laid_out])})) != "
-                            f"{consts([vals[i].stride() for i in laid_out])}")
+    if "meta" in fast:
+        # Each bound parameter's shape, strides, dtype, device and requires_grad (freeze/unfreeze, and
+        # ``p.data = other``, which keeps the object but may change what the program assumed).
+        bulk_meta += [vals[i] for i in laid_out]
+    else:
+        params = laid_out if computes_grads else []
+        if params:
+            static_conds.append(f"_list(map(_rg, {consts([vals[i] for i in params])})) != "
+                                f"{consts([vals[i].requires_grad for i in params])}")
+        # ``p.data = other`` keeps the bound object but may change its layout, which the program (gradient
+        # layouts, fused optimizer kernels) assumed: one bulk comparison per call over the bound parameters.
+        if laid_out:
+            static_conds.append(f"_list(map(_stride, {consts([vals[i] for i in laid_out])})) != "
+                                f"{consts([vals[i].stride() for i in laid_out])}")
 
     # .grad of every bound tensor whose .grad the program read: None (set_to_none) or the bound tensor.
     owners, grads = [], []
@@ -285,8 +299,22 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             else:
                 continue  # re-read and checked every call above
             owners.append(vals[parent])
-    if owners:
+    if owners and "grad" in fast:
+        bulk_grads += zip(owners, grads)
+    elif owners:
         static_conds.append(same_objects(f"_list(map(_grad, {consts(owners)}))", grads, consts))
+    if bulk_meta or bulk_grads or bulk_dicts:
+        try:
+            bulk_check = bulk.BulkCheck(meta=bulk_meta, grads=bulk_grads, dicts=bulk_dicts).check
+        except Exception:  # noqa: BLE001 - an object the guard tree does not take: the same checks in Python
+            return build_thin_call(entry, prologue, leaves, vals, prev_vals, nargs=nargs, kwnames=kwnames, global_state=global_state,
+                                   handlers=handlers, stats=stats, binding_holder=binding_holder, check_every=check_every,
+                                   python_checks=True)
+        static_lines.append(f"    # _bulk_check(), one C++ pass: metadata of {len(bulk_meta)} parameter(s), .grad of "
+                            f"{len(bulk_grads)}, {len(bulk_dicts)} optimizer-state dict(s) unmodified")
+        static_conds.append("not _bulk_check()")
+    else:
+        bulk_check = None
 
     # A per-call tensor sharing storage with an input the program updates in place (a batch that is a
     # view of a parameter, or two overlapping views passed together): the full path decides.
@@ -347,7 +375,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
         "_computation": entry.computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
-        "_failed": handlers["failed"],
+        "_failed": handlers["failed"], "_bulk_check": bulk_check,
         **consts.d, **bound, **prologue.check_globals,
     }
     header = (
