@@ -34,19 +34,16 @@ def train_step(model, opt, x, y):
 
 @contextlib.contextmanager
 def forced_checks(kind):
-    """Bind thin mode with its per-parameter checks in Python (``"python"``) or in torch's guard trees (``"c++"``,
-    guards/bulk.py), whatever the model's size; ``None`` keeps the default choice."""
-    if kind is None:
-        yield
-        return
+    """Bind thin mode with its per-parameter checks in Python (``"python"``) or with torch's C++ guards where this
+    torch has them (``"c++"``, the default; guards/bulk.py)."""
     if kind == "c++" and not bulk.supported():
-        pytest.skip("this torch has no usable guard trees (thin mode checks in Python)")
-    saved = bulk.ENABLED, bulk.MIN_PARAMS
-    bulk.ENABLED, bulk.MIN_PARAMS = (kind == "c++"), 0
+        pytest.skip("this torch has no usable C++ guards (thin mode checks in Python)")
+    saved = bulk.ENABLED
+    bulk.ENABLED = kind == "c++"
     try:
         yield
     finally:
-        bulk.ENABLED, bulk.MIN_PARAMS = saved
+        bulk.ENABLED = saved
 
 
 def snapshot(model, opt):

@@ -1,5 +1,5 @@
-"""Thin mode's per-parameter checks (guards/bulk.py): the C++ guard-tree pass and the Python comparisons catch the
-same changes, including ones that bypass the module epoch, and give eager's result (compiled vs eager)."""
+"""Thin mode's per-parameter checks (guards/bulk.py): torch's C++ guards and the Python comparisons catch the same
+changes, including ones that bypass the module epoch, and give eager's result (compiled vs eager)."""
 import pytest
 import torch
 from torch import nn
@@ -102,15 +102,15 @@ def _thin_source(cf):
     return tt.last_prologue_traces(cf)[-1].source
 
 
-def test_large_bindings_use_the_cxx_pass_and_small_ones_python():
-    if not bulk.supported():
-        pytest.skip("this torch has no usable guard trees")
-    big, small = Twin(make_model=deep, thin=True), Twin(thin=True)
-    big.steps(3)
-    small.steps(3)
-    assert 2 * 35 >= bulk.MIN_PARAMS
-    assert "_bulk_check()" in _thin_source(big.compiled)
-    assert "_bulk_check()" not in _thin_source(small.compiled) and "_list(map(_grad" in _thin_source(small.compiled)
+@pytest.mark.parametrize("checks", CHECKS)
+def test_thin_call_uses_the_chosen_checks(checks):
+    with forced_checks(checks):
+        t = Twin(thin=True)
+        t.steps(3)
+    src = _thin_source(t.compiled)
+    assert ("_meta_check(" in src and "_dict_version" in src) == (checks == "c++")
+    assert ("_list(map(_stride" in src and "_list(map(_rg" in src) == (checks == "python")
+    assert "_list(map(_grad" in src
 
 
 @pytest.mark.parametrize("hazard", [BYPASSING[0], BYPASSING[4], BYPASSING[6], BYPASSING[8], BYPASSING[10]])
@@ -125,37 +125,36 @@ def test_large_model_default_checks_match_eager(hazard):
 
 def test_self_test_finds_each_kind():
     g = pytest.importorskip("torch._C._dynamo.guards")
-    if not hasattr(g, "RootGuardManager"):
-        pytest.skip("this torch has no guard trees")
-    assert bulk.supported() == {"meta", "grad", "dict"}
+    if not (hasattr(g, "TensorGuards") and hasattr(g, "dict_version")):
+        pytest.skip("this torch has no TensorGuards/dict_version")
+    assert bulk.supported() == {"meta", "dict"}
 
 
-def test_bulk_check_catches_each_change_and_passes_unchanged():
-    if not bulk.supported():
-        pytest.skip("this torch has no usable guard trees")
+def test_tensor_meta_check_catches_each_change():
+    if "meta" not in bulk.supported():
+        pytest.skip("this torch has no usable TensorGuards")
     ps = [nn.Parameter(torch.randn(3, 2)) for _ in range(4)]
-    g = torch.zeros(3, 2)
-    ps[1].grad = g
-    d = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 2)}
-    c = bulk.BulkCheck(meta=ps, grads=[(ps[0], None), (ps[1], g)], dicts=[d])
-    assert c.check() and c.check()
-    ps[1].grad = g  # the same object
-    d["step"] = d["step"]  # the value it holds
-    assert c.check()
-    ps[0].grad = torch.zeros(3, 2)
-    assert not c.check()
-    ps[0].grad = None
-    assert c.check()
-    ps[1].grad = None
-    assert not c.check()
-    ps[1].grad = g
+    check = bulk.tensor_meta_check(ps)
+    assert check(*ps) and check(*ps)
     ps[2].requires_grad_(False)
-    assert not c.check()
+    assert not check(*ps)
     ps[2].requires_grad_(True)
     old = ps[3].data
-    ps[3].data = torch.zeros(2, 3).t()
-    assert not c.check()
+    for other in (torch.zeros(2, 3).t(), torch.zeros(3, 2, dtype=torch.float64), torch.zeros(6)):
+        ps[3].data = other
+        assert not check(*ps)
     ps[3].data = old
-    assert c.check()
-    d["step"] = torch.tensor(1.0)
-    assert not c.check()
+    assert check(*ps)
+
+
+def test_dict_version_changes_on_every_modification():
+    if "dict" not in bulk.supported():
+        pytest.skip("dict versions are not available here")
+    version = bulk.dict_version()
+    t = torch.tensor(1.0)
+    d = {"step": t, "exp_avg": torch.zeros(3)}
+    v = version(d)
+    d["step"] = t  # the value it holds
+    assert version(d) == v
+    d["step"] = torch.tensor(1.0)  # an equal value, another object
+    assert version(d) != v

@@ -126,7 +126,7 @@ def _opt(kind):
        checks=st.sampled_from(["python", "c++"]),
        plan=st.lists(st.tuples(HAZARDS, st.integers(1, 2)), min_size=1, max_size=5))
 def test_random_hazards_between_thin_steps_match_eager(kind, checks, plan):
-    """``checks``: thin mode's per-parameter checks in Python or in torch's guard trees (guards/bulk.py)."""
+    """``checks``: thin mode's per-parameter checks in Python or with torch's C++ guards (guards/bulk.py)."""
     kernels = "traced" if kind == "adamw-traced" else "fused"
     if checks == "c++" and not bulk.supported():
         checks = "python"
