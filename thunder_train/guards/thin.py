@@ -16,8 +16,9 @@ Leaves fall in two classes (see docs/thin_mode.md):
   them (e.g. a ``.grad`` recreated each step) is re-read from its bound parent every call.
 
 Every assumption of the binding has a per-call check (the table in docs/thin_mode.md): the module
-epoch (``module_epoch.py``) for the module tree, bulk identity comparisons for ``.grad``,
-``requires_grad`` and optimizer state, the live ``param_groups`` re-read, global state compared.
+epoch (``module_epoch.py``) for the module tree, one C++ metadata check of the bound parameters and
+dict versions of the optimizer state (``bulk.py``; bulk Python comparisons where torch lacks them), a
+bulk identity comparison for ``.grad``, the live ``param_groups`` re-read, global state compared.
 A changed assumption re-validates (full path); a per-call input that does not match raises
 ``ThinModeError``; an error of the computation on inputs that changed unseen is named as such.
 """
@@ -151,13 +152,18 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     bulk_meta, bulk_dicts = [], []
     comp_arg = {}
     static_idx = []
+    # Per-call tensors (the batch): one C++ metadata check of all of them (bulk.py); only when it fails are the
+    # Python conditions evaluated, which decide as before (the C++ check is stricter: it also compares dispatch keys).
+    pc_batch = []
     for i in pc_idx:
         leaf, var, v = leaves[i], names[i], leaves[i].value
         k = leaf.kind
         # A global or closure value the caller rebound: a change to recompile for, not a broken contract.
         mismatch = changed if leaf.path[0].kind in ("global", "closure") else per_call_mismatch
         if k == "tensor":
-            if leaf.alias_of is None:
+            if leaf.alias_of is None and mismatch is per_call_mismatch and "meta" in fast and not is_symbolic(leaf):
+                pc_batch.append((var, v, tensor_cond(var, v, leaf)))
+            elif leaf.alias_of is None:
                 mismatch.append(tensor_cond(var, v, leaf))
             else:
                 j = index_of_leaf[id(leaf.alias_of)]
@@ -301,6 +307,8 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     if owners:
         static_conds.append(same_objects(f"_list(map(_grad, {consts(owners)}))", grads, consts))
     try:
+        if pc_batch:
+            pc_meta = bulk.tensor_meta_check([v for _, v, _ in pc_batch])
         if bulk_meta:
             static_lines.append(f"    # _meta_check: shape, strides, dtype, device and requires_grad of {len(bulk_meta)} parameter(s) in C++")
             static_conds.append(f"not _meta_check(*{consts(tuple(bulk_meta))})")
@@ -345,6 +353,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         lines += [f"    if {c}:", "      raise _Changed"]
     for c in per_call_mismatch:
         lines += [f"    if {c}:", "      raise _Mismatch"]
+    if pc_batch:
+        lines.append(f"    if not _pc_meta_check({''.join(var + ', ' for var, _, _ in pc_batch)}):")
+        for _, _, c in pc_batch:
+            lines += [f"      if {c}:", "        raise _Mismatch"]
     lines += ["  except _Changed:", "    return _changed(args, kwargs)",
               "  except (_Mismatch, LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
     lines += ["  try:"] + (static_lines or ["    pass"])
@@ -374,7 +386,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_computation": entry.computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"],
-        "_meta_check": meta_check if bulk_meta else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
+        "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
         **consts.d, **bound, **prologue.check_globals,
     }
     header = (
