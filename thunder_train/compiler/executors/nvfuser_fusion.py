@@ -108,9 +108,14 @@ def _is_write_back(bsym) -> bool:
     return getattr(bsym.sym, "fn", None) is torch_impls.copy_
 
 
-def fuse_regions(trc, notes: list, *, prefix: str = "nvfuser_fusion", header: str = "Fused by nvFuser", device_type: str = "cuda"):
-    """A new trace with each region of ≥ MIN_OPS ops nvFuser takes replaced by one fusion call."""
-    nvf, why = availability() if device_type == "cuda" else (None, "nvFuser fuses CUDA tensors only")
+def fuse_regions(trc, notes: list, *, prefix: str = "nvfuser_fusion", header: str = "Fused by nvFuser", device_type: str = "cuda",
+                 nvf=None):
+    """A new trace with each region of ≥ MIN_OPS ops nvFuser takes replaced by one fusion call.
+
+    ``nvf`` (tests only) stands in for the ``nvfuser_direct`` module, ``device_type`` for "cuda"."""
+    why = None
+    if nvf is None:
+        nvf, why = availability() if device_type == "cuda" else (None, "nvFuser fuses CUDA tensors only")
     if nvf is None:
         notes.append(f"{prefix}: nvFuser not used: {why}; the torch executor runs these ops")
         return trc
@@ -169,7 +174,7 @@ def plan_regions(trc, device_type: str = "cuda") -> list:
 
     def close():
         if cur:
-            r = _region(cur, readers, returned)
+            r = _region(list(cur), readers, returned)
             if r is not None:
                 regions.append(r)
         cur.clear()
@@ -328,7 +333,13 @@ def _runner(fd, plan, region):
     def run(*args):
         if [a.stride() for a in args] != strides:
             return torch_fallback(*args)
-        res = fd.execute(list(args))
+        if region.writes:  # a failure after a write-back landed must not run the region a second time
+            res = fd.execute(list(args))
+        else:
+            try:
+                res = fd.execute(list(args))
+            except Exception:  # noqa: BLE001 - nothing was written: the region's torch lines give the values
+                return torch_fallback(*args)
         outs = [res[k] if kind == "fd" else args[k] for kind, k in plan]
         return outs[0] if single else tuple(outs)
 
