@@ -174,6 +174,23 @@ def test_low_precision_results_round_like_eager():
     assert len(casts) == 4 and all(c[2] == {"dtype": "BFloat16"} for c in casts)
 
 
+def test_translation_table_names():
+    """torch's true division is nvFuser's truediv (its div truncates integers); amax is max over the dims."""
+    def h(x, y):
+        a = torch.where(x / y > 0.5, -x, torch.sigmoid(y))
+        return torch.amax(a, 1), (a * 2).to(torch.float64)
+
+    trc = lowered_trace(h, torch.rand(4, 4) + 0.5, torch.rand(4, 4) + 0.5)
+    (region,) = nf.plan_regions(trc, "cpu")
+    fd = RecordingDefinition()
+    nf.define_region(fd, region, DataType)
+    assert [n for n in fd.names() if n not in ("define_tensor", "cast", "add_output")] == [
+        "truediv", "gt", "neg", "sigmoid", "where", "max", "mul"]
+    (mx,) = [c for c in fd.calls if c[0] == "max"]
+    assert mx[1][1:] == ([1], False)
+    assert [c[2]["dtype"] for c in fd.calls if c[0] == "cast"][-2:] == ["Float", "Double"]  # mul, then .to(float64)
+
+
 def test_ops_without_a_translation_are_not_claimed():
     def g(x):
         return torch.nn.functional.gelu(x).softmax(-1) * 2

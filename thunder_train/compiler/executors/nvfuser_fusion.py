@@ -35,7 +35,7 @@ _UNARY = {n: n for n in ("abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "
                          "sinh", "cosh", "tanh", "asin", "acos", "atan", "sigmoid", "relu", "silu", "sqrt", "rsqrt",
                          "reciprocal", "erf", "erfc", "floor", "ceil", "trunc", "sign", "logical_not", "isnan",
                          "isinf", "isfinite")}
-_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "true_divide": "div", "pow": "pow",
+_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "truediv", "true_divide": "truediv", "pow": "pow",  # torch div is true division
            "maximum": "maximum", "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt",
            "ge": "ge", "atan2": "atan2", "fmod": "fmod", "remainder": "remainder", "logical_and": "logical_and",
            "logical_or": "logical_or"}
