@@ -10,7 +10,7 @@ import torch
 from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
-from .guards import thin
+from .guards import cuda_graphs as graphs, thin
 from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
 from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
@@ -40,7 +40,10 @@ class CompileStats:
     thin_bind_failures: list = dataclasses.field(default_factory=list)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
-    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion="inductor": one line per region, fused or why not
+    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
+    cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
+    cuda_graph_captures: int = 0
+    cuda_graph_replays: int = 0
 
     @property
     def thin_calls(self) -> int:
@@ -168,11 +171,11 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused", cuda_graphs: bool = False):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
-                      dynamic=dynamic, strict=strict, decompose=decompose)
+                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose)
         self.fn = fn
         self.strict = strict
         self.decompose = decompose
@@ -181,6 +184,8 @@ class CompiledFunction:
         self.dynamic = dynamic
         self.fusion = fusion
         self.optimizer_kernels = optimizer_kernels
+        self.cuda_graphs = cuda_graphs
+        self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
@@ -192,6 +197,9 @@ class CompiledFunction:
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
+        if cuda_graphs and not torch.cuda.is_available():
+            self._graph_note("cuda_graphs: not captured: no CUDA device on this machine (torch.cuda.is_available() is False); "
+                             "the program runs uncaptured")
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----
@@ -301,17 +309,27 @@ class CompiledFunction:
                               entry.struct_key[2], thin.epoch())
         handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
                     "failed": self._thin_failed}
+        graphed = computation = None
+        if self.cuda_graphs:
+            why = graphs.obstacle(entry)
+            if why is not None:
+                self._graph_note(f"cuda_graphs: not captured: {why}; the program runs uncaptured")
+            else:
+                graphed = graphs.GraphedProgram(entry, binding, self._graph_note, self.stats)
+                computation = entry.wrap(graphed)
         try:
             fn, static_idx = thin.build_thin_call(
                 entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
                 kwnames=tuple(k for k, _ in entry.struct_key[1]), global_state=entry.struct_key[2],
-                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every)
+                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every,
+                computation=computation)
         except thin.CannotBind as why:
             if str(why) not in self.stats.thin_bind_failures[-1:]:
                 self.stats.thin_bind_failures.append(str(why))
             return
         binding.fn, binding.static_idx = fn, static_idx
         self._binding = binding
+        self._graphed = graphed
         self._call = fn.fn
         if entry.updates_parameters and torch._C._is_any_autocast_enabled():
             # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
@@ -324,9 +342,18 @@ class CompiledFunction:
             self._call = call_in_region
         self.stats.thin_binds += 1
 
+    def _graph_note(self, line: str) -> None:
+        if line not in self.stats.cuda_graph_notes[-1:]:
+            self.stats.cuda_graph_notes.append(line)
+
     def _unbind(self, reason: str | None):
         if self._binding is not None and reason is not None:
             self.stats.thin_invalidations.append(reason)
+        if self._graphed is not None:
+            if self._graphed.graph is not None:
+                self._graph_note(f"cuda_graphs: graph dropped with the thin binding ({reason}); the next binding captures again")
+            self._graphed.release()
+            self._graphed = None
         self._binding = None
         self._prev_validated = None
         self._call = self._full_call
@@ -491,7 +518,7 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused", cuda_graphs: bool = False):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -502,31 +529,40 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     every N calls and raises ``ThinModeError`` naming what changed.
     ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
     size or sequence length reuses the program (see docs/thin_mode.md).
-    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
+    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU or CUDA into Inductor
+    kernels (C++ or Triton); ``fusion="nvfuser"`` CUDA regions and their write-backs into nvFuser fusions
+    (where ``nvfuser_direct`` imports); ``fusion="auto"`` picks the best available for the program's device
     (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
+    ``cuda_graphs=True`` (with ``thin=True``) captures the bound whole step as one CUDA graph and replays it
+    (docs/fusion.md; ``compile_stats(cf).cuda_graph_notes`` says whether and why not).
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
-                   optimizer_kernels=optimizer_kernels)
+                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)
 
 
-def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", **flags):
+FUSION_CHOICES = (None, "inductor", "nvfuser", "auto")
+
+
+def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", cuda_graphs=False, **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
-    for name, value in (("thin", thin), *flags.items()):
+    for name, value in (("thin", thin), ("cuda_graphs", cuda_graphs), *flags.items()):
         if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
             raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    if cuda_graphs and not thin:
+        raise ValueError("cuda_graphs=True captures the step thin mode binds; pass thin=True as well")
     if check_every is not None:
         if not thin:
             raise ValueError("check_every=N applies to thin mode; pass thin=True as well")
         if type(check_every) is not int or check_every < 1:
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
-    if fusion not in (None, "inductor"):
-        raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
+    if fusion not in FUSION_CHOICES:
+        raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSION_CHOICES))}, got {fusion!r}")
     if optimizer_kernels not in ("fused", "traced"):
         raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 

@@ -15,7 +15,7 @@ from ..guards.prologue import Prologue, build_prologue
 from . import acquisition
 from .errors import NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
-from .executors.inductor_fusion import fuse_regions
+from .executors.fusion import fuse
 from .executors.lowering import lower_to_executors
 from .executors.reinplace import reinplace
 from .transforms.autograd import build_forward_backward
@@ -40,6 +40,8 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
+    wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +80,10 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     trc = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
     traces.append(trc)
-    # 4. Fusion (executors/inductor_fusion.py), fusion="inductor".  With autograd, step 9 fuses the forward
+    # 4. Fusion (executors/fusion.py: Inductor or nvFuser), fusion=....  With autograd, step 9 fuses the forward
     #    and backward traces instead.
-    if options.fusion == "inductor" and (has_backward or not may_need_autograd(computed)):
-        trc = fuse_regions(trc, fusion_notes)
+    if options.fusion is not None and (has_backward or not may_need_autograd(computed)):
+        trc = fuse(trc, options.fusion, fusion_notes)
         traces.append(trc)
     trc = dce(trc, header=f"Final computation (executors: {names})")
     # 5. Backward kernels reuse their forward's statistics (transforms/saved_statistics.py; torch executor).
@@ -109,20 +111,29 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     if not has_backward:
         _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
+    entry.program = entry.computation
     # 10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
     epilogue = acquired.epilogue
+    targets = []
     if epilogue is not None:
         # The objects the epilogue writes to are leaves of the call: passed after the computation's inputs.
         index_of_leaf = {id(leaf): i for i, leaf in enumerate(acquired.leaves)}
         targets = [(name, index_of_leaf[id(leaf)]) for name, leaf in epilogue.targets.items() if leaf is not None]
         entry.epilogue = epilogue
-        entry.computation = _with_epilogue(entry.computation, epilogue, len(input_idx), [n for n, _ in targets])
         entry.input_idx = input_idx + tuple(i for _, i in targets)
         entry.select = _select(entry.input_idx)
     # 11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
     #     trace time; it is rebuilt around the real tensors after every call.
-    if acquired.output_spec is not None:
-        entry.computation = _rebuilding(entry.computation, acquired.output_spec)
+    spec = acquired.output_spec
+
+    def wrap(program):
+        c = program
+        if epilogue is not None:
+            c = _with_epilogue(c, epilogue, len(input_idx), [n for n, _ in targets])
+        return c if spec is None else _rebuilding(c, spec)
+
+    entry.wrap = wrap
+    entry.computation = wrap(entry.program)
     return entry, acquired.opaque_ops
 
 
@@ -145,10 +156,10 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
     names = ", ".join(ex.name for ex in executors)
     fw = fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
     bw = bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
-    if fusion == "inductor":
+    if fusion is not None:
         notes = [] if notes is None else notes
-        fw = fuse_regions(fw, notes, prefix="inductor_fw_fusion", header="Forward fused by Inductor")
-        bw = fuse_regions(bw, notes, prefix="inductor_bw_fusion", header="Backward fused by Inductor")
+        fw = fuse(fw, fusion, notes, "fw_")
+        bw = fuse(bw, fusion, notes, "bw_")
     fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
     fw = free_after_last_use(fw)
     bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
