@@ -42,7 +42,7 @@ MIN_OPS = 3
 
 # ---------------------------------------------------------------------------
 # What is fusible: a line of the torch executor whose op (``bsym.source``, the symbol it was lowered
-# from) is tagged "fusible" where it is defined (torchlang/, prims.py), unless the torch executor ran it as
+# from) is tagged "fusible" where it is defined (torchlang/, prims/), unless the torch executor ran it as
 # a view or a wrapper for a Python number (``torch_executor.NOT_A_KERNEL``).
 # ---------------------------------------------------------------------------
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from .. import clang, prims
 from ..proxies import TensorProxy
-from ..transforms.grad_rules import _float, downcast_like, register_vjp, upcast
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims.core import is_float as _float
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
 from .nn import _softplus
 from .registry import torchsymbol

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
-from ..transforms.grad_rules import _float, downcast_like, register_vjp, sum_to, upcast, zeros_like
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims.core import is_float as _float, sum_to, zeros_like
 from .autocast import FP32, LOWER  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
@@ -30,7 +32,7 @@ def _back(grad, like):
     return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
 
 
-# Gradient rules are written with prims (the backward is an ordinary trace); see transforms/grad_rules.py.
+# Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
 _mul, _add, _sub = prims.mul, prims.add, prims.sub
 
 

@@ -9,7 +9,9 @@ from .. import clang, dtypes, prims
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
-from ..transforms.grad_rules import downcast_like, mul, register_vjp, sub, upcast
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims import mul, sub
 from .registry import torchsymbol
 
 

@@ -10,7 +10,7 @@ from .. import clang, dtypes, prims
 from ..proxies import TensorProxy, NumberProxy
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
-from ..transforms.grad_rules import register_vjp
+from ..grad_rules import register_vjp
 from .registry import torchsymbol
 
 
