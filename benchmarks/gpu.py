@@ -54,7 +54,7 @@ def left(budget: float) -> float:
 def run_cuda_tests(timeout: float) -> dict:
     files = [f for f in CUDA_TEST_FILES if os.path.exists(os.path.join(ROOT, f))]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *files]
     print("\n== CUDA tests:", " ".join(files), f"(time box {timeout:.0f} s)", flush=True)
     t0 = time.perf_counter()
     try:
