@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     report = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
               "device": torch.cuda.get_device_name(), "nvfuser": nvf_why or "available"}
     if not args.skip_tests:
-        report["tests"] = run_cuda_tests(timeout=max(30.0, min(200.0, left(args.budget) - 200)))
+        report["tests"] = run_cuda_tests(timeout=max(30.0, min(150.0, left(args.budget) - 250)))  # the rows get the rest
     for key in args.rows.split(","):
         try:
             report[key] = bench_row(key, args.steps, args.budget)
