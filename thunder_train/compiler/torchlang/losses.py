@@ -10,7 +10,7 @@ from .. import clang, prims
 from ..proxies import TensorProxy
 from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
-from ..prims.core import is_float as _float
+from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
 from .nn import _softplus
 from .registry import torchsymbol
@@ -57,6 +57,52 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
 
 
+def _piecewise_loss_vjp(slope):
+    """The rule of a loss that is piecewise in ``x = input - target``, with eager's backward kernel's cases:
+    ``slope(x, g)`` is the gradient of ``input`` per element (``target`` gets its negative), so an infinite
+    difference on a linear piece gets a finite gradient (differentiating the decomposition's ``where`` gives NaN)."""
+
+    def rule(g, out, /, input, target, *args, reduction="mean", **kwargs):
+        x = clang.sub(upcast(input), upcast(target))
+        gu = upcast(g)
+        if reduction != "none":
+            gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
+            if reduction == "mean":
+                gu = prims.div(gu, float(max(x.numel_(), 1)))
+        gi = slope(x, gu, *args, **kwargs)
+        grads = {}
+        if _float(input):
+            grads["input"] = downcast_like(sum_to(gi, input._tt_shape), input)
+        if _float(target):
+            grads["target"] = downcast_like(sum_to(prims.neg(gi), target._tt_shape), target)
+        return grads
+
+    return rule
+
+
+def _smooth_l1_slope(x, g, size_average=None, reduce=None, beta=1.0):
+    # smooth_l1_backward: -g where x <= -beta, g where x >= beta, else g * x / beta
+    inner = prims.div(prims.mul(x, g), beta)
+    return prims.where(prims.le(x, -beta), prims.neg(g), prims.where(prims.ge(x, beta), g, inner))
+
+
+def _huber_slope(x, g, delta=1.0, weight=None):
+    # huber_backward: -g * delta where x <= -delta, g * delta where x >= delta, else x * g
+    return prims.where(prims.le(x, -delta), prims.neg(prims.mul(g, delta)),
+                       prims.where(prims.ge(x, delta), prims.mul(g, delta), prims.mul(x, g)))
+
+
+def _no_legacy_reduction(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0, **_):
+    return size_average is None and reduce is None and beta != 0 and reduction in ("none", "mean", "sum")
+
+
+def _unweighted(input, target, reduction="mean", delta=1.0, weight=None):
+    return weight is None and reduction in ("none", "mean", "sum")
+
+
+register_vjp(smooth_l1_loss, supports=_no_legacy_reduction)(_piecewise_loss_vjp(_smooth_l1_slope))
+
+
 @torchsymbol(F.binary_cross_entropy_with_logits, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     x, dt = _up(input)
@@ -93,6 +139,9 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     quad = clang.mul(clang.mul(d, d), 0.5)
     lin = clang.mul(clang.sub(d, 0.5 * delta), delta)
     return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
+
+
+register_vjp(huber_loss, supports=_unweighted)(_piecewise_loss_vjp(_huber_slope))
 
 
 @torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
