@@ -701,6 +701,17 @@ op("kink_max_pool2d_ties", lambda x: F.max_pool2d(x, 2, 1), pool_ties, FLOATS)
 op("kink_max_pool2d_padded", lambda x: F.max_pool2d(x, 3, 2, padding=1), pool_ties, FLOATS)
 op("kink_max_pool2d_stride", lambda x: F.max_pool2d(x, 2), pool_ties, FLOATS)
 
+
+
+def bce_extremes(dt):
+    x = torch.tensor([0.0, 1.0, 1e-20, 0.5, 0.3, 1.0], dtype=dt)
+    return [S(x, torch.tensor([0.3, 0.6, 1.0, 0.2, 0.7, 1.0], dtype=dt))]
+
+
+# Probabilities at 0 and 1: eager's backward kernel divides by max(x (1 - x), 1e-12), the clamped logs' gradient is NaN.
+op("kink_binary_cross_entropy", lambda x, t: F.binary_cross_entropy(x, t), bce_extremes, FLOATS)
+op("kink_binary_cross_entropy_sum", lambda x, t: F.binary_cross_entropy(x, t, reduction="sum"), bce_extremes, FLOATS)
+
 # ---------------------------------------------------------------------------
 # Ops added to the torch language while building this table
 # ---------------------------------------------------------------------------

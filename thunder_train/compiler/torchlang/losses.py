@@ -132,6 +132,33 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
+def _bce_plain_reduction(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    return size_average is None and reduce is None and reduction in ("none", "mean", "sum")
+
+
+@register_vjp(binary_cross_entropy, supports=_bce_plain_reduction)
+def _binary_cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    """As eager's kernels: ``input`` gets ``g (x - t) / max(x (1 - x), 1e-12)`` (finite at 0 and 1, where the clamped
+    logs' gradient is NaN), ``target`` gets ``-g logit(x)`` (infinite at 0 and 1, not the clamp's ±100)."""
+    x = upcast(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    gu = upcast(g)
+    if reduction != "none":
+        gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
+        if reduction == "mean":
+            gu = prims.div(gu, float(max(x.numel_(), 1)))
+    if weight is not None:
+        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
+    grads = {}
+    if _float(input):
+        denom = prims.maximum(prims.mul(prims.sub(1.0, x), x), 1e-12)
+        grads["input"] = downcast_like(prims.mul(prims.div(prims.sub(x, t), denom), gu), input)
+    if _float(target):
+        logit = prims.log(prims.div(x, prims.sub(1.0, x)))
+        grads["target"] = downcast_like(sum_to(prims.mul(prims.neg(logit), gu), target._tt_shape), target)
+    return grads
+
+
 @torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
 def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
