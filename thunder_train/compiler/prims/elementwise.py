@@ -227,20 +227,18 @@ def pow_vjp(g, out, /, a, b):
 
 
 def _minmax_vjp(pick_a):
-    """maximum/minimum: the chosen side gets the gradient; ties split it evenly (torch)."""
+    """maximum/minimum as eager (derivatives.yaml): ties split the gradient in half, the losing side gets 0,
+    and where a NaN is involved neither side loses, so both get the whole gradient."""
 
     def rule(g, out, /, a, b):
         if not is_tensor(b) or not is_tensor(a):
-            # clamp_min / clamp_max semantics: the tensor gets g where it is the result (ties included)
+            # clamp_min / clamp_max semantics: the tensor gets g where it is the result (ties included, NaN not)
             t, s = (a, b) if is_tensor(a) else (b, a)
             keep = prims.ge(t, s) if pick_a == "max" else prims.le(t, s)
             return {("a" if is_tensor(a) else "b"): prims.where(keep, g, 0.0)}
-        wins_a = prims.gt(a, b) if pick_a == "max" else prims.lt(a, b)
-        tie = prims.eq(a, b)
-        half = mul(g, 0.5)
-        ga = prims.where(tie, half, prims.where(wins_a, g, 0.0))
-        gb = prims.where(tie, half, prims.where(wins_a, 0.0, g))
-        return {"a": ga, "b": gb}
+        shared = prims.where(prims.eq(a, b), mul(g, 0.5), g)
+        a_loses, b_loses = (prims.lt(a, b), prims.gt(a, b)) if pick_a == "max" else (prims.gt(a, b), prims.lt(a, b))
+        return {"a": prims.where(a_loses, 0.0, shared), "b": prims.where(b_loses, 0.0, shared)}
 
     return rule
 
@@ -269,7 +267,8 @@ def fmod_vjp(g, out, /, a, b):
 
 @register_vjp(prims.remainder)
 def remainder_vjp(g, out, /, a, b):
-    return {"a": g, "b": neg(mul(g, prims.floor(div(a, b)))) if is_tensor(b) else None}
+    # -g * (a // b) with torch's floor division (1.5 // -inf is -1, floor(1.5 / -inf) is -0), as eager
+    return {"a": g, "b": neg(mul(g, prims.floor_divide(a, b))) if is_tensor(b) else None}
 
 
 @register_vjp(prims.copysign)

@@ -40,11 +40,11 @@ def sum_vjp(g, out, /, a, dims):
 
 @register_vjp(amax, amin)
 def extremum_vjp(g, out, /, a, dims):
-    # Every position equal to the result shares the gradient evenly (torch's amax/amin).
-    hit = prims.eq(a, restore_reduced(out, a._tt_shape, dims))
-    count = prims.sum(prims.convert_element_type(hit, a._tt_dtype), dims)
-    share = restore_reduced(prims.div(g, count), a._tt_shape, dims)
-    return {"a": prims.where(hit, share, 0.0)}
+    # Every position equal to the result shares the gradient evenly (torch's amax/amin: ``mask * (g / count)``).
+    # A NaN result equals no position: the count is 0 and, as in eager, the whole slice's gradient is NaN.
+    hit = prims.convert_element_type(prims.eq(a, restore_reduced(out, a._tt_shape, dims)), a._tt_dtype)
+    share = restore_reduced(prims.div(g, prims.sum(hit, dims)), a._tt_shape, dims)
+    return {"a": prims.mul(share, hit)}
 
 
 @register_vjp(prod)
