@@ -52,6 +52,8 @@ class Symbol:
     - ``"cheap_to_recompute"``: the backward recomputes its output from its input rather than saving it,
       when that saves no extra value (views, conversions, constants; transforms/autograd.py);
     - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
+    - ``"fallible"``: its run-time values can make it raise (an index out of range, a failed check);
+      re-inplacing writes no input before it (executors/reinplace.py), so a failed call changes nothing;
     - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose
       subsymbols are the rule's prims; the torch executor runs PyTorch's own fused
       backward for it (transforms/autograd.py, executors/torch_impls.py ``TorchVJP``).
@@ -64,6 +66,7 @@ class Symbol:
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
+    inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
     python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims/elementwise.py ``_on_numbers``)
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):

@@ -206,6 +206,21 @@ def _clamp_with_number(torch_fn, clamp):
 _prim_rules[prims.maximum] = _clamp_with_number(torch.maximum, torch.clamp_min)
 _prim_rules[prims.minimum] = _clamp_with_number(torch.minimum, torch.clamp_max)
 
+# In-place forms of the torch functions chosen above, per prim: (torch function, the in-place method
+# computing the same with the same arguments).  Re-inplacing (reinplace.py) reads them.
+_T = torch.Tensor
+_PRIM_INPLACE = {
+    prims.add: (torch.add, _T.add_), prims.sub: (torch.sub, _T.sub_), prims.mul: (torch.mul, _T.mul_),
+    prims.div: (torch.true_divide, _T.div_), prims.sqrt: (torch.sqrt, _T.sqrt_), prims.neg: (torch.neg, _T.neg_),
+    prims.maximum: (torch.clamp_min, _T.clamp_min_), prims.minimum: (torch.clamp_max, _T.clamp_max_),
+}
+
+
+def prim_inplace_form(prim, fn):
+    """The in-place form of ``fn`` when the torch executor runs ``prim`` with it, or None."""
+    entry = _PRIM_INPLACE.get(prim)
+    return entry[1] if entry is not None and entry[0] is fn else None
+
 
 @_rule(prims.where)
 def _(bsym):

@@ -39,7 +39,7 @@ def item(a):
     return NumberProxy(value=0, python_type=int)
 
 
-@prim(tags=("side_effect",))
+@prim(tags=("side_effect", "fallible"))
 def check_finite(a, message):
     """Raise ``RuntimeError(message)`` when ``a`` holds a NaN or an infinity (a check on values, at run time)."""
     check(type(a) is TensorProxy and isinstance(message, str), "check_finite: expected a tensor and a message")

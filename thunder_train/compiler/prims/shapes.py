@@ -163,7 +163,8 @@ def flip_vjp(g, out, /, a, dims):
 # ---------------------------------------------------------------------------
 # Indexing
 # ---------------------------------------------------------------------------
-@prim
+# "fallible": an index out of range makes the call raise at run time (re-inplacing keeps calls transactional).
+@prim(tags=("fallible",))
 def take(a, index, dim):
     """``index_select``: pick entries of ``a`` along ``dim`` by a 1-D integer ``index``."""
     check(index._tt_dtype.is_int and len(index._tt_shape) <= 1, "take: index must be a 1-D integer tensor")
@@ -183,7 +184,7 @@ def take_vjp(g, out, /, a, index, dim):
     return {"a": prims.scatter_add(zeros_like(a), full_index, g, dim)}
 
 
-@prim
+@prim(tags=("fallible",))
 def gather(a, index, dim):
     """``torch.gather`` semantics: output has ``index``'s shape."""
     check(index._tt_dtype.is_int and len(index._tt_shape) == len(a._tt_shape), "gather: index must be integer with a's rank")
@@ -195,7 +196,7 @@ def gather_vjp(g, out, /, a, index, dim):
     return {"a": prims.scatter_add(zeros_like(a), index, g, dim)}
 
 
-@prim
+@prim(tags=("fallible",))
 def scatter_add(a, index, src, dim):
     """Out-of-place ``a.scatter_add(dim, index, src)``."""
     check(index._tt_dtype.is_int, "scatter_add: index must be an integer tensor")
@@ -207,7 +208,7 @@ def scatter_add_vjp(g, out, /, a, index, src, dim):
     return {"a": g, "src": prims.gather(g, index, dim)}
 
 
-@prim
+@prim(tags=("fallible",))
 def index_put(a, indices, values, accumulate):
     """Out-of-place ``a.index_put(indices, values, accumulate)``."""
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

@@ -57,7 +57,7 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
 
 
-@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
+@torchsymbol(F.binary_cross_entropy_with_logits, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     x, dt = _up(input)
     t = clang.maybe_convert(target, x._tt_dtype)
@@ -73,7 +73,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
+@torchsymbol(F.binary_cross_entropy, tags=("fallible",), autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
     x, dt = _up(input)
@@ -109,7 +109,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     return _reduce(loss, reduction)
 
 
-@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
+@torchsymbol(F.nll_loss, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     return _nll(input, target, weight, ignore_index, reduction)
 
@@ -142,7 +142,7 @@ def _nll(logp, target, weight, ignore_index, reduction):
     return clang.true_divide(clang.sum(loss), clang.sum(w))
 
 
-@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
+@torchsymbol(F.cross_entropy, tags=("fused_backward", "fallible"), not_differentiated_by_torch=("weight",),
              autocast={"cpu": FP32, "cuda": FP32})
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""

@@ -191,7 +191,7 @@ def _linear_vjp(g, out, /, input, weight, bias=None):
     return grads
 
 
-@torchsymbol(F.embedding, tags=("fused_backward",))
+@torchsymbol(F.embedding, tags=("fused_backward", "fallible"))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
@@ -595,7 +595,7 @@ def pad(input, pad, mode="constant", value=None):
     return prims.pad(input, 0 if value is None else value, tuple(cfg))
 
 
-@torchsymbol(F.one_hot)
+@torchsymbol(F.one_hot, tags=("fallible",))
 def one_hot(tensor, num_classes=-1):
     if num_classes < 0:
         raise NotImplementedError("one_hot needs num_classes inside a compiled function (inferring it reads tensor values)")
