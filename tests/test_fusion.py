@@ -47,9 +47,11 @@ def test_elementwise_chain_matches_eager_and_prints_one_call():
     torch.testing.assert_close(cf(x2, y2), _block(x2, y2))
 
 
-def test_default_is_unfused_and_option_is_checked():
-    cf = tt.compile(_block)
-    cf(torch.randn(4, 4), torch.randn(4, 4))
+def test_fusion_none_is_unfused_and_option_is_checked():
+    cf = tt.compile(_block, fusion=None)
+    for _ in range(3):
+        cf(torch.randn(4, 4), torch.randn(4, 4))
+    assert cf._last.fusion_job is None
     assert not _fused_lines(cf) and tt.compile_stats(cf).fusion_notes == []
     with pytest.raises(ValueError, match="fusion"):
         tt.compile(_block, fusion="nvfuser-please")

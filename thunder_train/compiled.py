@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 
 import torch
 
 from .compiler import acquisition
+from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import thin
@@ -40,7 +42,8 @@ class CompileStats:
     thin_bind_failures: list = dataclasses.field(default_factory=list)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
-    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion="inductor": one line per region, fused or why not
+    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion: one line per region, fused or why not
+    fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
 
     @property
     def thin_calls(self) -> int:
@@ -168,7 +171,7 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+                 dynamic: bool = False, fusion: str | None = "auto", optimizer_kernels: str = "fused"):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
@@ -180,6 +183,7 @@ class CompiledFunction:
         self.check_every = check_every
         self.dynamic = dynamic
         self.fusion = fusion
+        self._fusion_mode = fusion_mode(fusion, dynamic)
         self.optimizer_kernels = optimizer_kernels
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
@@ -227,6 +231,8 @@ class CompiledFunction:
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
+            if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
+                entry.fusion_job.submit()
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
@@ -265,12 +271,13 @@ class CompiledFunction:
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self.fusion,
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
                           optimizer_kernels=self.optimizer_kernels)
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
         prologue, expected = entry.prologue, entry.key
+        entry.on_switch = self._entry_switched
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -312,6 +319,7 @@ class CompiledFunction:
             return
         binding.fn, binding.static_idx = fn, static_idx
         self._binding = binding
+        self._entry_switched(entry, count=False)  # a fused program that replaced the torch one while binding
         self._call = fn.fn
         if entry.updates_parameters and torch._C._is_any_autocast_enabled():
             # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
@@ -323,6 +331,22 @@ class CompiledFunction:
 
             self._call = call_in_region
         self.stats.thin_binds += 1
+
+    def _entry_switched(self, entry, count: bool = True):
+        """A fused program replaced ``entry.computation`` (worker thread): the thin binding calls it from now on."""
+        if count:
+            self.stats.fusion_switches += 1
+        b = self._binding
+        if b is not None and b.entry is entry and b.fn is not None:
+            g = b.fn.fn.__globals__
+            if g["_computation"] is not entry.computation:
+                g["_computation"] = entry.computation
+
+    def wait_for_fusion(self, timeout: float | None = None) -> bool:
+        """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
+        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
+                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
+        return background.wait(jobs, timeout)
 
     def _unbind(self, reason: str | None):
         if self._binding is not None and reason is not None:
@@ -491,7 +515,7 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+            dynamic: bool = False, fusion: str | None = "auto", optimizer_kernels: str = "fused"):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -502,8 +526,11 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     every N calls and raises ``ThinModeError`` naming what changed.
     ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
     size or sequence length reuses the program (see docs/thin_mode.md).
-    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
-    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
+    ``fusion`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels (docs/fusion.md;
+    ``compile_stats(cf).fusion_notes`` says what was fused and why not): ``"auto"`` (default) is
+    ``"background"`` unless the environment variable ``THUNDER_TRAIN_FUSION`` says ``inductor`` or ``off``;
+    ``"background"`` runs the torch program first and switches to the fused one once a worker thread built it
+    (``tt.wait_for_fusion(cf)`` waits for that); ``"inductor"`` fuses before the first call; ``None`` never fuses.
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
@@ -515,7 +542,7 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     return CompiledFunction(fn, **options)
 
 
-def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", **flags):
+def check_options(*, thin=False, check_every=None, fusion="auto", optimizer_kernels="fused", **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
     for name, value in (("thin", thin), *flags.items()):
         if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
@@ -525,8 +552,24 @@ def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernel
             raise ValueError("check_every=N applies to thin mode; pass thin=True as well")
         if type(check_every) is not int or check_every < 1:
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
-    if fusion not in (None, "inductor"):
-        raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
+    if fusion not in FUSION_OPTIONS:
+        raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSION_OPTIONS))}, got {fusion!r}")
+
+
+FUSION_OPTIONS = ("auto", "background", "inductor", None)
+_FUSION_ENV = {"": "background", "background": "background", "inductor": "inductor", "off": None, "none": None, "0": None}
+
+
+def fusion_mode(fusion, dynamic: bool = False):
+    """What ``fusion`` means for the passes: "background", "inductor" or None (``"auto"`` read from the environment)."""
+    if fusion == "auto":
+        value = os.environ.get("THUNDER_TRAIN_FUSION", "").strip().lower()
+        if value not in _FUSION_ENV:
+            raise ValueError(f"THUNDER_TRAIN_FUSION must be background, inductor or off, got {value!r}")
+        fusion = _FUSION_ENV[value]
+        if dynamic and fusion == "background":
+            return None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
+    return fusion
     if optimizer_kernels not in ("fused", "traced"):
         raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 
@@ -552,6 +595,16 @@ def last_prologue_traces(cf) -> list:
 def last_backward_traces(cf) -> list:
     """The backward traces of the last call's cache entry; empty when it computed no gradients."""
     return _compiled(cf).last_backward_traces()
+
+
+def wait_for_fusion(cf, timeout: float | None = None) -> bool:
+    """Wait until the fused programs of ``cf`` (``fusion="auto"``/``"background"``) are built and in place.
+
+    Covers the entries already building and the one the last call ran (built now if it was not yet).  After
+    True, those run their final program: the fused one where something was fused
+    (``compile_stats(cf).fusion_switches`` counts them), else the torch program.  False: ``timeout`` ran out.
+    """
+    return _compiled(cf).wait_for_fusion(timeout)
 
 
 def compile_stats(cf) -> CompileStats:
