@@ -554,6 +554,8 @@ def check_options(*, thin=False, check_every=None, fusion="auto", optimizer_kern
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
     if fusion not in FUSION_OPTIONS:
         raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSION_OPTIONS))}, got {fusion!r}")
+    if optimizer_kernels not in ("fused", "traced"):
+        raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 
 
 FUSION_OPTIONS = ("auto", "background", "inductor", None)
@@ -570,8 +572,6 @@ def fusion_mode(fusion, dynamic: bool = False):
         if dynamic and fusion == "background":
             return None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
     return fusion
-    if optimizer_kernels not in ("fused", "traced"):
-        raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 
 
 def _compiled(cf) -> CompiledFunction:
