@@ -13,6 +13,7 @@ A job that raises leaves the torch program in place and reports one line through
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 from typing import Callable
@@ -62,15 +63,16 @@ def wait(jobs, timeout: float | None = None) -> bool:
 
 
 _queue: queue.Queue | None = None
+_pid = None  # the process that started the worker: a forked child has the queue but not the thread
 _lock = threading.Lock()
 _stopping = threading.Event()
 
 
 def _worker() -> queue.Queue:
-    global _queue
+    global _queue, _pid
     with _lock:
-        if _queue is None:
-            _queue = queue.Queue()
+        if _queue is None or _pid != os.getpid():
+            _queue, _pid = queue.Queue(), os.getpid()
             threading.Thread(target=_loop, args=(_queue,), name="thunder_train-fusion", daemon=True).start()
     return _queue
 
