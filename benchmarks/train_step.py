@@ -9,11 +9,11 @@ opt.step(), opt.zero_grad()``, written two ways: the closure style (``step(x, y)
 ``opt`` from its closure) and the argument style (``step(model, opt, x, y)``).
 
 Modes: eager; ``torch.compile`` (default, and with ``torch._dynamo.config.trace_autograd_ops``); and
-``tt.compile(step, thin=True)`` with its default (``fusion="auto"``: the torch program first, the fused
+``tt.compile(step, thin=True)`` with its default (``fusion="background"``: the torch program first, the fused
 program once a worker thread built it) and each fusion option.  Each mode trains its own copy of the same
 weights on the same batches; the samples of all modes interleave (the first mode rotating) so a slow phase
 of a shared machine costs all alike.  Reported: the first call (trace/compile + one step), for
-``fusion="auto"`` how long until the fused program ran, the median time of the later samples and
+the default how long until the fused program ran, the median time of the later samples and
 ``eager median / mode median`` (> 1: faster than eager); the first call's result against eager's (same
 weights, same batch: they must agree to rounding); for ``gpt`` the
 peak memory a step allocates (allocator events from ``torch.profiler``) against eager's.
@@ -96,7 +96,7 @@ def mlp_setup(batch=64, d=256, classes=10):
 
 STEP_WORKLOADS = {"mlp": ("MLP 3x256, batch 64, SGD step", mlp_setup, 10),
                   "gpt": ("GPT 4L d256 T128 B8 V4096, AdamW step", gpt_setup, 1)}
-TT_FUSION = {"tt thin (default)": "auto", "tt thin fusion=None": None, "tt thin fusion='inductor'": "inductor"}
+TT_FUSION = {"tt thin (default)": "default", "tt thin fusion=None": None, "tt thin fusion='inductor'": "inductor"}
 
 
 @contextlib.contextmanager
@@ -155,7 +155,7 @@ def step_modes(key, with_tc):
                           context=_trace_autograd_ops))
     for name, fusion in TT_FUSION.items():
         m, o = copy_of()
-        cf = tt.compile(closure_step(m, o), thin=True, **({} if fusion == "auto" else {"fusion": fusion}))
+        cf = tt.compile(closure_step(m, o), thin=True, **({} if fusion == "default" else {"fusion": fusion}))
         modes.append(Mode(name, cf, batches, compiled=cf))
     m, o = copy_of()
     cf = tt.compile(train_step, thin=True)
@@ -170,7 +170,7 @@ def tiny_modes(with_tc):
     if with_tc:
         modes.append(Mode("torch.compile", torch.compile(elementwise), batches))
     for name, fusion in TT_FUSION.items():
-        cf = tt.compile(elementwise, thin=True, **({} if fusion == "auto" else {"fusion": fusion}))
+        cf = tt.compile(elementwise, thin=True, **({} if fusion == "default" else {"fusion": fusion}))
         modes.append(Mode(name.replace("tt thin", "tt thin"), cf, batches, compiled=cf))
     return "20 elementwise ops on 8-element tensors", None, modes
 

@@ -1,7 +1,7 @@
-"""fusion="auto" (the default): the torch program runs while the fused program is built in the background.
+"""fusion="background" (the default): the torch program runs while the fused program is built in a worker thread.
 
-Compared with eager PyTorch before, across and after the switch.  The suite runs "auto" as "off"
-(tests/conftest.py); these tests turn it back on.  Region structures are shared with tests/test_fusion.py
+Compared with eager PyTorch before, across and after the switch.  The suite runs the default as "off"
+(THUNDER_TRAIN_FUSION, tests/conftest.py); these tests turn it back on.  Region structures are shared with tests/test_fusion.py
 (``_block``) so that Inductor compiles each once per process.
 """
 import threading
@@ -97,7 +97,7 @@ def test_failing_build_keeps_the_torch_program(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of C++ compilers")
 
-    monkeypatch.setattr(pipeline, "fuse_regions", broken)
+    monkeypatch.setattr(pipeline, "fuse", broken)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     cf = tt.compile(_block, thin=True)
     cf(x, y)
@@ -127,19 +127,27 @@ def test_region_inductor_rejects_leaves_the_torch_program(monkeypatch):
 
 def test_environment_variable(monkeypatch):
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    monkeypatch.setenv("THUNDER_TRAIN_FUSION", "inductor")
-    cf = tt.compile(_block)
-    torch.testing.assert_close(cf(x, y), _block(x, y))
-    assert len(_fused_lines(cf)) == 1 and cf._last.fusion_job is None  # fused before the first call
+    for fused_now in ("auto", "inductor"):
+        monkeypatch.setenv("THUNDER_TRAIN_FUSION", fused_now)
+        cf = tt.compile(_block)
+        torch.testing.assert_close(cf(x, y), _block(x, y))
+        assert len(_fused_lines(cf)) == 1 and cf._last.fusion_job is None  # fused before the first call
     monkeypatch.setenv("THUNDER_TRAIN_FUSION", "off")
     cf = tt.compile(_block)
     cf(x, y)
     assert cf._last.fusion_job is None and tt.compile_stats(cf).fusion_notes == []
+    cf = tt.compile(_block, fusion="inductor")  # other options than the default ignore the variable
+    cf(x, y)
+    assert len(_fused_lines(cf)) == 1
     monkeypatch.setenv("THUNDER_TRAIN_FUSION", "sometimes")
     with pytest.raises(ValueError, match="THUNDER_TRAIN_FUSION"):
         tt.compile(_block)
-    for off in (None, "background"):  # explicit options ignore the environment
-        tt.compile(_block, fusion=off)
+    tt.compile(_block, fusion=None)
+
+
+def test_dynamic_and_cuda_graphs_change_what_the_default_does():
+    assert tt.compile(_block, dynamic=True)._fusion_mode is None  # symbolic sizes: nothing would fuse
+    assert tt.compile(_block, thin=True, cuda_graphs=True)._fusion_mode == "auto"  # graphs capture the fused program
 
 
 def test_worker_thread_is_a_daemon():

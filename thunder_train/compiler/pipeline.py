@@ -18,7 +18,8 @@ from . import acquisition
 from .errors import NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors.background import FusionJob
-from .executors.inductor_fusion import FusionSymbol, fuse_regions
+from .executors.fusion import fuse
+from .executors.inductor_fusion import FusionSymbol
 from .executors.lowering import lower_to_executors
 from .executors.reinplace import reinplace
 from .transforms.autograd import build_forward_backward
@@ -43,15 +44,18 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
+    wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
     fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
     on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
 
-    def switch(self, computation, traces, backward_traces) -> None:
-        """Run ``computation`` from the next call on (same inputs and results as the current one)."""
+    def switch(self, program, traces, backward_traces) -> None:
+        """Run ``program`` from the next call on (same inputs and results as the current one)."""
         self.traces = traces
         if backward_traces is not None:
             self.backward_traces = backward_traces
-        self.computation = computation
+        self.program = program
+        self.computation = self.wrap(program)
         if self.on_switch is not None:
             self.on_switch(self)
 
@@ -63,7 +67,8 @@ class Options:
     strict: bool = False
     decompose: bool = False
     dynamic: bool = False
-    fusion: str | None = None  # None, "inductor" (fused before the first call) or "background" (executors/background.py)
+    fusion: str | None = None  # None, "inductor", "nvfuser", "auto" (fused before the first call; executors/fusion.py)
+    #                            or "background" (built later, executors/background.py)
     optimizer_kernels: str = "fused"
 
 
@@ -92,13 +97,14 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
     traces.append(lowered)
-    # 4.-7. Fusion (fusion="inductor"; with autograd, step 9 fuses the forward and backward instead), DCE,
-    #    statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program later
-    #    (step 12).
+    # 4.-7. Fusion (executors/fusion.py: Inductor or nvFuser; with autograd, step 9 fuses the forward and backward
+    #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
+    #    later (step 12).
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
                                written=bool(acquired.written), names=names)
     fuse_main = has_backward or not may_need_autograd(computed)
-    trc, more = finish(fuse=options.fusion == "inductor" and fuse_main, notes=fusion_notes)
+    now = options.fusion if options.fusion != "background" else None
+    trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
     traces.extend(more)
     # 8. Prologue (guards/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
@@ -120,28 +126,29 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         shown = list(traces[: len(traces) - len(more)])
 
         def build_fused(notes):
-            fused, fused_shown = finish(fuse=True, notes=notes)
+            fused, fused_shown = finish(fusion="background", notes=notes)
             if [id(a) for a in fused.args] != [id(a) for a in trc.args]:
                 raise RuntimeError("the fused program takes other inputs than the torch program")
             return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
     # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
     #     user type rebuilt around the real tensors.
-    wrap = _wrapping(entry, acquired, len(input_idx))
-    entry.computation = wrap(entry.computation)
+    entry.program = entry.computation
+    entry.wrap = _wrapping(entry, acquired, len(input_idx))
+    entry.computation = entry.wrap(entry.program)
     # 12. Background fusion (executors/background.py): the entry runs the torch program built above while its
     #     fused program is built in a worker thread (submitted on the entry's second call); it then replaces
     #     the torch program between two calls.
     if options.fusion == "background" and build_fused is not None:
-        entry.fusion_job = _fusion_job(entry, build_fused, wrap, fusion_notes)
+        entry.fusion_job = _fusion_job(entry, build_fused, fusion_notes)
     return entry, acquired.opaque_ops
 
 
-def _finish(lowered, *, fuse, notes, has_backward, decompose, written, names):
+def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names):
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
-    if fuse:
-        trc = fuse_regions(trc, notes)  # executors/inductor_fusion.py
+    if fusion is not None:
+        trc = fuse(trc, fusion, notes)  # executors/fusion.py
         shown.append(trc)
     trc = dce(trc, header=f"Final computation (executors: {names})")
     # 5. Backward kernels reuse their forward's statistics (transforms/saved_statistics.py; torch executor).
@@ -158,10 +165,11 @@ def _finish(lowered, *, fuse, notes, has_backward, decompose, written, names):
 
 
 def _fused_regions(*trcs) -> int:
+    """How many lines of the traces call a fused region (Inductor's or nvFuser's)."""
     return sum(isinstance(b.sym, FusionSymbol) for t in trcs for b in t.bound_symbols)
 
 
-def _fusion_job(entry, build_fused, wrap, notes) -> FusionJob:
+def _fusion_job(entry, build_fused, notes) -> FusionJob:
     def build():
         t0 = time.perf_counter()
         computation, traces, backward_traces = build_fused(notes)
@@ -170,7 +178,7 @@ def _fusion_job(entry, build_fused, wrap, notes) -> FusionJob:
             return None
         notes.append(f"background fusion: the fused program replaced the torch program "
                      f"(built in {time.perf_counter() - t0:.2f} s while the torch program ran)")
-        return wrap(computation), traces, backward_traces
+        return computation, traces, backward_traces
 
     return FusionJob(build, lambda program: entry.switch(*program), notes.append, "background fusion")
 
@@ -198,22 +206,23 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
     keep = next(i for i, t in enumerate(entry.traces) if t is trc)
     before = entry.traces[: keep + 1]
 
-    def program(fuse, notes):
+    def program(kind, notes):
         fw, bw = fw_lowered, bw_lowered
-        if fuse:
-            fw = fuse_regions(fw, notes, prefix="inductor_fw_fusion", header="Forward fused by Inductor")
-            bw = fuse_regions(bw, notes, prefix="inductor_bw_fusion", header="Backward fused by Inductor")
+        if kind is not None:
+            fw = fuse(fw, kind, notes, "fw_")
+            bw = fuse(bw, kind, notes, "bw_")
         fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
         fw = free_after_last_use(fw)
         bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
         bw = free_after_last_use(take_saved_as_list(bw, fb.saved))
-        forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if fuse else []) + [fw]
-        backward_traces = [fb.backward] + ([bw_lowered] if fuse else []) + [bw]
-        run = AutogradProgram(trc, fb, fw, bw) if not fuse or _fused_regions(fw, bw) else None
+        forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
+        backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
+        run = AutogradProgram(trc, fb, fw, bw) if kind != "background" or _fused_regions(fw, bw) else None
         return run, before + forward_traces, backward_traces
 
-    entry.computation, entry.traces, entry.backward_traces = program(fusion == "inductor", [] if notes is None else notes)
-    return lambda notes: program(True, notes)
+    now = fusion if fusion != "background" else None
+    entry.computation, entry.traces, entry.backward_traces = program(now, [] if notes is None else notes)
+    return lambda notes: program("background", notes)
 
 
 def _wrapping(entry, acquired, n_inputs):
