@@ -82,7 +82,7 @@ def _under_state(leaf) -> bool:
 
 
 def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
-                    python_checks=False):
+                    computation=None, python_checks=False):
     """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
 
     Every assumption the guard key makes has a per-call check here (docs/thin_mode.md has the table):
@@ -90,6 +90,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     dicts (hyper-parameters, tuples included, and its non-float options compared); its ``state`` is
     compared by identity in bulk; ``.grad`` and ``requires_grad`` of the bound tensors in bulk; modules
     through the epoch (registration, attribute assignment, ``_apply``); global state directly.
+    ``computation`` replaces ``entry.computation`` as what the checked call runs (``cuda_graphs.py``).
     """
     names = prologue.var_names
     per_call = per_call_mask(leaves)
@@ -320,7 +321,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     except Exception:  # noqa: BLE001 - an object torch's guards do not take: the same checks in Python
         return build_thin_call(entry, prologue, leaves, vals, prev_vals, nargs=nargs, kwnames=kwnames, global_state=global_state,
                                handlers=handlers, stats=stats, binding_holder=binding_holder, check_every=check_every,
-                               python_checks=True)
+                               computation=computation, python_checks=True)
 
     # A per-call tensor sharing storage with an input the program updates in place (a batch that is a
     # view of a parameter, or two overlapping views passed together): the full path decides.
@@ -383,7 +384,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG, "_stride": _STRIDE,
         "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
-        "_computation": entry.computation, "_b": binding_holder,
+        "_computation": entry.computation if computation is None else computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"],
         "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
