@@ -122,12 +122,21 @@ def test_lr_of_fused_updates_becomes_a_device_tensor(make_opt):
 
 
 def test_a_number_used_elsewhere_is_not_a_device_tensor():
-    def step(w, lr):
-        w.mul_(1 - lr)
-        return w.sum()
+    """``lr`` also read by another line (here: as a positional argument, or as another keyword of the update)
+    stays a number baked into the graph: only ``lr=`` of the fused kernels accepts a device tensor."""
+    from thunder_train.compiler.symbols import BoundSymbol
 
-    _, entry = _bound_entry(step, torch.ones(4), 0.5)
-    assert cg.tensor_lr_positions(entry.traces[-1]) == set()
+    m = mlp()
+    _, entry = _bound_entry(train_step, m, torch.optim.AdamW(m.parameters(), lr=1e-2), *batch())
+    trc = entry.traces[-1]
+    (j,) = cg.tensor_lr_positions(trc)
+    lr = trc.args[j]
+    update = next(b for b in trc.bound_symbols if b.kwargs.get("lr") is lr)
+    for extra in (BoundSymbol(update.sym, (lr,), {}, None, (), ""),
+                  BoundSymbol(update.sym, (), {"lr": lr, "weight_decay": lr}, None, (), "")):
+        other = trc.derive("with another use of lr")
+        other.bound_symbols = list(trc.bound_symbols) + [extra]
+        assert cg.tensor_lr_positions(other) == set()
 
 
 # ---------------------------------------------------------------------------

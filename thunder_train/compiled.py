@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 
 import torch
 
 from .compiler import acquisition
+from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import cuda_graphs as graphs, thin
@@ -41,6 +43,7 @@ class CompileStats:
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
+    fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
     cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
     cuda_graph_captures: int = 0
     cuda_graph_replays: int = 0
@@ -171,7 +174,8 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused", cuda_graphs: bool = False):
+                 dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
+                 cuda_graphs: bool = False):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
@@ -183,6 +187,7 @@ class CompiledFunction:
         self.check_every = check_every
         self.dynamic = dynamic
         self.fusion = fusion
+        self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
         self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
@@ -235,6 +240,8 @@ class CompiledFunction:
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
+            if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
+                entry.fusion_job.submit()
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
@@ -273,12 +280,13 @@ class CompiledFunction:
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self.fusion,
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
                           optimizer_kernels=self.optimizer_kernels)
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
         prologue, expected = entry.prologue, entry.key
+        entry.on_switch = self._entry_switched
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -330,6 +338,7 @@ class CompiledFunction:
         binding.fn, binding.static_idx = fn, static_idx
         self._binding = binding
         self._graphed = graphed
+        self._entry_switched(entry, count=False)  # a fused program that replaced the torch one while binding
         self._call = fn.fn
         if entry.updates_parameters and torch._C._is_any_autocast_enabled():
             # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
@@ -341,6 +350,22 @@ class CompiledFunction:
 
             self._call = call_in_region
         self.stats.thin_binds += 1
+
+    def _entry_switched(self, entry, count: bool = True):
+        """A fused program replaced ``entry.computation`` (worker thread): the thin binding calls it from now on."""
+        if count:
+            self.stats.fusion_switches += 1
+        b = self._binding
+        if b is not None and b.entry is entry and b.fn is not None and self._graphed is None:
+            g = b.fn.fn.__globals__
+            if g["_computation"] is not entry.computation:
+                g["_computation"] = entry.computation
+
+    def wait_for_fusion(self, timeout: float | None = None) -> bool:
+        """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
+        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
+                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
+        return background.wait(jobs, timeout)
 
     def _graph_note(self, line: str) -> None:
         if line not in self.stats.cuda_graph_notes[-1:]:
@@ -518,7 +543,8 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused", cuda_graphs: bool = False):
+            dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
+            cuda_graphs: bool = False):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -532,7 +558,11 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU or CUDA into Inductor
     kernels (C++ or Triton); ``fusion="nvfuser"`` CUDA regions and their write-backs into nvFuser fusions
     (where ``nvfuser_direct`` imports); ``fusion="auto"`` picks the best available for the program's device
-    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
+    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).  These fuse
+    before the first call.  ``fusion="background"`` (default) runs the torch program at once and switches to
+    the program ``"auto"`` fuses once a worker thread built it (``tt.wait_for_fusion(cf)`` waits for that);
+    the environment variable ``THUNDER_TRAIN_FUSION`` (``off``, ``inductor``, ``nvfuser``, ``auto``) replaces
+    ``"background"`` process-wide.  ``fusion=None`` never fuses.
     ``cuda_graphs=True`` (with ``thin=True``) captures the bound whole step as one CUDA graph and replays it
     (docs/fusion.md; ``compile_stats(cf).cuda_graph_notes`` says whether and why not).
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
@@ -546,10 +576,27 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     return CompiledFunction(fn, **options)
 
 
-FUSION_CHOICES = (None, "inductor", "nvfuser", "auto")
+FUSION_CHOICES = (None, "inductor", "nvfuser", "auto", "background")
+_FUSION_ENV = {"": "background", "background": "background", "inductor": "inductor", "nvfuser": "nvfuser", "auto": "auto",
+               "off": None, "none": None, "0": None}
 
 
-def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", cuda_graphs=False, **flags):
+def fusion_mode(fusion, *, dynamic: bool = False, cuda_graphs: bool = False):
+    """What ``fusion`` means for the passes (``"background"`` read through ``THUNDER_TRAIN_FUSION``)."""
+    if fusion != "background":
+        return fusion
+    value = os.environ.get("THUNDER_TRAIN_FUSION", "").strip().lower()
+    if value not in _FUSION_ENV:
+        raise ValueError(f"THUNDER_TRAIN_FUSION must be one of off, background, inductor, nvfuser, auto; got {value!r}")
+    fusion = _FUSION_ENV[value]
+    if fusion == "background" and dynamic:
+        return None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
+    if fusion == "background" and cuda_graphs:
+        return "auto"  # the graph captures the program it replays: the fused one, from the start
+    return fusion
+
+
+def check_options(*, thin=False, check_every=None, fusion="background", optimizer_kernels="fused", cuda_graphs=False, **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
     for name, value in (("thin", thin), ("cuda_graphs", cuda_graphs), *flags.items()):
         if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
@@ -588,6 +635,16 @@ def last_prologue_traces(cf) -> list:
 def last_backward_traces(cf) -> list:
     """The backward traces of the last call's cache entry; empty when it computed no gradients."""
     return _compiled(cf).last_backward_traces()
+
+
+def wait_for_fusion(cf, timeout: float | None = None) -> bool:
+    """Wait until the fused programs of ``cf`` (``fusion="background"``, the default) are built and in place.
+
+    Covers the entries already building and the one the last call ran (built now if it was not yet).  After
+    True, those run their final program: the fused one where something was fused
+    (``compile_stats(cf).fusion_switches`` counts them), else the torch program.  False: ``timeout`` ran out.
+    """
+    return _compiled(cf).wait_for_fusion(timeout)
 
 
 def compile_stats(cf) -> CompileStats:

@@ -141,7 +141,8 @@ class GraphedProgram:
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self.stream):
+            # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread) do not break the capture.
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 out = self.fn(*args)
         except Exception as e:  # noqa: BLE001 - nothing ran on the device: run the call uncaptured
             first = (str(e).strip().splitlines() or [""])[0][:160]

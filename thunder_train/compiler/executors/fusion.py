@@ -22,7 +22,7 @@ def on_cuda(trc) -> bool:
 
 def choose(trc, fusion: str, notes: list) -> str:
     """The executor ``fusion`` ("inductor", "nvfuser" or "auto") means for this trace."""
-    if fusion != "auto":
+    if fusion not in ("auto", "background"):  # "background": the same choice, made where the fused program is built
         return fusion
     if not on_cuda(trc):
         return "inductor"

@@ -2,7 +2,7 @@
 
 ``tt.compile(fn, fusion="inductor")`` runs this pass on the trace after it was lowered to executors
 (docs/fusion.md).  It finds regions of *fusible* bound symbols (elementwise torch calls and simple
-reductions on CPU or CUDA tensors of static shape), builds a torch.fx graph of each region, compiles it with
+reductions on CPU or CUDA tensors of static shape), traces each region to an ATen graph and compiles it with
 Inductor (``make_fx`` with Inductor's decompositions, then ``compile_fx_inner``) and replaces the region by
 one bound symbol that calls the compiled kernel directly, without Dynamo or AOTAutograd wrappers:
 
@@ -273,23 +273,31 @@ def _kernel_for(bsyms, outputs):
 
 
 def _region_graph(bsyms, inputs, outputs):
-    """The region as a torch-level fx.GraphModule calling the same torch callables as the trace."""
-    import torch.fx as fx
+    """The region as a Python function of its inputs that calls the same torch callables as the trace.
 
-    g = fx.Graph()
-    env = {id(p): g.placeholder(f"in{i}") for i, p in enumerate(inputs)}
+    ``make_fx`` traces it to ATen.  Not a torch.fx graph of those callables: fx prints a call by its
+    callable's ``__module__`` and ``__name__``, which for some (``Tensor.__pow__``, whose wrapper says
+    ``torch._tensor.pow``) names nothing, and the whole region failed.
+    """
+    in_ids = [id(p) for p in inputs]
+    steps = [(b.sym.fn, b.args, b.kwargs, id(b.output)) for b in bsyms]
+    out_ids = [id(o) for o in outputs]
 
-    def node(x):
-        return env[id(x)] if is_proxy(x) else x
+    def region(*args):
+        env = dict(zip(in_ids, args))
 
-    for b in bsyms:
-        env[id(b.output)] = g.call_function(b.sym.fn, tree_map(node, b.args), tree_map(node, b.kwargs))
-    g.output(tuple(env[id(o)] for o in outputs))
-    return fx.GraphModule(torch.nn.Module(), g)
+        def value(x):
+            return env[id(x)] if is_proxy(x) else x
+
+        for fn, a, kw, out in steps:
+            env[out] = fn(*tree_map(value, a), **tree_map(value, kw))
+        return tuple(env[i] for i in out_ids)
+
+    return region
 
 
 def _inductor_compile(gm, example):
-    """Compile a torch-level graph module; returns ``call(list_of_tensors) -> tuple``."""
+    """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table

@@ -120,15 +120,16 @@ def fuse_regions(trc, notes: list, *, prefix: str = "nvfuser_fusion", header: st
         notes.append(f"{prefix}: nvFuser not used: {why}; the torch executor runs these ops")
         return trc
     regions = plan_regions(trc, device_type)
-    out, count, reused = [], 0, []
+    out, count, failed, reused = [], 0, 0, []
     done = {i for r in regions for i, _ in r.lines}
     first = {r.lines[0][0]: r for r in regions}
     for i, b in enumerate(trc.bound_symbols):
         r = first.get(i)
         if r is not None:
-            name = f"{prefix}_{count}"
+            name = f"{prefix}_{count + failed}"
             fusion = _definition_for(nvf, r)
             if isinstance(fusion, str):
+                failed += 1
                 notes.append(f"{name}: {len(r.lines)} ops left to torch: nvFuser failed: {fusion}")
                 out.extend(b for _, b in r.lines)
             else:
