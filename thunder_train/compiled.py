@@ -108,13 +108,13 @@ def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
     tb = "Tensor" if b[0] == _T else b[0].__name__
     if a[0] != b[0]:
         out.append(f"{path}.type: {ta} → {tb}")
-    elif a[0] in (tuple, list):
+    elif a[0] in (tuple, list) and type(a[1]) is tuple and type(b[1]) is tuple:  # beyond depth 3: (type, id)
         if len(a[1]) != len(b[1]):
             out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
         else:
             for i, (x, y) in enumerate(zip(a[1], b[1])):
                 _key_diffs(x, y, f"{path}[{i}]", out, limit)
-    elif a[0] is dict:
+    elif a[0] is dict and type(a[1]) is tuple and type(b[1]) is tuple:
         ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
         if ka != kb:
             out.append(f"{path}.keys: {ka!r} → {kb!r}")

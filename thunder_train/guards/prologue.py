@@ -128,9 +128,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
         val = f"_float_key({var})" if type(v) is float else var
         return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]
     if k == "seq":
-        return [("type", f"type({var})", type(v)), ("len", f"len({var})", len(v))]
+        return [("type", f"type({var})", type(v)), ("len", f"len({var})", leaf.snapshot)]
     if k == "dict":
-        return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", tuple(v))]
+        return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", leaf.snapshot)]
     if k == "dataclass":
         return [("type", f"type({var})", type(v))]
     if k == "module":

@@ -133,8 +133,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if type(v) is float and v != v:
                 return f"type({var}) is not float or {var} == {var}"
             return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
-        if k in ("seq", "dict"):
-            return f"type({var}) is not {consts(type(v))} or len({var}) != {len(v)}"
+        if k in ("seq", "dict"):  # the length when walked (the epilogue may have changed the container since)
+            n = leaf.snapshot if k == "seq" else len(leaf.snapshot)
+            return f"type({var}) is not {consts(type(v))} or len({var}) != {n}"
         if k == "dataclass":
             return f"type({var}) is not {consts(type(v))}"
         if k == "absent":

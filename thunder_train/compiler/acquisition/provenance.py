@@ -111,8 +111,13 @@ class Leaf:
     value: Any
     proxy: Any = None
     alias_of: "Leaf | None" = None
-    # For modules: Python state read before tracing ran (guards/prologue.py guards it).
+    # For modules: Python state read before tracing ran (guards/prologue.py guards it). For lists/tuples: their
+    # length, for dicts their keys, when walked (the epilogue may change the real container afterwards).
     snapshot: Any = None
+
+    def __post_init__(self):
+        if self.snapshot is None and self.kind in ("seq", "dict"):
+            self.snapshot = tuple(self.value) if self.kind == "dict" else len(self.value)
 
     @property
     def where(self) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import functools
 import io
+import types
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
+from .containers import Tracked, attrs_of
 from .provenance import Leaf, Step, name_from_path, path_str
 
 
@@ -47,8 +50,11 @@ class InputWalker:
         self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
         self.floats_are_inputs = False  # while walking an optimizer's hyper-parameters
         self.symbolic_inputs: list = []  # input proxies with symbolic sizes
-        self.copies: list = []  # (proxied container, its items) made for captured values: must stay unmodified
-        self._capturing = False
+        # containers.Tracked: the copies (lists, dicts, dataclasses, plain objects' __dict__) the function works on;
+        # what it changes in them is replayed by the epilogue (containers.py).
+        self.tracked: list = []
+        self.copy_leaf: dict = {}  # id(copy the function sees) -> the leaf of the real object
+        self._swapped_objects: set = set()  # ids of plain objects whose __dict__ is a copy while tracing
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -62,34 +68,23 @@ class InputWalker:
         restored afterwards). An object already walked (``model`` passed as an argument and read as
         a global) gets an identity leaf under this path, so rebinding the name is still seen.
         """
-        self._capturing = True
-        try:
-            for root in roots:
-                path, v = (root.step,), root.value
-                if id(v) in self.by_id and not isinstance(v, torch.Tensor):
-                    self.leaves.append(Leaf(path, "object", v))
-                    continue
-                new = self.walk(v, path, root.step.key if root.step.kind == "global" else root.step.key[1])
-                if new is not v:
-                    self.swapped.append((root, None, v))
-                    root.set(new)
-        finally:
-            self._capturing = False
+        for root in roots:
+            path, v = (root.step,), root.value
+            if id(v) in self.by_id and not isinstance(v, torch.Tensor):
+                self.leaves.append(Leaf(path, "object", v))
+                continue
+            new = self.walk(v, path, root.step.key if root.step.kind == "global" else root.step.key[1])
+            if new is not v:
+                self.swapped.append((root, None, v))
+                root.set(new)
 
-    def check_copies_unmodified(self):
-        """A captured list or dict the function changed (``losses.append(loss)``): the change went into the
-        proxied copy and would be lost, and would not happen on later calls. An error, not a silent drop."""
-        for leaf, copy, items in self.copies:
-            is_dict = isinstance(copy, dict)
-            now = list(copy.items()) if is_dict else list(copy)
-            same = len(now) == len(items) and all(
-                (x[0] == y[0] and x[1] is y[1]) if is_dict else x is y for x, y in zip(now, items))
-            if not same:
-                raise TracingError(
-                    f"the function modified {leaf.where} ({type(copy).__name__} read from a global or closure): the change "
-                    "would happen once, while tracing, not on every call. Return the values and collect them outside the "
-                    "compiled function."
-                )
+    def _track(self, leaf, copy, kind):
+        """The function works on ``copy``; what it changes there is replayed on ``leaf``'s real object."""
+        if self.static_depth:
+            return  # optimizer internals: TracedOptimizer checks them
+        initial = list(copy) if kind == "list" else list(copy.items()) if kind == "dict" else list(attrs_of(copy).items())
+        self.tracked.append(Tracked(leaf, copy, initial, kind))
+        self.copy_leaf.setdefault(id(copy), leaf)
 
     def tensor(self, t, path, hint):
         prev = self.by_id.get(id(t))
@@ -146,15 +141,14 @@ class InputWalker:
             self.leaves.append(leaf)
             items = [self.walk(v, path + (Step("item", i),)) for i, v in enumerate(x)]
             new = t(*items) if hasattr(x, "_fields") else t(items)
-            if t is list and self._capturing and not self.static_depth:
-                self.copies.append((leaf, new, list(new)))
+            if t is list:
+                self._track(leaf, new, "list")
             return new
         if t is dict:
             leaf = Leaf(path, "dict", x)
             self.leaves.append(leaf)
             new = {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
-            if self._capturing and not self.static_depth:
-                self.copies.append((leaf, new, list(new.items())))
+            self._track(leaf, new, "dict")
             return new
         if isinstance(x, torch.nn.Module):
             self.module(x, path)
@@ -163,13 +157,15 @@ class InputWalker:
             self.optimizer(x, path)
             return x
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            self.leaves.append(Leaf(path, "dataclass", x))
+            leaf = Leaf(path, "dataclass", x)
+            self.leaves.append(leaf)
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
             new = object.__new__(t)
             if hasattr(x, "__dict__"):  # slotted dataclasses have none
                 new.__dict__.update(x.__dict__)
             for k, v in fields.items():
                 object.__setattr__(new, k, v)
+            self._track(leaf, new, "dataclass")
             return new
         if isinstance(x, collections.abc.Iterator) and not isinstance(x, io.IOBase):
             raise TracingError(
@@ -178,8 +174,23 @@ class InputWalker:
                 "and pass it: batch = next(it); step(batch)."
             )
         # Anything else (configs, callables, ...) is specialised on by identity.
-        self.leaves.append(Leaf(path, "object", x))
+        leaf = Leaf(path, "object", x)
+        self.leaves.append(leaf)
+        self._swap_dict(leaf, x)
         return x
+
+    def _swap_dict(self, leaf, x):
+        """A plain object runs with a copy of its ``__dict__`` while tracing: attribute writes land there."""
+        if self.static_depth or id(x) in self._swapped_objects or not plain_object(x):
+            return
+        d = x.__dict__
+        try:
+            object.__setattr__(x, "__dict__", dict(d))
+        except (TypeError, AttributeError):
+            return
+        self._swapped_objects.add(id(x))
+        self.swapped.append((_ObjectDict(x), None, d))
+        self._track(leaf, x, "object")
 
     def module(self, m, path):
         self.static_depth += 1
@@ -336,6 +347,28 @@ class InputWalker:
             else:
                 d[k] = v
         self.swapped.clear()
+
+
+def plain_object(x) -> bool:
+    """An instance of a user's Python class (not a function, class, module, torch or thunder_train object)."""
+    if isinstance(x, _NOT_PLAIN) or type(getattr(x, "__dict__", None)) is not dict:
+        return False
+    mod = type(x).__module__ or ""
+    return not (mod == "builtins" or mod.startswith(("torch.", "thunder_train.")) or mod == "torch")
+
+
+_NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
+              torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+class _ObjectDict:
+    """``restore`` target for a plain object's swapped ``__dict__``."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def set(self, d):
+        object.__setattr__(self.obj, "__dict__", d)
 
 
 class _RefusedHooks(collections.OrderedDict):
