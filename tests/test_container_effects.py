@@ -317,14 +317,35 @@ def test_storing_an_unsupported_object_holding_a_tensor_is_a_clear_error():
 class Counter:
     def __init__(self):
         self.calls = 0
+        self.last = None
 
 
-def test_an_attribute_set_on_a_plain_object_is_a_clear_error_not_a_lost_write():
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_an_attribute_set_on_a_plain_object_is_replayed_on_every_call(mode):
     def fn(x, c):
         c.calls = c.calls + 1
+        c.last = x.sum()
+        return x * c.calls
+
+    ca, ce = Counter(), Counter()
+    cf = tt.compile(fn, **mode)
+    for i in range(4):
+        x = torch.randn(3)
+        assert_same_tree(cf(x, ca), fn(x, ce))
+    assert_same_tree(ca, ce)
+    assert ca.calls == 4
+
+
+def test_a_large_list_held_by_a_plain_object_changed_inside_is_a_clear_error():
+    class Holder:
+        def __init__(self):
+            self.history = list(range(300))
+
+    def fn(x, h):
+        h.history.append(x.sum())
         return x
 
-    c = Counter()
-    with pytest.raises(TracingError, match=r"sets args\[1\]\.calls on a Counter object"):
-        tt.compile(fn)(torch.ones(2), c)
-    assert c.calls == 0
+    h = Holder()
+    with pytest.raises(TracingError, match=r"changed args\[1\]\.history, a list of more than 256 items"):
+        tt.compile(fn)(torch.ones(2), h)
+    assert h.history == list(range(300))

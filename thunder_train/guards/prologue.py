@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import name_from_path, path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, name_from_path, path_str
 from . import checks
 
 _counter = itertools.count()
@@ -133,6 +133,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
         return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", leaf.snapshot)]
     if k == "dataclass":
         return [("type", f"type({var})", type(v))]
+    if k == "namespace":  # a plain object whose attributes are leaves of their own
+        return [("type", f"type({var})", type(v)), ("attributes", f"tuple({var}.__dict__)", leaf.snapshot)]
     if k == "module":
         snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
         specs = [
@@ -266,7 +268,7 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
             if consts is None:
                 raise ValueError("extraction of captured tensors needs a Consts table")
             expr = consts(leaf.value)
-        elif step.kind in ("global", "closure") and len(leaf.path) == 1:
+        elif step.kind in CAPTURED_ROOTS and len(leaf.path) == 1:
             # Read again on every call from the function's globals dict or closure cell (rebinding is seen).
             if consts is None:
                 raise ValueError("extraction of globals and closure cells needs a Consts table")

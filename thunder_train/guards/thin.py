@@ -29,7 +29,7 @@ import operator
 
 import torch
 
-from ..compiler.acquisition.provenance import path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
@@ -138,6 +138,8 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             return f"type({var}) is not {consts(type(v))} or len({var}) != {n}"
         if k == "dataclass":
             return f"type({var}) is not {consts(type(v))}"
+        if k == "namespace":  # attributes added or removed: the attribute leaves are checked on their own
+            return f"type({var}) is not {consts(type(v))} or len({var}.__dict__) != {len(leaf.snapshot)}"
         if k == "absent":
             return f"{var} is not None"
         if k == "number":
@@ -151,7 +153,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         leaf, var, v = leaves[i], names[i], leaves[i].value
         k = leaf.kind
         # A global or closure value the caller rebound: a change to recompile for, not a broken contract.
-        mismatch = changed if leaf.path[0].kind in ("global", "closure") else per_call_mismatch
+        # A global, closure cell or default the caller rebound, or an attribute of a plain object (state, like a
+        # module's): a change to recompile for, not a broken contract.
+        mismatch = changed if leaf.path[0].kind in CAPTURED_ROOTS or any(
+            kind_of.get(leaf.path[:j]) == "namespace" for j in range(1, len(leaf.path) + 1)) else per_call_mismatch
         if k == "tensor":
             if leaf.alias_of is None:
                 mismatch.append(tensor_cond(var, v, leaf))
@@ -234,7 +239,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if p is None:
                 depth = 0
                 break
-            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass"):
+            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass", "namespace"):
                 break
             depth -= 1
         if depth == 0:

@@ -27,7 +27,7 @@ from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
 from . import decisions as _decisions  # noqa: F401 — installs the decision handler
-from .captured import captured_roots
+from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
 from .provenance import path_str
@@ -86,10 +86,11 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            walker.walk_captured(captured_roots(fn))
+            walker.walk_captured(self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn))
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
                     only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
+            walker.check_big_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
@@ -107,7 +108,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             def python_effects(names, extra):
                 # Lists, dicts, dataclasses and objects the function changed: replayed on this call's objects.
                 changed[:] = mutated(walker.tracked)
-                return replay_lines(changed, names, extra, walker.copy_leaf, objects=False)
+                return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
             _insert_shape_queries(trc, walker.symbolic_inputs)

@@ -33,7 +33,7 @@ class Tracked:
     leaf: object  # provenance.Leaf of the real object
     copy: object  # what the function saw (and possibly changed)
     initial: object  # its contents when the function started (list items / dict items / attribute dict)
-    kind: str  # "list", "dict", "dataclass", "object"
+    kind: str  # "list", "dict", "dataclass", "namespace" (a walked plain object), "object" (checked by identity)
 
 
 def attrs_of(obj) -> dict:
@@ -116,22 +116,24 @@ class _Renderer:
         return self.names(v, "value")  # a Python object the trace specialised on (same on every call)
 
 
-def replay_lines(changed, names, extra, copy_leaf, *, objects: bool) -> list:
+def replay_lines(changed, names, extra, copy_leaf) -> list:
     """Epilogue lines that give each changed container's real object its final contents.
 
-    ``objects``: whether attribute changes of plain objects are replayed (else refused).
+    Attribute changes of walked plain objects (``namespace``) are replayed; of objects the walker checks by
+    identity only (nested too deep) refused.
     """
     render = _Renderer(names, extra, copy_leaf)
     lines = []
     for t in changed:
         where = t.leaf.where
-        if t.kind == "object" and not objects:
+        if t.kind == "object":
             now, before = attrs_of(t.copy), dict(t.initial)
             key = next((k for k, v in now.items() if before.get(k, _MISSING) is not v), None)
             key = key if key is not None else next(k for k in before if k not in now)
             raise TracingError(
-                f"the function sets {where}.{key} on a {type(t.leaf.value).__name__} object: attribute changes of "
-                "plain objects inside a compiled function are not replayed. Return the value and set it outside."
+                f"the function sets {where}.{key} on a {type(t.leaf.value).__name__} object nested too deeply in plain "
+                "objects to be walked: the change would happen once, while tracing. Pass the object as an argument, "
+                "or return the value and set it outside."
             )
         tgt = render.target(t.leaf)
         if t.kind == "list":

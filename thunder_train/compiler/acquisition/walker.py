@@ -22,7 +22,7 @@ from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
 from .containers import Tracked, attrs_of
-from .provenance import Leaf, Step, name_from_path, path_str
+from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
@@ -55,6 +55,8 @@ class InputWalker:
         self.tracked: list = []
         self.copy_leaf: dict = {}  # id(copy the function sees) -> the leaf of the real object
         self._swapped_objects: set = set()  # ids of plain objects whose __dict__ is a copy while tracing
+        self.object_depth = 0  # plain objects being walked (namespace) around the current value
+        self.big: list = []  # (where, container, contents) held by plain objects but too large to walk
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -73,7 +75,7 @@ class InputWalker:
             if id(v) in self.by_id and not isinstance(v, torch.Tensor):
                 self.leaves.append(Leaf(path, "object", v))
                 continue
-            new = self.walk(v, path, root.step.key if root.step.kind == "global" else root.step.key[1])
+            new = self.walk(v, path, name_from_path(path))
             if new is not v:
                 self.swapped.append((root, None, v))
                 root.set(new)
@@ -95,7 +97,7 @@ class InputWalker:
         name = self.trc.unique_name(hint or name_from_path(path))
         shape = tuple(t.shape)
         # Captured values (globals, closures) keep constant shapes like module tensors.
-        symbolic = self.dynamic and not self.static_depth and path[0].kind not in ("const", "global", "closure")
+        symbolic = self.dynamic and not self.static_depth and path[0].kind != "const" and path[0].kind not in CAPTURED_ROOTS
         if symbolic:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
             # they decide broadcasting and emptiness).
@@ -173,24 +175,73 @@ class InputWalker:
                 "tracing, so a next() inside it would return the same first item on every call. Take the batch outside "
                 "and pass it: batch = next(it); step(batch)."
             )
-        # Anything else (configs, callables, ...) is specialised on by identity.
+        if plain_object(x) and not self.static_depth and id(x) not in self.by_id \
+                and self.object_depth < MAX_OBJECT_DEPTH and _can_swap_dict(x):
+            return self.namespace(x, path)
+        # Anything else (callables, classes, objects nested too deep, ...) is specialised on by identity.
         leaf = Leaf(path, "object", x)
         self.leaves.append(leaf)
-        self._swap_dict(leaf, x)
+        self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
         return x
 
-    def _swap_dict(self, leaf, x):
-        """A plain object runs with a copy of its ``__dict__`` while tracing: attribute writes land there."""
-        if self.static_depth or id(x) in self._swapped_objects or not plain_object(x):
+    def namespace(self, x, path):
+        """A plain object (a config, ``argparse.Namespace``, a trainer-like object): its instance attributes are
+        inputs like a dataclass's fields (``args[1].scale``), guarded and bound; it runs with a ``__dict__`` of
+        walked values, so what it writes there is replayed by the epilogue (containers.py)."""
+        d = x.__dict__
+        leaf = Leaf(path, "namespace", x, snapshot=tuple(d))
+        self.leaves.append(leaf)
+        self.by_id[id(x)] = leaf
+        new = {}
+        self.object_depth += 1
+        try:
+            for k, v in d.items():
+                if type(k) is not str or not k.isidentifier():
+                    new[k] = v  # not reachable as obj.<name>: neither guarded nor proxied
+                elif isinstance(v, collections.abc.Iterator) and not isinstance(v, io.IOBase):
+                    # An iterator the object holds: fine unless the function steps it (once, while tracing).
+                    where = path_str(path + (Step("attr", k),))
+                    self.leaves.append(Leaf(path + (Step("attr", k),), "object", v))
+                    new[k] = _RefusedIterator(v, where)
+                elif type(v) in (list, dict) and len(v) > MAX_ITEMS:
+                    # Not walked item by item: its identity is guarded; a change the function makes is refused.
+                    self.leaves.append(Leaf(path + (Step("attr", k),), "object", v))
+                    self.big.append((path_str(path + (Step("attr", k),)), v, _contents(v), v.copy()))
+                    new[k] = v
+                else:
+                    new[k] = self.walk(v, path + (Step("attr", k),), f"{name_from_path(path)}_{k}")
+        finally:
+            self.object_depth -= 1
+        self._swap_dict(leaf, x, new, "namespace")
+        return x
+
+    def _swap_dict(self, leaf, x, new, kind):
+        """While tracing, ``x`` has ``new`` as its ``__dict__``: attribute writes land there (restored afterwards)."""
+        if new is None or self.static_depth or id(x) in self._swapped_objects:
             return
         d = x.__dict__
         try:
-            object.__setattr__(x, "__dict__", dict(d))
+            object.__setattr__(x, "__dict__", new)
         except (TypeError, AttributeError):
             return
         self._swapped_objects.add(id(x))
         self.swapped.append((_ObjectDict(x), None, d))
-        self._track(leaf, x, "object")
+        self._track(leaf, x, kind)
+
+    def check_big_unchanged(self):
+        """A large list or dict held by a plain object is not walked: changing it inside is an error, not lost."""
+        for where, v, before, items in self.big:
+            if _contents(v) != before:
+                if type(v) is dict:  # put back what it held: the traced change must not leave proxies in it
+                    v.clear()
+                    v.update(items)
+                else:
+                    v[:] = items
+                raise TracingError(
+                    f"the function changed {where}, a {type(v).__name__} of more than {MAX_ITEMS} items held by a plain "
+                    "object: such containers are not walked item by item, so the change would happen once, while "
+                    "tracing. Return the values and collect them outside the compiled function."
+                )
 
     def module(self, m, path):
         self.static_depth += 1
@@ -349,6 +400,22 @@ class InputWalker:
         self.swapped.clear()
 
 
+MAX_OBJECT_DEPTH = 3  # plain objects inside plain objects are walked this deep; deeper ones by identity
+MAX_ITEMS = 256  # a list or dict attribute of a plain object larger than this is guarded by identity
+
+
+def _contents(v) -> list:
+    return [(k, id(x)) for k, x in v.items()] if type(v) is dict else [id(x) for x in v]
+
+
+def _can_swap_dict(x) -> bool:
+    try:
+        object.__setattr__(x, "__dict__", x.__dict__)
+    except (TypeError, AttributeError):
+        return False
+    return True
+
+
 def plain_object(x) -> bool:
     """An instance of a user's Python class (not a function, class, module, torch or thunder_train object)."""
     if isinstance(x, _NOT_PLAIN) or type(getattr(x, "__dict__", None)) is not dict:
@@ -359,6 +426,26 @@ def plain_object(x) -> bool:
 
 _NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
               torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+class _RefusedIterator:
+    """Stands in for an iterator held by a plain object while tracing: ``next()`` on it is an error."""
+
+    def __init__(self, it, where):
+        self._it, self._where = it, where
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise TracingError(
+            f"{self._where} is an iterator: the compiled function runs its Python code once, while tracing, so a "
+            "next() inside it would return the same first item on every call. Take the batch outside and pass it: "
+            "batch = next(it); step(batch)."
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
 
 
 class _ObjectDict:
