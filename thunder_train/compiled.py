@@ -41,6 +41,8 @@ class CompileStats:
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion="inductor": one line per region, fused or why not
+    # Python decisions on tensor values (compiler/acquisition/decisions.py): what the prologue recomputes for each.
+    decision_notes: list = dataclasses.field(default_factory=list)
 
     @property
     def thin_calls(self) -> int:
@@ -271,6 +273,9 @@ class CompiledFunction:
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
         prologue, expected = entry.prologue, entry.key
+        for note in entry.decision_notes:
+            if note not in self.stats.decision_notes:
+                self.stats.decision_notes.append(note)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)

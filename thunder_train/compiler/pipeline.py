@@ -40,6 +40,7 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    decision_notes: list = dataclasses.field(default_factory=list)  # "<decision>: N ops recomputed by the prologue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                        acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
                        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
+    entry.decision_notes = [f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call" for d in acquired.decisions]
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     if not has_backward:

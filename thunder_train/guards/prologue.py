@@ -350,10 +350,13 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     decision_sources = []
     dec = Consts("_decision")  # its own names: thin mode's generated code uses them too
     decision_checks = []
+    decision_leaves: set = set()  # leaf indices the decisions' programs read (thin mode names them)
     if decisions:
         var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
-                        if leaf.kind == "tensor" and leaf.alias_of is None}
+                        if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
+        leaf_of_var = {v: i for i, v in enumerate(names)}
         for d in decisions:
+            decision_leaves.update(leaf_of_var[var_of_proxy[id(p)]] for p in d.inputs)
             fn = dec(d.fn)
             call = _DECISION_EXPR[d.convert].format(f"{fn}({''.join(var_of_proxy[id(p)] + ', ' for p in d.inputs)})")
             labels.append(Label("decision", d.text))
@@ -390,6 +393,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     pro.size_checks = size_exprs
     pro.check_globals = {"_as_list": _as_list, **dec.d}
     pro.decision_checks = decision_checks
+    pro.decision_leaves = tuple(sorted(decision_leaves))
     pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
     return pro, tuple(expected)
 

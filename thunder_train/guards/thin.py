@@ -336,6 +336,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     expected = [e for lab, e in zip(prologue.labels, entry.key) if lab.path == "sizes"]
     for expr, result in zip(size_exprs, expected):
         lines += [f"    if {expr} is not {result}:", "      raise _Changed"]
+    for i in getattr(prologue, "decision_leaves", ()):
+        # A decision on an intermediate value reads static leaves too (parameters, optimizer state): name them.
+        if per_call[i] or comp_arg.get(i) == names[i]:
+            continue
+        if i in comp_arg:
+            lines.append(f"    {names[i]} = {comp_arg[i]}")
+        elif vals[i] is prev_vals[i] and leaves[i].kind == "tensor":
+            lines.append(f"    {names[i]} = {bind(i)}")
+        else:
+            raise CannotBind(f"a decision reads {path_str(leaves[i].path)}, which is a different object on each call")
     for j, expr in prologue.decision_checks:
         # A Python decision on per-call inputs (acquisition/decisions.py) goes another way: another program.
         lines += [f"    if {expr} != {consts(entry.key[j])}:", "      raise _Changed"]
