@@ -286,3 +286,28 @@ def test_a_compiled_bound_forward_of_a_module_gives_eager_gradients(mode):
         F.cross_entropy(ref(x), y).backward()
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=n)
+
+
+class Node:
+    def __init__(self):
+        self.me = self  # a cycle: the object reached again is checked by identity
+        self.w = torch.ones(3)
+        self.calls = 0
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_plain_object_that_refers_to_itself_is_walked_once(mode):
+    def f(x, n):
+        n.me.calls += 1
+        return x * n.me.w * n.calls
+
+    a, e = Node(), Node()
+    cf = tt.compile(f, **mode)
+    for i in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(cf(x, a), f(x, e))
+    a.w = torch.full((3,), 2.0)
+    e.w = torch.full((3,), 2.0)
+    x = torch.randn(3)
+    torch.testing.assert_close(cf(x, a), f(x, e))
+    assert a.calls == e.calls == 4

@@ -181,7 +181,8 @@ class InputWalker:
         # Anything else (callables, classes, objects nested too deep, ...) is specialised on by identity.
         leaf = Leaf(path, "object", x)
         self.leaves.append(leaf)
-        self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
+        if id(x) not in self.by_id:  # (an object walked as a namespace already runs with its walked __dict__)
+            self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
         return x
 
     def namespace(self, x, path):
