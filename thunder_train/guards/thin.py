@@ -79,7 +79,8 @@ def _under_state(leaf) -> bool:
     return any(st.kind == "optstate" for st in leaf.path)
 
 
-def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every):
+def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
+                    computation=None):
     """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
 
     Every assumption the guard key makes has a per-call check here (docs/thin_mode.md has the table):
@@ -87,6 +88,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     dicts (hyper-parameters, tuples included, and its non-float options compared); its ``state`` is
     compared by identity in bulk; ``.grad`` and ``requires_grad`` of the bound tensors in bulk; modules
     through the epoch (registration, attribute assignment, ``_apply``); global state directly.
+    ``computation`` replaces ``entry.computation`` as what the checked call runs (``cuda_graphs.py``).
     """
     names = prologue.var_names
     per_call = per_call_mask(leaves)
@@ -361,7 +363,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG, "_stride": _STRIDE,
         "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
-        "_computation": entry.computation, "_b": binding_holder,
+        "_computation": entry.computation if computation is None else computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"],
         **consts.d, **bound, **prologue.check_globals,

@@ -9,7 +9,9 @@ from .. import clang, dtypes, prims
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
-from ..transforms.grad_rules import downcast_like, mul, register_vjp, sub, upcast
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims import mul, sub
 from .registry import torchsymbol
 
 
@@ -65,6 +67,33 @@ def _max_min(name, prim, argprim):
 
 max = _max_min("max", prims.amax, prims.argmax)
 min = _max_min("min", prims.amin, prims.argmin)
+
+
+def _reducing(input, dim=None, keepdim=False):
+    return dim is None or isinstance(dim, int)  # torch.max(a, b) is elementwise: prims.maximum's rule
+
+
+@register_vjp(max, min, supports=_reducing)
+def _max_min_vjp(g, out, /, input, dim=None, keepdim=False):
+    """As eager: over all elements the maxima share the gradient evenly, and a NaN result shares it among the
+    NaNs (``evenly_distribute_backward``); along ``dim`` it goes to the position of the returned index only."""
+    if dim is None:
+        every = tuple(range(input.ndim_))
+        value = prims.broadcast_in_dim(out, input._tt_shape, ())
+        hit = prims.where(prims.isnan(value), prims.isnan(input), prims.eq(input, value))
+        count = prims.sum(prims.convert_element_type(hit, input._tt_dtype), every)
+        share = prims.broadcast_in_dim(prims.div(g, count), input._tt_shape, ())
+        return {"input": prims.where(hit, share, 0.0)}
+    gv, indices = g[0], out[1]
+    if gv is None:
+        return {}
+    if input.ndim_ == 0:
+        return {"input": gv}
+    d = clang.canonicalize_dim(input.ndim_, dim)
+    if not keepdim:
+        gv, indices = clang.unsqueeze(gv, d), clang.unsqueeze(indices, d)
+    zeros = prims.full(input._tt_shape, 0.0, device=input._tt_device, dtype=input._tt_dtype)
+    return {"input": prims.scatter_add(zeros, indices, gv, d)}
 
 
 def _arg(name, prim):
