@@ -349,3 +349,13 @@ def test_a_large_list_held_by_a_plain_object_changed_inside_is_a_clear_error():
     with pytest.raises(TracingError, match=r"changed args\[1\]\.history, a list of more than 256 items"):
         tt.compile(fn)(torch.ones(2), h)
     assert h.history == list(range(300))
+
+
+def test_a_list_that_grows_on_every_call_is_right_and_warns_that_every_call_retraces():
+    log_c, log_e = [], []
+    cf = tt.compile(append)
+    with pytest.warns(UserWarning, match=r"append: the last 8 calls each traced a new program, and the function changes args\[1\]"):
+        for i in range(9):
+            x = torch.full((2,), float(i))
+            assert_same_tree(cf(x, log_c), append(x, log_e))
+    assert_same_tree(log_c, log_e)

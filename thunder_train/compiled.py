@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 
 import torch
 
@@ -157,6 +158,8 @@ def _describe_struct_diff(old_key, args, kwargs) -> str:
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
 
 
+_RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
+
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
 
@@ -202,6 +205,7 @@ class CompiledFunction:
         self._binding: ThinBinding | None = None
         self._call = self._full_call
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
+        self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
         if cuda_graphs and not torch.cuda.is_available():
@@ -242,6 +246,7 @@ class CompiledFunction:
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
+            self._misses_in_a_row = 0
             if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
                 entry.fusion_job.submit()
         self._last = entry
@@ -279,6 +284,7 @@ class CompiledFunction:
     def _compile(self, args, kwargs, key, reason) -> CacheEntry:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
+        self._misses_in_a_row += 1
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
@@ -292,6 +298,13 @@ class CompiledFunction:
         for note in entry.decision_notes:
             if note not in self.stats.decision_notes:
                 self.stats.decision_notes.append(note)
+        if self._misses_in_a_row == _RETRACE_STORM and entry.mutated:
+            warnings.warn(
+                f"{getattr(self.fn, '__qualname__', 'the compiled function')}: the last {_RETRACE_STORM} calls each traced "
+                f"a new program, and the function changes {', '.join(entry.mutated[:3])}, which its programs are "
+                "specialised on (a list it appends to, a Python counter it increments). Results are right, but every "
+                "call retraces: keep such values in tensors, or return them and collect them outside.",
+                stacklevel=4)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
