@@ -359,3 +359,22 @@ def test_a_list_that_grows_on_every_call_is_right_and_warns_that_every_call_retr
             x = torch.full((2,), float(i))
             assert_same_tree(cf(x, log_c), append(x, log_e))
     assert_same_tree(log_c, log_e)
+
+
+def test_a_list_held_by_a_module_changed_inside_is_a_clear_error_and_left_as_it_was():
+    class WithHistory(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.history = [1]
+
+    m = WithHistory()
+
+    def fn(m, x):
+        y = m.fc(x).sum()
+        m.history.append(y)
+        return y
+
+    with pytest.raises(TracingError, match=r"changed args\[0\]\.history, a list held by the module WithHistory"):
+        tt.compile(fn)(m, torch.ones(2))
+    assert m.history == [1]

@@ -90,7 +90,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
                     only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
-            walker.check_big_unchanged()
+            walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:

@@ -56,7 +56,9 @@ class InputWalker:
         self.copy_leaf: dict = {}  # id(copy the function sees) -> the leaf of the real object
         self._swapped_objects: set = set()  # ids of plain objects whose __dict__ is a copy while tracing
         self.object_depth = 0  # plain objects being walked (namespace) around the current value
-        self.big: list = []  # (where, container, contents) held by plain objects but too large to walk
+        # (where, container, contents, copy, what): lists/dicts held by modules, or by plain objects but too large
+        # to walk; the function must not change them (check_unwalked_unchanged).
+        self.unwalked: list = []
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -207,7 +209,8 @@ class InputWalker:
                 elif type(v) in (list, dict) and len(v) > MAX_ITEMS:
                     # Not walked item by item: its identity is guarded; a change the function makes is refused.
                     self.leaves.append(Leaf(path + (Step("attr", k),), "object", v))
-                    self.big.append((path_str(path + (Step("attr", k),)), v, _contents(v), v.copy()))
+                    self.unwalked.append((path_str(path + (Step("attr", k),)), v, _contents(v), v.copy(),
+                                          f"a {type(v).__name__} of more than {MAX_ITEMS} items held by a plain object"))
                     new[k] = v
                 else:
                     new[k] = self.walk(v, path + (Step("attr", k),), f"{name_from_path(path)}_{k}")
@@ -229,9 +232,10 @@ class InputWalker:
         self.swapped.append((_ObjectDict(x), None, d))
         self._track(leaf, x, kind)
 
-    def check_big_unchanged(self):
-        """A large list or dict held by a plain object is not walked: changing it inside is an error, not lost."""
-        for where, v, before, items in self.big:
+    def check_unwalked_unchanged(self):
+        """A list or dict held by a module, or a large one held by a plain object, is not walked: changing it
+        inside is an error (its contents are put back), not a change that happens once."""
+        for where, v, before, items, what in self.unwalked:
             if _contents(v) != before:
                 if type(v) is dict:  # put back what it held: the traced change must not leave proxies in it
                     v.clear()
@@ -239,9 +243,8 @@ class InputWalker:
                 else:
                     v[:] = items
                 raise TracingError(
-                    f"the function changed {where}, a {type(v).__name__} of more than {MAX_ITEMS} items held by a plain "
-                    "object: such containers are not walked item by item, so the change would happen once, while "
-                    "tracing. Return the values and collect them outside the compiled function."
+                    f"the function changed {where}, {what}: such containers are not walked item by item, so the change "
+                    "would happen once, while tracing. Return the values and collect them outside the compiled function."
                 )
 
     def module(self, m, path):
@@ -267,6 +270,10 @@ class InputWalker:
                 proxy = self.tensor(b, path + (Step("buffer", name),), None)
                 self.swapped.append((m._buffers, name, b))
                 m._buffers[name] = proxy
+        for name, v in m.__dict__.items():
+            if name[:1] != "_" and type(v) in (list, dict):  # a module's own list or dict (self.history = [])
+                self.unwalked.append((path_str(path + (Step("attr", name),)), v, _contents(v), v.copy(),
+                                      f"a {type(v).__name__} held by the module {type(m).__name__}"))
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))
