@@ -23,7 +23,7 @@ import types
 from ..errors import TracingError
 from ..proxies import is_proxy
 from ..pytree import holds
-from .provenance import name_from_path, path_str
+from .provenance import name_from_path
 
 
 @dataclasses.dataclass
@@ -170,9 +170,5 @@ def replay_lines(changed, names, extra, copy_leaf) -> list:
 
 
 def mutated_paths(changed) -> list:
-    """Provenance paths of the containers the epilogue changes (thin mode re-validates, not raises, on them)."""
+    """Provenance paths of the containers the epilogue changes (a retrace on every call is reported with them)."""
     return [t.leaf.path for t in changed]
-
-
-def describe(paths) -> str:
-    return ", ".join(path_str(p) for p in paths)
