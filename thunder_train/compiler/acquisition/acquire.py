@@ -33,6 +33,7 @@ from .dispatch import ProxyMode
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
 from .state import TracerState
+from .module_writes import settle as settle_module_writes
 from .walker import InputWalker
 
 
@@ -90,6 +91,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
                     only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
+                settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)

@@ -22,6 +22,7 @@ from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
 from .containers import Tracked, attrs_of
+from .module_writes import ModuleState
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
@@ -59,6 +60,8 @@ class InputWalker:
         # (where, container, contents, copy, what): lists/dicts held by modules, or by plain objects but too large
         # to walk; the function must not change them (check_unwalked_unchanged).
         self.unwalked: list = []
+        # module_writes.ModuleState of every walked module: what the function assigns on it is settled after it runs.
+        self.module_states: list = []
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -274,6 +277,7 @@ class InputWalker:
             if name[:1] != "_" and type(v) in (list, dict):  # a module's own list or dict (self.history = [])
                 self.unwalked.append((path_str(path + (Step("attr", name),)), v, _contents(v), v.copy(),
                                       f"a {type(v).__name__} held by the module {type(m).__name__}"))
+        self.module_states.append(ModuleState.of(m, leaf.where))
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))
@@ -371,6 +375,16 @@ class InputWalker:
     def leaf_of(self, proxy):
         """The input leaf a tensor proxy stands for, or None for a tensor made inside the function."""
         return self.leaf_of_proxy.get(id(proxy))
+
+    def module_tensor(self, proxy):
+        """The real parameter or buffer of a walked module that ``proxy`` stands for (None otherwise).
+
+        Those are bound by identity on every call, so a reference to one stays right; a per-call input's would not.
+        """
+        leaf = self.leaf_of(proxy)
+        if leaf is None or not leaf.path or leaf.path[-1].kind not in ("param", "buffer"):
+            return None
+        return leaf.value
 
     def is_input(self, proxy) -> bool:
         return id(proxy) in self.leaf_of_proxy
