@@ -29,6 +29,7 @@ from ..traced_autograd import GradState
 from . import decisions as _decisions  # noqa: F401 — installs the decision handler
 from .captured import captured_roots
 from .dispatch import ProxyMode
+from .global_state import global_state_unchanged
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
 from .state import TracerState
@@ -85,8 +86,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(captured_roots(fn))
-            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
+            with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
+                    ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
             walker.check_copies_unmodified()
             check_ddp_finished(state)

@@ -56,7 +56,10 @@ def handle_torch_function(func, types, args, kwargs):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
-    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+    flat = _flat(args, kwargs)
+    if any(isinstance(a, torch.Generator) for a in flat):
+        _refuse_generator(func)
+    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
     # Functionalization (compiler/functional.py): read the current value of every buffer.
     orig_args, orig_kwargs = args, kwargs
@@ -138,6 +141,16 @@ def handle_torch_function(func, types, args, kwargs):
     if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
         return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
     return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+
+
+def _refuse_generator(func):
+    """A ``torch.Generator`` argument: the compiled program would keep using the generator object of the
+    traced call (one made inside the function would not be remade and reseeded on later calls)."""
+    raise TracingError(
+        f"{callable_name(func)}(..., generator=...) inside a compiled function is not supported: the generator's "
+        "state lives outside the traced program, so later calls would not draw what eager draws. Draw the random "
+        "tensor outside the compiled function and pass it in, or use the default generator (seeded outside)."
+    )
 
 
 def _is_inplace(func) -> bool:
