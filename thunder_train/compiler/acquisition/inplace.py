@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import prims
 from ..clang import maybe_convert
 from ..errors import TracingError
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
 
@@ -70,6 +71,11 @@ def write(st, sym, dst, value):
         last.comment = f"{sym.name}: the new value of {dst._tt_name}"
     if not torch.is_grad_enabled() and st.grad_enabled:
         value = no_grad_region(st, value)
+    if (type(value) is TensorProxy and type(dst) is TensorProxy and value._tt_shape == dst._tt_shape
+            and value._tt_strides != dst._tt_strides and is_non_overlapping_and_dense(dst)):
+        # An in-place op keeps its destination's layout (a channels-last buffer stays channels-last after
+        # fill_ / zero_ / copy_), whatever layout the out-of-place form gives its result.
+        value = prims.grad_layout(value, dst)
     st.buffers.write(dst, value)
 
 
