@@ -1,0 +1,108 @@
+"""Torch calls whose result depends on tensor values through a Python value: ``torch.equal``,
+``torch.allclose``, ``narrow``/``tensor_split`` with tensor positions, ``one_hot`` without
+``num_classes``, ``linspace`` with tensor ends.
+
+The Python value is taken at the top level of the user's call (``int(start)``, ``bool(...)``), so it is
+a *decision* (``acquisition/decisions.py``): computed from per-call inputs by the prologue on every call
+and specialised on, or a ``DataDependentError`` naming the line when it depends on anything else.  The
+op itself then runs as its symbol with Python arguments.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..proxies import TensorProxy
+from . import factories, nn, shapes  # noqa: F401 - their entries are registered first
+from .registry import by_method_name, by_torch_fn
+
+
+class _Decided:
+    """Dispatch entry: ``fn`` runs at the top level (its torch calls are traced as the user's own).
+    With a ``target`` symbol (what ``fn`` ends in), the entry answers for that symbol's facts."""
+
+    tags = frozenset()
+
+    def __init__(self, name, fn, target=None):
+        self.name, self.fn = name, fn
+        if target is not None:
+            self.sym = target
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        target = self.__dict__.get("sym")
+        if target is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(target, name)
+
+
+def _register(name, fn, torch_fns=(), methods=(), sym=None):
+    entry = _Decided(name, fn, sym)
+    for f in torch_fns:
+        by_torch_fn[f] = entry
+    for m in methods:
+        by_method_name[m] = entry
+        for owner in (torch.Tensor, torch._C.TensorBase):
+            f = getattr(owner, m, None)
+            if f is not None:
+                by_torch_fn[f] = entry
+    return entry
+
+
+def _t(x):
+    return type(x) is TensorProxy
+
+
+def equal(input, other):
+    """True when the shapes and all values are equal (eager: any dtypes)."""
+    if tuple(input.shape) != tuple(other.shape):
+        return False
+    return bool(torch.eq(input, other).all())
+
+
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return bool(torch.isclose(input, other, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
+
+
+def _int(v):
+    return int(v) if _t(v) else v
+
+
+def narrow(input, dim, start, length):
+    if _t(start) or _t(length):  # again through the dispatcher, which gives eager's result objects
+        return torch.narrow(input, dim, _int(start), _int(length))
+    return shapes.narrow(input, dim, start, length)
+
+
+def tensor_split(input, indices_or_sections, dim=0):
+    v = indices_or_sections
+    if _t(v):
+        v = int(v) if v.ndim == 0 else tuple(int(v[i]) for i in range(v.shape[0]))
+        return torch.tensor_split(input, v, dim)
+    return shapes.tensor_split(input, v, dim)
+
+
+def one_hot(tensor, num_classes=-1):
+    if num_classes < 0 and _t(tensor):
+        num_classes = int(tensor.max()) + 1 if tensor.numel() else 0
+    if num_classes == 0:
+        raise RuntimeError("Can not infer total number of classes from empty tensor.")
+    return nn.one_hot(tensor, num_classes)
+
+
+_linspace_entry = by_torch_fn[torch.linspace]  # the factory (records its dtype/device)
+
+
+def linspace(start, end, steps, **kwargs):
+    # float(tensor) is a decision (a value of the per-call inputs), not a runtime number
+    return _linspace_entry(float(start) if _t(start) else start, float(end) if _t(end) else end, _int(steps), **kwargs)
+
+
+_register("equal", equal, (torch.equal,), ("equal",))
+_register("allclose", allclose, (torch.allclose,), ("allclose",))
+_register("narrow", narrow, (torch.narrow,), ("narrow",), sym=shapes.narrow)
+_register("tensor_split", tensor_split, (torch.tensor_split,), ("tensor_split",), sym=shapes.tensor_split)
+_register("one_hot", one_hot, (F.one_hot,), sym=nn.one_hot)
+_register("linspace", linspace, (torch.linspace,), sym=_linspace_entry.sym)
