@@ -44,3 +44,25 @@ def test_gaussian_nll_loss_checks_var_at_run_time():
     torch.testing.assert_close(cf(x, y, torch.ones(4)), F.gaussian_nll_loss(x, y, torch.ones(4)))
     with pytest.raises(Exception, match="negative"):
         cf(x, y, -torch.ones(4))
+
+
+def test_value_shaped_ops_follow_each_calls_values():
+    from torch.utils._pytree import tree_flatten
+
+    def f(x, m):
+        return (torch.nonzero(x), torch.nonzero(x, as_tuple=True), torch.argwhere(x), torch.masked_select(x, m),
+                torch.bincount(m.long().reshape(-1), minlength=3), torch.combinations(x[0], 2))
+
+    cf = tt.compile(f)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 2, (3, 4), generator=g).float()
+        m = torch.rand(3, 4, generator=g) > 0.5
+        for a, e in zip(tree_flatten(cf(x, m))[0], tree_flatten(f(x, m))[0], strict=True):
+            assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_masked_select_of_an_activation_is_loud():
+    lin = torch.nn.Linear(2, 2)
+    with pytest.raises(DataDependentError):
+        tt.compile(lambda m, x: torch.masked_select(x, m(x) > 0))(lin, torch.randn(3, 2))

@@ -15,6 +15,7 @@ from ..errors import TracingError
 from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
+from .metadata_inplace import SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace
 
 
 # Symbols whose result shares storage with their first argument in eager PyTorch: writing into
@@ -63,6 +64,7 @@ def inplace(st, sym, orig_args, args, kwargs):
 
 
 def write(st, sym, dst, value):
+    check_data_write(st, dst)
     if torch.is_grad_enabled() and dst._tt_requires_grad and st.walker.is_input(dst):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     bsyms = st.trace.bound_symbols
@@ -182,6 +184,8 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
 
     name = getattr(func, "__name__", "")
     dst = orig_args[0]
+    if name in METADATA_SUPPORTED and type(dst) is TensorProxy:
+        return metadata_inplace(st, func, orig_args, args, kwargs, run_opaque)
     if name in METADATA_INPLACE:
         raise TracingError(
             f"Tensor.{name} changes the shape or metadata of a tensor in place, which thunder_train does not support "
