@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import context
 from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_map
 from . import factories, nn, shapes  # noqa: F401 - their entries are registered first
 from .registry import by_method_name, by_torch_fn
 
@@ -29,7 +31,15 @@ class _Decided:
             self.sym = target
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
+        st = context.tracer_state()
+        if st is None or st.buffers is None:
+            return out
+        # A tensor ``fn`` made and then updated in place (``out = x.clone(); out[i] = v``) is returned as its
+        # current value, so a caller that binds the result (an in-place form, out=) gets the update; an
+        # argument returned (``inplace=True``) stays that object.
+        mine = {id(a) for a in tree_flatten((args, kwargs))[0] if type(a) is TensorProxy}
+        return tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy and id(t) not in mine else t, out)
 
     def __getattr__(self, name):
         target = self.__dict__.get("sym")
