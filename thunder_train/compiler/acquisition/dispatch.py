@@ -23,6 +23,7 @@ from ..pytree import tree_flatten, tree_map
 from .. import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
+from .opaque_views import record_opaque_views
 from .state import TracerState
 from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, no_grad_region,
                       opaque_out, read_current, record_views, write)
@@ -140,7 +141,10 @@ def handle_torch_function(func, types, args, kwargs):
         return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
     if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
         return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
-    return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+    out = call_opaque(func, args, kwargs, strict=st.strict)
+    if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+        record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
+    return no_grad_region(st, out)
 
 
 def _refuse_generator(func):
