@@ -86,7 +86,13 @@ def handle_torch_function(func, types, args, kwargs):
         if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
         try:
-            out = sym(*args, **kwargs)
+            if getattr(sym, "traces_torch_calls", False):
+                # An entry written with torch calls (torchlang/decided.py): torch switches the mode off while
+                # it handles this call, so without it a factory inside would run eagerly, as a constant.
+                with ProxyMode():
+                    out = sym(*args, **kwargs)
+            else:
+                out = sym(*args, **kwargs)
         except NotImplementedError as e:
             # The torch language does not cover these arguments (F.pad(mode='reflect'), ceil_mode=True, ...):
             # run the call opaquely, as torch, rather than fail (strict=True still refuses it).

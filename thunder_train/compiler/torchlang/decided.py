@@ -24,6 +24,7 @@ class _Decided:
     With a ``target`` symbol (what ``fn`` ends in), the entry answers for that symbol's facts."""
 
     tags = frozenset()
+    traces_torch_calls = True  # the dispatcher traces fn's torch calls (factories included)
 
     def __init__(self, name, fn, target=None):
         self.name, self.fn = name, fn
@@ -46,6 +47,15 @@ class _Decided:
         if target is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(target, name)
+
+
+def direct(sym, *args, **kwargs):
+    """Call a torch-language symbol from an entry: without the torch-function mode the dispatcher put back
+    for the entry's torch calls (the symbol's own passes run torch on fake tensors, which must not be traced)."""
+    if torch._C._len_torch_function_stack() == 0:
+        return sym(*args, **kwargs)
+    with torch.overrides._pop_mode_temporarily():
+        return sym(*args, **kwargs)
 
 
 def _register(name, fn, torch_fns=(), methods=(), sym=None):
@@ -83,7 +93,7 @@ def _int(v):
 def narrow(input, dim, start, length):
     if _t(start) or _t(length):  # again through the dispatcher, which gives eager's result objects
         return torch.narrow(input, dim, _int(start), _int(length))
-    return shapes.narrow(input, dim, start, length)
+    return direct(shapes.narrow, input, dim, start, length)
 
 
 def tensor_split(input, indices_or_sections, dim=0):
@@ -91,7 +101,7 @@ def tensor_split(input, indices_or_sections, dim=0):
     if _t(v):
         v = int(v) if v.ndim == 0 else tuple(int(v[i]) for i in range(v.shape[0]))
         return torch.tensor_split(input, v, dim)
-    return shapes.tensor_split(input, v, dim)
+    return direct(shapes.tensor_split, input, v, dim)
 
 
 def one_hot(tensor, num_classes=-1):
@@ -99,7 +109,7 @@ def one_hot(tensor, num_classes=-1):
         num_classes = int(tensor.max()) + 1 if tensor.numel() else 0
     if num_classes == 0:
         raise RuntimeError("Can not infer total number of classes from empty tensor.")
-    return nn.one_hot(tensor, num_classes)
+    return direct(nn.one_hot, tensor, num_classes)
 
 
 _linspace_entry = by_torch_fn[torch.linspace]  # the factory (records its dtype/device)
@@ -107,7 +117,7 @@ _linspace_entry = by_torch_fn[torch.linspace]  # the factory (records its dtype/
 
 def linspace(start, end, steps, **kwargs):
     # float(tensor) is a decision (a value of the per-call inputs), not a runtime number
-    return _linspace_entry(float(start) if _t(start) else start, float(end) if _t(end) else end, _int(steps), **kwargs)
+    return direct(_linspace_entry, float(start) if _t(start) else start, float(end) if _t(end) else end, _int(steps), **kwargs)
 
 
 _register("equal", equal, (torch.equal,), ("equal",))
