@@ -83,14 +83,17 @@ def handle_torch_function(func, types, args, kwargs):
             return functionalize(st, sym, orig_args, args, kwargs)
         scope = trc._scopes[-1]
         n = len(scope)
-        if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
+        entry = getattr(sym, "traces_torch_calls", False)
+        if top and not entry:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
         try:
-            if getattr(sym, "traces_torch_calls", False):
-                # An entry written with torch calls (torchlang/decided.py): torch switches the mode off while
-                # it handles this call, so without it a factory inside would run eagerly, as a constant.
+            if entry:
+                # An entry written with torch calls (torchlang/decided.py) runs like the user's code: on the user's
+                # objects (its in-place calls update them; each torch call reads current values and applies
+                # autocast itself), and under the mode, which torch switches off while it handles this call
+                # (without it a factory inside would run eagerly, as a constant).
                 with ProxyMode():
-                    out = sym(*args, **kwargs)
+                    out = sym(*orig_args, **{k: v for k, v in orig_kwargs.items() if k != "out"})
             else:
                 out = sym(*args, **kwargs)
         except NotImplementedError as e:

@@ -289,8 +289,10 @@ def mv(input, vec):
 
 
 def addmv(input, mat, vec, *, beta=1, alpha=1):
-    if not input.dtype.is_floating_point and not (isinstance(beta, int) and isinstance(alpha, int)):
-        raise NotImplementedError("addmv of integer tensors with non-integer factors is run by torch")
+    if input.dtype is torch.bool:
+        raise NotImplementedError("addmv of bool tensors is run by torch")
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+        beta, alpha = int(beta), int(alpha)  # eager truncates the factors for integer results
     p = torch.mv(mat, vec)
     p = p if alpha == 1 else p * alpha
     return p + input if beta == 1 else (p + 0 * input if beta == 0 else p + beta * input)

@@ -52,6 +52,9 @@ class _Decided:
 def direct(sym, *args, **kwargs):
     """Call a torch-language symbol from an entry: without the torch-function mode the dispatcher put back
     for the entry's torch calls (the symbol's own passes run torch on fake tensors, which must not be traced)."""
+    st = context.tracer_state()
+    if st is not None and st.buffers is not None:  # the entry got the user's objects: their current values
+        args, kwargs = tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy else t, (args, kwargs))
     if torch._C._len_torch_function_stack() == 0:
         return sym(*args, **kwargs)
     with torch.overrides._pop_mode_temporarily():

@@ -56,7 +56,8 @@ def corrcoef(input):
     c = cov(input)
     if c.ndim == 0:
         return c / c
-    std = torch.sqrt(c.diagonal())
+    n = c.shape[0]
+    std = torch.sqrt(c.reshape(-1)[:: n + 1])  # the diagonal
     c = c / std.unsqueeze(1)
     c = c / std.unsqueeze(0)
     return c.clamp(-1, 1)
