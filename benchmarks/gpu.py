@@ -1,23 +1,26 @@
 """Every GPU check in one call: the CUDA tests, then whole-training-step benchmarks on CUDA.
 
-Run: python benchmarks/gpu.py [--skip-tests] [--steps N] [--rows small,gpt2] [--json PATH]
+Run: python benchmarks/gpu.py [--skip-tests] [--steps N] [--rows small,gpt2] [--budget SECONDS] [--out DIR]
 
-Meant for a session that is lent a CUDA machine for a few minutes: one call of at most about
-8 minutes does everything, and each part that fails is reported as a row instead of ending the run.
+Meant for a session that is lent a CUDA machine for a few minutes: one call of at most about 8 minutes
+(``--budget``, default 450 s) does everything; each part that fails is a row with its error instead of the
+end of the run, and a part that would not fit in what is left of the budget is skipped with a note.
 
-1. ``pytest`` over the test files with CUDA cases (``tests/test_cuda.py``; the model zoo's CUDA
-   subset when it exists), with the pass/fail summary line.
-2. Whole training steps (forward, cross-entropy, backward, AdamW, zero_grad) for two models:
-   the recipe's default small GPT (fp32) and a GPT-2-124M-sized GPT in bf16 autocast.  Modes,
-   all in the same process from copies of the same weights on the same batches:
-   eager; ``torch.compile`` (default and ``mode="reduce-overhead"``); thunder_train thin;
-   thin + ``fusion="inductor"``; thin + ``fusion="inductor"`` + ``cuda_graphs=True``.
-   A mode that thunder_train does not support yet is printed with its error message.
-   Reported per mode: first call (compile + one step), median step time, ratio to eager, peak
-   memory (``torch.cuda.max_memory_allocated`` during its steps) and the final loss, which must
-   agree with eager's within the tolerance printed.
+1. ``pytest`` over the test files with CUDA cases (``CUDA_TEST_FILES``: the CUDA path, Inductor fusion on
+   CUDA, CUDA graphs, nvFuser, the model zoo's CUDA subset), time-boxed, with the pass/fail summary.
+2. Whole training steps (forward, cross-entropy, backward, AdamW(fused=True), zero_grad) for two models:
+   the recipe's default small GPT (fp32) and a GPT-2-124M-sized GPT in bf16 autocast.  Modes, all in the
+   same process from copies of the same weights on the same batches: eager; ``torch.compile`` (default and
+   ``mode="reduce-overhead"``); thunder_train thin; thin + ``fusion="inductor"``; thin + fusion +
+   ``cuda_graphs=True`` (and thin + ``fusion="nvfuser"`` where nvFuser can run).  ``fused=True``: the
+   optimizer's step counters then live on the device, which a CUDA graph needs (same for every mode).
+   Reported per mode: first call (compile + one step), calls 2-5 (thin binding, graph warm-up and
+   capture), median step time, ratio to eager, peak memory (``torch.cuda.max_memory_allocated``) and the
+   losses, which must agree with eager's within the tolerance printed; plus thunder_train's fusion and
+   CUDA-graph notes.
 
-Without a CUDA device it says so and exits 0.  Not a test: the numbers are recorded in docs/.
+Results: printed, and written to ``DIR/gpu.json`` and ``DIR/gpu_results.md`` (a table for docs/) when
+``--out`` is given or ``$OUT`` is set.  Without a CUDA device it says so and exits 0.  Not a test.
 """
 from __future__ import annotations
 
@@ -40,22 +43,34 @@ from gpt import GPT, GPTConfig  # noqa: E402
 import thunder_train as tt  # noqa: E402
 
 # Test files that hold CUDA cases; missing ones are skipped with a note.
-CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_model_zoo.py"]
+CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_graphs.py", "tests/test_nvfuser.py", "tests/test_cuda_zoo.py"]
+T0 = time.perf_counter()
 
 
-def run_cuda_tests() -> dict:
+def left(budget: float) -> float:
+    return budget - (time.perf_counter() - T0)
+
+
+def run_cuda_tests(timeout: float) -> dict:
     files = [f for f in CUDA_TEST_FILES if os.path.exists(os.path.join(ROOT, f))]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TT_TEST_DEVICE="cuda")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files]
-    if "tests/test_model_zoo.py" in files:
-        # The zoo is large; on the GPU only its CUDA cases run.
-        cmd += ["-k", "cuda or not zoo"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT)
+    # -v: one line per finished test, so a run cut off by the time box still says what passed.
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", *files]
+    print("\n== CUDA tests:", " ".join(files), f"(time box {timeout:.0f} s)", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
-    print("\n== CUDA tests:", " ".join(files))
-    print("\n".join(tail[-25:]))
-    return {"rc": proc.returncode, "summary": tail[-1] if tail else "", "seconds": time.perf_counter() - t0}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = ((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + f"\nTIMED OUT after {timeout:.0f} s"
+        rc = "timeout"
+    lines = out.strip().splitlines()
+    counts = {k: sum(f" {k}" in ln and "::" in ln for ln in lines) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")}
+    failed = [ln for ln in lines if "::" in ln and (" FAILED" in ln or " ERROR" in ln)]
+    print("\n".join(failed + lines[-30:]), flush=True)
+    summary = lines[-1] if lines and rc != "timeout" else f"cut off after {timeout:.0f} s: {counts}"
+    return {"rc": rc, "summary": summary, "counts": counts, "failed": failed[:40], "seconds": time.perf_counter() - t0,
+            "tail": lines[-80:]}
 
 
 def make_step(autocast: bool):
@@ -74,24 +89,46 @@ def make_step(autocast: bool):
 ROWS = {
     # The recipe's default model and batch (recipes/gpt.py add_common_args), fp32.
     "small": dict(label="recipe's small GPT (2 layers, d 64, seq 32, batch 32), fp32",
-                  cfg=GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=4, n_embd=64), batch=32, autocast=False),
+                  cfg=GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=4, n_embd=64), batch=32, autocast=False,
+                  tol=1e-4, cost={"torch.compile": 60, "torch.compile reduce-overhead": 60}),
     "gpt2": dict(label="GPT-2-124M-sized (12 layers, d 768, seq 1024, batch 8), bf16 autocast",
-                 cfg=GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), batch=8, autocast=True),
+                 cfg=GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), batch=8, autocast=True,
+                 tol=2e-2, cost={"torch.compile": 100, "torch.compile reduce-overhead": 100}),
 }
+DEFAULT_COST = 30  # seconds a mode is assumed to need when ROWS does not say (compile + steps)
 
 
 def modes_for(step):
-    return {
+    """thunder_train's modes first (a mode that does not fit the budget is skipped), torch.compile's last."""
+    from thunder_train.compiler.executors import nvfuser_fusion
+
+    modes = {
         "eager": lambda: step,
-        "torch.compile": lambda: torch.compile(step),
-        "torch.compile reduce-overhead": lambda: torch.compile(step, mode="reduce-overhead"),
-        "tt thin": lambda: tt.compile(step, thin=True),
+        # fusion is explicit in every mode: the default may change (background fusion) without changing the rows.
+        "tt thin": lambda: tt.compile(step, thin=True, fusion=None),
         "tt thin+fusion": lambda: tt.compile(step, thin=True, fusion="inductor"),
         "tt thin+fusion+cuda_graphs": lambda: tt.compile(step, thin=True, fusion="inductor", cuda_graphs=True),
+        "tt thin+cuda_graphs": lambda: tt.compile(step, thin=True, fusion=None, cuda_graphs=True),
     }
+    if nvfuser_fusion.availability()[0] is not None:
+        modes["tt thin+nvfuser+cuda_graphs"] = lambda: tt.compile(step, thin=True, fusion="nvfuser", cuda_graphs=True)
+    modes["torch.compile"] = lambda: torch.compile(step)
+    modes["torch.compile reduce-overhead"] = lambda: torch.compile(step, mode="reduce-overhead")
+    return modes
 
 
-def bench_row(key: str, steps: int) -> dict:
+def _notes(fn) -> dict:
+    try:
+        st = tt.compile_stats(fn)
+    except TypeError:
+        return {}
+    fused = sum("into one" in n for n in st.fusion_notes)
+    return {"fusion_notes": st.fusion_notes[:8], "fused_regions_compiled": fused, "cuda_graph_notes": st.cuda_graph_notes[:6],
+            "captures": st.cuda_graph_captures, "replays": st.cuda_graph_replays, "thin_calls": st.thin_calls,
+            "thin_bind_failures": st.thin_bind_failures[:3]}
+
+
+def bench_row(key: str, steps: int, budget: float) -> dict:
     spec = ROWS[key]
     torch.manual_seed(0)
     base = GPT(spec["cfg"]).cuda()
@@ -103,43 +140,86 @@ def bench_row(key: str, steps: int) -> dict:
         batches.append((x, torch.roll(x, -1, 1)))
     step = make_step(spec["autocast"])
     results = {}
-    print(f"\n== {spec['label']}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters, {steps} steps")
+    print(f"\n== {spec['label']}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters, {steps} steps", flush=True)
     for name, build in modes_for(step).items():
+        need = spec["cost"].get(name, DEFAULT_COST)
+        if left(budget) < need:
+            results[name] = {"skipped": f"{left(budget):.0f} s of the budget left, this mode needs about {need} s"}
+            print(f"  {name}: skipped ({results[name]['skipped']})", flush=True)
+            continue
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        fn = None
         try:
+            if name.startswith("torch.compile"):
+                torch._dynamo.reset()
             fn = build()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            loss = fn(model, opt, *batches[0])
+            out = fn(model, opt, *batches[0])
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            times = []
+            # Read each loss right away: reduce-overhead's graph outputs are overwritten by its next replay.
+            losses, times = [float(out.detach())], []
+            box = time.perf_counter() + min(60.0, max(5.0, left(budget) - 5))  # this mode's steps stop here
             for x, y in batches[1:]:
                 t0 = time.perf_counter()
-                loss = fn(model, opt, x, y)
+                out = fn(model, opt, x, y)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            warm = times[3:] if len(times) > 6 else times
-            results[name] = {"first_s": first, "step_ms": statistics.median(warm) * 1e3,
-                             "peak_mib": torch.cuda.max_memory_allocated() / 2**20, "loss": float(loss.detach())}
+                losses.append(float(out.detach()))
+                if time.perf_counter() > box:
+                    break
+            warm = times[5:] if len(times) > 8 else times[len(times) // 2:]
+            results[name] = {"first_s": first, "calls_2_5_s": sum(times[:4]), "step_ms": statistics.median(warm) * 1e3,
+                             "steps_timed": len(warm), "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+                             "losses": losses, **_notes(fn)}
         except Exception as e:  # a mode not supported yet is a row, not the end of the run
-            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-        del model, opt
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", **_notes(fn)}
+        print(f"  {name}: " + (f"{results[name]['step_ms']:.2f} ms/step" if "step_ms" in results[name]
+                                 else results[name].get("error", "")), flush=True)
+        del model, opt, fn
+        out = None
         torch.cuda.empty_cache()
-    eager = results["eager"]
-    tol = 2e-2 if spec["autocast"] else 1e-4
-    print(f"{'mode':<30}{'first s':>9}{'step ms':>10}{'eager/step':>12}{'peak MiB':>10}{'loss':>10}  equal eager (rtol {tol})")
+    eager = results.get("eager", {})
+    tol = spec["tol"]
+    print(f"{'mode':<32}{'first s':>9}{'2-5 s':>8}{'step ms':>10}{'eager/step':>12}{'peak MiB':>10}{'loss':>10}  equal eager (rtol {tol})")
     for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<30}  not run: {r['error']}")
+        if "step_ms" not in r:
+            print(f"{name:<32}  not run: {r.get('error') or r.get('skipped')}")
             continue
-        r["speedup_vs_eager"] = eager["step_ms"] / r["step_ms"]
-        r["equal_eager"] = abs(r["loss"] - eager["loss"]) <= tol * max(1.0, abs(eager["loss"]))
-        print(f"{name:<30}{r['first_s']:>9.2f}{r['step_ms']:>10.2f}{r['speedup_vs_eager']:>12.2f}"
-              f"{r['peak_mib']:>10.0f}{r['loss']:>10.4f}  {r['equal_eager']}")
+        if "step_ms" in eager:
+            r["speedup_vs_eager"] = eager["step_ms"] / r["step_ms"]
+            n = min(len(r["losses"]), len(eager["losses"]))
+            r["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"][:n], eager["losses"][:n]))
+            r["equal_eager"] = all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(r["losses"][:n], eager["losses"][:n]))
+        print(f"{name:<32}{r['first_s']:>9.2f}{r['calls_2_5_s']:>8.2f}{r['step_ms']:>10.2f}{r.get('speedup_vs_eager', 0):>12.2f}"
+              f"{r['peak_mib']:>10.0f}{r['losses'][-1]:>10.4f}  {r.get('equal_eager')}")
+        for line in r.get("cuda_graph_notes", [])[:2]:
+            print(f"{'':<34}{line}")
     return results
+
+
+def markdown(report: dict) -> str:
+    lines = [f"GPU results: torch {report['torch']}, {report['device']}, `python benchmarks/gpu.py` "
+             f"({report['seconds']:.0f} s in all).", ""]
+    if "tests" in report:
+        lines += [f"CUDA tests ({', '.join(CUDA_TEST_FILES)}): `{report['tests']['summary']}`", ""]
+    for key in ROWS:
+        if key not in report:
+            continue
+        lines += [f"**{ROWS[key]['label']}**", "",
+                  "| mode | first call (s) | calls 2-5 (s) | step (ms) | eager / step | peak MiB | equal eager |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in report[key].items():
+            if "step_ms" in r:
+                lines.append(f"| {name} | {r['first_s']:.2f} | {r['calls_2_5_s']:.2f} | {r['step_ms']:.2f} | "
+                             f"{r.get('speedup_vs_eager', 0):.2f} | {r['peak_mib']:.0f} | {r.get('equal_eager')} |")
+            else:
+                lines.append(f"| {name} | not run: {r.get('error') or r.get('skipped')} | | | | | |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -147,21 +227,42 @@ def main(argv=None) -> int:
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rows", default="small,gpt2")
-    p.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else None)
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (tests + rows)")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu.json and gpu_results.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to run.")
         return 0
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    from thunder_train.compiler.executors import nvfuser_fusion
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        triton_version = f"not importable ({type(e).__name__})"
+    nvf_why = nvfuser_fusion.availability()[1]
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton_version}, {torch.cuda.get_device_name()}; "
+          f"nvFuser: {'available' if nvf_why is None else nvf_why}", flush=True)
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+              "device": torch.cuda.get_device_name(), "nvfuser": nvf_why or "available"}
     if not args.skip_tests:
-        report["tests"] = run_cuda_tests()
+        report["tests"] = run_cuda_tests(timeout=max(30.0, min(150.0, left(args.budget) - 250)))  # the rows get the rest
     for key in args.rows.split(","):
-        report[key] = bench_row(key, args.steps)
-    if args.json:
-        with open(args.json, "w") as f:
+        try:
+            report[key] = bench_row(key, args.steps, args.budget)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model: the other rows still run
+            report[key] = {"row": {"error": f"{type(e).__name__}: {str(e)[:200]}"}}
+            print(f"{key}: {report[key]['row']['error']}")
+    report["seconds"] = time.perf_counter() - T0
+    md = markdown(report)
+    print("\n" + md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu.json"), "w") as f:
             json.dump(report, f, indent=1)
-        print(f"\nwritten: {args.json}")
+        with open(os.path.join(args.out, "gpu_results.md"), "w") as f:
+            f.write(md + "\n")
+        print(f"\nwritten: {os.path.join(args.out, 'gpu.json')}, {os.path.join(args.out, 'gpu_results.md')}")
     return 0
 
 

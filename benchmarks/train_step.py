@@ -1,45 +1,73 @@
-"""Whole training step: forward, cross-entropy, backward, AdamW, zero_grad — compiled as one program.
+"""Eager, torch.compile and thunder_train on three CPU workloads, paired in one process (docs/performance.md).
 
-Run: python benchmarks/train_step.py [--no-torch-compile] [--fusion] [--steps N] [--models gpt,mlp]
+Run: python benchmarks/train_step.py [--workloads tiny,mlp,gpt] [--samples N] [--no-torch-compile] [--e2e]
 
-For each model, copies of the same weights train on the same batches:
-eager PyTorch, ``torch.compile`` of the whole step, and
-``thunder_train.compile(step, thin=True)`` (plus, for reference, eager with
-``AdamW(fused=True)``).  Reported per mode: the first call (tracing/compiling
-plus one step) and the median time of the later steps, with ratios to eager and
-to torch.compile, all in one run; the later steps of all modes interleave so
-machine noise hits them alike.  The final losses are printed too: they must
-agree (same computation).
+Workloads: ``tiny`` = 20 elementwise ops on 8-element tensors (a function, no gradients); ``mlp`` = a whole
+SGD training step of a 3 x 256 MLP, batch 64; ``gpt`` = a whole AdamW training step of a 4-layer GPT
+(d 256, 4 heads, T 128, batch 8, vocab 4096).  A step is ``forward, cross-entropy, loss.backward(),
+opt.step(), opt.zero_grad()``, written two ways: the closure style (``step(x, y)`` reads ``model`` and
+``opt`` from its closure) and the argument style (``step(model, opt, x, y)``).
 
-Targets on the 2-core CPU of the CI machines: thunder_train's first call ≤ 1/5
-of torch.compile's, and its step time ≤ eager's.  Not a test: timings vary.
+Modes: eager; ``torch.compile`` (default, and with ``torch._dynamo.config.trace_autograd_ops``); and
+``tt.compile(step, thin=True)`` with its default (``fusion="background"``: the torch program first, the fused
+program once a worker thread built it) and each fusion option.  Each mode trains its own copy of the same
+weights on the same batches; the samples of all modes interleave (the first mode rotating) so a slow phase
+of a shared machine costs all alike.  Reported: the first call (trace/compile + one step), for
+the default how long until the fused program ran, the median time of the later samples and
+``eager median / mode median`` (> 1: faster than eager); the first call's result against eager's (same
+weights, same batch: they must agree to rounding); for ``gpt`` the
+peak memory a step allocates (allocator events from ``torch.profiler``) against eager's.
+
+``--e2e`` also runs recipes/train_gpt.py for 1,000 steps (its default model) in fresh processes: eager,
+thunder_train (the recipe's default) and thin mode with cold and warm Inductor caches, torch.compile; and
+the GPT step's first call in a fresh process, cold and warm.  Not a test: timings vary by machine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from overhead import elementwise  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 
 
+# ---------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------
 def train_step(model, opt, x, y):
-    logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+def closure_step(model, opt):
+    def step(x, y):
+        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def gpt_setup(batch=8, seq=128, vocab=4096):
@@ -53,7 +81,7 @@ def gpt_setup(batch=8, seq=128, vocab=4096):
             out.append((x, torch.roll(x, -1, 1)))
         return out
 
-    return model, data
+    return model, data, lambda ps: torch.optim.AdamW(ps, lr=1e-3)
 
 
 def mlp_setup(batch=64, d=256, classes=10):
@@ -63,72 +91,219 @@ def mlp_setup(batch=64, d=256, classes=10):
     def data(n):
         return [(torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
 
-    return model, data
+    return model, data, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)
 
 
-def bench(model_name, setup, steps, with_torch_compile, with_fusion=False):
-    torch.manual_seed(0)
-    base, data = setup()
-    batches = data(steps)
-    modes = {"eager": (train_step, {})}
-    # Reference only: eager with torch's fused AdamW kernel (not the default on CPU).  thunder_train
-    # runs that kernel for the optimizer it captures (optimizer_kernels="fused"), so this row shows
-    # how much of its lead is the optimizer kernel and how much the rest of the step.
-    modes["eager, AdamW(fused=True)"] = (train_step, {"fused": True})
-    if with_torch_compile:
-        modes["torch.compile"] = (torch.compile(train_step), {})
-    modes["thunder_train thin"] = (tt.compile(train_step, thin=True), {})
-    if with_fusion:
-        modes["thunder_train thin+inductor"] = (tt.compile(train_step, thin=True, fusion="inductor"), {})
-    runs = {}
-    for name, (fn, opt_kwargs) in modes.items():
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **opt_kwargs)
+STEP_WORKLOADS = {"mlp": ("MLP 3x256, batch 64, SGD step", mlp_setup, 10),
+                  "gpt": ("GPT 4L d256 T128 B8 V4096, AdamW step", gpt_setup, 1)}
+TT_FUSION = {"tt thin (default)": "default", "tt thin fusion=None": None, "tt thin fusion='inductor'": "inductor"}
+
+
+@contextlib.contextmanager
+def _trace_autograd_ops():
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(trace_autograd_ops=True):
+        yield
+
+
+class Mode:
+    """One way of running the workload: ``call()`` runs it once (``per_sample`` calls make one sample)."""
+
+    def __init__(self, name, fn, batches, compiled=None, context=None):
+        self.name, self.fn, self.batches, self.compiled = name, fn, batches, compiled
+        self.context = context or contextlib.nullcontext
+        self.i, self.times, self.loss, self.fused_after, self.first_loss = 0, [], None, None, None
+
+    def call(self):
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        with self.context():
+            self.loss = self.fn(x, y)
+
+    def first(self):
         t0 = time.perf_counter()
-        loss = fn(model, opt, *batches[0])
-        runs[name] = {"fn": fn, "model": model, "opt": opt, "first": time.perf_counter() - t0, "times": [], "loss": loss}
-    # The steps of all modes interleave (the first mode rotating), so a slow phase of the machine
-    # costs every mode alike: on a shared 2-core CPU, runs one after the other drift by ±10 %.
-    names = list(runs)
-    for i, (x, y) in enumerate(batches[1:]):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            r = runs[name]
+        self.call()
+        self.first_s = time.perf_counter() - t0
+        self.first_loss = self.loss.detach().clone()
+        if self.compiled is not None and self.compiled._fusion_mode == "background":
+            self.call()  # the second call submits the background build; the steps go on while it runs
+            t1 = time.perf_counter()
+            while not self.compiled._last.fusion_job.done.is_set() and time.perf_counter() - t1 < 600:
+                self.call()
+            self.fused_after = (time.perf_counter() - t0, self.i, tt.compile_stats(self.compiled).fusion_switches)
+
+
+def step_modes(key, with_tc):
+    label, setup, _ = STEP_WORKLOADS[key]
+    torch.manual_seed(0)
+    base, data, make_opt = setup()
+    batches = data(8)
+    modes = []
+
+    def copy_of():
+        model = copy.deepcopy(base)
+        return model, make_opt(model.parameters())
+
+    m, o = copy_of()
+    modes.append(Mode("eager", closure_step(m, o), batches))
+    if with_tc:
+        m, o = copy_of()
+        modes.append(Mode("torch.compile", torch.compile(closure_step(m, o)), batches))
+        m, o = copy_of()
+        modes.append(Mode("torch.compile trace_autograd_ops", torch.compile(closure_step(m, o)), batches,
+                          context=_trace_autograd_ops))
+    for name, fusion in TT_FUSION.items():
+        m, o = copy_of()
+        cf = tt.compile(closure_step(m, o), thin=True, **({} if fusion == "default" else {"fusion": fusion}))
+        modes.append(Mode(name, cf, batches, compiled=cf))
+    m, o = copy_of()
+    cf = tt.compile(train_step, thin=True)
+    modes.append(Mode("tt thin (default), argument style", lambda x, y, cf=cf, m=m, o=o: cf(m, o, x, y), batches, compiled=cf))
+    return label, base, modes
+
+
+def tiny_modes(with_tc):
+    torch.manual_seed(0)
+    batches = [(torch.randn(8), torch.randn(8))]
+    modes = [Mode("eager", elementwise, batches)]
+    if with_tc:
+        modes.append(Mode("torch.compile", torch.compile(elementwise), batches))
+    for name, fusion in TT_FUSION.items():
+        cf = tt.compile(elementwise, thin=True, **({} if fusion == "default" else {"fusion": fusion}))
+        modes.append(Mode(name.replace("tt thin", "tt thin"), cf, batches, compiled=cf))
+    return "20 elementwise ops on 8-element tensors", None, modes
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------
+def measure(modes, samples, per_sample):
+    for m in modes:
+        m.first()
+        for _ in range(3):
+            m.call()
+    for i in range(samples):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        for m in order:
             t0 = time.perf_counter()
-            r["loss"] = r["fn"](r["model"], r["opt"], x, y)
-            r["times"].append(time.perf_counter() - t0)
-    results = {}
-    for name, r in runs.items():
-        # Skip the warm-up steps (lazy optimizer state, thin-mode binding) in the median.
-        times = r["times"][3:] if len(r["times"]) > 6 else r["times"]
-        results[name] = {"first": r["first"], "step": statistics.median(times), "loss": float(r["loss"].detach())}
-    e = results["eager"]
-    print(f"\n{model_name}: {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters, {steps} steps")
-    print(f"{'mode':<28}{'first call s':>14}{'step ms':>10}{'step / eager':>14}{'final loss':>12}")
-    for name, r in results.items():
-        print(f"{name:<28}{r['first']:>14.2f}{r['step'] * 1e3:>10.1f}{r['step'] / e['step']:>14.2f}{r['loss']:>12.4f}")
-    tt_r = results["thunder_train thin"]
-    if "torch.compile" in results:
-        tc = results["torch.compile"]
-        print(f"thunder_train first call / torch.compile first call: {tt_r['first'] / tc['first']:.3f} (target ≤ 0.2)")
-        print(f"thunder_train step / torch.compile step: {tt_r['step'] / tc['step']:.2f}")
-    print(f"thunder_train step / eager step: {tt_r['step'] / e['step']:.2f} (target ≤ 1.0)")
-    return results
+            for _ in range(per_sample):
+                m.call()
+            m.times.append((time.perf_counter() - t0) / per_sample)
+
+
+def peak_step_bytes(mode) -> int:
+    """Peak bytes allocated during one call above what was live before (torch.profiler's allocator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mode.call()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def report(label, base, modes, with_memory):
+    eager = statistics.median(modes[0].times)
+    n = f", {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters" if base is not None else ""
+    print(f"\n{label}{n}; {len(modes[0].times)} samples per mode")
+    print(f"  {'mode':<38}{'first call s':>13}{'median ms':>11}{'eager/mode':>12}{'1st result - eager':>20}  fused program")
+    rows = {}
+    for m in modes:
+        med = statistics.median(m.times)
+        diff = float((m.first_loss - modes[0].first_loss).abs().max())  # same weights, same batch: ~0
+        fused = ""
+        if m.fused_after is not None:
+            s, calls, switches = m.fused_after
+            fused = f"ran from call {calls + 1} ({s:.1f} s after the first)" if switches else "nothing fused"
+        print(f"  {m.name:<38}{m.first_s:>13.3f}{med * 1e3:>11.3f}{eager / med:>11.2f}x{diff:>20.1e}  {fused}")
+        rows[m.name] = {"first_s": m.first_s, "median_s": med, "ratio": eager / med}
+    if with_memory:
+        peaks = {m.name: peak_step_bytes(m) for m in modes if m.name in ("eager", "tt thin (default)", "tt thin fusion=None")}
+        e = peaks["eager"]
+        print("  peak memory allocated during one step: " + ", ".join(
+            f"{k} {v / 2**20:.1f} MiB ({v / e:.2f}x eager)" for k, v in peaks.items()))
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Fresh processes: 1,000 recipe steps end to end, the GPT step's first call
+# ---------------------------------------------------------------------------
+def _run(cmd, env):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    return out.stdout
+
+
+def e2e(steps):
+    recipe = os.path.join(ROOT, "recipes", "train_gpt.py")
+    print(f"\nrecipes/train_gpt.py, {steps} steps of its default model, fresh process each (wall time of the loop, "
+          "compilation included)")
+    with tempfile.TemporaryDirectory() as cold_cache:
+        runs = [("eager", "eager", None), ("thunder (recipe default), cold Inductor cache", "thunder", cold_cache),
+                ("thunder-thin, warm Inductor cache", "thunder-thin", cold_cache),
+                ("torch.compile, cold Inductor cache", "torch", tempfile.mkdtemp())]
+        base = None
+        for label, mode, cache in runs:
+            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
+            if cache is not None:
+                env["TORCHINDUCTOR_CACHE_DIR"] = cache
+            out = _run([sys.executable, recipe, "--compile", mode, "--steps", str(steps), "--no-progress", "--device", "cpu"], env)
+            total = float(re.search(r"total_s=([0-9.]+)", out).group(1))
+            loss = re.search(r"final_loss=([0-9.]+)", out).group(1)
+            base = base or total
+            print(f"  {label:<48}{total:>8.1f} s  {total / base:5.2f}x eager's time   final loss {loss}")
+    print("\nGPT step (4L d256), first call in a fresh process (tracing + one step)")
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("cold caches", "warm (second process)"):
+            env = dict(os.environ, PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=cache)
+            out = _run([sys.executable, os.path.abspath(__file__), "--first-call-child"], env)
+            print(f"  {label:<24}{out.strip()}")
+
+
+def first_call_child():
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model, data, make_opt = gpt_setup()
+    (x, y), = data(1)
+    cf = tt.compile(closure_step(model, make_opt(model.parameters())), thin=True)
+    t0 = time.perf_counter()
+    cf(x, y)
+    print(f"first call {time.perf_counter() - t0:.2f} s")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--workloads", default="tiny,mlp,gpt")
+    p.add_argument("--samples", type=int, default=30, help="timed samples per mode (interleaved)")
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-torch-compile", action="store_true")
-    p.add_argument("--fusion", action="store_true", help="also tt.compile(..., fusion='inductor') (C++ compiles: slow first call)")
+    p.add_argument("--e2e", action="store_true", help="also the 1,000-step recipe runs and first calls in fresh processes")
+    p.add_argument("--e2e-steps", type=int, default=1000)
+    p.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    setups = {"gpt": ("GPT (4 layers, d 256, 4 heads, seq 128, batch 8, vocab 4096)", gpt_setup),
-              "mlp": ("MLP (3 layers, d 256, batch 64)", mlp_setup)}
-    for key in args.models.split(","):
-        label, setup = setups[key]
-        bench(label, setup, args.steps, not args.no_torch_compile, args.fusion)
+    if args.first_call_child:
+        return first_call_child()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {os.cpu_count()} CPUs; "
+          f"ratio = eager median / mode median")
+    results = {}
+    for key in args.workloads.split(","):
+        if key == "tiny":
+            with torch.no_grad():
+                label, base, modes = tiny_modes(not args.no_torch_compile)
+                measure(modes, args.samples, 200)
+                results[key] = report(label, base, modes, False)
+        else:
+            label, base, modes = step_modes(key, not args.no_torch_compile)
+            measure(modes, args.samples, STEP_WORKLOADS[key][2])
+            results[key] = report(label, base, modes, key == "gpt")
+    if args.e2e:
+        e2e(args.e2e_steps)
+    return results
 
 
 if __name__ == "__main__":

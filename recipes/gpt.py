@@ -101,9 +101,9 @@ def batches(data: torch.Tensor, batch_size: int, block_size: int, device, seed: 
 # ---------------------------------------------------------------------------
 # Command line shared by the recipes
 # ---------------------------------------------------------------------------
-def add_common_args(p, default_compile: str) -> None:
+def add_common_args(p, default_compile: str, extra_compile: tuple = ()) -> None:
     """--compile, --device, the model and data sizes, --lr, --seed, --print-trace, --no-progress."""
-    p.add_argument("--compile", choices=["eager", "thunder", "thunder-thin"], default=default_compile)
+    p.add_argument("--compile", choices=["eager", "thunder", "thunder-thin", *extra_compile], default=default_compile)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)

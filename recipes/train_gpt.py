@@ -2,6 +2,7 @@
 
     python recipes/train_gpt.py                        # thunder_train, CPU (CUDA when present)
     python recipes/train_gpt.py --compile eager        # the same in eager PyTorch, for comparison
+    python recipes/train_gpt.py --compile torch        # the same with torch.compile
     python recipes/train_gpt.py --steps 20 --print-trace
 
 With ``--compile thunder`` the whole training step — forward, cross-entropy,
@@ -30,7 +31,7 @@ import thunder_train as tt  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(p, default_compile="thunder")
+    add_common_args(p, default_compile="thunder", extra_compile=("torch",))  # torch: torch.compile, for comparison
     return p.parse_args(argv)
 
 
@@ -46,6 +47,8 @@ def train_step(model, opt, x, y):
 def build_step(mode):
     if mode == "eager":
         return train_step
+    if mode == "torch":
+        return torch.compile(train_step)
     return tt.compile(train_step, thin=(mode == "thunder-thin"))
 
 
@@ -78,7 +81,7 @@ def main(argv=None):
     first = step_times[0]
     print(f"summary: mode={args.compile} device={device.type} steps={args.steps} final_loss={loss:.4f} "
           f"first_step_s={first:.3f} median_step_ms={steady * 1e3:.2f} total_s={total:.1f}")
-    if args.print_trace and args.compile != "eager":
+    if args.print_trace and args.compile not in ("eager", "torch"):
         print(tt.last_traces(step_fn)[-1])
     return loss
 

@@ -657,6 +657,80 @@ op("special_sum", lambda x: torch.sum(x, -1), special_rows, FLOATS)
 op("special_sort", lambda x: tuple(torch.sort(x, dim=-1, stable=True)), special_rows, FLOATS)
 op("special_max_pool2d", lambda x: F.max_pool2d(x[None], 2, 1), special_rows, FLOATS)
 
+# Kinks and bounds of piecewise ops (where a subgradient convention decides the gradient), with NaN and infinities.
+_KINKS = [-6.0, -3.0, -1.0, -0.0, 0.0, 1.0, 3.0, 6.0, 20.0, 0.5, -0.5, float("nan"), float("inf"), -float("inf")]
+
+
+def kinks(dt):
+    return [S(torch.tensor(_KINKS, dtype=dt))]
+
+
+def kink_pair(dt):
+    a = torch.tensor(_KINKS, dtype=dt)
+    return [S(a, torch.tensor([0.0] * 4 + [1.0] * 4 + [0.5, -0.5, 0.5, 1.0, 0.0, float("nan")], dtype=dt))]
+
+
+_KINK_UNARY = {
+    "hardtanh": F.hardtanh, "relu6": F.relu6, "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish, "relu": F.relu,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.2), "elu": lambda x: F.elu(x, 0.7), "softplus": lambda x: F.softplus(x, 2.0, 6.0),
+    "clamp": lambda x: torch.clamp(x, -1.0, 1.0), "clamp_min": lambda x: x.clamp(min=3.0), "clamp_max": lambda x: x.clamp(max=-3.0),
+    "hardtanh_range": lambda x: F.hardtanh(x, -3.0, 6.0), "abs": torch.abs, "max_all": torch.max, "min_all": torch.min,
+    "amin": lambda x: torch.amin(x, 0), "max_dim": lambda x: torch.max(x, 0), "min_dim": lambda x: torch.min(x, 0),
+}
+for _name, _fn in _KINK_UNARY.items():
+    op(f"kink_{_name}", _fn, kinks, FLOATS)
+
+_KINK_BINARY = {
+    "maximum": torch.maximum, "minimum": torch.minimum, "fmax": torch.fmax, "fmin": torch.fmin,
+    "clamp_tensor_min": lambda x, lo: torch.clamp(x, min=lo), "clamp_tensor_max": lambda x, hi: torch.clamp(x, max=hi),
+    "clamp_tensors": lambda x, lo: torch.clamp(x, lo, lo + 1.0), "clamp_crossed": lambda x, lo: torch.clamp(x, lo + 1.0, lo),
+    "l1_loss": lambda x, y: F.l1_loss(x, y, reduction="none"), "smooth_l1": lambda x, y: F.smooth_l1_loss(x, y, reduction="none", beta=0.5),
+    "huber": lambda x, y: F.huber_loss(x, y, reduction="none", delta=0.5), "xlogy": torch.xlogy,
+}
+for _name, _fn in _KINK_BINARY.items():
+    op(f"kink_{_name}", _fn, kink_pair, FLOATS)
+
+
+def pool_ties(dt):
+    ninf, nan = -float("inf"), float("nan")
+    x = torch.tensor([[1.0, 1.0, 2.0, 2.0], [1.0, ninf, 2.0, nan], [ninf, ninf, nan, nan], [3.0, 3.0, 3.0, 0.0]], dtype=dt)
+    return [S(x[None]), S(torch.full((1, 3, 3), ninf, dtype=dt))]
+
+
+op("kink_max_pool2d_ties", lambda x: F.max_pool2d(x, 2, 1), pool_ties, FLOATS)
+op("kink_max_pool2d_padded", lambda x: F.max_pool2d(x, 3, 2, padding=1), pool_ties, FLOATS)
+op("kink_max_pool2d_stride", lambda x: F.max_pool2d(x, 2), pool_ties, FLOATS)
+
+
+
+def bce_extremes(dt):
+    x = torch.tensor([0.0, 1.0, 1e-20, 0.5, 0.3, 1.0], dtype=dt)
+    return [S(x, torch.tensor([0.3, 0.6, 1.0, 0.2, 0.7, 1.0], dtype=dt))]
+
+
+# Probabilities at 0 and 1: eager's backward kernel divides by max(x (1 - x), 1e-12), the clamped logs' gradient is NaN.
+op("kink_binary_cross_entropy", lambda x, t: F.binary_cross_entropy(x, t), bce_extremes, FLOATS)
+op("kink_binary_cross_entropy_sum", lambda x, t: F.binary_cross_entropy(x, t, reduction="sum"), bce_extremes, FLOATS)
+op("kink_bce_with_logits", lambda x, t: F.binary_cross_entropy_with_logits(x, t * 0.0 + 0.3), special_pair, FLOATS)
+op("kink_bce_with_logits_pos_weight", lambda x, t: F.binary_cross_entropy_with_logits(
+    x, t.nan_to_num().sigmoid(), pos_weight=torch.linspace(0.5, 2.0, x.shape[-1], dtype=x.dtype)), special_pair, FLOATS)
+
+
+def zeros_and_infs(dt):
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[0.0, 0.0, 2.0, inf], [0.0, 1.0, -inf, 2.0], [3.0, 0.0, nan, 1.0], [1.0, 2.0, 3.0, 4.0], [-inf, 2.0, inf, 0.5],
+                      [nan, -inf, 2.0, 1.0]], dtype=dt)
+    return [S(x), S(x[3:]), S(torch.zeros(2, 3, dtype=dt))]
+
+
+# Products beside zeros and infinities (eager's exclusive products), norms of zeros, NaN and infinities.
+op("kink_prod_dim", lambda x: torch.prod(x, -1), zeros_and_infs, FLOATS)
+op("kink_prod_cols", lambda x: torch.prod(x, 0), zeros_and_infs, FLOATS)
+op("kink_prod_all", lambda x: torch.prod(x), zeros_and_infs, FLOATS)
+for _name, _ord in (("2", 2), ("1", 1), ("3", 3), ("half", 0.5), ("inf", float("inf")), ("neg_inf", -float("inf"))):
+    op(f"kink_vector_norm_{_name}", lambda x, _o=_ord: torch.linalg.vector_norm(x, _o, dim=-1), zeros_and_infs, FLOATS)
+op("kink_normalize", lambda x: F.normalize(x, dim=-1), zeros_and_infs, FLOATS)
+
 # ---------------------------------------------------------------------------
 # Ops added to the torch language while building this table
 # ---------------------------------------------------------------------------

@@ -452,7 +452,7 @@ def test_sdpa_dropout_backward_reuses_the_forward_mask(gqa):
 def test_index_put_rule_directly():
     """prims.index_put: gradients of the destination (written positions get none) and of the values."""
     from thunder_train.compiler import prims
-    from thunder_train.compiler.transforms import grad_rules
+    from thunder_train.compiler import grad_rules
 
     assert grad_rules.has_rule(prims.index_put) and grad_rules.has_rule(prims.polygamma)
     x, v = _rand(4, 3, dtype=torch.float64), _rand(2, 3, dtype=torch.float64)

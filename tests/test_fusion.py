@@ -47,9 +47,11 @@ def test_elementwise_chain_matches_eager_and_prints_one_call():
     torch.testing.assert_close(cf(x2, y2), _block(x2, y2))
 
 
-def test_default_is_unfused_and_option_is_checked():
-    cf = tt.compile(_block)
-    cf(torch.randn(4, 4), torch.randn(4, 4))
+def test_fusion_none_is_unfused_and_option_is_checked():
+    cf = tt.compile(_block, fusion=None)
+    for _ in range(3):
+        cf(torch.randn(4, 4), torch.randn(4, 4))
+    assert cf._last.fusion_job is None
     assert not _fused_lines(cf) and tt.compile_stats(cf).fusion_notes == []
     with pytest.raises(ValueError, match="fusion"):
         tt.compile(_block, fusion="nvfuser-please")
@@ -155,3 +157,15 @@ def test_unfusible_candidates_are_explained():
     torch.testing.assert_close(cf(x, y), _block(x, y))
     assert not _fused_lines(cf)
     assert any("left to torch: symbolic sizes" in n for n in tt.compile_stats(cf).fusion_notes), tt.compile_stats(cf).fusion_notes
+
+
+def test_power_operators_are_fused():
+    """``x ** 2`` reaches the trace as ``Tensor.__pow__``: it used to make its whole region fail."""
+    def f(x):
+        return (x ** 2 + x.pow(3) * 2.0 + 2.0 ** x).sqrt() - torch.square(x) + x ** 0.5
+
+    x = torch.rand(4, 4) + 0.1
+    cf = tt.compile(f, fusion="inductor")
+    torch.testing.assert_close(cf(x), f(x))
+    assert len(_fused_lines(cf)) == 1, tt.compile_stats(cf).fusion_notes
+    assert "fused 11 ops" in tt.compile_stats(cf).fusion_notes[0], tt.compile_stats(cf).fusion_notes

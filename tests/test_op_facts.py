@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import pathlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -43,3 +44,123 @@ def test_lowered_lines_keep_their_symbol():
     sources = [b.source for b in tt.last_traces(cf)[-1].bound_symbols if b.source is not None]
     assert registry.lookup(torch.sin) in sources
     assert all(s.module in ("ltorch", "prims") for s in sources)
+
+
+# ---------------------------------------------------------------------------
+# Prims: every fact declared with the prim, and none missing
+# ---------------------------------------------------------------------------
+from thunder_train.compiler import grad_rules, prims  # noqa: E402
+from thunder_train.compiler.executors import reinplace, torch_executor  # noqa: E402
+from thunder_train.compiler.symbols import Symbol  # noqa: E402
+
+PRIMS = prims.all_prims()
+# Prims without a gradient rule that are not "non_differentiable" either: reaching one on a gradient path
+# raises NoGradientRuleError (a write-back, a runtime check, a collective of the traced backward, and
+# convolution's backward, which has no second derivative yet).
+NO_RULE_BY_DESIGN = {"copy_", "check_finite", "all_reduce_mean", "convolution_backward"}
+
+
+def test_the_prims_are_split_by_family_and_exported():
+    families = {_file(s.fn).rsplit("/", 1)[-1] for s in PRIMS.values()}
+    assert families == {"elementwise.py", "reductions.py", "shapes.py", "linalg.py", "factories.py", "memory.py"}
+    assert all(getattr(prims, n) is s and s.module == "prims" and s.is_prim for n, s in PRIMS.items())
+    assert len(PRIMS) >= 100
+
+
+def test_every_prim_has_a_gradient_rule_or_is_declared_non_differentiable():
+    missing = sorted(n for n, s in PRIMS.items()
+                     if s.grad_rule is None and "non_differentiable" not in s.tags and n not in NO_RULE_BY_DESIGN)
+    assert not missing, f"prims with neither a gradient rule nor the 'non_differentiable' tag: {missing}"
+    both = sorted(n for n, s in PRIMS.items() if s.grad_rule is not None and "non_differentiable" in s.tags)
+    assert not both, f"prims with a gradient rule that are also tagged non-differentiable: {both}"
+    assert all(PRIMS[n].grad_rule is None for n in NO_RULE_BY_DESIGN)
+    # The old hand-kept lists, now tags declared with the prims.
+    for n in ("stop_gradient", "full", "empty", "iota", "uniform", "randn", "bernoulli", "floor", "ceil", "round",
+              "trunc", "sign", "argmax", "argmin", "shape", "floor_divide", "eq", "lt", "isnan", "item"):
+        assert "non_differentiable" in PRIMS[n].tags, n
+    for n in ("broadcast_in_dim", "reshape", "transpose", "squeeze", "slice", "convert_element_type", "full", "iota"):
+        assert "cheap_to_recompute" in PRIMS[n].tags, n
+
+
+def test_each_prims_gradient_rule_is_declared_next_to_it():
+    apart = sorted(n for n, s in PRIMS.items() if s.grad_rule is not None and _file(s.grad_rule[0]) != _file(s.fn))
+    assert not apart, f"gradient rules declared in another file than their prim: {apart}"
+
+
+def test_every_prim_has_a_torch_implementation_keyed_by_its_symbol():
+    rules = torch_executor._prim_rules
+    assert all(isinstance(k, Symbol) for k in rules), "the torch executor's prim table must be keyed by Symbol objects"
+    missing = sorted(n for n, s in PRIMS.items() if s not in rules)
+    assert not missing, f"prims the torch executor cannot run: {missing}"
+
+
+def test_prims_run_outside_tracing_through_their_torch_implementation():
+    # Every printed trace is runnable: a prim called on real tensors runs its registered torch implementation.
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(prims.atan2(x, y), torch.atan2(x, y))
+    torch.testing.assert_close(prims.maximum(x, 0.5), torch.clamp_min(x, 0.5))
+    torch.testing.assert_close(prims.sub(2.0, x), 2.0 - x)
+    torch.testing.assert_close(prims.lt(2.0, x), x > 2.0)
+    assert prims.add(2, 3) == 5
+    w = torch.randn(2, 3, 3, 3)
+    g = torch.randn(1, 2, 2, 2)
+    a = torch.randn(1, 3, 4, 4)
+    gi, gw = prims.convolution_backward(g, a, w, (1, 1), (0, 0), (1, 1), 1)
+    a.requires_grad_(), w.requires_grad_()
+    ea, ew = torch.autograd.grad(F.conv2d(a, w), (a, w), g)
+    torch.testing.assert_close(gi, ea), torch.testing.assert_close(gw, ew)
+
+
+def test_no_module_is_over_800_lines():
+    root = pathlib.Path(tt.__file__).parent
+    long = [str(p.relative_to(root)) for p in root.rglob("*.py") if len(p.read_text().splitlines()) > 800]
+    assert not long, f"modules over 800 lines: {long}"
+
+
+# ---------------------------------------------------------------------------
+# Tags the passes read are declared with the ops
+# ---------------------------------------------------------------------------
+def _all_symbols():
+    return list(PRIMS.values()) + list(registry.all_symbols.values())
+
+
+# Ops whose run-time values can make them raise, by what they do (a guard that a new indexing op or loss
+# declares "fallible": re-inplacing must not write an input before it).
+_RAISING_WORDS = ("index", "gather", "scatter", "take", "embedding", "one_hot", "cross_entropy", "nll_loss",
+                  "getitem", "setitem", "check_finite", "index_put")
+
+
+def test_ops_that_can_raise_on_values_are_declared_fallible():
+    missing = sorted(s.id for s in _all_symbols() if any(w in s.name for w in _RAISING_WORDS) and "fallible" not in s.tags)
+    assert not missing, f"ops that raise on bad indices or values, not tagged 'fallible': {missing}"
+
+
+def test_reinplacing_reads_the_declared_inplace_forms():
+    add = registry.lookup(torch.add)
+    assert add.inplace_variant is registry.lookup(torch.Tensor.add_) and add.inplace_variant.torch_impl is torch.Tensor.add_
+    # A line lowered from the op, calling its torch function, runs in place; another callable does not.
+    from thunder_train.compiler.symbols import BoundSymbol
+
+    line = BoundSymbol(torch_executor.impl_symbol(torch.add), (), {}, None, source=add)
+    assert reinplace._inplace_form(line) is torch.Tensor.add_
+    assert reinplace._inplace_form(line.replace(sym=torch_executor.impl_symbol(torch.sub))) is None
+    prim_line = BoundSymbol(torch_executor.impl_symbol(torch.true_divide), (), {}, None, source=prims.div)
+    assert reinplace._inplace_form(prim_line) is torch.Tensor.div_
+    assert reinplace._inplace_form(prim_line.replace(sym=torch_executor.impl_symbol(torch.div))) is None
+
+
+def test_a_failing_index_keeps_the_update_out_of_place():
+    # The index comes after the update: run in place, the update would be done when the index raises.
+    # "fallible" keeps the write-back at the end, so a failed call leaves p as it was (transactional).
+    def step(p, idx):
+        p.mul_(2.0)
+        return p[idx].sum()
+
+    p = torch.randn(4)
+    before = p.clone()
+    cf = tt.compile(step)
+    cf(p, torch.tensor([1]))
+    torch.testing.assert_close(p, before * 2)
+    with pytest.raises(Exception):
+        cf(p, torch.tensor([7]))
+    torch.testing.assert_close(p, before * 2)

@@ -182,12 +182,7 @@ def test_factory_memory_format_is_honoured():
 # ---------------------------------------------------------------------------
 # Gradients at special values (ties of max/min/clamp, relu at 0, inf and nan inputs) that differ from eager's
 # subgradient conventions: known gaps of the native rules, each an expected failure until its rule is fixed.
-SPECIAL_VALUE_GRADIENT_GAPS = {
-    "special_relu", "special_relu6", "special_softplus", "special_elu", "special_logsigmoid", "special_hardswish",
-    "special_maximum", "special_minimum", "special_fmax", "special_fmin", "special_max_binary", "special_min_binary",
-    "special_remainder", "special_xlogy", "special_clamp_tensor", "special_amax", "special_max_dim",
-    "special_max_pool2d",
-}
+SPECIAL_VALUE_GRADIENT_GAPS: set = set()  # empty: every rule follows eager at ties, inf and nan
 GRAD_CASES = [
     pytest.param(o, id=o.name, marks=[pytest.mark.xfail(strict=True, reason="gradient at ties/inf/nan differs from eager")]
                  if o.name in SPECIAL_VALUE_GRADIENT_GAPS else [])

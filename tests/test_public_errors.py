@@ -34,7 +34,7 @@ def test_data_dependent_error_is_exported():
 def test_no_gradient_rule_error_is_exported():
     # Ops without a native rule now differentiate through torch's autograd (test_opaque_grad.py), so no public
     # call is known to raise it; the exported class is the one the autograd transform raises.
-    from thunder_train.compiler.transforms.grad_rules import NoGradientRuleError
+    from thunder_train.compiler.grad_rules import NoGradientRuleError
 
     assert tt.NoGradientRuleError is NoGradientRuleError
 
@@ -57,7 +57,7 @@ def test_thin_mode_error_and_guard_failure_are_exported():
 def test_the_exported_classes_are_the_defining_modules_classes():
     from thunder_train.compiler import errors, opaque
     from thunder_train.compiler.torchlang import tensor_methods
-    from thunder_train.compiler.transforms import grad_rules
+    from thunder_train.compiler import grad_rules
     from thunder_train.guards import errors as guard_errors
 
     assert tt.UnsupportedOpError is errors.UnsupportedOpError is opaque.UnsupportedOpError

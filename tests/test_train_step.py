@@ -732,6 +732,25 @@ def test_optimizer_step_hooks_are_refused_and_requires_grad_toggles_work():
     assert not m3.bias.requires_grad  # the epilogue applies a flag the function left changed
 
 
+@pytest.mark.parametrize("reduction,ignore_index,all_ignored", [("mean", -100, False), ("sum", 3, False), ("mean", 2, True)])
+def test_cross_entropy_backward_in_place_matches_eager(reduction, ignore_index, all_ignored):
+    """The whole-step cross-entropy backward writes its result into the log-probabilities it kept."""
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y, reduction=reduction, ignore_index=ignore_index)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    cf = tt.compile(step)
+    for x, y in mlp_batches(3):
+        y = torch.full_like(y, ignore_index) if all_ignored else y
+        torch.testing.assert_close(cf(*compiled, x, y), step(*eager, x, y), equal_nan=True)
+        assert_same_state(eager, compiled)
+    assert "ttex.cross_entropy_backward(" in tt.last_traces(cf)[-1].python_source()
+
+
 def test_thin_mode_notices_gradients_created_between_steps():
     """The bound step assumed .grad is None; an eager backward() in between makes it re-validate."""
     eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))

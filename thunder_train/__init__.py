@@ -1,18 +1,18 @@
 """thunder_train: compile PyTorch training steps.
 
 Public API: ``compile``, ``last_traces``, ``last_prologue_traces``, ``last_backward_traces``,
-``compile_stats``, the errors a user meets (``UnsupportedOpError``, ``DataDependentError``,
+``compile_stats``, ``wait_for_fusion``, the errors a user meets (``UnsupportedOpError``, ``DataDependentError``,
 ``NoGradientRuleError``, ``TracingError``, ``ThinModeError``, ``GuardFailure``, ``AutocastCacheError``) and (lazily, it
 imports Lightning) ``ThunderCallback``.
 """
-from .compiled import compile, last_traces, last_prologue_traces, last_backward_traces, compile_stats, CompiledFunction, ThunderModule  # noqa: F401
+from .compiled import compile, last_traces, last_prologue_traces, last_backward_traces, compile_stats, CompiledFunction, ThunderModule, wait_for_fusion  # noqa: F401
 from .compiler.errors import DataDependentError, NoGradientRuleError, TracingError, UnsupportedOpError  # noqa: F401
 from .guards.autocast_region import AutocastCacheError  # noqa: F401
 from .guards.errors import GuardFailure, ThinModeError  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "last_traces", "last_prologue_traces", "last_backward_traces", "compile_stats", "ThunderCallback",
+__all__ = ["compile", "last_traces", "last_prologue_traces", "last_backward_traces", "compile_stats", "wait_for_fusion", "ThunderCallback",
            "UnsupportedOpError", "DataDependentError", "NoGradientRuleError", "TracingError", "ThinModeError", "GuardFailure",
            "AutocastCacheError"]
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+import warnings
 
 import torch
 
 from .compiler import acquisition
+from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
-from .guards import thin
+from .guards import cuda_graphs as graphs, thin
 from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
 from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
@@ -40,7 +43,13 @@ class CompileStats:
     thin_bind_failures: list = dataclasses.field(default_factory=list)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
-    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion="inductor": one line per region, fused or why not
+    fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
+    fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
+    cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
+    cuda_graph_captures: int = 0
+    cuda_graph_replays: int = 0
+    # Python decisions on tensor values (compiler/acquisition/decisions.py): what the prologue recomputes for each.
+    decision_notes: list = dataclasses.field(default_factory=list)
 
     @property
     def thin_calls(self) -> int:
@@ -108,13 +117,13 @@ def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
     tb = "Tensor" if b[0] == _T else b[0].__name__
     if a[0] != b[0]:
         out.append(f"{path}.type: {ta} → {tb}")
-    elif a[0] in (tuple, list):
+    elif a[0] in (tuple, list) and type(a[1]) is tuple and type(b[1]) is tuple:  # beyond depth 3: (type, id)
         if len(a[1]) != len(b[1]):
             out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
         else:
             for i, (x, y) in enumerate(zip(a[1], b[1])):
                 _key_diffs(x, y, f"{path}[{i}]", out, limit)
-    elif a[0] is dict:
+    elif a[0] is dict and type(a[1]) is tuple and type(b[1]) is tuple:
         ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
         if ka != kb:
             out.append(f"{path}.keys: {ka!r} → {kb!r}")
@@ -149,6 +158,8 @@ def _describe_struct_diff(old_key, args, kwargs) -> str:
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
 
 
+_RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
+
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
 
@@ -168,11 +179,12 @@ class CompiledFunction:
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+                 dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
+                 cuda_graphs: bool = False):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
-                      dynamic=dynamic, strict=strict, decompose=decompose)
+                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose)
         self.fn = fn
         self.strict = strict
         self.decompose = decompose
@@ -180,7 +192,10 @@ class CompiledFunction:
         self.check_every = check_every
         self.dynamic = dynamic
         self.fusion = fusion
+        self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
         self.optimizer_kernels = optimizer_kernels
+        self.cuda_graphs = cuda_graphs
+        self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
         self._arg_key = _dynamic_arg_key if dynamic else _arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
@@ -190,8 +205,12 @@ class CompiledFunction:
         self._binding: ThinBinding | None = None
         self._call = self._full_call
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
+        self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
+        if cuda_graphs and not torch.cuda.is_available():
+            self._graph_note("cuda_graphs: not captured: no CUDA device on this machine (torch.cuda.is_available() is False); "
+                             "the program runs uncaptured")
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----
@@ -227,6 +246,9 @@ class CompiledFunction:
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
+            self._misses_in_a_row = 0
+            if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
+                entry.fusion_job.submit()
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
@@ -262,15 +284,27 @@ class CompiledFunction:
     def _compile(self, args, kwargs, key, reason) -> CacheEntry:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
+        self._misses_in_a_row += 1
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self.fusion,
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
                           optimizer_kernels=self.optimizer_kernels)
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
         prologue, expected = entry.prologue, entry.key
+        entry.on_switch = self._entry_switched
+        for note in entry.decision_notes:
+            if note not in self.stats.decision_notes:
+                self.stats.decision_notes.append(note)
+        if self._misses_in_a_row == _RETRACE_STORM and entry.mutated:
+            warnings.warn(
+                f"{getattr(self.fn, '__qualname__', 'the compiled function')}: the last {_RETRACE_STORM} calls each traced "
+                f"a new program, and the function changes {', '.join(entry.mutated[:3])}, which its programs are "
+                "specialised on (a list it appends to, a Python counter it increments). Results are right, but every "
+                "call retraces: keep such values in tensors, or return them and collect them outside.",
+                stacklevel=4)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -301,17 +335,28 @@ class CompiledFunction:
                               entry.struct_key[2], thin.epoch())
         handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
                     "failed": self._thin_failed}
+        graphed = computation = None
+        if self.cuda_graphs:
+            why = graphs.obstacle(entry)
+            if why is not None:
+                self._graph_note(f"cuda_graphs: not captured: {why}; the program runs uncaptured")
+            else:
+                graphed = graphs.GraphedProgram(entry, binding, self._graph_note, self.stats)
+                computation = entry.wrap(graphed)
         try:
             fn, static_idx = thin.build_thin_call(
                 entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
                 kwnames=tuple(k for k, _ in entry.struct_key[1]), global_state=entry.struct_key[2],
-                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every)
+                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every,
+                computation=computation)
         except thin.CannotBind as why:
             if str(why) not in self.stats.thin_bind_failures[-1:]:
                 self.stats.thin_bind_failures.append(str(why))
             return
         binding.fn, binding.static_idx = fn, static_idx
         self._binding = binding
+        self._graphed = graphed
+        self._entry_switched(entry, count=False)  # a fused program that replaced the torch one while binding
         self._call = fn.fn
         if entry.updates_parameters and torch._C._is_any_autocast_enabled():
             # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
@@ -324,9 +369,34 @@ class CompiledFunction:
             self._call = call_in_region
         self.stats.thin_binds += 1
 
+    def _entry_switched(self, entry, count: bool = True):
+        """A fused program replaced ``entry.computation`` (worker thread): the thin binding calls it from now on."""
+        if count:
+            self.stats.fusion_switches += 1
+        b = self._binding
+        if b is not None and b.entry is entry and b.fn is not None and self._graphed is None:
+            g = b.fn.fn.__globals__
+            if g["_computation"] is not entry.computation:
+                g["_computation"] = entry.computation
+
+    def wait_for_fusion(self, timeout: float | None = None) -> bool:
+        """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
+        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
+                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
+        return background.wait(jobs, timeout)
+
+    def _graph_note(self, line: str) -> None:
+        if line not in self.stats.cuda_graph_notes[-1:]:
+            self.stats.cuda_graph_notes.append(line)
+
     def _unbind(self, reason: str | None):
         if self._binding is not None and reason is not None:
             self.stats.thin_invalidations.append(reason)
+        if self._graphed is not None:
+            if self._graphed.graph is not None:
+                self._graph_note(f"cuda_graphs: graph dropped with the thin binding ({reason}); the next binding captures again")
+            self._graphed.release()
+            self._graphed = None
         self._binding = None
         self._prev_validated = None
         self._call = self._full_call
@@ -491,7 +561,8 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = None, optimizer_kernels: str = "fused"):
+            dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
+            cuda_graphs: bool = False):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -502,31 +573,61 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     every N calls and raises ``ThinModeError`` naming what changed.
     ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
     size or sequence length reuses the program (see docs/thin_mode.md).
-    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU into Inductor kernels
-    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).
+    ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU or CUDA into Inductor
+    kernels (C++ or Triton); ``fusion="nvfuser"`` CUDA regions and their write-backs into nvFuser fusions
+    (where ``nvfuser_direct`` imports); ``fusion="auto"`` picks the best available for the program's device
+    (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).  These fuse
+    before the first call.  ``fusion="background"`` (default) runs the torch program at once and switches to
+    the program ``"auto"`` fuses once a worker thread built it (``tt.wait_for_fusion(cf)`` waits for that);
+    the environment variable ``THUNDER_TRAIN_FUSION`` (``off``, ``inductor``, ``nvfuser``, ``auto``) replaces
+    ``"background"`` process-wide.  ``fusion=None`` never fuses.
+    ``cuda_graphs=True`` (with ``thin=True``) captures the bound whole step as one CUDA graph and replays it
+    (docs/fusion.md; ``compile_stats(cf).cuda_graph_notes`` says whether and why not).
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
-                   optimizer_kernels=optimizer_kernels)
+                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)
 
 
-def check_options(*, thin=False, check_every=None, fusion=None, optimizer_kernels="fused", **flags):
+FUSION_CHOICES = (None, "inductor", "nvfuser", "auto", "background")
+_FUSION_ENV = {"": "background", "background": "background", "inductor": "inductor", "nvfuser": "nvfuser", "auto": "auto",
+               "off": None, "none": None, "0": None}
+
+
+def fusion_mode(fusion, *, dynamic: bool = False, cuda_graphs: bool = False):
+    """What ``fusion`` means for the passes (``"background"`` read through ``THUNDER_TRAIN_FUSION``)."""
+    if fusion != "background":
+        return fusion
+    value = os.environ.get("THUNDER_TRAIN_FUSION", "").strip().lower()
+    if value not in _FUSION_ENV:
+        raise ValueError(f"THUNDER_TRAIN_FUSION must be one of off, background, inductor, nvfuser, auto; got {value!r}")
+    fusion = _FUSION_ENV[value]
+    if fusion == "background" and dynamic:
+        return None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
+    if fusion == "background" and cuda_graphs:
+        return "auto"  # the graph captures the program it replays: the fused one, from the start
+    return fusion
+
+
+def check_options(*, thin=False, check_every=None, fusion="background", optimizer_kernels="fused", cuda_graphs=False, **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
-    for name, value in (("thin", thin), *flags.items()):
+    for name, value in (("thin", thin), ("cuda_graphs", cuda_graphs), *flags.items()):
         if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
             raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    if cuda_graphs and not thin:
+        raise ValueError("cuda_graphs=True captures the step thin mode binds; pass thin=True as well")
     if check_every is not None:
         if not thin:
             raise ValueError("check_every=N applies to thin mode; pass thin=True as well")
         if type(check_every) is not int or check_every < 1:
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
-    if fusion not in (None, "inductor"):
-        raise ValueError(f"fusion must be None or 'inductor', got {fusion!r}")
+    if fusion not in FUSION_CHOICES:
+        raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSION_CHOICES))}, got {fusion!r}")
     if optimizer_kernels not in ("fused", "traced"):
         raise ValueError(f"optimizer_kernels must be 'fused' or 'traced', got {optimizer_kernels!r}")
 
@@ -552,6 +653,16 @@ def last_prologue_traces(cf) -> list:
 def last_backward_traces(cf) -> list:
     """The backward traces of the last call's cache entry; empty when it computed no gradients."""
     return _compiled(cf).last_backward_traces()
+
+
+def wait_for_fusion(cf, timeout: float | None = None) -> bool:
+    """Wait until the fused programs of ``cf`` (``fusion="background"``, the default) are built and in place.
+
+    Covers the entries already building and the one the last call ran (built now if it was not yet).  After
+    True, those run their final program: the fused one where something was fused
+    (``compile_stats(cf).fusion_switches`` counts them), else the torch program.  False: ``timeout`` ran out.
+    """
+    return _compiled(cf).wait_for_fusion(timeout)
 
 
 def compile_stats(cf) -> CompileStats:

@@ -280,6 +280,16 @@ def convert_element_type(a, dtype: DType):
     return maybe_convert(a, dtype)
 
 
+def upcast(x):
+    """Low-precision floats in their compute dtype (float32): gradient rules compute there, like the forwards."""
+    return maybe_convert(x, compute_dtype(x._tt_dtype))
+
+
+def downcast_like(grad, like):
+    """A gradient computed in the compute dtype, converted back to its input's dtype (None stays None)."""
+    return maybe_convert(grad, like._tt_dtype) if grad is not None else None
+
+
 # ---------------------------------------------------------------------------
 # Elementwise
 # ---------------------------------------------------------------------------

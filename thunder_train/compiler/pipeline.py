@@ -7,7 +7,9 @@ and the call paths.  docs/architecture.md describes every pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+import time
 from typing import Callable
 
 from ..autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
@@ -15,7 +17,9 @@ from ..guards.prologue import Prologue, build_prologue
 from . import acquisition
 from .errors import NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
-from .executors.inductor_fusion import fuse_regions
+from .executors.background import FusionJob
+from .executors.fusion import fuse
+from .executors.inductor_fusion import FusionSymbol
 from .executors.lowering import lower_to_executors
 from .executors.reinplace import reinplace
 from .transforms.autograd import build_forward_backward
@@ -40,6 +44,22 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    decision_notes: list = dataclasses.field(default_factory=list)  # "<decision>: N ops recomputed by the prologue"
+    mutated: tuple = ()  # the containers and objects the epilogue changes (acquisition/containers.py), as paths
+    program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
+    wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
+    fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
+    on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
+
+    def switch(self, program, traces, backward_traces) -> None:
+        """Run ``program`` from the next call on (same inputs and results as the current one)."""
+        self.traces = traces
+        if backward_traces is not None:
+            self.backward_traces = backward_traces
+        self.program = program
+        self.computation = self.wrap(program)
+        if self.on_switch is not None:
+            self.on_switch(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +69,8 @@ class Options:
     strict: bool = False
     decompose: bool = False
     dynamic: bool = False
-    fusion: str | None = None
+    fusion: str | None = None  # None, "inductor", "nvfuser", "auto" (fused before the first call; executors/fusion.py)
+    #                            or "background" (built later, executors/background.py)
     optimizer_kernels: str = "fused"
 
 
@@ -76,24 +97,17 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
-    trc = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
-    traces.append(trc)
-    # 4. Fusion (executors/inductor_fusion.py), fusion="inductor".  With autograd, step 9 fuses the forward
-    #    and backward traces instead.
-    if options.fusion == "inductor" and (has_backward or not may_need_autograd(computed)):
-        trc = fuse_regions(trc, fusion_notes)
-        traces.append(trc)
-    trc = dce(trc, header=f"Final computation (executors: {names})")
-    # 5. Backward kernels reuse their forward's statistics (transforms/saved_statistics.py; torch executor).
-    if has_backward and not options.decompose:
-        trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
-    # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
-    if acquired.written:
-        traces.append(trc)
-        trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
-    # 7. Lifetimes (transforms/lifetimes.py): intermediates are freed after their last use.
-    trc = free_after_last_use(trc, header=trc.header)
-    traces.append(trc)
+    lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
+    traces.append(lowered)
+    # 4.-7. Fusion (executors/fusion.py: Inductor or nvFuser; with autograd, step 9 fuses the forward and backward
+    #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
+    #    later (step 12).
+    finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
+                               written=bool(acquired.written), names=names)
+    fuse_main = has_backward or not may_need_autograd(computed)
+    now = options.fusion if options.fusion != "background" else None
+    trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
+    traces.extend(more)
     # 8. Prologue (guards/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
                if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
@@ -105,61 +119,142 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                        acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
                        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
+    entry.decision_notes = [f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call" for d in acquired.decisions]
+    entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
-    if not has_backward:
-        _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
-    # 10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
-    epilogue = acquired.epilogue
-    if epilogue is not None:
-        # The objects the epilogue writes to are leaves of the call: passed after the computation's inputs.
-        index_of_leaf = {id(leaf): i for i, leaf in enumerate(acquired.leaves)}
-        targets = [(name, index_of_leaf[id(leaf)]) for name, leaf in epilogue.targets.items() if leaf is not None]
-        entry.epilogue = epilogue
-        entry.computation = _with_epilogue(entry.computation, epilogue, len(input_idx), [n for n, _ in targets])
-        entry.input_idx = input_idx + tuple(i for _, i in targets)
-        entry.select = _select(entry.input_idx)
-    # 11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
-    #     trace time; it is rebuilt around the real tensors after every call.
-    if acquired.output_spec is not None:
-        entry.computation = _rebuilding(entry.computation, acquired.output_spec)
+    build_fused = None  # fusion="background": () -> (computation, traces, backward traces) of the fused program
+    if not has_backward and may_need_autograd(computed):
+        build_fused = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
+    elif fuse_main:
+        shown = list(traces[: len(traces) - len(more)])
+
+        def build_fused(notes):
+            fused, fused_shown = finish(fusion="background", notes=notes)
+            if [id(a) for a in fused.args] != [id(a) for a in trc.args]:
+                raise RuntimeError("the fused program takes other inputs than the torch program")
+            return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
+    # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
+    #     user type rebuilt around the real tensors.
+    entry.program = entry.computation
+    entry.wrap = _wrapping(entry, acquired, len(input_idx))
+    entry.computation = entry.wrap(entry.program)
+    # 12. Background fusion (executors/background.py): the entry runs the torch program built above while its
+    #     fused program is built in a worker thread (submitted on the entry's second call); it then replaces
+    #     the torch program between two calls.
+    if options.fusion == "background" and build_fused is not None:
+        entry.fusion_job = _fusion_job(entry, build_fused, fusion_notes)
     return entry, acquired.opaque_ops
 
 
-def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None) -> None:
+def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names):
+    """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
+    shown = []
+    trc = lowered
+    if fusion is not None:
+        trc = fuse(trc, fusion, notes)  # executors/fusion.py
+        shown.append(trc)
+    trc = dce(trc, header=f"Final computation (executors: {names})")
+    # 5. Backward kernels reuse their forward's statistics (transforms/saved_statistics.py; torch executor).
+    if has_backward and not decompose:
+        trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
+    # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
+    if written:
+        shown.append(trc)
+        trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
+    # 7. Lifetimes (transforms/lifetimes.py): intermediates are freed after their last use.
+    trc = free_after_last_use(trc, header=trc.header)
+    shown.append(trc)
+    return trc, shown
+
+
+def _fused_regions(*trcs) -> int:
+    """How many lines of the traces call a fused region (Inductor's or nvFuser's)."""
+    return sum(isinstance(b.sym, FusionSymbol) for t in trcs for b in t.bound_symbols)
+
+
+def _fusion_job(entry, build_fused, notes) -> FusionJob:
+    def build():
+        t0 = time.perf_counter()
+        computation, traces, backward_traces = build_fused(notes)
+        if computation is None:
+            notes.append("background fusion: nothing to fuse, the torch program stays")
+            return None
+        notes.append(f"background fusion: the fused program replaced the torch program "
+                     f"(built in {time.perf_counter() - t0:.2f} s while the torch program ran)")
+        return computation, traces, backward_traces
+
+    return FusionJob(build, lambda program: entry.switch(*program), notes.append, "background fusion")
+
+
+def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
     """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
 
     ``trc`` is the computation after dead code elimination.  Nothing changes when grad is disabled,
-    no input requires grad, or no output depends on one.
+    no input requires grad, or no output depends on one.  Returns the builder of the fused program
+    (``fusion="background"``), or None.
     """
     if not may_need_autograd(trc):
-        return
+        return None
     try:
         fb = build_forward_backward(trc)
     except NoGradientRuleError as error:
         entry.computation = NoBackwardProgram(trc, entry.computation, error)
         entry.backward_traces = []
-        return
+        return None
     if fb is None:
-        return
+        return None
     names = ", ".join(ex.name for ex in executors)
-    fw = fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
-    bw = bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
-    if fusion == "inductor":
-        notes = [] if notes is None else notes
-        fw = fuse_regions(fw, notes, prefix="inductor_fw_fusion", header="Forward fused by Inductor")
-        bw = fuse_regions(bw, notes, prefix="inductor_bw_fusion", header="Backward fused by Inductor")
-    fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
-    fw = free_after_last_use(fw)
-    bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
-    bw = free_after_last_use(take_saved_as_list(bw, fb.saved))
-    forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if fusion else []) + [fw]
-    backward_traces = [fb.backward] + ([bw_lowered] if fusion else []) + [bw]
-    program = AutogradProgram(trc, fb, fw, bw)
+    fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
+    bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
     keep = next(i for i, t in enumerate(entry.traces) if t is trc)
-    entry.traces = entry.traces[: keep + 1] + forward_traces
-    entry.backward_traces = backward_traces
-    entry.computation = program
+    before = entry.traces[: keep + 1]
+
+    def program(kind, notes):
+        fw, bw = fw_lowered, bw_lowered
+        if kind is not None:
+            fw = fuse(fw, kind, notes, "fw_")
+            bw = fuse(bw, kind, notes, "bw_")
+        fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
+        fw = free_after_last_use(fw)
+        bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
+        bw = free_after_last_use(take_saved_as_list(bw, fb.saved))
+        forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
+        backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
+        run = AutogradProgram(trc, fb, fw, bw) if kind != "background" or _fused_regions(fw, bw) else None
+        return run, before + forward_traces, backward_traces
+
+    now = fusion if fusion != "background" else None
+    entry.computation, entry.traces, entry.backward_traces = program(now, [] if notes is None else notes)
+    return lambda notes: program("background", notes)
+
+
+def _wrapping(entry, acquired, n_inputs):
+    """Steps 10-11 as a function of the computation (applied again to a fused program that replaces it).
+
+    10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
+    11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
+        trace time; it is rebuilt around the real tensors after every call.
+    """
+    epilogue, spec = acquired.epilogue, acquired.output_spec
+    target_names = []
+    if epilogue is not None:
+        # The objects the epilogue writes to are leaves of the call: passed after the computation's inputs.
+        index_of_leaf = {id(leaf): i for i, leaf in enumerate(acquired.leaves)}
+        targets = [(name, index_of_leaf[id(leaf)]) for name, leaf in epilogue.targets.items() if leaf is not None]
+        target_names = [n for n, _ in targets]
+        entry.epilogue = epilogue
+        entry.input_idx = entry.input_idx + tuple(i for _, i in targets)
+        entry.select = _select(entry.input_idx)
+
+    def wrap(computation):
+        if epilogue is not None:
+            computation = _with_epilogue(computation, epilogue, n_inputs, target_names)
+        if spec is not None:
+            computation = _rebuilding(computation, spec)
+        return computation
+
+    return wrap
 
 
 def _with_epilogue(computation, epilogue, n_inputs, target_names):

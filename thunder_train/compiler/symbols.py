@@ -43,22 +43,31 @@ class Symbol:
     it); executors add their own implementations from their side.  ``tags``:
 
     - ``"side_effect"``, ``"inplace"``: a call must run even if nobody reads it;
-    - ``"elementwise"``, ``"reduction"``: Inductor fusion may put the op's torch call
-      in a fused kernel (executors/inductor_fusion.py);
+    - ``"fusible"``: Inductor fusion may put the op's torch call in a fused kernel
+      (executors/inductor_fusion.py);
+    - ``"elementwise"``: a prim whose output has its inputs' shape, row-major when they are
+      (executors/layout_rules.py); ``"reduction"``: a reducing prim;
     - ``"commutative"``: the operands of a binary prim may be swapped;
+    - ``"non_differentiable"``: its outputs carry no gradient (autograd does not differentiate through it);
+    - ``"cheap_to_recompute"``: the backward recomputes its output from its input rather than saving it,
+      when that saves no extra value (views, conversions, constants; transforms/autograd.py);
+    - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
+    - ``"fallible"``: its run-time values can make it raise (an index out of range, a failed check);
+      re-inplacing writes no input before it (executors/reinplace.py), so a failed call changes nothing;
     - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose
       subsymbols are the rule's prims; the torch executor runs PyTorch's own fused
       backward for it (transforms/autograd.py, executors/torch_impls.py ``TorchVJP``).
     """
 
     # Class defaults of the facts (an instance sets what applies to it).
-    grad_rule = None  # (rule, supports): the gradient rule, set by @register_vjp (transforms/grad_rules.py)
+    grad_rule = None  # (rule, supports): the gradient rule, set by @register_vjp (compiler/grad_rules.py)
     torch_impl = None  # the torch callable the torch executor runs for the whole op
     autocast = None  # {"cpu": policy, "cuda": policy}: what torch.autocast does to its inputs (torchlang/autocast.py)
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
-    python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims.py ``_on_numbers``)
+    inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
+    python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims/elementwise.py ``_on_numbers``)
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

@@ -1,8 +1,8 @@
-"""Fusion by Inductor: groups of small elementwise ops and reductions become one compiled CPU kernel.
+"""Fusion by Inductor: groups of small elementwise ops and reductions become one compiled kernel.
 
 ``tt.compile(fn, fusion="inductor")`` runs this pass on the trace after it was lowered to executors
 (docs/fusion.md).  It finds regions of *fusible* bound symbols (elementwise torch calls and simple
-reductions on CPU tensors of static shape), builds a torch.fx graph of each region, compiles it with
+reductions on CPU or CUDA tensors of static shape), traces each region to an ATen graph and compiles it with
 Inductor (``make_fx`` with Inductor's decompositions, then ``compile_fx_inner``) and replaces the region by
 one bound symbol that calls the compiled kernel directly, without Dynamo or AOTAutograd wrappers:
 
@@ -17,8 +17,9 @@ non-fusible ops is kept, and fusible ops are pure, so nothing observable changes
 the region: ops that read its values, write-backs (``ttex.copy_``) and ``Tensor.item``.  A region with
 fewer than ``MIN_OPS`` ops stays as it was.
 
-Kernels are cached by structure (ops, constants, input shapes, dtypes and devices, which values leave
-the region), process-wide, so identical regions — every layer of a model, a retrace, another compiled
+Inductor generates C++ for CPU regions and Triton for CUDA regions; a region holds tensors of one device
+(a fusible op on another device closes the open region).  Kernels are cached by structure (ops, constants,
+input shapes, dtypes and devices, which values leave the region), process-wide, so identical regions — every layer of a model, a retrace, another compiled
 function — compile once.  If Inductor cannot compile a region (not installed, no C++ compiler, an op it
 does not lower) the region runs on the torch executor as before and one line in
 ``compile_stats(cf).fusion_notes`` says why.  Kernels are compiled for contiguous inputs; an input with
@@ -41,7 +42,7 @@ MIN_OPS = 3
 
 # ---------------------------------------------------------------------------
 # What is fusible: a line of the torch executor whose op (``bsym.source``, the symbol it was lowered
-# from) is tagged "fusible" where it is defined (torchlang/, prims.py), unless the torch executor ran it as
+# from) is tagged "fusible" where it is defined (torchlang/, prims/), unless the torch executor ran it as
 # a view or a wrapper for a Python number (``torch_executor.NOT_A_KERNEL``).
 # ---------------------------------------------------------------------------
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
@@ -60,15 +61,24 @@ def _fusible_name(bsym) -> str | None:
     return getattr(fn, "__name__", src.name).strip("_")
 
 
-def _static_cpu_tensor(x) -> str | None:
+FUSED_DEVICES = ("cpu", "cuda")  # Inductor's C++ and Triton backends
+
+
+def _static_tensor(x) -> str | None:
     """None when ``x`` may enter a kernel, else why not."""
     if type(x) is not TensorProxy:
         return "a runtime number or size is an argument" if is_proxy(x) else None
     if any(type(d) is not int for d in x._tt_shape):
         return "symbolic sizes (dynamic=True)"
-    if x._tt_device.torch.type != "cpu":
-        return f"{x._tt_device.torch.type} tensors (this executor fuses CPU regions)"
+    if x._tt_device.torch.type not in FUSED_DEVICES:
+        return f"{x._tt_device.torch.type} tensors (this executor fuses CPU and CUDA regions)"
     return None
+
+
+def _device_of(bsym):
+    """The one device of a fusible line's tensors (None: tensors on several devices, e.g. a CPU scalar tensor)."""
+    devs = {x._tt_device for x in list(bsym.flat_args()) + [bsym.output] if type(x) is TensorProxy}
+    return devs.pop() if len(devs) == 1 else None
 
 
 def _classify(bsym) -> tuple[str | None, str | None]:
@@ -82,9 +92,11 @@ def _classify(bsym) -> tuple[str | None, str | None]:
         if extra or (set(bsym.kwargs) - {"dtype"}):
             return None, None
     for x in list(bsym.flat_args()) + [bsym.output]:
-        why = _static_cpu_tensor(x)
+        why = _static_tensor(x)
         if why is not None:
             return None, why
+    if _device_of(bsym) is None:
+        return None, "tensors on more than one device"
     return name, None
 
 
@@ -109,9 +121,14 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     region: list = []  # (index, bsym)
     produced: set = set()
     hoisted: list = []
+    device = None  # of the open region: one kernel runs on one device
     for i, b in enumerate(trc.bound_symbols):
         name, why = _classify(b)
         if name is not None:
+            if region and _device_of(b) != device:
+                state.flush(region, hoisted)
+                region, produced, hoisted = [], set(), []
+            device = _device_of(b)
             region.append((i, b))
             produced.add(id(b.output))
             continue
@@ -131,7 +148,7 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     for why, n in state.skipped.items():
         notes.append(f"{prefix}: {n} op(s) left to torch: {why}")
     if fused == 0 and not state.skipped and not state.failed:
-        notes.append(f"{prefix}: nothing fused: no region of ≥ {MIN_OPS} elementwise/reduction ops on CPU tensors")
+        notes.append(f"{prefix}: nothing fused: no region of ≥ {MIN_OPS} elementwise/reduction ops on CPU or CUDA tensors")
     new = trc.derive(f"{header}: {fused} region(s)")
     new.bound_symbols = state.out
     return new
@@ -256,23 +273,31 @@ def _kernel_for(bsyms, outputs):
 
 
 def _region_graph(bsyms, inputs, outputs):
-    """The region as a torch-level fx.GraphModule calling the same torch callables as the trace."""
-    import torch.fx as fx
+    """The region as a Python function of its inputs that calls the same torch callables as the trace.
 
-    g = fx.Graph()
-    env = {id(p): g.placeholder(f"in{i}") for i, p in enumerate(inputs)}
+    ``make_fx`` traces it to ATen.  Not a torch.fx graph of those callables: fx prints a call by its
+    callable's ``__module__`` and ``__name__``, which for some (``Tensor.__pow__``, whose wrapper says
+    ``torch._tensor.pow``) names nothing, and the whole region failed.
+    """
+    in_ids = [id(p) for p in inputs]
+    steps = [(b.sym.fn, b.args, b.kwargs, id(b.output)) for b in bsyms]
+    out_ids = [id(o) for o in outputs]
 
-    def node(x):
-        return env[id(x)] if is_proxy(x) else x
+    def region(*args):
+        env = dict(zip(in_ids, args))
 
-    for b in bsyms:
-        env[id(b.output)] = g.call_function(b.sym.fn, tree_map(node, b.args), tree_map(node, b.kwargs))
-    g.output(tuple(env[id(o)] for o in outputs))
-    return fx.GraphModule(torch.nn.Module(), g)
+        def value(x):
+            return env[id(x)] if is_proxy(x) else x
+
+        for fn, a, kw, out in steps:
+            env[out] = fn(*tree_map(value, a), **tree_map(value, kw))
+        return tuple(env[i] for i in out_ids)
+
+    return region
 
 
 def _inductor_compile(gm, example):
-    """Compile a torch-level graph module; returns ``call(list_of_tensors) -> tuple``."""
+    """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table

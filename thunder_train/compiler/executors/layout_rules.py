@@ -89,18 +89,9 @@ def _on_meta(fn, args, kwargs):
         return None
 
 
-_elementwise = None
-
-
 def _is_elementwise(sym) -> bool:
-    global _elementwise
-    if _elementwise is None:
-        from .. import prims
-
-        names = set(prims.UNARY_OPS) | set(prims.UNARY_BOOL_OPS) | set(prims.BINARY_OPS) | set(prims.BINARY_BOOL_OPS)
-        _elementwise = {s for n, s in vars(prims).items() if n in names and isinstance(s, symbols.Symbol)}
-        _elementwise |= {prims.where, prims.convert_element_type, prims.stop_gradient}
-    return sym in _elementwise or (sym.module == "ltorch" and getattr(sym.fn, "__module__", "").endswith("torchlang.elementwise"))
+    """Prims tagged "elementwise" where they are defined, and the torch language's elementwise ops."""
+    return (sym.module == "prims" and "elementwise" in sym.tags) or (sym.module == "ltorch" and getattr(sym.fn, "__module__", "").endswith("torchlang.elementwise"))
 
 
 def _like(p, src) -> None:

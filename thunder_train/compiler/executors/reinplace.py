@@ -20,7 +20,7 @@ switch to their in-place forms the same way, all of a line's write-backs or none
 (``_overwritten_in_place``).
 
 A call must stay transactional: when it raises, its inputs are as they were. So an input is
-only written in place after the last op that can raise on the values it reads (``_FALLIBLE``:
+only written in place after the last op that can raise on the values it reads (tag ``"fallible"``:
 class indices out of range, ``clip_grad_norm_(error_if_nonfinite=True)``'s check, an op run
 opaquely, ...); a BatchNorm's running statistics, updated in the forward, keep their write-back
 at the end of the program.
@@ -34,26 +34,18 @@ import torch
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from . import torch_impls
-from .torch_executor import impl_symbol
-
-_T = torch.Tensor
-_INPLACE = {
-    torch.add: _T.add_, _T.add: _T.add_, torch.sub: _T.sub_, _T.sub: _T.sub_,
-    torch.mul: _T.mul_, _T.mul: _T.mul_, torch.true_divide: _T.div_, torch.div: _T.div_, _T.div: _T.div_,
-    torch.lerp: _T.lerp_, _T.lerp: _T.lerp_, torch.addcmul: _T.addcmul_, _T.addcmul: _T.addcmul_,
-    torch.addcdiv: _T.addcdiv_, _T.addcdiv: _T.addcdiv_, torch.sqrt: _T.sqrt_, _T.sqrt: _T.sqrt_,
-    torch.neg: _T.neg_, _T.neg: _T.neg_, torch.clamp_min: _T.clamp_min_, torch.clamp_max: _T.clamp_max_,
-}
-
-
-# Ops whose run-time values can make them raise (print names contain one of these).
-_FALLIBLE = ("cross_entropy", "nll_loss", "embedding", "check_finite", "gather", "scatter", "index", "take",
-             "one_hot", "multinomial", "bincount", "opaque", "assert")
+from .torch_executor import impl_symbol, prim_inplace_form
 
 
 def _fallible(bsym) -> bool:
-    name = getattr(bsym.sym, "print_name", "") or getattr(bsym.sym, "name", "")
-    return getattr(bsym.sym, "module", None) == "opaque" or any(m in name for m in _FALLIBLE)
+    """Whether the line's run-time values can make it raise: its op is tagged ``"fallible"`` where it is
+    defined (an index out of range, a failed check), or is the gradient of such an op, or runs opaquely
+    (anything may raise)."""
+    src = bsym.source if bsym.source is not None else bsym.sym
+    ops = (src, getattr(src, "forward_symbol", None))
+    if any(op is not None and "fallible" in op.tags for op in ops):
+        return True
+    return src.module == "opaque" or getattr(bsym.sym, "module", None) == "opaque" or "opaque" in getattr(bsym.sym, "print_name", "")
 
 
 def _fn(bsym):
@@ -72,11 +64,23 @@ def _multi_inplace_form(bsym):
 
 
 def _inplace_form(bsym):
-    fn = _fn(bsym)
-    try:
-        return _INPLACE.get(fn)
-    except TypeError:  # unhashable callables
+    """The in-place torch function computing what the line computes, with its arguments, or None.
+
+    A torch-language op declares its in-place symbol (``Symbol.inplace_variant``, torchlang/inplace.py),
+    valid when the line calls the op's own torch function or ``Tensor`` method (``torch.add``,
+    ``Tensor.add``: ``Tensor.add_``); a prim's in-place form is the torch executor's
+    (``prim_inplace_form``), valid for the torch function it chose."""
+    src, fn = bsym.source, _fn(bsym)
+    if src is None or fn is None:
         return None
+    if src.module == "prims":
+        return prim_inplace_form(src, fn)
+    variant = src.inplace_variant
+    if variant is None or variant.torch_impl is None:
+        return None
+    if fn is src.torch_impl or fn is getattr(torch.Tensor, src.name, None):
+        return variant.torch_impl
+    return None
 
 
 def reinplace(trc, header="Write-backs run in place where nothing reads the old values"):

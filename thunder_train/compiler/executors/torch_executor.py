@@ -94,17 +94,13 @@ def _rule(*syms):
     return deco
 
 
-_UNARY_TORCH = {n: getattr(torch, n) for n in prims.UNARY_OPS + prims.UNARY_BOOL_OPS}
-_BINARY_TORCH = {n: getattr(torch, n) for n in prims.BINARY_OPS + prims.BINARY_BOOL_OPS if n not in ("div",)}
-
-
 class ScalarSymbol(Symbol):
     """Python arithmetic on runtime numbers, printed as an expression: ``n1 = 1 - n0``."""
 
-    def __init__(self, name, fn, infix):
-        super().__init__(f"scalar_{name}", fn, module="torch_executor", is_prim=True)
-        self.op = name
-        self.infix = infix
+    def __init__(self, prim):
+        super().__init__(f"scalar_{prim.name}", prim.python_op, module="torch_executor", is_prim=True)
+        self.op = prim.name
+        self.infix = prim.infix
 
     def format_lines(self, bsym, fmt):
         args = [fmt(a) for a in bsym.args]
@@ -117,58 +113,113 @@ class ScalarSymbol(Symbol):
         return {} if self.infix else {f"_scalar_{self.op}": self.fn}
 
 
-_scalar_symbols = {name: ScalarSymbol(name, p.python_op, p.infix) for name, p in prims.all_prims().items() if p.python_op is not None}
+# The prim's own Python-number form (``Symbol.python_op``, declared with the prim), keyed by the prim.
+_scalar_symbols = {p: ScalarSymbol(p) for p in prims.all_prims().values() if p.python_op is not None}
 
 
 def _scalar_rule(bsym):
     """Arithmetic on runtime numbers (an lr, ``step.item()``): Python's own operators, as eager computes it."""
-    sym = _scalar_symbols.get(bsym.sym.name)
+    sym = _scalar_symbols.get(bsym.sym)
     return None if sym is None else (sym, bsym.args, {})
 
 
-for _n, _f in _UNARY_TORCH.items():
+# The torch function of each elementwise prim: inputs of one shape and dtype, or a tensor and a number.
+_ELEMENTWISE_TORCH = {
+    prims.abs: torch.abs, prims.neg: torch.neg, prims.exp: torch.exp, prims.exp2: torch.exp2,
+    prims.expm1: torch.expm1, prims.log: torch.log, prims.log1p: torch.log1p, prims.log2: torch.log2,
+    prims.log10: torch.log10, prims.sqrt: torch.sqrt, prims.rsqrt: torch.rsqrt, prims.sin: torch.sin,
+    prims.cos: torch.cos, prims.tan: torch.tan, prims.asin: torch.asin, prims.acos: torch.acos,
+    prims.atan: torch.atan, prims.sinh: torch.sinh, prims.cosh: torch.cosh, prims.tanh: torch.tanh,
+    prims.asinh: torch.asinh, prims.acosh: torch.acosh, prims.atanh: torch.atanh, prims.erf: torch.erf,
+    prims.erfc: torch.erfc, prims.erfinv: torch.erfinv, prims.floor: torch.floor, prims.ceil: torch.ceil,
+    prims.round: torch.round, prims.trunc: torch.trunc, prims.sign: torch.sign, prims.reciprocal: torch.reciprocal,
+    prims.bitwise_not: torch.bitwise_not, prims.lgamma: torch.lgamma, prims.digamma: torch.digamma,
+    prims.sigmoid: torch.sigmoid, prims.isfinite: torch.isfinite, prims.isnan: torch.isnan, prims.isinf: torch.isinf,
+    prims.signbit: torch.signbit,
+    prims.add: torch.add, prims.sub: torch.sub, prims.mul: torch.mul, prims.floor_divide: torch.floor_divide,
+    prims.pow: torch.pow, prims.maximum: torch.maximum, prims.minimum: torch.minimum, prims.atan2: torch.atan2,
+    prims.fmod: torch.fmod, prims.remainder: torch.remainder, prims.bitwise_and: torch.bitwise_and,
+    prims.bitwise_or: torch.bitwise_or, prims.bitwise_xor: torch.bitwise_xor, prims.copysign: torch.copysign,
+    prims.hypot: torch.hypot, prims.nextafter: torch.nextafter, prims.bitwise_left_shift: torch.bitwise_left_shift,
+    prims.bitwise_right_shift: torch.bitwise_right_shift,
+    prims.eq: torch.eq, prims.ne: torch.ne, prims.lt: torch.lt, prims.le: torch.le, prims.gt: torch.gt, prims.ge: torch.ge,
+}
+# Binary prims with a tensor second operand only in torch (``torch.atan2(t, 2.0)`` is refused): the number goes last.
+_SCALAR_SECOND = {prims.atan2, prims.hypot, prims.nextafter}
+# A number first and a tensor second: the torch form with the operands in that order.
+_SCALAR_FIRST = {prims.sub: torch_impls.rsub, prims.pow: torch.pow}
 
-    def _unary_rule(bsym, _f=_f):
-        a = bsym.args[0]
-        if not _t(a):
+
+def _elementwise(torch_fn):
+    def rule(bsym):
+        args = bsym.args
+        if not any(_t(a) for a in args):
             return _scalar_rule(bsym)
-        return _f, bsym.args, {}
+        if len(args) == 1:
+            return torch_fn, args, {}
+        a, b = args
+        sym = bsym.sym
+        if not _t(a):
+            if "commutative" in sym.tags:
+                return torch_fn, (b, a), {}
+            if sym.mirrored is not None:
+                return _ELEMENTWISE_TORCH[sym.mirrored], (b, a), {}
+            if sym in _SCALAR_FIRST:
+                return _SCALAR_FIRST[sym], (a, b), {}
+            return torch_impls.scalar_first(torch_fn), (a, b), {}
+        if not _t(b) and sym in _SCALAR_SECOND:
+            return torch_impls.scalar_second(torch_fn), (a, b), {}
+        return torch_fn, (a, b), {}
 
-    _prim_rules[getattr(prims, _n)] = _unary_rule
+    return rule
 
 
-def _binary_rule(bsym):
-    name = bsym.sym.name
+for _p, _f in _ELEMENTWISE_TORCH.items():
+    _prim_rules[_p] = _elementwise(_f)
+
+
+@_rule(prims.div)
+def _(bsym):
     a, b = bsym.args
     if not _t(a) and not _t(b):
         return _scalar_rule(bsym)
-    if name == "div":
-        floating = (a if _t(a) else b)._tt_dtype.category >= dtypes.FLOAT
-        op = torch.true_divide if floating else torch_impls.trunc_div
-        if not _t(a):
-            return (torch_impls.rdiv if floating else torch_impls.scalar_first(torch_impls.trunc_div)), (a, b), {}
-        return op, (a, b), {}
-    op = _BINARY_TORCH[name]
-    if name in ("maximum", "minimum") and (not _t(a) or not _t(b)):
-        t, s = (a, b) if _t(a) else (b, a)
-        return (torch.clamp_min if name == "maximum" else torch.clamp_max), (t, s), {}
+    floating = (a if _t(a) else b)._tt_dtype.category >= dtypes.FLOAT
     if not _t(a):
-        if "commutative" in bsym.sym.tags:
-            return op, (b, a), {}
-        if bsym.sym.mirrored is not None:
-            return _BINARY_TORCH[bsym.sym.mirrored.name], (b, a), {}
-        if name == "sub":
-            return torch_impls.rsub, (a, b), {}
-        if name == "pow":
-            return torch.pow, (a, b), {}
-        return torch_impls.scalar_first(op), (a, b), {}
-    if not _t(b) and name in ("atan2", "hypot", "nextafter"):
-        return torch_impls.scalar_second(op), (a, b), {}
-    return op, (a, b), {}
+        return (torch_impls.rdiv if floating else torch_impls.scalar_first(torch_impls.trunc_div)), (a, b), {}
+    return (torch.true_divide if floating else torch_impls.trunc_div), (a, b), {}
 
 
-for _n in prims.BINARY_OPS + prims.BINARY_BOOL_OPS:
-    _prim_rules[getattr(prims, _n)] = _binary_rule
+def _clamp_with_number(torch_fn, clamp):
+    """maximum/minimum of a tensor and a number: torch.clamp_min/clamp_max (no tensor made for the number)."""
+    elementwise = _elementwise(torch_fn)
+
+    def rule(bsym):
+        a, b = bsym.args
+        if _t(a) != _t(b):
+            t, s = (a, b) if _t(a) else (b, a)
+            return clamp, (t, s), {}
+        return elementwise(bsym)
+
+    return rule
+
+
+_prim_rules[prims.maximum] = _clamp_with_number(torch.maximum, torch.clamp_min)
+_prim_rules[prims.minimum] = _clamp_with_number(torch.minimum, torch.clamp_max)
+
+# In-place forms of the torch functions chosen above, per prim: (torch function, the in-place method
+# computing the same with the same arguments).  Re-inplacing (reinplace.py) reads them.
+_T = torch.Tensor
+_PRIM_INPLACE = {
+    prims.add: (torch.add, _T.add_), prims.sub: (torch.sub, _T.sub_), prims.mul: (torch.mul, _T.mul_),
+    prims.div: (torch.true_divide, _T.div_), prims.sqrt: (torch.sqrt, _T.sqrt_), prims.neg: (torch.neg, _T.neg_),
+    prims.maximum: (torch.clamp_min, _T.clamp_min_), prims.minimum: (torch.clamp_max, _T.clamp_max_),
+}
+
+
+def prim_inplace_form(prim, fn):
+    """The in-place form of ``fn`` when the torch executor runs ``prim`` with it, or None."""
+    entry = _PRIM_INPLACE.get(prim)
+    return entry[1] if entry is not None and entry[0] is fn else None
 
 
 @_rule(prims.where)
@@ -337,6 +388,11 @@ def _(bsym):
 @_rule(prims.convolution)
 def _(bsym):
     return torch_impls.convolution, bsym.args, {}
+
+
+@_rule(prims.convolution_backward)
+def _(bsym):
+    return torch_impls.convolution_backward, bsym.args, {}
 
 
 @_rule(prims.full)

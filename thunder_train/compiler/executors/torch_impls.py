@@ -134,6 +134,14 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
     return torch.convolution(a, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
+def convolution_backward(g, a, weight, stride, padding, dilation, groups):
+    """``prims.convolution_backward``: the input's and the weight's gradients, by PyTorch's kernel."""
+    gi, gw, _ = torch.ops.aten.convolution_backward(
+        g, a, weight, None, list(stride), list(padding), list(dilation), False, [0] * len(stride), groups, [True, True, False]
+    )
+    return gi, gw
+
+
 def index_put(a, indices, values, accumulate):
     return torch.index_put(a, tuple(indices), values, accumulate)
 

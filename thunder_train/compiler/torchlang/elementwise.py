@@ -5,8 +5,12 @@ import builtins
 
 import torch
 
+import math
+
 from .. import clang, dtypes, prims
 from ..clang import Promotion
+from ..grad_rules import register_vjp
+from ..prims.core import sum_to
 from ..proxies import NumberProxy, TensorProxy
 from .autocast import FP32, PROMOTE  # autocast policies: see autocast.py
 from .registry import torchsymbol
@@ -105,6 +109,14 @@ def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
     out = clang.where(prims.isnan(input), nan, input)
     out = clang.where(clang.logical_and(prims.isinf(out), clang.ge(out, 0)), posinf, out)
     return clang.where(clang.logical_and(prims.isinf(out), clang.lt(out, 0)), neginf, out)
+
+
+@register_vjp(nan_to_num)
+def _nan_to_num_vjp(g, out, /, input, nan=0.0, posinf=None, neginf=None):
+    # eager: g * isfinite(input), so a NaN or infinite cotangent at a replaced entry stays NaN (not 0)
+    if not input._tt_dtype.is_float:
+        return {}
+    return {"input": prims.mul(g, prims.convert_element_type(prims.isfinite(input), g._tt_dtype))}
 
 
 # ---------------------------------------------------------------------------
@@ -210,6 +222,38 @@ def _nan_ignoring(name, prim):
 
 fmax = _nan_ignoring("fmax", prims.maximum)
 fmin = _nan_ignoring("fmin", prims.minimum)
+
+
+# Gradient rules of binary ops with eager's conventions at ties and NaN: computed on the operands at the
+# output's dtype and shape, then summed back to each input (and converted to its dtype).
+def _operand(x, out):
+    if type(x) is not TensorProxy:
+        return prims.full(out._tt_shape, x, device=out._tt_device, dtype=out._tt_dtype)
+    return clang.expand(clang.maybe_convert(x, out._tt_dtype), out._tt_shape)
+
+
+def _to_input(grad, x):
+    if type(x) is not TensorProxy or not x._tt_dtype.is_float or grad is None:
+        return None
+    return clang.maybe_convert(sum_to(grad, x._tt_shape), x._tt_dtype)
+
+
+def _nan_ignoring_vjp(wins):
+    """fmax/fmin (derivatives.yaml): ``input`` gets the gradient where it wins or ties, or where ``other`` is
+    NaN; ``other`` everywhere else."""
+
+    def rule(g, out, /, input, other):
+        if not out._tt_dtype.is_float:
+            return {}
+        a, b = _operand(input, out), _operand(other, out)
+        to_a = prims.bitwise_or(wins(a, b), prims.isnan(b))
+        return {"input": _to_input(prims.where(to_a, g, 0.0), input), "other": _to_input(prims.where(to_a, 0.0, g), other)}
+
+    return rule
+
+
+register_vjp(fmax)(_nan_ignoring_vjp(prims.ge))
+register_vjp(fmin)(_nan_ignoring_vjp(prims.le))
 atan2 = _binary("atan2", prims.atan2, P.INT_TO_FLOAT, torch_fns=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"), autocast={"cuda": PROMOTE})
 copysign = _binary("copysign", prims.copysign, P.INT_TO_FLOAT, tags=())
 hypot = _binary("hypot", prims.hypot)
@@ -283,6 +327,27 @@ def clamp(input, min=None, max=None):
     return out
 
 
+@register_vjp(clamp)
+def _clamp_vjp(g, out, /, input, min=None, max=None):
+    """As eager (``clamp_backward_min_max``): ``input`` gets the gradient where min <= input <= max (not where it
+    or a bound is NaN); ``min`` where input < min (and min < max); ``max`` where input > max (or max < min)."""
+    if not out._tt_dtype.is_float:
+        return {}
+    x = _operand(input, out)
+    lo = _operand(min, out) if min is not None else None
+    hi = _operand(max, out) if max is not None else None
+    conds = [c for c in (lo is not None and prims.ge(x, lo), hi is not None and prims.le(x, hi)) if c is not False]
+    keep = conds[0] if len(conds) == 1 else prims.bitwise_and(*conds)
+    grads = {"input": _to_input(prims.where(keep, g, 0.0), input)}
+    if type(min) is TensorProxy:
+        below = prims.lt(x, lo) if hi is None else prims.bitwise_and(prims.lt(x, lo), prims.lt(lo, hi))
+        grads["min"] = _to_input(prims.where(below, g, 0.0), min)
+    if type(max) is TensorProxy:
+        above = prims.gt(x, hi) if lo is None else prims.bitwise_or(prims.gt(x, hi), prims.lt(hi, lo))
+        grads["max"] = _to_input(prims.where(above, g, 0.0), max)
+    return grads
+
+
 @torchsymbol(torch.clamp_min, methods=("clamp_min",), tags=("fusible",))
 def clamp_min(input, min):
     return clamp(input, min=min)
@@ -327,6 +392,17 @@ def xlogy(input, other):
     zero_x = clang.eq(input, 0)
     out = clang.where(zero_x, 0.0, prod)
     return clang.where(clang.elementwise_unary(prims.isnan, clang.maybe_convert(other, d) if type(other) is TensorProxy else clang.full_like(out, other), P.ALWAYS_BOOL, upcast=False), float("nan"), out)
+
+
+@register_vjp(xlogy)
+def _xlogy_vjp(g, out, /, input, other):
+    """As eager (derivatives.yaml): ``input`` gets ``xlogy(g, other)``, 0 where input == 0 and other <= 0;
+    ``other`` gets ``g * input / other``."""
+    x, y = _operand(input, out), _operand(other, out)
+    g_log_y = prims.where(prims.eq(g, 0.0), 0.0, prims.mul(g, prims.log(y)))
+    g_log_y = prims.where(prims.isnan(y), math.nan, g_log_y)  # xlogy(g, nan) is nan, also for g == 0
+    ga = prims.where(prims.bitwise_and(prims.eq(x, 0.0), prims.le(y, 0.0)), 0.0, g_log_y)
+    return {"input": _to_input(ga, input), "other": _to_input(prims.div(prims.mul(g, x), y), other)}
 
 
 @torchsymbol(torch.isclose, methods=("isclose",))

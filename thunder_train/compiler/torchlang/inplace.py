@@ -51,7 +51,10 @@ def _inplace(name, outplace, extra_methods=()):
 
     fn.__name__ = name
     fn.__doc__ = f"Tensor.{name}: {outplace.name} written into the input."
-    return _functional(torchsymbol(methods=(name,) + tuple(extra_methods), name=name, tags=("inplace",))(fn), new_value)
+    sym = _functional(torchsymbol(methods=(name,) + tuple(extra_methods), name=name, tags=("inplace",))(fn), new_value)
+    # The out-of-place op's in-place form, with the same arguments (re-inplacing, executors/reinplace.py).
+    outplace.inplace_variant = sym
+    return sym
 
 
 add_ = _inplace("add_", ew.add, ("__iadd__",))
@@ -124,7 +127,7 @@ _functional(fill_, _fill_value)
 _functional(copy_, _copy_value)
 
 
-@torchsymbol(methods=("__setitem__",), name="setitem", tags=("inplace",))
+@torchsymbol(methods=("__setitem__",), name="setitem", tags=("inplace", "fallible"))
 def setitem(a, key, value):
     """``a[key] = value``: an index_put on the flattened positions that ``a[key]`` selects."""
     return prims.copy_(_setitem_value(a, key, value), a)

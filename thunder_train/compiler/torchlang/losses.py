@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from .. import clang, prims
 from ..proxies import TensorProxy
-from ..transforms.grad_rules import _float, downcast_like, register_vjp, upcast
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
 from .nn import _softplus
 from .registry import torchsymbol
@@ -55,7 +57,53 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     return _reduce(clang.where(clang.lt(d, beta), quad, clang.sub(d, 0.5 * beta)), reduction)
 
 
-@torchsymbol(F.binary_cross_entropy_with_logits, autocast={"cpu": FP32, "cuda": FP32})
+def _piecewise_loss_vjp(slope):
+    """The rule of a loss that is piecewise in ``x = input - target``, with eager's backward kernel's cases:
+    ``slope(x, g)`` is the gradient of ``input`` per element (``target`` gets its negative), so an infinite
+    difference on a linear piece gets a finite gradient (differentiating the decomposition's ``where`` gives NaN)."""
+
+    def rule(g, out, /, input, target, *args, reduction="mean", **kwargs):
+        x = clang.sub(upcast(input), upcast(target))
+        gu = upcast(g)
+        if reduction != "none":
+            gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
+            if reduction == "mean":
+                gu = prims.div(gu, float(max(x.numel_(), 1)))
+        gi = slope(x, gu, *args, **kwargs)
+        grads = {}
+        if _float(input):
+            grads["input"] = downcast_like(sum_to(gi, input._tt_shape), input)
+        if _float(target):
+            grads["target"] = downcast_like(sum_to(prims.neg(gi), target._tt_shape), target)
+        return grads
+
+    return rule
+
+
+def _smooth_l1_slope(x, g, size_average=None, reduce=None, beta=1.0):
+    # smooth_l1_backward: -g where x <= -beta, g where x >= beta, else g * x / beta
+    inner = prims.div(prims.mul(x, g), beta)
+    return prims.where(prims.le(x, -beta), prims.neg(g), prims.where(prims.ge(x, beta), g, inner))
+
+
+def _huber_slope(x, g, delta=1.0, weight=None):
+    # huber_backward: -g * delta where x <= -delta, g * delta where x >= delta, else x * g
+    return prims.where(prims.le(x, -delta), prims.neg(prims.mul(g, delta)),
+                       prims.where(prims.ge(x, delta), prims.mul(g, delta), prims.mul(x, g)))
+
+
+def _no_legacy_reduction(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0, **_):
+    return size_average is None and reduce is None and beta != 0 and reduction in ("none", "mean", "sum")
+
+
+def _unweighted(input, target, reduction="mean", delta=1.0, weight=None):
+    return weight is None and reduction in ("none", "mean", "sum")
+
+
+register_vjp(smooth_l1_loss, supports=_no_legacy_reduction)(_piecewise_loss_vjp(_smooth_l1_slope))
+
+
+@torchsymbol(F.binary_cross_entropy_with_logits, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     x, dt = _up(input)
     t = clang.maybe_convert(target, x._tt_dtype)
@@ -71,7 +119,42 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
-@torchsymbol(F.binary_cross_entropy, autocast={"cpu": FP32, "cuda": BANNED})
+def _plain_reduction(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    return size_average is None and reduce is None and reduction in ("none", "mean", "sum")
+
+
+@register_vjp(binary_cross_entropy_with_logits, supports=_plain_reduction)
+def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    """As eager (``binary_cross_entropy_with_logits_backward``): ``input`` gets ``g (sigmoid(x) - t)`` (with
+    ``pos_weight``: ``g ((pw t + 1 - t) sigmoid(x) - pw t)``), finite at ±inf where the decomposition's is NaN;
+    ``target`` gets ``-g x`` (``g (log_sigmoid(-x) - pw log_sigmoid(x))``)."""
+    x = upcast(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    gu = upcast(g)
+    shape = clang.broadcast_shapes(x._tt_shape, t._tt_shape if type(t) is TensorProxy else ())
+    if reduction != "none":
+        gu = prims.broadcast_in_dim(gu, shape, ())
+        if reduction == "mean":
+            gu = prims.div(gu, float(max(math.prod(shape), 1)))
+    if weight is not None:
+        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
+    s = prims.sigmoid(x)
+    if pos_weight is not None:
+        pt = clang.mul(clang.maybe_convert(pos_weight, x._tt_dtype), t)
+        d_input = clang.sub(clang.mul(clang.sub(clang.add(pt, 1.0), t), s), pt)
+        log_sig = lambda v: prims.neg(_softplus(prims.neg(v), 1.0, 20.0))  # noqa: E731
+        d_target = clang.sub(log_sig(prims.neg(x)), clang.mul(log_sig(x), clang.maybe_convert(pos_weight, x._tt_dtype)))
+    else:
+        d_input, d_target = clang.sub(s, t), prims.neg(x)
+    grads = {}
+    if _float(input):
+        grads["input"] = downcast_like(sum_to(clang.mul(d_input, gu), input._tt_shape), input)
+    if _float(target):
+        grads["target"] = downcast_like(sum_to(clang.mul(d_target, gu), target._tt_shape), target)
+    return grads
+
+
+@torchsymbol(F.binary_cross_entropy, tags=("fallible",), autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
     x, dt = _up(input)
@@ -84,6 +167,33 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
+def _bce_plain_reduction(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    return size_average is None and reduce is None and reduction in ("none", "mean", "sum")
+
+
+@register_vjp(binary_cross_entropy, supports=_bce_plain_reduction)
+def _binary_cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    """As eager's kernels: ``input`` gets ``g (x - t) / max(x (1 - x), 1e-12)`` (finite at 0 and 1, where the clamped
+    logs' gradient is NaN), ``target`` gets ``-g logit(x)`` (infinite at 0 and 1, not the clamp's ±100)."""
+    x = upcast(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    gu = upcast(g)
+    if reduction != "none":
+        gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
+        if reduction == "mean":
+            gu = prims.div(gu, float(max(x.numel_(), 1)))
+    if weight is not None:
+        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
+    grads = {}
+    if _float(input):
+        denom = prims.maximum(prims.mul(prims.sub(1.0, x), x), 1e-12)
+        grads["input"] = downcast_like(prims.mul(prims.div(prims.sub(x, t), denom), gu), input)
+    if _float(target):
+        logit = prims.log(prims.div(x, prims.sub(1.0, x)))
+        grads["target"] = downcast_like(sum_to(prims.mul(prims.neg(logit), gu), target._tt_shape), target)
+    return grads
+
+
 @torchsymbol(F.huber_loss, autocast={"cpu": FP32, "cuda": FP32})
 def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     """0.5 d² where |d| < delta, else delta (|d| - delta / 2)."""
@@ -91,6 +201,9 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     quad = clang.mul(clang.mul(d, d), 0.5)
     lin = clang.mul(clang.sub(d, 0.5 * delta), delta)
     return _reduce(clang.where(clang.lt(d, delta), quad, lin), reduction)
+
+
+register_vjp(huber_loss, supports=_unweighted)(_piecewise_loss_vjp(_huber_slope))
 
 
 @torchsymbol(F.kl_div, autocast={"cpu": FP32, "cuda": FP32})
@@ -107,7 +220,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     return _reduce(loss, reduction)
 
 
-@torchsymbol(F.nll_loss, autocast={"cpu": FP32, "cuda": FP32})
+@torchsymbol(F.nll_loss, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     return _nll(input, target, weight, ignore_index, reduction)
 
@@ -140,7 +253,7 @@ def _nll(logp, target, weight, ignore_index, reduction):
     return clang.true_divide(clang.sum(loss), clang.sum(w))
 
 
-@torchsymbol(F.cross_entropy, tags=("fused_backward",), not_differentiated_by_torch=("weight",),
+@torchsymbol(F.cross_entropy, tags=("fused_backward", "fallible"), not_differentiated_by_torch=("weight",),
              autocast={"cpu": FP32, "cuda": FP32})
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""

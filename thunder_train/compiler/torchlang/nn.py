@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from .. import clang, dtypes, prims
 from ..clang import Promotion
 from ..proxies import TensorProxy
-from ..transforms.grad_rules import _float, downcast_like, register_vjp, sum_to, upcast, zeros_like
+from ..clang import downcast_like, upcast
+from ..grad_rules import register_vjp
+from ..prims.core import is_float as _float, sum_to, zeros_like
 from .autocast import FP32, LOWER  # autocast policies: see autocast.py
 from .registry import torchsymbol
 
@@ -30,7 +32,7 @@ def _back(grad, like):
     return clang.maybe_convert(grad, like._tt_dtype) if grad is not None else None
 
 
-# Gradient rules are written with prims (the backward is an ordinary trace); see transforms/grad_rules.py.
+# Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
 _mul, _add, _sub = prims.mul, prims.add, prims.sub
 
 
@@ -49,7 +51,8 @@ def relu(input, inplace=False):
 
 @register_vjp(relu)
 def _relu_vjp(g, out, /, input, inplace=False):
-    return {"input": prims.where(prims.gt(out, 0.0), g, 0.0)}
+    # eager's threshold_backward(g, out, 0): 0 where out <= 0, so relu'(0) = 0 and a NaN passes g
+    return {"input": prims.where(prims.le(out, 0.0), 0.0, g)}
 
 
 @torchsymbol(F.relu6)
@@ -61,6 +64,13 @@ def relu6(input, inplace=False):
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
     x = clang.where(clang.lt(input, min_val), clang.maybe_convert(min_val, input._tt_dtype), input)
     return clang.where(clang.elementwise_binary(prims.gt, x, max_val, Promotion.ALWAYS_BOOL, upcast=False), clang.maybe_convert(max_val, input._tt_dtype), x)
+
+
+@register_vjp(hardtanh)
+def _hardtanh_vjp(g, out, /, input, min_val=-1.0, max_val=1.0, inplace=False):
+    # eager's hardtanh_backward: 0 where input <= min_val or input >= max_val (the bounds included, NaN not)
+    outside = prims.bitwise_or(prims.le(input, min_val), prims.ge(input, max_val))
+    return {"input": prims.where(outside, 0.0, g)}
 
 
 @torchsymbol(F.leaky_relu, tags=("fusible",))
@@ -132,10 +142,26 @@ def softplus(input, beta=1.0, threshold=20.0):
     return clang.maybe_convert(_softplus(x, beta, threshold), dt)
 
 
+@register_vjp(softplus)
+def _softplus_vjp(g, out, /, input, beta=1.0, threshold=20.0):
+    # eager's softplus_backward: g where beta * x > threshold (so softplus'(inf) = 1), else g * z / (z + 1), z = exp(beta * x)
+    x, gu = _up(input)[0], _up(g)[0]
+    bx = _mul(x, beta) if beta != 1 else x
+    z = prims.exp(bx)
+    return {"input": _back(prims.where(prims.gt(bx, threshold), gu, prims.div(_mul(gu, z), _add(z, 1.0))), input)}
+
+
 @torchsymbol(F.elu, tags=("fusible",))
 def elu(input, alpha=1.0, inplace=False):
     x, dt = _up(input)
     return clang.maybe_convert(prims.where(prims.gt(x, 0.0), x, prims.mul(prims.expm1(x), alpha)), dt)
+
+
+@register_vjp(elu)
+def _elu_vjp(g, out, /, input, alpha=1.0, inplace=False):
+    # eager's elu_backward (of the input): g * alpha * exp(x) where x <= 0, else g (NaN and inf included)
+    x, gu = _up(input)[0], _up(g)[0]
+    return {"input": _back(prims.where(prims.le(x, 0.0), _mul(_mul(gu, alpha), prims.exp(x)), gu), input)}
 
 
 @torchsymbol(F.logsigmoid)
@@ -144,14 +170,40 @@ def logsigmoid(input):
     return clang.maybe_convert(prims.neg(_softplus(prims.neg(x), 1.0, 20.0)), dt)
 
 
+@register_vjp(logsigmoid)
+def _logsigmoid_vjp(g, out, /, input):
+    # eager's log_sigmoid_backward: g * (max_deriv - sign * z / (1 + z)), z = exp(-|x|); exact at -inf (1) and inf (0)
+    x, gu = _up(input)[0], _up(g)[0]
+    negative = prims.lt(x, 0.0)
+    z = prims.exp(prims.neg(prims.abs(x)))
+    frac = prims.div(z, _add(z, 1.0))
+    return {"input": _back(_mul(gu, prims.where(negative, _sub(1.0, frac), frac)), input)}
+
+
 @torchsymbol(F.hardsigmoid, tags=("fusible",))
 def hardsigmoid(input, inplace=False):
     return clang.true_divide(hardtanh(clang.add(input, 3.0), -3.0 + 3.0, 6.0), 6.0)
 
 
+@register_vjp(hardsigmoid)
+def _hardsigmoid_vjp(g, out, /, input, inplace=False):
+    # eager's hardsigmoid_backward: g / 6 where -3 < x < 3, else 0 (NaN included)
+    x, gu = _up(input)[0], _up(g)[0]
+    inside = prims.bitwise_and(prims.gt(x, -3.0), prims.lt(x, 3.0))
+    return {"input": _back(prims.where(inside, prims.div(gu, 6.0), 0.0), input)}
+
+
 @torchsymbol(F.hardswish, tags=("fusible",))
 def hardswish(input, inplace=False):
     return clang.mul(input, hardsigmoid(input))
+
+
+@register_vjp(hardswish)
+def _hardswish_vjp(g, out, /, input, inplace=False):
+    # eager's hardswish_backward: 0 where x <= -3, g * (x / 3 + 0.5) where x < 3, else g (NaN included)
+    x, gu = _up(input)[0], _up(g)[0]
+    middle = prims.where(prims.lt(x, 3.0), _mul(gu, _add(prims.div(x, 3.0), 0.5)), gu)
+    return {"input": _back(prims.where(prims.le(x, -3.0), 0.0, middle), input)}
 
 
 @torchsymbol(F.softsign)
@@ -189,7 +241,7 @@ def _linear_vjp(g, out, /, input, weight, bias=None):
     return grads
 
 
-@torchsymbol(F.embedding, tags=("fused_backward",))
+@torchsymbol(F.embedding, tags=("fused_backward", "fallible"))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
@@ -552,6 +604,50 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     return prims.amax(w, (w.ndim_ - 3,))
 
 
+def _max_pool2d_float(input, *args, **kwargs):
+    return input._tt_dtype.is_float
+
+
+@register_vjp(max_pool2d, supports=_max_pool2d_float)
+def _max_pool2d_vjp(g, out, /, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """As eager's kernel, each window's gradient goes to one position: its first maximum in scan order, or its
+    last NaN (``val > maxval || isnan(val)``); never to the padding."""
+    k = _ntuple(kernel_size, 2)
+    s = _ntuple(stride, 2) if stride not in (None, [], ()) else k
+    p = _ntuple(padding, 2)
+    w = _pool_windows(input, k, s, p, -math.inf)  # (..., K, Ho, Wo)
+    kd, n = w.ndim_ - 3, k[0] * k[1]
+    per_window = tuple(d for d in range(w.ndim_) if d != kd)
+    best = prims.broadcast_in_dim(out, w._tt_shape, per_window)
+    first_max = prims.eq(w, best)
+    if p != (0, 0):
+        ones = prims.full(input._tt_shape, 1.0, device=input._tt_device, dtype=input._tt_dtype)
+        first_max = prims.bitwise_and(first_max, prims.ne(_pool_windows(ones, k, s, p, 0.0), 0.0))
+    nan = prims.isnan(w)
+    any_nan = prims.broadcast_in_dim(prims.gt(prims.amax(prims.convert_element_type(nan, dtypes.int64), (kd,)), 0), w._tt_shape, per_window)
+    pos = prims.broadcast_in_dim(prims.iota(n, start=0, step=1, device=input._tt_device, dtype=dtypes.int64), w._tt_shape, (kd,))
+    # A score per candidate position, highest for the one eager picks: the last NaN, else the first maximum.
+    score = prims.where(any_nan, prims.where(nan, _add(pos, 1), 0), prims.where(first_max, _sub(n, pos), 0))
+    chosen = prims.eq(score, prims.broadcast_in_dim(prims.amax(score, (kd,)), w._tt_shape, per_window))
+    gw = prims.where(chosen, prims.broadcast_in_dim(g, w._tt_shape, per_window), 0.0)
+    # Each kernel offset (i, j) read a strided slice of the padded input: pad its gradient back and add them up.
+    lead = [(0, 0, 0)] * (input.ndim_ - 2)
+    H, W = input._tt_shape[-2] + 2 * p[0], input._tt_shape[-1] + 2 * p[1]
+    Ho, Wo = g._tt_shape[-2], g._tt_shape[-1]
+    total = None
+    for t in range(n):
+        i, j = divmod(t, k[1])
+        lo, hi = [0] * w.ndim_, list(w._tt_shape)
+        lo[kd], hi[kd] = t, t + 1
+        gt_ = clang.reshape(prims.slice(gw, tuple(lo), tuple(hi), (1,) * w.ndim_), g._tt_shape)
+        cfg = lead + [(i, H - (i + s[0] * (Ho - 1) + 1), s[0] - 1), (j, W - (j + s[1] * (Wo - 1) + 1), s[1] - 1)]
+        part = prims.pad(gt_, 0.0, tuple(cfg))
+        total = part if total is None else _add(total, part)
+    if p != (0, 0):
+        total = prims.pad(total, 0.0, tuple(lead + [(-p[0], -p[0], 0), (-p[1], -p[1], 0)]))
+    return {"input": total}
+
+
 @torchsymbol(F.avg_pool2d, torch._C._nn.avg_pool2d)
 def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     if ceil_mode:
@@ -593,7 +689,7 @@ def pad(input, pad, mode="constant", value=None):
     return prims.pad(input, 0 if value is None else value, tuple(cfg))
 
 
-@torchsymbol(F.one_hot)
+@torchsymbol(F.one_hot, tags=("fallible",))
 def one_hot(tensor, num_classes=-1):
     if num_classes < 0:
         raise NotImplementedError("one_hot needs num_classes inside a compiled function (inferring it reads tensor values)")

@@ -7,7 +7,7 @@ the torch language whose decomposition is the decorated function, routes
 it claims the symbol whole).  The op's other facts are declared in the same
 place: tags (``"fusible"``, ``"fused_backward"``, ...), its autocast policy,
 and, where it has a direct one, its gradient rule, registered right after the
-definition with ``@register_vjp(symbol)`` (``transforms/grad_rules.py``).
+definition with ``@register_vjp(symbol)`` (``compiler/grad_rules.py``).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from .. import clang, dtypes, prims
 from ..proxies import TensorProxy, NumberProxy
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
-from ..transforms.grad_rules import register_vjp
+from ..grad_rules import register_vjp
 from .registry import torchsymbol
 
 
@@ -274,7 +274,7 @@ def tile(input, dims):
     return repeat(input, dims)
 
 
-@torchsymbol(torch.index_select, methods=("index_select",))
+@torchsymbol(torch.index_select, methods=("index_select",), tags=("fallible",))
 def index_select(input, dim, index):
     if input.ndim_ == 0:  # eager treats a 0-d input as one element along dim 0 and returns 0-d
         return clang.reshape(index_select(clang.reshape(input, (1,)), dim, index), ())
@@ -282,12 +282,12 @@ def index_select(input, dim, index):
     return prims.take(input, index if index.ndim_ == 1 else clang.reshape(index, (1,)), dim)
 
 
-@torchsymbol(torch.gather, methods=("gather",))
+@torchsymbol(torch.gather, methods=("gather",), tags=("fallible",))
 def gather(input, dim, index, *, sparse_grad=False):
     return prims.gather(input, index, clang.canonicalize_dim(input.ndim_, dim))
 
 
-@torchsymbol(torch.take_along_dim, methods=("take_along_dim",))
+@torchsymbol(torch.take_along_dim, methods=("take_along_dim",), tags=("fallible",))
 def take_along_dim(input, indices, dim=None):
     if dim is None:
         return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
@@ -303,12 +303,12 @@ def take_along_dim(input, indices, dim=None):
     return prims.gather(clang.expand(input, tuple(shape_in)), clang.expand(indices, tuple(shape_idx)), dim)
 
 
-@torchsymbol(torch.scatter_add, methods=("scatter_add",), autocast={"cuda": PROMOTE})
+@torchsymbol(torch.scatter_add, methods=("scatter_add",), tags=("fallible",), autocast={"cuda": PROMOTE})
 def scatter_add(input, dim, index, src):
     return prims.scatter_add(input, index, src, clang.canonicalize_dim(input.ndim_, dim))
 
 
-@torchsymbol(torch.index_add, methods=("index_add",))
+@torchsymbol(torch.index_add, methods=("index_add",), tags=("fallible",))
 def index_add(input, dim, index, source, *, alpha=1):
     """``input.index_add(dim, index, source)`` via scatter_add with an expanded index."""
     if input.ndim_ == 0:  # 0-d: one element along dim 0
@@ -393,7 +393,7 @@ def _normalize_index(input, key):
     return key
 
 
-@torchsymbol(methods=("__getitem__",), name="getitem")
+@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible",))  # tensor indices out of range raise
 def getitem(input, key):
     """Basic indexing (ints, slices, None, ...) and integer-tensor indexing (one or several tensors)."""
     key = _normalize_index(input, key)

@@ -4,7 +4,7 @@
 inputs require grad and returns
 
 - the **joint** trace: the forward bound symbols followed by the backward ones,
-  recorded by calling each symbol's gradient rule (``grad_rules.py``) in
+  recorded by calling each symbol's gradient rule (``compiler/grad_rules.py``) in
   reverse order.  Its inputs are the computation's inputs plus one cotangent
   per differentiable output; it returns ``(outputs, input_grads)``.  DCE runs
   on it, so backward work nobody needs and forward work only the backward
@@ -35,13 +35,7 @@ from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
 from .dce import dce
-from .grad_rules import NON_DIFFERENTIABLE, NoGradientRuleError, bind_arguments, get_rule
-
-# Recomputed in the backward rather than saved, when that saves no extra value.
-CHEAP_TO_RECOMPUTE = {
-    prims.broadcast_in_dim, prims.reshape, prims.transpose, prims.squeeze, prims.slice,
-    prims.convert_element_type, prims.full, prims.iota,
-}
+from ..grad_rules import NoGradientRuleError, bind_arguments, differentiable, get_rule
 
 
 def _is_tensor(x) -> bool:
@@ -86,7 +80,7 @@ class Forward:
             self._add(bsym)
 
     def on_path(self, bsym) -> bool:
-        return bsym.sym not in NON_DIFFERENTIABLE and any(_is_tensor(a) and id(a) in self.needs_grad for a in bsym.flat_args())
+        return differentiable(bsym.sym) and any(_is_tensor(a) and id(a) in self.needs_grad for a in bsym.flat_args())
 
     def _add(self, bsym):
         on_path = self.on_path(bsym)
@@ -128,7 +122,7 @@ class Cotangents:
 
 def _describe(bsym) -> str:
     name = bsym.sym.id
-    if bsym.sym.module == "opaque" and not name.startswith("grad_rules."):
+    if bsym.sym.module == "opaque" and not name.startswith("grad_rules."):  # (opaque_grad's own vjp symbol)
         return f"{name.removeprefix('opaque.')} (run opaquely, torch op unknown to thunder_train)"
     return name
 
@@ -144,7 +138,7 @@ def backward_pass(fwd: Forward, cts: Cotangents):
                 f"cannot compute gradients: {_describe(bsym)} has no gradient rule "
                 f"(it produces {', '.join(o._tt_name for o in outs)}, which a differentiable output depends on). "
                 "Add one with @register_vjp next to the op's definition (thunder_train/compiler/torchlang/; "
-                "a prim's in thunder_train/compiler/transforms/grad_rules.py), "
+                "a prim's next to it in thunder_train/compiler/prims/), "
                 "or compute this part under torch.no_grad() / on detached tensors."
             )
         flat_out, spec = tree_flatten(bsym.output)
@@ -254,7 +248,9 @@ def _recompute_cheap(saved: list, fwd_bsyms: list) -> tuple[list, list]:
         changed = False
         for p in list(saved):
             b = producer.get(id(p))
-            if b is None or b.sym not in CHEAP_TO_RECOMPUTE:
+            # Tag "cheap_to_recompute" (declared with the op): recomputed in the backward rather than saved,
+            # when that saves no extra value.
+            if b is None or "cheap_to_recompute" not in b.sym.tags:
                 continue
             have = {id(s) for s in saved}
             new_inputs = list({id(x): x for x in b.flat_args() if is_proxy(x) and id(x) not in have}.values())

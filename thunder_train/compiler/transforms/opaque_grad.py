@@ -20,7 +20,7 @@ from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from .autograd import Forward, is_float_tensor
-from .grad_rules import register_vjp
+from ..grad_rules import register_vjp
 
 NOTE = "gradient by torch autograd"
 

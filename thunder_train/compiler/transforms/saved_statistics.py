@@ -13,8 +13,8 @@ a training step with ``loss.backward()`` inside — the forward can produce them
   ``native_layer_norm_backward`` reads.
 
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
-equal; the pass only rewrites a forward/vjp pair it fully understands and leaves
-everything else alone.
+equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
+after it: less memory, same kernels); the pass only rewrites a forward/vjp pair it fully understands and leaves everything else alone.
 """
 from __future__ import annotations
 
@@ -65,8 +65,11 @@ def cross_entropy_with_stats(input, target, ignore_index, reduction):
 
 
 def cross_entropy_backward(g, logp, target, total_weight, ignore_index, reduction):
+    """Eager's two backward kernels; the second writes its result into ``logp``: ``_rewrite_cross_entropy``
+    made ``logp`` for this line alone (its only reader), and the kernel reads each element before it writes
+    it.  One array of the logits' size less at the step's peak than a new result (eager's peak, not above)."""
     g_logp = torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
-    return (torch.ops.aten._log_softmax_backward_data(g_logp, logp, 1, logp.dtype),)
+    return (torch.ops.aten._log_softmax_backward_data.out(g_logp, logp, 1, logp.dtype, out=logp),)
 
 
 def layer_norm_with_stats(input, normalized_shape, weight, bias, eps):
@@ -147,6 +150,7 @@ def _rewrite_cross_entropy(trc, fwd, vjp, positions):
     total = _new_proxy(trc, "total_weight", (), x._tt_dtype, x._tt_device)
     new_fwd = fwd.replace(sym=impl_symbol(cross_entropy_with_stats), args=(x, y, b["ignore_index"], red), kwargs={},
                           output=(fwd.output, logp, total), comment="forward also keeps the log-probabilities its backward reads")
+    # ``logp`` has one reader, this backward line, which overwrites it (``cross_entropy_backward``).
     new_vjp = vjp.replace(sym=impl_symbol(cross_entropy_backward),
                           args=(vjp.args[0], logp, y, total, b["ignore_index"], red), kwargs={})
     return new_fwd, new_vjp

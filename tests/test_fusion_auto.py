@@ -1,0 +1,158 @@
+"""fusion="background" (the default): the torch program runs while the fused program is built in a worker thread.
+
+Compared with eager PyTorch before, across and after the switch.  The suite runs the default as "off"
+(THUNDER_TRAIN_FUSION, tests/conftest.py); these tests turn it back on.  Region structures are shared with tests/test_fusion.py
+(``_block``) so that Inductor compiles each once per process.
+"""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_train as tt
+from thunder_train.compiler import pipeline
+from thunder_train.compiler.executors import inductor_fusion
+from _steps import assert_same_state, mlp, mlp_batches, twin
+from test_fusion import _block, _cxx_available, _fused_lines
+
+pytestmark = pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+
+
+@pytest.fixture(autouse=True)
+def default_fusion(monkeypatch):
+    monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)
+
+
+def test_default_runs_torch_program_then_switches_to_fused():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cf = tt.compile(_block, thin=True)
+    for _ in range(3):
+        torch.testing.assert_close(cf(x, y), _block(x, y))
+    assert cf.is_thin_bound
+    assert tt.wait_for_fusion(cf, timeout=300)
+    st = tt.compile_stats(cf)
+    assert st.fusion_switches == 1 and any("replaced the torch program" in n for n in st.fusion_notes), st.fusion_notes
+    assert len(_fused_lines(cf)) == 1  # last_traces shows the program that runs now
+    # Thin mode keeps its binding (same checks); the bound thin call now calls the fused program.
+    assert cf.is_thin_bound and st.thin_binds == 1
+    assert cf._binding.fn.fn.__globals__["_computation"] is cf._last.computation
+    for _ in range(2):
+        x2, y2 = torch.randn(4, 4), torch.randn(4, 4)
+        torch.testing.assert_close(cf(x2, y2), _block(x2, y2))
+    assert tt.compile_stats(cf).thin_calls >= 3
+
+
+def test_nothing_is_built_before_the_second_call():
+    cf = tt.compile(_block)
+    cf(torch.randn(4, 4), torch.randn(4, 4))
+    assert cf._last.fusion_job.state == "new" and not _fused_lines(cf)
+
+
+def test_training_step_across_the_switch_matches_eager():
+    (m1, o1), (m2, o2) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+
+    def step_of(model, opt):
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    eager, cf = step_of(m1, o1), tt.compile(step_of(m2, o2), thin=True)
+    batches = mlp_batches(8)
+    for i, (x, y) in enumerate(batches):
+        if i == 3:
+            assert tt.wait_for_fusion(cf, timeout=300)
+            # Two entries: the first step (empty optimizer state) and the steady one; the steady one switched.
+            assert tt.compile_stats(cf).fusion_switches >= 1, tt.compile_stats(cf).fusion_notes
+            assert cf._last.fusion_job.switched
+        torch.testing.assert_close(cf(x, y), eager(x, y))
+        assert_same_state((m1, o1), (m2, o2))
+    assert cf.is_thin_bound and _fused_lines(cf)
+
+
+def test_backward_of_a_forward_from_before_the_switch():
+    """The autograd node keeps the program that ran its forward: a switch in between changes nothing."""
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    cf = tt.compile(lambda x, w: _block(x, w).sum())
+    cf(x, w)
+    loss = cf(x, w)  # torch program
+    assert tt.wait_for_fusion(cf, timeout=300) and tt.compile_stats(cf).fusion_switches == 1
+    loss.backward()
+    got = (x.grad, w.grad)
+    x.grad = w.grad = None
+    _block(x, w).sum().backward()
+    torch.testing.assert_close(got, (x.grad, w.grad))
+    x.grad = w.grad = None
+    cf(x, w).backward()  # the fused forward and backward
+    torch.testing.assert_close((x.grad, w.grad), got)
+    assert "= inductor_fw_fusion_0(" in str(tt.last_traces(cf)[-1])
+
+
+def test_failing_build_keeps_the_torch_program(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of C++ compilers")
+
+    monkeypatch.setattr(pipeline, "fuse", broken)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cf = tt.compile(_block, thin=True)
+    cf(x, y)
+    cf(x, y)
+    assert tt.wait_for_fusion(cf, timeout=300)
+    st = tt.compile_stats(cf)
+    assert st.fusion_switches == 0 and not _fused_lines(cf)
+    assert st.fusion_notes == ["background fusion: background fusion failed, the torch program stays: "
+                               "RuntimeError: out of C++ compilers"]
+    torch.testing.assert_close(cf(x, y), _block(x, y))
+
+
+def test_region_inductor_rejects_leaves_the_torch_program(monkeypatch):
+    monkeypatch.setattr(inductor_fusion, "_inductor_compile", lambda gm, example: 1 / 0)
+
+    def f(x):
+        return torch.cos(torch.exp(x * 2.3456) + 0.25) * 3.0  # a structure no other test compiles
+
+    x = torch.randn(3)
+    cf = tt.compile(f)
+    cf(x)
+    assert tt.wait_for_fusion(cf, timeout=300)
+    notes = tt.compile_stats(cf).fusion_notes
+    assert "Inductor failed: ZeroDivisionError" in notes[0] and "nothing to fuse, the torch program stays" in notes[-1]
+    torch.testing.assert_close(cf(x), f(x))
+
+
+def test_environment_variable(monkeypatch):
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for fused_now in ("auto", "inductor"):
+        monkeypatch.setenv("THUNDER_TRAIN_FUSION", fused_now)
+        cf = tt.compile(_block)
+        torch.testing.assert_close(cf(x, y), _block(x, y))
+        assert len(_fused_lines(cf)) == 1 and cf._last.fusion_job is None  # fused before the first call
+    monkeypatch.setenv("THUNDER_TRAIN_FUSION", "off")
+    cf = tt.compile(_block)
+    cf(x, y)
+    assert cf._last.fusion_job is None and tt.compile_stats(cf).fusion_notes == []
+    cf = tt.compile(_block, fusion="inductor")  # other options than the default ignore the variable
+    cf(x, y)
+    assert len(_fused_lines(cf)) == 1
+    monkeypatch.setenv("THUNDER_TRAIN_FUSION", "sometimes")
+    with pytest.raises(ValueError, match="THUNDER_TRAIN_FUSION"):
+        tt.compile(_block)
+    tt.compile(_block, fusion=None)
+
+
+def test_dynamic_and_cuda_graphs_change_what_the_default_does():
+    assert tt.compile(_block, dynamic=True)._fusion_mode is None  # symbolic sizes: nothing would fuse
+    assert tt.compile(_block, thin=True, cuda_graphs=True)._fusion_mode == "auto"  # graphs capture the fused program
+
+
+def test_worker_thread_is_a_daemon():
+    cf = tt.compile(_block)
+    cf(torch.randn(4, 4), torch.randn(4, 4))
+    assert tt.wait_for_fusion(cf, timeout=300)
+    workers = [t for t in threading.enumerate() if t.name == "thunder_train-fusion"]
+    assert len(workers) == 1 and workers[0].daemon

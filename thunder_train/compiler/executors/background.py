@@ -1,0 +1,90 @@
+"""Background fusion: a cache entry runs its torch program while its fused program is built in a worker thread.
+
+``fusion="auto"`` (the default, docs/fusion.md) gives each cache entry a ``FusionJob``: building the
+entry's fused program (Inductor kernels: seconds of C++ compile when cold) without making any call wait for
+it.  The job is submitted on the entry's second call; one daemon thread runs the jobs in order.  When a job
+has built its program it hands it to ``on_ready``, which swaps it into the entry (and the thin binding)
+between two calls: the torch program and the fused program take the same inputs and compute the same
+values, so which one a call runs changes no result beyond floating-point rounding.
+
+A job that raises leaves the torch program in place and reports one line through ``note``.
+``wait(jobs)`` makes tests and benchmarks deterministic (``tt.wait_for_fusion``).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+from typing import Callable
+
+NEW, QUEUED, DONE = "new", "queued", "done"
+
+
+class FusionJob:
+    """Build a fused program once, off the calling thread.
+
+    ``build()`` returns the fused program or None (nothing to fuse); ``on_ready(program)`` installs it;
+    ``note(line)`` records what happened (``compile_stats(cf).fusion_notes``).
+    """
+
+    def __init__(self, build: Callable, on_ready: Callable, note: Callable, name: str):
+        self.build, self.on_ready, self.note, self.name = build, on_ready, note, name
+        self.state = NEW
+        self.switched = False
+        self.done = threading.Event()
+
+    def submit(self) -> None:
+        if self.state == NEW:
+            self.state = QUEUED
+            _worker().put(self)
+
+    def run(self) -> None:
+        try:
+            program = self.build()
+            if program is not None:
+                self.on_ready(program)
+                self.switched = True
+        except Exception as e:  # noqa: BLE001 - any failure: the torch program keeps running
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            self.note(f"{self.name}: background fusion failed, the torch program stays: {type(e).__name__}: {first}")
+        finally:
+            self.build = None  # drop the traces it held
+            self.state = DONE
+            self.done.set()
+
+
+def wait(jobs, timeout: float | None = None) -> bool:
+    """Submit the jobs not submitted yet and wait until all are done; False when ``timeout`` ran out."""
+    jobs = list(jobs)
+    for job in jobs:
+        job.submit()
+    return all(job.done.wait(timeout) for job in jobs)
+
+
+_queue: queue.Queue | None = None
+_pid = None  # the process that started the worker: a forked child has the queue but not the thread
+_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def _worker() -> queue.Queue:
+    global _queue, _pid
+    with _lock:
+        if _queue is None or _pid != os.getpid():
+            _queue, _pid = queue.Queue(), os.getpid()
+            threading.Thread(target=_loop, args=(_queue,), name="thunder_train-fusion", daemon=True).start()
+    return _queue
+
+
+def _loop(q: queue.Queue) -> None:
+    while True:
+        job = q.get()
+        if _stopping.is_set():  # the interpreter is exiting: start no new compile
+            job.state = DONE
+            job.done.set()
+            continue
+        job.run()
+
+
+atexit.register(_stopping.set)

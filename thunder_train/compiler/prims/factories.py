@@ -1,0 +1,55 @@
+"""Factories and random values.  Their outputs carry no gradient (tag ``"non_differentiable"``);
+``"random"`` marks the prims whose values differ from call to call (decisions refuse them)."""
+from __future__ import annotations
+
+from ..proxies import NumberProxy, SizeProxy, TensorProxy
+from .core import check, number_value, prim
+
+
+def _factory_shape(shape):
+    shape = tuple(shape)
+    for s in shape:
+        check(isinstance(s, (int, NumberProxy)) and number_value(s) >= 0, lambda: f"invalid size {s} in {shape}")
+    return tuple(_size(s) for s in shape)
+
+
+def _size(s):
+    """A size argument: symbolic sizes (dynamic=True) stay symbolic, other runtime numbers are specialised."""
+    return s if type(s) is SizeProxy else number_value(s)
+
+
+# "cheap_to_recompute": the backward recomputes a constant rather than saving it (transforms/autograd.py).
+@prim(tags=("non_differentiable", "cheap_to_recompute"))
+def full(shape, fill_value, *, device, dtype):
+    """A tensor of ``shape`` filled with ``fill_value``."""
+    return TensorProxy(shape=_factory_shape(shape), dtype=dtype, device=device)
+
+
+@prim(tags=("non_differentiable",))
+def empty(shape, *, device, dtype):
+    """Uninitialised tensor; differs from ``full`` only at execution."""
+    return TensorProxy(shape=_factory_shape(shape), dtype=dtype, device=device)
+
+
+@prim(tags=("non_differentiable", "cheap_to_recompute"))
+def iota(length, *, start, step, device, dtype):
+    """``start, start + step, ...`` (``length`` values)."""
+    return TensorProxy(shape=(_size(length),), dtype=dtype, device=device)
+
+
+@prim(tags=("random", "non_differentiable"))
+def uniform(shape, minval, maxval, *, device, dtype):
+    """Uniform random values in [minval, maxval)."""
+    return TensorProxy(shape=_factory_shape(shape), dtype=dtype, device=device)
+
+
+@prim(tags=("random", "non_differentiable"))
+def randn(shape, *, device, dtype):
+    """Standard normal random values."""
+    return TensorProxy(shape=_factory_shape(shape), dtype=dtype, device=device)
+
+
+@prim(tags=("random", "non_differentiable"))
+def bernoulli(a, p):
+    """1 with probability ``p`` else 0, in ``a``'s shape and dtype."""
+    return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

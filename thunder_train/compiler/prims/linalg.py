@@ -1,0 +1,91 @@
+"""Matrix products and convolution.  Each prim's meta and gradient rule are declared together."""
+from __future__ import annotations
+
+from ..grad_rules import register_vjp
+from ..proxies import TensorProxy
+from .core import check, common_device, is_tensor, prim, prims, reshape, sum_to, swap_last_two, unsqueeze
+
+
+def _matmul_shape(sa, sb):
+    check(len(sa) >= 1 and len(sb) >= 1, "matmul: both arguments need at least one dim")
+    if len(sa) == 1 and len(sb) == 1:
+        check(sa[0] == sb[0], f"matmul: size mismatch {sa} @ {sb}")
+        return ()
+    a = (1,) + tuple(sa) if len(sa) == 1 else tuple(sa)
+    b = tuple(sb) + (1,) if len(sb) == 1 else tuple(sb)
+    check(a[-1] == b[-2], lambda: f"matmul: shapes {tuple(sa)} and {tuple(sb)} cannot be multiplied ({a[-1]} != {b[-2]})")
+    batch_a, batch_b = a[:-2], b[:-2]
+    n = max(len(batch_a), len(batch_b))
+    batch_a = (1,) * (n - len(batch_a)) + batch_a
+    batch_b = (1,) * (n - len(batch_b)) + batch_b
+    batch = []
+    for x, y in zip(batch_a, batch_b):
+        check(x == y or x == 1 or y == 1, f"matmul: batch dims {batch_a} and {batch_b} do not broadcast")
+        batch.append(max(x, y) if min(x, y) != 0 else 0)
+    out = tuple(batch) + (a[-2], b[-1])
+    if len(sa) == 1:
+        out = out[:-2] + out[-1:]
+    if len(sb) == 1:
+        out = out[:-1]
+    return out
+
+
+@prim
+def matmul(a, b):
+    """``torch.matmul`` semantics (batched, 1-D promotion); equal dtypes."""
+    check(a._tt_dtype is b._tt_dtype, lambda: f"matmul: dtypes differ: {a._tt_dtype} and {b._tt_dtype}")
+    return TensorProxy(shape=_matmul_shape(a._tt_shape, b._tt_shape), dtype=a._tt_dtype, device=common_device([a, b], "matmul"))
+
+
+@register_vjp(matmul)
+def matmul_vjp(g, out, /, a, b):
+    if a.ndim_ == 1 and b.ndim_ == 1:
+        gs = prims.broadcast_in_dim(g, a._tt_shape, ())
+        return {"a": prims.mul(gs, b), "b": prims.mul(gs, a)}
+    # View vectors as matrices, so both products below are plain (batched) matmuls.
+    A = unsqueeze(a, 0) if a.ndim_ == 1 else a
+    B = unsqueeze(b, -1) if b.ndim_ == 1 else b
+    G = unsqueeze(g, -2) if a.ndim_ == 1 else g
+    G = unsqueeze(G, -1) if b.ndim_ == 1 else G
+    ga = sum_to(prims.matmul(G, swap_last_two(B)), A._tt_shape)
+    if B.ndim_ == 2 and A.ndim_ > 2:
+        # Fold the batch into the rows: one (K, M·batch) @ (M·batch, N) product.
+        k, n = B._tt_shape
+        rows_a = reshape(A, (A.numel_() // k, k))
+        gb = prims.matmul(prims.transpose(rows_a, (1, 0)), reshape(G, (G.numel_() // n, n)))
+    else:
+        gb = sum_to(prims.matmul(swap_last_two(A), G), B._tt_shape)
+    return {"a": reshape(ga, a._tt_shape), "b": reshape(gb, b._tt_shape)}
+
+
+@prim
+def convolution(a, weight, bias, stride, padding, dilation, groups):
+    """N-d convolution (torch.nn.functional.conv{1,2,3}d semantics, no transposed)."""
+    nd = len(a._tt_shape) - 2
+    check(len(weight._tt_shape) == nd + 2, "convolution: weight rank must match input rank")
+    n, c = a._tt_shape[0], a._tt_shape[1]
+    check(c == weight._tt_shape[1] * groups, lambda: f"convolution: input has {c} channels, weight expects {weight._tt_shape[1] * groups}")
+    spatial = []
+    for i in range(nd):
+        size = a._tt_shape[2 + i] + 2 * padding[i] - dilation[i] * (weight._tt_shape[2 + i] - 1) - 1
+        spatial.append(size // stride[i] + 1)
+    return TensorProxy(shape=(n, weight._tt_shape[0], *spatial), dtype=a._tt_dtype, device=a._tt_device)
+
+
+@prim
+def convolution_backward(g, a, weight, stride, padding, dilation, groups):
+    """The gradients of ``convolution``'s input and weight for its output cotangent ``g`` (only backward traces
+    use it).  It has no gradient rule of its own: a second derivative through a convolution raises."""
+    return (
+        TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device),
+        TensorProxy(shape=weight._tt_shape, dtype=weight._tt_dtype, device=weight._tt_device),
+    )
+
+
+@register_vjp(convolution)
+def convolution_vjp(g, out, /, a, weight, bias, stride, padding, dilation, groups):
+    ga, gw = prims.convolution_backward(g, a, weight, tuple(stride), tuple(padding), tuple(dilation), groups)
+    grads = {"a": ga, "weight": gw}
+    if is_tensor(bias):
+        grads["bias"] = prims.sum(g, tuple(d for d in range(g.ndim_) if d != 1))
+    return grads

@@ -1,0 +1,57 @@
+"""Writes, metadata and collectives: prims with side effects or runtime-number results.
+
+``"side_effect"``: a call must run even when nobody reads its outputs (DCE keeps it).  None of these
+has a gradient rule: ``copy_`` is the program's final write-back and a collective runs in the traced
+backward, so reaching one on a gradient path raises ``NoGradientRuleError``; ``item`` and ``shape``
+are numbers (``"non_differentiable"``, as eager's ``item()`` is)."""
+from __future__ import annotations
+
+from ..proxies import NumberProxy, TensorProxy
+from .core import check, prim
+
+
+@prim(tags=("side_effect",))
+def copy_(src, dst):
+    """Write ``src`` into the buffer ``dst``; returns ``dst`` (the only mutating prim)."""
+    check(src._tt_shape == dst._tt_shape, lambda: f"copy_: shapes differ: {src._tt_shape} vs {dst._tt_shape}")
+    return TensorProxy(shape=dst._tt_shape, dtype=dst._tt_dtype, device=dst._tt_device)
+
+
+@prim(tags=("non_differentiable",))
+def shape(a):
+    """The sizes of ``a`` as runtime numbers (symbolic-shape mode)."""
+    return tuple(NumberProxy(value=s, python_type=int) for s in a._tt_shape)
+
+
+@prim(tags=("non_differentiable",))
+def item(a):
+    """The Python number in a one-element tensor (``Tensor.item()``): a runtime number of the program.
+
+    Its example value is unknown while tracing (NaN / 0), so Python code may do
+    arithmetic with it (recorded as scalar prims) but not branch on it.
+    """
+    check(a.numel_() == 1, lambda: f"a Tensor with {a.numel_()} elements cannot be converted to Scalar")
+    dt = a._tt_dtype
+    if dt.is_float:
+        return NumberProxy(value=float("nan"), python_type=float)
+    if dt.is_bool:
+        return NumberProxy(value=False, python_type=bool)
+    return NumberProxy(value=0, python_type=int)
+
+
+@prim(tags=("side_effect", "fallible"))
+def check_finite(a, message):
+    """Raise ``RuntimeError(message)`` when ``a`` holds a NaN or an infinity (a check on values, at run time)."""
+    check(type(a) is TensorProxy and isinstance(message, str), "check_finite: expected a tensor and a message")
+    return None
+
+
+@prim(tags=("side_effect",))
+def all_reduce_mean(tensors):
+    """The mean of each tensor over the ranks of the default process group (DDP's gradient average).
+
+    A side effect for DCE: every rank must run the same collectives, used or not.
+    """
+    check(isinstance(tensors, (list, tuple)) and all(type(t) is TensorProxy and t._tt_dtype.is_float for t in tensors),
+          "all_reduce_mean: expected a list of floating-point tensors")
+    return [TensorProxy(shape=t._tt_shape, dtype=t._tt_dtype, device=t._tt_device) for t in tensors]
