@@ -404,7 +404,7 @@ def _value_check(bad, message):
     prims.check_finite(clang.sum(clang.where(bad, float("nan"), 0.0)), message)
 
 
-@torchsymbol(F.gaussian_nll_loss, autocast={"cpu": FP32, "cuda": FP32})
+@torchsymbol(F.gaussian_nll_loss, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(reduction + " is not valid")
