@@ -150,8 +150,13 @@ def finish(st, out, python_effects=None):
     if python_effects is not None:
         lines += python_effects(names, extra)
 
-    # One copy_ per changed input; a source that is itself an overwritten input is read first.
-    writes = buffers.final_writes(walker.input_proxies())
+    # One copy_ per changed input; a source that is itself an overwritten input is read first.  An input whose
+    # metadata only changed (t_(), squeeze_()) keeps its data: the epilogue replays the method on it instead.
+    writes = [(v, dst) for v, dst in buffers.final_writes(walker.input_proxies()) if id(dst) not in st.metadata_inputs]
+    for dst, (method, args, kwargs) in st.metadata_replays:
+        leaf = walker.leaf_of(dst)
+        call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        lines.append(f"  {names(leaf.value, dst._tt_name, leaf)}.{method}({call})")
     _reject_aliased_inputs(walker, [dst for _, dst in writes])
     st.written_inputs = [dst for _, dst in writes]
     written = {id(dst) for _, dst in writes}

@@ -30,6 +30,7 @@ from . import decisions as _decisions  # noqa: F401 — installs the decision ha
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
+from .global_state import global_state_unchanged
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
 from .state import TracerState
@@ -88,8 +89,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn))
-            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
+            with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
+                    ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.check_unwalked_unchanged()

@@ -396,3 +396,35 @@ def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduct
             gw = clang.sum(gw, batch_dims) if batch_dims else gw
             grads["weight"] = downcast_like(clang.reshape(gw, weight._tt_shape), weight)
     return grads
+
+
+def _value_check(bad, message):
+    """Raise ``RuntimeError(message)`` at run time where ``bad`` (bool tensor) is true anywhere: eager's
+    argument check on values, which a trace cannot decide (prims.check_finite of a NaN where bad)."""
+    prims.check_finite(clang.sum(clang.where(bad, float("nan"), 0.0)), message)
+
+
+@torchsymbol(F.gaussian_nll_loss, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
+def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    if not _t(var):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = clang.full_like(input, var)
+    else:
+        _value_check(clang.lt(var, 0), "gaussian_nll_loss: var has negative entry/entries")
+        vs, xs = tuple(var._tt_shape), tuple(input._tt_shape)
+        if vs != xs:
+            if xs[:-1] == vs:
+                var = clang.unsqueeze(var, -1)
+            elif not (len(xs) == len(vs) and sum(v for x, v in zip(xs, vs) if x != v) == 1):
+                raise ValueError("var is of incorrect size")
+    # eager clamps a clone under no_grad: the value is clamped, the gradient is var's
+    clamped = clang.maximum(var, eps)
+    var = clang.add(var, prims.stop_gradient(clang.sub(clamped, var)))
+    d = clang.sub(input, target)
+    loss = clang.mul(clang.add(clang.log(var), clang.true_divide(clang.mul(d, d), var)), 0.5)
+    if full:
+        loss = clang.add(loss, 0.5 * math.log(2 * math.pi))
+    return _reduce(loss, reduction)
