@@ -158,7 +158,8 @@ def _bound_step(args, python_checks):
     """A thin-bound AdamW step; ``python_checks``: its per-parameter checks generated in Python (bulk.ENABLED off)."""
     saved, bulk.ENABLED = bulk.ENABLED, not python_checks
     try:
-        thin = tt.compile(train_step, thin=True)
+        # fusion=None: no fused program replaces the computation part-way (the checks do not depend on it).
+        thin = tt.compile(train_step, thin=True, fusion=None)
         for _ in range(3):
             thin(*args)
     finally:
