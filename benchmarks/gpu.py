@@ -104,10 +104,11 @@ def modes_for(step):
 
     modes = {
         "eager": lambda: step,
-        "tt thin": lambda: tt.compile(step, thin=True),
+        # fusion is explicit in every mode: the default may change (background fusion) without changing the rows.
+        "tt thin": lambda: tt.compile(step, thin=True, fusion=None),
         "tt thin+fusion": lambda: tt.compile(step, thin=True, fusion="inductor"),
         "tt thin+fusion+cuda_graphs": lambda: tt.compile(step, thin=True, fusion="inductor", cuda_graphs=True),
-        "tt thin+cuda_graphs": lambda: tt.compile(step, thin=True, cuda_graphs=True),
+        "tt thin+cuda_graphs": lambda: tt.compile(step, thin=True, fusion=None, cuda_graphs=True),
     }
     if nvfuser_fusion.availability()[0] is not None:
         modes["tt thin+nvfuser+cuda_graphs"] = lambda: tt.compile(step, thin=True, fusion="nvfuser", cuda_graphs=True)

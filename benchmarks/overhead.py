@@ -8,9 +8,12 @@ Targets: thin-mode call ≤ 1.10× calling the generated computation function di
 elementwise case faster than eager and than torch.compile.
 
 Thin mode's per-call checks on whole training steps (AdamW, a 10-parameter and a 1,000-parameter model):
-the thin call and the direct computation, and the checks alone (the same ``thin_call`` with its
-computation replaced by a function that returns at once, minus calling that function directly).
-Target: the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
+the thin call and the direct computation (per-call µs and the difference), and the checks alone (the same
+``thin_call`` with its computation replaced by a function that returns at once, minus calling that function
+with the same inputs directly), each with the per-parameter checks in torch's C++ guards (the default,
+thunder_train/guards/bulk.py) and in Python, measured interleaved in one process.
+Target (issue 14): the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
+``--cpu-time`` times with the thread's CPU clock instead of the wall clock (steadier on a shared machine).
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ import torch
 from torch import nn
 
 import thunder_train as tt
+from thunder_train.guards import bulk
+
+CLOCK = time.thread_time if "--cpu-time" in sys.argv else time.perf_counter
 
 
 def elementwise(x, y):
@@ -70,10 +76,10 @@ def bench_all(variants: dict, *, number, repeat) -> dict:
     times = {k: [] for k in variants}
     for _ in range(repeat):
         for k, (fn, args) in variants.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             for _ in range(number):
                 fn(*args)
-            times[k].append((time.perf_counter() - t0) / number * 1e6)
+            times[k].append((CLOCK() - t0) / number * 1e6)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -148,36 +154,57 @@ def train_step(model, opt, x, y):
     return loss
 
 
+def _bound_step(args, python_checks):
+    """A thin-bound AdamW step; ``python_checks``: its per-parameter checks generated in Python (bulk.ENABLED off)."""
+    saved, bulk.ENABLED = bulk.ENABLED, not python_checks
+    try:
+        thin = tt.compile(train_step, thin=True)
+        for _ in range(3):
+            thin(*args)
+    finally:
+        bulk.ENABLED = saved
+    assert thin.is_thin_bound
+    return thin
+
+
 def run_step_case(n_params, *, number, repeat):
-    """Thin mode on a whole AdamW step of ``n_params`` parameters: full step and the checks alone."""
+    """Thin mode on a whole AdamW step of ``n_params`` parameters: the step, and the checks alone."""
     model = deep_linear(n_params // 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     args = (model, opt, torch.randn(8, 4), torch.randn(8, 4))
-    thin = tt.compile(train_step, thin=True)
-    for _ in range(3):
-        thin(*args)
-    assert thin.is_thin_bound
-    comp, inputs = thin.direct_call_parts(*args)
-    g = thin._binding.fn.fn.__globals__
-    stub_calls = number // 10 or 1
-    steps = bench_all({"tt thin": (thin, args), "computation direct": (comp, inputs)}, number=stub_calls, repeat=repeat)
+    paths = {"c++ guards": _bound_step(args, False), "python": _bound_step(args, True)}
+    comp, inputs = paths["c++ guards"].direct_call_parts(*args)
+    variants = {f"tt thin ({k})": (f, args) for k, f in paths.items()}
+    variants["computation direct"] = (comp, inputs)
+    steps = bench_all(variants, number=number // 10 or 1, repeat=repeat)
 
     def nothing(*_):
         return None
 
-    real = g["_computation"]
-    g["_computation"] = nothing
+    stubbed = {k: f._binding.fn.fn.__globals__ for k, f in paths.items()}
+    real = {k: g["_computation"] for k, g in stubbed.items()}
+    for g in stubbed.values():
+        g["_computation"] = nothing
     try:
-        checks = bench_all({"thin_call, computation stubbed": (thin, args), "stub direct": (nothing, inputs)},
-                           number=number, repeat=repeat)
-        assert thin.is_thin_bound, "the stubbed thin call left thin mode"
+        variants = {f"checks ({k})": (f, args) for k, f in paths.items()}
+        variants["stub direct"] = (nothing, inputs)
+        checks = bench_all(variants, number=number, repeat=repeat)
+        for k, f in paths.items():
+            assert f.is_thin_bound and not tt.compile_stats(f).thin_invalidations, f"{k}: the stubbed thin call left thin mode"
     finally:
-        g["_computation"] = real
-    added = checks["thin_call, computation stubbed"] - checks["stub direct"]
+        for k, g in stubbed.items():
+            g["_computation"] = real[k]
+    direct = steps["computation direct"]
     print(f"\nAdamW training step, {n_params} parameters ({n_params // 2} x Linear(4, 4)), batch 8")
-    print(f"  tt thin            {steps['tt thin']:10.2f} µs   {steps['tt thin'] / steps['computation direct']:5.3f}× direct")
-    print(f"  computation direct {steps['computation direct']:10.2f} µs")
-    print(f"  thin checks alone  {added:10.2f} µs   ({added * 1000 / n_params:.1f} ns per parameter; target for 1000: < 50 µs)")
+    print(f"  computation direct          {direct:10.2f} µs")
+    added = {}
+    for k in paths:
+        t = steps[f"tt thin ({k})"]
+        added[k] = checks[f"checks ({k})"] - checks["stub direct"]
+        print(f"  tt thin, {k:11s}        {t:10.2f} µs   {t / direct:5.3f}× direct   {t - direct:+9.2f} µs")
+    for k in paths:
+        print(f"  checks alone, {k:11s}   {added[k]:10.2f} µs   ({added[k] * 1000 / n_params:.0f} ns per parameter; "
+              f"target for 1000: < 50 µs)")
     return added
 
 

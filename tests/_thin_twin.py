@@ -7,13 +7,16 @@ When eager raises, the compiled step must raise too; when the compiled step rais
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import thunder_train as tt
+from thunder_train.guards import bulk
 
 
 def small_model(seed=0):
@@ -27,6 +30,20 @@ def train_step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+@contextlib.contextmanager
+def forced_checks(kind):
+    """Bind thin mode with its per-parameter checks in Python (``"python"``) or with torch's C++ guards where this
+    torch has them (``"c++"``, the default; guards/bulk.py)."""
+    if kind == "c++" and not bulk.supported():
+        pytest.skip("this torch has no usable C++ guards (thin mode checks in Python)")
+    saved = bulk.ENABLED
+    bulk.ENABLED = kind == "c++"
+    try:
+        yield
+    finally:
+        bulk.ENABLED = saved
 
 
 def snapshot(model, opt):

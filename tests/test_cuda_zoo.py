@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 RTOL, ATOL = 1e-3, 1e-4
 STEPS = 5
 MODES = {  # name -> compile options
-    "torch": dict(thin=True),
+    "torch": dict(thin=True, fusion=None),
     "inductor": dict(thin=True, fusion="inductor"),
-    "graphs": dict(thin=True, cuda_graphs=True),
+    "graphs": dict(thin=True, fusion=None, cuda_graphs=True),
 }
 # Fusion compiles Triton kernels per region structure (seconds each): a smaller subset keeps the run short.
 CASES = {"torch": ("gpt2", "llama", "bert_cls", "t5", "resnet"), "inductor": ("gpt2", "resnet"),

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import thunder_train as tt
+from _thin_twin import forced_checks
 
 
 def _mlp(seed=0):
@@ -163,7 +164,13 @@ def test_load_state_dict_in_place_and_assign(bound):
     assert tt.compile_stats(step).thin_invalidations
 
 
-def test_model_to_dtype_revalidates_and_data_assignment_is_named():
+@pytest.mark.parametrize("checks", ["python", "c++"])
+def test_model_to_dtype_revalidates_and_data_assignment_is_named(checks):
+    with forced_checks(checks):
+        _model_to_dtype_and_data_assignment(checks)
+
+
+def _model_to_dtype_and_data_assignment(checks):
     m = _mlp()
     step = tt.compile(loss_fn, thin=True, check_every=3)
     x, y = torch.randn(5, 4), torch.randn(5, 2)
@@ -179,12 +186,23 @@ def test_model_to_dtype_revalidates_and_data_assignment_is_named():
         torch.testing.assert_close(step(m, xd, yd), loss_fn(m, xd, yd))
     assert "args[0].0.weight.dtype: float32 → float64" in tt.compile_stats(step).thin_invalidations[-1]
     assert step.is_thin_bound
-    # p.data = ... bypasses every hook: the computation's own error is diagnosed by the full prologue.
     for p in m.parameters():
         p.data = p.data.float()
-    with pytest.raises(tt.ThinModeError, match=r"thin mode: args\[0\] \(model\).0.weight.dtype: float64 → float32;.* since thin mode bound") as err:
-        step(m, xd, yd)
-    assert not step.is_thin_bound and "revalidate()" in str(err.value)
+    if checks == "python":
+        # p.data = ... bypasses every hook: the computation's own error is diagnosed by the full prologue.
+        with pytest.raises(tt.ThinModeError, match=r"thin mode: args\[0\] \(model\).0.weight.dtype: float64 → float32;.* since thin mode bound") as err:
+            step(m, xd, yd)
+        assert not step.is_thin_bound and "revalidate()" in str(err.value)
+    else:
+        # The C++ metadata check sees the new dtype before the call: the full path runs and raises what it raises
+        # for these inputs (eager raises too: float32 weights, float64 batch).
+        with pytest.raises(Exception) as full_err:
+            tt.compile(loss_fn)(m, xd, yd)
+        with pytest.raises(type(full_err.value)):
+            step(m, xd, yd)
+        with pytest.raises(RuntimeError):
+            loss_fn(m, xd, yd)
+        assert not step.is_thin_bound and "0.weight.dtype: float64 → float32" in tt.compile_stats(step).thin_invalidations[-1]
     m.double()
     for _ in range(3):  # the next calls validate again and bind again
         torch.testing.assert_close(step(m, xd, yd), loss_fn(m, xd, yd))

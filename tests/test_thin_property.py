@@ -15,7 +15,8 @@ from torch import nn
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from _thin_twin import Twin, small_model  # noqa: E402
+from _thin_twin import Twin, forced_checks, small_model  # noqa: E402
+from thunder_train.guards import bulk  # noqa: E402
 
 N_PARAMS = 6  # small_model: 0.weight, 0.bias, 2.weight, 2.bias, 3.weight, 3.bias
 
@@ -122,13 +123,18 @@ def _opt(kind):
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(kind=st.sampled_from(["adamw-fused", "adamw-traced", "sgd"]),
+       checks=st.sampled_from(["python", "c++"]),
        plan=st.lists(st.tuples(HAZARDS, st.integers(1, 2)), min_size=1, max_size=5))
-def test_random_hazards_between_thin_steps_match_eager(kind, plan):
+def test_random_hazards_between_thin_steps_match_eager(kind, checks, plan):
+    """``checks``: thin mode's per-parameter checks in Python or with torch's C++ guards (guards/bulk.py)."""
     kernels = "traced" if kind == "adamw-traced" else "fused"
-    t = Twin(make_opt=_opt(kind.split("-")[0]), thin=True, optimizer_kernels=kernels)
-    t.steps(3)  # bound
-    for (name, hazard), n in plan:
-        if hazard is not None:
-            t.hazard(hazard)
-        for _ in range(n):
-            t.step(t.batch(5) if hazard is None else None)
+    if checks == "c++" and not bulk.supported():
+        checks = "python"
+    with forced_checks(checks):
+        t = Twin(make_opt=_opt(kind.split("-")[0]), thin=True, optimizer_kernels=kernels)
+        t.steps(3)  # bound
+        for (name, hazard), n in plan:
+            if hazard is not None:
+                t.hazard(hazard)
+            for _ in range(n):
+                t.step(t.batch(5) if hazard is None else None)

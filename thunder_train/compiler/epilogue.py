@@ -93,8 +93,11 @@ def _reject_aliased_inputs(walker, written):
             )
 
 
-def finish(st, out):
-    """Emit the write-backs; return ``(trace output, Epilogue or None)`` (``st``: the TracerState)."""
+def finish(st, out, python_effects=None):
+    """Emit the write-backs; return ``(trace output, Epilogue or None)`` (``st``: the TracerState).
+
+    ``python_effects(names, extra)``: more epilogue lines (containers and objects the function changed).
+    """
     buffers, walker, trc = st.buffers, st.walker, st.trace
 
     def final_value(p):
@@ -143,6 +146,9 @@ def finish(st, out):
             for k in before:
                 if k not in entry:
                     lines.append(f"  del {opt}.state[{param}][{k!r}]")
+
+    if python_effects is not None:
+        lines += python_effects(names, extra)
 
     # One copy_ per changed input; a source that is itself an overwritten input is read first.
     writes = buffers.final_writes(walker.input_proxies())

@@ -119,6 +119,41 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
+def _plain_reduction(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    return size_average is None and reduce is None and reduction in ("none", "mean", "sum")
+
+
+@register_vjp(binary_cross_entropy_with_logits, supports=_plain_reduction)
+def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    """As eager (``binary_cross_entropy_with_logits_backward``): ``input`` gets ``g (sigmoid(x) - t)`` (with
+    ``pos_weight``: ``g ((pw t + 1 - t) sigmoid(x) - pw t)``), finite at ±inf where the decomposition's is NaN;
+    ``target`` gets ``-g x`` (``g (log_sigmoid(-x) - pw log_sigmoid(x))``)."""
+    x = upcast(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    gu = upcast(g)
+    shape = clang.broadcast_shapes(x._tt_shape, t._tt_shape if type(t) is TensorProxy else ())
+    if reduction != "none":
+        gu = prims.broadcast_in_dim(gu, shape, ())
+        if reduction == "mean":
+            gu = prims.div(gu, float(max(math.prod(shape), 1)))
+    if weight is not None:
+        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
+    s = prims.sigmoid(x)
+    if pos_weight is not None:
+        pt = clang.mul(clang.maybe_convert(pos_weight, x._tt_dtype), t)
+        d_input = clang.sub(clang.mul(clang.sub(clang.add(pt, 1.0), t), s), pt)
+        log_sig = lambda v: prims.neg(_softplus(prims.neg(v), 1.0, 20.0))  # noqa: E731
+        d_target = clang.sub(log_sig(prims.neg(x)), clang.mul(log_sig(x), clang.maybe_convert(pos_weight, x._tt_dtype)))
+    else:
+        d_input, d_target = clang.sub(s, t), prims.neg(x)
+    grads = {}
+    if _float(input):
+        grads["input"] = downcast_like(sum_to(clang.mul(d_input, gu), input._tt_shape), input)
+    if _float(target):
+        grads["target"] = downcast_like(sum_to(clang.mul(d_target, gu), target._tt_shape), target)
+    return grads
+
+
 @torchsymbol(F.binary_cross_entropy, tags=("fallible",), autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
