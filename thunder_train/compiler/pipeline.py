@@ -123,7 +123,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
-    build_fused = None  # fusion="background": () -> (computation, traces, backward traces) of the fused program
+    build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     if not has_backward and may_need_autograd(computed):
         build_fused = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
     elif fuse_main:
