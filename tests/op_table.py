@@ -711,6 +711,25 @@ def bce_extremes(dt):
 # Probabilities at 0 and 1: eager's backward kernel divides by max(x (1 - x), 1e-12), the clamped logs' gradient is NaN.
 op("kink_binary_cross_entropy", lambda x, t: F.binary_cross_entropy(x, t), bce_extremes, FLOATS)
 op("kink_binary_cross_entropy_sum", lambda x, t: F.binary_cross_entropy(x, t, reduction="sum"), bce_extremes, FLOATS)
+op("kink_bce_with_logits", lambda x, t: F.binary_cross_entropy_with_logits(x, t * 0.0 + 0.3), special_pair, FLOATS)
+op("kink_bce_with_logits_pos_weight", lambda x, t: F.binary_cross_entropy_with_logits(
+    x, t.nan_to_num().sigmoid(), pos_weight=torch.linspace(0.5, 2.0, x.shape[-1], dtype=x.dtype)), special_pair, FLOATS)
+
+
+def zeros_and_infs(dt):
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[0.0, 0.0, 2.0, inf], [0.0, 1.0, -inf, 2.0], [3.0, 0.0, nan, 1.0], [1.0, 2.0, 3.0, 4.0], [-inf, 2.0, inf, 0.5],
+                      [nan, -inf, 2.0, 1.0]], dtype=dt)
+    return [S(x), S(x[3:]), S(torch.zeros(2, 3, dtype=dt))]
+
+
+# Products beside zeros and infinities (eager's exclusive products), norms of zeros, NaN and infinities.
+op("kink_prod_dim", lambda x: torch.prod(x, -1), zeros_and_infs, FLOATS)
+op("kink_prod_cols", lambda x: torch.prod(x, 0), zeros_and_infs, FLOATS)
+op("kink_prod_all", lambda x: torch.prod(x), zeros_and_infs, FLOATS)
+for _name, _ord in (("2", 2), ("1", 1), ("3", 3), ("half", 0.5), ("inf", float("inf")), ("neg_inf", -float("inf"))):
+    op(f"kink_vector_norm_{_name}", lambda x, _o=_ord: torch.linalg.vector_norm(x, _o, dim=-1), zeros_and_infs, FLOATS)
+op("kink_normalize", lambda x: F.normalize(x, dim=-1), zeros_and_infs, FLOATS)
 
 # ---------------------------------------------------------------------------
 # Ops added to the torch language while building this table

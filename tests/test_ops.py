@@ -113,7 +113,8 @@ UNSUPPORTED = {
     "masked_fill__grows_input": (lambda x: (x * 1).masked_fill_(torch.ones(5, 1, 1, 1, dtype=torch.bool), 0.0), RuntimeError, "broadcast shape"),
     "masked_fill_vector_value": (lambda x: x.masked_fill(x > 0, torch.ones(4)), RuntimeError, "0-dimensional value"),
     "where_one_argument": (lambda x: torch.where(x > 0), NotImplementedError, "three-argument form"),
-    "one_hot_without_num_classes": (lambda x: torch.nn.functional.one_hot(x.long().abs()), NotImplementedError, "num_classes"),
+    # one_hot without num_classes of an input is a decision (tests/test_decided_ops.py); of a random value it cannot be
+    "one_hot_without_num_classes_random": (lambda x: torch.nn.functional.one_hot(torch.randint(0, 3, (4,))), RuntimeError, "random"),
     # (branching on .item() of an input is specialised now: tests/test_decisions.py)
     "addcdiv_int": (lambda x: torch.addcdiv(x.long(), x.long(), x.long() + 10), RuntimeError, "addcdiv"),
 }
@@ -123,7 +124,8 @@ UNSUPPORTED = {
 # or eager's own error.
 BEYOND_DECOMPOSITIONS = {
     "einsum_trace": lambda x: torch.einsum("ii->i", x[0, :, :3]),
-    "pad_reflect": lambda x: torch.nn.functional.pad(x, (1, 2), mode="reflect"),
+    # (F.pad reflect/replicate/circular are native now: torchlang/composites3.py, OpInfo nn.functional.pad.*)
+    "interpolate_linear": lambda x: torch.nn.functional.interpolate(x, scale_factor=2, mode="linear"),
     "avg_pool_ceil_mode": lambda x: torch.nn.functional.avg_pool1d(x, 3, ceil_mode=True),
 }
 

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 
 import torch
 
@@ -47,6 +48,8 @@ class CompileStats:
     cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
     cuda_graph_captures: int = 0
     cuda_graph_replays: int = 0
+    # Python decisions on tensor values (compiler/acquisition/decisions.py): what the prologue recomputes for each.
+    decision_notes: list = dataclasses.field(default_factory=list)
 
     @property
     def thin_calls(self) -> int:
@@ -114,13 +117,13 @@ def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
     tb = "Tensor" if b[0] == _T else b[0].__name__
     if a[0] != b[0]:
         out.append(f"{path}.type: {ta} → {tb}")
-    elif a[0] in (tuple, list):
+    elif a[0] in (tuple, list) and type(a[1]) is tuple and type(b[1]) is tuple:  # beyond depth 3: (type, id)
         if len(a[1]) != len(b[1]):
             out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
         else:
             for i, (x, y) in enumerate(zip(a[1], b[1])):
                 _key_diffs(x, y, f"{path}[{i}]", out, limit)
-    elif a[0] is dict:
+    elif a[0] is dict and type(a[1]) is tuple and type(b[1]) is tuple:
         ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
         if ka != kb:
             out.append(f"{path}.keys: {ka!r} → {kb!r}")
@@ -154,6 +157,8 @@ def _describe_struct_diff(old_key, args, kwargs) -> str:
     diffs = _struct_diffs(old_key, _struct_key(args, kwargs))
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
 
+
+_RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
 
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
@@ -200,6 +205,7 @@ class CompiledFunction:
         self._binding: ThinBinding | None = None
         self._call = self._full_call
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
+        self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
         if cuda_graphs and not torch.cuda.is_available():
@@ -240,6 +246,7 @@ class CompiledFunction:
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
+            self._misses_in_a_row = 0
             if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
                 entry.fusion_job.submit()
         self._last = entry
@@ -277,6 +284,7 @@ class CompiledFunction:
     def _compile(self, args, kwargs, key, reason) -> CacheEntry:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
+        self._misses_in_a_row += 1
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
@@ -287,6 +295,16 @@ class CompiledFunction:
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
         prologue, expected = entry.prologue, entry.key
         entry.on_switch = self._entry_switched
+        for note in entry.decision_notes:
+            if note not in self.stats.decision_notes:
+                self.stats.decision_notes.append(note)
+        if self._misses_in_a_row == _RETRACE_STORM and entry.mutated:
+            warnings.warn(
+                f"{getattr(self.fn, '__qualname__', 'the compiled function')}: the last {_RETRACE_STORM} calls each traced "
+                f"a new program, and the function changes {', '.join(entry.mutated[:3])}, which its programs are "
+                "specialised on (a list it appends to, a Python counter it increments). Results are right, but every "
+                "call retraces: keep such values in tensors, or return them and collect them outside.",
+                stacklevel=4)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)

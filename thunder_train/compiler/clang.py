@@ -415,6 +415,35 @@ def full_like(a, fill_value, *, dtype=None, device=None):
     return prims.full(a._tt_shape, fill_value, device=device or a._tt_device, dtype=dtype or a._tt_dtype)
 
 
+def empty(shape, *, device, dtype):
+    return prims.empty(tuple(shape), device=device, dtype=dtype)
+
+
+def zeros(shape, *, device, dtype):
+    return full(shape, False if dtype.is_bool else 0, device=device, dtype=dtype)
+
+
+def ones(shape, *, device, dtype):
+    return full(shape, True if dtype.is_bool else 1, device=device, dtype=dtype)
+
+
+def uniform(shape, minval=0.0, maxval=1.0, *, device, dtype):
+    return prims.uniform(tuple(shape), minval, maxval, device=device, dtype=dtype)
+
+
+def randn(shape, *, device, dtype):
+    return prims.randn(tuple(shape), device=device, dtype=dtype)
+
+
+def linspace(start, end, steps, *, device, dtype):
+    """``steps`` points from ``start`` to ``end``, computed in float32 (float64 for float64) like eager."""
+    if steps == 1:
+        return full((1,), start, device=device, dtype=dtype)
+    idx = prims.iota(steps, start=0, step=1, device=device, dtype=dtypes.float64 if dtype is dtypes.float64 else dtypes.float32)
+    step = (end - start) / (steps - 1)
+    return maybe_convert(prims.add(prims.mul(idx, step), float(start)), dtype)
+
+
 def arange(start, end, step, *, device, dtype):
     check(step != 0, "arange: step must be nonzero")
     if any(type(v) is SizeProxy for v in (start, end, step)) and all(isinstance(v, int) for v in (start, end, step)):

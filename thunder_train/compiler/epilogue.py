@@ -93,8 +93,11 @@ def _reject_aliased_inputs(walker, written):
             )
 
 
-def finish(st, out):
-    """Emit the write-backs; return ``(trace output, Epilogue or None)`` (``st``: the TracerState)."""
+def finish(st, out, python_effects=None):
+    """Emit the write-backs; return ``(trace output, Epilogue or None)`` (``st``: the TracerState).
+
+    ``python_effects(names, extra)``: more epilogue lines (containers and objects the function changed).
+    """
     buffers, walker, trc = st.buffers, st.walker, st.trace
 
     def final_value(p):
@@ -144,8 +147,16 @@ def finish(st, out):
                 if k not in entry:
                     lines.append(f"  del {opt}.state[{param}][{k!r}]")
 
-    # One copy_ per changed input; a source that is itself an overwritten input is read first.
-    writes = buffers.final_writes(walker.input_proxies())
+    if python_effects is not None:
+        lines += python_effects(names, extra)
+
+    # One copy_ per changed input; a source that is itself an overwritten input is read first.  An input whose
+    # metadata only changed (t_(), squeeze_()) keeps its data: the epilogue replays the method on it instead.
+    writes = [(v, dst) for v, dst in buffers.final_writes(walker.input_proxies()) if id(dst) not in st.metadata_inputs]
+    for dst, (method, args, kwargs) in st.metadata_replays:
+        leaf = walker.leaf_of(dst)
+        call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        lines.append(f"  {names(leaf.value, dst._tt_name, leaf)}.{method}({call})")
     _reject_aliased_inputs(walker, [dst for _, dst in writes])
     st.written_inputs = [dst for _, dst in writes]
     written = {id(dst) for _, dst in writes}

@@ -71,6 +71,13 @@ class Buffers:
         self._keep[id(base)] = base
         self._views[id(view)] = View(base, make, self._version.get(id(base), 0))
 
+    def has_views(self, p) -> bool:
+        return any(v.base is p for v in self._views.values())
+
+    def rebind(self, buf, value) -> None:
+        """``buf`` now names ``value``, whose shape or strides may differ (t_(), squeeze_(), ...)."""
+        self._set(buf, value)
+
     def base_of(self, p):
         view = self._views.get(id(p))
         return None if view is None else view.base

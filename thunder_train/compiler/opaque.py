@@ -116,6 +116,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     # Inputs a gradient would flow into (they require grad or depend on one that does).
     diff = gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ()
     meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
+    # A random op on meta tensors still advances the CPU generator: keep its state, so that tracing draws nothing.
+    rng = torch.default_generator.get_state()
     try:
         with torch._C.DisableTorchFunction(), torch.device("meta"):
             meta_out = func(*meta_args, **meta_kwargs)
@@ -124,6 +126,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
             f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "
             "Operations whose output shape depends on tensor values (nonzero, boolean masking, unique, .item()) cannot be compiled."
         ) from e
+    finally:
+        torch.default_generator.set_state(rng)
     if proxies:
         device = proxies[0]._tt_device
     else:

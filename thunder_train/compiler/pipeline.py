@@ -44,6 +44,8 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    decision_notes: list = dataclasses.field(default_factory=list)  # "<decision>: N ops recomputed by the prologue"
+    mutated: tuple = ()  # the containers and objects the epilogue changes (acquisition/containers.py), as paths
     program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
     wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
     fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
@@ -117,9 +119,11 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                        acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
                        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
+    entry.decision_notes = [f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call" for d in acquired.decisions]
+    entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
-    build_fused = None  # fusion="background": () -> (computation, traces, backward traces) of the fused program
+    build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     if not has_backward and may_need_autograd(computed):
         build_fused = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
     elif fuse_main:

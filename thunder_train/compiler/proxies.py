@@ -268,10 +268,20 @@ class NumberProxy(Proxy):
         )
 
     def __float__(self):
-        return float(self.value)
+        return self._plain("float", float)
 
     def __int__(self):
-        return int(self.value)
+        return self._plain("int", int)
+
+    def _plain(self, convert, fn):
+        """A plain Python number is needed (``float(loss.item())``, ``math.sqrt(n)``): while a function is
+        traced, a decision the prologue recomputes (acquisition/decisions.py) — the example value of an
+        ``item()`` does not exist (NaN) and another's would be baked in."""
+        from .context import tracer_state
+
+        if _decision_handler is not None and not isinstance(self, _Checked) and tracer_state() is not None:
+            return _decision_handler(self, convert, f"{convert}() of the runtime number {self.name}")
+        return fn(self.value)
 
     def __reduce__(self):
         raise TypeError("NumberProxy objects cannot be pickled")

@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import name_from_path, path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, name_from_path, path_str
 from . import checks
 
 _counter = itertools.count()
@@ -128,11 +128,13 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
         val = f"_float_key({var})" if type(v) is float else var
         return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]
     if k == "seq":
-        return [("type", f"type({var})", type(v)), ("len", f"len({var})", len(v))]
+        return [("type", f"type({var})", type(v)), ("len", f"len({var})", leaf.snapshot)]
     if k == "dict":
-        return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", tuple(v))]
+        return [("type", f"type({var})", type(v)), ("keys", f"tuple({var})", leaf.snapshot)]
     if k == "dataclass":
         return [("type", f"type({var})", type(v))]
+    if k == "namespace":  # a plain object whose attributes are leaves of their own
+        return [("type", f"type({var})", type(v)), ("attributes", f"tuple({var}.__dict__)", leaf.snapshot)]
     if k == "module":
         snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
         specs = [
@@ -266,7 +268,7 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
             if consts is None:
                 raise ValueError("extraction of captured tensors needs a Consts table")
             expr = consts(leaf.value)
-        elif step.kind in ("global", "closure") and len(leaf.path) == 1:
+        elif step.kind in CAPTURED_ROOTS and len(leaf.path) == 1:
             # Read again on every call from the function's globals dict or closure cell (rebinding is seen).
             if consts is None:
                 raise ValueError("extraction of globals and closure cells needs a Consts table")
@@ -348,10 +350,13 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     decision_sources = []
     dec = Consts("_decision")  # its own names: thin mode's generated code uses them too
     decision_checks = []
+    decision_leaves: set = set()  # leaf indices the decisions' programs read (thin mode names them)
     if decisions:
         var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
-                        if leaf.kind == "tensor" and leaf.alias_of is None}
+                        if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
+        leaf_of_var = {v: i for i, v in enumerate(names)}
         for d in decisions:
+            decision_leaves.update(leaf_of_var[var_of_proxy[id(p)]] for p in d.inputs)
             fn = dec(d.fn)
             call = _DECISION_EXPR[d.convert].format(f"{fn}({''.join(var_of_proxy[id(p)] + ', ' for p in d.inputs)})")
             labels.append(Label("decision", d.text))
@@ -388,6 +393,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     pro.size_checks = size_exprs
     pro.check_globals = {"_as_list": _as_list, **dec.d}
     pro.decision_checks = decision_checks
+    pro.decision_leaves = tuple(sorted(decision_leaves))
     pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
     return pro, tuple(expected)
 

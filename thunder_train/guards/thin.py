@@ -30,7 +30,7 @@ import operator
 
 import torch
 
-from ..compiler.acquisition.provenance import path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.proxies import SizeProxy
@@ -137,10 +137,13 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if type(v) is float and v != v:
                 return f"type({var}) is not float or {var} == {var}"
             return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
-        if k in ("seq", "dict"):
-            return f"type({var}) is not {consts(type(v))} or len({var}) != {len(v)}"
+        if k in ("seq", "dict"):  # the length when walked (the epilogue may have changed the container since)
+            n = leaf.snapshot if k == "seq" else len(leaf.snapshot)
+            return f"type({var}) is not {consts(type(v))} or len({var}) != {n}"
         if k == "dataclass":
             return f"type({var}) is not {consts(type(v))}"
+        if k == "namespace":  # attributes added or removed: the attribute leaves are checked on their own
+            return f"type({var}) is not {consts(type(v))} or len({var}.__dict__) != {len(leaf.snapshot)}"
         if k == "absent":
             return f"{var} is not None"
         if k == "number":
@@ -160,7 +163,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         leaf, var, v = leaves[i], names[i], leaves[i].value
         k = leaf.kind
         # A global or closure value the caller rebound: a change to recompile for, not a broken contract.
-        mismatch = changed if leaf.path[0].kind in ("global", "closure") else per_call_mismatch
+        # A global, closure cell or default the caller rebound, or an attribute of a plain object (state, like a
+        # module's): a change to recompile for, not a broken contract.
+        mismatch = changed if leaf.path[0].kind in CAPTURED_ROOTS or any(
+            kind_of.get(leaf.path[:j]) == "namespace" for j in range(1, len(leaf.path) + 1)) else per_call_mismatch
         if k == "tensor":
             if leaf.alias_of is None and mismatch is per_call_mismatch and "meta" in fast and not is_symbolic(leaf):
                 pc_batch.append((var, v, tensor_cond(var, v, leaf)))
@@ -248,7 +254,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if p is None:
                 depth = 0
                 break
-            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass"):
+            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass", "namespace"):
                 break
             depth -= 1
         if depth == 0:
@@ -369,6 +375,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     expected = [e for lab, e in zip(prologue.labels, entry.key) if lab.path == "sizes"]
     for expr, result in zip(size_exprs, expected):
         lines += [f"    if {expr} is not {result}:", "      raise _Changed"]
+    for i in getattr(prologue, "decision_leaves", ()):
+        # A decision on an intermediate value reads static leaves too (parameters, optimizer state): name them.
+        if per_call[i] or comp_arg.get(i) == names[i]:
+            continue
+        if i in comp_arg:
+            lines.append(f"    {names[i]} = {comp_arg[i]}")
+        elif vals[i] is prev_vals[i] and leaves[i].kind == "tensor":
+            lines.append(f"    {names[i]} = {bind(i)}")
+        else:
+            raise CannotBind(f"a decision reads {path_str(leaves[i].path)}, which is a different object on each call")
     for j, expr in prologue.decision_checks:
         # A Python decision on per-call inputs (acquisition/decisions.py) goes another way: another program.
         lines += [f"    if {expr} != {consts(entry.key[j])}:", "      raise _Changed"]

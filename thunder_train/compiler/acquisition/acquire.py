@@ -27,11 +27,14 @@ from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
 from . import decisions as _decisions  # noqa: F401 — installs the decision handler
-from .captured import captured_roots
+from .captured import captured_roots, default_roots, self_root
+from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
+from .global_state import global_state_unchanged
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
 from .state import TracerState
+from .module_writes import settle as settle_module_writes
 from .walker import InputWalker
 
 
@@ -46,6 +49,7 @@ class Acquired:
     epilogue: object = None  # epilogue.Epilogue replaying Python side effects, or None
     output_spec: object = None  # pytree.OutputSpec rebuilding a returned user type (ModelOutput, dataclass, ...)
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
+    mutated_paths: list = dataclasses.field(default_factory=list)  # containers/objects the epilogue changes (containers.py)
 
 
 def arg_names(fn) -> list:
@@ -84,11 +88,12 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            walker.walk_captured(captured_roots(fn))
-            with ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), ddp_while_tracing(), \
-                    only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
+            walker.walk_captured(self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn))
+            with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
+                    ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
-            walker.check_copies_unmodified()
+                settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
+            walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
@@ -101,13 +106,20 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                     seen.add(id(leaf.proxy))
                     inputs.append(leaf.proxy)
             trc.args = inputs
-            trc.output, epilogue = finish(state, out)
+            changed = []
+
+            def python_effects(names, extra):
+                # Lists, dicts, dataclasses and objects the function changed: replayed on this call's objects.
+                changed[:] = mutated(walker.tracked)
+                return replay_lines(changed, names, extra, walker.copy_leaf)
+
+            trc.output, epilogue = finish(state, out, python_effects)
             _insert_shape_queries(trc, walker.symbolic_inputs)
         finally:
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
-                    output_spec=output_spec, decisions=list(state.decisions))
+                    output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed))
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

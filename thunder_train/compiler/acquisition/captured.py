@@ -48,10 +48,19 @@ class Root:
 
     def set(self, value) -> None:
         """Make the function read ``value`` (while tracing: its proxies)."""
-        if self.step.kind == "global":
-            self.step.ref[self.step.key] = value
+        kind, ref, key = self.step.kind, self.step.ref, self.step.key
+        if kind == "global":
+            ref[key] = value
+        elif kind == "closure":
+            ref.cell_contents = value
+        elif kind == "default" and key[0] == "pos":
+            d = list(ref.__defaults__)
+            d[key[1]] = value
+            ref.__defaults__ = tuple(d)
+        elif kind == "default":
+            ref.__kwdefaults__ = {**ref.__kwdefaults__, key[1]: value}
         else:
-            self.step.ref.cell_contents = value
+            raise AssertionError(f"cannot rebind {kind}")  # "self": walked in place (a module or plain object)
 
 
 def _code_names(code, loads: set, stores: set) -> None:
@@ -80,6 +89,38 @@ def _function_of(fn):
 
 def _is_internal(fn) -> bool:
     return (getattr(fn, "__module__", None) or "").startswith(_INTERNAL)
+
+
+def default_roots(fn, args, kwargs) -> list:
+    """The default values ``fn`` uses in this call (parameters the call does not pass): inputs read from
+    ``fn.__defaults__``/``__kwdefaults__`` on every call, so replacing them, or changing a tensor default in place,
+    is seen."""
+    f = _function_of(fn)
+    if f is None or _is_internal(f) or not (f.__defaults__ or f.__kwdefaults__):
+        return []
+    try:
+        sig = inspect.signature(fn)
+        passed = sig.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return []
+    code = f.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    first = len(positional) - len(f.__defaults__ or ())
+    roots = []
+    for i, name in enumerate(positional[first:]):
+        if name not in passed:
+            roots.append(Root(Step("default", ("pos", i, name), ref=f), f.__defaults__[i]))
+    for name, v in (f.__kwdefaults__ or {}).items():
+        if name not in passed:
+            roots.append(Root(Step("default", ("kw", name), ref=f), v))
+    return roots
+
+
+def self_root(fn) -> list:
+    """``tt.compile(obj.step)``: ``obj`` is an input (a plain object's attributes, a module's parameters)."""
+    if isinstance(fn, types.MethodType) and not _is_internal(fn.__func__) and not inspect.isclass(fn.__self__):
+        return [Root(Step("self", None, ref=fn), fn.__self__)]
+    return []
 
 
 def captured_roots(fn) -> list:

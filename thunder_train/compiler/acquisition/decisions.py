@@ -1,17 +1,19 @@
-"""Python decisions on input values: computed by the prologue and specialised on, not refused.
+"""Python decisions on tensor values: computed by the prologue and specialised on, not refused.
 
-``if (mask == 1).all():``, ``mask.any()``, ``int(lengths.max())``, ``if x.sum().item() > 0:``
-need a value while tracing.  When the value is a function of the per-call inputs alone
-(the batch, a captured tensor — not parameters, optimizer state or anything the function
-computed with them), it is computed here from the example inputs: the trace lines it
-depends on are cut out as a small program of their own (a *decision*), run on the real
-input tensors, and the function continues with the real Python value.  The prologue runs
-the same program on every call and compares (``guards/prologue.py``): a call that decides
-differently gets its own trace, with the decision as the retrace reason.
+``if (mask == 1).all():``, ``mask.any()``, ``int(lengths.max())``, ``if loss.item() > 10:``,
+``if (h > 0).any():`` need a value while tracing.  The trace is functional, so every value it
+computed is a pure function of the inputs as they were when the call began (in-place updates are
+new values until the final write-backs): the trace lines the value depends on are cut out as a
+small program of their own (a *decision*), run on the real input tensors under ``no_grad``, and
+the function continues with the real Python value.  The prologue runs the same program on every
+call and compares (``guards/prologue.py``; thin mode per call too): a call that decides
+differently gets its own trace, with the decision as the retrace reason.  A decision on an
+intermediate value (a loss, an activation) so recomputes part of the program in the prologue;
+``compile_stats(cf).decision_notes`` says how many ops.
 
-A decision on anything else (a loss, an activation, an optimizer's state) would need the
-program split at that point; that is not implemented, so it is a ``DataDependentError``
-naming the user's source line and what to do.
+A value the prologue cannot recompute exactly — one that depends on a random op (dropout), on
+an op with side effects, or on an op run opaquely that torch marks as random — stays a
+``DataDependentError`` naming the user's source line and what to do.
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from typing import Any, Callable
 import torch
 
 from .. import context, proxies
+from ..executors.lowering import lower_to_executors
+from ..executors.torch_executor import torch_executor
 from ..proxies import NumberProxy, TensorProxy, is_proxy
 from ..torchlang.tensor_methods import DataDependentError
 from ..trace import Trace
 
-# A decision's program is the few lines that compute a mask test; beyond this it is an intermediate value.
-MAX_LINES = 32
+# A decision that needs more of the program than this is refused (the prologue would run it on every call).
+MAX_LINES = 20_000
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -41,6 +45,7 @@ class Decision:
     result: Any
     text: str  # what the user's code decided, and where: "bool(tensor) at masking_utils.py:354"
     source: str  # the program's Python source (part of the prologue's structure)
+    ops: int = 0  # trace lines the prologue recomputes for it
 
 
 def user_line() -> str:
@@ -66,7 +71,22 @@ def _refuse(what: str, where: str, why: str):
 
 
 def _random(b) -> bool:
-    return "random" in getattr(b.sym, "tags", ()) or any(_random(s) for s in b.subsymbols)
+    return "random" in getattr(b.sym, "tags", ()) or _opaque_random(b) or any(_random(s) for s in b.subsymbols)
+
+
+def _opaque_random(b) -> bool:
+    """An op run opaquely whose aten overloads torch tags ``nondeterministic_seeded`` (``torch.poisson``)."""
+    if "opaque" not in getattr(b.sym, "tags", ()):
+        return False
+    short = b.sym.name.rsplit(".", 1)[-1]
+    packet = getattr(torch.ops.aten, short, None)
+    if packet is None:
+        return False
+    try:
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+    except Exception:  # noqa: BLE001 — not an op packet: nothing known
+        return False
+    return any(torch.Tag.nondeterministic_seeded in getattr(o, "tags", ()) for o in overloads)
 
 
 def _slice(st, value):
@@ -77,31 +97,51 @@ def _slice(st, value):
     for b in reversed(st.trace.bound_symbols):
         if not any(id(o) in needed for o in b.flat_outputs()):
             continue
-        if _random(b) or b.has_side_effect:
-            return None, "the value depends on a random or side-effecting op"
+        if _random(b):
+            return None, f"the value depends on a random op ({b.sym.name}), which the prologue cannot recompute"
+        if b.has_side_effect:
+            return None, f"the value depends on an op with side effects ({b.sym.name})"
         taken.append(b)
         if len(taken) > MAX_LINES:
-            return None, f"it is an intermediate value (more than {MAX_LINES} operations from the inputs)"
+            return None, f"it needs more than {MAX_LINES} operations of the program to compute"
         for a in b.flat_args():
             if is_proxy(a):
                 needed.add(id(a))
     taken.reverse()
     made = {id(o) for b in taken for o in b.flat_outputs()}
-    kinds = {leaf.path: leaf.kind for leaf in walker.leaves}
     inputs, seen = [], set()
     candidates = [value] + [a for b in taken for a in b.flat_args()]
     for a in candidates:
         if not is_proxy(a) or id(a) in made or id(a) in seen:
             continue
         seen.add(id(a))
-        leaf = walker.leaf_of(a)
-        if leaf is None:
-            return None, "it depends on a value the function computed outside the inputs"
-        if leaf.kind != "tensor" or any(kinds.get(leaf.path[:j]) in ("module", "object", "optimizer")
-                                        for j in range(1, len(leaf.path))) or leaf.path[0].kind == "const":
-            return None, f"it depends on {leaf.where}, which is not a per-call input (parameters and optimizer state change every step)"
+        if _input_leaf(walker, a) is None:
+            if getattr(a, "origin", (None,))[0] == "dim":
+                return None, "it depends on a symbolic size (dynamic=True), which the decision's program cannot read"
+            return None, "it depends on a value that is neither an input nor computed from the inputs by the trace"
         inputs.append(a)
     return (taken, inputs), None
+
+
+def _without_grad(program):
+    """The prologue runs a decision's program under ``no_grad``: only its value is needed (no autograd graph)."""
+
+    def decision(*inputs):
+        with torch.no_grad():
+            return program(*inputs)
+
+    return decision
+
+
+def _input_leaf(walker, p):
+    """The leaf of an input tensor or runtime number (an optimizer's lr), or None."""
+    leaf = walker.leaf_of(p)
+    if leaf is not None:
+        return leaf
+    for leaf in walker.leaves:
+        if leaf.kind == "number" and leaf.proxy is p:
+            return leaf
+    return None
 
 
 def decide(value, convert: str, what: str):
@@ -119,13 +159,15 @@ def decide(value, convert: str, what: str):
     trc.bound_symbols = list(lines)
     trc.output = value
     trc.names = set(st.trace.names)
+    # Lowered like the computation (each line the torch function eager calls), so it computes eager's values.
+    trc = lower_to_executors(trc, [torch_executor], header=f"Decision: {what} at {where}")
     source = trc.python_source()
-    fn = trc.python_callable()
-    real = [st.walker.leaf_of(p).value for p in inputs]
+    fn = _without_grad(trc.python_callable())
+    real = [_input_leaf(st.walker, p).value for p in inputs]
     with context.tracing(None), torch._C.DisableTorchFunction(), torch.no_grad():
         v = fn(*real)
     result = _CONVERT[convert](v)
-    st.decisions.append(Decision(fn, list(inputs), convert, result, f"{what} at {where}", source))
+    st.decisions.append(Decision(fn, list(inputs), convert, result, f"{what} at {where}", source, ops=len(lines)))
     return result
 
 

@@ -23,6 +23,7 @@ from ..pytree import tree_flatten, tree_map
 from .. import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
+from .opaque_views import record_opaque_views
 from .state import TracerState
 from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, no_grad_region,
                       opaque_out, read_current, record_views, write)
@@ -56,7 +57,10 @@ def handle_torch_function(func, types, args, kwargs):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
-    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+    flat = _flat(args, kwargs)
+    if any(isinstance(a, torch.Generator) for a in flat):
+        _refuse_generator(func)
+    if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
     # Functionalization (compiler/functional.py): read the current value of every buffer.
     orig_args, orig_kwargs = args, kwargs
@@ -79,10 +83,19 @@ def handle_torch_function(func, types, args, kwargs):
             return functionalize(st, sym, orig_args, args, kwargs)
         scope = trc._scopes[-1]
         n = len(scope)
-        if top:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
+        entry = getattr(sym, "traces_torch_calls", False)
+        if top and not entry:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
         try:
-            out = sym(*args, **kwargs)
+            if entry:
+                # An entry written with torch calls (torchlang/decided.py) runs like the user's code: on the user's
+                # objects (its in-place calls update them; each torch call reads current values and applies
+                # autocast itself), and under the mode, which torch switches off while it handles this call
+                # (without it a factory inside would run eagerly, as a constant).
+                with ProxyMode():
+                    out = sym(*orig_args, **{k: v for k, v in orig_kwargs.items() if k != "out"})
+            else:
+                out = sym(*args, **kwargs)
         except NotImplementedError as e:
             # The torch language does not cover these arguments (F.pad(mode='reflect'), ceil_mode=True, ...):
             # run the call opaquely, as torch, rather than fail (strict=True still refuses it).
@@ -137,7 +150,20 @@ def handle_torch_function(func, types, args, kwargs):
         return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
     if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
         return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
-    return no_grad_region(st, call_opaque(func, args, kwargs, strict=st.strict))
+    out = call_opaque(func, args, kwargs, strict=st.strict)
+    if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+        record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
+    return no_grad_region(st, out)
+
+
+def _refuse_generator(func):
+    """A ``torch.Generator`` argument: the compiled program would keep using the generator object of the
+    traced call (one made inside the function would not be remade and reseeded on later calls)."""
+    raise TracingError(
+        f"{callable_name(func)}(..., generator=...) inside a compiled function is not supported: the generator's "
+        "state lives outside the traced program, so later calls would not draw what eager draws. Draw the random "
+        "tensor outside the compiled function and pass it in, or use the default generator (seeded outside)."
+    )
 
 
 def _is_inplace(func) -> bool:

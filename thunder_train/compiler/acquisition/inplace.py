@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import prims
 from ..clang import maybe_convert
 from ..errors import TracingError
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
+from .metadata_inplace import SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace
 
 
 # Symbols whose result shares storage with their first argument in eager PyTorch: writing into
@@ -62,6 +64,7 @@ def inplace(st, sym, orig_args, args, kwargs):
 
 
 def write(st, sym, dst, value):
+    check_data_write(st, dst)
     if torch.is_grad_enabled() and dst._tt_requires_grad and st.walker.is_input(dst):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     bsyms = st.trace.bound_symbols
@@ -70,6 +73,11 @@ def write(st, sym, dst, value):
         last.comment = f"{sym.name}: the new value of {dst._tt_name}"
     if not torch.is_grad_enabled() and st.grad_enabled:
         value = no_grad_region(st, value)
+    if (type(value) is TensorProxy and type(dst) is TensorProxy and value._tt_shape == dst._tt_shape
+            and value._tt_strides != dst._tt_strides and is_non_overlapping_and_dense(dst)):
+        # An in-place op keeps its destination's layout (a channels-last buffer stays channels-last after
+        # fill_ / zero_ / copy_), whatever layout the out-of-place form gives its result.
+        value = prims.grad_layout(value, dst)
     st.buffers.write(dst, value)
 
 
@@ -176,6 +184,8 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
 
     name = getattr(func, "__name__", "")
     dst = orig_args[0]
+    if name in METADATA_SUPPORTED and type(dst) is TensorProxy:
+        return metadata_inplace(st, func, orig_args, args, kwargs, run_opaque)
     if name in METADATA_INPLACE:
         raise TracingError(
             f"Tensor.{name} changes the shape or metadata of a tensor in place, which thunder_train does not support "

@@ -15,6 +15,11 @@ from typing import Any
 # ---------------------------------------------------------------------------
 # Provenance: how the prologue finds a leaf again
 # ---------------------------------------------------------------------------
+# Roots read from the function rather than from the call's arguments (captured.py): the prologue reads them
+# again on every call; thin mode re-validates (not raises) when one changed.
+CAPTURED_ROOTS = ("global", "closure", "default", "self")
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     kind: str  # "arg", "kwarg", "global", "closure", "const", "item", "key", "attr", "param", "buffer", "module", "optstate"
@@ -33,6 +38,10 @@ class Step:
             return f"{base}[{self.key!r}]"  # base: the globals dict
         if k == "closure":
             return f"{base}.cell_contents"  # base: the cell
+        if k == "default":  # base: the function; key ("pos", index, name) or ("kw", name)
+            return f"{base}.__defaults__[{self.key[1]}]" if self.key[0] == "pos" else f"{base}.__kwdefaults__[{self.key[1]!r}]"
+        if k == "self":
+            return f"{base}.__self__"  # base: the bound method
         if k in ("item", "key"):
             return f"{base}[{self.key!r}]"
         if k == "attr":
@@ -58,6 +67,10 @@ class Step:
             return f"<tensor #{self.key} read by the function through an object it does not walk>"
         if self.kind == "global":
             return f"globals[{self.key!r}]"
+        if self.kind == "default":
+            return f"defaults[{self.key[-1]!r}]"
+        if self.kind == "self":
+            return "self"
         if self.kind == "closure":
             owner, name = self.key
             return f"closure[{name!r}]" if owner is None else f"{owner}.closure[{name!r}]"
@@ -89,6 +102,10 @@ def name_from_path(path, fallback="t") -> str:
             parts.append(st.key)
         elif st.kind == "closure":
             parts.append(st.key[1])
+        elif st.kind == "default":
+            parts.append(st.key[-1])
+        elif st.kind == "self":
+            parts.append("self")
         elif st.kind in ("attr", "param", "buffer", "module", "key"):
             parts.append(str(st.key))
         elif st.kind == "item":
@@ -107,12 +124,18 @@ class Leaf:
     """An input the computation reads, or a Python value it specialised on."""
 
     path: tuple
-    kind: str  # "tensor", "number", "absent", "constant", "object", "module", "optimizer", "seq", "dict", "dataclass"
+    kind: str  # "tensor", "number", "absent", "constant", "object", "module", "optimizer", "seq", "dict", "dataclass",
+    # "namespace" (a plain object whose attributes are leaves)
     value: Any
     proxy: Any = None
     alias_of: "Leaf | None" = None
-    # For modules: Python state read before tracing ran (guards/prologue.py guards it).
+    # For modules: Python state read before tracing ran (guards/prologue.py guards it). For lists/tuples: their
+    # length, for dicts their keys, when walked (the epilogue may change the real container afterwards).
     snapshot: Any = None
+
+    def __post_init__(self):
+        if self.snapshot is None and self.kind in ("seq", "dict"):
+            self.snapshot = tuple(self.value) if self.kind == "dict" else len(self.value)
 
     @property
     def where(self) -> str:

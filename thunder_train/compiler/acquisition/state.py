@@ -31,3 +31,7 @@ class TracerState:
     ddp_pending: list = dataclasses.field(default_factory=list)  # (module, ignored names): DDP forwards awaiting a backward
     written_inputs: list = dataclasses.field(default_factory=list)  # input proxies updated in place (set by the epilogue)
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision: Python values computed from inputs
+    # Inputs whose shape/strides a method like t_() changed (metadata_inplace.py): id -> proxy, and the
+    # (input, (method, args, kwargs)) the epilogue replays on the real input.
+    metadata_inputs: dict = dataclasses.field(default_factory=dict)
+    metadata_replays: list = dataclasses.field(default_factory=list)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import functools
 import io
+import types
 from typing import Any
 
 import torch
@@ -19,7 +21,9 @@ import torch
 from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
-from .provenance import Leaf, Step, name_from_path, path_str
+from .containers import Tracked, attrs_of
+from .module_writes import ModuleState
+from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
@@ -47,8 +51,17 @@ class InputWalker:
         self.static_depth = 0  # > 0 while walking a module or optimizer: their tensors keep constant shapes
         self.floats_are_inputs = False  # while walking an optimizer's hyper-parameters
         self.symbolic_inputs: list = []  # input proxies with symbolic sizes
-        self.copies: list = []  # (proxied container, its items) made for captured values: must stay unmodified
-        self._capturing = False
+        # containers.Tracked: the copies (lists, dicts, dataclasses, plain objects' __dict__) the function works on;
+        # what it changes in them is replayed by the epilogue (containers.py).
+        self.tracked: list = []
+        self.copy_leaf: dict = {}  # id(copy the function sees) -> the leaf of the real object
+        self._swapped_objects: set = set()  # ids of plain objects whose __dict__ is a copy while tracing
+        self.object_depth = 0  # plain objects being walked (namespace) around the current value
+        # (where, container, contents, copy, what): lists/dicts held by modules, or by plain objects but too large
+        # to walk; the function must not change them (check_unwalked_unchanged).
+        self.unwalked: list = []
+        # module_writes.ModuleState of every walked module: what the function assigns on it is settled after it runs.
+        self.module_states: list = []
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -62,34 +75,23 @@ class InputWalker:
         restored afterwards). An object already walked (``model`` passed as an argument and read as
         a global) gets an identity leaf under this path, so rebinding the name is still seen.
         """
-        self._capturing = True
-        try:
-            for root in roots:
-                path, v = (root.step,), root.value
-                if id(v) in self.by_id and not isinstance(v, torch.Tensor):
-                    self.leaves.append(Leaf(path, "object", v))
-                    continue
-                new = self.walk(v, path, root.step.key if root.step.kind == "global" else root.step.key[1])
-                if new is not v:
-                    self.swapped.append((root, None, v))
-                    root.set(new)
-        finally:
-            self._capturing = False
+        for root in roots:
+            path, v = (root.step,), root.value
+            if id(v) in self.by_id and not isinstance(v, torch.Tensor):
+                self.leaves.append(Leaf(path, "object", v))
+                continue
+            new = self.walk(v, path, name_from_path(path))
+            if new is not v:
+                self.swapped.append((root, None, v))
+                root.set(new)
 
-    def check_copies_unmodified(self):
-        """A captured list or dict the function changed (``losses.append(loss)``): the change went into the
-        proxied copy and would be lost, and would not happen on later calls. An error, not a silent drop."""
-        for leaf, copy, items in self.copies:
-            is_dict = isinstance(copy, dict)
-            now = list(copy.items()) if is_dict else list(copy)
-            same = len(now) == len(items) and all(
-                (x[0] == y[0] and x[1] is y[1]) if is_dict else x is y for x, y in zip(now, items))
-            if not same:
-                raise TracingError(
-                    f"the function modified {leaf.where} ({type(copy).__name__} read from a global or closure): the change "
-                    "would happen once, while tracing, not on every call. Return the values and collect them outside the "
-                    "compiled function."
-                )
+    def _track(self, leaf, copy, kind):
+        """The function works on ``copy``; what it changes there is replayed on ``leaf``'s real object."""
+        if self.static_depth:
+            return  # optimizer internals: TracedOptimizer checks them
+        initial = list(copy) if kind == "list" else list(copy.items()) if kind == "dict" else list(attrs_of(copy).items())
+        self.tracked.append(Tracked(leaf, copy, initial, kind))
+        self.copy_leaf.setdefault(id(copy), leaf)
 
     def tensor(self, t, path, hint):
         prev = self.by_id.get(id(t))
@@ -100,7 +102,7 @@ class InputWalker:
         name = self.trc.unique_name(hint or name_from_path(path))
         shape = tuple(t.shape)
         # Captured values (globals, closures) keep constant shapes like module tensors.
-        symbolic = self.dynamic and not self.static_depth and path[0].kind not in ("const", "global", "closure")
+        symbolic = self.dynamic and not self.static_depth and path[0].kind != "const" and path[0].kind not in CAPTURED_ROOTS
         if symbolic:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
             # they decide broadcasting and emptiness).
@@ -146,15 +148,14 @@ class InputWalker:
             self.leaves.append(leaf)
             items = [self.walk(v, path + (Step("item", i),)) for i, v in enumerate(x)]
             new = t(*items) if hasattr(x, "_fields") else t(items)
-            if t is list and self._capturing and not self.static_depth:
-                self.copies.append((leaf, new, list(new)))
+            if t is list:
+                self._track(leaf, new, "list")
             return new
         if t is dict:
             leaf = Leaf(path, "dict", x)
             self.leaves.append(leaf)
             new = {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
-            if self._capturing and not self.static_depth:
-                self.copies.append((leaf, new, list(new.items())))
+            self._track(leaf, new, "dict")
             return new
         if isinstance(x, torch.nn.Module):
             self.module(x, path)
@@ -163,13 +164,15 @@ class InputWalker:
             self.optimizer(x, path)
             return x
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            self.leaves.append(Leaf(path, "dataclass", x))
+            leaf = Leaf(path, "dataclass", x)
+            self.leaves.append(leaf)
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
             new = object.__new__(t)
             if hasattr(x, "__dict__"):  # slotted dataclasses have none
                 new.__dict__.update(x.__dict__)
             for k, v in fields.items():
                 object.__setattr__(new, k, v)
+            self._track(leaf, new, "dataclass")
             return new
         if isinstance(x, collections.abc.Iterator) and not isinstance(x, io.IOBase):
             raise TracingError(
@@ -177,9 +180,75 @@ class InputWalker:
                 "tracing, so a next() inside it would return the same first item on every call. Take the batch outside "
                 "and pass it: batch = next(it); step(batch)."
             )
-        # Anything else (configs, callables, ...) is specialised on by identity.
-        self.leaves.append(Leaf(path, "object", x))
+        if plain_object(x) and not self.static_depth and id(x) not in self.by_id \
+                and self.object_depth < MAX_OBJECT_DEPTH and _can_swap_dict(x):
+            return self.namespace(x, path)
+        # Anything else (callables, classes, objects nested too deep, ...) is specialised on by identity.
+        leaf = Leaf(path, "object", x)
+        self.leaves.append(leaf)
+        if id(x) not in self.by_id:  # (an object walked as a namespace already runs with its walked __dict__)
+            self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
         return x
+
+    def namespace(self, x, path):
+        """A plain object (a config, ``argparse.Namespace``, a trainer-like object): its instance attributes are
+        inputs like a dataclass's fields (``args[1].scale``), guarded and bound; it runs with a ``__dict__`` of
+        walked values, so what it writes there is replayed by the epilogue (containers.py)."""
+        d = x.__dict__
+        leaf = Leaf(path, "namespace", x, snapshot=tuple(d))
+        self.leaves.append(leaf)
+        self.by_id[id(x)] = leaf
+        new = {}
+        self.object_depth += 1
+        try:
+            for k, v in d.items():
+                if type(k) is not str or not k.isidentifier():
+                    new[k] = v  # not reachable as obj.<name>: neither guarded nor proxied
+                elif isinstance(v, collections.abc.Iterator) and not isinstance(v, io.IOBase):
+                    # An iterator the object holds: fine unless the function steps it (once, while tracing).
+                    where = path_str(path + (Step("attr", k),))
+                    self.leaves.append(Leaf(path + (Step("attr", k),), "object", v))
+                    new[k] = _RefusedIterator(v, where)
+                elif type(v) in (list, dict) and len(v) > MAX_ITEMS:
+                    # Not walked item by item: its identity is guarded; a change the function makes is refused.
+                    self.leaves.append(Leaf(path + (Step("attr", k),), "object", v))
+                    self.unwalked.append((path_str(path + (Step("attr", k),)), v, _contents(v), v.copy(),
+                                          f"a {type(v).__name__} of more than {MAX_ITEMS} items held by a plain object"))
+                    new[k] = v
+                else:
+                    new[k] = self.walk(v, path + (Step("attr", k),), f"{name_from_path(path)}_{k}")
+        finally:
+            self.object_depth -= 1
+        self._swap_dict(leaf, x, new, "namespace")
+        return x
+
+    def _swap_dict(self, leaf, x, new, kind):
+        """While tracing, ``x`` has ``new`` as its ``__dict__``: attribute writes land there (restored afterwards)."""
+        if new is None or self.static_depth or id(x) in self._swapped_objects:
+            return
+        d = x.__dict__
+        try:
+            object.__setattr__(x, "__dict__", new)
+        except (TypeError, AttributeError):
+            return
+        self._swapped_objects.add(id(x))
+        self.swapped.append((_ObjectDict(x), None, d))
+        self._track(leaf, x, kind)
+
+    def check_unwalked_unchanged(self):
+        """A list or dict held by a module, or a large one held by a plain object, is not walked: changing it
+        inside is an error (its contents are put back), not a change that happens once."""
+        for where, v, before, items, what in self.unwalked:
+            if _contents(v) != before:
+                if type(v) is dict:  # put back what it held: the traced change must not leave proxies in it
+                    v.clear()
+                    v.update(items)
+                else:
+                    v[:] = items
+                raise TracingError(
+                    f"the function changed {where}, {what}: such containers are not walked item by item, so the change "
+                    "would happen once, while tracing. Return the values and collect them outside the compiled function."
+                )
 
     def module(self, m, path):
         self.static_depth += 1
@@ -204,6 +273,11 @@ class InputWalker:
                 proxy = self.tensor(b, path + (Step("buffer", name),), None)
                 self.swapped.append((m._buffers, name, b))
                 m._buffers[name] = proxy
+        for name, v in m.__dict__.items():
+            if name[:1] != "_" and type(v) in (list, dict):  # a module's own list or dict (self.history = [])
+                self.unwalked.append((path_str(path + (Step("attr", name),)), v, _contents(v), v.copy(),
+                                      f"a {type(v).__name__} held by the module {type(m).__name__}"))
+        self.module_states.append(ModuleState.of(m, leaf.where))
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))
@@ -302,6 +376,16 @@ class InputWalker:
         """The input leaf a tensor proxy stands for, or None for a tensor made inside the function."""
         return self.leaf_of_proxy.get(id(proxy))
 
+    def module_tensor(self, proxy):
+        """The real parameter or buffer of a walked module that ``proxy`` stands for (None otherwise).
+
+        Those are bound by identity on every call, so a reference to one stays right; a per-call input's would not.
+        """
+        leaf = self.leaf_of(proxy)
+        if leaf is None or not leaf.path or leaf.path[-1].kind not in ("param", "buffer"):
+            return None
+        return leaf.value
+
     def is_input(self, proxy) -> bool:
         return id(proxy) in self.leaf_of_proxy
 
@@ -336,6 +420,64 @@ class InputWalker:
             else:
                 d[k] = v
         self.swapped.clear()
+
+
+MAX_OBJECT_DEPTH = 3  # plain objects inside plain objects are walked this deep; deeper ones by identity
+MAX_ITEMS = 256  # a list or dict attribute of a plain object larger than this is guarded by identity
+
+
+def _contents(v) -> list:
+    return [(k, id(x)) for k, x in v.items()] if type(v) is dict else [id(x) for x in v]
+
+
+def _can_swap_dict(x) -> bool:
+    try:
+        object.__setattr__(x, "__dict__", x.__dict__)
+    except (TypeError, AttributeError):
+        return False
+    return True
+
+
+def plain_object(x) -> bool:
+    """An instance of a user's Python class (not a function, class, module, torch or thunder_train object)."""
+    if isinstance(x, _NOT_PLAIN) or type(getattr(x, "__dict__", None)) is not dict:
+        return False
+    mod = type(x).__module__ or ""
+    return not (mod == "builtins" or mod.startswith(("torch.", "thunder_train.")) or mod == "torch")
+
+
+_NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
+              torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+class _RefusedIterator:
+    """Stands in for an iterator held by a plain object while tracing: ``next()`` on it is an error."""
+
+    def __init__(self, it, where):
+        self._it, self._where = it, where
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise TracingError(
+            f"{self._where} is an iterator: the compiled function runs its Python code once, while tracing, so a "
+            "next() inside it would return the same first item on every call. Take the batch outside and pass it: "
+            "batch = next(it); step(batch)."
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+
+class _ObjectDict:
+    """``restore`` target for a plain object's swapped ``__dict__``."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def set(self, d):
+        object.__setattr__(self.obj, "__dict__", d)
 
 
 class _RefusedHooks(collections.OrderedDict):

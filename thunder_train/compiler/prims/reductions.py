@@ -51,20 +51,41 @@ def extremum_vjp(g, out, /, a, dims):
 def prod_vjp(g, out, /, a, dims):
     """The product of the other elements, zeros included (torch's ``prod_backward``).
 
-    Without a zero in the reduced slice it is ``out / a``.  With exactly one zero,
-    only that position gets a gradient: the product of the others.  With two or
-    more, every gradient is 0.
+    Without a zero in the whole tensor it is ``out / a``.  Otherwise each position gets the product of
+    the others, as eager's exclusive products compute it: for the only zero, the product of the rest; for
+    a position whose others include a zero, 0, or NaN when they also include an infinity or a NaN
+    (``0 * inf``); in a slice without zeros, ``out / a``, except at an infinite or NaN entry, whose others'
+    product is finite or infinite, not ``inf / inf``.
     """
     if not dims:
         return {"a": g}
     shape = a._tt_shape
+
+    def count(mask):  # per position: how many of its slice's elements are in mask
+        return restore_reduced(prims.sum(prims.convert_element_type(mask, dtypes.int64), dims), shape, dims)
+
     is_zero = prims.eq(a, 0.0)
+    not_finite = prims.bitwise_not(prims.isfinite(a))
     safe = prims.where(is_zero, 1.0, a)
     gb = restore_reduced(g, shape, dims)
     no_zero = prims.mul(gb, prims.div(restore_reduced(out, shape, dims), safe))
-    zeros_in_slice = restore_reduced(prims.sum(prims.convert_element_type(is_zero, dtypes.int64), dims), shape, dims)
-    one_zero = prims.where(is_zero, prims.mul(gb, restore_reduced(prims.prod(safe, dims), shape, dims)), 0.0)
-    grad = prims.where(prims.eq(zeros_in_slice, 0), no_zero, prims.where(prims.eq(zeros_in_slice, 1), one_zero, 0.0))
+    zeros_in_slice = count(is_zero)
+    others_have_zero = prims.gt(prims.sub(zeros_in_slice, prims.convert_element_type(is_zero, dtypes.int64)), 0)
+    others_not_finite = prims.gt(prims.sub(count(not_finite), prims.convert_element_type(not_finite, dtypes.int64)), 0)
+    only_zero = prims.mul(gb, restore_reduced(prims.prod(safe, dims), shape, dims))
+    times_zero = prims.where(others_not_finite, math.nan, prims.mul(gb, 0.0))
+    # A zero-free slice next to a zero elsewhere: eager's exclusive products differ from out / a at non-finite entries.
+    is_nan = prims.isnan(a)
+    others_nan = prims.gt(prims.sub(count(is_nan), prims.convert_element_type(is_nan, dtypes.int64)), 0)
+    others_inf = prims.gt(prims.sub(count(prims.isinf(a)), prims.convert_element_type(prims.isinf(a), dtypes.int64)), 0)
+    signs = prims.sign(prims.where(is_nan, 1.0, a))
+    others_sign = prims.mul(restore_reduced(prims.prod(signs, dims), shape, dims), signs)
+    finite_rest = restore_reduced(prims.prod(prims.where(not_finite, 1.0, a), dims), shape, dims)
+    others = prims.where(others_nan, math.nan, prims.where(others_inf, prims.mul(others_sign, math.inf), finite_rest))
+    exclusive = prims.where(not_finite, prims.mul(gb, others), no_zero)
+    any_zero = prims.broadcast_in_dim(prims.gt(prims.sum(prims.convert_element_type(is_zero, dtypes.int64), tuple(range(a.ndim_))), 0), shape, ())
+    zero_free = prims.where(any_zero, exclusive, no_zero)
+    grad = prims.where(prims.eq(zeros_in_slice, 0), zero_free, prims.where(others_have_zero, times_zero, only_zero))
     return {"a": grad}
 
 

@@ -111,6 +111,14 @@ def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
     return clang.where(clang.logical_and(prims.isinf(out), clang.lt(out, 0)), neginf, out)
 
 
+@register_vjp(nan_to_num)
+def _nan_to_num_vjp(g, out, /, input, nan=0.0, posinf=None, neginf=None):
+    # eager: g * isfinite(input), so a NaN or infinite cotangent at a replaced entry stays NaN (not 0)
+    if not input._tt_dtype.is_float:
+        return {}
+    return {"input": prims.mul(g, prims.convert_element_type(prims.isfinite(input), g._tt_dtype))}
+
+
 # ---------------------------------------------------------------------------
 # Binary
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import clang, dtypes, prims
+from .. import clang, dtypes
 from ..proxies import TensorProxy
 from .convert import to_dtype, to_device, size_args, default_device
 from ..errors import TracingError
@@ -48,7 +48,7 @@ def _factory(*torch_fns, **kw):
                 raise NotImplementedError(f"{fn.__name__}(memory_format={kwargs['memory_format']}) has no decomposition")
             return fn(*args, **kwargs)
 
-        return torchsymbol(*torch_fns, **kw)(checked)
+        return torchsymbol(*torch_fns, explicit_defaults=True, **kw)(checked)
 
     return deco
 
@@ -57,7 +57,7 @@ def _factory(*torch_fns, **kw):
 def empty(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, memory_format=None, out=None):
     _check_layout(layout)
     dt, dev = _dd(dtype, device)
-    return prims.empty(size_args(size), device=dev, dtype=dt)
+    return clang.empty(size_args(size), device=dev, dtype=dt)
 
 
 def _fill_value_dtype(v):
@@ -74,19 +74,19 @@ def _fill_value_dtype(v):
 def full(size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     _check_layout(layout)
     dt, dev = _dd(dtype, device, _fill_value_dtype(fill_value))
-    return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
+    return clang.full(size_args((size,)), fill_value, device=dev, dtype=dt)
 
 
 @_factory(torch.zeros)
 def zeros(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     dt, dev = _dd(dtype, device)
-    return prims.full(size_args(size), 0 if not dt.is_bool else False, device=dev, dtype=dt)
+    return clang.zeros(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(torch.ones)
 def ones(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False, out=None):
     dt, dev = _dd(dtype, device)
-    return prims.full(size_args(size), 1 if not dt.is_bool else True, device=dev, dtype=dt)
+    return clang.ones(size_args(size), device=dev, dtype=dt)
 
 
 def _like(a, dtype, device):
@@ -96,49 +96,49 @@ def _like(a, dtype, device):
 @_factory(torch.empty_like)
 def empty_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.empty(input._tt_shape, device=dev, dtype=dt)
+    return clang.empty(input._tt_shape, device=dev, dtype=dt)
 
 
 @_factory(torch.full_like)
 def full_like(input, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(input._tt_shape, fill_value, device=dev, dtype=dt)
+    return clang.full(input._tt_shape, fill_value, device=dev, dtype=dt)
 
 
 @_factory(torch.zeros_like)
 def zeros_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(input._tt_shape, False if dt.is_bool else 0, device=dev, dtype=dt)
+    return clang.zeros(input._tt_shape, device=dev, dtype=dt)
 
 
 @_factory(torch.ones_like)
 def ones_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(input._tt_shape, True if dt.is_bool else 1, device=dev, dtype=dt)
+    return clang.ones(input._tt_shape, device=dev, dtype=dt)
 
 
 @_factory(methods=("new_zeros",))
 def new_zeros(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(size_args(size), 0, device=dev, dtype=dt)
+    return clang.zeros(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(methods=("new_ones",))
 def new_ones(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(size_args(size), 1, device=dev, dtype=dt)
+    return clang.ones(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(methods=("new_full",))
 def new_full(input, size, fill_value, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.full(size_args((size,)), fill_value, device=dev, dtype=dt)
+    return clang.full(size_args((size,)), fill_value, device=dev, dtype=dt)
 
 
 @_factory(methods=("new_empty",))
 def new_empty(input, *size, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.empty(size_args(size), device=dev, dtype=dt)
+    return clang.empty(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(torch.arange)
@@ -155,12 +155,7 @@ def arange(start=0, end=None, step=1, *, dtype=None, device=None, layout=None, r
 @_factory(torch.linspace)
 def linspace(start, end, steps, *, dtype=None, device=None, layout=None, requires_grad=False, out=None):
     dt = to_dtype(dtype) or dtypes.default_float()
-    dev = to_device(device) or default_device()
-    if steps == 1:
-        return prims.full((1,), start, device=dev, dtype=dt)
-    idx = prims.iota(steps, start=0, step=1, device=dev, dtype=dtypes.float64 if dt is dtypes.float64 else dtypes.float32)
-    step = (end - start) / (steps - 1)
-    return clang.maybe_convert(prims.add(prims.mul(idx, step), float(start)), dt)
+    return clang.linspace(start, end, steps, device=to_device(device) or default_device(), dtype=dt)
 
 
 @_factory(torch.randn)
@@ -168,7 +163,7 @@ def randn(*size, generator=None, dtype=None, device=None, layout=None, requires_
     if generator is not None:
         raise NotImplementedError("randn(generator=...) is not supported inside a compiled function")
     dt, dev = _dd(dtype, device)
-    return prims.randn(size_args(size), device=dev, dtype=dt)
+    return clang.randn(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(torch.rand)
@@ -176,19 +171,19 @@ def rand(*size, generator=None, dtype=None, device=None, layout=None, requires_g
     if generator is not None:
         raise NotImplementedError("rand(generator=...) is not supported inside a compiled function")
     dt, dev = _dd(dtype, device)
-    return prims.uniform(size_args(size), 0.0, 1.0, device=dev, dtype=dt)
+    return clang.uniform(size_args(size), device=dev, dtype=dt)
 
 
 @_factory(torch.randn_like)
 def randn_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.randn(input._tt_shape, device=dev, dtype=dt)
+    return clang.randn(input._tt_shape, device=dev, dtype=dt)
 
 
 @_factory(torch.rand_like)
 def rand_like(input, *, dtype=None, device=None, layout=None, requires_grad=False, memory_format=None, pin_memory=False):
     dt, dev = _like(input, dtype, device)
-    return prims.uniform(input._tt_shape, 0.0, 1.0, device=dev, dtype=dt)
+    return clang.uniform(input._tt_shape, device=dev, dtype=dt)
 
 
 @_factory(torch.tensor, torch.as_tensor)
@@ -198,22 +193,22 @@ def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=Fal
         return clang.maybe_convert(data, to_dtype(dtype) or data._tt_dtype)
     if isinstance(data, (int, float, bool)):
         dt = to_dtype(dtype) or _fill_value_dtype(data)
-        return prims.full((), data, device=to_device(device) or default_device(), dtype=dt)
+        return clang.full((), data, device=to_device(device) or default_device(), dtype=dt)
     ref = torch.tensor(data, dtype=dtype, device="cpu")
     dt = dtypes.from_torch(ref.dtype)
     dev = to_device(device) or default_device()
     flat = ref.reshape(-1).tolist()
-    parts = [prims.full((1,), v, device=dev, dtype=dt) for v in flat]
+    parts = [clang.full((1,), v, device=dev, dtype=dt) for v in flat]
     if not parts:
-        return prims.empty(tuple(ref.shape), device=dev, dtype=dt)
-    out = parts[0] if len(parts) == 1 else prims.cat(tuple(parts), 0)
+        return clang.empty(tuple(ref.shape), device=dev, dtype=dt)
+    out = parts[0] if len(parts) == 1 else clang.cat(parts, 0)
     return clang.reshape(out, tuple(ref.shape))
 
 
 @_factory(torch.scalar_tensor)
 def scalar_tensor(s, *, dtype=None, device=None, layout=None, requires_grad=False, pin_memory=False):
     dt, dev = _dd(dtype, device)
-    return prims.full((), s, device=dev, dtype=dt)
+    return clang.full((), s, device=dev, dtype=dt)
 
 
 @_factory(methods=("new_tensor",))

@@ -9,6 +9,8 @@ when a printed trace calls it on real tensors.
 """
 from __future__ import annotations
 
+import torch
+
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
 from . import elementwise as ew, nn, shapes
@@ -75,8 +77,19 @@ relu_ = _inplace("relu_", nn.relu)
 masked_fill_ = _inplace("masked_fill_", shapes.masked_fill)
 
 
+def _keeps_grad(a, value):
+    """An in-place fill of a tensor that requires grad still requires grad in eager (its gradient is zero):
+    the new value keeps ``a`` in the graph."""
+    # (whether an intermediate requires grad is known only from the inputs it depends on, so under grad mode
+    # every float fill keeps it; torch.no_grad regions, optimizer steps, skip the extra where)
+    if not (torch.is_grad_enabled() and a._tt_dtype.is_float):
+        return value
+    always = prims.full(a._tt_shape, True, device=a._tt_device, dtype=dtypes.bool8)
+    return prims.where(always, value, a)
+
+
 def _zero_value(a):
-    return prims.full(a._tt_shape, 0, device=a._tt_device, dtype=a._tt_dtype)
+    return _keeps_grad(a, prims.full(a._tt_shape, 0, device=a._tt_device, dtype=a._tt_dtype))
 
 
 @torchsymbol(methods=("zero_",), name="zero_", tags=("inplace",))
@@ -87,7 +100,7 @@ def zero_(a):
 def _fill_value(a, value):
     if type(value) is TensorProxy:
         return _new_value(value, a)
-    return prims.full(a._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype)
+    return _keeps_grad(a, prims.full(a._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype))
 
 
 @torchsymbol(methods=("fill_",), name="fill_", tags=("inplace",))

@@ -45,7 +45,13 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1):
 
 
 def _scaled_add(input, product, beta, alpha):
-    """``beta * input + alpha * product`` (addmm, baddbmm)."""
+    """``beta * input + alpha * product`` (addmm, baddbmm); integer results truncate the factors, and
+    ``beta == 0`` ignores ``input`` (its NaNs too), as eager does."""
+    if not (product._tt_dtype.is_float or product._tt_dtype.is_complex):
+        beta, alpha = int(beta), int(alpha)
+    if beta == 0:
+        input = clang.full_like(input, 0)
+        beta = 1
     if alpha != 1:
         product = clang.mul(product, alpha)
     return clang.add(clang.mul(input, beta) if beta != 1 else input, product)

@@ -119,6 +119,41 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return clang.maybe_convert(_reduce(loss, reduction), dt)
 
 
+def _plain_reduction(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    return size_average is None and reduce is None and reduction in ("none", "mean", "sum")
+
+
+@register_vjp(binary_cross_entropy_with_logits, supports=_plain_reduction)
+def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
+    """As eager (``binary_cross_entropy_with_logits_backward``): ``input`` gets ``g (sigmoid(x) - t)`` (with
+    ``pos_weight``: ``g ((pw t + 1 - t) sigmoid(x) - pw t)``), finite at ±inf where the decomposition's is NaN;
+    ``target`` gets ``-g x`` (``g (log_sigmoid(-x) - pw log_sigmoid(x))``)."""
+    x = upcast(input)
+    t = clang.maybe_convert(target, x._tt_dtype)
+    gu = upcast(g)
+    shape = clang.broadcast_shapes(x._tt_shape, t._tt_shape if type(t) is TensorProxy else ())
+    if reduction != "none":
+        gu = prims.broadcast_in_dim(gu, shape, ())
+        if reduction == "mean":
+            gu = prims.div(gu, float(max(math.prod(shape), 1)))
+    if weight is not None:
+        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
+    s = prims.sigmoid(x)
+    if pos_weight is not None:
+        pt = clang.mul(clang.maybe_convert(pos_weight, x._tt_dtype), t)
+        d_input = clang.sub(clang.mul(clang.sub(clang.add(pt, 1.0), t), s), pt)
+        log_sig = lambda v: prims.neg(_softplus(prims.neg(v), 1.0, 20.0))  # noqa: E731
+        d_target = clang.sub(log_sig(prims.neg(x)), clang.mul(log_sig(x), clang.maybe_convert(pos_weight, x._tt_dtype)))
+    else:
+        d_input, d_target = clang.sub(s, t), prims.neg(x)
+    grads = {}
+    if _float(input):
+        grads["input"] = downcast_like(sum_to(clang.mul(d_input, gu), input._tt_shape), input)
+    if _float(target):
+        grads["target"] = downcast_like(sum_to(clang.mul(d_target, gu), target._tt_shape), target)
+    return grads
+
+
 @torchsymbol(F.binary_cross_entropy, tags=("fallible",), autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
@@ -361,3 +396,35 @@ def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduct
             gw = clang.sum(gw, batch_dims) if batch_dims else gw
             grads["weight"] = downcast_like(clang.reshape(gw, weight._tt_shape), weight)
     return grads
+
+
+def _value_check(bad, message):
+    """Raise ``RuntimeError(message)`` at run time where ``bad`` (bool tensor) is true anywhere: eager's
+    argument check on values, which a trace cannot decide (prims.check_finite of a NaN where bad)."""
+    prims.check_finite(clang.sum(clang.where(bad, float("nan"), 0.0)), message)
+
+
+@torchsymbol(F.gaussian_nll_loss, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
+def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    if not _t(var):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = clang.full_like(input, var)
+    else:
+        _value_check(clang.lt(var, 0), "gaussian_nll_loss: var has negative entry/entries")
+        vs, xs = tuple(var._tt_shape), tuple(input._tt_shape)
+        if vs != xs:
+            if xs[:-1] == vs:
+                var = clang.unsqueeze(var, -1)
+            elif not (len(xs) == len(vs) and sum(v for x, v in zip(xs, vs) if x != v) == 1):
+                raise ValueError("var is of incorrect size")
+    # eager clamps a clone under no_grad: the value is clamped, the gradient is var's
+    clamped = clang.maximum(var, eps)
+    var = clang.add(var, prims.stop_gradient(clang.sub(clamped, var)))
+    d = clang.sub(input, target)
+    loss = clang.mul(clang.add(clang.log(var), clang.true_divide(clang.mul(d, d), var)), 0.5)
+    if full:
+        loss = clang.add(loss, 0.5 * math.log(2 * math.pi))
+    return _reduce(loss, reduction)

@@ -6,12 +6,14 @@ import math
 import torch
 
 from .. import clang, dtypes, prims
+from ..proxies import TensorProxy
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
 from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims import mul, sub
+from ..prims.reductions import prod_vjp
 from .registry import torchsymbol
 
 
@@ -34,6 +36,22 @@ def mean(input, dim=None, keepdim=False, *, dtype=None):
 @torchsymbol(torch.prod, methods=("prod",), autocast={"cpu": FP32, "cuda": FP32_UNLESS_DTYPE})
 def prod(input, dim=None, keepdim=False, *, dtype=None):
     return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG)
+
+
+def _over_all_elements(input, dim=None, keepdim=False, *, dtype=None):
+    return dim is None and dtype is None and type(input) is TensorProxy and input._tt_dtype.is_float
+
+
+@register_vjp(prod, supports=_over_all_elements)
+def _prod_all_vjp(g, out, /, input, dim=None, keepdim=False, *, dtype=None):
+    """Over all elements eager's ``prod_backward`` returns zeros when two or more entries are 0 (NaN-free even
+    beside an infinity); otherwise prims.prod's rule (eager's exclusive products, as along a dim)."""
+    x, every = upcast(input), tuple(range(input.ndim_))
+    grad = prod_vjp(upcast(g), upcast(out), x, every)["a"]
+    if every:
+        zeros = prims.sum(prims.convert_element_type(prims.eq(x, 0.0), dtypes.int64), every)
+        grad = prims.where(prims.broadcast_in_dim(prims.gt(zeros, 1), x._tt_shape, ()), 0.0, grad)
+    return {"input": downcast_like(grad, input)}
 
 
 def _amax_like(name, prim):
@@ -266,6 +284,45 @@ def norm(input, p=2, dim=None, keepdim=False, dtype=None):
     if p == 2:
         return clang.sqrt(clang.sum(clang.mul(ax, ax), _dims(dim), keepdim))
     return clang.elementwise_binary(prims.pow, clang.sum(clang.elementwise_binary(prims.pow, ax, p), _dims(dim), keepdim), 1.0 / p)
+
+
+def _real_norm(input, p=2, dim=None, keepdim=False, dtype=None):
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and type(input) is TensorProxy and input._tt_dtype.is_float
+
+
+@register_vjp(norm, supports=_real_norm)
+def _norm_vjp(g, out, /, input, p=2, dim=None, keepdim=False, dtype=None):
+    """As eager's ``linalg_vector_norm_backward``: 0 at a zero norm (p = 2, p > 1), ``sgn(x)`` shares of the
+    gradient among the maxima for p = inf (a NaN is a maximum, and ``sgn(nan)`` is 0), 0 at zero entries for p < 1."""
+    x = upcast(input if dtype is None else clang.maybe_convert(input, to_dtype(dtype)))
+    dims = tuple(range(x.ndim_)) if _dims(dim) is None else clang.canonicalize_dims(x.ndim_, dim if isinstance(dim, (tuple, list)) else (dim,))
+    rest = tuple(d for d in range(x.ndim_) if d not in dims)
+
+    def back(v):  # a reduced value broadcast back over the input
+        v = upcast(v)
+        if keepdim:
+            v = clang.reshape(v, tuple(x._tt_shape[d] for d in rest))
+        return prims.broadcast_in_dim(v, x._tt_shape, rest)
+
+    if p == 0:
+        return {"input": clang.maybe_convert(prims.full(input._tt_shape, 0.0, device=input._tt_device, dtype=x._tt_dtype), input._tt_dtype)}
+    n, gb, sign = back(out), back(g), prims.sign(x)
+    if p == 1:
+        grad = prims.mul(sign, gb)
+    elif p == 2:
+        grad = prims.mul(gb, prims.where(prims.eq(n, 0.0), 0.0, prims.div(x, n)))
+    elif math.isinf(p):
+        ax = prims.abs(x)
+        hit = prims.convert_element_type(prims.bitwise_or(prims.eq(ax, n), prims.isnan(ax)), x._tt_dtype)
+        count = prims.broadcast_in_dim(prims.sum(hit, dims), x._tt_shape, rest)
+        grad = prims.mul(sign, prims.mul(prims.div(gb, count), hit))
+    elif p < 1:
+        scaled = prims.where(prims.eq(x, 0.0), 0.0, prims.mul(sign, prims.pow(prims.abs(x), p - 1.0)))
+        grad = prims.mul(prims.mul(scaled, gb), prims.pow(n, 1.0 - p))
+    else:
+        scale = prims.where(prims.eq(n, 0.0), 0.0, prims.div(gb, prims.pow(n, p - 1.0)))
+        grad = prims.mul(prims.mul(sign, prims.pow(prims.abs(x), p - 1.0)), scale)
+    return {"input": downcast_like(grad, input)}
 
 
 @torchsymbol(torch.aminmax, methods=("aminmax",), returns=torch.return_types.aminmax)

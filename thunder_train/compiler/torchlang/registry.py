@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import context
 from ..symbols import Symbol
 
 _DEFAULT = object()
@@ -28,7 +29,7 @@ all_symbols: dict = {}
 
 
 def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(), returns=None, autocast=None,
-                not_differentiated_by_torch=()):
+                not_differentiated_by_torch=(), explicit_defaults=False):
     """Define a torch-language symbol whose decomposition is the decorated function.
 
     ``torch_fns``/``methods``: the torch callables and ``Tensor`` methods routed to it while tracing;
@@ -36,7 +37,9 @@ def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(),
     ``tags``: see ``Symbol``; ``returns``: a ``torch.return_types`` class the caller gets when the
     symbol returns a tuple; ``autocast``: ``{"cpu": policy, "cuda": policy}`` (torchlang/autocast.py);
     ``not_differentiated_by_torch``: arguments PyTorch's autograd does not differentiate, so a
-    ``fused_backward`` gradient for them stays op by op.
+    ``fused_backward`` gradient for them stays op by op; ``explicit_defaults``: the recorded line passes
+    the ``dtype``/``device`` the trace gave its output (factories: the torch executor must not read the
+    default dtype again at run time, which the function may have changed meanwhile).
     """
 
     def deco(fn):
@@ -50,6 +53,8 @@ def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(),
             impl = torch_fns[0] if torch_fns else (getattr(torch.Tensor, methods[0]) if methods else None)
         sym.torch_impl = impl
         entry = sym if returns is None else _NamedResult(sym, returns)
+        if explicit_defaults:
+            entry = _ExplicitDefaults(sym)
         for f in torch_fns:
             by_torch_fn[f] = entry
         for m in methods:
@@ -79,6 +84,33 @@ class _NamedResult:
     def __call__(self, *args, **kwargs):
         out = self.sym(*args, **kwargs)
         return self.result_type(out) if type(out) is tuple else out
+
+    def __getattr__(self, name):  # the symbol's facts (tags, functional, ...) for the dispatcher
+        return getattr(self.sym, name)
+
+
+class _ExplicitDefaults:
+    """Dispatch entry for factories: the recorded line gets ``dtype=``/``device=`` of its output when the call
+    left them to the defaults, so the torch executor creates what the trace says."""
+
+    def __init__(self, sym):
+        self.sym = sym
+        self.name = sym.name
+
+    def __call__(self, *args, **kwargs):
+        out = self.sym(*args, **kwargs)
+        trc = context.get_trace()
+        scope = trc._scopes[-1] if trc is not None else ()
+        if scope and scope[-1].sym is self.sym and scope[-1].output is out and hasattr(out, "_tt_dtype"):
+            kw = scope[-1].kwargs
+            if kw.get("dtype") is None:
+                kw["dtype"] = out._tt_dtype.torch
+            if kw.get("device") is None:
+                kw["device"] = out._tt_device.torch
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.sym, name)
 
 
 def lookup(func):

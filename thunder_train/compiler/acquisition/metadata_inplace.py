@@ -1,0 +1,83 @@
+"""In-place methods that change a tensor's shape or strides: ``squeeze_``, ``unsqueeze_``, ``t_``,
+``transpose_`` (``swapdims_``, ``swapaxes_``), ``as_strided_``, ``resize_``, ``resize_as_``.
+
+The tensor object keeps its identity (the method returns it); its value is rebound to the out-of-place
+result, so later reads (``x.shape``, ops on ``x``) see the new metadata.  For an input, the data does
+not change: no write-back is emitted, and the epilogue replays the same method on the real input after
+the computation, so the caller's tensor ends with eager's metadata.  What this cannot express is refused:
+a tensor with views (or that is a view), an input that requires grad, an input whose data is also
+updated in place, ``resize_`` that grows, symbolic sizes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TracingError
+from ..proxies import TensorProxy, contiguous_strides, is_proxy
+from ..pytree import tree_flatten
+from ..torchlang import registry
+
+SUPPORTED = {"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
+             "resize_as_"}
+
+
+def _refuse(name, why):
+    raise TracingError(f"Tensor.{name} inside a compiled function: {why}. Use its out-of-place form "
+                       f"({name[:-1] if name != 'resize_' else 'reshape'}) and the returned tensor instead.")
+
+
+def metadata_inplace(st, func, orig_args, args, kwargs, run_opaque):
+    name = func.__name__
+    dst, cur = orig_args[0], args[0]
+    rest, kw = tuple(args[1:]), dict(kwargs)
+    if any(is_proxy(a) and type(a) is not TensorProxy for a in tree_flatten((rest, kw))[0]):
+        _refuse(name, "its sizes are symbolic (dynamic=True)")
+    buffers, walker = st.buffers, st.walker
+    if buffers.base_of(dst) is not None or buffers.has_views(dst):
+        _refuse(name, "the tensor shares its storage with a view, whose metadata would not follow")
+    is_input = walker.is_input(dst)
+    if is_input:
+        if dst._tt_requires_grad and torch.is_grad_enabled():
+            _refuse(name, "the input requires grad")
+        if buffers.is_written(dst) and id(dst) not in st.metadata_inputs:
+            _refuse(name, "the input's data is also updated in place")
+    if name == "resize_as_":
+        other = rest[0]
+        if kw.get("memory_format") not in (None, torch.contiguous_format):
+            _refuse(name, "memory_format= is not supported")
+        name, rest, kw = "resize_", (tuple(other.shape),), {}
+    if name in ("swapdims_", "swapaxes_"):
+        name = "transpose_"
+    if name == "resize_":
+        size = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else tuple(rest)
+        n = 1
+        for s in size:
+            n *= int(s)
+        if cur._tt_strides != contiguous_strides(cur._tt_shape) or n > cur.numel_():
+            _refuse(func.__name__, "only resizing a contiguous tensor to as many or fewer elements is supported")
+        flat = registry.lookup(torch.reshape)(cur, (-1,))
+        value = registry.lookup(torch.reshape)(flat[:n] if n < cur.numel_() else flat, size)
+        replay = ("resize_", (size,), {})
+    elif name == "as_strided_":
+        if buffers.is_written(dst):
+            _refuse(name, "the tensor was updated in place before, so its storage is not eager's")
+        value = run_opaque(torch.as_strided, (cur,) + rest, kw)
+        replay = (name, tuple(tuple(a) if isinstance(a, (list, torch.Size)) else a for a in rest), kw)
+    else:
+        sym = registry.lookup(getattr(torch, name[:-1]))
+        value = sym(cur, *rest, **kw)
+        replay = (name, rest, kw)
+    buffers.rebind(dst, value)
+    if is_input:
+        st.metadata_inputs[id(dst)] = dst
+        st.metadata_replays.append((dst, replay))
+    return dst
+
+
+def check_data_write(st, dst):
+    """A data update of an input whose metadata changed: its write-back would use the old metadata."""
+    if id(dst) in st.metadata_inputs:
+        raise TracingError(
+            f"{dst._tt_name}: an input whose shape was changed in place (squeeze_, t_, resize_, ...) is then updated "
+            "in place; thunder_train cannot write that back. Use the out-of-place form (x = x.t()) and update the result."
+        )

@@ -1,0 +1,63 @@
+"""Ops run opaquely whose eager result is a view of their first argument (``diagonal``, ``unfold``,
+``as_strided``, ...): the view relation is recorded, so an in-place update through the view reaches the
+base and a read of the view after the base changed sees the change, as in eager.
+
+Which results are views is read from running the op on meta tensors (torch's own rule: the meta result's
+``_base``).  An ``as_strided`` view addresses its base's storage, which a functionalized base does not
+keep unless it is row-major; updates through such a view of any other base are refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TracingError
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_map
+
+_STORAGE_VIEWS = {"as_strided"}
+
+
+def _meta(x):
+    if type(x) is TensorProxy:
+        return torch.empty_strided(tuple(int(s) for s in x._tt_shape), tuple(int(s) for s in x._tt_strides),
+                                   dtype=x._tt_dtype.torch, device="meta")
+    return x
+
+
+def view_outputs(func, args, kwargs) -> list:
+    """Positions (in the flattened output) of the results that are views of ``args[0]``."""
+    try:
+        margs, mkwargs = tree_map(_meta, (args, kwargs))
+        rng = torch.default_generator.get_state()
+        try:
+            with torch._C.DisableTorchFunction(), torch.device("meta"):
+                out = func(*margs, **mkwargs)
+        finally:
+            torch.default_generator.set_state(rng)
+    except Exception:  # noqa: BLE001 - no meta answer: treated as a fresh result (the op ran opaquely anyway)
+        return []
+    base = margs[0]
+    return [i for i, o in enumerate(tree_flatten(out)[0])
+            if isinstance(o, torch.Tensor) and o._is_view() and (o._base is base or o._base is base._base and base._base is not None)]
+
+
+def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
+    source = orig_args[0] if orig_args else None
+    if type(source) is not TensorProxy:
+        return
+    positions = view_outputs(func, args, kwargs)
+    if not positions:
+        return
+    name = getattr(func, "__name__", "op")
+    storage = name in _STORAGE_VIEWS and not args[0]._tt_rowmajor
+    flat = tree_flatten(out)[0]
+    for i in positions:
+        def make(v, i=i):
+            if storage:
+                raise TracingError(
+                    f"{name} of a tensor that is not row-major, then updated in place (through the view or its base): "
+                    "thunder_train cannot express that storage aliasing. Make the tensor contiguous first, or use "
+                    "out-of-place operations.")
+            return tree_flatten(run_opaque(func, (v,) + tuple(args[1:]), kwargs))[0][i]
+
+        st.buffers.add_view(flat[i], source, make)

@@ -1,0 +1,113 @@
+"""Ops whose output shape depends on tensor values: ``nonzero``, ``argwhere``, ``masked_select``,
+``bincount``; and ``combinations`` and ``linalg.lstsq``, whose eager kernels have no meta form.
+
+The count that fixes the shape (``int(mask.sum())``) is a decision (``acquisition/decisions.py``):
+computed by the prologue from the per-call inputs on every call, a retrace when it changes, and a
+``DataDependentError`` naming the line when it depends on anything else (an activation).  The values
+are then computed natively: a stable sort brings the selected positions first.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .decided import _register
+
+
+def _selected_positions(mask):
+    """Flat positions where ``mask`` is true, in order; their count is a decision."""
+    flat = mask.reshape(-1)
+    n = int(flat.sum())
+    _, order = torch.sort((~flat).to(torch.int32), stable=True)
+    return order[:n]
+
+
+def nonzero(input, *, as_tuple=False):
+    x = input.reshape(1) if input.ndim == 0 else input
+    pos = _selected_positions(x != 0 if x.dtype is not torch.bool else x)
+    coords, stride = [], 1
+    for size in reversed(x.shape):
+        coords.append((pos // stride) % size)
+        stride *= size
+    coords.reverse()
+    if as_tuple:
+        return tuple(coords)
+    if input.ndim == 0:
+        return torch.zeros((pos.shape[0], 0), dtype=torch.int64)
+    return torch.stack(coords, 1)
+
+
+def argwhere(input):
+    return nonzero(input)
+
+
+def masked_select(input, mask):
+    if mask.dtype is not torch.bool:
+        raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
+    shape = torch.broadcast_shapes(input.shape, mask.shape)
+    pos = _selected_positions(mask.expand(shape))
+    return input.expand(shape).reshape(-1)[pos]
+
+
+def bincount(input, weights=None, minlength=0):
+    if input.ndim != 1 or input.dtype.is_floating_point or input.dtype.is_complex or input.dtype is torch.bool:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if input.numel() and bool((input < 0).any()):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    n = max(int(input.max()) + 1 if input.numel() else 0, minlength)
+    if weights is None:
+        return torch.zeros(n, dtype=torch.int64).scatter_add(0, input, torch.ones_like(input, dtype=torch.int64))
+    if weights.shape != input.shape:
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+    dt = weights.dtype if weights.dtype.is_floating_point else torch.float64
+    return torch.zeros(n, dtype=dt).scatter_add(0, input, weights.to(dt))
+
+
+def combinations(input, r=2, with_replacement=False):
+    if input.ndim != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(input.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return input[:0]  # empty, and derived from input (requires grad like eager's)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    combos = list(pick(range(input.shape[0]), r))  # the positions are a function of the shape only
+    if not combos:
+        return input[:0].reshape(0, r)
+    return input[torch.tensor([i for c in combos for i in c])].reshape(len(combos), r)
+
+
+def lstsq(A, B, rcond=None, *, driver=None):
+    """Least squares through the pseudo-inverse (eager's LAPACK drivers give the same solution for the
+    full-rank problems they solve); the auxiliary outputs follow the driver, as eager's do."""
+    if driver not in ("gels", "gelsy", None) or rcond is not None:
+        raise NotImplementedError("linalg.lstsq with driver gelsd/gelss or rcond= is run by torch")
+    if A.dtype.is_complex or A.ndim < 2:
+        raise NotImplementedError("complex or 1-d linalg.lstsq is run by torch")
+    m, n = A.shape[-2], A.shape[-1]
+    vector = B.ndim == A.ndim - 1
+    Bm = B.unsqueeze(-1) if vector else B
+    X = torch.matmul(torch.linalg.pinv(A), Bm)
+    empty = A.reshape(-1)[:0]  # derived from A: requires grad like eager's empty outputs
+    if driver == "gels":
+        rank = torch.zeros(0, dtype=torch.int64)
+        residuals = ((torch.matmul(A, X) - Bm) ** 2).sum(-2) if m > n else empty
+    else:
+        rank = torch.linalg.matrix_rank(A)
+        residuals = empty
+    if vector:
+        X = X.squeeze(-1)
+        if residuals.numel():
+            residuals = residuals.squeeze(-1)
+    return torch.return_types.linalg_lstsq((X, residuals, rank, A.new_empty(0)))  # eager's singular_values: no grad
+
+
+_register("nonzero", nonzero, (torch.nonzero,), ("nonzero",))
+_register("argwhere", argwhere, (torch.argwhere,), ("argwhere",))
+_register("masked_select", masked_select, (torch.masked_select,), ("masked_select",))
+_register("bincount", bincount, (torch.bincount,), ("bincount",))
+_register("combinations", combinations, (torch.combinations,), ())
+_register("lstsq", lstsq, (torch.linalg.lstsq, torch._C._linalg.linalg_lstsq), ())
