@@ -311,3 +311,25 @@ def test_a_plain_object_that_refers_to_itself_is_walked_once(mode):
     x = torch.randn(3)
     torch.testing.assert_close(cf(x, a), f(x, e))
     assert a.calls == e.calls == 4
+
+
+class Scale:
+    def __init__(self):
+        self.k = 2.0
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return x * self.k
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_compiled_callable_object_reads_and_writes_its_attributes_like_eager(mode):
+    a, e = Scale(), Scale()
+    cf = tt.compile(a, **mode)
+    x = torch.randn(3)
+    for i in range(4):
+        if i == 3:
+            a.k = e.k = 5.0
+        torch.testing.assert_close(cf(x), e(x))
+    assert a.calls == e.calls == 4

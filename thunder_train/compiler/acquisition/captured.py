@@ -120,6 +120,10 @@ def self_root(fn) -> list:
     """``tt.compile(obj.step)``: ``obj`` is an input (a plain object's attributes, a module's parameters)."""
     if isinstance(fn, types.MethodType) and not _is_internal(fn.__func__) and not inspect.isclass(fn.__self__):
         return [Root(Step("self", None, ref=fn), fn.__self__)]
+    if (not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, functools.partial, type)) and not _is_internal(fn)
+            and type(getattr(fn, "__dict__", None)) is dict and not (type(fn).__module__ or "").startswith("torch")):
+        # tt.compile(obj) of a callable object (a class with __call__): obj is read as it is on every call.
+        return [Root(Step("self", "object", ref=fn), fn)]
     return []
 
 

@@ -40,8 +40,8 @@ class Step:
             return f"{base}.cell_contents"  # base: the cell
         if k == "default":  # base: the function; key ("pos", index, name) or ("kw", name)
             return f"{base}.__defaults__[{self.key[1]}]" if self.key[0] == "pos" else f"{base}.__kwdefaults__[{self.key[1]!r}]"
-        if k == "self":
-            return f"{base}.__self__"  # base: the bound method
+        if k == "self":  # base: the bound method, or the compiled callable object itself
+            return base if self.key == "object" else f"{base}.__self__"
         if k in ("item", "key"):
             return f"{base}[{self.key!r}]"
         if k == "attr":
