@@ -271,3 +271,12 @@ def tensor_leaves(out, path="out"):
         children, _ = pytree.tree_flatten(out, is_leaf=lambda y: y is not out)
         return [leaf for i, v in enumerate(children) for leaf in tensor_leaves(v, f"{path}<{i}>")]
     return [(path, out)]
+
+
+def train_step(model, opt, batch):
+    """The whole training step every zoo model is checked with (eager and compiled run this same function)."""
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss

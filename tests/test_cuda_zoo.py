@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import _zoo
+from _zoo import train_step
 import thunder_train as tt
 
 pytest.importorskip("transformers")
@@ -34,14 +35,6 @@ CASES = {"torch": ("gpt2", "llama", "bert_cls", "t5", "resnet"), "inductor": ("g
 
 def to_cuda(batch):
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def train_step(model, opt, batch):
-    loss = model(**batch).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 @pytest.mark.parametrize("mode,name", [(m, n) for m, names in CASES.items() for n in names])

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import _zoo
+from _zoo import train_step
 import thunder_train as tt
 
 pytest.importorskip("transformers")
@@ -88,14 +89,6 @@ def test_grads(name):
         assert (a.grad is None) == (b.grad is None), f"{n}: eager grad {a.grad is not None}, compiled {b.grad is not None}"
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"grad of {n}: {m}")
-
-
-def train_step(model, opt, batch):
-    loss = model(**batch).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def closure_step(model, opt):

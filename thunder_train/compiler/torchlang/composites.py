@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .decided import _register
+from .decided import _register, reduce_loss as _reduce
 
 
 def _real(x, op):
@@ -321,14 +321,6 @@ def vecdot(x, y, *, dim=-1):
 
 
 # ---- losses ----
-def _reduce(loss, reduction):
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
 def _reduction(size_average, reduce, reduction):

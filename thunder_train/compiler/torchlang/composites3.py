@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn
-from .decided import _register, direct
+from .decided import _register, direct, reduce_loss as _reduce
 
 
 # ---- padding ----
@@ -181,14 +181,6 @@ def pdist(input, p=2):
     return torch.linalg.vector_norm(input[torch.tensor(i)] - input[torch.tensor(j)], p, -1)
 
 
-def _reduce(loss, reduction):
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
 def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False, size_average=None,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import inplace
-from .decided import _register
+from .decided import _register, reduce_loss
 from .registry import by_torch_fn
 from .value_shaped import _selected_positions
 
@@ -93,13 +93,7 @@ def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduct
     loss = m.sum((1, 2)) / c
     if input.ndim < 2:
         loss = loss.reshape(())
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"{reduction} is not a valid value for reduction")
+    return reduce_loss(loss, reduction)
 
 
 # ---- adaptive average pooling: separable means over eager's windows ----

@@ -16,7 +16,7 @@ from .. import context
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
 from . import factories, nn, shapes  # noqa: F401 - their entries are registered first
-from .registry import by_method_name, by_torch_fn
+from .registry import bind, by_torch_fn
 
 
 class _Decided:
@@ -63,15 +63,19 @@ def direct(sym, *args, **kwargs):
 
 def _register(name, fn, torch_fns=(), methods=(), sym=None):
     entry = _Decided(name, fn, sym)
-    for f in torch_fns:
-        by_torch_fn[f] = entry
-    for m in methods:
-        by_method_name[m] = entry
-        for owner in (torch.Tensor, torch._C.TensorBase):
-            f = getattr(owner, m, None)
-            if f is not None:
-                by_torch_fn[f] = entry
+    bind(entry, torch_fns, methods)
     return entry
+
+
+def reduce_loss(loss, reduction):
+    """A loss's ``reduction=`` argument, in torch calls (the composed losses share it)."""
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
 def _t(x):

@@ -22,6 +22,20 @@ _DEFAULT = object()
 by_torch_fn: dict = {}
 # Tensor method name → Symbol; fallback for wrappers whose identity differs
 by_method_name: dict = {}
+
+
+def bind(entry, torch_fns=(), methods=()):
+    """Calls of these torch callables and ``Tensor`` methods (on both Tensor and TensorBase) go to ``entry``."""
+    for f in torch_fns:
+        by_torch_fn[f] = entry
+    for m in methods:
+        by_method_name[m] = entry
+        for owner in (torch.Tensor, torch._C.TensorBase):
+            f = getattr(owner, m, None)
+            if f is not None:
+                by_torch_fn[f] = entry
+
+
 # property name → getter(proxy) and setter(proxy, value); the properties are in tensor_methods.py
 property_getters: dict = {}
 property_setters: dict = {}
@@ -55,14 +69,7 @@ def torchsymbol(*torch_fns, methods=(), name=None, torch_impl=_DEFAULT, tags=(),
         entry = sym if returns is None else _NamedResult(sym, returns)
         if explicit_defaults:
             entry = _ExplicitDefaults(sym)
-        for f in torch_fns:
-            by_torch_fn[f] = entry
-        for m in methods:
-            by_method_name[m] = entry
-            for owner in (torch.Tensor, torch._C.TensorBase):
-                f = getattr(owner, m, None)
-                if f is not None:
-                    by_torch_fn[f] = entry
+        bind(entry, torch_fns, methods)
         all_symbols[sym.name] = sym
         return sym
 
