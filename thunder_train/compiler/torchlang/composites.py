@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .decided import _register, reduce_loss as _reduce
+from .decided import _register
 
 
 def _real(x, op):
@@ -321,6 +321,16 @@ def vecdot(x, y, *, dim=-1):
 
 
 # ---- losses ----
+def reduce_loss(loss, reduction):
+    """A loss's ``reduction=`` argument, in torch calls (the composed losses share it)."""
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
 
 
 def _reduction(size_average, reduce, reduction):
@@ -330,17 +340,17 @@ def _reduction(size_average, reduce, reduction):
 
 
 def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
-    return _reduce(torch.clamp_min(-target * (input1 - input2) + margin, 0), _reduction(size_average, reduce, reduction))
+    return reduce_loss(torch.clamp_min(-target * (input1 - input2) + margin, 0), _reduction(size_average, reduce, reduction))
 
 
 def soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    return _reduce(torch.log1p(torch.exp(-target * input)), _reduction(size_average, reduce, reduction))
+    return reduce_loss(torch.log1p(torch.exp(-target * input)), _reduction(size_average, reduce, reduction))
 
 
 def hinge_embedding_loss(input, target, margin=1.0, size_average=None, reduce=None, reduction="mean"):
     zeros = torch.zeros_like(input)
     loss = torch.where(target != 1, torch.clamp_min(margin - input, 0), zeros) + torch.where(target != -1, input, zeros)
-    return _reduce(loss, _reduction(size_average, reduce, reduction))
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
 
 
 def poisson_nll_loss(input, target, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None, reduction="mean"):
@@ -348,7 +358,7 @@ def poisson_nll_loss(input, target, log_input=True, full=False, size_average=Non
     if full:
         stirling = target * torch.log(target) - target + 0.5 * torch.log(2 * math.pi * target)
         loss = loss + torch.where(target > 1, stirling, torch.zeros_like(stirling))
-    return _reduce(loss, _reduction(size_average, reduce, reduction))
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
 
 
 def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
@@ -356,7 +366,7 @@ def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, r
     if weight is not None:
         loss = loss * weight
     loss = loss.sum(dim=input.ndim - 1) / input.shape[-1] if input.ndim else loss
-    return _reduce(loss, _reduction(size_average, reduce, reduction))
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
 
 
 def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
@@ -367,7 +377,7 @@ def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None,
     cos = prod / mag
     zeros = torch.zeros_like(cos)
     loss = torch.where(target == 1, 1 - cos, zeros) + torch.where(target == -1, torch.clamp_min(cos - margin, 0), zeros)
-    return _reduce(loss, _reduction(size_average, reduce, reduction))
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
 
 
 _ALL = [

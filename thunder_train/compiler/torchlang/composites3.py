@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from . import nn
-from .decided import _register, direct, reduce_loss as _reduce
+from .composites import reduce_loss
+from .decided import _register, direct
 
 
 # ---- padding ----
@@ -193,7 +194,7 @@ def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, s
     dn = pairwise_distance(anchor, negative, p, eps)
     if swap:
         dn = torch.minimum(dn, pairwise_distance(positive, negative, p, eps))
-    return _reduce(torch.clamp_min(margin + dp - dn, 0), reduction)
+    return reduce_loss(torch.clamp_min(margin + dp - dn, 0), reduction)
 
 
 def triplet_margin_with_distance_loss(anchor, positive, negative, *, distance_function=None, margin=1.0, swap=False,
@@ -204,7 +205,7 @@ def triplet_margin_with_distance_loss(anchor, positive, negative, *, distance_fu
     dp, dn = dist(anchor, positive), dist(anchor, negative)
     if swap:
         dn = torch.minimum(dn, dist(positive, negative))
-    return _reduce(torch.clamp_min(margin + dp - dn, 0), reduction)
+    return reduce_loss(torch.clamp_min(margin + dp - dn, 0), reduction)
 
 
 def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=None, reduce=None, reduction="mean"):
@@ -222,7 +223,7 @@ def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=
     loss = z.sum(1) / x.shape[1]
     if input.ndim < 2:
         loss = loss.reshape(())
-    return _reduce(loss, reduction)
+    return reduce_loss(loss, reduction)
 
 
 _ALL = [

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from . import inplace
-from .decided import _register, reduce_loss
+from .composites import reduce_loss
+from .decided import _register
 from .registry import by_torch_fn
 from .value_shaped import _selected_positions
 

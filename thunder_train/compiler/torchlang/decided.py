@@ -67,17 +67,6 @@ def _register(name, fn, torch_fns=(), methods=(), sym=None):
     return entry
 
 
-def reduce_loss(loss, reduction):
-    """A loss's ``reduction=`` argument, in torch calls (the composed losses share it)."""
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"{reduction} is not a valid value for reduction")
-
-
 def _t(x):
     return type(x) is TensorProxy
 
