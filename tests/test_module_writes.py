@@ -88,6 +88,8 @@ class Stores(nn.Module):
             self.last = y.detach()
         elif self.what == "private":
             self._cache = [y]
+        elif self.what == "item":
+            self.last_loss = y.sum().item()
         elif self.what == "overwrite":
             self.note = y.sum()
         elif self.what == "shape":
@@ -102,7 +104,7 @@ class Stores(nn.Module):
 
 
 @pytest.mark.parametrize("what,needle", [
-    ("attr", "args[0].last"), ("private", "args[0]._cache"), ("overwrite", "args[0].note"),
+    ("attr", "args[0].last"), ("item", "args[0].last_loss"), ("private", "args[0]._cache"), ("overwrite", "args[0].note"),
     ("shape", "buffer args[0].ema"), ("grad", "requires grad"), ("param", "parameter args[0].fc.weight"),
     ("new_buffer", "buffer args[0].extra"),
 ])

@@ -68,7 +68,8 @@ def _settle_attrs(st, module_tensor):
                 continue
             _put_back(st)
             raise TracingError(
-                f"the function sets {st.where}.{k} to a tensor computed inside the compiled function: a module "
+                f"the function sets {st.where}.{k} to a value computed inside the compiled function (a tensor, or "
+                "a number from .item()): a module "
                 "attribute assigned while tracing would hold a placeholder and change only once. Register it as a "
                 f"buffer (self.register_buffer({k!r}, ...)) so the program updates it on every call, or return the "
                 "value and set it outside the compiled function."
