@@ -142,3 +142,11 @@ class Leaf:
         return path_str(self.path)
 
 
+def per_call_mask(leaves) -> list:
+    """True for leaves reached without passing through a module or other object (the batch, not the model)."""
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
+    mask = []
+    for leaf in leaves:
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        mask.append(not static)
+    return mask
