@@ -30,11 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-<<<<<<< HEAD
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str
-=======
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
->>>>>>> split
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import checks
 
 _counter = itertools.count()
