@@ -111,6 +111,14 @@ def test_prims_run_outside_tracing_through_their_torch_implementation():
     torch.testing.assert_close(gi, ea), torch.testing.assert_close(gw, ew)
 
 
+def test_each_torch_language_gradient_rule_is_declared_next_to_its_op():
+    syms = registry.all_symbols.values()
+    ruled = [s for s in syms if s.grad_rule is not None]
+    assert len(ruled) >= 30  # gelu, layer_norm, sdpa, cross_entropy, softmax, split, ...
+    apart = sorted(s.name for s in ruled if _file(s.grad_rule[0]) != _file(s.fn))
+    assert not apart, f"gradient rules declared in another file than their torch-language op: {apart}"
+
+
 def test_no_module_is_over_800_lines():
     root = pathlib.Path(tt.__file__).parent
     long = [str(p.relative_to(root)) for p in root.rglob("*.py") if len(p.read_text().splitlines()) > 800]

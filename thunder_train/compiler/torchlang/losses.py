@@ -506,8 +506,7 @@ composed("cosine_embedding_loss", cosine_embedding_loss, (F.cosine_embedding_los
 
 def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False, size_average=None,
                         reduce=None, reduction="mean"):
-    if size_average is not None or reduce is not None:
-        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    reduction = _reduction(size_average, reduce, reduction)
     if not (anchor.ndim == positive.ndim == negative.ndim) or anchor.ndim not in (1, 2):
         raise NotImplementedError("triplet_margin_loss of these shapes is run by torch (eager checks them)")
     dp = pairwise_distance(anchor, positive, p, eps)
@@ -556,8 +555,7 @@ composed("multi_margin_loss", multi_margin_loss, (F.multi_margin_loss,))
 
 
 def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    if size_average is not None or reduce is not None:
-        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    reduction = _reduction(size_average, reduce, reduction)
     x = input.reshape(1, -1) if input.ndim < 2 else input
     t = target.reshape(1, -1) if target.ndim < 2 else target
     c = x.shape[1]
