@@ -14,9 +14,10 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
-from .distances import pairwise_distance
-from .helpers import is_proxy, upcast_and_dtype
 from .activations import _softplus
+from .distances import pairwise_distance
+from .elementwise import xlogy
+from .helpers import is_proxy, upcast_and_dtype
 from .registry import composed, torchsymbol
 
 
@@ -207,8 +208,6 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     if log_target:
         loss = clang.mul(clang.exp(target), clang.sub(target, input))
     else:
-        from .elementwise import xlogy
-
         loss = clang.sub(xlogy(target, target), clang.mul(target, input))
     if reduction == "batchmean":
         return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)

@@ -13,6 +13,7 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from .autocast import FP32  # autocast policies: see autocast.py
 from .helpers import is_proxy, square, upcast_and_dtype
+from .reductions import norm
 from .registry import composed, torchsymbol
 
 
@@ -173,8 +174,6 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
 
 @torchsymbol(F.normalize, autocast={"cuda": FP32})
 def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
-    from .reductions import norm
-
     n = norm(input, p, dim, True)
     return clang.true_divide(input, clang.expand(clang.maximum(n, eps), input._tt_shape))
 
