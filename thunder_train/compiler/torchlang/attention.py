@@ -7,12 +7,12 @@ import math
 import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
-from ..clang import downcast_like, upcast
+from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
 from .autocast import LOWER  # autocast policies: see autocast.py
 from .dropout import dropout
-from .helpers import is_proxy, upcast_and_dtype
+from .helpers import upcast_and_dtype
 from .registry import torchsymbol
 
 
@@ -89,7 +89,7 @@ def _sdpa_vjp(g, out, /, query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         r = prims.broadcast_in_dim(prims.iota(L, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (0,))
         c = prims.broadcast_in_dim(prims.iota(S, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (1,))
         scores = clang.where(clang.expand(prims.ge(r, c), scores._tt_shape), scores, -math.inf)
-    elif is_proxy(attn_mask):
+    elif is_tensor(attn_mask):
         if attn_mask._tt_dtype.is_bool:
             scores = clang.where(clang.expand(attn_mask, scores._tt_shape), scores, -math.inf)
         else:

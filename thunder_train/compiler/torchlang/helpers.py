@@ -2,11 +2,6 @@
 from __future__ import annotations
 
 from .. import clang, prims
-from ..proxies import TensorProxy
-
-
-def is_proxy(x):
-    return type(x) is TensorProxy
 
 
 def upcast_and_dtype(a):

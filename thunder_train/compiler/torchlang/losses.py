@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 from .. import clang, prims
 from ..proxies import TensorProxy
-from ..clang import downcast_like, upcast
+from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
 from .activations import _softplus
 from .distances import pairwise_distance
 from .elementwise import xlogy
-from .helpers import is_proxy, upcast_and_dtype
+from .helpers import upcast_and_dtype
 from .registry import composed, torchsymbol
 
 
@@ -307,7 +307,7 @@ def _cross_entropy_supported(input, target, weight=None, size_average=None, igno
         return target._tt_shape == input._tt_shape
     # A weight that is an input requiring grad: the decomposition differentiates it everywhere (the torch
     # executor runs this rule's backward with eager's kernels, which refuse weight gradients for class indices).
-    return not (is_proxy(weight) and weight._tt_requires_grad)
+    return not (is_tensor(weight) and weight._tt_requires_grad)
 
 
 @register_vjp(cross_entropy, supports=_cross_entropy_supported)
@@ -326,7 +326,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
     C = x._tt_shape[c_dim]
     eps = float(label_smoothing)
     classes_shape = tuple(C if i == c_dim else 1 for i in range(x.ndim_))
-    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if is_proxy(weight) else None
+    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if is_tensor(weight) else None
     p = clang.softmax(x, c_dim)
     if target._tt_dtype.is_float:
         return _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input)
@@ -337,7 +337,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
     valid = clang.ne(target, ignore_index)
     vf = clang.maybe_convert(valid, x._tt_dtype)
     w_t = vf
-    if is_proxy(weight):
+    if is_tensor(weight):
         safe = clang.where(valid, target, 0)
         w_per = clang.reshape(prims.take(clang.maybe_convert(weight, x._tt_dtype), clang.reshape(safe, (-1,)), 0), target._tt_shape)
         w_t = clang.mul(vf, w_per)
@@ -352,7 +352,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
         smooth = clang.sub(clang.mul(p, w_sum), wc if wc is not None else 1.0)
         gx = clang.add(clang.mul(gx, 1.0 - eps), clang.mul(clang.mul(smooth, clang.unsqueeze(vf, c_dim)), eps / C))
     grads = {"input": downcast_like(clang.mul(gx, clang.unsqueeze(s, c_dim)), input)}
-    if is_proxy(weight):
+    if is_tensor(weight):
         # d/dw_c: the -log p terms that w_c multiplies; "mean" also moves the normaliser Σ w_t.
         neg_logp = clang.neg(clang.log_softmax(x, c_dim))
         sv = clang.unsqueeze(clang.mul(s, vf), c_dim)
@@ -379,12 +379,12 @@ def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduct
     s = clang.unsqueeze(clang.expand(gu, sample_shape), c_dim)
     gx = clang.mul(clang.sub(clang.mul(p, clang.sum(wt, c_dim, keepdim=True)), wt), s)
     grads = {"input": downcast_like(gx, input)}
-    if _float(target) or is_proxy(weight):
+    if _float(target) or is_tensor(weight):
         neg_logp_s = clang.mul(clang.neg(clang.log_softmax(x, c_dim)), s)
         if _float(target):
             gt = clang.mul(neg_logp_s, clang.mul(wc, 1.0 - eps) if wc is not None else 1.0 - eps)
             grads["target"] = downcast_like(gt, target)
-        if is_proxy(weight):
+        if is_tensor(weight):
             batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
             gw = clang.mul(neg_logp_s, t)
             gw = clang.sum(gw, batch_dims) if batch_dims else gw
@@ -402,7 +402,7 @@ def _value_check(bad, message):
 def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(reduction + " is not valid")
-    if not is_proxy(var):
+    if not is_tensor(var):
         if var < 0:
             raise ValueError("var has negative entry/entries")
         var = clang.full_like(input, var)

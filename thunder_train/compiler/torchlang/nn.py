@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
-from ..clang import downcast_like
+from ..clang import downcast_like, is_tensor
 from ..grad_rules import register_vjp
 from ..prims.core import zeros_like
 from .autocast import LOWER  # autocast policies: see autocast.py
-from .helpers import is_proxy, ntuple
+from .helpers import ntuple
 from .registry import composed, torchsymbol
 
 
@@ -33,7 +33,7 @@ def _linear_vjp(g, out, /, input, weight, bias=None):
         "input": clang.reshape(prims.matmul(g2, weight), input._tt_shape),
         "weight": prims.matmul(clang.transpose(g2, 0, 1), clang.reshape(input, (-1, n_in))),
     }
-    if is_proxy(bias):
+    if is_tensor(bias):
         grads["bias"] = downcast_like(prims.sum(g2, (0,)), bias)
     return grads
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import clang, prims
-from ..clang import downcast_like, upcast
+from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from .autocast import FP32  # autocast policies: see autocast.py
-from .helpers import is_proxy, square, upcast_and_dtype
+from .helpers import square, upcast_and_dtype
 from .reductions import norm
 from .registry import composed, torchsymbol
 
@@ -65,9 +65,9 @@ def _affine_grads(gy, xhat, weight, bias, dims):
     """Gradients of ``y = xhat * weight + bias`` for weight and bias (summed over the batch dims)."""
     batch = tuple(d for d in range(gy.ndim_) if d not in dims)
     grads = {}
-    if is_proxy(weight):
+    if is_tensor(weight):
         grads["weight"] = downcast_like(clang.reshape(clang.sum(_mul(gy, xhat), batch), weight._tt_shape), weight)
-    if is_proxy(bias):
+    if is_tensor(bias):
         grads["bias"] = downcast_like(clang.reshape(clang.sum(gy, batch), bias._tt_shape), bias)
     return grads
 
@@ -81,7 +81,7 @@ def _layer_norm_vjp(g, out, /, input, normalized_shape, weight=None, bias=None, 
     centred = _sub(x, mean)
     rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
     xhat = _mul(centred, rstd)
-    gxhat = clang.mul(gy, weight) if is_proxy(weight) else gy
+    gxhat = clang.mul(gy, weight) if is_tensor(weight) else gy
     gx = _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
     return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, bias, dims)}
 
@@ -94,7 +94,7 @@ def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(input._tt_dtype.torch).eps
     rrms = clang.expand(prims.rsqrt(_add(clang.mean(square(x), dims, keepdim=True), eps)), x._tt_shape)
     xhat = _mul(x, rrms)
-    gxhat = clang.mul(gy, weight) if is_proxy(weight) else gy
+    gxhat = clang.mul(gy, weight) if is_tensor(weight) else gy
     gx = _mul(rrms, _sub(gxhat, _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
     return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, None, dims)}
 
