@@ -143,6 +143,33 @@ def test_ops_that_can_raise_on_values_are_declared_fallible():
     assert not missing, f"ops that raise on bad indices or values, not tagged 'fallible': {missing}"
 
 
+# One eager call per torch-language view op: (arguments after the input, the input's shape).
+_VIEW_CALLS = {
+    "view": (((6, 4),), (2, 3, 4)), "view_as": ((torch.empty(6, 4),), (2, 3, 4)), "reshape": (((6, 4),), (2, 3, 4)),
+    "reshape_as": ((torch.empty(6, 4),), (2, 3, 4)), "flatten": ((), (2, 3, 4)), "unflatten": ((2, (2, 2)), (2, 3, 4)),
+    "squeeze": ((), (2, 1, 4)), "unsqueeze": ((0,), (2, 3, 4)), "permute": (((2, 0, 1),), (2, 3, 4)),
+    "transpose": ((0, 1), (2, 3, 4)), "t": ((), (3, 4)), "movedim": ((0, 2), (2, 3, 4)),
+    "expand": (((2, 2, 3, 4),), (2, 3, 4)), "expand_as": ((torch.empty(2, 2, 3, 4),), (2, 3, 4)),
+    "broadcast_to": (((2, 2, 3, 4),), (2, 3, 4)), "split": ((1,), (2, 3, 4)), "chunk": ((2,), (2, 3, 4)),
+    "tensor_split": ((2,), (2, 3, 4)), "unbind": ((), (2, 3, 4)), "narrow": ((0, 0, 1), (2, 3, 4)),
+    "select": ((0, 1), (2, 3, 4)), "getitem": (((0, slice(1, 3)),), (2, 3, 4)), "detach": ((), (2, 3, 4)),
+}
+
+
+def test_view_ops_are_tagged_and_are_views_in_eager():
+    # The tracer keeps a "view" op's result aliased to its input (acquisition/inplace.py is_view); a wrong tag
+    # either way makes an in-place update through the result reach the input, or not, unlike eager.
+    tagged = {s.name: s for s in registry.all_symbols.values() if "view" in s.tags}
+    assert set(tagged) == set(_VIEW_CALLS), f"view tags differ from the checked list: {set(tagged) ^ set(_VIEW_CALLS)}"
+    for name, s in tagged.items():
+        args, shape = _VIEW_CALLS[name]
+        x = torch.randn(shape)
+        out = s.torch_impl(x, *args)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), f"{name} is not a view in eager"
+    assert "view" not in registry.lookup(torch.Tensor.contiguous).tags and "view" not in registry.lookup(torch.clone).tags
+
+
 def test_reinplacing_reads_the_declared_inplace_forms():
     add = registry.lookup(torch.add)
     assert add.inplace_variant is registry.lookup(torch.Tensor.add_) and add.inplace_variant.torch_impl is torch.Tensor.add_

@@ -22,13 +22,13 @@ def _t(x):
     return type(x) is TensorProxy
 
 
-@torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape)
+@torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape, tags=("view",))
 def reshape(input, *shape):
     """torch.reshape / Tensor.reshape (one size may be -1)."""
     return clang.reshape(input, size_args(shape))
 
 
-@torchsymbol(methods=("view",))
+@torchsymbol(methods=("view",), tags=("view",))
 def view(input, *shape):
     """Tensor.view; a dtype argument (bit reinterpretation) is not supported."""
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
@@ -36,22 +36,22 @@ def view(input, *shape):
     return clang.reshape(input, size_args(shape))
 
 
-@torchsymbol(methods=("view_as",))
+@torchsymbol(methods=("view_as",), tags=("view",))
 def view_as(input, other):
     return clang.reshape(input, other._tt_shape)
 
 
-@torchsymbol(methods=("reshape_as",))
+@torchsymbol(methods=("reshape_as",), tags=("view",))
 def reshape_as(input, other):
     return clang.reshape(input, other._tt_shape)
 
 
-@torchsymbol(torch.flatten, methods=("flatten",))
+@torchsymbol(torch.flatten, methods=("flatten",), tags=("view",))
 def flatten(input, start_dim=0, end_dim=-1):
     return clang.flatten(input, start_dim, end_dim)
 
 
-@torchsymbol(torch.unflatten, methods=("unflatten",))
+@torchsymbol(torch.unflatten, methods=("unflatten",), tags=("view",))
 def unflatten(input, dim, sizes):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     sizes = tuple(sizes)
@@ -61,34 +61,34 @@ def unflatten(input, dim, sizes):
     return clang.reshape(input, input._tt_shape[:dim] + sizes + input._tt_shape[dim + 1 :])
 
 
-@torchsymbol(torch.squeeze, methods=("squeeze",))
+@torchsymbol(torch.squeeze, methods=("squeeze",), tags=("view",))
 def squeeze(input, dim=None):
     return clang.squeeze(input, dim)
 
 
-@torchsymbol(torch.unsqueeze, methods=("unsqueeze",))
+@torchsymbol(torch.unsqueeze, methods=("unsqueeze",), tags=("view",))
 def unsqueeze(input, dim):
     return clang.unsqueeze(input, dim)
 
 
-@torchsymbol(torch.permute, methods=("permute",), torch_impl=torch.Tensor.permute)
+@torchsymbol(torch.permute, methods=("permute",), torch_impl=torch.Tensor.permute, tags=("view",))
 def permute(input, *dims):
     return clang.permute(input, size_args(dims))
 
 
-@torchsymbol(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"))
+@torchsymbol(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"), tags=("view",))
 def transpose(input, dim0, dim1):
     return clang.transpose(input, dim0, dim1)
 
 
-@torchsymbol(torch.t, methods=("t",))
+@torchsymbol(torch.t, methods=("t",), tags=("view",))
 def t(input):
     if input.ndim_ > 2:
         raise ValueError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim_}D")
     return clang.transpose(input, 0, 1) if input.ndim_ == 2 else input
 
 
-@torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"))
+@torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"), tags=("view",))
 def movedim(input, source, destination):
     nd = input.ndim_
     src = [source] if isinstance(source, int) else list(source)
@@ -103,17 +103,17 @@ def movedim(input, source, destination):
     return clang.permute(input, perm)
 
 
-@torchsymbol(methods=("expand",))
+@torchsymbol(methods=("expand",), tags=("view",))
 def expand(input, *sizes):
     return clang.expand(input, size_args(sizes))
 
 
-@torchsymbol(methods=("expand_as",))
+@torchsymbol(methods=("expand_as",), tags=("view",))
 def expand_as(input, other):
     return clang.expand(input, other._tt_shape)
 
 
-@torchsymbol(torch.broadcast_to, methods=("broadcast_to",))
+@torchsymbol(torch.broadcast_to, methods=("broadcast_to",), tags=("view",))
 def broadcast_to(input, size):
     return clang.expand(input, tuple(size))
 
@@ -145,7 +145,7 @@ def vstack(tensors):
     return clang.cat(tensors, 0)
 
 
-@torchsymbol(torch.split, methods=("split",))
+@torchsymbol(torch.split, methods=("split",), tags=("view",))
 def split(tensor, split_size_or_sections, dim=0):
     dim = clang.canonicalize_dim(tensor.ndim_, dim)
     n = tensor._tt_shape[dim]
@@ -163,7 +163,7 @@ def split(tensor, split_size_or_sections, dim=0):
     return tuple(out)
 
 
-@torchsymbol(torch.chunk, methods=("chunk",))
+@torchsymbol(torch.chunk, methods=("chunk",), tags=("view",))
 def chunk(input, chunks, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
@@ -171,7 +171,7 @@ def chunk(input, chunks, dim=0):
     return split(input, size, dim) if size else (input,)
 
 
-@torchsymbol(torch.tensor_split, methods=("tensor_split",))
+@torchsymbol(torch.tensor_split, methods=("tensor_split",), tags=("view",))
 def tensor_split(input, indices_or_sections, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
@@ -206,13 +206,13 @@ def _tensor_split_vjp(g, out, /, input, indices_or_sections, dim=0):
     return {"input": _cat_piece_grads(g, out, clang.canonicalize_dim(input.ndim_, dim))}
 
 
-@torchsymbol(torch.unbind, methods=("unbind",))
+@torchsymbol(torch.unbind, methods=("unbind",), tags=("view",))
 def unbind(input, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     return tuple(clang.squeeze(clang.slice_in_dim(input, i, i + 1, 1, dim), (dim,)) for i in range(input._tt_shape[dim]))
 
 
-@torchsymbol(torch.narrow, methods=("narrow",))
+@torchsymbol(torch.narrow, methods=("narrow",), tags=("view",))
 def narrow(input, dim, start, length):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     if start < 0:
@@ -220,7 +220,7 @@ def narrow(input, dim, start, length):
     return clang.slice_in_dim(input, start, start + length, 1, dim)
 
 
-@torchsymbol(torch.select, methods=("select",))
+@torchsymbol(torch.select, methods=("select",), tags=("view",))
 def select(input, dim, index):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
@@ -397,7 +397,7 @@ def _normalize_index(input, key):
     return key
 
 
-@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible",))  # tensor indices out of range raise
+@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible", "view"))  # tensor indices out of range raise
 def getitem(input, key):
     """Basic indexing (ints, slices, None, ...) and integer-tensor indexing (one or several tensors)."""
     key = _normalize_index(input, key)

@@ -427,7 +427,7 @@ def contiguous(a, memory_format=torch.contiguous_format):
     return prims.clone(a, memory_format)
 
 
-@torchsymbol(torch.detach, methods=("detach",))
+@torchsymbol(torch.detach, methods=("detach",), tags=("view",))
 def detach(a):
     """Same values, no gradient."""
     return prims.stop_gradient(a)
