@@ -326,3 +326,58 @@ def test_a_decision_on_a_random_value_is_still_a_clear_error_naming_the_line():
 
     with pytest.raises(DataDependentError, match=r"test_decision_checks.py:\d+ \(if h.sum\(\).item\(\) > 0:\).*random"):
         tt.compile(fn)(torch.randn(4, 4))
+
+
+def test_thunder_callback_trains_a_module_deciding_on_an_activation_like_the_plain_trainer():
+    L = pytest.importorskip("lightning")
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from thunder_train.callbacks import ThunderCallback
+
+    class GatedBN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.net[2](self.net[1](self.net[0](x)))  # BatchNorm's running statistics: written after the check
+            if (h > 1.0).float().mean() > 0.19:
+                h = h * 0.5
+            return F.cross_entropy(self.net[3](h), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().clone())
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = GatedBN()
+        losses = Losses()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(96, 8, generator=g)
+        loader = DataLoader(TensorDataset(x, torch.randint(0, 4, (96,), generator=g)), batch_size=8)
+        trainer = L.Trainer(callbacks=[*callbacks, losses], max_steps=12, enable_progress_bar=False, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                            num_sanity_val_steps=0, limit_val_batches=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, loader)
+        return model, torch.stack(losses.losses), trainer
+
+    ref, l_ref, t_ref = fit([])
+    cb = ThunderCallback(thin=True, fuse_optimizer=True)
+    model, losses, trainer = fit([cb])
+    torch.testing.assert_close(losses, l_ref, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda s: f"{n}: {s}")
+    stats = tt.compile_stats(cb.compiled())
+    assert stats.decision_mismatches >= 2 and stats.thin_calls > 0, stats
