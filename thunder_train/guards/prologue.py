@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import checks
 
 _counter = itertools.count()
@@ -134,7 +134,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "dataclass":
         return [("type", f"type({var})", type(v))]
     if k == "namespace":  # a plain object whose attributes are leaves of their own
-        return [("type", f"type({var})", type(v)), ("attributes", f"tuple({var}.__dict__)", leaf.snapshot)]
+        return [("type", f"type({var})", type(v))] + attribute_checks(leaf, var)
+    if k in ("method", "partial"):  # a bound method / functools.partial: its __self__ / args and keywords are leaves
+        return [("type", f"type({var})", type(v)), ("function", f"id({var}.{_CALLEE[k]})", id(getattr(v, _CALLEE[k])))]
     if k == "module":
         snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
         specs = [
@@ -153,6 +155,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "object":
         return [("object", f"id({var})", id(v))]
     raise AssertionError(k)
+
+
+_CALLEE = {"method": "__func__", "partial": "func"}
 
 
 # ---------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
+            walker.classes.finish()
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
