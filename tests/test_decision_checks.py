@@ -381,3 +381,69 @@ def test_thunder_callback_trains_a_module_deciding_on_an_activation_like_the_pla
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda s: f"{n}: {s}")
     stats = tt.compile_stats(cb.compiled())
     assert stats.decision_mismatches >= 2 and stats.thin_calls > 0, stats
+
+
+@pytest.mark.parametrize("options", [dict(thin=True), dict(thin=True, check_every=2)], ids=["thin", "check_every"])
+def test_a_thin_compiled_module_deciding_on_an_activation_follows_eager_both_ways(options):
+    torch.manual_seed(0)
+    ref = Gated()
+    m = copy.deepcopy(ref)
+    cm = tt.compile(m, **options)
+    with torch.no_grad():
+        for x, _ in batches() + batches(seed=1):
+            torch.testing.assert_close(cm(x), ref(x))
+    stats = tt.compile_stats(cm)
+    assert stats.decision_mismatches >= 2 and stats.thin_calls > 0, stats
+
+
+def _lin():
+    """h = the mean of x's row, in every column: x = full(v) decides on v."""
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+        model.bias.zero_()
+    return model
+
+
+def both(model, x, mask):
+    h = model(x) * mask
+    if (mask == 1).all():  # the prologue's
+        h = h * 2
+    if h.sum() > 0:  # the program's
+        return h - 1
+    return h + 1
+
+
+def nested(model, x):
+    h = model(x)
+    if h.mean() > 0:
+        if h.max() > 2.0:  # taken only on one side of the first
+            return h * 3
+        return h * 2
+    return h
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_prologue_and_program_decisions_flip_independently(mode):
+    model = _lin()
+    ones = torch.ones(2, 3)
+    pad = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    cf = tt.compile(both, **mode)
+    for v, mask in [(1, ones), (1, ones), (-1, ones), (-1, pad), (1, pad), (1, ones), (-1, pad), (-1, ones), (1, pad)]:
+        x = torch.full((2, 4), float(v))
+        torch.testing.assert_close(cf(model, x, mask), both(model, x, mask))
+    stats = tt.compile_stats(cf)
+    assert stats.entries == 4 and stats.decision_mismatches >= 2, stats
+    kinds = {"prologue" if "recomputed by the prologue" in n else "program" for n in stats.decision_notes}
+    assert kinds == {"prologue", "program"}, stats.decision_notes
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_decision_taken_on_one_side_of_another_is_checked_after_it(mode):
+    model = _lin()
+    cf = tt.compile(nested, **mode)
+    for v in (1.0, 1.0, 3.0, -1.0, 3.0, 3.0, 1.0, -1.0, -1.0, 1.0, 3.0, -1.0):
+        x = torch.full((2, 4), v)
+        torch.testing.assert_close(cf(model, x), nested(model, x))
+    stats = tt.compile_stats(cf)
+    assert stats.entries == 3 and stats.decision_mismatches >= 6, stats
