@@ -178,7 +178,10 @@ class CompiledFunction:
     and global state selects a bucket; the bucket's generated ``extract`` and
     ``guard_key`` run once and the guard key finds the entry with one dict
     lookup, however many entries exist.  A miss traces again, recording why
-    in ``compile_stats(...).retrace_reasons``.
+    in ``compile_stats(...).retrace_reasons``.  A program that checks a
+    decision on an intermediate value and finds the other value raises
+    ``DecisionMismatch`` before writing anything; ``_redispatch`` then runs
+    the entry for the observed value (``_Probe.paths``), or traces it.
 
     Thin mode (``thin=True``): once the same entry validated on two
     consecutive calls, ``thin_call`` (generated, see ``guards/thin.py``)

@@ -254,6 +254,8 @@ def _checked_in_program(st, value, convert, text, lines, inputs, pos):
     bsyms = st.trace.bound_symbols
     prims.check_decision(value, convert, decision_key(result), index, text)
     check = bsyms.pop()
+    if check.sym is not prims.check_decision:
+        raise RuntimeError("thunder_train internal error: the decision's check was not recorded as the trace's last line")
     bsyms.insert(pos, check)
     st.decisions.append(Decision(None, list(inputs), convert, result, text, "", ops=len(lines), checked=True, index=index))
     return result
