@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import checks
 
 _counter = itertools.count()
@@ -297,16 +297,6 @@ def _storage_overlaps(written, others) -> tuple:
         if i is not None and t is not written[i]:
             out.append((i, j))
     return tuple(out)
-
-
-def per_call_mask(leaves) -> list:
-    """True for leaves reached without passing through a module or other object."""
-    kind_of = {leaf.path: leaf.kind for leaf in leaves}
-    mask = []
-    for leaf in leaves:
-        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
-        mask.append(not static)
-    return mask
 
 
 def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=()) -> tuple:

@@ -33,6 +33,7 @@ import torch
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
+from ..compiler.errors import DecisionMismatch
 from ..compiler.proxies import SizeProxy
 from . import bulk
 from .checks import autocast_state
@@ -412,8 +413,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     lines += ["  except Exception:  # _Changed, or a bound container that no longer has what was read",
               "    return _changed(args, kwargs)"]
     call_args = ", ".join(_packed_args([comp_arg[i] for i in entry.input_idx], bound))
-    lines += ["  try:", f"    return _computation({call_args})", "  except Exception as e:",
-              "    _failed(args, kwargs, e)", "    raise"]
+    lines += ["  try:", f"    return _computation({call_args})",
+              # A decision the program checks went the other way (nothing written): the entry for it runs.
+              "  except _DecisionMismatch as e:", "    return _decided(args, kwargs, e)",
+              "  except Exception as e:", "    _failed(args, kwargs, e)", "    raise"]
 
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
@@ -423,7 +426,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
         "_computation": entry.computation if computation is None else computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
-        "_failed": handlers["failed"],
+        "_failed": handlers["failed"], "_decided": handlers["decided"], "_DecisionMismatch": DecisionMismatch,
         "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
         **consts.d, **bound, **prologue.check_globals,
     }

@@ -151,8 +151,6 @@ class Leaf:
         return path_str(self.path)
 
 
-
-
 def attribute_checks(leaf, var: str) -> list:
     """``(what, expression, expected)`` for a walked object's set of attributes (a "namespace" leaf): the names in
     its ``__dict__`` and, for ``__slots__``, which slots are filled. Each attribute's value is a leaf of its own."""
@@ -163,3 +161,13 @@ def attribute_checks(leaf, var: str) -> list:
         names, filled = leaf.slots
         out.append(("slots filled", f"tuple(n for n in {names!r} if hasattr({var}, n))", filled))
     return out
+
+
+def per_call_mask(leaves) -> list:
+    """True for leaves reached without passing through a module or other object (the batch, not the model)."""
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
+    mask = []
+    for leaf in leaves:
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        mask.append(not static)
+    return mask
