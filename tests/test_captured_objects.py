@@ -64,7 +64,7 @@ class Holder:
 
 @pytest.fixture
 def restore_classes():
-    saved = {c: dict(vars(c)) for c in (Cfg, SubCfg, Holder)}
+    saved = {c: {k: dict(v) if type(v) is dict else v for k, v in vars(c).items()} for c in (Cfg, SubCfg, Holder)}
     yield
     for c, d in saved.items():
         for k in list(vars(c)):
