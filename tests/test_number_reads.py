@@ -55,6 +55,8 @@ ITEM_CASES = {
     "comparison": lambda x: x + 1 if x.sum().item() > 0 else x - 1,
     "divmod": lambda x: x * divmod(positives(x).item(), 3)[1],
     "bitwise": lambda x: x * (positives(x).item() & 1),
+    "set_member": lambda x: x * 2 if positives(x).item() in {2, 4} else x,
+    "dict_key": lambda x: x * {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}.get(positives(x).item(), 0.5),
     # torch calls taking the number: recorded as a runtime input, or decided where torch needs a plain int
     "alpha": lambda x: x.add(x, alpha=x.sum().item()),
     "torch_full": lambda x: torch.full((3,), x.sum().item()) + x[:3],
@@ -109,6 +111,8 @@ SIZE_CASES = {
     "int": lambda x: x * int(x.shape[0]),
     "float": lambda x: x * float(x.shape[0]),
     "bool": lambda x: x * 2 if x.shape[0] > 4 else x,
+    "set_member": lambda x: x * 2 if x.shape[0] in {3, 6} else x,
+    "dict_key": lambda x: x * {3: 1.0, 5: 2.0}.get(x.shape[0], 0.5),
     "attention_scale": lambda x: (x.T @ x) / math.sqrt(x.size(0)),
     # symbolic: one program for every size
     "alpha": lambda x: x.add(x, alpha=x.shape[0]),

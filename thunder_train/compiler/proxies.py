@@ -181,7 +181,10 @@ class NumberProxy(Proxy):
     def __init__(self, *args, **kwargs):  # torch.Sym*.__init__ wants a symbolic node: there is none
         pass
 
-    __hash__ = object.__hash__
+    def __hash__(self):
+        # A dict key or set member (``n in {2, 4}``) is found by the plain value, as in eager; an identity
+        # hash would silently miss.  (The compiler keys its own tables by ``id()``.)
+        return hash(self._concrete("hash() (a dict key, a set member)"))
 
     @property
     def node(self):
@@ -208,6 +211,9 @@ class NumberProxy(Proxy):
         from .context import tracer_state
 
         convert = convert or self.python_type.__name__
+        if convert == "complex":
+            raise TypeError(f"{what} of the complex runtime number {self.name} cannot be traced: "
+                            "use it in tensor arithmetic, or move that code outside the compiled function")
         if _decision_handler is not None and tracer_state() is not None:
             return _decision_handler(self, convert, f"{what} of the runtime number {self.name}")
         if self.value is None:
@@ -465,7 +471,7 @@ class _Checked:
     def __ge__(self, o):
         return self._cmp(o, ">=", operator.ge, "ge")
 
-    __hash__ = object.__hash__
+    __hash__ = NumberProxy.__hash__
 
     def __bool__(self):
         return self._check("!=", 0, self.value != 0)
@@ -479,7 +485,7 @@ class SizeProxy(_Checked, _IntProxy):
     ``int()``, ``range()``, slicing, ...) become checks (``_Checked``).
     """
 
-    __hash__ = object.__hash__
+    __hash__ = NumberProxy.__hash__
 
 
 class CheckedFloat(_Checked, _FloatProxy):
@@ -489,7 +495,7 @@ class CheckedFloat(_Checked, _FloatProxy):
     (``if weight_decay != 0``, ``math.sqrt(lr)``) records a check instead of failing.
     """
 
-    __hash__ = object.__hash__
+    __hash__ = NumberProxy.__hash__
 
 
 def is_checked(x) -> bool:
