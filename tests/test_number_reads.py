@@ -56,6 +56,7 @@ ITEM_CASES = {
     "divmod": lambda x: x * divmod(positives(x).item(), 3)[1],
     "bitwise": lambda x: x * (positives(x).item() & 1),
     "set_member": lambda x: x * 2 if positives(x).item() in {2, 4} else x,
+    "isinstance": lambda x: x * positives(x).item() if isinstance(x.sum().item(), float) else x,
     "dict_key": lambda x: x * {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}.get(positives(x).item(), 0.5),
     # torch calls taking the number: recorded as a runtime input, or decided where torch needs a plain int
     "alpha": lambda x: x.add(x, alpha=x.sum().item()),
@@ -66,7 +67,7 @@ ITEM_CASES = {
     "torch_tensor": lambda x: torch.tensor([x.sum().item(), 1.0]) * x[:2],
 }
 # The cases eager computes from the value of a tensor through Python: each value is a decision.
-ITEM_DECIDED = set(ITEM_CASES) - {"alpha", "torch_full", "clamp_min", "torch_tensor"}
+ITEM_DECIDED = set(ITEM_CASES) - {"alpha", "torch_full", "clamp_min", "torch_tensor", "isinstance"}
 
 
 @pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
@@ -240,6 +241,8 @@ def test_number_proxies_are_not_python_numbers_and_reach_no_symbolic_node():
         n.node
     with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
         range(NumberProxy(value=1.5))
+    # ... while isinstance answers as for eager's number (the proxy's class is its Python type)
+    assert isinstance(n, int) and isinstance(NumberProxy(value=1.5), float) and not isinstance(n, float)
     assert proxies.is_number(n) and proxies.is_int(n) and proxies.number_type(NumberProxy(value=1.5)) is float
     assert not proxies.is_number("3") and not proxies.is_int(2.0) and proxies.is_int(True)
 

@@ -181,6 +181,12 @@ class NumberProxy(Proxy):
     def __init__(self, *args, **kwargs):  # torch.Sym*.__init__ wants a symbolic node: there is none
         pass
 
+    @property
+    def __class__(self):
+        # ``isinstance(n, int)`` / ``isinstance(lr, float)`` answer as for eager's number (the class is the
+        # Python type); CPython's own reads of a stored number look at the real type, which has none.
+        return self.python_type
+
     def __hash__(self):
         # A dict key or set member (``n in {2, 4}``) is found by the plain value, as in eager; an identity
         # hash would silently miss.  (The compiler keys its own tables by ``id()``.)
