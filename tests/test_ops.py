@@ -124,7 +124,7 @@ UNSUPPORTED = {
 # or eager's own error.
 BEYOND_DECOMPOSITIONS = {
     "einsum_trace": lambda x: torch.einsum("ii->i", x[0, :, :3]),
-    # (F.pad reflect/replicate/circular are native now: torchlang/composites3.py, OpInfo nn.functional.pad.*)
+    # (F.pad reflect/replicate/circular are native now: torchlang/padding.py, OpInfo nn.functional.pad.*)
     "interpolate_linear": lambda x: torch.nn.functional.interpolate(x, scale_factor=2, mode="linear"),
     "avg_pool_ceil_mode": lambda x: torch.nn.functional.avg_pool1d(x, 3, ceil_mode=True),
 }

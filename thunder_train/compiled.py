@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from .compiler import acquisition
+from .compiler.errors import DecisionMismatch
 from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
@@ -48,8 +49,12 @@ class CompileStats:
     cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
     cuda_graph_captures: int = 0
     cuda_graph_replays: int = 0
-    # Python decisions on tensor values (compiler/acquisition/decisions.py): what the prologue recomputes for each.
+    # Python decisions on tensor values (compiler/acquisition/decisions.py): where each is checked (the prologue,
+    # recomputing its ops, or the program, where it computes the value) and how many ops that is.
     decision_notes: list = dataclasses.field(default_factory=list)
+    # Calls whose program found a checked decision going the other way: abandoned before writing anything, and
+    # the call ran (or traced) the entry for the value observed.
+    decision_mismatches: int = 0
 
     @property
     def thin_calls(self) -> int:
@@ -62,6 +67,9 @@ class _Probe:
 
     prologue: Prologue
     entries: dict
+    # (guard key, (text, value) of the first checked decisions) -> an entry whose program decides so
+    # (compiler/acquisition/decisions.py); entries[guard key] is the one a call runs first.
+    paths: dict = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -206,6 +214,7 @@ class CompiledFunction:
         self._call = self._full_call
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
         self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
+        self._thin_decided_at = -1  # stats.calls of the last thin call whose program went another way
         self.stats = CompileStats()
         self._arg_names = acquisition.arg_names(fn)
         if cuda_graphs and not torch.cuda.is_available():
@@ -254,7 +263,71 @@ class CompiledFunction:
             self._autocast_region.check()
         if self.thin:
             self._after_validation(entry, vals)
-        return entry.computation(*entry.select(vals))
+        try:
+            return entry.computation(*entry.select(vals))
+        except DecisionMismatch as mismatch:
+            return self._redispatch(args, kwargs, skey, entry, mismatch)
+
+    # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
+    def _redispatch(self, args, kwargs, skey, entry, mismatch):
+        """``entry``'s program found a decision going the other way and stopped before writing anything: run
+        the entry traced for the value observed, tracing it (with that value) if there is none yet."""
+        self.stats.decision_mismatches += 1
+        tried = {id(entry)}
+        while True:
+            text, expected = entry.checked[mismatch.index]
+            observed = entry.checked[:mismatch.index] + ((text, mismatch.value),)
+            found = self._entry_for(skey, args, kwargs, observed)
+            if found is None:
+                entry = self._compile(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
+                                      forced_decisions=observed)
+                vals = entry.prologue.extract.fn(*args, **kwargs)
+            else:
+                probe, gkey, entry, vals = found
+                if entry.fusion_job is not None:
+                    entry.fusion_job.submit()
+            if id(entry) in tried or len(tried) > 2 * len(observed) + 2:
+                raise RuntimeError(
+                    f"thunder_train: the decisions the program checks do not settle ({text}: the program traced for "
+                    f"{mismatch.value!r} decides otherwise when it runs); the value is not a deterministic function "
+                    "of the inputs. Move the decision outside the compiled function and pass its result in.")
+            tried.add(id(entry))
+            self._last = entry
+            if entry.updates_parameters:
+                self._autocast_region.check()
+            try:
+                result = entry.computation(*entry.select(vals))
+            except DecisionMismatch as again:
+                mismatch = again
+                continue
+            if found is not None:
+                self._prefer(skey, probe, gkey, entry)
+            if self.thin:
+                self._prev_validated = (entry, vals)
+            return result
+
+    def _entry_for(self, skey, args, kwargs, observed):
+        """``(probe, guard key, entry, leaf values)`` of an entry for this call whose program decides ``observed``."""
+        for probe in self._cache.get(skey, ()):
+            if not probe.paths:
+                continue
+            try:
+                vals = probe.prologue.extract.fn(*args, **kwargs)
+                gkey = probe.prologue.guard_key_fn.fn(*vals)
+            except _STRUCTURE_ERRORS:
+                continue
+            entry = probe.paths.get((gkey, observed))
+            if entry is not None:
+                return probe, gkey, entry, vals
+        return None
+
+    def _prefer(self, skey, probe, gkey, entry):
+        """The entry that ran last is the one the next call with this key tries first (decisions flip rarely)."""
+        probe.entries[gkey] = entry
+        probes = self._cache[skey]
+        if probes[0] is not probe:
+            probes.remove(probe)
+            probes.insert(0, probe)
 
     def _miss_reason(self, skey, tried) -> str | None:
         """Which input differed from the nearest entry, and how."""
@@ -281,7 +354,7 @@ class CompiledFunction:
                 return "; ".join(diffs)
         return "the structure of a module or container inside the arguments changed"
 
-    def _compile(self, args, kwargs, key, reason) -> CacheEntry:
+    def _compile(self, args, kwargs, key, reason, forced_decisions=()) -> CacheEntry:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
         self._misses_in_a_row += 1
@@ -292,7 +365,8 @@ class CompiledFunction:
                           optimizer_kernels=self.optimizer_kernels)
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
-            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes)
+            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
+            forced_decisions=forced_decisions)
         prologue, expected = entry.prologue, entry.key
         entry.on_switch = self._entry_switched
         for note in entry.decision_notes:
@@ -316,6 +390,8 @@ class CompiledFunction:
             probe = _Probe(prologue, {})
             probes.insert(0, probe)
         probe.entries[expected] = entry
+        for k in range(1, len(entry.checked) + 1):
+            probe.paths.setdefault((expected, entry.checked[:k]), entry)
         self.stats.entries += 1
         dt = time.perf_counter() - t0
         self.stats.last_trace_seconds = dt
@@ -334,7 +410,7 @@ class CompiledFunction:
         binding = ThinBinding(entry, vals, (), None, self.stats.calls, self.check_every or 0, self.check_every or 0,
                               entry.struct_key[2], thin.epoch())
         handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
-                    "failed": self._thin_failed}
+                    "failed": self._thin_failed, "decided": self._thin_decided}
         graphed = computation = None
         if self.cuda_graphs:
             why = graphs.obstacle(entry)
@@ -422,6 +498,20 @@ class CompiledFunction:
             self._unbind("the computation raised on inputs that changed since binding")
             raise raise_if_stale from exc
 
+    def _thin_decided(self, args, kwargs, mismatch):
+        """The bound program found a decision going the other way (nothing was written): this call runs the
+        entry for the value observed.  The binding stays for the next call, unless the previous call also went
+        the other way: then the decision changed for good and the full path binds the other entry."""
+        b = self._binding
+        self.stats.full_calls += 1
+        self.stats.validations += 1
+        entry = b.entry
+        if self._thin_decided_at == self.stats.calls - 1:
+            text, expected = entry.checked[mismatch.index]
+            self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")
+        self._thin_decided_at = self.stats.calls
+        return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), entry, mismatch)
+
     def _thin_mismatch(self, args, kwargs):
         b = self._binding
         raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, _describe_struct_diff)
@@ -435,7 +525,10 @@ class CompiledFunction:
             self._unbind("check_every found a change")
             raise
         self.stats.validations += 1
-        return b.entry.computation(*b.entry.select(vals))
+        try:
+            return b.entry.computation(*b.entry.select(vals))
+        except DecisionMismatch as mismatch:
+            return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), b.entry, mismatch)
 
     def revalidate(self) -> None:
         """Drop the thin binding: the next calls run the full prologue (and retrace if needed) and bind again.

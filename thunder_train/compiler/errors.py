@@ -19,3 +19,20 @@ class DataDependentError(RuntimeError):
 
 class NoGradientRuleError(NotImplementedError):
     """Backward through an operation that has no gradient rule."""
+
+
+class DecisionMismatch(Exception):
+    """A program's check of a Python decision on an intermediate value found the other value.
+
+    Raised by ``prims.check_decision`` (``acquisition/decisions.py``) before the program wrote anything;
+    ``compiled.py`` catches it and runs (or traces) the program for the value observed.  ``index`` is the
+    decision's position among the program's checked decisions, ``value`` what this call decided.
+    """
+
+    def __init__(self, index: int, value, text: str = ""):
+        super().__init__(
+            f"{text or 'a decision on an intermediate value'} went the other way ({value!r}); the program was "
+            "abandoned before writing anything. Called through tt.compile, the call re-dispatches to the program "
+            "for this value; called directly (direct_call_parts), call the compiled function instead.")
+        self.index = index
+        self.value = value

@@ -12,16 +12,19 @@ import operator
 import time
 from typing import Callable
 
+import torch
+
 from ..autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
 from ..guards.prologue import Prologue, build_prologue
 from . import acquisition
-from .errors import NoGradientRuleError
+from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors.background import FusionJob
 from .executors.fusion import fuse
 from .executors.inductor_fusion import FusionSymbol
 from .executors.lowering import lower_to_executors
 from .executors.reinplace import reinplace
+from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
@@ -44,7 +47,10 @@ class CacheEntry:
     epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
-    decision_notes: list = dataclasses.field(default_factory=list)  # "<decision>: N ops recomputed by the prologue"
+    decision_notes: list = dataclasses.field(default_factory=list)  # where each decision is checked, and its cost
+    # (text, value) of each decision the program checks (acquisition/decisions.py), in the order it checks them:
+    # a DecisionMismatch at index i means the first i held and the i-th went the other way.
+    checked: tuple = ()
     mutated: tuple = ()  # the containers and objects the epilogue changes (acquisition/containers.py), as paths
     program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
     wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
@@ -75,17 +81,18 @@ class Options:
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
-                  fusion_notes: list) -> tuple[CacheEntry, list]:
+                  fusion_notes: list, forced_decisions=()) -> tuple[CacheEntry, list]:
     """Trace ``fn`` on ``args``/``kwargs`` and compile what a cache entry runs; also returns the ops run opaquely.
 
     ``intern_prologue`` maps a generated prologue to the one already shared by entries with the same
-    leaf structure; ``fusion_notes`` collects what Inductor fusion did (``compile_stats``).
+    leaf structure; ``fusion_notes`` collects what Inductor fusion did (``compile_stats``);
+    ``forced_decisions`` the checked decisions a run of another entry observed (``acquire``).
     """
     names = ", ".join(ex.name for ex in executors)
     # 1. Acquisition (compiler/acquisition/): run fn on proxies; in-place ops functionalized, a backward and an
     #    optimizer step inside fn recorded, Python side effects collected for the epilogue.
     acquired = acquisition.acquire(fn, args, kwargs, strict=options.strict, dynamic=options.dynamic,
-                               fused_optimizers=options.optimizer_kernels == "fused")
+                               fused_optimizers=options.optimizer_kernels == "fused", forced_decisions=forced_decisions)
     # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
     has_backward = acquired.has_backward
     traces = [acquired.trace]
@@ -111,7 +118,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 8. Prologue (guards/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
                if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
-    prologue, expected = build_prologue(acquired.leaves, arg_names, written, acquired.size_checks, acquired.decisions)
+    # Decisions on the call's own inputs are part of the guard key; the program checks the others itself.
+    in_prologue = [d for d in acquired.decisions if not d.checked]
+    prologue, expected = build_prologue(acquired.leaves, arg_names, written, acquired.size_checks, in_prologue)
     prologue = intern_prologue(prologue)
     leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves)
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
@@ -119,7 +128,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                        acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
                        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
-    entry.decision_notes = [f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call" for d in acquired.decisions]
+    entry.decision_notes = [_decision_note(d) for d in acquired.decisions]
+    entry.checked = tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked)
     entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
@@ -145,6 +155,14 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     if options.fusion == "background" and build_fused is not None:
         entry.fusion_job = _fusion_job(entry, build_fused, fusion_notes)
     return entry, acquired.opaque_ops
+
+
+def _decision_note(d) -> str:
+    if d.checked:
+        return (f"{d.text}: checked by the program where it computes the value; the prologue recomputes none of "
+                f"its {d.ops} op(s)")
+    why = f" ({d.why_prologue})" if d.why_prologue else ""
+    return f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call{why}"
 
 
 def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names):
@@ -248,6 +266,8 @@ def _wrapping(entry, acquired, n_inputs):
         entry.select = _select(entry.input_idx)
 
     def wrap(computation):
+        if acquired.random_before_checks:
+            computation = _restoring_rng(computation)
         if epilogue is not None:
             computation = _with_epilogue(computation, epilogue, n_inputs, target_names)
         if spec is not None:
@@ -278,6 +298,24 @@ def _with_epilogue(computation, epilogue, n_inputs, target_names):
         g.update(zip(names, inputs[n_inputs:]))
         fn(extras)
         return result
+
+    return run
+
+
+def _restoring_rng(computation):
+    """A program whose decision check can abandon it after a random op ran: put the RNG state back then, so
+    the program that runs instead draws what eager draws."""
+
+    def run(*inputs):
+        cpu = torch.random.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            return computation(*inputs)
+        except DecisionMismatch:
+            torch.random.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            raise
 
     return run
 

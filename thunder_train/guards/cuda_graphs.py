@@ -31,12 +31,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..compiler.proxies import NumberProxy, TensorProxy
+from ..compiler.executors import torch_impls
 
 MAX_CAPTURES = 4  # per binding: captures beyond the first are for baked-in numbers that changed
 
 # Ops that wait for the device (a host sync is an error inside a capture).
 _HOST_SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.nonzero, torch.Tensor.nonzero, torch.masked_select,
-               torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.Tensor.cpu, torch.Tensor.numpy}
+               torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.Tensor.cpu, torch.Tensor.numpy,
+               torch_impls.check_decision}  # a decision the program checks reads the value on the host
 # Optimizer update symbols (torchlang/optim.py, executors/torch_impls.py) whose ``lr`` may be a device tensor.
 _TENSOR_LR = {"adam_update_", "adam_update", "sgd_update_", "sgd_update"}
 

@@ -30,7 +30,7 @@ import torch
 
 from ..compiler.prims import SCALAR_INFIX
 from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, name_from_path, path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import checks
 
 _counter = itertools.count()
@@ -134,7 +134,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "dataclass":
         return [("type", f"type({var})", type(v))]
     if k == "namespace":  # a plain object whose attributes are leaves of their own
-        return [("type", f"type({var})", type(v)), ("attributes", f"tuple({var}.__dict__)", leaf.snapshot)]
+        return [("type", f"type({var})", type(v))] + attribute_checks(leaf, var)
+    if k in ("method", "partial"):  # a bound method / functools.partial: its __self__ / args and keywords are leaves
+        return [("type", f"type({var})", type(v)), ("function", f"id({var}.{_CALLEE[k]})", id(getattr(v, _CALLEE[k])))]
     if k == "module":
         snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
         specs = [
@@ -153,6 +155,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "object":
         return [("object", f"id({var})", id(v))]
     raise AssertionError(k)
+
+
+_CALLEE = {"method": "__func__", "partial": "func"}
 
 
 # ---------------------------------------------------------------------------
@@ -292,16 +297,6 @@ def _storage_overlaps(written, others) -> tuple:
         if i is not None and t is not written[i]:
             out.append((i, j))
     return tuple(out)
-
-
-def per_call_mask(leaves) -> list:
-    """True for leaves reached without passing through a module or other object."""
-    kind_of = {leaf.path: leaf.kind for leaf in leaves}
-    mask = []
-    for leaf in leaves:
-        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
-        mask.append(not static)
-    return mask
 
 
 def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=()) -> tuple:

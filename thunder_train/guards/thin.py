@@ -30,9 +30,10 @@ import operator
 
 import torch
 
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, path_str
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
+from ..compiler.errors import DecisionMismatch
 from ..compiler.proxies import SizeProxy
 from . import bulk
 from .checks import autocast_state
@@ -77,6 +78,13 @@ def _owner(leaf, kind_of):
     return None
 
 
+def _state_leaf(leaf, kind_of) -> bool:
+    """Read from the function (a global, closure cell, default, class attribute) or an attribute of a walked object:
+    state the caller may change between calls, not part of the call's contract."""
+    return leaf.path[0].kind in CAPTURED_ROOTS or any(
+        kind_of.get(leaf.path[:j]) in ("namespace", "method", "partial") for j in range(1, len(leaf.path) + 1))
+
+
 def _under_state(leaf) -> bool:
     return any(st.kind == "optstate" for st in leaf.path)
 
@@ -111,7 +119,13 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             used.add(i)
 
     pc_idx = [i for i in range(len(leaves)) if per_call[i]]
-    extract = extraction_lines(leaves, names, pc_idx, indent="    ", consts=consts)
+    # State read again every call (globals, closure cells, class attributes, attributes of plain objects): a value
+    # missing there, like one that differs, re-validates; a missing part of the arguments is a mismatch.
+    state = {i for i in pc_idx if _state_leaf(leaves[i], kind_of)}
+    extract = extraction_lines(leaves, names, [i for i in pc_idx if i not in state], indent="    ", consts=consts)
+    state_extract = extraction_lines(leaves, names, [i for i in pc_idx if i in state], indent="      ", consts=consts)
+    if state_extract:
+        extract += ["    try:"] + state_extract + ["    except (LookupError, AttributeError, TypeError):", "      raise _Changed"]
     per_call_mismatch, changed = [], []  # conditions
 
     def tensor_cond(var, v, leaf=None):
@@ -143,7 +157,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         if k == "dataclass":
             return f"type({var}) is not {consts(type(v))}"
         if k == "namespace":  # attributes added or removed: the attribute leaves are checked on their own
-            return f"type({var}) is not {consts(type(v))} or len({var}.__dict__) != {len(leaf.snapshot)}"
+            cond = f"type({var}) is not {consts(type(v))}"
+            if leaf.snapshot is not None:
+                cond += f" or len({var}.__dict__) != {len(leaf.snapshot)}"
+            if leaf.slots is not None:
+                _, expr, filled = attribute_checks(leaf, var)[-1]
+                cond += f" or {expr} != {consts(filled)}"
+            return cond
+        if k in ("method", "partial"):  # a bound method / functools.partial: the function by identity
+            callee = "__func__" if k == "method" else "func"
+            return f"type({var}) is not {consts(type(v))} or {var}.{callee} is not {consts(getattr(v, callee))}"
         if k == "absent":
             return f"{var} is not None"
         if k == "number":
@@ -165,8 +188,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         # A global or closure value the caller rebound: a change to recompile for, not a broken contract.
         # A global, closure cell or default the caller rebound, or an attribute of a plain object (state, like a
         # module's): a change to recompile for, not a broken contract.
-        mismatch = changed if leaf.path[0].kind in CAPTURED_ROOTS or any(
-            kind_of.get(leaf.path[:j]) == "namespace" for j in range(1, len(leaf.path) + 1)) else per_call_mismatch
+        mismatch = changed if i in state else per_call_mismatch
         if k == "tensor":
             if leaf.alias_of is None and mismatch is per_call_mismatch and "meta" in fast and not is_symbolic(leaf):
                 pc_batch.append((var, v, tensor_cond(var, v, leaf)))
@@ -254,7 +276,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             if p is None:
                 depth = 0
                 break
-            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass", "namespace"):
+            if vals[p] is prev_vals[p] and leaves[p].kind in ("module", "object", "optimizer", "dict", "seq", "dataclass", "namespace", "method", "partial"):
                 break
             depth -= 1
         if depth == 0:
@@ -391,8 +413,10 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     lines += ["  except Exception:  # _Changed, or a bound container that no longer has what was read",
               "    return _changed(args, kwargs)"]
     call_args = ", ".join(_packed_args([comp_arg[i] for i in entry.input_idx], bound))
-    lines += ["  try:", f"    return _computation({call_args})", "  except Exception as e:",
-              "    _failed(args, kwargs, e)", "    raise"]
+    lines += ["  try:", f"    return _computation({call_args})",
+              # A decision the program checks went the other way (nothing written): the entry for it runs.
+              "  except _DecisionMismatch as e:", "    return _decided(args, kwargs, e)",
+              "  except Exception as e:", "    _failed(args, kwargs, e)", "    raise"]
 
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
@@ -402,7 +426,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
         "_computation": entry.computation if computation is None else computation, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
-        "_failed": handlers["failed"],
+        "_failed": handlers["failed"], "_decided": handlers["decided"], "_DecisionMismatch": DecisionMismatch,
         "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
         **consts.d, **bound, **prologue.check_globals,
     }

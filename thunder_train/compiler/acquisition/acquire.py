@@ -26,7 +26,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
-from . import decisions as _decisions  # noqa: F401 — installs the decision handler
+from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
@@ -50,6 +50,7 @@ class Acquired:
     output_spec: object = None  # pytree.OutputSpec rebuilding a returned user type (ModelOutput, dataclass, ...)
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
     mutated_paths: list = dataclasses.field(default_factory=list)  # containers/objects the epilogue changes (containers.py)
+    random_before_checks: bool = False  # a random op runs before a decision check (decisions.py): save the RNG state
 
 
 def arg_names(fn) -> list:
@@ -72,11 +73,14 @@ def check_call_signature(fn, args, kwargs):
         raise TypeError(f"{name}{sig}: {e}") from None
 
 
-def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fused_optimizers: bool = True) -> Acquired:
+def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fused_optimizers: bool = True,
+            forced_decisions=()) -> Acquired:
     """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves.
 
     ``fused_optimizers``: optimizer updates take torch's fused kernels where they compute the
     same thing (``torchlang/optim.py``); False traces the optimizers' own per-op code.
+    ``forced_decisions``: ``(text, value)`` of the first decisions the program checks, as a run observed them
+    (``decisions.py``): the trace takes them instead of computing them.
     """
     check_call_signature(fn, args, kwargs)
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
@@ -85,6 +89,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     # grad_enabled: torch.no_grad() regions inside fn (dispatch.no_grad_region)
     state = TracerState(trc, walker, Buffers(), strict=strict, grad_enabled=torch.is_grad_enabled())
     state.grads = GradState(state)
+    state.forced_decisions = list(forced_decisions)
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)
@@ -93,6 +98,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
+            walker.classes.finish()
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             refuse_backward_hooks(state)
@@ -119,7 +125,8 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
-                    output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed))
+                    output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
+                    random_before_checks=_decisions.random_before_checks(trc))
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

@@ -185,7 +185,8 @@ def captured_roots(fn) -> list:
             seen_roots.add(key)
             roots.append(r)
         for r in found:
-            h = _function_of(r.value)
+            # A helper reached through functools.partial(loss_fn, model) is scanned like loss_fn itself.
+            h = _function_of(r.value.func if isinstance(r.value, functools.partial) else r.value)
             if h is not None and not _is_internal(h) and h.__module__ == home[0]:
                 scan(h, h)
 

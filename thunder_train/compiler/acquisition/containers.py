@@ -36,9 +36,26 @@ class Tracked:
     kind: str  # "list", "dict", "dataclass", "namespace" (a walked plain object), "object" (checked by identity)
 
 
+def slot_descriptors(cls) -> dict:
+    """``{name: member descriptor}`` of the slots the Python classes in ``cls.__mro__`` declare (``__slots__``)."""
+    out = {}
+    for c in reversed(getattr(cls, "__mro__", ())):
+        if "__slots__" in vars(c):
+            for k, v in vars(c).items():
+                if type(v) is types.MemberDescriptorType:
+                    out[k] = v
+    return out
+
+
 def attrs_of(obj) -> dict:
-    """Instance attributes (``__dict__``) plus dataclass fields of slotted dataclasses."""
+    """Instance attributes (``__dict__``), filled slots, and dataclass fields of slotted dataclasses."""
     d = dict(getattr(obj, "__dict__", {}))
+    for k, desc in slot_descriptors(type(obj)).items():
+        if k not in d:
+            try:
+                d[k] = desc.__get__(obj, type(obj))
+            except AttributeError:
+                pass
     if dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
             if f.name not in d and hasattr(obj, f.name):

@@ -1,18 +1,29 @@
-"""Python decisions on tensor values: computed by the prologue and specialised on, not refused.
+"""Python decisions on tensor values: specialised on, not refused — checked by the prologue or by the program.
 
 ``if (mask == 1).all():``, ``mask.any()``, ``int(lengths.max())``, ``if loss.item() > 10:``,
 ``if (h > 0).any():`` need a value while tracing.  The trace is functional, so every value it
 computed is a pure function of the inputs as they were when the call began (in-place updates are
 new values until the final write-backs): the trace lines the value depends on are cut out as a
 small program of their own (a *decision*), run on the real input tensors under ``no_grad``, and
-the function continues with the real Python value.  The prologue runs the same program on every
-call and compares (``guards/prologue.py``; thin mode per call too): a call that decides
-differently gets its own trace, with the decision as the retrace reason.  A decision on an
-intermediate value (a loss, an activation) so recomputes part of the program in the prologue;
-``compile_stats(cf).decision_notes`` says how many ops.
+the function continues with the real Python value.  Where the decision is checked on later calls:
 
-A value the prologue cannot recompute exactly — one that depends on a random op (dropout), on
-an op with side effects, or on an op run opaquely that torch marks as random — stays a
+- **in the prologue**, when it reads only the call's own inputs (arguments, globals, runtime
+  numbers) through at most ``PROLOGUE_MAX_OPS`` lines without a matmul, convolution or opaque op
+  (HF's ``(mask == 1).all()`` is two): the prologue runs the decision's program on every call and
+  its value is part of the guard key (``guards/prologue.py``; thin mode per call too), so a call
+  that decides differently finds (or traces) its own entry before anything runs;
+- **in the program** otherwise (a loss, an activation, a gradient norm, a parameter after
+  ``opt.step()``): one line ``prims.check_decision(value, ...)`` right after the line that computes
+  the value compares it with what this trace decided, as eager reads it once.  Every write of the
+  program (write-backs, in-place updates) comes after it, so a call that decides differently raises
+  ``DecisionMismatch`` having changed nothing (the RNG state is restored where a random op ran
+  before the check), and ``compiled.py`` runs the entry traced for the value observed, tracing it
+  with that value (``TracerState.forced_decisions``) if none exists.  A decision after an op with
+  side effects falls back to the prologue.
+
+``compile_stats(cf).decision_notes`` says where each decision is checked and how many ops that is.
+A value that cannot be recomputed exactly — one that depends on a random op (dropout), on an op
+with side effects, or on an op run opaquely that torch marks as random — stays a
 ``DataDependentError`` naming the user's source line and what to do.
 """
 from __future__ import annotations
@@ -24,15 +35,21 @@ from typing import Any, Callable
 
 import torch
 
-from .. import context, proxies
+from .. import context, prims, proxies
 from ..executors.lowering import lower_to_executors
 from ..executors.torch_executor import torch_executor
+from ..executors.torch_impls import DECISION_CONVERT, decision_key
 from ..proxies import NumberProxy, TensorProxy, is_proxy
 from ..torchlang.tensor_methods import DataDependentError
 from ..trace import Trace
+from .provenance import per_call_mask
 
 # A decision that needs more of the program than this is refused (the prologue would run it on every call).
 MAX_LINES = 20_000
+# A decision on the call's own inputs with at most this many lines (no matmul, convolution or opaque op) is
+# checked by the prologue: a few elementwise ops and reductions over a mask cost less there than an abandoned
+# program costs when the decision flips.  Anything else is checked by the program where it computes the value.
+PROLOGUE_MAX_OPS = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -45,7 +62,10 @@ class Decision:
     result: Any
     text: str  # what the user's code decided, and where: "bool(tensor) at masking_utils.py:354"
     source: str  # the program's Python source (part of the prologue's structure)
-    ops: int = 0  # trace lines the prologue recomputes for it
+    ops: int = 0  # trace lines the prologue recomputes for it (checked in the program: the lines it no longer recomputes)
+    checked: bool = False  # checked by the program (prims.check_decision), not by the prologue
+    index: int = -1  # position among the program's checked decisions
+    why_prologue: str = ""  # a decision on intermediate values the prologue checks: why not the program
 
 
 def user_line() -> str:
@@ -155,30 +175,92 @@ def decide(value, convert: str, what: str):
     if got is None:
         _refuse(what, where, why)
     lines, inputs = got
-    trc = Trace("decision", header=f"Decision: {what} at {where}")
-    trc.args = list(inputs)
-    trc.bound_symbols = list(lines)
-    trc.output = value
-    trc.names = set(st.trace.names)
-    # Lowered like the computation (each line the torch function eager calls), so it computes eager's values.
-    trc = lower_to_executors(trc, [torch_executor], header=f"Decision: {what} at {where}")
-    source = trc.python_source()
-    fn = _without_grad(trc.python_callable())
-    real = [_input_leaf(st.walker, p).value for p in inputs]
-    with context.tracing(None), torch._C.DisableTorchFunction(), torch.no_grad():
-        v = fn(*real)
-    result = _CONVERT[convert](v)
-    st.decisions.append(Decision(fn, list(inputs), convert, result, f"{what} at {where}", source, ops=len(lines)))
+    text = f"{what} at {where}"
+    pos, why_prologue = None, ""
+    if not _stays_in_prologue(st.walker, lines, inputs):
+        pos, why_prologue = _check_position(st.trace.bound_symbols, value)
+    if pos is not None:
+        return _checked_in_program(st, value, convert, text, lines, inputs, pos)
+    fn, source = _program(lines, inputs, value, text, st.trace.names)
+    result = _CONVERT[convert](_run(fn, st.walker, inputs))
+    st.decisions.append(Decision(fn, list(inputs), convert, result, text, source, ops=len(lines), why_prologue=why_prologue))
     return result
 
 
-_CONVERT = {
-    "bool": lambda v: bool(v),
-    "int": lambda v: int(v),
-    "float": lambda v: float(v),
-    "index": lambda v: v.__index__(),
-    "list": lambda v: v.tolist() if isinstance(v, torch.Tensor) else v,
-}
+def _program(lines, inputs, value, text, names):
+    """The decision's program (lowered like the computation: each line the torch function eager calls)."""
+    trc = Trace("decision", header=f"Decision: {text}")
+    trc.args = list(inputs)
+    trc.bound_symbols = list(lines)
+    trc.output = value
+    trc.names = set(names)
+    trc = lower_to_executors(trc, [torch_executor], header=f"Decision: {text}")
+    return _without_grad(trc.python_callable()), trc.python_source()
+
+
+def _run(fn, walker, inputs):
+    real = [_input_leaf(walker, p).value for p in inputs]
+    with context.tracing(None), torch._C.DisableTorchFunction(), torch.no_grad():
+        return fn(*real)
+
+
+def _heavy(b) -> bool:
+    """A line that multiplies matrices, convolves or runs opaquely (anywhere in its decomposition)."""
+    if b.sym in (prims.matmul, prims.convolution) or b.sym.module == "opaque":
+        return True
+    return any(_heavy(s) for s in b.subsymbols)
+
+
+def _stays_in_prologue(walker, lines, inputs) -> bool:
+    """Cheap and computed from the call's own inputs only: the prologue checks it (see the module docstring)."""
+    if len(lines) > PROLOGUE_MAX_OPS or any(_heavy(b) for b in lines):
+        return False
+    per_call = per_call_mask(walker.leaves)
+    index = {id(leaf): i for i, leaf in enumerate(walker.leaves)}
+    for p in inputs:
+        leaf = _input_leaf(walker, p)
+        if leaf.kind != "number" and not per_call[index[id(leaf)]]:
+            return False  # a parameter, a buffer, optimizer state: the model's values, not the batch's
+    return True
+
+
+_CHECKS = (prims.check_decision, prims.check_finite)
+
+
+def _check_position(bsyms, value):
+    """``(index, "")`` where the program checks a decision on ``value``: right after the line computing it and
+    after the checks before it (they run in the order Python decided); ``(None, why)`` when an op with side
+    effects runs before that (an abandoned call would have done it), which leaves the check to the prologue."""
+    pos = 0
+    for i, b in enumerate(bsyms):
+        if b.sym is prims.check_decision or any(o is value for o in b.flat_outputs()):
+            pos = i + 1
+    for b in bsyms[:pos]:
+        if b.has_side_effect and b.sym not in _CHECKS:
+            return None, f"an op with side effects ({b.sym.name}) runs before its value"
+    return pos, ""
+
+
+def _checked_in_program(st, value, convert, text, lines, inputs, pos):
+    """Record ``prims.check_decision`` at ``pos``; the value is the one a run observed or the decision's program's."""
+    index = sum(1 for d in st.decisions if d.checked)
+    forced = st.forced_decisions
+    if index < len(forced) and forced[index][0] != text:
+        forced.clear()  # this trace took another way before: nothing observed applies any more
+    if index < len(forced):
+        result = _from_key(forced[index][1])
+    else:
+        fn, _ = _program(lines, inputs, value, text, st.trace.names)
+        result = _CONVERT[convert](_run(fn, st.walker, inputs))
+    bsyms = st.trace.bound_symbols
+    prims.check_decision(value, convert, decision_key(result), index, text)
+    check = bsyms.pop()
+    bsyms.insert(pos, check)
+    st.decisions.append(Decision(None, list(inputs), convert, result, text, "", ops=len(lines), checked=True, index=index))
+    return result
+
+
+_CONVERT = DECISION_CONVERT  # the program's check converts the same way (executors/torch_impls.py)
 
 
 def _decide_hook(value, convert, what):
@@ -188,3 +270,16 @@ def _decide_hook(value, convert, what):
 
 
 proxies._decision_handler = _decide_hook
+
+
+def _from_key(v):
+    """The Python value of a ``decision_key``."""
+    if type(v) is tuple:
+        return [_from_key(e) for e in v]
+    return float("nan") if v == "nan" else v
+
+
+def random_before_checks(trc) -> bool:
+    """Whether a random op runs before a check of the program: an abandoned call must put the RNG state back."""
+    last = max((i for i, b in enumerate(trc.bound_symbols) if b.sym is prims.check_decision), default=-1)
+    return any(_random(b) for b in trc.bound_symbols[:last])

@@ -88,9 +88,9 @@ def handle_torch_function(func, types, args, kwargs):
             args, kwargs = cast_inputs(sym, func, args, kwargs)
         try:
             if entry:
-                # An entry written with torch calls (torchlang/decided.py) runs like the user's code: on the user's
-                # objects (its in-place calls update them; each torch call reads current values and applies
-                # autocast itself), and under the mode, which torch switches off while it handles this call
+                # An op written with torch calls (``composed`` in torchlang/registry.py) runs like the user's code:
+                # on the user's objects (its in-place calls update them; each torch call reads current values and
+                # applies autocast itself), and under the mode, which torch switches off while it handles this call
                 # (without it a factory inside would run eagerly, as a constant).
                 with ProxyMode():
                     out = sym(*orig_args, **{k: v for k, v in orig_kwargs.items() if k != "out"})

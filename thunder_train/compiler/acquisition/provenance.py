@@ -17,7 +17,8 @@ from typing import Any
 # ---------------------------------------------------------------------------
 # Roots read from the function rather than from the call's arguments (captured.py): the prologue reads them
 # again on every call; thin mode re-validates (not raises) when one changed.
-CAPTURED_ROOTS = ("global", "closure", "default", "self")
+# "classattr": a class attribute the function read (class_attrs.py), looked up on the class again every call.
+CAPTURED_ROOTS = ("global", "closure", "default", "self", "classattr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Step:
             return f"{base}.__defaults__[{self.key[1]}]" if self.key[0] == "pos" else f"{base}.__kwdefaults__[{self.key[1]!r}]"
         if k == "self":  # base: the bound method, or the compiled callable object itself
             return base if self.key == "object" else f"{base}.__self__"
+        if k == "classattr":  # base: the class; key (its qualified name, attribute): resolved through the MRO
+            return f"getattr({base}, {self.key[1]!r})"
         if k in ("item", "key"):
             return f"{base}[{self.key!r}]"
         if k == "attr":
@@ -71,6 +74,8 @@ class Step:
             return f"defaults[{self.key[-1]!r}]"
         if self.kind == "self":
             return "self"
+        if self.kind == "classattr":
+            return f"{self.key[0]}.{self.key[1]}"
         if self.kind == "closure":
             owner, name = self.key
             return f"closure[{name!r}]" if owner is None else f"{owner}.closure[{name!r}]"
@@ -106,6 +111,8 @@ def name_from_path(path, fallback="t") -> str:
             parts.append(st.key[-1])
         elif st.kind == "self":
             parts.append("self")
+        elif st.kind == "classattr":
+            parts.append(f"{st.key[0]}_{st.key[1]}")
         elif st.kind in ("attr", "param", "buffer", "module", "key"):
             parts.append(str(st.key))
         elif st.kind == "item":
@@ -132,6 +139,8 @@ class Leaf:
     # For modules: Python state read before tracing ran (guards/prologue.py guards it). For lists/tuples: their
     # length, for dicts their keys, when walked (the epilogue may change the real container afterwards).
     snapshot: Any = None
+    # For "namespace" leaves of objects with ``__slots__``: (every slot name, the names filled when walked).
+    slots: Any = None
 
     def __post_init__(self):
         if self.snapshot is None and self.kind in ("seq", "dict"):
@@ -142,3 +151,23 @@ class Leaf:
         return path_str(self.path)
 
 
+def attribute_checks(leaf, var: str) -> list:
+    """``(what, expression, expected)`` for a walked object's set of attributes (a "namespace" leaf): the names in
+    its ``__dict__`` and, for ``__slots__``, which slots are filled. Each attribute's value is a leaf of its own."""
+    out = []
+    if leaf.snapshot is not None:  # None: the object has no __dict__ (only slots)
+        out.append(("attributes", f"tuple({var}.__dict__)", leaf.snapshot))
+    if leaf.slots is not None:
+        names, filled = leaf.slots
+        out.append(("slots filled", f"tuple(n for n in {names!r} if hasattr({var}, n))", filled))
+    return out
+
+
+def per_call_mask(leaves) -> list:
+    """True for leaves reached without passing through a module or other object (the batch, not the model)."""
+    kind_of = {leaf.path: leaf.kind for leaf in leaves}
+    mask = []
+    for leaf in leaves:
+        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        mask.append(not static)
+    return mask

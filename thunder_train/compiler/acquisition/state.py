@@ -31,6 +31,9 @@ class TracerState:
     ddp_pending: list = dataclasses.field(default_factory=list)  # (module, ignored names): DDP forwards awaiting a backward
     written_inputs: list = dataclasses.field(default_factory=list)  # input proxies updated in place (set by the epilogue)
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision: Python values computed from inputs
+    # (text, value) of the first decisions the program checks, as a run of the program observed them: a trace
+    # for the other value of a decision takes these (compiled.py, after a DecisionMismatch).
+    forced_decisions: list = dataclasses.field(default_factory=list)
     # Inputs whose shape/strides a method like t_() changed (metadata_inplace.py): id -> proxy, and the
     # (input, (method, args, kwargs)) the epilogue replays on the real input.
     metadata_inputs: dict = dataclasses.field(default_factory=dict)

@@ -21,7 +21,8 @@ import torch
 from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
-from .containers import Tracked, attrs_of
+from .class_attrs import ClassWatch, user_class
+from .containers import Tracked, attrs_of, slot_descriptors
 from .module_writes import ModuleState
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
@@ -62,6 +63,8 @@ class InputWalker:
         self.unwalked: list = []
         # module_writes.ModuleState of every walked module: what the function assigns on it is settled after it runs.
         self.module_states: list = []
+        # Class attributes the function reads (class_attrs.py): inputs under the root ``Cls.name``.
+        self.classes = ClassWatch(self)
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -164,6 +167,7 @@ class InputWalker:
             self.optimizer(x, path)
             return x
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            self.classes.watch(t)
             leaf = Leaf(path, "dataclass", x)
             self.leaves.append(leaf)
             fields = {f.name: self.walk(getattr(x, f.name), path + (Step("attr", f.name),)) for f in dataclasses.fields(x)}
@@ -180,28 +184,44 @@ class InputWalker:
                 "tracing, so a next() inside it would return the same first item on every call. Take the batch outside "
                 "and pass it: batch = next(it); step(batch)."
             )
-        if plain_object(x) and not self.static_depth and id(x) not in self.by_id \
-                and self.object_depth < MAX_OBJECT_DEPTH and _can_swap_dict(x):
+        if t is types.MethodType and _walkable_method(x):
+            return self.method(x, path)
+        if t is functools.partial:
+            return self.partial(x, path)
+        if (plain_object(x) or slotted_object(x)) and not self.static_depth and id(x) not in self.by_id \
+                and self.object_depth < MAX_OBJECT_DEPTH:
             return self.namespace(x, path)
         # Anything else (callables, classes, objects nested too deep, ...) is specialised on by identity.
         leaf = Leaf(path, "object", x)
         self.leaves.append(leaf)
+        if isinstance(x, type) and user_class(x):
+            self.classes.watch(x)  # a class the function reads attributes of (Cfg.scale)
         if id(x) not in self.by_id:  # (an object walked as a namespace already runs with its walked __dict__)
             self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
         return x
 
     def namespace(self, x, path):
-        """A plain object (a config, ``argparse.Namespace``, a trainer-like object): its instance attributes are
-        inputs like a dataclass's fields (``args[1].scale``), guarded and bound; it runs with a ``__dict__`` of
-        walked values, so what it writes there is replayed by the epilogue (containers.py)."""
-        d = x.__dict__
-        leaf = Leaf(path, "namespace", x, snapshot=tuple(d))
+        """A plain object (a config, ``argparse.Namespace``, ``types.SimpleNamespace``, a trainer-like object, an
+        object with ``__slots__``): its instance attributes are inputs like a dataclass's fields (``args[1].scale``),
+        guarded and bound; it runs with walked values in its ``__dict__`` and slots, so what it writes there is
+        replayed by the epilogue (containers.py). Its class's attributes are watched (class_attrs.py)."""
+        d = x.__dict__ if type(getattr(x, "__dict__", None)) is dict else None
+        slots = slot_descriptors(type(x))
+        filled = {}
+        for k, desc in slots.items():
+            try:
+                filled[k] = desc.__get__(x, type(x))
+            except AttributeError:
+                pass  # an unset slot
+        leaf = Leaf(path, "namespace", x, snapshot=None if d is None else tuple(d),
+                    slots=(tuple(slots), tuple(filled)) if slots else None)
         self.leaves.append(leaf)
         self.by_id[id(x)] = leaf
+        self.classes.watch(type(x))
         new = {}
         self.object_depth += 1
         try:
-            for k, v in d.items():
+            for k, v in list((d or {}).items()) + list(filled.items()):
                 if type(k) is not str or not k.isidentifier():
                     new[k] = v  # not reachable as obj.<name>: neither guarded nor proxied
                 elif isinstance(v, collections.abc.Iterator) and not isinstance(v, io.IOBase):
@@ -219,21 +239,58 @@ class InputWalker:
                     new[k] = self.walk(v, path + (Step("attr", k),), f"{name_from_path(path)}_{k}")
         finally:
             self.object_depth -= 1
-        self._swap_dict(leaf, x, new, "namespace")
+        if id(x) in self._swapped_objects:
+            return x
+        if d is not None:
+            self._swap_dict(leaf, x, {k: new[k] for k in d}, "namespace", track=False)
+        if filled:
+            self.swapped.append((_Slots(x, slots), None, dict(filled)))
+            for k in filled:
+                slots[k].__set__(x, new[k])
+        self._swapped_objects.add(id(x))
+        self._track(leaf, x, "namespace")
         return x
 
-    def _swap_dict(self, leaf, x, new, kind):
-        """While tracing, ``x`` has ``new`` as its ``__dict__``: attribute writes land there (restored afterwards)."""
+    def method(self, m, path):
+        """A bound method the function reads (``loss = trainer.loss`` captured, ``partial(trainer.loss, ...)``): the
+        object it is bound to is walked under ``.__self__`` (``globals['loss'].__self__.model``)."""
+        self.leaves.append(Leaf(path, "method", m))
+        new_self = self.walk(m.__self__, path + (Step("attr", "__self__"),), f"{name_from_path(path)}_self")
+        return m if new_self is m.__self__ else types.MethodType(m.__func__, new_self)
+
+    def partial(self, p, path):
+        """``functools.partial(loss_fn, model, scale=2.0)``: its ``args`` and ``keywords`` are walked like arguments
+        (``globals['f'].args[0].fc.weight``); the function runs with a partial whose args are the walked values."""
+        state = p.__reduce__()[2]  # (func, args, keywords, __dict__): what __setstate__ takes back
+        func, args, kw, extra = state
+        self.leaves.append(Leaf(path, "partial", p))
+        base = name_from_path(path)
+        new_func = self.walk(func, path + (Step("attr", "func"),), f"{base}_func") \
+            if type(func) in (types.MethodType, functools.partial) else func
+        new_args = self.walk(args, path + (Step("attr", "args"),), f"{base}_args")
+        new_kw = self.walk(kw or {}, path + (Step("attr", "keywords"),), f"{base}_keywords")
+        self.swapped.append((_PartialState(p), None, state))
+        p.__setstate__((new_func, new_args, new_kw, extra))
+        return p
+
+    def _swap_dict(self, leaf, x, new, kind, track=True):
+        """While tracing, ``x`` has ``new`` as its ``__dict__``: attribute writes land there (restored afterwards).
+        Where ``__dict__`` cannot be reassigned (``types.SimpleNamespace``) its contents are swapped in place."""
         if new is None or self.static_depth or id(x) in self._swapped_objects:
             return
         d = x.__dict__
         try:
             object.__setattr__(x, "__dict__", new)
+            self.swapped.append((_ObjectDict(x), None, d))
         except (TypeError, AttributeError):
-            return
-        self._swapped_objects.add(id(x))
-        self.swapped.append((_ObjectDict(x), None, d))
-        self._track(leaf, x, kind)
+            if type(d) is not dict:
+                return
+            self.swapped.append((_DictContents(d), None, dict(d)))
+            d.clear()
+            d.update(new)
+        if track:
+            self._swapped_objects.add(id(x))
+            self._track(leaf, x, kind)
 
     def check_unwalked_unchanged(self):
         """A list or dict held by a module, or a large one held by a plain object, is not walked: changing it
@@ -278,6 +335,7 @@ class InputWalker:
                 self.unwalked.append((path_str(path + (Step("attr", name),)), v, _contents(v), v.copy(),
                                       f"a {type(v).__name__} held by the module {type(m).__name__}"))
         self.module_states.append(ModuleState.of(m, leaf.where))
+        self.classes.watch(type(m))
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))
@@ -430,20 +488,27 @@ def _contents(v) -> list:
     return [(k, id(x)) for k, x in v.items()] if type(v) is dict else [id(x) for x in v]
 
 
-def _can_swap_dict(x) -> bool:
-    try:
-        object.__setattr__(x, "__dict__", x.__dict__)
-    except (TypeError, AttributeError):
-        return False
-    return True
+def _user_module(x) -> bool:
+    mod = type(x).__module__ or ""
+    return not (mod == "builtins" or mod.startswith(("torch.", "thunder_train.")) or mod == "torch")
 
 
 def plain_object(x) -> bool:
     """An instance of a user's Python class (not a function, class, module, torch or thunder_train object)."""
     if isinstance(x, _NOT_PLAIN) or type(getattr(x, "__dict__", None)) is not dict:
         return False
-    mod = type(x).__module__ or ""
-    return not (mod == "builtins" or mod.startswith(("torch.", "thunder_train.")) or mod == "torch")
+    return _user_module(x)
+
+
+def slotted_object(x) -> bool:
+    """An instance of a user's class with ``__slots__`` (and no ``__dict__``): walked through its slots."""
+    return not isinstance(x, _NOT_PLAIN + (tuple,)) and _user_module(x) and bool(slot_descriptors(type(x)))
+
+
+def _walkable_method(m) -> bool:
+    """A bound method of a user object (walked), not of a class or of thunder_train's own objects."""
+    owner = m.__self__
+    return not isinstance(owner, type) and not (type(owner).__module__ or "").startswith("thunder_train.")
 
 
 _NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
@@ -478,6 +543,45 @@ class _ObjectDict:
 
     def set(self, d):
         object.__setattr__(self.obj, "__dict__", d)
+
+
+class _DictContents:
+    """``restore`` target for a ``__dict__`` whose contents were swapped in place (``types.SimpleNamespace``)."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def set(self, items):
+        self.d.clear()
+        self.d.update(items)
+
+
+class _Slots:
+    """``restore`` target for an object's slots: the slots filled before tracing get their values back, others
+    are emptied."""
+
+    def __init__(self, obj, descriptors):
+        self.obj, self.descriptors = obj, descriptors
+
+    def set(self, filled):
+        for k, desc in self.descriptors.items():
+            if k in filled:
+                desc.__set__(self.obj, filled[k])
+            else:
+                try:
+                    desc.__delete__(self.obj)
+                except AttributeError:
+                    pass
+
+
+class _PartialState:
+    """``restore`` target for a ``functools.partial`` whose args and keywords were walked."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def set(self, state):
+        self.p.__setstate__(state)
 
 
 class _RefusedHooks(collections.OrderedDict):

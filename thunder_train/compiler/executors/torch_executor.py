@@ -460,6 +460,11 @@ def _(bsym):
     return torch_impls.check_finite, bsym.args, {}
 
 
+@_rule(prims.check_decision)
+def _(bsym):
+    return torch_impls.check_decision, bsym.args, {}
+
+
 class TorchExecutor:
     """Claims prims always, and torch-language and opaque symbols whole unless ``decompose``."""
 

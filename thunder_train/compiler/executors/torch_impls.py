@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import codegen
+from ..errors import DecisionMismatch
 from ..torchlang import nn as ltorch_nn, optim as ltorch_optim
 
 
@@ -312,6 +313,35 @@ def all_reduce_mean(tensors):
 def check_finite(a, message):
     if not bool(torch.isfinite(a).all()):
         raise RuntimeError(message)
+
+
+def _as_list(v):
+    return v.tolist() if isinstance(v, torch.Tensor) else v
+
+
+# How Python turned a value into a decision (``bool(t)``, ``int(t)``, ``t.tolist()``, ...): the tracer's
+# conversion of the example value and the program's check at run time are the same function.
+DECISION_CONVERT = {
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "index": lambda v: v.__index__(),
+    "list": _as_list,
+}
+
+
+def decision_key(v):
+    """A decided value as a hashable key: NaN equals itself (``if x != x`` decided on a NaN still hits), a
+    ``tolist()`` is a tuple."""
+    if type(v) is list:
+        return tuple(decision_key(e) for e in v)
+    return "nan" if type(v) is float and v != v else v
+
+
+def check_decision(value, convert, expected, index, text):
+    got = decision_key(DECISION_CONVERT[convert](value))
+    if got != expected:
+        raise DecisionMismatch(index, got, text)
 
 
 codegen.register_namespace("ttex", sys.modules[__name__])  # printed traces call these as ``ttex.<name>``

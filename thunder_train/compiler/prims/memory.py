@@ -43,6 +43,18 @@ def check_finite(a, message):
     return None
 
 
+@prim(tags=("side_effect", "fallible", "non_differentiable"))
+def check_decision(value, convert, expected, index, text):
+    """Raise ``DecisionMismatch(index, got)`` when ``convert(value)`` (``bool``, ``int``, ...) is not ``expected``.
+
+    A Python decision on an intermediate value (``if loss.item() > 10:``), checked where the program computes
+    the value (``acquisition/decisions.py``); ``text`` names the decision and its line.  It must come before
+    every write (``"fallible"``) and stay a line of its own (a side effect: fusion keeps it a barrier)."""
+    check(isinstance(convert, str) and isinstance(index, int) and isinstance(text, str),
+          "check_decision: expected a conversion name, an index and a description")
+    return None
+
+
 @prim(tags=("side_effect",))
 def all_reduce_mean(tensors):
     """The mean of each tensor over the ranks of the default process group (DDP's gradient average).

@@ -12,59 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import context
 from ..proxies import TensorProxy
-from ..pytree import tree_flatten, tree_map
 from . import factories, nn, shapes  # noqa: F401 - their entries are registered first
-from .registry import bind, by_torch_fn
-
-
-class _Decided:
-    """Dispatch entry: ``fn`` runs at the top level (its torch calls are traced as the user's own).
-    With a ``target`` symbol (what ``fn`` ends in), the entry answers for that symbol's facts."""
-
-    tags = frozenset()
-    traces_torch_calls = True  # the dispatcher traces fn's torch calls (factories included)
-
-    def __init__(self, name, fn, target=None):
-        self.name, self.fn = name, fn
-        if target is not None:
-            self.sym = target
-
-    def __call__(self, *args, **kwargs):
-        out = self.fn(*args, **kwargs)
-        st = context.tracer_state()
-        if st is None or st.buffers is None:
-            return out
-        # A tensor ``fn`` made and then updated in place (``out = x.clone(); out[i] = v``) is returned as its
-        # current value, so a caller that binds the result (an in-place form, out=) gets the update; an
-        # argument returned (``inplace=True``) stays that object.
-        mine = {id(a) for a in tree_flatten((args, kwargs))[0] if type(a) is TensorProxy}
-        return tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy and id(t) not in mine else t, out)
-
-    def __getattr__(self, name):
-        target = self.__dict__.get("sym")
-        if target is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(target, name)
-
-
-def direct(sym, *args, **kwargs):
-    """Call a torch-language symbol from an entry: without the torch-function mode the dispatcher put back
-    for the entry's torch calls (the symbol's own passes run torch on fake tensors, which must not be traced)."""
-    st = context.tracer_state()
-    if st is not None and st.buffers is not None:  # the entry got the user's objects: their current values
-        args, kwargs = tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy else t, (args, kwargs))
-    if torch._C._len_torch_function_stack() == 0:
-        return sym(*args, **kwargs)
-    with torch.overrides._pop_mode_temporarily():
-        return sym(*args, **kwargs)
-
-
-def _register(name, fn, torch_fns=(), methods=(), sym=None):
-    entry = _Decided(name, fn, sym)
-    bind(entry, torch_fns, methods)
-    return entry
+from .registry import by_torch_fn, composed, direct
 
 
 def _t(x):
@@ -116,9 +66,9 @@ def linspace(start, end, steps, **kwargs):
     return direct(_linspace_entry, float(start) if _t(start) else start, float(end) if _t(end) else end, _int(steps), **kwargs)
 
 
-_register("equal", equal, (torch.equal,), ("equal",))
-_register("allclose", allclose, (torch.allclose,), ("allclose",))
-_register("narrow", narrow, (torch.narrow,), ("narrow",), sym=shapes.narrow)
-_register("tensor_split", tensor_split, (torch.tensor_split,), ("tensor_split",), sym=shapes.tensor_split)
-_register("one_hot", one_hot, (F.one_hot,), sym=nn.one_hot)
-_register("linspace", linspace, (torch.linspace,), sym=_linspace_entry.sym)
+composed("equal", equal, (torch.equal,), ("equal",))
+composed("allclose", allclose, (torch.allclose,), ("allclose",))
+composed("narrow", narrow, (torch.narrow,), ("narrow",), sym=shapes.narrow)
+composed("tensor_split", tensor_split, (torch.tensor_split,), ("tensor_split",), sym=shapes.tensor_split)
+composed("one_hot", one_hot, (F.one_hot,), sym=nn.one_hot)
+composed("linspace", linspace, (torch.linspace,), sym=_linspace_entry.sym)

@@ -1,4 +1,5 @@
-"""Factories: empty, full, zeros, ones, arange, randn, rand, *_like, tensor."""
+"""Factories: empty, full, zeros, ones, arange, randn, rand, *_like, tensor; eye, logspace, tri[lu]_indices,
+fill."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ from .. import clang, dtypes
 from ..proxies import NumberProxy, TensorProxy, is_int, is_number, number_type
 from .convert import to_dtype, to_device, size_args, default_device
 from ..errors import TracingError
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 def _dd(dtype, device, default_dtype=None):
@@ -229,3 +230,56 @@ def new_tensor(input, data, *, dtype=None, device=None, requires_grad=False, lay
     """Like ``torch.tensor`` but defaulting to ``input``'s dtype and device."""
     dt, dev = _like(input, dtype, device)
     return tensor(data, dtype=dt.torch, device=dev.torch)
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def eye(n, m=None, *, dtype=None, layout=None, device=None, requires_grad=False, pin_memory=False, out=None):
+    if out is not None or layout not in (None, torch.strided) or pin_memory or requires_grad:
+        raise NotImplementedError("eye with out=/layout/pin_memory/requires_grad is run by torch")
+    m = n if m is None else m
+    dtype = dtype or torch.get_default_dtype()
+    return (torch.arange(n, device=device).unsqueeze(1) == torch.arange(m, device=device)).to(dtype)
+
+
+composed("eye", eye, (torch.eye,))
+
+
+def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, requires_grad=False, pin_memory=False, out=None):
+    if out is not None or requires_grad or isinstance(start, torch.Tensor) or isinstance(end, torch.Tensor):
+        raise NotImplementedError("logspace with tensor ends or out= is run by torch")
+    dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise NotImplementedError("integer logspace is run by torch")
+    exps = torch.linspace(start, end, steps, dtype=torch.float64 if dtype is torch.float64 else torch.float32, device=device)
+    return torch.pow(float(base), exps).to(dtype)
+
+
+composed("logspace", logspace, (torch.logspace,))
+
+
+def _tri_indices(upper):
+    def fn(row, col, offset=0, *, dtype=torch.int64, device=None, layout=torch.strided, pin_memory=False):
+        pairs = [(i, j) for i in range(row) for j in range(col) if (j - i >= offset if upper else j - i <= offset)]
+        if not pairs:
+            return torch.zeros((2, 0), dtype=dtype, device=device)
+        return torch.tensor([[i for i, _ in pairs], [j for _, j in pairs]], dtype=dtype, device=device)
+
+    return fn
+
+
+composed("triu_indices", _tri_indices(True), (torch.triu_indices,))
+composed("tril_indices", _tri_indices(False), (torch.tril_indices,))
+
+
+def fill(input, value):
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0:
+            raise RuntimeError(f"fill only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
+        value = value.to(input.dtype)
+    # where() keeps input in the graph: the result requires grad like eager's (its gradient into input is zero)
+    return torch.where(torch.ones_like(input, dtype=torch.bool), value, input)
+
+
+composed("fill", fill, (torch.fill,))

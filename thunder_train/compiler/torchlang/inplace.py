@@ -92,7 +92,7 @@ def _zero_value(a):
     return _keeps_grad(a, prims.full(a._tt_shape, 0, device=a._tt_device, dtype=a._tt_dtype))
 
 
-@torchsymbol(methods=("zero_",), name="zero_", tags=("inplace",))
+@torchsymbol(torch.zero_, methods=("zero_",), name="zero_", torch_impl=torch.Tensor.zero_, tags=("inplace",))
 def zero_(a):
     return prims.copy_(_zero_value(a), a)
 

@@ -1,11 +1,15 @@
-"""Matrix products."""
+"""Matrix products (mm, matmul, einsum, mv, tensordot, kron, multi_dot, matrix_power, ...), cross products
+and matrix structure (trace, diag, diagflat, block_diag, vander)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
-from .registry import torchsymbol
+from .elementwise import _real
+from .registry import composed, torchsymbol
 
 
 def _matmul(a, b):
@@ -131,3 +135,243 @@ def einsum(equation, *operands):
 @torchsymbol(torch.baddbmm, methods=("baddbmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_add(input, bmm(batch1, batch2), beta, alpha)
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def trace(input):
+    if input.ndim != 2:
+        raise RuntimeError(f"trace: expected a matrix, but got tensor with dim {input.ndim}")
+    n, m = input.shape
+    k = min(n, m)
+    out = input.reshape(-1)[: (k - 1) * (m + 1) + 1 : m + 1].sum() if k else input.sum()
+    return out
+
+
+composed("trace", trace, (torch.trace,), ("trace",))
+
+
+def mv(input, vec):
+    if input.ndim != 2 or vec.ndim != 1:
+        raise RuntimeError("vector + matrix @ vector expected")
+    return torch.matmul(input, vec)
+
+
+composed("mv", mv, (torch.mv,), ("mv",))
+
+
+def addmv(input, mat, vec, *, beta=1, alpha=1):
+    if input.dtype is torch.bool:
+        raise NotImplementedError("addmv of bool tensors is run by torch")
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+        beta, alpha = int(beta), int(alpha)  # eager truncates the factors for integer results
+    p = torch.mv(mat, vec)
+    p = p if alpha == 1 else p * alpha
+    return p + input if beta == 1 else (p + 0 * input if beta == 0 else p + beta * input)
+
+
+composed("addmv", addmv, (torch.addmv,), ("addmv",))
+
+
+def addr(input, vec1, vec2, *, beta=1, alpha=1):
+    if input.dtype is torch.bool or not (beta == 1 and alpha == 1 or input.dtype.is_floating_point):
+        raise NotImplementedError("addr with these dtypes and factors is run by torch")
+    p = torch.outer(vec1, vec2)
+    p = p if alpha == 1 else p * alpha
+    return p + input if beta == 1 else (p + torch.zeros_like(input) if beta == 0 else p + beta * input)
+
+
+composed("addr", addr, (torch.addr,), ("addr",))
+
+
+def vdot(input, other):
+    _real(input, "vdot")
+    if input.ndim != 1 or other.ndim != 1:
+        raise RuntimeError(f"1D tensors expected, but got {input.ndim}D and {other.ndim}D tensors")
+    if input.dtype != other.dtype:
+        raise RuntimeError(f"vdot : expected both vectors to have same dtype, but found {input.dtype} and {other.dtype}")
+    return (input * other).sum()
+
+
+composed("vdot", vdot, (torch.vdot,), ("vdot",))
+
+
+def vecdot(x, y, *, dim=-1):
+    _real(x, "linalg.vecdot")
+    return (x * y).sum(dim)
+
+
+composed("vecdot", vecdot, (torch.linalg.vecdot,))
+
+
+def kron(input, other):
+    n = max(input.ndim, other.ndim)
+    a = input.reshape((1,) * (n - input.ndim) + tuple(input.shape))
+    b = other.reshape((1,) * (n - other.ndim) + tuple(other.shape))
+    shape = [s for pair in zip(a.shape, b.shape) for s in pair]
+    ai = a.reshape([s for d in a.shape for s in (d, 1)])
+    bi = b.reshape([s for d in b.shape for s in (1, d)])
+    return (ai * bi).reshape([x * y for x, y in zip(a.shape, b.shape)]) if shape else ai * bi
+
+
+composed("kron", kron, (torch.kron,), ("kron",))
+
+
+def inner(input, other):
+    if input.ndim == 0 or other.ndim == 0:
+        return input * other
+    return torch.tensordot(input, other, ([input.ndim - 1], [other.ndim - 1]))
+
+
+composed("inner", inner, (torch.inner,), ("inner",))
+
+
+def tensordot(a, b, dims=2, out=None):
+    if out is not None:
+        raise NotImplementedError("tensordot(out=) is run by torch")
+    if isinstance(dims, torch.Tensor):
+        raise NotImplementedError("tensordot with tensor dims is run by torch")
+    if isinstance(dims, int):
+        da, db = list(range(a.ndim - dims, a.ndim)), list(range(dims))
+    else:
+        da, db = [d % a.ndim for d in dims[0]], [d % b.ndim for d in dims[1]]
+    if any(a.shape[i] != b.shape[j] for i, j in zip(da, db)):
+        raise NotImplementedError("tensordot over dims of different sizes (broadcast) is run by torch")
+    fa = [d for d in range(a.ndim) if d not in da]
+    fb = [d for d in range(b.ndim) if d not in db]
+    k = math.prod(a.shape[d] for d in da)
+    am = a.permute(fa + da).reshape(math.prod(a.shape[d] for d in fa), k)
+    bm = b.permute(db + fb).reshape(k, math.prod(b.shape[d] for d in fb))
+    return torch.mm(am, bm).reshape([a.shape[d] for d in fa] + [b.shape[d] for d in fb])
+
+
+composed("tensordot", tensordot, (torch.tensordot,))
+
+
+def block_diag(*tensors):
+    ts = [t.reshape(1, -1) if t.ndim == 1 else (t.reshape(1, 1) if t.ndim == 0 else t) for t in tensors]
+    if any(t.ndim != 2 for t in ts):
+        raise RuntimeError("torch.block_diag: Input tensors must have 2 or fewer dimensions")
+    dtype = ts[0].dtype
+    for t in ts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    rows, cols = sum(t.shape[0] for t in ts), sum(t.shape[1] for t in ts)
+    parts, c = [], 0
+    for t in ts:
+        parts.append(torch.nn.functional.pad(t.to(dtype), (c, cols - c - t.shape[1])))
+        c += t.shape[1]
+    return torch.cat(parts, 0) if parts else torch.zeros(rows, cols, dtype=dtype)
+
+
+composed("block_diag", block_diag, (torch.block_diag,))
+
+
+def vander(x, *, N=None):
+    x = x.reshape(1) if x.ndim == 0 else x
+    n = x.shape[-1] if N is None else N
+    if n < 0:
+        raise RuntimeError("N must be non-negative.")
+    if n == 0:
+        return x.new_empty(tuple(x.shape) + (0,))
+    if n == 1:
+        return torch.ones_like(x).unsqueeze(-1)
+    return torch.stack([torch.ones_like(x)] + [x ** i for i in range(1, n)], -1)
+
+
+composed("vander", vander, (torch.linalg.vander,))
+
+
+def multi_dot(tensors, *, out=None):
+    if out is not None:
+        raise NotImplementedError("multi_dot(out=) is run by torch")
+    ts = list(tensors)
+    if len(ts) < 2:
+        raise RuntimeError("multi_dot(): expected at least 2 tensors but got " + str(len(ts)))
+    first_1d, last_1d = ts[0].ndim == 1, ts[-1].ndim == 1
+    if first_1d:
+        ts[0] = ts[0].unsqueeze(0)
+    if last_1d:
+        ts[-1] = ts[-1].unsqueeze(-1)
+    out = ts[0]
+    for t in ts[1:]:
+        out = torch.mm(out, t)
+    if first_1d:
+        out = out.squeeze(0)
+    if last_1d:
+        out = out.squeeze(-1)
+    return out
+
+
+composed("multi_dot", multi_dot, (torch.linalg.multi_dot,))
+
+
+def matrix_power(A, n, *, out=None):
+    if out is not None or n < 0:
+        raise NotImplementedError("matrix_power with n < 0 or out= is run by torch")
+    if A.shape[-1] != A.shape[-2]:
+        raise RuntimeError("linalg.matrix_power: A must be batches of square matrices")
+    if n == 0:
+        eye = torch.eye(A.shape[-1], dtype=A.dtype).expand(A.shape)
+        return torch.where(torch.zeros_like(A, dtype=torch.bool), A, eye)  # requires grad like eager's
+    out = A
+    for _ in range(n - 1):
+        out = torch.matmul(out, A)
+    return out if n > 1 else A.clone()
+
+
+composed("matrix_power", matrix_power, (torch.linalg.matrix_power, torch.matrix_power), ("matrix_power",))
+
+
+def linalg_cross(input, other, *, dim=-1):
+    shape = torch.broadcast_shapes(input.shape, other.shape)
+    a, b = input.expand(shape), other.expand(shape)
+    if shape[dim] != 3:
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {input.shape[dim]} and {other.shape[dim]}")
+    a0, a1, a2 = a.unbind(dim)
+    b0, b1, b2 = b.unbind(dim)
+    return torch.stack([a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0], dim)
+
+
+composed("linalg_cross", linalg_cross, (torch.linalg.cross,))
+
+
+def cross(input, other, dim=None):
+    if dim is None:
+        shape = torch.broadcast_shapes(input.shape, other.shape)
+        dim = next((i for i, s in enumerate(shape) if s == 3), None)
+        if dim is None:
+            raise RuntimeError("no dimension of size 3 in input")
+    return linalg_cross(input, other, dim=dim)
+
+
+composed("cross", cross, (torch.cross,), ("cross",))
+
+
+# Diagonals (diag returns a new tensor, not a view)
+def diag(input, diagonal=0):
+    if input.ndim == 1:
+        n = input.shape[0] + abs(diagonal)
+        out = input.new_zeros(n * n)
+        if input.shape[0]:
+            start = diagonal if diagonal >= 0 else -diagonal * n
+            out[start: start + (input.shape[0] - 1) * (n + 1) + 1: n + 1] = input
+        return out.reshape(n, n)
+    if input.ndim != 2:
+        raise RuntimeError("diag(): Supports 1D or 2D tensors. Got " + f"{input.ndim}D")
+    r, c = input.shape
+    start = diagonal if diagonal >= 0 else -diagonal * c
+    length = max(0, min(r, c - diagonal) if diagonal >= 0 else min(r + diagonal, c))
+    if length == 0:
+        return input.reshape(-1)[:0]
+    return input.reshape(-1)[start: start + (length - 1) * (c + 1) + 1: c + 1].clone()
+
+
+composed("diag", diag, (torch.diag,), ("diag",))
+
+
+def diagflat(input, offset=0):
+    return diag(input.reshape(-1), offset)
+
+
+composed("diagflat", diagflat, (torch.diagflat,), ("diagflat",))

@@ -1,9 +1,11 @@
 """torch.nn.functional losses: mse, l1, smooth L1, Huber, binary cross-entropy (with logits), KL divergence,
-NLL and cross-entropy.  Cross-entropy's direct gradient rule follows its definition."""
+NLL and cross-entropy; the margin, ranking, embedding, Poisson and triplet losses written as torch calls
+(sharing ``reduce_loss``).  Cross-entropy's direct gradient rule follows its definition."""
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 
 from .. import clang, prims
@@ -12,8 +14,9 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
+from .distances import pairwise_distance
 from .nn import _softplus
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 def _t(x):
@@ -428,3 +431,153 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
     if full:
         loss = clang.add(loss, 0.5 * math.log(2 * math.pi))
     return _reduce(loss, reduction)
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def reduce_loss(loss, reduction):
+    """A loss's ``reduction=`` argument, in torch calls (the composed losses share it)."""
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+def _reduction(size_average, reduce, reduction):
+    if size_average is not None or reduce is not None:
+        raise NotImplementedError("the deprecated size_average/reduce arguments are run by torch")
+    return reduction
+
+
+def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    return reduce_loss(torch.clamp_min(-target * (input1 - input2) + margin, 0), _reduction(size_average, reduce, reduction))
+
+
+composed("margin_ranking_loss", margin_ranking_loss, (F.margin_ranking_loss,))
+
+
+def soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return reduce_loss(torch.log1p(torch.exp(-target * input)), _reduction(size_average, reduce, reduction))
+
+
+composed("soft_margin_loss", soft_margin_loss, (F.soft_margin_loss,))
+
+
+def hinge_embedding_loss(input, target, margin=1.0, size_average=None, reduce=None, reduction="mean"):
+    zeros = torch.zeros_like(input)
+    loss = torch.where(target != 1, torch.clamp_min(margin - input, 0), zeros) + torch.where(target != -1, input, zeros)
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
+
+
+composed("hinge_embedding_loss", hinge_embedding_loss, (F.hinge_embedding_loss,))
+
+
+def poisson_nll_loss(input, target, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None, reduction="mean"):
+    loss = torch.exp(input) - target * input if log_input else input - target * torch.log(input + eps)
+    if full:
+        stirling = target * torch.log(target) - target + 0.5 * torch.log(2 * math.pi * target)
+        loss = loss + torch.where(target > 1, stirling, torch.zeros_like(stirling))
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
+
+
+composed("poisson_nll_loss", poisson_nll_loss, (F.poisson_nll_loss,))
+
+
+def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    loss = -(target * F.logsigmoid(input) + (1 - target) * F.logsigmoid(-input))
+    if weight is not None:
+        loss = loss * weight
+    loss = loss.sum(dim=input.ndim - 1) / input.shape[-1] if input.ndim else loss
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
+
+
+composed("multilabel_soft_margin_loss", multilabel_soft_margin_loss, (F.multilabel_soft_margin_loss,))
+
+
+def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    eps = 1e-12
+    d = input1.ndim - 1
+    prod = (input1 * input2).sum(d)
+    mag = torch.sqrt(((input1 * input1).sum(d) + eps) * ((input2 * input2).sum(d) + eps))
+    cos = prod / mag
+    zeros = torch.zeros_like(cos)
+    loss = torch.where(target == 1, 1 - cos, zeros) + torch.where(target == -1, torch.clamp_min(cos - margin, 0), zeros)
+    return reduce_loss(loss, _reduction(size_average, reduce, reduction))
+
+
+composed("cosine_embedding_loss", cosine_embedding_loss, (F.cosine_embedding_loss,))
+
+
+def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False, size_average=None,
+                        reduce=None, reduction="mean"):
+    if size_average is not None or reduce is not None:
+        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    if not (anchor.ndim == positive.ndim == negative.ndim) or anchor.ndim not in (1, 2):
+        raise NotImplementedError("triplet_margin_loss of these shapes is run by torch (eager checks them)")
+    dp = pairwise_distance(anchor, positive, p, eps)
+    dn = pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        dn = torch.minimum(dn, pairwise_distance(positive, negative, p, eps))
+    return reduce_loss(torch.clamp_min(margin + dp - dn, 0), reduction)
+
+
+composed("triplet_margin_loss", triplet_margin_loss, (F.triplet_margin_loss,))
+
+
+def triplet_margin_with_distance_loss(anchor, positive, negative, *, distance_function=None, margin=1.0, swap=False,
+                                      reduction="mean"):
+    if not (anchor.ndim == positive.ndim == negative.ndim) or anchor.ndim not in (1, 2):
+        raise NotImplementedError("triplet_margin_with_distance_loss of these shapes is run by torch (eager checks them)")
+    dist = distance_function if distance_function is not None else pairwise_distance
+    dp, dn = dist(anchor, positive), dist(anchor, negative)
+    if swap:
+        dn = torch.minimum(dn, dist(positive, negative))
+    return reduce_loss(torch.clamp_min(margin + dp - dn, 0), reduction)
+
+
+composed("triplet_margin_with_distance_loss", triplet_margin_with_distance_loss, (F.triplet_margin_with_distance_loss,))
+
+
+def multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=None, reduce=None, reduction="mean"):
+    if size_average is not None or reduce is not None or p not in (1, 2):
+        raise NotImplementedError("this multi_margin_loss form is run by torch")
+    x = input if input.ndim == 2 else input.reshape(1, -1)
+    t = target.reshape(-1, 1)
+    xt = x.gather(1, t)
+    z = torch.clamp_min(margin - xt + x, 0)
+    if p == 2:
+        z = z * z
+    if weight is not None:
+        z = z * weight[t]
+    z = torch.where(torch.arange(x.shape[1]) == t, torch.zeros_like(z), z)
+    loss = z.sum(1) / x.shape[1]
+    if input.ndim < 2:
+        loss = loss.reshape(())
+    return reduce_loss(loss, reduction)
+
+
+composed("multi_margin_loss", multi_margin_loss, (F.multi_margin_loss,))
+
+
+def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    if size_average is not None or reduce is not None:
+        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    x = input.reshape(1, -1) if input.ndim < 2 else input
+    t = target.reshape(1, -1) if target.ndim < 2 else target
+    c = x.shape[1]
+    valid = torch.cumsum((t == -1).to(torch.int64), 1) == 0  # the targets before the first -1
+    count = ((t.unsqueeze(-1) == torch.arange(c)) & valid.unsqueeze(-1)).sum(1)  # (B, C): times j is listed
+    m = torch.clamp_min(1 - (x.unsqueeze(-1) - x.unsqueeze(-2)), 0)  # [b, j, i]: 1 - (x_j - x_i)
+    # each listed target j (duplicates counted, as eager does) against every class i that is not a target
+    m = torch.where((count == 0).unsqueeze(-2), m, torch.zeros_like(m)) * count.unsqueeze(-1).to(m.dtype)
+    loss = m.sum((1, 2)) / c
+    if input.ndim < 2:
+        loss = loss.reshape(())
+    return reduce_loss(loss, reduction)
+
+
+composed("multilabel_margin_loss", multilabel_margin_loss, (F.multilabel_margin_loss,))

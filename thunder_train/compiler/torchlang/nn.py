@@ -1,6 +1,9 @@
-"""torch.nn.functional: activations, linear/embedding/dropout, normalisation, attention, convolution, pooling.
+"""torch.nn.functional: activations, linear/bilinear/embedding/dropout, normalisation, attention, convolution,
+pooling.
 
-Losses are in losses.py.  Each op's gradient rule, where it has a direct one, follows its definition."""
+Losses are in losses.py; the ops of these families written as torch calls are in activations.py,
+normalization.py, dropout.py, padding.py, pooling.py and distances.py.  Each op's gradient rule, where it has
+a direct one, follows its definition."""
 from __future__ import annotations
 
 import math
@@ -15,7 +18,7 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to, zeros_like
 from .autocast import FP32, LOWER  # autocast policies: see autocast.py
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 def _t(x):
@@ -706,3 +709,16 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     n2 = clang.sqrt(clang.sum(clang.mul(x2, x2), dim))
     return clang.true_divide(num, clang.maximum(clang.mul(n1, n2), eps))
 
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def bilinear(input1, input2, weight, bias=None):
+    o, i, j = weight.shape
+    lead = input1.shape[:-1]
+    t = torch.matmul(input1.reshape(-1, i), weight.permute(1, 0, 2).reshape(i, o * j)).reshape(-1, o, j)
+    out = (t * input2.reshape(-1, 1, j)).sum(-1).reshape(tuple(lead) + (o,))
+    return out + bias if bias is not None else out
+
+
+composed("bilinear", bilinear, (F.bilinear, torch.bilinear))

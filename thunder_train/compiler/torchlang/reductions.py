@@ -1,4 +1,6 @@
-"""Reductions and scans: sum, mean, var, amax, argmax, softmax, cumsum, topk, ..."""
+"""Reductions and scans: sum, mean, var, amax, argmax, softmax, cumsum, cumprod, nansum, trapezoid, ...
+
+Sorting and top-k are in sorting.py."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,7 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims import mul, sub
 from ..prims.reductions import prod_vjp
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 def _dims(dim):
@@ -233,16 +235,6 @@ def cumsum(input, dim, *, dtype=None):
     return prims.cumsum(x, clang.canonicalize_dim(x.ndim_, dim))
 
 
-@torchsymbol(torch.topk, methods=("topk",), returns=torch.return_types.topk)
-def topk(input, k, dim=-1, largest=True, sorted=True):
-    return prims.topk(input, k, clang.canonicalize_dim(input.ndim_, dim), largest, sorted)
-
-
-@torchsymbol(torch.sort, methods=("sort",), returns=torch.return_types.sort)
-def sort(input, dim=-1, descending=False, stable=False):
-    return prims.sort(input, clang.canonicalize_dim(input.ndim_, dim), descending, stable)
-
-
 @torchsymbol(torch.all, methods=("all",))
 def all(input, dim=None, keepdim=False):
     b = clang.to_bool(input)
@@ -335,3 +327,124 @@ def aminmax(input, *, dim=None, keepdim=False):
 def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """``torch.linalg.vector_norm``: ``norm`` with eager's ``ord`` keyword."""
     return norm(x, ord, dim, keepdim, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def nansum(input, dim=None, keepdim=False, *, dtype=None):
+    if input.dtype.is_complex:
+        raise NotImplementedError("nansum of a complex tensor is run by torch")
+    x = torch.where(torch.isnan(input), torch.zeros_like(input), input) if input.dtype.is_floating_point else input
+    return torch.sum(x, dim, keepdim, dtype=dtype) if dim is not None else torch.sum(x, dtype=dtype)
+
+
+composed("nansum", nansum, (torch.nansum,), ("nansum",))
+
+
+def nanmean(input, dim=None, keepdim=False, *, dtype=None):
+    if not input.dtype.is_floating_point:
+        raise NotImplementedError("nanmean of a non-float tensor is run by torch")
+    keep = ~torch.isnan(input)
+    n = torch.sum(keep, dim, keepdim) if dim is not None else torch.sum(keep)
+    return nansum(input, dim, keepdim, dtype=dtype) / n
+
+
+composed("nanmean", nanmean, (torch.nanmean,), ("nanmean",))
+
+
+def renorm(input, p, dim, maxnorm):
+    d = dim % input.ndim
+    others = [i for i in range(input.ndim) if i != d]
+    norm = torch.linalg.vector_norm(input, p, others, keepdim=True)
+    factor = torch.where(norm > maxnorm, maxnorm / (norm + 1e-7), torch.ones_like(norm))
+    return input * factor
+
+
+composed("renorm", renorm, (torch.renorm,), ("renorm",))
+
+
+def _trapz_parts(y, x, dx, dim):
+    n = y.shape[dim]
+    left, right = y.narrow(dim, 0, n - 1), y.narrow(dim, 1, n - 1)
+    if x is None:
+        return (left + right) * (dx / 2)
+    if x.ndim == 1:
+        shape = [1] * y.ndim
+        shape[dim] = n - 1
+        d = (x[1:] - x[:-1]).reshape(shape)
+    else:
+        d = x.narrow(dim, 1, n - 1) - x.narrow(dim, 0, n - 1)
+    return (left + right) * d / 2
+
+
+def trapezoid(y, x=None, *, dx=None, dim=-1):
+    if isinstance(x, (int, float)):
+        x, dx = None, x
+    dx = 1 if dx is None else dx
+    if y.shape[dim] == 0:
+        return y.sum(dim)
+    return _trapz_parts(y, x, dx, dim).sum(dim)
+
+
+composed("trapezoid", trapezoid, (torch.trapezoid,))
+
+
+def trapz(y, x=None, *, dx=None, dim=-1):
+    return trapezoid(y, x, dx=dx, dim=dim)
+
+
+composed("trapz", trapz, (torch.trapz,))
+
+
+def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
+    if isinstance(x, (int, float)):
+        x, dx = None, x
+    dx = 1 if dx is None else dx
+    if y.shape[dim] == 0:
+        return y.clone()
+    return torch.cumsum(_trapz_parts(y, x, dx, dim), dim)
+
+
+composed("cumulative_trapezoid", cumulative_trapezoid, (torch.cumulative_trapezoid,))
+
+
+# Scans: log-depth (Hillis-Steele) with an associative op, exact for cumprod of integers
+def _scan(x, dim, op, fill):
+    n = x.shape[dim]
+    s = 1
+    while s < n:
+        shifted = torch.cat([torch.full_like(x.narrow(dim, 0, s), fill), x.narrow(dim, 0, n - s)], dim)
+        x = op(x, shifted)
+        s *= 2
+    return x
+
+
+def cumprod(input, dim, *, dtype=None):
+    x = input.to(dtype) if dtype is not None else (input.to(torch.int64) if not (input.dtype.is_floating_point or input.dtype.is_complex) else input)
+    if x.ndim == 0:
+        return x.clone()
+    return _scan(x, dim % x.ndim, torch.mul, 1)
+
+
+composed("cumprod", cumprod, (torch.cumprod,), ("cumprod",))
+
+
+def logcumsumexp(input, dim):
+    if not input.dtype.is_floating_point:
+        raise NotImplementedError("logcumsumexp of a non-float tensor is run by torch")
+    if input.ndim == 0:
+        return input.clone()
+    return _scan(input, dim % input.ndim, torch.logaddexp, -math.inf)
+
+
+composed("logcumsumexp", logcumsumexp, (torch.logcumsumexp,), ("logcumsumexp",))
+
+
+def _softmax_backward_data(grad_output, output, dim, input_dtype):
+    g = grad_output * output
+    return (g - output * g.sum(dim, keepdim=True)).to(input_dtype)
+
+
+composed("_softmax_backward_data", _softmax_backward_data, (torch.ops.aten._softmax_backward_data.default,
+                                                        torch.ops.aten._softmax_backward_data))

@@ -8,12 +8,20 @@ it claims the symbol whole).  The op's other facts are declared in the same
 place: tags (``"fusible"``, ``"fused_backward"``, ...), its autocast policy,
 and, where it has a direct one, its gradient rule, registered right after the
 definition with ``@register_vjp(symbol)`` (``compiler/grad_rules.py``).
+
+``composed(name, fn, torch_fns, methods)`` routes torch callables to an op written as torch calls the
+torch language already knows (``logaddexp``, ``pixel_shuffle``, the composed losses, ...): the dispatcher
+traces those calls as the user's own, so the op runs natively with the gradient of its parts.  Argument
+forms such a function does not cover raise ``NotImplementedError`` and the dispatcher runs the call
+opaquely (eager's result).  The composed ops live in their family's module, next to its symbols.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import context
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_map
 from ..symbols import Symbol
 
 _DEFAULT = object()
@@ -118,6 +126,56 @@ class _ExplicitDefaults:
 
     def __getattr__(self, name):
         return getattr(self.sym, name)
+
+
+class _Composed:
+    """Dispatch entry: ``fn`` runs at the top level (its torch calls are traced as the user's own).
+    With a ``target`` symbol (what ``fn`` ends in), the entry answers for that symbol's facts."""
+
+    tags = frozenset()
+    traces_torch_calls = True  # the dispatcher traces fn's torch calls (factories included)
+
+    def __init__(self, name, fn, target=None):
+        self.name, self.fn = name, fn
+        if target is not None:
+            self.sym = target
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        st = context.tracer_state()
+        if st is None or st.buffers is None:
+            return out
+        # A tensor ``fn`` made and then updated in place (``out = x.clone(); out[i] = v``) is returned as its
+        # current value, so a caller that binds the result (an in-place form, out=) gets the update; an
+        # argument returned (``inplace=True``) stays that object.
+        mine = {id(a) for a in tree_flatten((args, kwargs))[0] if type(a) is TensorProxy}
+        return tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy and id(t) not in mine else t, out)
+
+    def __getattr__(self, name):
+        target = self.__dict__.get("sym")
+        if target is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(target, name)
+
+
+def composed(name, fn, torch_fns=(), methods=(), sym=None):
+    """Route ``torch_fns`` and the ``Tensor`` ``methods`` to ``fn``, an op written as torch calls (see above);
+    ``sym``: the symbol ``fn`` ends in, whose facts the entry answers for."""
+    entry = _Composed(name, fn, sym)
+    bind(entry, torch_fns, methods)
+    return entry
+
+
+def direct(sym, *args, **kwargs):
+    """Call a torch-language symbol from a composed op: without the torch-function mode the dispatcher put back
+    for the op's torch calls (the symbol's own passes run torch on fake tensors, which must not be traced)."""
+    st = context.tracer_state()
+    if st is not None and st.buffers is not None:  # the entry got the user's objects: their current values
+        args, kwargs = tree_map(lambda t: st.buffers.read(t) if type(t) is TensorProxy else t, (args, kwargs))
+    if torch._C._len_torch_function_stack() == 0:
+        return sym(*args, **kwargs)
+    with torch.overrides._pop_mode_temporarily():
+        return sym(*args, **kwargs)
 
 
 def lookup(func):

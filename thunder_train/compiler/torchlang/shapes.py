@@ -1,4 +1,7 @@
-"""Shape and indexing operations: reshape/view, permute, cat, split, getitem, gather, ..."""
+"""Shape and indexing operations: reshape/view, permute, cat, split, getitem, gather, ...; the ``*_copy``
+forms of views, ``atleast_*``, ``[hvd]split``, pixel/channel shuffles, ``meshgrid``, ``repeat_interleave``.
+
+The index and scatter forms written as torch calls (take, put, index_fill, ...) are in indexing.py."""
 from __future__ import annotations
 
 import builtins
@@ -6,13 +9,14 @@ import math
 import operator
 
 import torch
+import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
 from ..proxies import NumberProxy, SizeProxy, TensorProxy, is_int, number_type
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from ..grad_rules import register_vjp
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 def _t(x):
@@ -496,3 +500,264 @@ def diff(input, n=1, dim=-1, prepend=None, append=None):
         hi, lo = clang.slice_in_dim(x, 1, size, 1, dim), clang.slice_in_dim(x, 0, size - 1, 1, dim)
         x = clang.ne(hi, lo) if x._tt_dtype.is_bool else clang.sub(hi, lo)
     return x
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def ravel(input):
+    return input.reshape(-1)
+
+
+composed("ravel", ravel, (torch.ravel,), ("ravel",))
+
+
+def fliplr(input):
+    return torch.flip(input, (1,))
+
+
+composed("fliplr", fliplr, (torch.fliplr,), ("fliplr",))
+
+
+def flipud(input):
+    return torch.flip(input, (0,))
+
+
+composed("flipud", flipud, (torch.flipud,), ("flipud",))
+
+
+def _atleast(n):
+    def fn(*tensors):
+        one = len(tensors) == 1 and isinstance(tensors[0], torch.Tensor)
+        ts = tensors if not (len(tensors) == 1 and isinstance(tensors[0], (list, tuple))) else tensors[0]
+        out = []
+        for t in ts:
+            if t.ndim == 0:
+                t = t.reshape((1,) * n)
+            elif n >= 2 and t.ndim == 1:
+                t = t.unsqueeze(0)
+                if n == 3:
+                    t = t.unsqueeze(-1)
+            elif n == 3 and t.ndim == 2:
+                t = t.unsqueeze(-1)
+            out.append(t)
+        return out[0] if one else tuple(out)
+
+    return fn
+
+
+composed("atleast_1d", _atleast(1), (torch.atleast_1d,))
+composed("atleast_2d", _atleast(2), (torch.atleast_2d,))
+composed("atleast_3d", _atleast(3), (torch.atleast_3d,))
+
+
+def column_stack(tensors):
+    return torch.hstack([t.reshape(t.numel(), 1) if t.ndim <= 1 else t for t in tensors])
+
+
+composed("column_stack", column_stack, (torch.column_stack,))
+
+
+def dstack(tensors):
+    return torch.cat(_atleast(3)(*tensors) if len(tensors) > 1 else [_atleast(3)(tensors[0])], 2)
+
+
+composed("dstack", dstack, (torch.dstack,))
+
+
+def _split_dim(name, dim, min_ndim):
+    def fn(input, indices_or_sections):
+        if input.ndim < min_ndim:
+            raise RuntimeError(f"torch.{name} requires a tensor with at least {min_ndim} dimension, but got a tensor with "
+                               f"{input.ndim} dimensions!")
+        d = 0 if (name == "hsplit" and input.ndim == 1) else dim
+        if isinstance(indices_or_sections, int) and input.shape[d] % indices_or_sections:
+            raise RuntimeError(f"torch.{name} attempted to split along dimension {d}, but the size of the dimension "
+                               f"{input.shape[d]} is not divisible by the split_size {indices_or_sections}!")
+        return torch.tensor_split(input, indices_or_sections, d)
+
+    return fn
+
+
+composed("hsplit", _split_dim("hsplit", 1, 1), (torch.hsplit,), ("hsplit",))
+composed("vsplit", _split_dim("vsplit", 0, 2), (torch.vsplit,), ("vsplit",))
+composed("dsplit", _split_dim("dsplit", 2, 3), (torch.dsplit,), ("dsplit",))
+
+
+def split_with_sizes(input, split_sizes, dim=0):
+    return torch.split(input, list(split_sizes), dim)
+
+
+composed("split_with_sizes", split_with_sizes, (torch.split_with_sizes,), ("split_with_sizes",))
+
+
+def unsafe_split(input, split_size, dim=0):
+    return torch.split(input, split_size, dim)
+
+
+composed("unsafe_split", unsafe_split, (torch.unsafe_split,), ("unsafe_split",))
+
+
+def unsafe_chunk(input, chunks, dim=0):
+    return torch.chunk(input, chunks, dim)
+
+
+composed("unsafe_chunk", unsafe_chunk, (torch.unsafe_chunk,), ("unsafe_chunk",))
+
+
+def pixel_shuffle(input, upscale_factor):
+    r = upscale_factor
+    *b, c, h, w = input.shape
+    x = input.reshape(*b, c // (r * r), r, r, h, w)
+    n = len(b)
+    x = x.permute(*range(n), n, n + 3, n + 1, n + 4, n + 2)
+    return x.reshape(*b, c // (r * r), h * r, w * r)
+
+
+composed("pixel_shuffle", pixel_shuffle, (F.pixel_shuffle, torch.pixel_shuffle))
+
+
+def pixel_unshuffle(input, downscale_factor):
+    r = downscale_factor
+    *b, c, h, w = input.shape
+    x = input.reshape(*b, c, h // r, r, w // r, r)
+    n = len(b)
+    x = x.permute(*range(n), n, n + 2, n + 4, n + 1, n + 3)
+    return x.reshape(*b, c * r * r, h // r, w // r)
+
+
+composed("pixel_unshuffle", pixel_unshuffle, (F.pixel_unshuffle, torch.pixel_unshuffle))
+
+
+def channel_shuffle(input, groups):
+    b, c, *rest = input.shape
+    return input.reshape(b, groups, c // groups, *rest).transpose(1, 2).reshape(input.shape)
+
+
+composed("channel_shuffle", channel_shuffle, (F.channel_shuffle, torch.channel_shuffle))
+
+
+def fftshift(input, dim=None):
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    return torch.roll(input, [input.shape[d] // 2 for d in dims], dims)
+
+
+composed("fftshift", fftshift, (torch.fft.fftshift,))
+
+
+def ifftshift(input, dim=None):
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    return torch.roll(input, [-(input.shape[d] // 2) for d in dims], dims)
+
+
+composed("ifftshift", ifftshift, (torch.fft.ifftshift,))
+
+
+def _fresh(t):
+    """A contiguous copy (what the ``*_copy`` ops return: never a view of their input)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _copy_of(view_fn):
+    def fn(input, *args, **kwargs):
+        out = view_fn(input, *args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(_fresh(o) for o in out)
+        return _fresh(out)
+
+    return fn
+
+
+_COPIES = [
+    ("expand_copy", lambda x, size, *, implicit=False: x.expand(size), torch.expand_copy),
+    ("alias_copy", lambda x: x, torch.alias_copy),
+    ("view_copy", lambda x, size: x.view(size), torch.view_copy),
+    ("permute_copy", lambda x, dims: x.permute(dims), torch.permute_copy),
+    ("squeeze_copy", lambda x, *dim: x.squeeze(*dim), torch.squeeze_copy),
+    ("unsqueeze_copy", lambda x, dim: x.unsqueeze(dim), torch.unsqueeze_copy),
+    ("t_copy", lambda x: x.t(), torch.t_copy),
+    ("transpose_copy", lambda x, d0, d1: x.transpose(d0, d1), torch.transpose_copy),
+    ("narrow_copy", lambda x, dim, start, length: torch.narrow(x, dim, start, length), torch.narrow_copy),
+    ("split_with_sizes_copy", lambda x, sizes, dim=0: torch.split(x, list(sizes), dim), torch.split_with_sizes_copy),
+    ("unbind_copy", lambda x, dim=0: torch.unbind(x, dim), torch.unbind_copy),
+]
+for _name, _view, _fn in _COPIES:
+    composed(_name, _copy_of(_view), (_fn,), ("narrow_copy",) if _name == "narrow_copy" else ())
+
+
+def meshgrid(*tensors, indexing=None):
+    ts = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    if any(t.ndim > 1 for t in ts):
+        raise RuntimeError("torch.meshgrid: Expected 0D or 1D tensor in the tensor list")
+    ts = [t.reshape(-1) for t in ts]
+    xy = indexing == "xy" and len(ts) >= 2
+    if xy:
+        ts[0], ts[1] = ts[1], ts[0]
+    shape = [t.shape[0] for t in ts]
+    out = [t.reshape([-1 if i == k else 1 for i in range(len(ts))]).expand(shape) for k, t in enumerate(ts)]
+    if xy:
+        out[0], out[1] = out[1].transpose(0, 1), out[0].transpose(0, 1)
+    return tuple(out)
+
+
+composed("meshgrid", meshgrid, (torch.meshgrid,))
+
+
+def cartesian_prod(*tensors):
+    if len(tensors) == 1:
+        return tensors[0]
+    grids = meshgrid(*tensors, indexing="ij")
+    return torch.stack([g.reshape(-1) for g in grids], 1)
+
+
+composed("cartesian_prod", cartesian_prod, (torch.cartesian_prod,))
+
+
+def rot90(input, k=1, dims=(0, 1)):
+    d0, d1 = dims
+    k %= 4
+    if k == 1:
+        return input.flip(d1).transpose(d0, d1)
+    if k == 2:
+        return input.flip((d0, d1))
+    if k == 3:
+        return input.flip(d0).transpose(d0, d1)
+    return input.clone()
+
+
+composed("rot90", rot90, (torch.rot90,), ("rot90",))
+
+
+def sum_to_size(input, *size):
+    size = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    if not size and input.ndim == 0:
+        return input.sum()  # eager sums a 0-d tensor (bool -> int64)
+    lead = input.ndim - len(size)
+    dims = list(range(lead)) + [lead + i for i, s in enumerate(size) if s == 1 and input.shape[lead + i] != 1]
+    out = input.sum(dims, keepdim=True) if dims else input
+    return out.reshape(size)
+
+
+composed("sum_to_size", sum_to_size, (), ("sum_to_size",))
+
+
+def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    if repeats is None:  # torch.repeat_interleave(repeats): the indices
+        return repeat_interleave(torch.arange(input.shape[0]), input, 0, output_size=output_size)
+    if dim is None:
+        input, dim = input.reshape(-1), 0
+    d = dim % max(input.ndim, 1)
+    if isinstance(repeats, int):
+        x = input.reshape(1) if input.ndim == 0 else input
+        shape = list(x.shape)
+        out = x.unsqueeze(d + 1).expand(shape[:d + 1] + [repeats] + shape[d + 1:])
+        return out.reshape(shape[:d] + [shape[d] * repeats] + shape[d + 1:])
+    if repeats.ndim == 0 or repeats.numel() == 1:
+        repeats = repeats.reshape(1).expand(input.shape[d] if input.ndim else 1)
+    total = int(repeats.sum()) if output_size is None else output_size  # a decision on per-call repeats
+    ends = torch.cumsum(repeats, 0)
+    idx = torch.bucketize(torch.arange(total), ends, right=True)
+    return torch.index_select(input, d, idx)
+
+
+composed("repeat_interleave", repeat_interleave, (torch.repeat_interleave,), ("repeat_interleave",))

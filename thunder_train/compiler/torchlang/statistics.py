@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .decided import _register
+from .registry import composed
 
 
 def cov(input, *, correction=1, fweights=None, aweights=None):
@@ -63,5 +63,5 @@ def corrcoef(input):
     return c.clamp(-1, 1)
 
 
-_register("cov", cov, (torch.cov,), ("cov",))
-_register("corrcoef", corrcoef, (torch.corrcoef,), ("corrcoef",))
+composed("cov", cov, (torch.cov,), ("cov",))
+composed("corrcoef", corrcoef, (torch.corrcoef,), ("corrcoef",))

@@ -7,7 +7,7 @@ from .. import clang, dtypes, prims
 from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
 from ..proxies import TensorProxy, meta_tensor
 from .convert import to_dtype, to_device
-from .registry import torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
+from .registry import composed, torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
 
 
 # ---------------------------------------------------------------------------
@@ -434,3 +434,16 @@ def detach(a):
 
 # Imported late: shape functions used by properties above.
 from .shapes import permute, transpose, unbind  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
+def char(input, memory_format=torch.preserve_format):
+    if memory_format not in (torch.preserve_format, torch.contiguous_format):
+        raise NotImplementedError("char(memory_format=...) is run by torch")
+    out = input.to(torch.int8)
+    return out.contiguous() if memory_format is torch.contiguous_format else out
+
+
+composed("char", char, (), ("char",))

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from .decided import _register
+from .registry import composed
 
 
 def _selected_positions(mask):
@@ -105,9 +105,9 @@ def lstsq(A, B, rcond=None, *, driver=None):
     return torch.return_types.linalg_lstsq((X, residuals, rank, A.new_empty(0)))  # eager's singular_values: no grad
 
 
-_register("nonzero", nonzero, (torch.nonzero,), ("nonzero",))
-_register("argwhere", argwhere, (torch.argwhere,), ("argwhere",))
-_register("masked_select", masked_select, (torch.masked_select,), ("masked_select",))
-_register("bincount", bincount, (torch.bincount,), ("bincount",))
-_register("combinations", combinations, (torch.combinations,), ())
-_register("lstsq", lstsq, (torch.linalg.lstsq, torch._C._linalg.linalg_lstsq), ())
+composed("nonzero", nonzero, (torch.nonzero,), ("nonzero",))
+composed("argwhere", argwhere, (torch.argwhere,), ("argwhere",))
+composed("masked_select", masked_select, (torch.masked_select,), ("masked_select",))
+composed("bincount", bincount, (torch.bincount,), ("bincount",))
+composed("combinations", combinations, (torch.combinations,), ())
+composed("lstsq", lstsq, (torch.linalg.lstsq, torch._C._linalg.linalg_lstsq), ())

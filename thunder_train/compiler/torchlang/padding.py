@@ -1,0 +1,53 @@
+"""``F.pad``'s reflect, replicate and circular modes, as an ``index_select`` of computed source positions
+per padded dimension (``registry.composed``); constant padding is the ``nn.pad`` symbol."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import nn
+from .registry import composed, direct
+
+
+def _pad_index(n, left, right, mode, device):
+    """Source positions of the padded dimension (a few index lines, whatever its length)."""
+    i = torch.arange(-left, n + right, device=device)
+    if mode == "reflect":
+        return (n - 1) - torch.abs((n - 1) - torch.abs(i)) if n > 1 else torch.zeros_like(i)
+    if mode == "replicate":
+        return torch.clamp(i, 0, n - 1)
+    return torch.remainder(i, n)  # circular
+
+
+def pad(input, pad, mode="constant", value=None):
+    if mode == "constant":
+        return direct(nn.pad, input, pad, mode, value)
+    if mode not in ("reflect", "replicate", "circular"):
+        raise NotImplementedError(f"F.pad(mode={mode!r}) is run by torch")
+    pad = tuple(pad)
+    if len(pad) % 2 or len(pad) // 2 > input.ndim - 1:
+        raise NotImplementedError("this padding form is run by torch (eager checks it)")
+    out = input
+    for i in range(len(pad) // 2):
+        d = input.ndim - 1 - i
+        left, right = pad[2 * i], pad[2 * i + 1]
+        n = input.shape[d]
+        if mode == "reflect" and (left >= n or right >= n):
+            raise NotImplementedError("reflect padding as large as the input is run by torch (eager raises)")
+        if mode == "circular" and (left > n or right > n):
+            raise NotImplementedError("circular padding larger than the input is run by torch (eager raises)")
+        if n == 0:
+            raise NotImplementedError("padding an empty dimension is run by torch")
+        if left or right:
+            out = torch.index_select(out, d, _pad_index(n, left, right, mode, input.device))
+    return out
+
+
+composed("pad", pad, (F.pad, torch._C._nn.pad), (), sym=nn.pad)
+
+
+def constant_pad_nd(input, pad, value=0):
+    return direct(nn.pad, input, pad, "constant", value)
+
+
+composed("constant_pad_nd", constant_pad_nd, (torch.constant_pad_nd,))
