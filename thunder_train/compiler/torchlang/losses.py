@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import clang, prims
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, as_divisor
 from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
@@ -267,7 +267,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         loss = clang.neg(clang.sum(prod, c_dim))
         if reduction == "mean":
             n = math.prod(x._tt_shape) // C
-            return clang.maybe_convert(clang.true_divide(clang.sum(loss), float(n)), dt)
+            return clang.maybe_convert(clang.true_divide(clang.sum(loss), as_divisor(n)), dt)
         return clang.maybe_convert(_reduce(loss, reduction), dt)
     nll = _nll(logp, target, weight, ignore_index, reduction)
     if label_smoothing <= 0:
@@ -375,7 +375,7 @@ def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduct
     wt = clang.mul(t, wc) if wc is not None else t
     sample_shape = tuple(n for i, n in enumerate(x._tt_shape) if i != c_dim)
     if reduction == "mean":
-        gu = clang.true_divide(gu, float(math.prod(x._tt_shape) // C))
+        gu = clang.true_divide(gu, as_divisor(math.prod(x._tt_shape) // C))
     s = clang.unsqueeze(clang.expand(gu, sample_shape), c_dim)
     gx = clang.mul(clang.sub(clang.mul(p, clang.sum(wt, c_dim, keepdim=True)), wt), s)
     grads = {"input": downcast_like(gx, input)}

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .. import clang, prims
 from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
+from ..proxies import as_divisor
 from .autocast import FP32  # autocast policies: see autocast.py
 from .helpers import square, upcast_and_dtype
 from .reductions import norm
@@ -109,7 +110,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if training:
         n = math.prod(x._tt_shape[d] for d in dims)
         var = prims.var(x, dims, 0)
-        mean = prims.div(prims.sum(x, dims), float(n))
+        mean = prims.div(prims.sum(x, dims), as_divisor(n))
         if running_mean is not None:
             new_mean = clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))
             prims.copy_(new_mean, running_mean)
@@ -141,7 +142,7 @@ def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bia
     n = math.prod(x._tt_shape[d] for d in dims)
     writes = []
     if running_mean is not None:
-        mean = prims.div(prims.sum(x, dims), float(n))
+        mean = prims.div(prims.sum(x, dims), as_divisor(n))
         writes.append((running_mean, clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))))
     if running_var is not None:
         unbiased = prims.var(x, dims, 1 if n > 1 else 0)
