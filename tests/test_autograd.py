@@ -514,6 +514,24 @@ def test_two_layer_norms_with_different_inputs_needing_grad():
         torch.testing.assert_close(p.grad, e)
 
 
+_SHARED_ARGUMENTS = {
+    # one tensor passed as two differentiated arguments of an op whose backward is torch's fused kernel
+    "sdpa_x_x_x": (lambda x: F.scaled_dot_product_attention(x, x, x), ((2, 3, 5, 4),)),
+    "sdpa_q_x_x": (lambda q, x: F.scaled_dot_product_attention(q, x, x), ((2, 3, 5, 4), (2, 3, 5, 4))),
+    "sdpa_x_k_x_causal": (lambda x, k: F.scaled_dot_product_attention(x, k, x, is_causal=True), ((2, 5, 4), (2, 5, 4))),
+    "layer_norm_w_w": (lambda x, w: F.layer_norm(x, (4,), w, w), ((3, 4), (4,))),
+    "layer_norm_x_x_x": (lambda w: F.layer_norm(w, (4,), w, w), ((4,),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SHARED_ARGUMENTS))
+def test_one_tensor_as_two_differentiated_arguments(name):
+    """Each argument gets its own gradient (eager sums them); torch's fused backward would only give the sum."""
+    torch.manual_seed(0)
+    fn, shapes = _SHARED_ARGUMENTS[name]
+    check_grads(fn, *(_rand(*s) for s in shapes), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["softmax", "log_softmax", "gelu", "layer_norm", "cross_entropy", "sdpa_causal"])
 def test_decomposed_backward_matches_eager(name):
     """decompose=True runs the rules' prims: every value they read must reach the backward."""

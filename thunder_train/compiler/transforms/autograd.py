@@ -188,6 +188,7 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
     made = {id(o) for b in subs for o in b.flat_outputs()}
     arg_leaves = tree_flatten((bsym.args, bsym.kwargs))[0]
     outs, wanted = [], []  # gradient proxies; for each, the positions of its input among bsym's flat args
+    seen = []  # the differentiated inputs, in the order of outs
     ok = bool(subs)
     for name, grad in grads.items():
         if grad is None:
@@ -199,6 +200,11 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
                 ok = False
             if id(gv) not in made or any(gv is o for o in outs):
                 ok = False
+            if any(v is w for w in seen):
+                # One tensor passed as two differentiated arguments (sdpa(x, x, x)): torch's backward gives only
+                # their sum, the rule one gradient per argument; its own prims give those.
+                ok = False
+            seen.append(v)
             outs.append(gv)
             wanted.append(tuple(i for i, a in enumerate(arg_leaves) if a is v))
     if not ok or not outs:
