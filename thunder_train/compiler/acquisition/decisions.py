@@ -168,7 +168,8 @@ def decide(value, convert: str, what: str):
     """The Python value ``convert(value)`` for a tensor or runtime number of the trace, specialised and recorded."""
     where = user_line()
     st = context.tracer_state()
-    if st is None or st.walker is None or len(st.trace._scopes) != 1:
+    # Also inside a torch-language op (a size or index argument, x[:n]): the value comes from the top-level lines.
+    if st is None or st.walker is None:
         _refuse(what, where, "it is not computed by the function's own code")
     got, why = _slice(st, value)
     if got is None:
@@ -254,6 +255,8 @@ def _checked_in_program(st, value, convert, text, lines, inputs, pos):
     bsyms = st.trace.bound_symbols
     prims.check_decision(value, convert, decision_key(result), index, text)
     check = bsyms.pop()
+    if check.sym is not prims.check_decision:
+        raise RuntimeError("thunder_train internal error: the decision's check was not recorded as the trace's last line")
     bsyms.insert(pos, check)
     st.decisions.append(Decision(None, list(inputs), convert, result, text, "", ops=len(lines), checked=True, index=index))
     return result
