@@ -64,7 +64,7 @@ class Holder:
 
 @pytest.fixture
 def restore_classes():
-    saved = {c: dict(vars(c)) for c in (Cfg, SubCfg, Holder)}
+    saved = {c: {k: dict(v) if type(v) is dict else v for k, v in vars(c).items()} for c in (Cfg, SubCfg, Holder)}
     yield
     for c, d in saved.items():
         for k in list(vars(c)):
@@ -484,3 +484,46 @@ def test_model_captured_by_a_helper_is_seen_when_replaced(shape, mode, clean_glo
         torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
     assert_same_state(first_e, first_c)
     assert_same_state(second_e, second_c)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_model_passed_as_an_argument_and_held_by_an_object_replaced_there(mode):
+    """The same model reached twice: as an argument and as ``trainer.model``; replacing the attribute is seen."""
+    first, second = mlp(), mlp()
+    trainer = types.SimpleNamespace(model=first)
+
+    def f(model, x):
+        return model(x) + trainer.model(x)
+
+    cf = tt.compile(f, **mode)
+    x = torch.randn(2, 6)
+    calls(cf, f, first, x)
+    trainer.model = second
+    calls(cf, f, first, x)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_dataclass_class_variable_and_module_held_by_a_class(mode):
+    import dataclasses
+    from typing import ClassVar
+
+    @dataclasses.dataclass
+    class Opts:
+        scale: float = 2.0
+        shift: ClassVar[float] = 1.0
+
+    class Registry:
+        model = mlp()
+
+    opts = Opts()
+
+    def f(x):
+        return Registry.model(x) * opts.scale + opts.shift
+
+    cf = tt.compile(f, **mode)
+    x = torch.randn(2, 6)
+    calls(cf, f, x)
+    Opts.shift = -4.0
+    calls(cf, f, x)
+    Registry.model = mlp()
+    calls(cf, f, x)

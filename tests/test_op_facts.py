@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_train as tt
-from thunder_train.compiler.torchlang import nn as tnn, registry
+from thunder_train.compiler.torchlang import activations as tact, registry
 
 
 def _file(obj) -> str:
@@ -18,9 +18,9 @@ def _file(obj) -> str:
 
 def test_gelus_story_is_in_two_files():
     gelu = registry.lookup(F.gelu)
-    assert gelu is tnn.gelu
+    assert gelu is tact.gelu
     facts = [gelu.fn, gelu.grad_rule[0], gelu.torch_direct_vjp]
-    assert {_file(f) for f in facts} == {"compiler/torchlang/nn.py", "compiler/executors/torch_impls.py"}
+    assert {_file(f) for f in facts} == {"compiler/torchlang/activations.py", "compiler/executors/torch_impls.py"}
     assert {"fusible", "fused_backward"} <= gelu.tags and gelu.torch_impl is F.gelu and gelu.autocast is None
 
 
@@ -109,6 +109,14 @@ def test_prims_run_outside_tracing_through_their_torch_implementation():
     a.requires_grad_(), w.requires_grad_()
     ea, ew = torch.autograd.grad(F.conv2d(a, w), (a, w), g)
     torch.testing.assert_close(gi, ea), torch.testing.assert_close(gw, ew)
+
+
+def test_each_torch_language_gradient_rule_is_declared_next_to_its_op():
+    syms = registry.all_symbols.values()
+    ruled = [s for s in syms if s.grad_rule is not None]
+    assert len(ruled) >= 30  # gelu, layer_norm, sdpa, cross_entropy, softmax, split, ...
+    apart = sorted(s.name for s in ruled if _file(s.grad_rule[0]) != _file(s.fn))
+    assert not apart, f"gradient rules declared in another file than their torch-language op: {apart}"
 
 
 def test_no_module_is_over_800_lines():

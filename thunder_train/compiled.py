@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import time
 import warnings
@@ -226,8 +227,10 @@ class CompiledFunction:
         functools.update_wrapper(self, fn, updated=())
 
     # ---- calling ----
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
+    # ``cf(...)`` calls ``self._call`` (the full path, or the bound ``thin_call``) directly: CPython looks
+    # ``__call__`` up on the type, and this property hands back the function in C, with no Python frame of
+    # its own in between (about 0.3 µs a call less than a method that forwards ``*args, **kwargs``).
+    __call__ = property(operator.attrgetter("_call"))
 
     def _full_call(self, *args, **kwargs):
         self.stats.calls += 1
@@ -455,8 +458,10 @@ class CompiledFunction:
         b = self._binding
         if b is not None and b.entry is entry and b.fn is not None and self._graphed is None:
             g = b.fn.fn.__globals__
-            if g["_computation"] is not entry.computation:
-                g["_computation"] = entry.computation
+            if g["_computation_of"] is not entry.computation:
+                # A thin_call that passes only the per-call values calls the new program adapted (guards/thin_args.py).
+                g["_computation"] = entry.computation if g["_adapt"] is None else g["_adapt"](entry.computation)
+                g["_computation_of"] = entry.computation
 
     def wait_for_fusion(self, timeout: float | None = None) -> bool:
         """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""

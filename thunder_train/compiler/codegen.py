@@ -191,9 +191,30 @@ def standard_namespace() -> dict:
     return {"torch": torch, **namespaces, "dtypes": dtypes, "devices": devices}
 
 
+_NO_GRAD = "@torch.no_grad()"
+
+
+def _inline_no_grad(src: str, fn_name: str) -> str:
+    """``@torch.no_grad()`` written as the grad-mode switch it performs, inside the function.
+
+    The decorator's context manager costs about 1.4 µs a call in Python (two context objects, their
+    ``__enter__``/``__exit__``, ``*args`` repacked twice); the switch costs about 0.1 µs and restores the mode
+    the same way, on return and on an exception."""
+    lines = src.split("\n")
+    i = lines.index(_NO_GRAD)
+    d = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(f"def {fn_name}("))
+    body = [("  " + line) if line else line for line in lines[d + 1:] if line]
+    return "\n".join(lines[:i] + lines[i + 1:d + 1] + [
+        "  _tt_grad_mode = _tt_is_grad_enabled()", "  _tt_set_grad_enabled(False)", "  try:",
+        *body, "  finally:", "    _tt_set_grad_enabled(_tt_grad_mode)"]) + "\n"
+
+
 def compile_trace(trc):
     """Compile a trace to a Python function; its source is registered for tracebacks."""
     src, gdict = trace_source(trc, with_subsymbols=False)
+    if _NO_GRAD in trc.decorators:
+        src = _inline_no_grad(src, trc.fn_name)
+        gdict = {**gdict, "_tt_is_grad_enabled": torch.is_grad_enabled, "_tt_set_grad_enabled": torch._C._set_grad_enabled}
     filename = f"<thunder_train {trc.fn_name} {next(_counter)}>"
     code = compile(src, filename, "exec")
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)

@@ -35,7 +35,7 @@ from .errors import ThinModeError
 from ..compiler.distributed import is_ddp
 from ..compiler.errors import DecisionMismatch
 from ..compiler.proxies import SizeProxy
-from . import bulk
+from . import bulk, thin_args
 from .checks import autocast_state
 from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS, _storage_overlaps
 
@@ -335,13 +335,18 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
             owners.append(vals[parent])
     if owners:
         static_conds.append(same_objects(f"_list(map(_grad, {consts(owners)}))", grads, consts))
+    # A few parameters are checked in the per-call tensors' C++ call (one call less); many in a call of their
+    # own, which takes the bound tuple as it is (``f(x, *params)`` would copy it every call).
+    meta_k = consts(tuple(bulk_meta)) if bulk_meta else None
+    joint_meta = bool(pc_batch) and 0 < len(bulk_meta) <= _JOINT_META_MAX
     try:
         if pc_batch:
-            pc_meta = bulk.tensor_meta_check([v for _, v, _ in pc_batch])
+            pc_meta = bulk.tensor_meta_check([v for _, v, _ in pc_batch] + (bulk_meta if joint_meta else []))
         if bulk_meta:
-            static_lines.append(f"    # _meta_check: shape, strides, dtype, device and requires_grad of {len(bulk_meta)} parameter(s) in C++")
-            static_conds.append(f"not _meta_check(*{consts(tuple(bulk_meta))})")
             meta_check = bulk.tensor_meta_check(bulk_meta)
+            if not joint_meta:
+                static_lines.append(f"    # _meta_check: shape, strides, dtype, device and requires_grad of {len(bulk_meta)} parameter(s) in C++")
+                static_conds.append(f"not _meta_check(*{meta_k})")
         if bulk_dicts:
             version = bulk.dict_version()
             static_lines.append(f"    # _dict_version: {len(bulk_dicts)} optimizer-state dict(s) (optimizer.state, each per-parameter dict) unmodified")
@@ -383,9 +388,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     for c in per_call_mismatch:
         lines += [f"    if {c}:", "      raise _Mismatch"]
     if pc_batch:
-        lines.append(f"    if not _pc_meta_check({''.join(var + ', ' for var, _, _ in pc_batch)}):")
+        # One C++ call checks the per-call tensors and the bound parameters together; only when it fails are the
+        # per-call conditions evaluated (a mismatch raises ThinModeError) and the parameters checked on their own.
+        meta_args = ", ".join([var for var, _, _ in pc_batch] + ([f"_s{i}" for i in laid_out] if joint_meta else []))
+        if joint_meta:
+            lines.append(f"    # _pc_meta_check: the per-call tensors and {len(bulk_meta)} parameter(s) (shape, strides, dtype, device, requires_grad) in C++")
+        lines.append(f"    if not _pc_meta_check({meta_args}):")
         for _, _, c in pc_batch:
             lines += [f"      if {c}:", "        raise _Mismatch"]
+        if joint_meta:
+            lines += [f"      if not _meta_check(*{meta_k}):", "        raise _Changed"]
     lines += ["  except _Changed:", "    return _changed(args, kwargs)",
               "  except (_Mismatch, LookupError, AttributeError, TypeError):", "    return _mismatch(args, kwargs)"]
     lines += ["  try:"] + (static_lines or ["    pass"])
@@ -412,7 +424,17 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         lines += [f"    if {expr} != {consts(entry.key[j])}:", "      raise _Changed"]
     lines += ["  except Exception:  # _Changed, or a bound container that no longer has what was read",
               "    return _changed(args, kwargs)"]
-    call_args = ", ".join(_packed_args([comp_arg[i] for i in entry.input_idx], bound))
+    # The bound inputs as defaults of a reordered copy of the computation (thin_args.py), or an interleaved call.
+    arg_names = [comp_arg[i] for i in entry.input_idx]
+    target = source = entry.computation if computation is None else computation
+    made = None if computation is not None else thin_args.computation_call(target, arg_names, bound, entry.__dict__.setdefault("_thin_codes", {}))
+    if made is not None:
+        target, per_call_names = made
+        call_args = ", ".join(per_call_names)
+        adapt = thin_args.adapter(arg_names, dict(bound), entry._thin_codes, _packed_args)
+    else:
+        call_args = ", ".join(_packed_args(arg_names, bound))
+        adapt = None
     lines += ["  try:", f"    return _computation({call_args})",
               # A decision the program checks went the other way (nothing written): the entry for it runs.
               "  except _DecisionMismatch as e:", "    return _decided(args, kwargs, e)",
@@ -424,7 +446,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG, "_stride": _STRIDE,
         "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
-        "_computation": entry.computation if computation is None else computation, "_b": binding_holder,
+        "_computation": target, "_computation_of": source, "_adapt": adapt, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"], "_decided": handlers["decided"], "_DecisionMismatch": DecisionMismatch,
         "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
@@ -440,14 +462,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
 
 
 def _packed_args(names: list, bound: dict) -> list:
-    """The computation's arguments with each run of bound constants passed as one starred tuple.
+    """The computation's arguments with each long run of bound constants passed as one starred tuple.
 
     A name per argument is a global lookup per bound tensor on every call (about 20 ns each, 60 µs for the
-    3,000 inputs of a 1,000-parameter AdamW step); ``*_run0`` copies the run's pointers in C."""
+    3,000 inputs of a 1,000-parameter AdamW step); ``*_run0`` copies the run's pointers in C.  A short run is
+    passed by name: a call with positional arguments only needs no argument tuple at all (6 parameters:
+    about 70 ns instead of 140)."""
     out, run = [], []
 
     def flush():
-        if len(run) > 2:
+        if len(run) > 8:
             name = f"_run{sum(1 for a in out if a.startswith('*'))}"
             bound[name] = tuple(bound[n] for n in run)
             out.append("*" + name)
@@ -501,6 +525,10 @@ def same_state_dicts(live: str, dicts: list, consts) -> str:
             cond += f" or not _all(map(_is, _chain(map(_values, {live})), {consts(flat)}))"
             break
     return cond
+
+
+# Up to this many bound parameters share the per-call tensors' metadata check (see build_thin_call).
+_JOINT_META_MAX = 32
 
 
 class _Changed(Exception):

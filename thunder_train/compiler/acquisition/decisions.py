@@ -171,7 +171,8 @@ def decide(value, convert: str, what: str):
     """The Python value ``convert(value)`` for a tensor or runtime number of the trace, specialised and recorded."""
     where = user_line()
     st = context.tracer_state()
-    if st is None or st.walker is None or len(st.trace._scopes) != 1:
+    # Also inside a torch-language op (a size or index argument, x[:n]): the value comes from the top-level lines.
+    if st is None or st.walker is None:
         _refuse(what, where, "it is not computed by the function's own code")
     got, why = _slice(st, value)
     if got is None:

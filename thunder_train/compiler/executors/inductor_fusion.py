@@ -28,6 +28,8 @@ through torch instead (same values, no speedup).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import torch
@@ -296,6 +298,32 @@ def _region_graph(bsyms, inputs, outputs):
     return region
 
 
+_compiling = threading.local()
+
+
+def _keep_rng_while_compiling():
+    """Inductor saves the global generators' state before compiling and sets it back afterwards. Built on the
+    background worker (``fusion="background"``) that rewinds the random numbers the training loop drew meanwhile
+    (dropout masks repeat, the run leaves eager's stream). Our regions hold no random ops, so compiling them draws
+    nothing: while one of ours compiles, that save-and-restore is skipped (other compiles keep it)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    original = dynamo_utils.preserve_rng_state
+    if getattr(original, "_tt_keeps_rng", False):
+        return
+
+    @contextlib.contextmanager
+    def preserve_rng_state():
+        if getattr(_compiling, "active", False):
+            yield
+        else:
+            with original():
+                yield
+
+    preserve_rng_state._tt_keeps_rng = True
+    dynamo_utils.preserve_rng_state = preserve_rng_state
+
+
 def _inductor_compile(gm, example):
     """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``."""
     from torch._inductor import config
@@ -306,9 +334,14 @@ def _inductor_compile(gm, example):
     if not config.size_asserts:
         raise RuntimeError("torch._inductor.config.size_asserts is off: a kernel could not check its inputs' strides")
 
+    _keep_rng_while_compiling()
     with torch.no_grad():
         aten = make_fx(gm, tracing_mode="fake", decomposition_table=select_decomp_table())(*example)
-        compiled = compile_fx_inner(aten, example)
+        _compiling.active = True
+        try:
+            compiled = compile_fx_inner(aten, example)
+        finally:
+            _compiling.active = False
     call = getattr(compiled, "current_callable", None)
     return call if call is not None else compiled  # the bare generated ``call``: no per-call bookkeeping
 

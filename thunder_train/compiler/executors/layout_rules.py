@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -34,7 +34,7 @@ def _mode():
 
 def _fake(p):
     """Inside the fake mode: a tensor with ``p``'s shape, dtype, device and layout."""
-    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    shape = tuple(size_value(s) for s in p._tt_shape)
     strides, offset = p._tt_strides, p._tt_storage_offset
     extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
     base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
@@ -71,7 +71,7 @@ def _to_fake(x):
     if type(x) is TensorProxy:
         return _fake(x)
     if isinstance(x, NumberProxy):
-        return x.python_type(x.value) if x.value == x.value else x.python_type(1)
+        return x.python_type(1) if x.value is None else x.python_type(x.value)  # an item(): a stand-in value
     return to_torch_arg(x)
 
 
@@ -159,7 +159,7 @@ def set_layout(bsym) -> None:
     if len(mflat) != len(pflat):
         return
     for p, m in zip(pflat, mflat):
-        if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(int.__int__(s) for s in p._tt_shape):
+        if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(size_value(s) for s in p._tt_shape):
             p._tt_strides = tuple(m.stride())
             p._tt_storage_offset = m.storage_offset()
             p._tt_rowmajor = p._tt_storage_offset == 0 and p._tt_strides == contiguous_strides(p._tt_shape)

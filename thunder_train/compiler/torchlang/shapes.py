@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
-from ..proxies import TensorProxy, NumberProxy
+from ..proxies import NumberProxy, SizeProxy, TensorProxy, is_int, number_type
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from ..grad_rules import register_vjp
@@ -91,8 +92,8 @@ def t(input):
 @torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"))
 def movedim(input, source, destination):
     nd = input.ndim_
-    src = [source] if isinstance(source, int) else list(source)
-    dst = [destination] if isinstance(destination, int) else list(destination)
+    src = [source] if is_int(source) else list(source)
+    dst = [destination] if is_int(destination) else list(destination)
     src = [clang.canonicalize_dim(nd, d) for d in src]
     dst = [clang.canonicalize_dim(nd, d) for d in dst]
     perm = [-1] * nd
@@ -149,7 +150,7 @@ def vstack(tensors):
 def split(tensor, split_size_or_sections, dim=0):
     dim = clang.canonicalize_dim(tensor.ndim_, dim)
     n = tensor._tt_shape[dim]
-    if isinstance(split_size_or_sections, int):
+    if is_int(split_size_or_sections):
         s = split_size_or_sections
         sizes = [min(s, n - i) for i in range(0, n, s)] if n else [0]
     else:
@@ -175,7 +176,7 @@ def chunk(input, chunks, dim=0):
 def tensor_split(input, indices_or_sections, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
-    if isinstance(indices_or_sections, int):
+    if is_int(indices_or_sections):
         k = indices_or_sections
         sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     else:
@@ -240,8 +241,8 @@ def flip(input, dims):
 def roll(input, shifts, dims=None):
     if dims is None:
         return clang.reshape(roll(clang.flatten(input), shifts, 0), input._tt_shape)
-    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    shifts = (shifts,) if is_int(shifts) else tuple(shifts)
+    dims = (dims,) if is_int(dims) else tuple(dims)
     out = input
     for s, d in zip(shifts, dims):
         d = clang.canonicalize_dim(input.ndim_, d)
@@ -377,7 +378,7 @@ def _normalize_index(input, key):
     if not isinstance(key, tuple):
         key = (key,)
     key = tuple(_list_index(k) for k in key)
-    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and not isinstance(k, bool))
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and number_type(k) is not bool)
     for k in key:
         if _t(k) and k._tt_dtype.is_bool:
             raise NotImplementedError(
@@ -408,13 +409,13 @@ def getitem(input, key):
         if k is None:
             x = clang.unsqueeze(x, out_dim)
             out_dim += 1
-        elif isinstance(k, (bool,)):
+        elif number_type(k) is bool:
             raise NotImplementedError("indexing with a Python bool is not supported")
-        elif isinstance(k, (int, NumberProxy)):
-            x = select(x, out_dim, int(k))
+        elif is_int(k):
+            x = select(x, out_dim, operator.index(k))
         elif isinstance(k, slice):
             n = x._tt_shape[out_dim]
-            start, stop, step = k.indices(n)
+            start, stop, step = _slice_indices(k, n)
             if step <= 0:
                 raise ValueError("step must be greater than zero")
             stop = max(stop, start)
@@ -434,6 +435,25 @@ def getitem(input, key):
     flat = _wrap_negative(clang.reshape(idx, (-1,)), n)  # negative indices wrap, like eager
     taken = prims.take(x, flat, dim)
     return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+def _slice_indices(k, n):
+    """``slice.indices(n)``, keeping a symbolic size (dynamic=True) symbolic: ``x[1:]`` and ``x[:-1]`` stay one
+    program for every length (the comparisons that clamp the bounds record checks, as any decision on a size)."""
+    if type(n) is not SizeProxy and not builtins.any(isinstance(v, NumberProxy) for v in (k.start, k.stop, k.step)):
+        return k.indices(n)
+    step = 1 if k.step is None else operator.index(k.step)
+
+    def bound(v, default):
+        if v is None:
+            return default
+        v = v if type(v) is SizeProxy else operator.index(v)  # an item() bound is decided, as eager uses its value
+        if v < 0:
+            v = v + n
+            return 0 if v < 0 else v
+        return n if v > n else v
+
+    return bound(k.start, 0), bound(k.stop, n), step
 
 
 def _wrap_negative(idx, n):

@@ -8,6 +8,7 @@ from ..errors import DataDependentError  # noqa: F401  (defined with the other u
 from ..proxies import TensorProxy, meta_tensor
 from .convert import to_dtype, to_device
 from .registry import composed, torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
+from .shapes import permute, transpose, unbind
 
 
 # ---------------------------------------------------------------------------
@@ -431,9 +432,6 @@ def detach(a):
     """Same values, no gradient."""
     return prims.stop_gradient(a)
 
-
-# Imported late: shape functions used by properties above.
-from .shapes import permute, transpose, unbind  # noqa: E402
 
 
 # ---------------------------------------------------------------------------
