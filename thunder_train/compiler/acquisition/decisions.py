@@ -261,9 +261,9 @@ def _checked_in_program(st, value, convert, text, lines, inputs, pos):
         result = _CONVERT[convert](_run(fn, st.walker, inputs))
     bsyms = st.trace.bound_symbols
     prims.check_decision(value, convert, decision_key(result), index, text)
-    check = bsyms.pop()
+    check = st.trace._scopes[-1].pop()  # recorded in the current scope: inside a torch-language op for x[:n]
     if check.sym is not prims.check_decision:
-        raise RuntimeError("thunder_train internal error: the decision's check was not recorded as the trace's last line")
+        raise RuntimeError("thunder_train internal error: the decision's check was not recorded as the scope's last line")
     bsyms.insert(pos, check)
     st.decisions.append(Decision(None, list(inputs), convert, result, text, "", ops=len(lines), checked=True, index=index))
     return result
