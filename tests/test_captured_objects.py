@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler.errors import TracingError
+import _captured_helpers
+from _captured_helpers import loss_fn as other_module_loss
 from _steps import assert_same_state, mlp, mlp_batches, twin
 
 MODES = [dict(), dict(thin=True)]
@@ -433,10 +435,19 @@ def step_namespace(x, y):
     return loss.detach()
 
 
+def step_other_module(x, y):
+    loss = other_module_loss(x, y)  # reads _captured_helpers.model
+    loss.backward()
+    h_opt.step()
+    h_opt.zero_grad()
+    return loss.detach()
+
+
 def _bind(shape, model, opt):
     """Point the globals ``shape``'s step reads at ``model`` and ``opt`` (as user code rebinding them would)."""
     global h_model, h_opt, h_partial, h_trainer, h_method, h_namespace
     h_model, h_opt = model, opt
+    _captured_helpers.model = model
     if shape == "partial":
         h_partial = functools.partial(loss_of, model)
     elif shape == "trainer":
@@ -455,7 +466,7 @@ def _bind(shape, model, opt):
 
 
 SHAPES = {"helper": step_helper, "lambda": step_lambda, "partial": step_partial, "trainer": step_trainer,
-          "method": step_method, "namespace": step_namespace}
+          "method": step_method, "namespace": step_namespace, "other_module": step_other_module}
 
 
 @pytest.fixture
@@ -463,6 +474,7 @@ def clean_globals():
     yield
     global h_model, h_opt, h_partial, h_trainer, h_method, h_namespace
     h_model = h_opt = h_partial = h_trainer = h_method = h_namespace = None
+    _captured_helpers.model = None
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -527,3 +539,27 @@ def test_dataclass_class_variable_and_module_held_by_a_class(mode):
     calls(cf, f, x)
     Registry.model = mlp()
     calls(cf, f, x)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_globals_of_a_helper_in_another_user_module_are_inputs(mode, clean_globals):
+    """``from utils import predict``: the helper's own module globals (a model, a float) rebound are seen."""
+
+    def f(x):
+        return _captured_helpers.predict(x)
+
+    def g(x):
+        return other_module_predict(x)
+
+    x = torch.randn(2, 6)
+    for fn in (f, g):
+        _captured_helpers.model, _captured_helpers.scale = mlp(), 2.0
+        cf = tt.compile(fn, **mode)
+        calls(cf, fn, x)
+        _captured_helpers.model = mlp()
+        calls(cf, fn, x)
+        _captured_helpers.scale = -0.5
+        calls(cf, fn, x)
+
+
+from _captured_helpers import predict as other_module_predict  # noqa: E402

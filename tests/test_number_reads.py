@@ -255,3 +255,61 @@ def test_reading_an_item_derived_from_a_random_op_is_a_clear_error():
     with pytest.raises(tt.DataDependentError if hasattr(tt, "DataDependentError") else Exception,
                        match="random op"):
         cf(torch.randn(4))
+
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_an_item_of_an_intermediate_used_as_sizes_and_indices_follows_eager(thin):
+    """The value depends on a parameter: the program checks the decision where it computes it, also when torch
+    needs the plain int inside an op (a slice bound, a factory size, a view)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 6)
+
+    def fn(x):
+        h = lin(x)
+        n = (h > 0).sum().item()
+        return h[:, :n] * 2, torch.zeros(n) + 1, h.view(-1, n % 2 + 1) * 1
+
+    cf = tt.compile(fn, thin=thin)
+    for seed in (0, 1, 1, 2, 3, 3):
+        x = torch.randn(1, 6, generator=torch.Generator().manual_seed(seed))
+        for got, want in zip(cf(x), fn(x)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+    stats = tt.compile_stats(cf)
+    assert stats.entries >= 2 and all("an integer index" in r for r in stats.retrace_reasons)
+
+
+F = torch.nn.functional
+# Ops dividing by an element count: with dynamic=True the count is a runtime number of every call (forward and
+# the backward's rules), never the traced call's count.
+COUNT_CASES = {
+    "mse_loss": lambda x, y: F.mse_loss(x, y),
+    "l1_loss": lambda x, y: F.l1_loss(x, y),
+    "smooth_l1_loss": lambda x, y: F.smooth_l1_loss(x, y),
+    "cross_entropy": lambda x, y: F.cross_entropy(x, y.argmax(-1)),
+    "nll_loss": lambda x, y: F.nll_loss(x.log_softmax(-1), y.argmax(-1)),
+    "bce_with_logits": lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid()),
+    "kl_div_batchmean": lambda x, y: F.kl_div(x.log_softmax(-1), y.softmax(-1), reduction="batchmean"),
+    "layer_norm": lambda x, y: F.layer_norm(x, (4,)).pow(3).sum(),
+    "batch_norm": lambda x, y: F.batch_norm(x, None, None, training=True).pow(3).sum(),
+    "group_norm": lambda x, y: (F.group_norm(x.unsqueeze(-1), 1).pow(3) * torch.arange(4.0).unsqueeze(-1)).sum(),
+    "var": lambda x, y: x.var(0).sum(),
+    "mean": lambda x, y: x.mean(0).pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNT_CASES))
+def test_means_over_a_symbolic_size_divide_by_each_calls_count(name):
+    fn = COUNT_CASES[name]
+    cf = tt.compile(fn, dynamic=True)
+    for b in (3, 5, 6):
+        g = torch.Generator().manual_seed(b)
+        x = torch.randn(b, 4, generator=g, requires_grad=True)
+        y = torch.randn(b, 4, generator=g)
+        x2 = x.detach().clone().requires_grad_()
+        got, want = cf(x, y), fn(x2, y)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+    assert tt.compile_stats(cf).entries == 1, tt.compile_stats(cf).retrace_reasons

@@ -443,6 +443,16 @@ class _Checked:
         return result
 
     def _concrete(self, what, convert=None):
+        from .context import tracer_state
+
+        if tracer_state() is None:
+            # A pass after tracing (autograd, fusion) needs the plain value: no check could be recorded, so the
+            # traced call's value would be baked into every later call's program.
+            raise RuntimeError(
+                f"thunder_train internal error: {what} of the symbolic number {self.name} after tracing would bake "
+                "in its traced value. Please report this with the function being compiled; compiling without "
+                "dynamic=True avoids it."
+            )
         self._check("==", self.value, True)  # specialised on the value: later calls must have it too
         return self.value if convert is None else {"int": int, "float": float, "bool": bool}[convert](self.value)
 

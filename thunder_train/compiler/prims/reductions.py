@@ -102,7 +102,7 @@ def var_vjp(g, out, /, a, dims, correction):
     mean = restore_reduced(prims.div(prims.sum(a, dims), as_divisor(n)), a._tt_shape, dims)
     centred = prims.sub(a, mean)
     gb = restore_reduced(g, a._tt_shape, dims)
-    return {"a": prims.div(prims.mul(prims.mul(gb, centred), 2.0), float(n - correction))}
+    return {"a": prims.div(prims.mul(prims.mul(gb, centred), 2.0), as_divisor(n - correction))}
 
 
 @prim(tags=("reduction", "non_differentiable"))

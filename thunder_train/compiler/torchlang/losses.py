@@ -64,7 +64,7 @@ def _piecewise_loss_vjp(slope):
         if reduction != "none":
             gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
             if reduction == "mean":
-                gu = prims.div(gu, float(max(x.numel_(), 1)))
+                gu = prims.div(gu, as_divisor(max(x.numel_(), 1)))
         gi = slope(x, gu, *args, **kwargs)
         grads = {}
         if _float(input):
@@ -131,7 +131,7 @@ def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=Non
     if reduction != "none":
         gu = prims.broadcast_in_dim(gu, shape, ())
         if reduction == "mean":
-            gu = prims.div(gu, float(max(math.prod(shape), 1)))
+            gu = prims.div(gu, as_divisor(max(math.prod(shape), 1)))
     if weight is not None:
         gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
     s = prims.sigmoid(x)
@@ -177,7 +177,7 @@ def _binary_cross_entropy_vjp(g, out, /, input, target, weight=None, size_averag
     if reduction != "none":
         gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
         if reduction == "mean":
-            gu = prims.div(gu, float(max(x.numel_(), 1)))
+            gu = prims.div(gu, as_divisor(max(x.numel_(), 1)))
     if weight is not None:
         gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
     grads = {}
@@ -210,7 +210,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     else:
         loss = clang.sub(xlogy(target, target), clang.mul(target, input))
     if reduction == "batchmean":
-        return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)
+        return clang.true_divide(clang.sum(loss), as_divisor(input._tt_shape[0]) if input.ndim_ else 1.0)
     return _reduce(loss, reduction)
 
 

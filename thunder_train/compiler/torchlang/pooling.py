@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
 from ..grad_rules import register_vjp
+from ..proxies import is_int, is_number
 from .helpers import ntuple, upcast_and_dtype
 from .registry import composed, torchsymbol
 
@@ -125,7 +126,7 @@ def adaptive_avg_pool2d(input, output_size):
 # ---------------------------------------------------------------------------
 def _max_unpool(n):
     def fn(input, indices, kernel_size, stride=None, padding=0, output_size=None):
-        tup = lambda v: (v,) * n if isinstance(v, int) else tuple(v)  # noqa: E731
+        tup = lambda v: (v,) * n if is_int(v) else tuple(v)  # noqa: E731
         k, p = tup(kernel_size), tup(padding)
         st = k if stride is None else tup(stride)
         unbatched = input.ndim == n + 1
@@ -172,10 +173,10 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
         raise NotImplementedError("this interpolate form is run by torch (eager checks it)")
     spatial = tuple(input.shape[2:])
     if size is not None:
-        out_sp = (size,) * n if isinstance(size, int) else tuple(size)
+        out_sp = (size,) * n if is_int(size) else tuple(size)
         scales = [None] * n
     else:
-        sf = (scale_factor,) * n if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
+        sf = (scale_factor,) * n if is_number(scale_factor) else tuple(scale_factor)
         out_sp = tuple(int(math.floor(float(spatial[i]) * sf[i])) for i in range(n))
         scales = [None] * n if recompute_scale_factor else list(sf)
     if len(out_sp) != n:
@@ -194,7 +195,7 @@ composed("interpolate", interpolate, (F.interpolate,))
 # Adaptive average pooling: separable means over eager's windows
 def _adaptive_avg(n):
     def fn(input, output_size):
-        size = (output_size,) * n if isinstance(output_size, int) else tuple(output_size)
+        size = (output_size,) * n if is_int(output_size) else tuple(output_size)
         out = input
         for k in range(n):
             d = input.ndim - n + k

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .. import clang, dtypes, prims
-from ..proxies import TensorProxy, is_int, number_type
+from ..proxies import TensorProxy, is_int, is_number, number_type
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
@@ -379,7 +379,7 @@ def _trapz_parts(y, x, dx, dim):
 
 
 def trapezoid(y, x=None, *, dx=None, dim=-1):
-    if isinstance(x, (int, float)):
+    if is_number(x):
         x, dx = None, x
     dx = 1 if dx is None else dx
     if y.shape[dim] == 0:
@@ -398,7 +398,7 @@ composed("trapz", trapz, (torch.trapz,))
 
 
 def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
-    if isinstance(x, (int, float)):
+    if is_number(x):
         x, dx = None, x
     dx = 1 if dx is None else dx
     if y.shape[dim] == 0:

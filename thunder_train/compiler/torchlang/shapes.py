@@ -571,7 +571,7 @@ def _split_dim(name, dim, min_ndim):
             raise RuntimeError(f"torch.{name} requires a tensor with at least {min_ndim} dimension, but got a tensor with "
                                f"{input.ndim} dimensions!")
         d = 0 if (name == "hsplit" and input.ndim == 1) else dim
-        if isinstance(indices_or_sections, int) and input.shape[d] % indices_or_sections:
+        if is_int(indices_or_sections) and input.shape[d] % indices_or_sections:
             raise RuntimeError(f"torch.{name} attempted to split along dimension {d}, but the size of the dimension "
                                f"{input.shape[d]} is not divisible by the split_size {indices_or_sections}!")
         return torch.tensor_split(input, indices_or_sections, d)
@@ -638,7 +638,7 @@ composed("channel_shuffle", channel_shuffle, (F.channel_shuffle, torch.channel_s
 
 
 def fftshift(input, dim=None):
-    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if is_int(dim) else tuple(dim))
     return torch.roll(input, [input.shape[d] // 2 for d in dims], dims)
 
 
@@ -646,7 +646,7 @@ composed("fftshift", fftshift, (torch.fft.fftshift,))
 
 
 def ifftshift(input, dim=None):
-    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if is_int(dim) else tuple(dim))
     return torch.roll(input, [-(input.shape[d] // 2) for d in dims], dims)
 
 
@@ -747,7 +747,7 @@ def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     if dim is None:
         input, dim = input.reshape(-1), 0
     d = dim % max(input.ndim, 1)
-    if isinstance(repeats, int):
+    if is_int(repeats):
         x = input.reshape(1) if input.ndim == 0 else input
         shape = list(x.shape)
         out = x.unsqueeze(d + 1).expand(shape[:d + 1] + [repeats] + shape[d + 1:])
