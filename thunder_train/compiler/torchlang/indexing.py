@@ -1,15 +1,213 @@
-"""Index and scatter forms written as torch calls (``registry.composed``): take, put, index_fill, index_copy,
-select_scatter, slice_scatter, scatter_reduce (sum), masked_scatter, unravel_index.  The indexing symbols
-they are written with (getitem, index_select, gather, scatter_add, index_add) are in shapes.py."""
+"""Indexing: ``t[...]`` (getitem), index_select, gather, take_along_dim, scatter_add, index_add, masked_fill
+(symbols), and take, put, index_fill, index_copy, select_scatter, slice_scatter, scatter_reduce (sum),
+masked_scatter and unravel_index written as torch calls (``registry.composed``).  Writes through an index
+(``t[k] = v``) are ``inplace.setitem``."""
 from __future__ import annotations
+
+import builtins
+import math
+import operator
 
 import torch
 
-from ..proxies import is_int
-from .registry import composed
+from .. import clang, dtypes, prims
+from ..clang import is_tensor
+from ..proxies import NumberProxy, SizeProxy, TensorProxy, is_int, number_type
+from .autocast import PROMOTE  # autocast policies: see autocast.py
+from .registry import composed, torchsymbol
+from .shapes import select
 from .value_shaped import _selected_positions
 
 
+@torchsymbol(torch.index_select, methods=("index_select",), tags=("fallible",))
+def index_select(input, dim, index):
+    if input.ndim_ == 0:  # eager treats a 0-d input as one element along dim 0 and returns 0-d
+        return clang.reshape(index_select(clang.reshape(input, (1,)), dim, index), ())
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    return prims.take(input, index if index.ndim_ == 1 else clang.reshape(index, (1,)), dim)
+
+
+@torchsymbol(torch.gather, methods=("gather",), tags=("fallible",))
+def gather(input, dim, index, *, sparse_grad=False):
+    return prims.gather(input, index, clang.canonicalize_dim(input.ndim_, dim))
+
+
+@torchsymbol(torch.take_along_dim, methods=("take_along_dim",), tags=("fallible",))
+def take_along_dim(input, indices, dim=None):
+    if dim is None:
+        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    # Every dim but ``dim`` broadcasts; along ``dim`` each keeps its own size.
+    rest_in = input._tt_shape[:dim] + (1,) + input._tt_shape[dim + 1 :]
+    rest_idx = indices._tt_shape[:dim] + (1,) + indices._tt_shape[dim + 1 :]
+    shape = list(clang.broadcast_shapes(rest_in, rest_idx))
+    shape_in = list(shape)
+    shape_in[dim] = input._tt_shape[dim]
+    shape_idx = list(shape)
+    shape_idx[dim] = indices._tt_shape[dim]
+    return prims.gather(clang.expand(input, tuple(shape_in)), clang.expand(indices, tuple(shape_idx)), dim)
+
+
+@torchsymbol(torch.scatter_add, methods=("scatter_add",), tags=("fallible",), autocast={"cuda": PROMOTE})
+def scatter_add(input, dim, index, src):
+    return prims.scatter_add(input, index, src, clang.canonicalize_dim(input.ndim_, dim))
+
+
+@torchsymbol(torch.index_add, methods=("index_add",), tags=("fallible",))
+def index_add(input, dim, index, source, *, alpha=1):
+    """``input.index_add(dim, index, source)`` via scatter_add with an expanded index."""
+    if input.ndim_ == 0:  # 0-d: one element along dim 0
+        one = index_add(clang.reshape(input, (1,)), dim, clang.reshape(index, (-1,)), clang.reshape(source, (-1,)), alpha=alpha)
+        return clang.reshape(one, ())
+    if index.ndim_ == 0:
+        index = clang.reshape(index, (1,))
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    if alpha != 1:
+        source = clang.mul(source, alpha)
+    shape = [1] * source.ndim_
+    shape[dim] = index._tt_shape[0]
+    idx = clang.expand(clang.reshape(index, tuple(shape)), source._tt_shape)
+    return prims.scatter_add(input, idx, clang.maybe_convert(source, input._tt_dtype), dim)
+
+
+@torchsymbol(torch.masked_fill, methods=("masked_fill",))
+def masked_fill(input, mask, value):
+    """Out of place, input and mask broadcast together (as eager); ``masked_fill_`` keeps the input's shape."""
+    if is_tensor(value) and value.ndim_ != 0:
+        raise RuntimeError(f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with {value.ndim_} dimension(s).")
+    value = clang.maybe_convert(value, input._tt_dtype)
+    target = clang.broadcast_shapes(input._tt_shape, mask._tt_shape)
+    return clang.where(clang.expand(mask, target), value, clang.expand(input, target))
+
+
+def _list_index(k):
+    """A list of ints indexes like an int64 tensor (``t[[0, 2]]``)."""
+    from .factories import tensor
+
+    if isinstance(k, list) and k and builtins.all(type(v) is int for v in k):
+        return tensor(k)
+    return k
+
+
+def _normalize_index(input, key):
+    if not isinstance(key, tuple):
+        key = (key,)
+    key = tuple(_list_index(k) for k in key)
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and number_type(k) is not bool)
+    for k in key:
+        if is_tensor(k) and k._tt_dtype.is_bool:
+            raise NotImplementedError(
+                "boolean-mask indexing (t[mask]) has a data-dependent shape and cannot be compiled; "
+                "use torch.where(mask, t, other) or masked_fill"
+            )
+        if is_tensor(k) and k._tt_dtype.is_bool is False and k._tt_dtype.category != dtypes.INT:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if any(k is Ellipsis for k in key):
+        i = next(j for j, k in enumerate(key) if k is Ellipsis)  # not key.index: that compares tensors with ==
+        fill = (slice(None),) * (input.ndim_ - n_real)
+        key = key[:i] + fill + key[i + 1 :]
+    else:
+        key = key + (slice(None),) * (input.ndim_ - n_real)
+    if n_real > input.ndim_:
+        raise IndexError(f"too many indices for tensor of dimension {input.ndim_}")
+    return key
+
+
+@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible", "view"))  # tensor indices out of range raise
+def getitem(input, key):
+    """Basic indexing (ints, slices, None, ...) and integer-tensor indexing (one or several tensors)."""
+    key = _normalize_index(input, key)
+    x = input
+    out_dim = 0  # current dim of x being processed
+    tensor_dims = []
+    for k in key:
+        if k is None:
+            x = clang.unsqueeze(x, out_dim)
+            out_dim += 1
+        elif number_type(k) is bool:
+            raise NotImplementedError("indexing with a Python bool is not supported")
+        elif is_int(k):
+            x = select(x, out_dim, operator.index(k))
+        elif isinstance(k, slice):
+            n = x._tt_shape[out_dim]
+            start, stop, step = _slice_indices(k, n)
+            if step <= 0:
+                raise ValueError("step must be greater than zero")
+            stop = max(stop, start)
+            x = clang.slice_in_dim(x, start, stop, step, out_dim)
+            out_dim += 1
+        elif is_tensor(k):
+            tensor_dims.append((out_dim, k))
+            out_dim += 1
+        else:
+            raise TypeError(f"unsupported index {k!r}")
+    if not tensor_dims:
+        return x
+    if len(tensor_dims) > 1:
+        return _multi_tensor_index(x, tensor_dims)
+    dim, idx = tensor_dims[0]
+    n = x._tt_shape[dim]
+    flat = _wrap_negative(clang.reshape(idx, (-1,)), n)  # negative indices wrap, like eager
+    taken = prims.take(x, flat, dim)
+    return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+def _slice_indices(k, n):
+    """``slice.indices(n)``, keeping a symbolic size (dynamic=True) symbolic: ``x[1:]`` and ``x[:-1]`` stay one
+    program for every length (the comparisons that clamp the bounds record checks, as any decision on a size)."""
+    if type(n) is not SizeProxy and not builtins.any(isinstance(v, NumberProxy) for v in (k.start, k.stop, k.step)):
+        return k.indices(n)
+    step = 1 if k.step is None else operator.index(k.step)
+
+    def bound(v, default):
+        if v is None:
+            return default
+        v = v if type(v) is SizeProxy else operator.index(v)  # an item() bound is decided, as eager uses its value
+        if v < 0:
+            v = v + n
+            return 0 if v < 0 else v
+        return n if v > n else v
+
+    return bound(k.start, 0), bound(k.stop, n), step
+
+
+def _wrap_negative(idx, n):
+    return clang.where(clang.lt(idx, 0), clang.add(idx, n), idx)
+
+
+def _multi_tensor_index(x, tensor_dims):
+    """``x[i, j]`` with several integer tensors (after ints and None are applied), as eager.
+
+    The index tensors broadcast to one shape ``S``. Their result dims replace the indexed dims in place
+    when those were adjacent, and go first otherwise. Each index is applied by its own take/gather, so
+    an out-of-range entry raises at run time as in eager (a combined linear index would not).
+    """
+    dims = [d for d, _ in tensor_dims]
+    idxs = [k for _, k in tensor_dims]
+    s = clang.broadcast_shapes(*(k._tt_shape for k in idxs))
+    rest = [i for i in range(x.ndim_) if i not in dims]
+    x = clang.permute(x, dims + rest)  # indexed dims first, in order
+    rest_shape = tuple(x._tt_shape[len(dims):])
+    p = math.prod(s)
+    flat = [_wrap_negative(clang.reshape(clang.expand(k, s), (p,)), x._tt_shape[i]) for i, k in enumerate(idxs)]
+    x = prims.take(x, flat[0], 0)  # (p, n1, ..., rest)
+    for k in flat[1:]:
+        # Row r keeps entry k[r] of the next dim: a gather with the index broadcast over the other dims.
+        shape = (p, 1) + tuple(x._tt_shape[2:])
+        index = prims.broadcast_in_dim(k, shape, (0,))
+        x = clang.squeeze(prims.gather(x, index, 1), (1,))
+    x = clang.reshape(x, tuple(s) + rest_shape)
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    if adjacent and dims[0] > 0:  # S goes where the indexed dims were
+        n_s, before = len(s), dims[0]
+        order = list(range(n_s, n_s + before)) + list(range(n_s)) + list(range(n_s + before, x.ndim_))
+        x = clang.permute(x, order)
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def take(input, index):
     return input.reshape(-1)[index]
 

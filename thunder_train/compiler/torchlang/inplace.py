@@ -13,7 +13,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
-from . import activations, elementwise as ew, shapes
+from . import activations, elementwise as ew, indexing
 from .registry import torchsymbol
 
 
@@ -74,7 +74,7 @@ addcdiv_ = _inplace("addcdiv_", ew.addcdiv)
 sigmoid_ = _inplace("sigmoid_", ew.sigmoid)
 tanh_ = _inplace("tanh_", ew.tanh)
 relu_ = _inplace("relu_", activations.relu)
-masked_fill_ = _inplace("masked_fill_", shapes.masked_fill)
+masked_fill_ = _inplace("masked_fill_", indexing.masked_fill)
 
 
 def _keeps_grad(a, value):
@@ -135,7 +135,7 @@ def setitem(a, key, value):
 
 def _setitem_value(a, key, value):
     positions = prims.iota(a.numel_(), start=0, step=1, device=a._tt_device, dtype=dtypes.int64)
-    positions = shapes.getitem(clang.reshape(positions, a._tt_shape), key)
+    positions = indexing.getitem(clang.reshape(positions, a._tt_shape), key)
     if type(value) is not TensorProxy:
         value = prims.full(positions._tt_shape, value, device=a._tt_device, dtype=a._tt_dtype)
     value = clang.expand(clang.maybe_convert(value, a._tt_dtype), positions._tt_shape)
