@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import clang, prims
-from ..clang import Promotion, downcast_like, upcast
+from ..clang import Promotion, downcast_like
 from ..grad_rules import register_vjp
 from .autocast import FP32  # autocast policies: see autocast.py
 from .helpers import square, upcast_and_dtype

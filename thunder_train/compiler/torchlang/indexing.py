@@ -12,7 +12,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..clang import is_tensor
-from ..proxies import NumberProxy, SizeProxy, TensorProxy, is_int, number_type
+from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
 from .shapes import select
