@@ -127,11 +127,14 @@ class Mode:
         self.first_s = time.perf_counter() - t0
         self.first_loss = self.loss.detach().clone()
         if self.compiled is not None and self.compiled._fusion_mode == "background":
-            self.call()  # the second call submits the background build; the steps go on while it runs
-            t1 = time.perf_counter()
-            while not self.compiled._last.fusion_job.done.is_set() and time.perf_counter() - t1 < 600:
+            # A long run: the steps go on until the pay-back rule started the build (or said never) and it is done.
+            self.call()
+            job, t1 = self.compiled._last.fusion_job, time.perf_counter()
+            while job is not None and job.start_at is not None and not job.done.is_set() and time.perf_counter() - t1 < 600:
                 self.call()
-            self.fused_after = (time.perf_counter() - t0, self.i, tt.compile_stats(self.compiled).fusion_switches)
+                job = self.compiled._last.fusion_job
+            self.fused_after = (time.perf_counter() - t0, self.i, tt.compile_stats(self.compiled).fusion_switches,
+                                job.start_at if job is not None else None)
 
 
 def step_modes(key, with_tc):
@@ -216,8 +219,9 @@ def report(label, base, modes, with_memory):
         diff = float((m.first_loss - modes[0].first_loss).abs().max())  # same weights, same batch: ~0
         fused = ""
         if m.fused_after is not None:
-            s, calls, switches = m.fused_after
-            fused = f"ran from call {calls + 1} ({s:.1f} s after the first)" if switches else "nothing fused"
+            s, calls, switches, start_at = m.fused_after
+            fused = (f"built from call {start_at}, ran from call {calls + 1} ({s:.1f} s after the first)" if switches
+                     else "not built (pay-back rule)" if start_at is None else "nothing fused")
         print(f"  {m.name:<38}{m.first_s:>13.3f}{med * 1e3:>11.3f}{eager / med:>11.2f}x{diff:>20.1e}  {fused}")
         rows[m.name] = {"first_s": m.first_s, "median_s": med, "ratio": eager / med}
     if with_memory:

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler.errors import TracingError
+import _captured_helpers
+from _captured_helpers import loss_fn as other_module_loss
 from _steps import assert_same_state, mlp, mlp_batches, twin
 
 MODES = [dict(), dict(thin=True)]
@@ -64,7 +66,7 @@ class Holder:
 
 @pytest.fixture
 def restore_classes():
-    saved = {c: dict(vars(c)) for c in (Cfg, SubCfg, Holder)}
+    saved = {c: {k: dict(v) if type(v) is dict else v for k, v in vars(c).items()} for c in (Cfg, SubCfg, Holder)}
     yield
     for c, d in saved.items():
         for k in list(vars(c)):
@@ -433,10 +435,19 @@ def step_namespace(x, y):
     return loss.detach()
 
 
+def step_other_module(x, y):
+    loss = other_module_loss(x, y)  # reads _captured_helpers.model
+    loss.backward()
+    h_opt.step()
+    h_opt.zero_grad()
+    return loss.detach()
+
+
 def _bind(shape, model, opt):
     """Point the globals ``shape``'s step reads at ``model`` and ``opt`` (as user code rebinding them would)."""
     global h_model, h_opt, h_partial, h_trainer, h_method, h_namespace
     h_model, h_opt = model, opt
+    _captured_helpers.model = model
     if shape == "partial":
         h_partial = functools.partial(loss_of, model)
     elif shape == "trainer":
@@ -455,7 +466,7 @@ def _bind(shape, model, opt):
 
 
 SHAPES = {"helper": step_helper, "lambda": step_lambda, "partial": step_partial, "trainer": step_trainer,
-          "method": step_method, "namespace": step_namespace}
+          "method": step_method, "namespace": step_namespace, "other_module": step_other_module}
 
 
 @pytest.fixture
@@ -463,6 +474,7 @@ def clean_globals():
     yield
     global h_model, h_opt, h_partial, h_trainer, h_method, h_namespace
     h_model = h_opt = h_partial = h_trainer = h_method = h_namespace = None
+    _captured_helpers.model = None
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -484,3 +496,70 @@ def test_model_captured_by_a_helper_is_seen_when_replaced(shape, mode, clean_glo
         torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
     assert_same_state(first_e, first_c)
     assert_same_state(second_e, second_c)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_model_passed_as_an_argument_and_held_by_an_object_replaced_there(mode):
+    """The same model reached twice: as an argument and as ``trainer.model``; replacing the attribute is seen."""
+    first, second = mlp(), mlp()
+    trainer = types.SimpleNamespace(model=first)
+
+    def f(model, x):
+        return model(x) + trainer.model(x)
+
+    cf = tt.compile(f, **mode)
+    x = torch.randn(2, 6)
+    calls(cf, f, first, x)
+    trainer.model = second
+    calls(cf, f, first, x)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_dataclass_class_variable_and_module_held_by_a_class(mode):
+    import dataclasses
+    from typing import ClassVar
+
+    @dataclasses.dataclass
+    class Opts:
+        scale: float = 2.0
+        shift: ClassVar[float] = 1.0
+
+    class Registry:
+        model = mlp()
+
+    opts = Opts()
+
+    def f(x):
+        return Registry.model(x) * opts.scale + opts.shift
+
+    cf = tt.compile(f, **mode)
+    x = torch.randn(2, 6)
+    calls(cf, f, x)
+    Opts.shift = -4.0
+    calls(cf, f, x)
+    Registry.model = mlp()
+    calls(cf, f, x)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_globals_of_a_helper_in_another_user_module_are_inputs(mode, clean_globals):
+    """``from utils import predict``: the helper's own module globals (a model, a float) rebound are seen."""
+
+    def f(x):
+        return _captured_helpers.predict(x)
+
+    def g(x):
+        return other_module_predict(x)
+
+    x = torch.randn(2, 6)
+    for fn in (f, g):
+        _captured_helpers.model, _captured_helpers.scale = mlp(), 2.0
+        cf = tt.compile(fn, **mode)
+        calls(cf, fn, x)
+        _captured_helpers.model = mlp()
+        calls(cf, fn, x)
+        _captured_helpers.scale = -0.5
+        calls(cf, fn, x)
+
+
+from _captured_helpers import predict as other_module_predict  # noqa: E402

@@ -326,3 +326,124 @@ def test_a_decision_on_a_random_value_is_still_a_clear_error_naming_the_line():
 
     with pytest.raises(DataDependentError, match=r"test_decision_checks.py:\d+ \(if h.sum\(\).item\(\) > 0:\).*random"):
         tt.compile(fn)(torch.randn(4, 4))
+
+
+def test_thunder_callback_trains_a_module_deciding_on_an_activation_like_the_plain_trainer():
+    L = pytest.importorskip("lightning")
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from thunder_train.callbacks import ThunderCallback
+
+    class GatedBN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.net[2](self.net[1](self.net[0](x)))  # BatchNorm's running statistics: written after the check
+            if (h > 1.0).float().mean() > 0.19:
+                h = h * 0.5
+            return F.cross_entropy(self.net[3](h), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().clone())
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = GatedBN()
+        losses = Losses()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(96, 8, generator=g)
+        loader = DataLoader(TensorDataset(x, torch.randint(0, 4, (96,), generator=g)), batch_size=8)
+        trainer = L.Trainer(callbacks=[*callbacks, losses], max_steps=12, enable_progress_bar=False, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                            num_sanity_val_steps=0, limit_val_batches=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, loader)
+        return model, torch.stack(losses.losses), trainer
+
+    ref, l_ref, t_ref = fit([])
+    cb = ThunderCallback(thin=True, fuse_optimizer=True)
+    model, losses, trainer = fit([cb])
+    torch.testing.assert_close(losses, l_ref, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda s: f"{n}: {s}")
+    stats = tt.compile_stats(cb.compiled())
+    assert stats.decision_mismatches >= 2 and stats.thin_calls > 0, stats
+
+
+@pytest.mark.parametrize("options", [dict(thin=True), dict(thin=True, check_every=2)], ids=["thin", "check_every"])
+def test_a_thin_compiled_module_deciding_on_an_activation_follows_eager_both_ways(options):
+    torch.manual_seed(0)
+    ref = Gated()
+    m = copy.deepcopy(ref)
+    cm = tt.compile(m, **options)
+    with torch.no_grad():
+        for x, _ in batches() + batches(seed=1):
+            torch.testing.assert_close(cm(x), ref(x))
+    stats = tt.compile_stats(cm)
+    assert stats.decision_mismatches >= 2 and stats.thin_calls > 0, stats
+
+
+def _lin():
+    """h = the mean of x's row, in every column: x = full(v) decides on v."""
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+        model.bias.zero_()
+    return model
+
+
+def both(model, x, mask):
+    h = model(x) * mask
+    if (mask == 1).all():  # the prologue's
+        h = h * 2
+    if h.sum() > 0:  # the program's
+        return h - 1
+    return h + 1
+
+
+def nested(model, x):
+    h = model(x)
+    if h.mean() > 0:
+        if h.max() > 2.0:  # taken only on one side of the first
+            return h * 3
+        return h * 2
+    return h
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_prologue_and_program_decisions_flip_independently(mode):
+    model = _lin()
+    ones = torch.ones(2, 3)
+    pad = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    cf = tt.compile(both, **mode)
+    for v, mask in [(1, ones), (1, ones), (-1, ones), (-1, pad), (1, pad), (1, ones), (-1, pad), (-1, ones), (1, pad)]:
+        x = torch.full((2, 4), float(v))
+        torch.testing.assert_close(cf(model, x, mask), both(model, x, mask))
+    stats = tt.compile_stats(cf)
+    assert stats.entries == 4 and stats.decision_mismatches >= 2, stats
+    kinds = {"prologue" if "recomputed by the prologue" in n else "program" for n in stats.decision_notes}
+    assert kinds == {"prologue", "program"}, stats.decision_notes
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_decision_taken_on_one_side_of_another_is_checked_after_it(mode):
+    model = _lin()
+    cf = tt.compile(nested, **mode)
+    for v in (1.0, 1.0, 3.0, -1.0, 3.0, 3.0, 1.0, -1.0, -1.0, 1.0, 3.0, -1.0):
+        x = torch.full((2, 4), v)
+        torch.testing.assert_close(cf(model, x), nested(model, x))
+    stats = tt.compile_stats(cf)
+    assert stats.entries == 3 and stats.decision_mismatches >= 6, stats

@@ -265,3 +265,24 @@ def test_thin_mode_sees_a_bound_parameter_change_layout(change):
     for x in xs[3:]:
         torch.testing.assert_close(step(model, opt, x), _step(ref, ref_opt, x), rtol=1e-5, atol=1e-6)
     _compare(model, ref, opt, ref_opt)
+
+
+def test_layouts_found_once_are_reused_only_for_inputs_laid_out_alike():
+    """The layout of a call is cached by its inputs' layouts: the same op on a transposed and on a row-major
+    input (in one trace, and across traces) gets each its own eager layout."""
+    from thunder_train.compiler.executors import layout_rules
+
+    def g(x, y):
+        outs = (x.transpose(0, 2) * 2, y * 2, x.transpose(0, 2).softmax(-1), y.softmax(-1), x.transpose(0, 2) * 2)
+        return outs, tuple(_meta(o) for o in outs)
+
+    x, y = torch.randn(4, 3, 4), torch.randn(4, 3, 4)
+    before = len(layout_rules._layouts)
+    for _ in range(2):  # the second trace finds every layout in the cache
+        out, info = tt.compile(g)(x, y)
+        ref, ref_info = g(x, y)
+        assert info == ref_info and [o.stride() for o in out] == [r.stride() for r in ref]
+        torch.testing.assert_close(out, ref)
+    assert len(layout_rules._layouts) > before
+    # A key names every input's layout and every other argument: not a tensor object it would keep alive.
+    assert layout_rules._key(torch.add, (torch.ones(2), 1), {}) is None

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_train as tt
-from thunder_train.compiler.torchlang import nn as tnn, registry
+from thunder_train.compiler.torchlang import activations as tact, registry
 
 
 def _file(obj) -> str:
@@ -18,9 +18,9 @@ def _file(obj) -> str:
 
 def test_gelus_story_is_in_two_files():
     gelu = registry.lookup(F.gelu)
-    assert gelu is tnn.gelu
+    assert gelu is tact.gelu
     facts = [gelu.fn, gelu.grad_rule[0], gelu.torch_direct_vjp]
-    assert {_file(f) for f in facts} == {"compiler/torchlang/nn.py", "compiler/executors/torch_impls.py"}
+    assert {_file(f) for f in facts} == {"compiler/torchlang/activations.py", "compiler/executors/torch_impls.py"}
     assert {"fusible", "fused_backward"} <= gelu.tags and gelu.torch_impl is F.gelu and gelu.autocast is None
 
 
@@ -111,6 +111,14 @@ def test_prims_run_outside_tracing_through_their_torch_implementation():
     torch.testing.assert_close(gi, ea), torch.testing.assert_close(gw, ew)
 
 
+def test_each_torch_language_gradient_rule_is_declared_next_to_its_op():
+    syms = registry.all_symbols.values()
+    ruled = [s for s in syms if s.grad_rule is not None]
+    assert len(ruled) >= 30  # gelu, layer_norm, sdpa, cross_entropy, softmax, split, ...
+    apart = sorted(s.name for s in ruled if _file(s.grad_rule[0]) != _file(s.fn))
+    assert not apart, f"gradient rules declared in another file than their torch-language op: {apart}"
+
+
 def test_no_module_is_over_800_lines():
     root = pathlib.Path(tt.__file__).parent
     long = [str(p.relative_to(root)) for p in root.rglob("*.py") if len(p.read_text().splitlines()) > 800]
@@ -133,6 +141,33 @@ _RAISING_WORDS = ("index", "gather", "scatter", "take", "embedding", "one_hot", 
 def test_ops_that_can_raise_on_values_are_declared_fallible():
     missing = sorted(s.id for s in _all_symbols() if any(w in s.name for w in _RAISING_WORDS) and "fallible" not in s.tags)
     assert not missing, f"ops that raise on bad indices or values, not tagged 'fallible': {missing}"
+
+
+# One eager call per torch-language view op: (arguments after the input, the input's shape).
+_VIEW_CALLS = {
+    "view": (((6, 4),), (2, 3, 4)), "view_as": ((torch.empty(6, 4),), (2, 3, 4)), "reshape": (((6, 4),), (2, 3, 4)),
+    "reshape_as": ((torch.empty(6, 4),), (2, 3, 4)), "flatten": ((), (2, 3, 4)), "unflatten": ((2, (2, 2)), (2, 3, 4)),
+    "squeeze": ((), (2, 1, 4)), "unsqueeze": ((0,), (2, 3, 4)), "permute": (((2, 0, 1),), (2, 3, 4)),
+    "transpose": ((0, 1), (2, 3, 4)), "t": ((), (3, 4)), "movedim": ((0, 2), (2, 3, 4)),
+    "expand": (((2, 2, 3, 4),), (2, 3, 4)), "expand_as": ((torch.empty(2, 2, 3, 4),), (2, 3, 4)),
+    "broadcast_to": (((2, 2, 3, 4),), (2, 3, 4)), "split": ((1,), (2, 3, 4)), "chunk": ((2,), (2, 3, 4)),
+    "tensor_split": ((2,), (2, 3, 4)), "unbind": ((), (2, 3, 4)), "narrow": ((0, 0, 1), (2, 3, 4)),
+    "select": ((0, 1), (2, 3, 4)), "getitem": (((0, slice(1, 3)),), (2, 3, 4)), "detach": ((), (2, 3, 4)),
+}
+
+
+def test_view_ops_are_tagged_and_are_views_in_eager():
+    # The tracer keeps a "view" op's result aliased to its input (acquisition/inplace.py is_view); a wrong tag
+    # either way makes an in-place update through the result reach the input, or not, unlike eager.
+    tagged = {s.name: s for s in registry.all_symbols.values() if "view" in s.tags}
+    assert set(tagged) == set(_VIEW_CALLS), f"view tags differ from the checked list: {set(tagged) ^ set(_VIEW_CALLS)}"
+    for name, s in tagged.items():
+        args, shape = _VIEW_CALLS[name]
+        x = torch.randn(shape)
+        out = s.torch_impl(x, *args)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), f"{name} is not a view in eager"
+    assert "view" not in registry.lookup(torch.Tensor.contiguous).tags and "view" not in registry.lookup(torch.clone).tags
 
 
 def test_reinplacing_reads_the_declared_inplace_forms():

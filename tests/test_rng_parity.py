@@ -218,3 +218,34 @@ def test_thunder_callback_with_dropout_matches_plain_trainer(options):
     assert torch.equal(sc, se)
     for (n, a), b in zip(me.named_parameters(), mc.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_background_fusion_does_not_rewind_the_generator(monkeypatch):
+    """Inductor sets the generators back to their state before it compiled; on the background worker that would
+    rewind what the training loop drew meanwhile (dropout masks repeat). The compile is made to take 0.5 s inside
+    that window, while the loop keeps stepping."""
+    pytest.importorskip("torch._inductor")
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "sleep_sec_TESTING_ONLY", 0.5)
+    monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns background fusion off
+    torch.manual_seed(0)
+    model = DropMLP()
+    eager = (model, torch.optim.SGD(model.parameters(), lr=0.1))
+    m2 = copy.deepcopy(model)
+    compiled = (m2, torch.optim.SGD(m2.parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    cf = tt.compile(random_step, fusion="background")
+    torch.manual_seed(3)
+    got, after = [], None
+    while after is None or len(got) < after + 3:
+        got.append(cf(*compiled, x, y))
+        if after is None and tt.wait_for_fusion(cf, timeout=0) and len(got) > 2:
+            after = len(got)
+        assert len(got) < 20000, "the background build did not finish"
+    state = torch.get_rng_state()
+    assert any("replaced the torch program" in n for n in tt.compile_stats(cf).fusion_notes), tt.compile_stats(cf).fusion_notes
+    torch.manual_seed(3)
+    want = [random_step(*eager, x, y) for _ in got]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert torch.equal(state, torch.get_rng_state())

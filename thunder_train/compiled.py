@@ -47,6 +47,7 @@ class CompileStats:
     total_trace_seconds: float = 0.0
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
     fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
+    fusion_decisions: list = dataclasses.field(default_factory=list)  # background fusion: at which call a build starts, and why
     cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
     cuda_graph_captures: int = 0
     cuda_graph_replays: int = 0
@@ -179,7 +180,10 @@ class CompiledFunction:
     and global state selects a bucket; the bucket's generated ``extract`` and
     ``guard_key`` run once and the guard key finds the entry with one dict
     lookup, however many entries exist.  A miss traces again, recording why
-    in ``compile_stats(...).retrace_reasons``.
+    in ``compile_stats(...).retrace_reasons``.  A program that checks a
+    decision on an intermediate value and finds the other value raises
+    ``DecisionMismatch`` before writing anything; ``_redispatch`` then runs
+    the entry for the observed value (``_Probe.paths``), or traces it.
 
     Thin mode (``thin=True``): once the same entry validated on two
     consecutive calls, ``thin_call`` (generated, see ``guards/thin.py``)
@@ -259,8 +263,6 @@ class CompiledFunction:
         else:
             st.cache_hits += 1
             self._misses_in_a_row = 0
-            if entry.fusion_job is not None:  # the entry's second call: build its fused program in the background
-                entry.fusion_job.submit()
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
@@ -369,7 +371,7 @@ class CompiledFunction:
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
-            forced_decisions=forced_decisions)
+            forced_decisions=forced_decisions, fusion_decisions=self.stats.fusion_decisions)
         prologue, expected = entry.prologue, entry.key
         entry.on_switch = self._entry_switched
         for note in entry.decision_notes:
@@ -676,7 +678,9 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     (where ``nvfuser_direct`` imports); ``fusion="auto"`` picks the best available for the program's device
     (see docs/fusion.md; ``compile_stats(cf).fusion_notes`` says what was fused and why not).  These fuse
     before the first call.  ``fusion="background"`` (default) runs the torch program at once and switches to
-    the program ``"auto"`` fuses once a worker thread built it (``tt.wait_for_fusion(cf)`` waits for that);
+    the program ``"auto"`` fuses once a worker thread built it, a build started only at the call where it pays
+    for itself (``compile_stats(cf).fusion_decisions`` says when and why; ``tt.wait_for_fusion(cf)`` builds now
+    and waits);
     the environment variable ``THUNDER_TRAIN_FUSION`` (``off``, ``inductor``, ``nvfuser``, ``auto``) replaces
     ``"background"`` process-wide.  ``fusion=None`` never fuses.
     ``cuda_graphs=True`` (with ``thin=True``) captures the bound whole step as one CUDA graph and replays it

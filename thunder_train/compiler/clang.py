@@ -13,9 +13,7 @@ from enum import Enum
 
 from . import dtypes, prims
 from .dtypes import DType
-from .proxies import TensorProxy, NumberProxy, SizeProxy
-
-Number = (int, float, bool, complex)
+from .proxies import TensorProxy, NumberProxy, SizeProxy, as_divisor, is_int, is_number, number_type, size_arg
 
 
 def is_tensor(x) -> bool:
@@ -43,7 +41,7 @@ def canonicalize_dim(rank: int, dim: int, *, wrap_scalar=True) -> int:
 def canonicalize_dims(rank: int, dims) -> tuple:
     if dims is None:
         return tuple(range(rank))
-    if isinstance(dims, int):
+    if is_int(dims):
         dims = (dims,)
     out = tuple(sorted({canonicalize_dim(rank, d) for d in dims}))
     return tuple(d for d in out if d < rank) if rank else ()
@@ -98,7 +96,7 @@ def _prod(sizes):
 
 
 def reshape(a, shape):
-    shape = tuple(int(s) if not isinstance(s, NumberProxy) else s for s in shape)
+    shape = tuple(size_arg(s) for s in shape)
     n = a.numel_()
     if any(type(s) is int and s == -1 for s in shape):
         check(builtins.sum(1 for s in shape if type(s) is int and s == -1) == 1, "reshape: only one dimension can be -1")
@@ -210,7 +208,7 @@ def result_dtype(*args) -> DType:
     """
     dim_t = [a._tt_dtype for a in args if is_tensor(a) and a.ndim_ > 0]
     zero_t = [a._tt_dtype for a in args if is_tensor(a) and a.ndim_ == 0]
-    nums = [a for a in args if isinstance(a, Number) or isinstance(a, NumberProxy)]
+    nums = [a for a in args if is_number(a)]
 
     def fold(ds):
         r = None
@@ -222,7 +220,7 @@ def result_dtype(*args) -> DType:
     z = fold(zero_t)
     if r is None or (z is not None and z.category > r.category):
         r = z if r is None else z
-    cat_num = max((dtypes.python_type_category(n.value if isinstance(n, NumberProxy) else n) for n in nums), default=-1)
+    cat_num = max((dtypes.python_type_category(number_type(n)) for n in nums), default=-1)
     if r is None:
         return _category_default(cat_num)
     if cat_num > r.category:
@@ -266,13 +264,13 @@ def maybe_convert(a, dtype: DType):
         return a if a._tt_dtype is dtype else prims.convert_element_type(a, dtype)
     if isinstance(a, NumberProxy):
         return a
-    if isinstance(a, Number):
+    if is_number(a):
         if dtype.is_bool:
             return bool(a)
         if dtype.is_int:
-            return int(a) if not isinstance(a, complex) else a
+            return int(a) if number_type(a) is not complex else a
         if dtype.is_float:
-            return float(a) if not isinstance(a, complex) else a
+            return float(a) if number_type(a) is not complex else a
     return a
 
 
@@ -313,7 +311,7 @@ def elementwise_binary(prim, a, b, kind=Promotion.DEFAULT, *, upcast=True):
 
 
 def where(pred, a, b):
-    check(is_tensor(pred) or isinstance(pred, bool), "where: condition must be a bool tensor")
+    check(is_tensor(pred) or number_type(pred) is bool, "where: condition must be a bool tensor")
     if is_tensor(pred) and pred._tt_dtype is not dtypes.bool8:
         pred = prims.ne(pred, 0)
     d = result_dtype(a, b)
@@ -446,7 +444,7 @@ def linspace(start, end, steps, *, device, dtype):
 
 def arange(start, end, step, *, device, dtype):
     check(step != 0, "arange: step must be nonzero")
-    if any(type(v) is SizeProxy for v in (start, end, step)) and all(isinstance(v, int) for v in (start, end, step)):
+    if any(type(v) is SizeProxy for v in (start, end, step)) and all(is_int(v) for v in (start, end, step)):
         # Symbolic bounds (dynamic=True): integer ceil-division keeps the length symbolic.
         length = (end - start + step - 1) // step if step > 0 else (start - end - step - 1) // (-step)
         return prims.iota(builtins.max(0, length), start=start, step=step, device=device, dtype=dtype)
@@ -495,7 +493,7 @@ def mean(a, dims=None, keepdim=False, *, dtype=None):
     n = math.prod(a._tt_shape[i] for i in cdims)
     x = maybe_convert(a, compute_dtype(d))
     s = prims.sum(x, cdims)
-    s = prims.div(s, float(n))
+    s = prims.div(s, as_divisor(n))
     if keepdim:
         s = _restore_dims(s, a._tt_shape, cdims)
     return maybe_convert(s, d)

@@ -90,16 +90,12 @@ def default_float() -> DType:
     return _from_torch[torch.get_default_dtype()]
 
 
-def python_type_category(x) -> int:
-    if isinstance(x, bool):
-        return BOOL
-    if isinstance(x, int):
-        return INT
-    if isinstance(x, float):
-        return FLOAT
-    if isinstance(x, complex):
-        return COMPLEX
-    raise TypeError(f"not a Python number: {x!r}")
+def python_type_category(t: type) -> int:
+    """The category of a Python number type (``proxies.number_type`` of a number or number proxy)."""
+    for base, cat in ((bool, BOOL), (int, INT), (float, FLOAT), (complex, COMPLEX)):
+        if t is not None and issubclass(t, base):
+            return cat
+    raise TypeError(f"not a Python number type: {t!r}")
 
 
 def to_complex(d: DType) -> DType:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .proxies import TensorProxy
+from .proxies import TensorProxy, size_value
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ def fresh_results(func, args, kwargs, out):
         if type(x) is TensorProxy:
             m = metas.get(id(x))
             if m is None:
-                shape = tuple(int(s) for s in x._tt_shape)
+                shape = tuple(size_value(s) for s in x._tt_shape)
                 m = metas[id(x)] = torch.empty(shape, dtype=x._tt_dtype.torch, device="meta")
                 owner[id(m)] = x
             return m

@@ -19,6 +19,7 @@ from ..guards.prologue import Prologue, build_prologue
 from . import acquisition
 from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
+from .executors import payback
 from .executors.background import FusionJob
 from .executors.fusion import fuse
 from .executors.inductor_fusion import FusionSymbol
@@ -67,6 +68,13 @@ class CacheEntry:
         if self.on_switch is not None:
             self.on_switch(self)
 
+    def uncount(self, computation) -> None:
+        """Background fusion will not start: call ``computation`` directly again (no switch is counted)."""
+        if self.fusion_job is not None and not self.fusion_job.switched:
+            self.computation = computation
+            if self.on_switch is not None:
+                self.on_switch(self, count=False)
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -81,12 +89,13 @@ class Options:
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
-                  fusion_notes: list, forced_decisions=()) -> tuple[CacheEntry, list]:
+                  fusion_notes: list, fusion_decisions: list | None = None, forced_decisions=()) -> tuple[CacheEntry, list]:
     """Trace ``fn`` on ``args``/``kwargs`` and compile what a cache entry runs; also returns the ops run opaquely.
 
     ``intern_prologue`` maps a generated prologue to the one already shared by entries with the same
-    leaf structure; ``fusion_notes`` collects what Inductor fusion did (``compile_stats``);
-    ``forced_decisions`` the checked decisions a run of another entry observed (``acquire``).
+    leaf structure; ``fusion_notes`` collects what Inductor fusion did, ``fusion_decisions`` when background
+    fusion starts and why (``compile_stats``); ``forced_decisions`` the checked decisions a run of another
+    entry observed (``acquire``).
     """
     names = ", ".join(ex.name for ex in executors)
     # 1. Acquisition (compiler/acquisition/): run fn on proxies; in-place ops functionalized, a backward and an
@@ -134,8 +143,11 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
+    to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
-        build_fused = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
+        attached = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
+        if attached is not None:
+            build_fused, to_fuse = attached
     elif fuse_main:
         shown = list(traces[: len(traces) - len(more)])
 
@@ -150,10 +162,13 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry.wrap = _wrapping(entry, acquired, len(input_idx))
     entry.computation = entry.wrap(entry.program)
     # 12. Background fusion (executors/background.py): the entry runs the torch program built above while its
-    #     fused program is built in a worker thread (submitted on the entry's second call); it then replaces
-    #     the torch program between two calls.
+    #     fused program is built in a worker thread, submitted at the call where it pays for itself
+    #     (executors/payback.py, decided at the second call); it then replaces the torch program between two calls.
     if options.fusion == "background" and build_fused is not None:
-        entry.fusion_job = _fusion_job(entry, build_fused, fusion_notes)
+        decisions = fusion_decisions if fusion_decisions is not None else []
+        entry.fusion_job = job = _fusion_job(entry, build_fused, fusion_notes)
+        job.decide, job.record = (lambda: payback.decide(to_fuse)), decisions.append
+        entry.computation = job.counted(entry.computation, entry.uncount)
     return entry, acquired.opaque_ops
 
 
@@ -210,7 +225,7 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
 
     ``trc`` is the computation after dead code elimination.  Nothing changes when grad is disabled,
     no input requires grad, or no output depends on one.  Returns the builder of the fused program
-    (``fusion="background"``), or None.
+    (``fusion="background"``) and the traces it fuses, or None.
     """
     if not may_need_autograd(trc):
         return None
@@ -244,7 +259,7 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
 
     now = fusion if fusion != "background" else None
     entry.computation, entry.traces, entry.backward_traces = program(now, [] if notes is None else notes)
-    return lambda notes: program("background", notes)
+    return (lambda notes: program("background", notes)), [fw_lowered, bw_lowered]
 
 
 def _wrapping(entry, acquired, n_inputs):

@@ -13,6 +13,9 @@ Python object (used by the prologue, which unpacks modules and containers).
 """
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 
 from . import dtypes, devices
@@ -52,7 +55,7 @@ class TensorProxy(torch.Tensor):
         # Symbolic sizes (SizeProxy, dynamic=True) stay symbolic; torch gets their example values.
         shape = tuple(s if type(s) is SizeProxy else int(s) for s in shape)
         self = torch.Tensor._make_wrapper_subclass(
-            cls, tuple(int.__int__(s) for s in shape), dtype=dt.torch, device=dev.torch,
+            cls, tuple(size_value(s) for s in shape), dtype=dt.torch, device=dev.torch,
             requires_grad=bool(requires_grad) and dt.category >= dtypes.FLOAT,
         )
         self._tt_name = name if name is not None else fresh_name("t")
@@ -122,7 +125,7 @@ def contiguous_strides(shape) -> tuple:
     """Row-major strides of ``shape`` (of its example values where sizes are symbolic)."""
     from torch._prims_common import make_contiguous_strides_for
 
-    return tuple(make_contiguous_strides_for(tuple(int.__int__(s) for s in shape)))
+    return tuple(make_contiguous_strides_for(tuple(size_value(s) for s in shape)))
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -135,7 +138,7 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
 
 def meta_tensor(p) -> torch.Tensor:
     """A meta tensor with ``p``'s shape, dtype and layout (strides and storage offset)."""
-    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    shape = tuple(size_value(s) for s in p._tt_shape)
     strides, offset = p._tt_strides, p._tt_storage_offset
     extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
     base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device="meta")
@@ -147,44 +150,132 @@ def is_tensor_proxy(x) -> bool:
 
 
 class NumberProxy(Proxy):
-    """A Python number that is an input of the program (not a baked-in constant).
+    """A Python number of the program that is not a baked-in constant: an input (an optimizer's ``lr``),
+    a symbolic size, a ``Tensor.item()`` result, or arithmetic on those.
 
-    ``value`` is the example value seen while tracing (NaN for ``Tensor.item()``
-    results, whose value does not exist yet); ``python_type`` is int, float or
-    bool.  Instances are ``float``/``int`` subclasses so that torch's argument
-    parsing accepts them where a Scalar goes (``p.mul_(1 - lr * wd)``) and hands
-    the proxy itself to the tracer.  Arithmetic and comparisons record scalar
-    prims; using one in Python control flow is an error.
+    ``value`` is the example value seen while tracing, or None where none exists yet (``item()``:
+    the tensor has no data while tracing); ``python_type`` is int, float or bool.
+
+    The concrete classes subclass ``torch.SymInt`` / ``SymFloat`` / ``SymBool`` (without their
+    symbolic node: their ``__init__`` is never called), *not* ``int``/``float``.  torch's argument
+    parser accepts a Sym* object wherever an int, a Scalar or a size goes (``p.add_(g, alpha=-lr)``,
+    ``x.view(n, -1)``, ``torch.full((3,), v)``) and hands the proxy itself to the tracer.  An
+    ``int``/``float`` subclass would also be accepted, but CPython reads its stored number directly in
+    ``range(n)``, ``lst[:n]``, ``math.sqrt(v)``, format specs, ``struct``, ... with no hook to notice,
+    silently using a placeholder.  Here each of those calls ``__index__``/``__float__``/...: arithmetic
+    and comparisons record scalar prims (``n1 = n0 + 1``), and every other use of the number needs its
+    plain value, which ``_concrete`` gives as a *decision* the prologue recomputes and checks on every
+    call (``item()`` results, acquisition/decisions.py) or as a recorded check (``_Checked``).
     """
 
     def __new__(cls, name=None, *, value, python_type=None):
         pt = python_type or type(value)
         if cls is NumberProxy:
-            cls = _FloatProxy if pt is float else _IntProxy
-        if issubclass(cls, float):
-            self = float.__new__(cls, value)
-        else:
-            self = int.__new__(cls, value if value == value else 0)
+            cls = _BoolProxy if pt is bool else _IntProxy if pt is int else _FloatProxy  # complex too
+        self = object.__new__(cls)
         self.name = name if name is not None else fresh_name("n")
         self.value = value
         self.python_type = pt
         return self
 
-    __hash__ = object.__hash__
+    def __init__(self, *args, **kwargs):  # torch.Sym*.__init__ wants a symbolic node: there is none
+        pass
+
+    @property
+    def __class__(self):
+        # ``isinstance(n, int)`` / ``isinstance(lr, float)`` answer as for eager's number (the class is the
+        # Python type); CPython's own reads of a stored number look at the real type, which has none.
+        return self.python_type
+
+    def __hash__(self):
+        # A dict key or set member (``n in {2, 4}``) is found by the plain value, as in eager; an identity
+        # hash would silently miss.  (The compiler keys its own tables by ``id()``.)
+        return hash(self._concrete("hash() (a dict key, a set member)"))
+
+    @property
+    def node(self):
+        # torch.compile's symbolic-shape helpers (torch.fx.experimental.symbolic_shapes) read this.
+        raise TypeError(
+            f"the thunder_train runtime number {self.name} reached torch code written for torch.compile's symbolic "
+            "values (it asked for a SymNode). Convert it first where that code is called (int(n) / float(n)), "
+            "or report the call that needs it."
+        )
 
     def type_string(self) -> str:
-        if self.value != self.value:  # item() of a tensor: no example value while tracing
+        if self.value is None:  # item() of a tensor: no example value while tracing
             return self.python_type.__name__
         return f"{self.python_type.__name__} {self.value}"
 
     def __repr__(self) -> str:
         return f"<NumberProxy {self.name}: {self.type_string()}>"
 
-    __str__ = __repr__
+    # ---- the plain Python value, for every use that is not recorded arithmetic ----
+    def _concrete(self, what: str, convert: str | None = None):
+        """``convert(value)`` as a plain Python number (``convert`` defaults to the proxy's own type):
+        while tracing, a decision the prologue recomputes from the inputs (the value does not exist
+        yet, and another call's would differ)."""
+        from .context import tracer_state
 
-    # Arithmetic on runtime scalars records scalar prims (``prims.add(n0, 1)``, printed ``n1 = n0 + 1``).
+        convert = convert or self.python_type.__name__
+        if convert == "complex":
+            raise TypeError(f"{what} of the complex runtime number {self.name} cannot be traced: "
+                            "use it in tensor arithmetic, or move that code outside the compiled function")
+        if _decision_handler is not None and tracer_state() is not None:
+            return _decision_handler(self, convert, f"{what} of the runtime number {self.name}")
+        if self.value is None:
+            raise RuntimeError(
+                f"thunder_train internal error: {what} of the runtime number {self.name} outside tracing; "
+                "it has no value. Please report this with the function being compiled."
+            )
+        return {"int": int, "float": float, "bool": bool}[convert](self.value)
+
+    def __bool__(self):
+        return self._concrete("bool()", "bool")
+
+    def __int__(self):
+        return self._concrete("int()", "int")
+
+    def __float__(self):
+        return self._concrete("float()", "float")
+
+    def __index__(self):
+        if self.python_type is float:
+            raise TypeError("'float' object cannot be interpreted as an integer")
+        return operator.index(self._concrete("an integer index (range(), a slice, a list index, ...)"))
+
+    def __complex__(self):
+        return complex(self._concrete("complex()"))
+
+    def __str__(self):
+        return str(self._concrete("str()"))
+
+    def __format__(self, spec):
+        return format(self._concrete(f"format spec {spec!r}" if spec else "formatting"), spec)
+
+    def __round__(self, ndigits=None):
+        v = self._concrete("round()")
+        return round(v) if ndigits is None else round(v, ndigits)
+
+    def __trunc__(self):
+        return math.trunc(self._concrete("math.trunc()"))
+
+    def __floor__(self):
+        return math.floor(self._concrete("math.floor()"))
+
+    def __ceil__(self):
+        return math.ceil(self._concrete("math.ceil()"))
+
+    def __array__(self, dtype=None, copy=None):  # numpy (np.sqrt(v), np.asarray(v)) reads the plain value
+        import numpy
+
+        return numpy.asarray(self._concrete("numpy"), dtype=dtype)
+
+    def __reduce__(self):
+        raise TypeError("NumberProxy objects cannot be pickled")
+
+    # ---- arithmetic on runtime numbers records scalar prims (``prims.add(n0, 1)``, printed ``n1 = n0 + 1``) ----
     def _binop(self, other, opname, reverse=False):
-        if not isinstance(other, (int, float)):
+        if not is_number(other):
             return NotImplemented
         a, b = (other, self) if reverse else (self, other)
         return getattr(_prims, opname)(a, b)
@@ -225,8 +316,8 @@ class NumberProxy(Proxy):
     def __rtruediv__(self, o):
         return self._binop(o, "div", True)
 
-    def __pow__(self, o):
-        return self._binop(o, "pow")
+    def __pow__(self, o, mod=None):
+        return self._binop(o, "pow") if mod is None else pow(self._concrete("pow() with a modulus"), o, mod)
 
     def __rpow__(self, o):
         return self._binop(o, "pow", True)
@@ -258,52 +349,89 @@ class NumberProxy(Proxy):
     def __ge__(self, o):
         return self._binop(o, "ge")
 
-    def __bool__(self):
-        if _decision_handler is not None and not isinstance(self, _Checked):
-            # acquisition/decisions.py: computed from the inputs and specialised on, if it is a function of them alone.
-            return _decision_handler(self, "bool", f"bool() of the runtime number {self.name}")
-        raise RuntimeError(
-            f"Python control flow on the runtime scalar {self.name} cannot be traced; "
-            "the value changes between calls. Use torch.where or move the branch outside the compiled function."
-        )
+    # torch.sym_max / sym_min / sym_float / sym_sqrt (torch's own Python code calls them on sizes).
+    def __sym_max__(self, o):
+        return _prims.maximum(self, o)
 
-    def __float__(self):
-        return self._plain("float", float)
+    def __sym_min__(self, o):
+        return _prims.minimum(self, o)
 
-    def __int__(self):
-        return self._plain("int", int)
+    def __sym_float__(self):
+        return self if self.python_type is float else self * 1.0
 
-    def _plain(self, convert, fn):
-        """A plain Python number is needed (``float(loss.item())``, ``math.sqrt(n)``): while a function is
-        traced, a decision the prologue recomputes (acquisition/decisions.py) — the example value of an
-        ``item()`` does not exist (NaN) and another's would be baked in."""
-        from .context import tracer_state
-
-        if _decision_handler is not None and not isinstance(self, _Checked) and tracer_state() is not None:
-            return _decision_handler(self, convert, f"{convert}() of the runtime number {self.name}")
-        return fn(self.value)
-
-    def __reduce__(self):
-        raise TypeError("NumberProxy objects cannot be pickled")
+    def __sym_sqrt__(self):
+        return _prims.sqrt(self)
 
 
-class _FloatProxy(NumberProxy, float):
+def _on_the_value(name):
+    """A method every other Python use of a number reaches (``n & 1``, ``n.bit_length()``, ``torch.sym_not(b)``):
+    the same method of the plain value, which ``_concrete`` provides."""
+    math_fn = getattr(math, name[6:-2], None) if name.startswith("__sym_") else None
+
+    def method(self, *args):
+        v = self._concrete(f"{name}()")
+        if math_fn is not None:
+            return math_fn(v, *args)
+        if name == "__sym_not__":
+            return not v
+        if name == "__sym_ite__":
+            return args[0] if v else args[1]
+        if name == "__sym_int__":
+            return int(v)
+        fn = getattr(v, name, None)
+        if fn is None:
+            raise TypeError(f"{name} of the runtime number {self.name} is not supported while tracing (torch-internal)")
+        return fn(*args)
+
+    method.__name__ = name
+    return method
+
+
+class _IntProxy(NumberProxy, torch.SymInt):
     pass
 
 
-class _IntProxy(NumberProxy, int):
+class _FloatProxy(NumberProxy, torch.SymFloat):
     pass
+
+
+class _BoolProxy(NumberProxy, torch.SymBool):
+    pass
+
+
+# Everything torch.Sym* defines and NumberProxy does not (each would read the missing symbolic node)
+# goes through the plain value; ``_sympy_`` and torch's internal operator names are refused.
+for _cls in (_IntProxy, _FloatProxy, _BoolProxy):
+    for _name, _attr in vars(_cls.__mro__[-2]).items():
+        if callable(_attr) and _name not in ("__init__", "__new__") and _name not in vars(NumberProxy):
+            setattr(NumberProxy, _name, _on_the_value(_name))
+for _name in ("__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "__invert__", "__divmod__", "is_integer",
+              "hex", "as_integer_ratio", "bit_length", "bit_count", "conjugate", "to_bytes"):
+    if _name not in vars(NumberProxy):
+        setattr(NumberProxy, _name, _on_the_value(_name))
+
+
+def _on_the_value_reflected(name, op):
+    def method(self, o):
+        return op(o, self._concrete(f"{name}()"))
+
+    return method
+
+
+# Reflected operators have no same-named method on the plain value's side: apply the operator itself.
+for _name, _op in (("__rand__", operator.and_), ("__ror__", operator.or_), ("__rxor__", operator.xor),
+                   ("__rlshift__", operator.lshift), ("__rrshift__", operator.rshift), ("__rdivmod__", divmod)):
+    setattr(NumberProxy, _name, _on_the_value_reflected(_name, _op))
 
 
 class _Checked:
-    """Runtime numbers whose Python decisions are checked instead of refused.
+    """Runtime numbers whose Python decisions are checked instead of recomputed.
 
-    A comparison, ``bool()`` or conversion to a plain number is answered from the
-    example value and recorded as a check (the tracer state's ``size_checks``) that the prologue
-    and thin mode evaluate on every later input; a call that decides differently
-    gets its own program.  ``origin`` says how the number is computed from the
-    inputs: ``("dim", tensor proxy, i)``, ``("input",)`` (an input leaf itself) or
-    ``("op", prim name, *args)``.
+    A comparison, ``bool()`` or any use of the plain number is answered from the example value and
+    recorded as a check (the tracer state's ``size_checks``) that the prologue and thin mode evaluate
+    on every later input; a call that decides differently gets its own program.  ``origin`` says how
+    the number is computed from the inputs: ``("dim", tensor proxy, i)``, ``("input",)`` (an input
+    leaf itself) or ``("op", prim name, *args)``.
     """
 
     def _check(self, op, other, result):
@@ -314,36 +442,52 @@ class _Checked:
             st.size_checks.append((op, self, other, result))
         return result
 
+    def _concrete(self, what, convert=None):
+        from .context import tracer_state
+
+        if tracer_state() is None:
+            # A pass after tracing (autograd, fusion) needs the plain value: no check could be recorded, so the
+            # traced call's value would be baked into every later call's program.
+            raise RuntimeError(
+                f"thunder_train internal error: {what} of the symbolic number {self.name} after tracing would bake "
+                "in its traced value. Please report this with the function being compiled; compiling without "
+                "dynamic=True avoids it."
+            )
+        self._check("==", self.value, True)  # specialised on the value: later calls must have it too
+        return self.value if convert is None else {"int": int, "float": float, "bool": bool}[convert](self.value)
+
     @staticmethod
     def _v(x):
         return x.value if isinstance(x, NumberProxy) else x
 
-    def _cmp(self, other, op, fn):
-        if not isinstance(other, (int, float)):
+    def _cmp(self, other, op, fn, prim):
+        if isinstance(other, NumberProxy) and not isinstance(other, _Checked):
+            return NumberProxy._binop(self, other, prim)  # against an item(): recorded, decided from the inputs
+        if not is_number(other):
             return NotImplemented
         if other is self:
             return fn(0, 0)
         return self._check(op, other, fn(self.value, self._v(other)))
 
     def __eq__(self, o):
-        return self._cmp(o, "==", lambda a, b: a == b)
+        return self._cmp(o, "==", operator.eq, "eq")
 
     def __ne__(self, o):
-        return self._cmp(o, "!=", lambda a, b: a != b)
+        return self._cmp(o, "!=", operator.ne, "ne")
 
     def __lt__(self, o):
-        return self._cmp(o, "<", lambda a, b: a < b)
+        return self._cmp(o, "<", operator.lt, "lt")
 
     def __le__(self, o):
-        return self._cmp(o, "<=", lambda a, b: a <= b)
+        return self._cmp(o, "<=", operator.le, "le")
 
     def __gt__(self, o):
-        return self._cmp(o, ">", lambda a, b: a > b)
+        return self._cmp(o, ">", operator.gt, "gt")
 
     def __ge__(self, o):
-        return self._cmp(o, ">=", lambda a, b: a >= b)
+        return self._cmp(o, ">=", operator.ge, "ge")
 
-    __hash__ = object.__hash__
+    __hash__ = NumberProxy.__hash__
 
     def __bool__(self):
         return self._check("!=", 0, self.value != 0)
@@ -352,40 +496,66 @@ class _Checked:
 class SizeProxy(_Checked, _IntProxy):
     """A symbolic size (``tt.compile(fn, dynamic=True)``): a dimension of a per-call input.
 
-    Arithmetic records scalar prims whose results are SizeProxies too (shape
-    arithmetic like ``t.reshape(t.size(0), -1)`` stays symbolic).  Decisions on
-    sizes (comparisons, ``bool()``, ``int()``/``range()``) become checks (``_Checked``).
+    Arithmetic records scalar prims whose results are SizeProxies too (shape arithmetic like
+    ``t.reshape(t.size(0), -1)`` stays symbolic).  Decisions on sizes (comparisons, ``bool()``,
+    ``int()``, ``range()``, slicing, ...) become checks (``_Checked``).
     """
 
-    __hash__ = object.__hash__
-
-    def __index__(self):
-        # A plain int is needed (range(), a slice bound, ...): specialise on the value, checked later.
-        return self._check("==", self.value, int.__int__(self))
-
-    __int__ = __index__
+    __hash__ = NumberProxy.__hash__
 
 
 class CheckedFloat(_Checked, _FloatProxy):
     """A float hyper-parameter read from an optimizer's ``param_groups`` (``lr``, ``betas``, ``weight_decay``).
 
-    A runtime input, so a scheduler changing it never retraces; code that decides on
-    it (``if weight_decay != 0``) records a check instead of failing.
+    A runtime input, so a scheduler changing it never retraces; code that decides on it
+    (``if weight_decay != 0``, ``math.sqrt(lr)``) records a check instead of failing.
     """
 
-    __hash__ = object.__hash__
-
-    def __float__(self):
-        return self._check("==", self.value, float.__float__(self))
+    __hash__ = NumberProxy.__hash__
 
 
 def is_checked(x) -> bool:
     return isinstance(x, _Checked)
 
 
-def size_value(s) -> int:
-    """The example value of a size (an int or a SizeProxy) without recording a check."""
-    return int.__int__(s) if isinstance(s, int) else s
+def number_type(x):
+    """int, float, bool or complex for a Python number or a number proxy (its ``python_type``); None otherwise.
+
+    The package's one test of "is this a number": number proxies are not ``int``/``float`` instances.
+    """
+    if isinstance(x, NumberProxy):
+        return x.python_type
+    for t in (bool, int, float, complex):
+        if isinstance(x, t):
+            return t
+    return None
+
+
+def is_number(x) -> bool:
+    """A Python number (bool, int, float, complex) or a number proxy."""
+    return number_type(x) is not None
+
+
+def is_int(x) -> bool:
+    """An int (bools included, as in Python) or an int/bool number proxy: what ``isinstance(x, int)`` was."""
+    return number_type(x) in (int, bool)
+
+
+def size_arg(s):
+    """A size as the trace keeps it: a symbolic size (dynamic=True) stays symbolic; any other number
+    becomes a plain int (an ``item()`` result through a decision, as eager uses its value)."""
+    return s if type(s) is SizeProxy else operator.index(s)
+
+
+def as_divisor(n):
+    """``float(n)`` for a plain count (a mean's element count); a runtime count (symbolic sizes) stays a runtime
+    number, so dividing by it is recorded for every call instead of the traced call's count being baked in."""
+    return n if isinstance(n, NumberProxy) else float(n)
+
+
+def size_value(s):
+    """The example value of a size or number (a plain number or a proxy) without recording a check."""
+    return s.value if isinstance(s, NumberProxy) else s
 
 
 class AnyProxy(Proxy):

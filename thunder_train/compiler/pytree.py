@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .proxies import is_number
+
 
 def tree_flatten(x):
     leaves: list = []
@@ -70,8 +72,8 @@ def _plain(x, contains_proxy) -> bool:
         return all(_plain(v, contains_proxy) for v in x)
     if t is dict:
         return all(_plain(v, contains_proxy) for v in x.values())
-    if t is slice or x is None or isinstance(x, (int, float, str, torch.Tensor)):
-        return True  # (runtime numbers, NumberProxy, are int/float subclasses: leaves of the trace's output)
+    if t is slice or x is None or is_number(x) or isinstance(x, (str, torch.Tensor)):
+        return True  # (runtime numbers, NumberProxy, are leaves of the trace's output)
     return (_torch_pytree().tree_is_leaf(x) and not _is_dataclass_instance(x) and not isinstance(x, (dict, list, tuple))
             and not contains_proxy(x))
 
@@ -131,7 +133,7 @@ def _flatten_out(x, leaves, contains_proxy):
     if isinstance(x, dict):  # an unregistered dict subclass (e.g. an OrderedDict subclass)
         keys = list(x.keys())
         return ("items", x, keys, [_flatten_out(x[k], leaves, contains_proxy) for k in keys])
-    if not isinstance(x, (torch.Tensor, int, float, str)) and contains_proxy(x):
+    if not (is_number(x) or isinstance(x, (torch.Tensor, str))) and contains_proxy(x):
         if _register_known(t):
             return _flatten_out(x, leaves, contains_proxy)
         hint = " (for a transformers cache, pass use_cache=False)" if t.__module__.startswith("transformers.") else ""
@@ -195,7 +197,7 @@ def holds(x, pred, limit: int = 10_000) -> bool:
         seen.add(id(v))
         if pred(v):
             return True
-        if isinstance(v, (torch.Tensor, type, str, bytes, int, float, type(None))):
+        if is_number(v) or isinstance(v, (torch.Tensor, type, str, bytes, type(None))):
             continue
         stack.extend(gc.get_referents(v))
     return False

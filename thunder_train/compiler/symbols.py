@@ -52,6 +52,8 @@ class Symbol:
     - ``"cheap_to_recompute"``: the backward recomputes its output from its input rather than saving it,
       when that saves no extra value (views, conversions, constants; transforms/autograd.py);
     - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
+    - ``"view"``: a torch-language op whose result shares storage with its first argument in eager PyTorch
+      (getitem with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``);
     - ``"fallible"``: its run-time values can make it raise (an index out of range, a failed check);
       re-inplacing writes no input before it (executors/reinplace.py), so a failed call changes nothing;
     - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose

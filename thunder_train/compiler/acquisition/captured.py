@@ -11,14 +11,16 @@ The rule (``docs/captured_inputs.md``):
 * the compiled function's own reads: every ``LOAD_GLOBAL``/``LOAD_NAME`` in its code
   and in the code nested in it (inner functions, lambdas, comprehensions) that names
   a key of its ``__globals__``, and every cell of its ``__closure__``;
-* recursively the same for every plain Python function among those values that is
-  defined in the same module as the step (helpers: ``def loss_fn(...)`` next to the
-  step);
+* recursively the same for every plain Python function among those values (also the
+  ``func`` of a ``functools.partial``) that is defined in the same module as the step or
+  in another file of the user's own code, outside the standard library and site-packages
+  (helpers: ``def loss_fn(...)`` next to the step, ``from utils import loss_fn``), and the
+  attributes read from a module of the user's code (``utils.loss_fn``, ``cfg_module.lr``);
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
-  thing training code does), builtins, and what code in *other* modules reads
-  (library code, model classes defined elsewhere). A tensor such code reads is still
-  an input, passed by reference (in-place changes are seen), but rebinding that name
-  is not detected.
+  thing training code does), builtins, what library code reads (installed packages,
+  the standard library), and the globals of methods reached through objects (a model's
+  ``forward``). A tensor such code reads is still an input, passed by reference (in-place
+  changes are seen), but rebinding that name is not detected.
 * thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
   transparent: their cells and globals are not inputs, the user functions they wrap are
   scanned by the rule above.
@@ -32,6 +34,9 @@ import dataclasses
 import dis
 import functools
 import inspect
+import os
+import site
+import sysconfig
 import types
 from typing import Any
 
@@ -51,6 +56,8 @@ class Root:
         kind, ref, key = self.step.kind, self.step.ref, self.step.key
         if kind == "global":
             ref[key] = value
+        elif kind == "modattr":
+            ref[key[1]] = value
         elif kind == "closure":
             ref.cell_contents = value
         elif kind == "default" and key[0] == "pos":
@@ -63,15 +70,25 @@ class Root:
             raise AssertionError(f"cannot rebind {kind}")  # "self": walked in place (a module or plain object)
 
 
-def _code_names(code, loads: set, stores: set) -> None:
+def _code_names(code, loads: set, stores: set, module_attrs: set) -> None:
+    prev = None
     for ins in dis.get_instructions(code):
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             loads.add(ins.argval)
         elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
             stores.add(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev is not None and prev.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            module_attrs.add((prev.argval, ins.argval))  # utils.loss_fn: an attribute of a global (a module?)
+        prev = ins
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            _code_names(c, loads, stores)
+            _code_names(c, loads, stores, module_attrs)
+
+
+def _user_module(m) -> bool:
+    """A Python module of the user's own code (``import utils``): its attributes the function reads are captured."""
+    f = getattr(m, "__file__", None)
+    return bool(f) and _user_file(f) and not (m.__name__ + ".").startswith(_INTERNAL)
 
 
 def _free_stores(code) -> set:
@@ -85,6 +102,25 @@ def _function_of(fn):
     if isinstance(fn, types.MethodType):
         fn = fn.__func__
     return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _library_dirs() -> tuple:
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths |= set(getattr(site, "getsitepackages", lambda: [])()) | {getattr(site, "USER_SITE", None)}
+    return tuple(os.path.realpath(p) + os.sep for p in paths if p)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+@functools.lru_cache(maxsize=1024)
+def _user_file(filename: str) -> bool:
+    """Source outside the standard library and site-packages (the user's project), or typed in (``<stdin>``)."""
+    return filename.startswith("<") or not os.path.realpath(filename).startswith(_LIBRARY_DIRS)
+
+
+def _user_code(fn) -> bool:
+    return _user_file(fn.__code__.co_filename)
 
 
 def _is_internal(fn) -> bool:
@@ -153,11 +189,11 @@ def captured_roots(fn) -> list:
             return
         if home[0] is None:
             home[0] = f.__module__
-        elif f.__module__ != home[0]:
+        elif f.__module__ != home[0] and not _user_code(f):
             return
         name = None if owner is None else f.__qualname__
-        loads, stores = set(), set()
-        _code_names(code, loads, stores)
+        loads, stores, module_attrs = set(), set(), set()
+        _code_names(code, loads, stores, module_attrs)
         for what, names in (("global", sorted(stores & set(f.__globals__))), ("nonlocal", sorted(_free_stores(code)))):
             if names:
                 raise TracingError(
@@ -170,6 +206,11 @@ def captured_roots(fn) -> list:
         for n in sorted(loads):
             if n in g and not isinstance(g[n], types.ModuleType):
                 found.append(Root(Step("global", n, ref=g), g[n]))
+        for n, attr in sorted(module_attrs):
+            m = g.get(n)
+            if isinstance(m, types.ModuleType) and _user_module(m) and attr in vars(m) \
+                    and not isinstance(vars(m)[attr], types.ModuleType):
+                found.append(Root(Step("modattr", (m.__name__, attr), ref=vars(m)), vars(m)[attr]))
         for n in code.co_freevars:
             cell = cells[n]
             try:
@@ -187,7 +228,7 @@ def captured_roots(fn) -> list:
         for r in found:
             # A helper reached through functools.partial(loss_fn, model) is scanned like loss_fn itself.
             h = _function_of(r.value.func if isinstance(r.value, functools.partial) else r.value)
-            if h is not None and not _is_internal(h) and h.__module__ == home[0]:
+            if h is not None and not _is_internal(h) and (h.__module__ == home[0] or _user_code(h)):
                 scan(h, h)
 
     target = fn.func if isinstance(fn, functools.partial) else fn

@@ -135,12 +135,15 @@ def _slice(st, value):
         if not is_proxy(a) or id(a) in made or id(a) in seen:
             continue
         seen.add(id(a))
-        if _input_leaf(walker, a) is None:
-            if getattr(a, "origin", (None,))[0] == "dim":
-                return None, "it depends on a symbolic size (dynamic=True), which the decision's program cannot read"
+        if _input_leaf(walker, a) is None and not _symbolic_size(a):
             return None, "it depends on a value that is neither an input nor computed from the inputs by the trace"
         inputs.append(a)
     return (taken, inputs), None
+
+
+def _symbolic_size(p) -> bool:
+    """A size of a per-call input (dynamic=True): the program reads it at its top, the prologue cannot."""
+    return getattr(p, "origin", (None,))[0] == "dim"
 
 
 def _without_grad(program):
@@ -168,7 +171,8 @@ def decide(value, convert: str, what: str):
     """The Python value ``convert(value)`` for a tensor or runtime number of the trace, specialised and recorded."""
     where = user_line()
     st = context.tracer_state()
-    if st is None or st.walker is None or len(st.trace._scopes) != 1:
+    # Also inside a torch-language op (a size or index argument, x[:n]): the value comes from the top-level lines.
+    if st is None or st.walker is None:
         _refuse(what, where, "it is not computed by the function's own code")
     got, why = _slice(st, value)
     if got is None:
@@ -180,6 +184,8 @@ def decide(value, convert: str, what: str):
         pos, why_prologue = _check_position(st.trace.bound_symbols, value)
     if pos is not None:
         return _checked_in_program(st, value, convert, text, lines, inputs, pos)
+    if any(_symbolic_size(p) for p in inputs):
+        _refuse(what, where, f"it depends on a symbolic size (dynamic=True), which the prologue cannot read, and {why_prologue}")
     fn, source = _program(lines, inputs, value, text, st.trace.names)
     result = _CONVERT[convert](_run(fn, st.walker, inputs))
     st.decisions.append(Decision(fn, list(inputs), convert, result, text, source, ops=len(lines), why_prologue=why_prologue))
@@ -198,7 +204,7 @@ def _program(lines, inputs, value, text, names):
 
 
 def _run(fn, walker, inputs):
-    real = [_input_leaf(walker, p).value for p in inputs]
+    real = [p.value if _symbolic_size(p) else _input_leaf(walker, p).value for p in inputs]
     with context.tracing(None), torch._C.DisableTorchFunction(), torch.no_grad():
         return fn(*real)
 
@@ -217,6 +223,8 @@ def _stays_in_prologue(walker, lines, inputs) -> bool:
     per_call = per_call_mask(walker.leaves)
     index = {id(leaf): i for i, leaf in enumerate(walker.leaves)}
     for p in inputs:
+        if _symbolic_size(p):
+            return False  # only the program has the sizes of this call's inputs
         leaf = _input_leaf(walker, p)
         if leaf.kind != "number" and not per_call[index[id(leaf)]]:
             return False  # a parameter, a buffer, optimizer state: the model's values, not the batch's
@@ -253,7 +261,9 @@ def _checked_in_program(st, value, convert, text, lines, inputs, pos):
         result = _CONVERT[convert](_run(fn, st.walker, inputs))
     bsyms = st.trace.bound_symbols
     prims.check_decision(value, convert, decision_key(result), index, text)
-    check = bsyms.pop()
+    check = st.trace._scopes[-1].pop()  # recorded in the current scope: inside a torch-language op for x[:n]
+    if check.sym is not prims.check_decision:
+        raise RuntimeError("thunder_train internal error: the decision's check was not recorded as the scope's last line")
     bsyms.insert(pos, check)
     st.decisions.append(Decision(None, list(inputs), convert, result, text, "", ops=len(lines), checked=True, index=index))
     return result

@@ -25,7 +25,7 @@ from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
 from .opaque_views import record_opaque_views
 from .state import TracerState
-from .inplace import (VIEW_SYMBOLS, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, no_grad_region,
+from .inplace import (back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view, no_grad_region,
                       opaque_out, read_current, record_views, write)
 
 
@@ -116,7 +116,7 @@ def handle_torch_function(func, types, args, kwargs):
         if top:
             out = fresh_results(func, args, kwargs, out)
             out = back_to_buffers(orig_args, args, out)
-            if sym.name in VIEW_SYMBOLS and orig_args and type(orig_args[0]) is TensorProxy:
+            if is_view(sym) and orig_args and type(orig_args[0]) is TensorProxy:
                 record_views(st, sym, orig_args[0], args[1:], kwargs, out)
         return no_grad_region(st, out, sym)
     if fname in ("register_hook", "register_post_accumulate_grad_hook") and any(type(a) is TensorProxy for a in _flat(args, kwargs)):

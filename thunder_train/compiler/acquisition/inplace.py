@@ -18,13 +18,11 @@ from ..transforms.autograd import detach_float_tensors
 from .metadata_inplace import SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace
 
 
-# Symbols whose result shares storage with their first argument in eager PyTorch: writing into
-# the result writes into the argument, and the result follows later writes to the argument.
-VIEW_SYMBOLS = {
-    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "permute",
-    "transpose", "t", "movedim", "expand", "expand_as", "broadcast_to", "split", "chunk", "tensor_split",
-    "unbind", "narrow", "select", "getitem", "detach", "diagonal", "view_as_real", "alias",
-}
+def is_view(entry) -> bool:
+    """The op's result shares storage with its first argument in eager PyTorch (tagged ``"view"`` where it is
+    defined): writing into the result writes into the argument, and the result follows later writes to it.
+    A dispatch entry wrapping a symbol (a composed ``narrow``, a named-result op) answers for that symbol."""
+    return "view" in getattr(getattr(entry, "sym", entry), "tags", ())
 
 
 def read_current(st, args, kwargs):

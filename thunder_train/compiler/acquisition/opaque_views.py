@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TracingError
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, size_value
 from ..pytree import tree_flatten, tree_map
 
 _STORAGE_VIEWS = {"as_strided"}
@@ -19,7 +19,7 @@ _STORAGE_VIEWS = {"as_strided"}
 
 def _meta(x):
     if type(x) is TensorProxy:
-        return torch.empty_strided(tuple(int(s) for s in x._tt_shape), tuple(int(s) for s in x._tt_strides),
+        return torch.empty_strided(tuple(size_value(s) for s in x._tt_shape), tuple(int(s) for s in x._tt_strides),
                                    dtype=x._tt_dtype.torch, device="meta")
     return x
 

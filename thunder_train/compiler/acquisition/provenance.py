@@ -18,7 +18,8 @@ from typing import Any
 # Roots read from the function rather than from the call's arguments (captured.py): the prologue reads them
 # again on every call; thin mode re-validates (not raises) when one changed.
 # "classattr": a class attribute the function read (class_attrs.py), looked up on the class again every call.
-CAPTURED_ROOTS = ("global", "closure", "default", "self", "classattr")
+# "modattr": an attribute of a module of the user's code the function read (``utils.loss_fn``), from its globals dict.
+CAPTURED_ROOTS = ("global", "closure", "default", "self", "classattr", "modattr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Step:
             return f"kwargs[{self.key!r}]"
         if k == "global":
             return f"{base}[{self.key!r}]"  # base: the globals dict
+        if k == "modattr":
+            return f"{base}[{self.key[1]!r}]"  # base: the module's globals dict; key (module name, attribute)
         if k == "closure":
             return f"{base}.cell_contents"  # base: the cell
         if k == "default":  # base: the function; key ("pos", index, name) or ("kw", name)
@@ -74,7 +77,7 @@ class Step:
             return f"defaults[{self.key[-1]!r}]"
         if self.kind == "self":
             return "self"
-        if self.kind == "classattr":
+        if self.kind in ("classattr", "modattr"):
             return f"{self.key[0]}.{self.key[1]}"
         if self.kind == "closure":
             owner, name = self.key
@@ -111,7 +114,7 @@ def name_from_path(path, fallback="t") -> str:
             parts.append(st.key[-1])
         elif st.kind == "self":
             parts.append("self")
-        elif st.kind == "classattr":
+        elif st.kind in ("classattr", "modattr"):
             parts.append(f"{st.key[0]}_{st.key[1]}")
         elif st.kind in ("attr", "param", "buffer", "module", "key"):
             parts.append(str(st.key))

@@ -160,6 +160,11 @@ class InputWalker:
             new = {k: self.walk(v, path + (Step("key", k),)) for k, v in x.items()}
             self._track(leaf, new, "dict")
             return new
+        if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)) and id(x) in self.by_id:
+            # Reached again (an argument also held by a plain object or a class): an identity check at this path, so
+            # that replacing it here (trainer.model = other) is seen.
+            self.leaves.append(Leaf(path, "object", x))
+            return x
         if isinstance(x, torch.nn.Module):
             self.module(x, path)
             return x

@@ -1,8 +1,9 @@
 """Background fusion: a cache entry runs its torch program while its fused program is built in a worker thread.
 
-``fusion="auto"`` (the default, docs/fusion.md) gives each cache entry a ``FusionJob``: building the
+``fusion="background"`` (the default, docs/fusion.md) gives each cache entry a ``FusionJob``: building the
 entry's fused program (Inductor kernels: seconds of C++ compile when cold) without making any call wait for
-it.  The job is submitted on the entry's second call; one daemon thread runs the jobs in order.  When a job
+it.  The entry's calls are counted (``counted``); at the second, ``decide`` (payback.py) says at which call
+the build pays for itself, and the job is submitted then, or never.  One daemon thread runs the jobs in order.  When a job
 has built its program it hands it to ``on_ready``, which swaps it into the entry (and the thin binding)
 between two calls: the torch program and the fused program take the same inputs and compute the same
 values, so which one a call runs changes no result beyond floating-point rounding.
@@ -28,13 +29,50 @@ class FusionJob:
     ``note(line)`` records what happened (``compile_stats(cf).fusion_notes``).
     """
 
-    def __init__(self, build: Callable, on_ready: Callable, note: Callable, name: str):
+    def __init__(self, build: Callable, on_ready: Callable, note: Callable, name: str,
+                 decide: Callable | None = None, record: Callable | None = None):
         self.build, self.on_ready, self.note, self.name = build, on_ready, note, name
+        self.decide = decide  # () -> payback.Decision, asked at the second call; None: start at the second call
+        self.record = record or (lambda line: None)  # one line per decision (compile_stats(cf).fusion_decisions)
+        self.decision = None
+        self.start_at = 2  # the call that submits the job (None: never)
+        self.calls = 0
         self.state = NEW
         self.switched = False
         self.done = threading.Event()
 
+    def counted(self, computation: Callable, uncount: Callable) -> Callable:
+        """``computation`` counting the calls of its entry; the call ``start_at`` submits the job.
+
+        ``uncount(computation)`` puts the uncounted computation back once the job will never start.
+        """
+        def run(*args):
+            self.calls += 1
+            if self.state == NEW and self.start_at is not None and self.calls >= self.start_at:
+                self._due(computation, uncount)
+            return computation(*args)
+
+        return run
+
+    def _due(self, computation, uncount) -> None:
+        if self.decide is not None and self.decision is None:
+            try:
+                self.decision = self.decide()
+            except Exception as e:  # noqa: BLE001 - an estimate that fails: build as without the rule
+                self.record(f"{self.name}: the pay-back estimate failed ({type(e).__name__}: {e}); built from the second call")
+                self.decide = None
+            else:
+                self.start_at = self.decision.start_at
+                self.record(self.decision.line())
+                if self.start_at is None:
+                    uncount(computation)
+                    return
+                if self.calls < self.start_at:
+                    return
+        self.submit()
+
     def submit(self) -> None:
+        """Start the build now (``tt.wait_for_fusion`` calls this whatever the decision said)."""
         if self.state == NEW:
             self.state = QUEUED
             _worker().put(self)

@@ -28,6 +28,8 @@ through torch instead (same values, no speedup).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import torch
@@ -111,36 +113,9 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     """A new trace with each region of ≥ MIN_OPS fusible ops replaced by one Inductor kernel call.
 
     ``notes`` receives one line per decision (``compile_stats(cf).fusion_notes``)."""
-    readers: dict = {}  # id(proxy) -> indices of the bound symbols that read it
-    for i, b in enumerate(trc.bound_symbols):
-        for a in b.flat_args():
-            if is_proxy(a):
-                readers.setdefault(id(a), set()).add(i)
-    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    readers, returned = _uses(trc)
     state = _State(trc, readers, returned, notes, prefix)
-    region: list = []  # (index, bsym)
-    produced: set = set()
-    hoisted: list = []
-    device = None  # of the open region: one kernel runs on one device
-    for i, b in enumerate(trc.bound_symbols):
-        name, why = _classify(b)
-        if name is not None:
-            if region and _device_of(b) != device:
-                state.flush(region, hoisted)
-                region, produced, hoisted = [], set(), []
-            device = _device_of(b)
-            region.append((i, b))
-            produced.add(id(b.output))
-            continue
-        if why is not None:
-            state.skipped[why] = state.skipped.get(why, 0) + 1
-        if region and not _is_barrier(b) and not any(id(a) in produced for a in b.flat_args() if is_proxy(a)):
-            hoisted.append(b)
-            continue
-        state.flush(region, hoisted)
-        region, produced, hoisted = [], set(), []
-        state.out.append(b)
-    state.flush(region, hoisted)
+    _walk(trc, state.flush, state.out.append, state.skipped)
     fused = state.count
     if state.reused:
         names = ", ".join(state.reused[:6]) + (", ..." if len(state.reused) > 6 else "")
@@ -152,6 +127,66 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     new = trc.derive(f"{header}: {fused} region(s)")
     new.bound_symbols = state.out
     return new
+
+
+def plan_regions(trc) -> list:
+    """The regions ``fuse_regions`` would compile, as ``(bsyms, outputs)``, without compiling anything."""
+    readers, returned = _uses(trc)
+    found = []
+
+    def flush(region, hoisted):
+        if len(region) >= MIN_OPS:
+            outputs = _region_outputs(region, readers, returned)
+            if outputs:
+                found.append(([b for _, b in region], outputs))
+
+    _walk(trc, flush, lambda b: None, {})
+    return found
+
+
+def _uses(trc):
+    """id(proxy) -> indices of the lines that read it; ids of the returned proxies."""
+    readers: dict = {}
+    for i, b in enumerate(trc.bound_symbols):
+        for a in b.flat_args():
+            if is_proxy(a):
+                readers.setdefault(id(a), set()).add(i)
+    return readers, {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+
+
+def _region_outputs(region, readers, returned) -> list:
+    """The values of ``region`` ((index, bsym) pairs) read after it or returned."""
+    inside = {i for i, _ in region}
+    return [b.output for _, b in region if id(b.output) in returned or readers.get(id(b.output), set()) - inside]
+
+
+def _walk(trc, flush, emit, skipped: dict) -> None:
+    """The one forward walk that forms regions: ``flush(region, hoisted)`` at each region's end (region =
+    (index, bsym) pairs, hoisted = the lines moved ahead of it), ``emit(bsym)`` for every other line;
+    ``skipped`` counts the candidates that could not join, by reason."""
+    region: list = []  # (index, bsym)
+    produced: set = set()
+    hoisted: list = []
+    device = None  # of the open region: one kernel runs on one device
+    for i, b in enumerate(trc.bound_symbols):
+        name, why = _classify(b)
+        if name is not None:
+            if region and _device_of(b) != device:
+                flush(region, hoisted)
+                region, produced, hoisted = [], set(), []
+            device = _device_of(b)
+            region.append((i, b))
+            produced.add(id(b.output))
+            continue
+        if why is not None:
+            skipped[why] = skipped.get(why, 0) + 1
+        if region and not _is_barrier(b) and not any(id(a) in produced for a in b.flat_args() if is_proxy(a)):
+            hoisted.append(b)
+            continue
+        flush(region, hoisted)
+        region, produced, hoisted = [], set(), []
+        emit(b)
+    flush(region, hoisted)
 
 
 class _State:
@@ -168,9 +203,7 @@ class _State:
         if len(region) < MIN_OPS:
             self.out.extend(b for _, b in region)
             return
-        inside = {i for i, _ in region}
-        outputs = [b.output for _, b in region
-                   if id(b.output) in self.returned or self.readers.get(id(b.output), set()) - inside]
+        outputs = _region_outputs(region, self.readers, self.returned)
         bsyms = [b for _, b in region]
         if not outputs:  # dead code: the final DCE drops it
             self.out.extend(bsyms)
@@ -229,6 +262,12 @@ class _Kernel:
 
 
 _kernels: dict = {}  # structural key -> _Kernel, or the reason compiling failed (str)
+on_compiled: list = []  # hooks called with (structural key, seconds) after a region compiled (payback.py installs one)
+
+
+def compiled_before(bsyms, outputs) -> bool:
+    """Whether this process already compiled (or failed to compile) a region of this structure."""
+    return _structure(bsyms, outputs)[0] in _kernels
 
 
 def _const_key(x):
@@ -269,6 +308,9 @@ def _kernel_for(bsyms, outputs):
             first = (str(e).strip().splitlines() or [""])[0][:160]
             kernel = f"{type(e).__name__}: {first}"
         _kernels[key] = kernel
+        if not isinstance(kernel, str):
+            for hook in on_compiled:
+                hook(key, kernel.seconds)
     return kernel, inputs
 
 
@@ -296,6 +338,32 @@ def _region_graph(bsyms, inputs, outputs):
     return region
 
 
+_compiling = threading.local()
+
+
+def _keep_rng_while_compiling():
+    """Inductor saves the global generators' state before compiling and sets it back afterwards. Built on the
+    background worker (``fusion="background"``) that rewinds the random numbers the training loop drew meanwhile
+    (dropout masks repeat, the run leaves eager's stream). Our regions hold no random ops, so compiling them draws
+    nothing: while one of ours compiles, that save-and-restore is skipped (other compiles keep it)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    original = dynamo_utils.preserve_rng_state
+    if getattr(original, "_tt_keeps_rng", False):
+        return
+
+    @contextlib.contextmanager
+    def preserve_rng_state():
+        if getattr(_compiling, "active", False):
+            yield
+        else:
+            with original():
+                yield
+
+    preserve_rng_state._tt_keeps_rng = True
+    dynamo_utils.preserve_rng_state = preserve_rng_state
+
+
 def _inductor_compile(gm, example):
     """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``."""
     from torch._inductor import config
@@ -306,9 +374,14 @@ def _inductor_compile(gm, example):
     if not config.size_asserts:
         raise RuntimeError("torch._inductor.config.size_asserts is off: a kernel could not check its inputs' strides")
 
+    _keep_rng_while_compiling()
     with torch.no_grad():
         aten = make_fx(gm, tracing_mode="fake", decomposition_table=select_decomp_table())(*example)
-        compiled = compile_fx_inner(aten, example)
+        _compiling.active = True
+        try:
+            compiled = compile_fx_inner(aten, example)
+        finally:
+            _compiling.active = False
     call = getattr(compiled, "current_callable", None)
     return call if call is not None else compiled  # the bare generated ``call``: no per-call bookkeeping
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -34,7 +34,7 @@ def _mode():
 
 def _fake(p):
     """Inside the fake mode: a tensor with ``p``'s shape, dtype, device and layout."""
-    shape = tuple(int.__int__(s) for s in p._tt_shape)
+    shape = tuple(size_value(s) for s in p._tt_shape)
     strides, offset = p._tt_strides, p._tt_storage_offset
     extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
     base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
@@ -71,7 +71,7 @@ def _to_fake(x):
     if type(x) is TensorProxy:
         return _fake(x)
     if isinstance(x, NumberProxy):
-        return x.python_type(x.value) if x.value == x.value else x.python_type(1)
+        return x.python_type(1) if x.value is None else x.python_type(x.value)  # an item(): a stand-in value
     return to_torch_arg(x)
 
 
@@ -146,23 +146,68 @@ def set_layout(bsym) -> None:
     if c is None:
         return
     fn, args, kwargs = c
-    try:
-        with torch._C.DisableTorchFunction(), torch.no_grad(), _mode():
-            margs, mkwargs = tree_map(_to_fake, (tuple(args), dict(kwargs)))
-            mout = fn(*margs, **mkwargs)
-    except Exception:  # noqa: BLE001 - fake tensors lack some kernels, and word errors differently
-        mout = _on_meta(fn, args, kwargs)
-        if mout is None:
-            return
-    mflat = [m for m in tree_flatten(mout)[0] if isinstance(m, torch.Tensor)]
+    key = _key(fn, args, kwargs)
+    layouts = _layouts.get(key) if key is not None else None
+    if layouts is None:
+        try:
+            with torch._C.DisableTorchFunction(), torch.no_grad(), _mode():
+                margs, mkwargs = tree_map(_to_fake, (tuple(args), dict(kwargs)))
+                mout = fn(*margs, **mkwargs)
+        except Exception:  # noqa: BLE001 - fake tensors lack some kernels, and word errors differently
+            mout = _on_meta(fn, args, kwargs)
+            if mout is None:
+                return
+        layouts = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in tree_flatten(mout)[0]
+                   if isinstance(m, torch.Tensor)]
+        if key is not None:
+            _layouts[key] = layouts
     pflat = [o for o in bsym.flat_outputs() if isinstance(o, torch.Tensor)]
-    if len(mflat) != len(pflat):
+    if len(layouts) != len(pflat):
         return
-    for p, m in zip(pflat, mflat):
-        if type(p) is TensorProxy and id(p) not in ins and tuple(m.shape) == tuple(int.__int__(s) for s in p._tt_shape):
-            p._tt_strides = tuple(m.stride())
-            p._tt_storage_offset = m.storage_offset()
-            p._tt_rowmajor = p._tt_storage_offset == 0 and p._tt_strides == contiguous_strides(p._tt_shape)
+    for p, (shape, strides, offset) in zip(pflat, layouts):
+        if type(p) is TensorProxy and id(p) not in ins and shape == tuple(size_value(s) for s in p._tt_shape):
+            p._tt_strides = strides
+            p._tt_storage_offset = offset
+            p._tt_rowmajor = offset == 0 and strides == contiguous_strides(p._tt_shape)
+
+
+# The layouts found for a call, by what the fake run saw: the callable, every tensor's shape, strides, offset,
+# dtype and device, every other argument (by type and value).  The same op on inputs laid out alike (every
+# layer of a model, a retrace) is not run again.  A call whose arguments are not all hashable is not cached.
+_layouts: dict = {}
+_MAX_LAYOUTS = 100_000
+
+
+_PLAIN = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.memory_format,
+          torch.layout)  # values, not objects the cache would keep alive
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _leaf_key(x):
+    if type(x) is TensorProxy:
+        # Plain ints: hashing a symbolic size would record a check and specialise a dynamic=True program.
+        return (tuple(size_value(s) for s in x._tt_shape), tuple(size_value(s) for s in x._tt_strides),
+                size_value(x._tt_storage_offset), x._tt_dtype, x._tt_device)
+    if isinstance(x, NumberProxy):
+        return (NumberProxy, x.python_type, repr(x.value))
+    if type(x) in _PLAIN:
+        return (type(x), x)
+    raise _Uncached
+
+
+def _key(fn, args, kwargs):
+    if len(_layouts) >= _MAX_LAYOUTS:
+        return None
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    try:
+        key = (fn, repr(spec), tuple(_leaf_key(x) for x in leaves))
+        hash(key)
+    except (_Uncached, TypeError):
+        return None
+    return key
 
 
 symbols.layout_hook = set_layout

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import TensorProxy, is_int, is_proxy
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol
 from . import torch_impls
@@ -272,7 +272,7 @@ def define_region(fd, region, DataType) -> list:
         elif name in _REDUCTION:
             x = args[0]
             dims = args[1] if len(args) > 1 else b.kwargs.get("dim", None)
-            dims = list(range(len(x._tt_shape))) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+            dims = list(range(len(x._tt_shape))) if dims is None else [dims] if is_int(dims) else list(dims)
             dims = [d % max(len(x._tt_shape), 1) for d in dims]
             keepdim = args[2] if len(args) > 2 else b.kwargs.get("keepdim", False)
             v = getattr(fd.ops, _REDUCTION[name])(val(x), dims, keepdim)

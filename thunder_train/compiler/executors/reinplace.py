@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import TensorProxy, is_number, is_proxy
 from ..pytree import tree_flatten
 from . import torch_impls
 from .torch_executor import impl_symbol, prim_inplace_form
@@ -58,7 +58,7 @@ def _multi_inplace_form(bsym):
     fn = _fn(bsym)
     if getattr(fn, "overwrites", None) is not None:
         return fn.inplace, fn.overwrites
-    if fn is torch._foreach_add and len(bsym.args) == 2 and isinstance(bsym.args[1], (int, float)) and not bsym.kwargs:
+    if fn is torch._foreach_add and len(bsym.args) == 2 and is_number(bsym.args[1]) and not bsym.kwargs:
         return torch_impls.foreach_add_, ((None, 0),)
     return None
 

@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes, devices, prims, symbols
 from ..opaque import printable_reference
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_int
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
 from . import torch_impls
@@ -409,7 +409,7 @@ def _(bsym):
 @_rule(prims.iota)
 def _(bsym):
     kw = bsym.kwargs
-    ints = all(isinstance(v, int) for v in (kw["start"], kw["step"])) and not kw["dtype"].is_float
+    ints = all(is_int(v) for v in (kw["start"], kw["step"])) and not kw["dtype"].is_float
     fn = torch_impls.iota_int if ints else torch_impls.iota_float
     return fn, (bsym.args[0], kw["start"], kw["step"], kw["device"].torch, kw["dtype"].torch), {}
 

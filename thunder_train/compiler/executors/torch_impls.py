@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import codegen
 from ..errors import DecisionMismatch
-from ..torchlang import nn as ltorch_nn, optim as ltorch_optim
+from ..torchlang import activations as ltorch_activations, optim as ltorch_optim
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -192,8 +192,8 @@ def silu_vjp(g, reads, input, inplace=False):
     return (torch.ops.aten.silu_backward(g, input),)
 
 
-ltorch_nn.gelu.torch_direct_vjp = gelu_vjp
-ltorch_nn.silu.torch_direct_vjp = silu_vjp
+ltorch_activations.gelu.torch_direct_vjp = gelu_vjp
+ltorch_activations.silu.torch_direct_vjp = silu_vjp
 
 
 def grad_layout(g, param):

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import types
 
-from ..proxies import NumberProxy, TensorProxy
+from ..proxies import TensorProxy, size_value
 from ..symbols import Symbol
-
-Number = (int, float, bool, complex)
 
 _all: dict = {}
 prims = types.SimpleNamespace()
@@ -65,8 +63,7 @@ def common_device(tensors, opname):
     return dev
 
 
-def number_value(x):
-    return x.value if isinstance(x, NumberProxy) else x
+number_value = size_value  # the example value of a number (None for an item() result)
 
 
 def like(a, *, shape=None, dtype=None):

@@ -10,8 +10,8 @@ import operator
 from .. import dtypes
 from ..errors import NoGradientRuleError
 from ..grad_rules import register_vjp
-from ..proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked
-from .core import (Number, add_tags, check, common_device, is_float, is_tensor, number_value, prim, prims, remove_tags,
+from ..proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked, is_number, number_type
+from .core import (add_tags, check, common_device, is_float, is_tensor, number_value, prim, prims, remove_tags,
                    square, tensor_args, zeros_like)
 
 UNARY_OPS = (
@@ -33,7 +33,15 @@ def _elementwise_meta(sym, args, *, bool_output=False):
         # A scalar computation on runtime numbers: recorded, output is a NumberProxy.
         check(any(isinstance(a, NumberProxy) for a in args), f"{opname}: expected a tensor or NumberProxy input")
         check(sym.python_op is not None, f"{opname} is not supported on Python numbers")
-        value = sym.python_op(*[number_value(a) for a in args])
+        values = [number_value(a) for a in args]
+        if any(v is None for v in values):  # an item() result: no value yet; the result's type from stand-ins
+            stand_in = {bool: True, int: 1, float: 1.0, complex: 1j}
+            try:
+                kind = type(sym.python_op(*[stand_in[number_type(a)] if v is None else v for a, v in zip(args, values)]))
+            except (ArithmeticError, ValueError):
+                kind = float
+            return NumberProxy(value=None, python_type=kind)
+        value = sym.python_op(*values)
         if any(is_checked(a) for a in args) and type(value) in (int, float):
             # Arithmetic on symbolic sizes / checked hyper-parameters stays checked (their decisions are guarded).
             out = SizeProxy(value=value, python_type=int) if type(value) is int else CheckedFloat(value=value, python_type=float)
@@ -47,7 +55,7 @@ def _elementwise_meta(sym, args, *, bool_output=False):
         check(t._tt_dtype is dtype, lambda: f"{opname}: prims need equal dtypes, got {dtype} and {t._tt_dtype}")
     for a in args:
         check(
-            type(a) is TensorProxy or isinstance(a, Number) or isinstance(a, NumberProxy),
+            type(a) is TensorProxy or is_number(a),
             lambda: f"{opname}: unsupported input {a!r}",
         )
     device = common_device(tensors, opname)
@@ -366,7 +374,7 @@ def polygamma(n, a):
 
     Gradient rules use it (digamma's derivative is ``polygamma(1, a)``).
     """
-    check(isinstance(n, int) and not isinstance(n, bool) and n >= 0, lambda: f"polygamma: n must be a non-negative int, got {n!r}")
+    check(number_type(n) is int and n >= 0, lambda: f"polygamma: n must be a non-negative int, got {n!r}")
     check(type(a) is TensorProxy and a._tt_dtype.is_float, "polygamma: expected a floating-point tensor")
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
 

@@ -2,20 +2,21 @@
 ``"random"`` marks the prims whose values differ from call to call (decisions refuse them)."""
 from __future__ import annotations
 
-from ..proxies import NumberProxy, SizeProxy, TensorProxy
-from .core import check, number_value, prim
+from ..proxies import NumberProxy, TensorProxy, is_int, size_arg, size_value
+from .core import check, prim
 
 
 def _factory_shape(shape):
-    shape = tuple(shape)
+    shape = tuple(_size(s) for s in shape)
     for s in shape:
-        check(isinstance(s, (int, NumberProxy)) and number_value(s) >= 0, lambda: f"invalid size {s} in {shape}")
-    return tuple(_size(s) for s in shape)
+        check(is_int(s) and size_value(s) >= 0, lambda: f"invalid size {s} in {shape}")
+    return shape
 
 
 def _size(s):
-    """A size argument: symbolic sizes (dynamic=True) stay symbolic, other runtime numbers are specialised."""
-    return s if type(s) is SizeProxy else number_value(s)
+    """A size argument: symbolic sizes (dynamic=True) stay symbolic, other runtime numbers (``item()``) are
+    specialised on their value (a decision the prologue recomputes)."""
+    return size_arg(s) if isinstance(s, NumberProxy) else s
 
 
 # "cheap_to_recompute": the backward recomputes a constant rather than saving it (transforms/autograd.py).

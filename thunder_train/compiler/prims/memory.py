@@ -6,7 +6,7 @@ backward, so reaching one on a gradient path raises ``NoGradientRuleError``; ``i
 are numbers (``"non_differentiable"``, as eager's ``item()`` is)."""
 from __future__ import annotations
 
-from ..proxies import NumberProxy, TensorProxy
+from ..proxies import NumberProxy, TensorProxy, size_value
 from .core import check, prim
 
 
@@ -20,23 +20,20 @@ def copy_(src, dst):
 @prim(tags=("non_differentiable",))
 def shape(a):
     """The sizes of ``a`` as runtime numbers (symbolic-shape mode)."""
-    return tuple(NumberProxy(value=s, python_type=int) for s in a._tt_shape)
+    return tuple(NumberProxy(value=size_value(s), python_type=int) for s in a._tt_shape)
 
 
 @prim(tags=("non_differentiable",))
 def item(a):
     """The Python number in a one-element tensor (``Tensor.item()``): a runtime number of the program.
 
-    Its example value is unknown while tracing (NaN / 0), so Python code may do
-    arithmetic with it (recorded as scalar prims) but not branch on it.
+    Its value does not exist while tracing (``value=None``): arithmetic with it is recorded as
+    scalar prims, and any other use of the number (``if``, ``range()``, ``math.sqrt``, ...) is a
+    decision the prologue recomputes (``NumberProxy._concrete``).
     """
     check(a.numel_() == 1, lambda: f"a Tensor with {a.numel_()} elements cannot be converted to Scalar")
     dt = a._tt_dtype
-    if dt.is_float:
-        return NumberProxy(value=float("nan"), python_type=float)
-    if dt.is_bool:
-        return NumberProxy(value=False, python_type=bool)
-    return NumberProxy(value=0, python_type=int)
+    return NumberProxy(value=None, python_type=float if dt.is_float else bool if dt.is_bool else complex if dt.is_complex else int)
 
 
 @prim(tags=("side_effect", "fallible"))

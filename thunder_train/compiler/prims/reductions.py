@@ -6,14 +6,14 @@ import math
 
 from .. import dtypes
 from ..grad_rules import register_vjp
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, as_divisor, is_int
 from .core import check, prim, prims, restore_reduced, zeros_like
 
 
 def _reduced_shape(a, dims, opname):
     nd = len(a._tt_shape)
     for d in dims:
-        check(isinstance(d, int) and 0 <= d < nd, lambda: f"{opname}: invalid dim {d} for rank {nd}")
+        check(is_int(d) and 0 <= d < nd, lambda: f"{opname}: invalid dim {d} for rank {nd}")
     return tuple(s for i, s in enumerate(a._tt_shape) if i not in dims)
 
 
@@ -99,10 +99,10 @@ def var(a, dims, correction):
 @register_vjp(var)
 def var_vjp(g, out, /, a, dims, correction):
     n = math.prod(a._tt_shape[d] for d in dims)
-    mean = restore_reduced(prims.div(prims.sum(a, dims), float(n)), a._tt_shape, dims)
+    mean = restore_reduced(prims.div(prims.sum(a, dims), as_divisor(n)), a._tt_shape, dims)
     centred = prims.sub(a, mean)
     gb = restore_reduced(g, a._tt_shape, dims)
-    return {"a": prims.div(prims.mul(prims.mul(gb, centred), 2.0), float(n - correction))}
+    return {"a": prims.div(prims.mul(prims.mul(gb, centred), 2.0), as_divisor(n - correction))}
 
 
 @prim(tags=("reduction", "non_differentiable"))

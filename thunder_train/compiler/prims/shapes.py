@@ -8,7 +8,7 @@ import math
 from .. import dtypes
 from ..errors import NoGradientRuleError
 from ..grad_rules import register_vjp
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_int, size_value
 from .core import check, common_device, is_tensor, prim, prims, reshape as reshape_to, slice_in_dim, sum_to, unsqueeze, zeros_like
 
 # "cheap_to_recompute": views and metadata changes the backward recomputes from their input rather than
@@ -44,7 +44,7 @@ def reshape(a, shape):
     shape = tuple(shape)
     n = 1
     for s in shape:
-        check(isinstance(s, int) and s >= 0, lambda: f"reshape: invalid size {s}")
+        check(is_int(s) and size_value(s) >= 0, lambda: f"reshape: invalid size {s}")
         n *= s
     check(n == a.numel_(), lambda: f"reshape: shape {shape} is invalid for input of size {a.numel_()}")
     return TensorProxy(shape=shape, dtype=a._tt_dtype, device=a._tt_device)

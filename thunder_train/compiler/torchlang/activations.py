@@ -1,14 +1,202 @@
-"""Activation functions written as torch calls (``registry.composed``): celu, selu, threshold, tanhshrink,
-softshrink, hardshrink, softmin, rrelu (outside training) and prelu.  Activations with their own symbol
-(relu, gelu, silu, ...) are in nn.py."""
+"""Activation functions: relu, gelu, silu, softplus, elu, the hard* forms, ... (symbols, each with its direct
+gradient rule where it has one) and celu, selu, threshold, the shrinks, softmin, rrelu (outside training)
+and prelu, written as torch calls."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from .registry import composed
+from .. import clang, prims
+from ..clang import Promotion, downcast_like, upcast
+from ..grad_rules import register_vjp
+from .autocast import FP32  # autocast policies: see autocast.py
+from .helpers import square, upcast_and_dtype
+from .registry import composed, torchsymbol
 
 
+# Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
+_mul, _add, _sub = prims.mul, prims.add, prims.sub
+
+
+@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu, tags=("fusible",))
+def relu(input, inplace=False):
+    """max(input, 0); NaN propagates like eager."""
+    return clang.elementwise_binary(prims.maximum, input, 0, upcast=False)
+
+
+@register_vjp(relu)
+def _relu_vjp(g, out, /, input, inplace=False):
+    # eager's threshold_backward(g, out, 0): 0 where out <= 0, so relu'(0) = 0 and a NaN passes g
+    return {"input": prims.where(prims.le(out, 0.0), 0.0, g)}
+
+
+@torchsymbol(F.relu6)
+def relu6(input, inplace=False):
+    return hardtanh(input, 0.0, 6.0)
+
+
+@torchsymbol(F.hardtanh, tags=("fusible",))
+def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
+    x = clang.where(clang.lt(input, min_val), clang.maybe_convert(min_val, input._tt_dtype), input)
+    return clang.where(clang.elementwise_binary(prims.gt, x, max_val, Promotion.ALWAYS_BOOL, upcast=False), clang.maybe_convert(max_val, input._tt_dtype), x)
+
+
+@register_vjp(hardtanh)
+def _hardtanh_vjp(g, out, /, input, min_val=-1.0, max_val=1.0, inplace=False):
+    # eager's hardtanh_backward: 0 where input <= min_val or input >= max_val (the bounds included, NaN not)
+    outside = prims.bitwise_or(prims.le(input, min_val), prims.ge(input, max_val))
+    return {"input": prims.where(outside, 0.0, g)}
+
+
+@torchsymbol(F.leaky_relu, tags=("fusible",))
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, clang.mul(input, negative_slope))
+
+
+@torchsymbol(F.gelu, tags=("fusible", "fused_backward",))
+def gelu(input, approximate="none"):
+    """GELU, exact (erf) or tanh approximation; computed in float32 for low precision."""
+    x, dt = upcast_and_dtype(input)
+    if approximate == "none":
+        out = prims.mul(prims.mul(x, 0.5), prims.add(prims.erf(prims.mul(x, 1 / math.sqrt(2))), 1.0))
+    elif approximate == "tanh":
+        inner = prims.mul(prims.add(x, prims.mul(prims.mul(prims.mul(x, x), x), 0.044715)), math.sqrt(2 / math.pi))
+        out = prims.mul(prims.mul(x, 0.5), prims.add(prims.tanh(inner), 1.0))
+    else:
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return clang.maybe_convert(out, dt)
+
+
+@register_vjp(gelu)
+def _gelu_vjp(g, out, /, input, approximate="none"):
+    """Computed in float32 for low precision, like the forward.  With the torch executor this rule is the
+    decomposition of one ``gelu_vjp`` line that runs PyTorch's own backward kernel (``fused_backward``;
+    executors/torch_impls.py ``gelu_vjp``)."""
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    if approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        inner = _mul(_add(x, _mul(_mul(square(x), x), 0.044715)), k)
+        t = prims.tanh(inner)
+        dinner = _mul(_add(_mul(square(x), 3 * 0.044715), 1.0), k)
+        d = _add(_mul(_add(t, 1.0), 0.5), _mul(_mul(_mul(x, 0.5), _sub(1.0, square(t))), dinner))
+    else:
+        cdf = _mul(_add(prims.erf(_mul(x, 1 / math.sqrt(2))), 1.0), 0.5)
+        pdf = _mul(prims.exp(_mul(square(x), -0.5)), 1 / math.sqrt(2 * math.pi))
+        d = _add(cdf, _mul(x, pdf))
+    return {"input": downcast_like(_mul(gu, d), input)}
+
+
+@torchsymbol(F.silu, tags=("fusible", "fused_backward",))
+def silu(input, inplace=False):
+    x, dt = upcast_and_dtype(input)
+    return clang.maybe_convert(prims.mul(x, prims.sigmoid(x)), dt)
+
+
+@register_vjp(silu)
+def _silu_vjp(g, out, /, input, inplace=False):
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    s = prims.sigmoid(x)
+    return {"input": downcast_like(_mul(gu, _mul(s, _add(_mul(x, _sub(1.0, s)), 1.0))), input)}
+
+
+@torchsymbol(F.mish, tags=("fusible",))
+def mish(input, inplace=False):
+    x, dt = upcast_and_dtype(input)
+    return clang.maybe_convert(prims.mul(x, prims.tanh(_softplus(x, 1.0, 20.0))), dt)
+
+
+def _softplus(x, beta, threshold):
+    bx = prims.mul(x, beta) if beta != 1 else x
+    soft = prims.div(prims.log1p(prims.exp(bx)), beta) if beta != 1 else prims.log1p(prims.exp(bx))
+    return prims.where(prims.gt(bx, threshold), x, soft)
+
+
+@torchsymbol(F.softplus, tags=("fusible",), autocast={"cuda": FP32})
+def softplus(input, beta=1.0, threshold=20.0):
+    x, dt = upcast_and_dtype(input)
+    return clang.maybe_convert(_softplus(x, beta, threshold), dt)
+
+
+@register_vjp(softplus)
+def _softplus_vjp(g, out, /, input, beta=1.0, threshold=20.0):
+    # eager's softplus_backward: g where beta * x > threshold (so softplus'(inf) = 1), else g * z / (z + 1), z = exp(beta * x)
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    bx = _mul(x, beta) if beta != 1 else x
+    z = prims.exp(bx)
+    return {"input": downcast_like(prims.where(prims.gt(bx, threshold), gu, prims.div(_mul(gu, z), _add(z, 1.0))), input)}
+
+
+@torchsymbol(F.elu, tags=("fusible",))
+def elu(input, alpha=1.0, inplace=False):
+    x, dt = upcast_and_dtype(input)
+    return clang.maybe_convert(prims.where(prims.gt(x, 0.0), x, prims.mul(prims.expm1(x), alpha)), dt)
+
+
+@register_vjp(elu)
+def _elu_vjp(g, out, /, input, alpha=1.0, inplace=False):
+    # eager's elu_backward (of the input): g * alpha * exp(x) where x <= 0, else g (NaN and inf included)
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    return {"input": downcast_like(prims.where(prims.le(x, 0.0), _mul(_mul(gu, alpha), prims.exp(x)), gu), input)}
+
+
+@torchsymbol(F.logsigmoid)
+def logsigmoid(input):
+    x, dt = upcast_and_dtype(input)
+    return clang.maybe_convert(prims.neg(_softplus(prims.neg(x), 1.0, 20.0)), dt)
+
+
+@register_vjp(logsigmoid)
+def _logsigmoid_vjp(g, out, /, input):
+    # eager's log_sigmoid_backward: g * (max_deriv - sign * z / (1 + z)), z = exp(-|x|); exact at -inf (1) and inf (0)
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    negative = prims.lt(x, 0.0)
+    z = prims.exp(prims.neg(prims.abs(x)))
+    frac = prims.div(z, _add(z, 1.0))
+    return {"input": downcast_like(_mul(gu, prims.where(negative, _sub(1.0, frac), frac)), input)}
+
+
+@torchsymbol(F.hardsigmoid, tags=("fusible",))
+def hardsigmoid(input, inplace=False):
+    return clang.true_divide(hardtanh(clang.add(input, 3.0), -3.0 + 3.0, 6.0), 6.0)
+
+
+@register_vjp(hardsigmoid)
+def _hardsigmoid_vjp(g, out, /, input, inplace=False):
+    # eager's hardsigmoid_backward: g / 6 where -3 < x < 3, else 0 (NaN included)
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    inside = prims.bitwise_and(prims.gt(x, -3.0), prims.lt(x, 3.0))
+    return {"input": downcast_like(prims.where(inside, prims.div(gu, 6.0), 0.0), input)}
+
+
+@torchsymbol(F.hardswish, tags=("fusible",))
+def hardswish(input, inplace=False):
+    return clang.mul(input, hardsigmoid(input))
+
+
+@register_vjp(hardswish)
+def _hardswish_vjp(g, out, /, input, inplace=False):
+    # eager's hardswish_backward: 0 where x <= -3, g * (x / 3 + 0.5) where x < 3, else g (NaN included)
+    x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
+    middle = prims.where(prims.lt(x, 3.0), _mul(gu, _add(prims.div(x, 3.0), 0.5)), gu)
+    return {"input": downcast_like(prims.where(prims.le(x, -3.0), 0.0, middle), input)}
+
+
+@torchsymbol(F.softsign)
+def softsign(input):
+    return clang.true_divide(input, clang.add(clang.elementwise_unary(prims.abs, input), 1))
+
+
+@torchsymbol(F.glu)
+def glu(input, dim=-1):
+    a, b = clang.slice_in_dim(input, 0, input._tt_shape[dim] // 2, 1, dim), clang.slice_in_dim(input, input._tt_shape[dim] // 2, input._tt_shape[dim], 1, dim)
+    return clang.mul(a, clang.elementwise_unary(prims.sigmoid, b, Promotion.INT_TO_FLOAT))
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def _maybe_inplace(input, out, inplace):
     return input.copy_(out) if inplace else out  # the copy_ is functionalized like the user's own
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import dtypes, devices
-from ..proxies import TensorProxy, NumberProxy
+from ..proxies import TensorProxy, NumberProxy, size_arg
 
 
 def to_dtype(d):
@@ -31,12 +31,9 @@ def size_args(shape) -> tuple:
         shape = shape[0]
     out = []
     for s in shape:
-        if isinstance(s, NumberProxy):
-            out.append(s)
-        elif type(s) is TensorProxy:
+        if type(s) is TensorProxy:
             raise TypeError("a tensor cannot be used as a size while tracing (its value is data-dependent)")
-        else:
-            out.append(int(s))
+        out.append(size_arg(s) if isinstance(s, NumberProxy) else int(s))
     return tuple(out)
 
 

@@ -12,13 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..proxies import TensorProxy
+from ..clang import is_tensor
 from . import factories, nn, shapes  # noqa: F401 - their entries are registered first
 from .registry import by_torch_fn, composed, direct
-
-
-def _t(x):
-    return type(x) is TensorProxy
 
 
 def equal(input, other):
@@ -33,25 +29,25 @@ def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
 
 
 def _int(v):
-    return int(v) if _t(v) else v
+    return int(v) if is_tensor(v) else v
 
 
 def narrow(input, dim, start, length):
-    if _t(start) or _t(length):  # again through the dispatcher, which gives eager's result objects
+    if is_tensor(start) or is_tensor(length):  # again through the dispatcher, which gives eager's result objects
         return torch.narrow(input, dim, _int(start), _int(length))
     return direct(shapes.narrow, input, dim, start, length)
 
 
 def tensor_split(input, indices_or_sections, dim=0):
     v = indices_or_sections
-    if _t(v):
+    if is_tensor(v):
         v = int(v) if v.ndim == 0 else tuple(int(v[i]) for i in range(v.shape[0]))
         return torch.tensor_split(input, v, dim)
     return direct(shapes.tensor_split, input, v, dim)
 
 
 def one_hot(tensor, num_classes=-1):
-    if num_classes < 0 and _t(tensor):
+    if num_classes < 0 and is_tensor(tensor):
         num_classes = int(tensor.max()) + 1 if tensor.numel() else 0
     if num_classes == 0:
         raise RuntimeError("Can not infer total number of classes from empty tensor.")
@@ -63,7 +59,7 @@ _linspace_entry = by_torch_fn[torch.linspace]  # the factory (records its dtype/
 
 def linspace(start, end, steps, **kwargs):
     # float(tensor) is a decision (a value of the per-call inputs), not a runtime number
-    return direct(_linspace_entry, float(start) if _t(start) else start, float(end) if _t(end) else end, _int(steps), **kwargs)
+    return direct(_linspace_entry, float(start) if is_tensor(start) else start, float(end) if is_tensor(end) else end, _int(steps), **kwargs)
 
 
 composed("equal", equal, (torch.equal,), ("equal",))

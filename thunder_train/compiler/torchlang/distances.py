@@ -1,13 +1,26 @@
-"""Distances written as torch calls (``registry.composed``): ``torch.dist``, ``pairwise_distance``, ``pdist``.
-``cosine_similarity`` is a symbol in nn.py."""
+"""Distances: ``cosine_similarity`` (a symbol); ``torch.dist``, ``pairwise_distance`` and ``pdist`` written as
+torch calls."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .registry import composed
+from .. import clang
+from .autocast import FP32  # autocast policies: see autocast.py
+from .registry import composed, torchsymbol
 
 
+@torchsymbol(F.cosine_similarity, torch.cosine_similarity, autocast={"cuda": FP32})
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    num = clang.sum(clang.mul(x1, x2), dim)
+    n1 = clang.sqrt(clang.sum(clang.mul(x1, x1), dim))
+    n2 = clang.sqrt(clang.sum(clang.mul(x2, x2), dim))
+    return clang.true_divide(num, clang.maximum(clang.mul(n1, n2), eps))
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def dist(input, other, p=2):
     return torch.linalg.vector_norm(input - other, p)
 

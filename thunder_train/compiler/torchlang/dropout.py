@@ -1,13 +1,31 @@
-"""Channel dropout (dropout2d/3d), alpha dropout outside training and ``native_dropout_backward``, written as
-torch calls (``registry.composed``); ``F.dropout`` itself is the ``nn.dropout`` symbol."""
+"""Dropout: ``F.dropout`` (a symbol); channel dropout (dropout2d/3d), alpha dropout outside training and
+``native_dropout_backward``, written as torch calls."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .registry import composed
+from .. import clang, prims
+from .registry import composed, torchsymbol
 
 
+@torchsymbol(F.dropout, torch.dropout)
+def dropout(input, p=0.5, training=True, inplace=False):
+    """Dropout with a fresh mask each call; identity when not training or p == 0."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return input
+    if p == 1.0:
+        return clang.mul(input, 0.0)
+    # As eager computes it on CPU: noise = bernoulli(1 - p) / (1 - p); input * noise (the same random draws).
+    noise = prims.div(prims.bernoulli(input, 1.0 - p), 1.0 - p)
+    return prims.mul(input, noise)
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def _feature_dropout(batched_ndim, name):
     def fn(input, p=0.5, training=True, inplace=False):
         if p < 0 or p > 1:

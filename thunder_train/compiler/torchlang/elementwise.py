@@ -431,6 +431,15 @@ def _real(x, op):
         raise NotImplementedError(f"{op} of a complex tensor is run by torch")
 
 
+def _real_only(name):
+    """An op that is the identity on real tensors (conj, real, ...); complex ones are run by torch."""
+    def fn(input):
+        _real(input, name)
+        return input
+
+    return fn
+
+
 def _float(x):
     return x if x.dtype.is_floating_point else x.to(torch.get_default_dtype())
 
@@ -444,21 +453,10 @@ def positive(input):
 composed("positive", positive, (torch.positive,), ("positive",))
 
 
-def conj(input):
-    _real(input, "conj")
-    return input
-
-
+conj = _real_only("conj")
 composed("conj", conj, (torch.conj,), ("conj",))
 composed("resolve_conj", conj, (torch.resolve_conj,), ("resolve_conj",))
-
-
-def resolve_neg(input):
-    _real(input, "resolve_neg")
-    return input
-
-
-composed("resolve_neg", resolve_neg, (torch.resolve_neg,), ("resolve_neg",))
+composed("resolve_neg", _real_only("resolve_neg"), (torch.resolve_neg,), ("resolve_neg",))
 
 
 def deg2rad(input):
@@ -602,23 +600,13 @@ def ldexp(input, other):
 composed("ldexp", ldexp, (torch.ldexp,), ("ldexp",))
 
 
-def _real_only(name):
-    def fn(input):
-        if input.dtype.is_complex:
-            raise NotImplementedError(f"{name} of a complex tensor is run by torch")
-        return input
-
-    return fn
-
-
 composed("conj_physical", _real_only("conj_physical"), (torch.conj_physical,), ("conj_physical",))
 composed("real", _real_only("real"), (torch.real,))
 
 
 def angle(input):
-    if input.dtype.is_complex:
-        raise NotImplementedError("angle of a complex tensor is run by torch")
-    x = input if input.dtype.is_floating_point else input.to(torch.get_default_dtype())
+    _real(input, "angle")
+    x = _float(input)
     return torch.where(torch.isnan(x), x, torch.where(x < 0, torch.full_like(x, math.pi), torch.zeros_like(x)))
 
 

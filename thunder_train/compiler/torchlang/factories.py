@@ -3,9 +3,10 @@ fill."""
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import clang, dtypes
-from ..proxies import TensorProxy
+from ..proxies import NumberProxy, TensorProxy, is_int, is_number, number_type
 from .convert import to_dtype, to_device, size_args, default_device
 from ..errors import TracingError
 from .registry import composed, torchsymbol
@@ -62,11 +63,12 @@ def empty(*size, dtype=None, device=None, layout=None, requires_grad=False, pin_
 
 
 def _fill_value_dtype(v):
-    if isinstance(v, bool):
+    t = number_type(v)
+    if t is bool:
         return dtypes.bool8
-    if isinstance(v, int):
+    if t is int:
         return dtypes.int64
-    if isinstance(v, complex):
+    if t is complex:
         return dtypes.to_complex(dtypes.default_float())
     return dtypes.default_float()
 
@@ -147,7 +149,7 @@ def arange(start=0, end=None, step=1, *, dtype=None, device=None, layout=None, r
     if end is None:
         start, end = 0, start
     if dtype is None:
-        dt = dtypes.int64 if all(isinstance(v, int) for v in (start, end, step)) else dtypes.default_float()
+        dt = dtypes.int64 if all(is_int(v) for v in (start, end, step)) else dtypes.default_float()
     else:
         dt = to_dtype(dtype)
     return clang.arange(start, end, step, device=to_device(device) or default_device(), dtype=dt)
@@ -192,13 +194,24 @@ def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=Fal
     """A tensor from Python numbers (nested lists of constants)."""
     if type(data) is TensorProxy:
         return clang.maybe_convert(data, to_dtype(dtype) or data._tt_dtype)
-    if isinstance(data, (int, float, bool)):
+    if is_number(data):
         dt = to_dtype(dtype) or _fill_value_dtype(data)
         return clang.full((), data, device=to_device(device) or default_device(), dtype=dt)
+    # torch infers the shape and dtype; runtime numbers (item() results, sizes) stand in by their type
+    # and are filled in as themselves, so their values are the call's, not the trace's.
+    leaves, spec = tree_flatten(data)
+    numbers = {i: x for i, x in enumerate(leaves) if isinstance(x, NumberProxy)}
+    if numbers:
+        stand_in = {bool: True, int: 1, float: 1.0, complex: 1j}
+        data = tree_unflatten([stand_in[numbers[i].python_type] if i in numbers else x for i, x in enumerate(leaves)], spec)
     ref = torch.tensor(data, dtype=dtype, device="cpu")
     dt = dtypes.from_torch(ref.dtype)
     dev = to_device(device) or default_device()
     flat = ref.reshape(-1).tolist()
+    if numbers:
+        if len(flat) != len(leaves):
+            raise TypeError("torch.tensor while tracing: runtime numbers (item() results, sizes) are supported in nested lists and tuples only")
+        flat = [numbers.get(i, v) for i, v in enumerate(flat)]
     parts = [clang.full((1,), v, device=dev, dtype=dt) for v in flat]
     if not parts:
         return clang.empty(tuple(ref.shape), device=dev, dtype=dt)

@@ -18,6 +18,7 @@ from .. import prims
 from ..proxies import TensorProxy
 from . import elementwise as ew
 from .inplace import _functional, _new_value
+from .reductions import norm
 from .registry import torchsymbol
 
 
@@ -98,6 +99,4 @@ _functional(foreach_zero_, _zero_values)
 
 @torchsymbol(torch._foreach_norm, name="_foreach_norm")
 def foreach_norm(tensors, ord=2, dtype=None):
-    from .reductions import norm
-
     return [norm(t, ord, dtype=dtype) for t in _check_list(tensors, "torch._foreach_norm")]

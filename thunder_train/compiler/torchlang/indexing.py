@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..proxies import is_int
 from .registry import composed
 from .value_shaped import _selected_positions
 
@@ -66,7 +67,7 @@ composed("slice_scatter", slice_scatter, (torch.slice_scatter,), ("slice_scatter
 def unravel_index(indices, shape):
     if indices.dtype.is_floating_point or indices.dtype is torch.bool:
         raise TypeError("expected 'indices' to be integer dtype")
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = (shape,) if is_int(shape) else tuple(shape)
     out, rest = [], indices
     for s in reversed(shape):
         out.append(torch.remainder(rest, s))

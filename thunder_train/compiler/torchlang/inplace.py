@@ -13,7 +13,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..proxies import TensorProxy
-from . import elementwise as ew, nn, shapes
+from . import activations, elementwise as ew, shapes
 from .registry import torchsymbol
 
 
@@ -73,7 +73,7 @@ addcmul_ = _inplace("addcmul_", ew.addcmul)
 addcdiv_ = _inplace("addcdiv_", ew.addcdiv)
 sigmoid_ = _inplace("sigmoid_", ew.sigmoid)
 tanh_ = _inplace("tanh_", ew.tanh)
-relu_ = _inplace("relu_", nn.relu)
+relu_ = _inplace("relu_", activations.relu)
 masked_fill_ = _inplace("masked_fill_", shapes.masked_fill)
 
 

@@ -9,6 +9,7 @@ import torch
 from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
 from .elementwise import _real
+from ..proxies import is_int
 from .registry import composed, torchsymbol
 
 
@@ -232,7 +233,7 @@ def tensordot(a, b, dims=2, out=None):
         raise NotImplementedError("tensordot(out=) is run by torch")
     if isinstance(dims, torch.Tensor):
         raise NotImplementedError("tensordot with tensor dims is run by torch")
-    if isinstance(dims, int):
+    if is_int(dims):
         da, db = list(range(a.ndim - dims, a.ndim)), list(range(dims))
     else:
         da, db = [d % a.ndim for d in dims[0]], [d % b.ndim for d in dims[1]]

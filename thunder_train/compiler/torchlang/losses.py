@@ -9,23 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import clang, prims
-from ..proxies import TensorProxy
-from ..clang import downcast_like, upcast
+from ..proxies import TensorProxy, as_divisor
+from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
 from .autocast import BANNED, FP32  # autocast policies: see autocast.py
+from .activations import _softplus
 from .distances import pairwise_distance
-from .nn import _softplus
+from .elementwise import xlogy
+from .helpers import upcast_and_dtype
 from .registry import composed, torchsymbol
-
-
-def _t(x):
-    return type(x) is TensorProxy
-
-
-def _up(a):
-    """Upcast low-precision floats for a composite; returns (value, original dtype)."""
-    return clang.maybe_convert(a, clang.compute_dtype(a._tt_dtype)), a._tt_dtype
 
 
 def _reduce(loss, reduction, weight_sum=None):
@@ -71,7 +64,7 @@ def _piecewise_loss_vjp(slope):
         if reduction != "none":
             gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
             if reduction == "mean":
-                gu = prims.div(gu, float(max(x.numel_(), 1)))
+                gu = prims.div(gu, as_divisor(max(x.numel_(), 1)))
         gi = slope(x, gu, *args, **kwargs)
         grads = {}
         if _float(input):
@@ -108,7 +101,7 @@ register_vjp(smooth_l1_loss, supports=_no_legacy_reduction)(_piecewise_loss_vjp(
 
 @torchsymbol(F.binary_cross_entropy_with_logits, tags=("fallible",), autocast={"cpu": FP32, "cuda": FP32})
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
-    x, dt = _up(input)
+    x, dt = upcast_and_dtype(input)
     t = clang.maybe_convert(target, x._tt_dtype)
     # loss = (1 - t) * x + (1 + (pw - 1) * t) * softplus(-x), in a stable form.
     log_sig_neg = _softplus(prims.neg(x), 1.0, 20.0)
@@ -138,7 +131,7 @@ def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=Non
     if reduction != "none":
         gu = prims.broadcast_in_dim(gu, shape, ())
         if reduction == "mean":
-            gu = prims.div(gu, float(max(math.prod(shape), 1)))
+            gu = prims.div(gu, as_divisor(max(math.prod(shape), 1)))
     if weight is not None:
         gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
     s = prims.sigmoid(x)
@@ -160,7 +153,7 @@ def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=Non
 @torchsymbol(F.binary_cross_entropy, tags=("fallible",), autocast={"cpu": FP32, "cuda": BANNED})
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log p + (1 - t) log(1 - p)), with logs clamped at -100 like eager."""
-    x, dt = _up(input)
+    x, dt = upcast_and_dtype(input)
     t = clang.maybe_convert(target, x._tt_dtype)
     log_p = clang.maximum(clang.log(x), -100.0)
     log_1mp = clang.maximum(clang.log(clang.sub(1, x)), -100.0)
@@ -184,7 +177,7 @@ def _binary_cross_entropy_vjp(g, out, /, input, target, weight=None, size_averag
     if reduction != "none":
         gu = prims.broadcast_in_dim(gu, x._tt_shape, ())
         if reduction == "mean":
-            gu = prims.div(gu, float(max(x.numel_(), 1)))
+            gu = prims.div(gu, as_divisor(max(x.numel_(), 1)))
     if weight is not None:
         gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
     grads = {}
@@ -215,11 +208,9 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     if log_target:
         loss = clang.mul(clang.exp(target), clang.sub(target, input))
     else:
-        from .elementwise import xlogy
-
         loss = clang.sub(xlogy(target, target), clang.mul(target, input))
     if reduction == "batchmean":
-        return clang.true_divide(clang.sum(loss), float(input._tt_shape[0]) if input.ndim_ else 1.0)
+        return clang.true_divide(clang.sum(loss), as_divisor(input._tt_shape[0]) if input.ndim_ else 1.0)
     return _reduce(loss, reduction)
 
 
@@ -260,7 +251,7 @@ def _nll(logp, target, weight, ignore_index, reduction):
              autocast={"cpu": FP32, "cuda": FP32})
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0):
     """Cross entropy over class indices or class probabilities, with label smoothing."""
-    x, dt = _up(input)
+    x, dt = upcast_and_dtype(input)
     c_dim = 0 if x.ndim_ == 1 else 1
     C = x._tt_shape[c_dim]
     logp = clang.log_softmax(x, c_dim)
@@ -276,7 +267,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         loss = clang.neg(clang.sum(prod, c_dim))
         if reduction == "mean":
             n = math.prod(x._tt_shape) // C
-            return clang.maybe_convert(clang.true_divide(clang.sum(loss), float(n)), dt)
+            return clang.maybe_convert(clang.true_divide(clang.sum(loss), as_divisor(n)), dt)
         return clang.maybe_convert(_reduce(loss, reduction), dt)
     nll = _nll(logp, target, weight, ignore_index, reduction)
     if label_smoothing <= 0:
@@ -316,7 +307,7 @@ def _cross_entropy_supported(input, target, weight=None, size_average=None, igno
         return target._tt_shape == input._tt_shape
     # A weight that is an input requiring grad: the decomposition differentiates it everywhere (the torch
     # executor runs this rule's backward with eager's kernels, which refuse weight gradients for class indices).
-    return not (_t(weight) and weight._tt_requires_grad)
+    return not (is_tensor(weight) and weight._tt_requires_grad)
 
 
 @register_vjp(cross_entropy, supports=_cross_entropy_supported)
@@ -335,7 +326,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
     C = x._tt_shape[c_dim]
     eps = float(label_smoothing)
     classes_shape = tuple(C if i == c_dim else 1 for i in range(x.ndim_))
-    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if _t(weight) else None
+    wc = clang.reshape(clang.maybe_convert(weight, x._tt_dtype), classes_shape) if is_tensor(weight) else None
     p = clang.softmax(x, c_dim)
     if target._tt_dtype.is_float:
         return _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduction, input)
@@ -346,7 +337,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
     valid = clang.ne(target, ignore_index)
     vf = clang.maybe_convert(valid, x._tt_dtype)
     w_t = vf
-    if _t(weight):
+    if is_tensor(weight):
         safe = clang.where(valid, target, 0)
         w_per = clang.reshape(prims.take(clang.maybe_convert(weight, x._tt_dtype), clang.reshape(safe, (-1,)), 0), target._tt_shape)
         w_t = clang.mul(vf, w_per)
@@ -361,7 +352,7 @@ def _cross_entropy_vjp(g, out, /, input, target, weight=None, size_average=None,
         smooth = clang.sub(clang.mul(p, w_sum), wc if wc is not None else 1.0)
         gx = clang.add(clang.mul(gx, 1.0 - eps), clang.mul(clang.mul(smooth, clang.unsqueeze(vf, c_dim)), eps / C))
     grads = {"input": downcast_like(clang.mul(gx, clang.unsqueeze(s, c_dim)), input)}
-    if _t(weight):
+    if is_tensor(weight):
         # d/dw_c: the -log p terms that w_c multiplies; "mean" also moves the normaliser Σ w_t.
         neg_logp = clang.neg(clang.log_softmax(x, c_dim))
         sv = clang.unsqueeze(clang.mul(s, vf), c_dim)
@@ -384,16 +375,16 @@ def _cross_entropy_probs_vjp(gu, x, p, target, weight, wc, c_dim, C, eps, reduct
     wt = clang.mul(t, wc) if wc is not None else t
     sample_shape = tuple(n for i, n in enumerate(x._tt_shape) if i != c_dim)
     if reduction == "mean":
-        gu = clang.true_divide(gu, float(math.prod(x._tt_shape) // C))
+        gu = clang.true_divide(gu, as_divisor(math.prod(x._tt_shape) // C))
     s = clang.unsqueeze(clang.expand(gu, sample_shape), c_dim)
     gx = clang.mul(clang.sub(clang.mul(p, clang.sum(wt, c_dim, keepdim=True)), wt), s)
     grads = {"input": downcast_like(gx, input)}
-    if _float(target) or _t(weight):
+    if _float(target) or is_tensor(weight):
         neg_logp_s = clang.mul(clang.neg(clang.log_softmax(x, c_dim)), s)
         if _float(target):
             gt = clang.mul(neg_logp_s, clang.mul(wc, 1.0 - eps) if wc is not None else 1.0 - eps)
             grads["target"] = downcast_like(gt, target)
-        if _t(weight):
+        if is_tensor(weight):
             batch_dims = tuple(d for d in range(x.ndim_) if d != c_dim)
             gw = clang.mul(neg_logp_s, t)
             gw = clang.sum(gw, batch_dims) if batch_dims else gw
@@ -411,7 +402,7 @@ def _value_check(bad, message):
 def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(reduction + " is not valid")
-    if not _t(var):
+    if not is_tensor(var):
         if var < 0:
             raise ValueError("var has negative entry/entries")
         var = clang.full_like(input, var)
@@ -514,8 +505,7 @@ composed("cosine_embedding_loss", cosine_embedding_loss, (F.cosine_embedding_los
 
 def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2, eps=1e-6, swap=False, size_average=None,
                         reduce=None, reduction="mean"):
-    if size_average is not None or reduce is not None:
-        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    reduction = _reduction(size_average, reduce, reduction)
     if not (anchor.ndim == positive.ndim == negative.ndim) or anchor.ndim not in (1, 2):
         raise NotImplementedError("triplet_margin_loss of these shapes is run by torch (eager checks them)")
     dp = pairwise_distance(anchor, positive, p, eps)
@@ -564,8 +554,7 @@ composed("multi_margin_loss", multi_margin_loss, (F.multi_margin_loss,))
 
 
 def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    if size_average is not None or reduce is not None:
-        raise NotImplementedError("deprecated reduction arguments are run by torch")
+    reduction = _reduction(size_average, reduce, reduction)
     x = input.reshape(1, -1) if input.ndim < 2 else input
     t = target.reshape(1, -1) if target.ndim < 2 else target
     c = x.shape[1]

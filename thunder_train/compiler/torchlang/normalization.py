@@ -1,14 +1,187 @@
-"""Normalisations written as torch calls (``registry.composed``): local_response_norm, instance_norm (input
-statistics), native_layer_norm, native_group_norm.  layer_norm, rms_norm, batch_norm and group_norm, with
-their gradient rules, are symbols in nn.py."""
+"""Normalisations: layer_norm, rms_norm, batch_norm, group_norm, normalize (symbols, with the direct gradient
+rules of layer_norm and rms_norm), and local_response_norm, instance_norm (input statistics),
+native_layer_norm and native_group_norm written as torch calls."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from .registry import composed
+from .. import clang, prims
+from ..clang import downcast_like, is_tensor, upcast
+from ..grad_rules import register_vjp
+from ..proxies import as_divisor
+from .autocast import FP32  # autocast policies: see autocast.py
+from .helpers import square, upcast_and_dtype
+from .reductions import norm
+from .registry import composed, torchsymbol
 
 
+# Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
+_mul, _add, _sub = prims.mul, prims.add, prims.sub
+
+
+@torchsymbol(F.layer_norm, tags=("fused_backward",), autocast={"cuda": FP32})
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    x, dt = upcast_and_dtype(input)
+    nd = len(tuple(normalized_shape))
+    dims = tuple(range(x.ndim_ - nd, x.ndim_))
+    var = prims.var(x, dims, 0)
+    mean = prims.div(prims.sum(x, dims), as_divisor(math.prod(x._tt_shape[d] for d in dims)))
+    var = clang._restore_dims(var, x._tt_shape, dims)
+    mean = clang._restore_dims(mean, x._tt_shape, dims)
+    out = prims.mul(prims.sub(x, clang.expand(mean, x._tt_shape)), clang.expand(prims.rsqrt(prims.add(var, eps)), x._tt_shape))
+    if weight is not None:
+        out = clang.mul(out, clang.maybe_convert(weight, out._tt_dtype))
+    if bias is not None:
+        out = clang.add(out, clang.maybe_convert(bias, out._tt_dtype))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.rms_norm, tags=("fused_backward",), autocast={"cuda": FP32})
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    x, dt = upcast_and_dtype(input)
+    nd = len(tuple(normalized_shape))
+    dims = tuple(range(x.ndim_ - nd, x.ndim_))
+    if eps is None:
+        eps = torch.finfo(input._tt_dtype.torch).eps
+    ms = clang.mean(prims.mul(x, x), dims, keepdim=True)
+    out = prims.mul(x, clang.expand(prims.rsqrt(prims.add(ms, eps)), x._tt_shape))
+    if weight is not None:
+        out = clang.mul(out, clang.maybe_convert(weight, out._tt_dtype))
+    return clang.maybe_convert(out, dt)
+
+
+def _norm_dims(x, normalized_shape):
+    nd = len(tuple(normalized_shape))
+    return tuple(range(x.ndim_ - nd, x.ndim_))
+
+
+def _mean_keep(x, dims):
+    return clang.expand(clang.mean(x, dims, keepdim=True), x._tt_shape)
+
+
+def _affine_grads(gy, xhat, weight, bias, dims):
+    """Gradients of ``y = xhat * weight + bias`` for weight and bias (summed over the batch dims)."""
+    batch = tuple(d for d in range(gy.ndim_) if d not in dims)
+    grads = {}
+    if is_tensor(weight):
+        grads["weight"] = downcast_like(clang.reshape(clang.sum(_mul(gy, xhat), batch), weight._tt_shape), weight)
+    if is_tensor(bias):
+        grads["bias"] = downcast_like(clang.reshape(clang.sum(gy, batch), bias._tt_shape), bias)
+    return grads
+
+
+@register_vjp(layer_norm)
+def _layer_norm_vjp(g, out, /, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    # Mean and rstd are recomputed from the input (cheap reductions) instead of being saved.
+    x, gy = upcast(input), upcast(g)
+    dims = _norm_dims(x, normalized_shape)
+    mean = _mean_keep(x, dims)
+    centred = _sub(x, mean)
+    rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
+    xhat = _mul(centred, rstd)
+    gxhat = clang.mul(gy, weight) if is_tensor(weight) else gy
+    gx = _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, bias, dims)}
+
+
+@register_vjp(rms_norm)
+def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
+    x, gy = upcast(input), upcast(g)
+    dims = _norm_dims(x, normalized_shape)
+    if eps is None:
+        eps = torch.finfo(input._tt_dtype.torch).eps
+    rrms = clang.expand(prims.rsqrt(_add(clang.mean(square(x), dims, keepdim=True), eps)), x._tt_shape)
+    xhat = _mul(x, rrms)
+    gxhat = clang.mul(gy, weight) if is_tensor(weight) else gy
+    gx = _mul(rrms, _sub(gxhat, _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, None, dims)}
+
+
+@torchsymbol(F.batch_norm)
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Batch norm; in training mode the running statistics are updated in place (copy_)."""
+    x, dt = upcast_and_dtype(input)
+    C = x._tt_shape[1]
+    dims = (0,) + tuple(range(2, x.ndim_))
+    bshape = (1, C) + (1,) * (x.ndim_ - 2)
+    if training:
+        n = math.prod(x._tt_shape[d] for d in dims)
+        var = prims.var(x, dims, 0)
+        mean = prims.div(prims.sum(x, dims), as_divisor(n))
+        if running_mean is not None:
+            new_mean = clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))
+            prims.copy_(new_mean, running_mean)
+        if running_var is not None:
+            unbiased = prims.mul(var, n / max(n - 1, 1))
+            new_var = clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))
+            prims.copy_(new_var, running_var)
+    else:
+        mean = clang.maybe_convert(running_mean, x._tt_dtype)
+        var = clang.maybe_convert(running_var, x._tt_dtype)
+    out = prims.mul(
+        prims.sub(x, clang.expand(clang.reshape(mean, bshape), x._tt_shape)),
+        clang.expand(clang.reshape(prims.rsqrt(prims.add(var, eps)), bshape), x._tt_shape),
+    )
+    if weight is not None:
+        out = clang.mul(out, clang.reshape(clang.maybe_convert(weight, out._tt_dtype), bshape))
+    if bias is not None:
+        out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
+    return clang.maybe_convert(out, dt)
+
+
+def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """The tracer's form: the normalised output plus the running statistics' new values as writes."""
+    if not training or (running_mean is None and running_var is None):
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps), []
+    out = batch_norm(input, None, None, weight, bias, True, momentum, eps)
+    x, _ = upcast_and_dtype(input)
+    dims = (0,) + tuple(range(2, x.ndim_))
+    n = math.prod(x._tt_shape[d] for d in dims)
+    writes = []
+    if running_mean is not None:
+        mean = prims.div(prims.sum(x, dims), as_divisor(n))
+        writes.append((running_mean, clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))))
+    if running_var is not None:
+        unbiased = prims.var(x, dims, 1 if n > 1 else 0)
+        writes.append((running_var, clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))))
+    return out, writes
+
+
+batch_norm.functionalize = _batch_norm_functionalize
+
+
+@torchsymbol(F.group_norm, autocast={"cuda": FP32})
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
+    x, dt = upcast_and_dtype(input)
+    N, C = x._tt_shape[0], x._tt_shape[1]
+    if C % num_groups:
+        raise ValueError(f"Expected number of channels in input to be divisible by num_groups, but got input of shape {x._tt_shape} and num_groups={num_groups}")
+    g = clang.reshape(x, (N, num_groups, -1))
+    var = clang._restore_dims(prims.var(g, (2,), 0), g._tt_shape, (2,))
+    mean = clang._restore_dims(prims.div(prims.sum(g, (2,)), as_divisor(g._tt_shape[2])), g._tt_shape, (2,))
+    out = prims.mul(prims.sub(g, clang.expand(mean, g._tt_shape)), clang.expand(prims.rsqrt(prims.add(var, eps)), g._tt_shape))
+    out = clang.reshape(out, x._tt_shape)
+    bshape = (1, C) + (1,) * (x.ndim_ - 2)
+    if weight is not None:
+        out = clang.mul(out, clang.reshape(clang.maybe_convert(weight, out._tt_dtype), bshape))
+    if bias is not None:
+        out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
+    return clang.maybe_convert(out, dt)
+
+
+@torchsymbol(F.normalize, autocast={"cuda": FP32})
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    n = norm(input, p, dim, True)
+    return clang.true_divide(input, clang.expand(clang.maximum(n, eps), input._tt_shape))
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):
     if input.ndim < 3:
         raise ValueError(f"Expected 3D or higher dimensionality input (got {input.ndim} dimensions)")

@@ -1,14 +1,29 @@
-"""``F.pad``'s reflect, replicate and circular modes, as an ``index_select`` of computed source positions
-per padded dimension (``registry.composed``); constant padding is the ``nn.pad`` symbol."""
+"""``F.pad``: the constant mode is a symbol (one ``prims.pad``); reflect, replicate and circular are an
+``index_select`` of computed source positions per padded dimension, written as torch calls."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import nn
-from .registry import composed, direct
+from .. import prims
+from .registry import composed, direct, torchsymbol
 
 
+@torchsymbol(F.pad, name="pad")
+def constant_pad(input, pad, mode="constant", value=None):
+    if mode != "constant":
+        raise NotImplementedError(f"F.pad(mode={mode!r}) is not supported; only 'constant'")
+    pad = tuple(pad)
+    cfg = [(0, 0, 0)] * input.ndim_
+    for i in range(len(pad) // 2):
+        d = input.ndim_ - 1 - i
+        cfg[d] = (pad[2 * i], pad[2 * i + 1], 0)
+    return prims.pad(input, 0 if value is None else value, tuple(cfg))
+
+
+# ---------------------------------------------------------------------------
+# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
+# ---------------------------------------------------------------------------
 def _pad_index(n, left, right, mode, device):
     """Source positions of the padded dimension (a few index lines, whatever its length)."""
     i = torch.arange(-left, n + right, device=device)
@@ -21,7 +36,7 @@ def _pad_index(n, left, right, mode, device):
 
 def pad(input, pad, mode="constant", value=None):
     if mode == "constant":
-        return direct(nn.pad, input, pad, mode, value)
+        return direct(constant_pad, input, pad, mode, value)
     if mode not in ("reflect", "replicate", "circular"):
         raise NotImplementedError(f"F.pad(mode={mode!r}) is run by torch")
     pad = tuple(pad)
@@ -43,11 +58,11 @@ def pad(input, pad, mode="constant", value=None):
     return out
 
 
-composed("pad", pad, (F.pad, torch._C._nn.pad), (), sym=nn.pad)
+composed("pad", pad, (F.pad, torch._C._nn.pad), (), sym=constant_pad)
 
 
 def constant_pad_nd(input, pad, value=0):
-    return direct(nn.pad, input, pad, "constant", value)
+    return direct(constant_pad, input, pad, "constant", value)
 
 
 composed("constant_pad_nd", constant_pad_nd, (torch.constant_pad_nd,))

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .. import clang, dtypes, prims
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_int, is_number, number_type
 from ..clang import Promotion
 from .convert import to_dtype
 from .autocast import FP32, FP32_UNLESS_DTYPE  # autocast policies: see autocast.py
@@ -72,7 +72,7 @@ def _max_min(name, prim, argprim):
     def fn(input, dim=None, keepdim=False):
         if dim is None:
             return clang.reduction(prim, input, None, False, upcast=False)
-        if not isinstance(dim, int):  # torch.max(a, b): elementwise
+        if not is_int(dim):  # torch.max(a, b): elementwise
             return clang.elementwise_binary(prims.maximum if name == "max" else prims.minimum, input, dim, upcast=False)
         values = clang.reduction(prim, input, dim, keepdim, upcast=False)
         d = clang.canonicalize_dim(input.ndim_, dim)
@@ -90,7 +90,7 @@ min = _max_min("min", prims.amin, prims.argmin)
 
 
 def _reducing(input, dim=None, keepdim=False):
-    return dim is None or isinstance(dim, int)  # torch.max(a, b) is elementwise: prims.maximum's rule
+    return dim is None or is_int(dim)  # torch.max(a, b) is elementwise: prims.maximum's rule
 
 
 @register_vjp(max, min, supports=_reducing)
@@ -145,14 +145,14 @@ def _correction(unbiased, correction):
 
 @torchsymbol(torch.var, methods=("var",))
 def var(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
-    if isinstance(dim, bool):  # var(input, unbiased)
+    if number_type(dim) is bool:  # var(input, unbiased)
         dim, unbiased = None, dim
     return clang.var(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
 
 
 @torchsymbol(torch.std, methods=("std",))
 def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
-    if isinstance(dim, bool):
+    if number_type(dim) is bool:
         dim, unbiased = None, dim
     v = clang.var(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
     return clang.sqrt(v)
@@ -160,7 +160,7 @@ def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
 
 @torchsymbol(torch.var_mean)
 def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
-    if isinstance(dim, bool):
+    if number_type(dim) is bool:
         dim, unbiased = None, dim
     return clang.var_mean(input, _dims(dim), keepdim, correction=_correction(unbiased, correction))
 
@@ -279,7 +279,7 @@ def norm(input, p=2, dim=None, keepdim=False, dtype=None):
 
 
 def _real_norm(input, p=2, dim=None, keepdim=False, dtype=None):
-    return isinstance(p, (int, float)) and not isinstance(p, bool) and type(input) is TensorProxy and input._tt_dtype.is_float
+    return number_type(p) in (int, float) and type(input) is TensorProxy and input._tt_dtype.is_float
 
 
 @register_vjp(norm, supports=_real_norm)
@@ -379,7 +379,7 @@ def _trapz_parts(y, x, dx, dim):
 
 
 def trapezoid(y, x=None, *, dx=None, dim=-1):
-    if isinstance(x, (int, float)):
+    if is_number(x):
         x, dx = None, x
     dx = 1 if dx is None else dx
     if y.shape[dim] == 0:
@@ -398,7 +398,7 @@ composed("trapz", trapz, (torch.trapz,))
 
 
 def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
-    if isinstance(x, (int, float)):
+    if is_number(x):
         x, dx = None, x
     dx = 1 if dx is None else dx
     if y.shape[dim] == 0:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
 
 from .. import clang, dtypes, prims
-from ..proxies import TensorProxy, NumberProxy
+from ..proxies import NumberProxy, SizeProxy, TensorProxy, is_int, number_type
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from ..grad_rules import register_vjp
@@ -22,13 +23,13 @@ def _t(x):
     return type(x) is TensorProxy
 
 
-@torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape)
+@torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape, tags=("view",))
 def reshape(input, *shape):
     """torch.reshape / Tensor.reshape (one size may be -1)."""
     return clang.reshape(input, size_args(shape))
 
 
-@torchsymbol(methods=("view",))
+@torchsymbol(methods=("view",), tags=("view",))
 def view(input, *shape):
     """Tensor.view; a dtype argument (bit reinterpretation) is not supported."""
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
@@ -36,22 +37,22 @@ def view(input, *shape):
     return clang.reshape(input, size_args(shape))
 
 
-@torchsymbol(methods=("view_as",))
+@torchsymbol(methods=("view_as",), tags=("view",))
 def view_as(input, other):
     return clang.reshape(input, other._tt_shape)
 
 
-@torchsymbol(methods=("reshape_as",))
+@torchsymbol(methods=("reshape_as",), tags=("view",))
 def reshape_as(input, other):
     return clang.reshape(input, other._tt_shape)
 
 
-@torchsymbol(torch.flatten, methods=("flatten",))
+@torchsymbol(torch.flatten, methods=("flatten",), tags=("view",))
 def flatten(input, start_dim=0, end_dim=-1):
     return clang.flatten(input, start_dim, end_dim)
 
 
-@torchsymbol(torch.unflatten, methods=("unflatten",))
+@torchsymbol(torch.unflatten, methods=("unflatten",), tags=("view",))
 def unflatten(input, dim, sizes):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     sizes = tuple(sizes)
@@ -61,38 +62,38 @@ def unflatten(input, dim, sizes):
     return clang.reshape(input, input._tt_shape[:dim] + sizes + input._tt_shape[dim + 1 :])
 
 
-@torchsymbol(torch.squeeze, methods=("squeeze",))
+@torchsymbol(torch.squeeze, methods=("squeeze",), tags=("view",))
 def squeeze(input, dim=None):
     return clang.squeeze(input, dim)
 
 
-@torchsymbol(torch.unsqueeze, methods=("unsqueeze",))
+@torchsymbol(torch.unsqueeze, methods=("unsqueeze",), tags=("view",))
 def unsqueeze(input, dim):
     return clang.unsqueeze(input, dim)
 
 
-@torchsymbol(torch.permute, methods=("permute",), torch_impl=torch.Tensor.permute)
+@torchsymbol(torch.permute, methods=("permute",), torch_impl=torch.Tensor.permute, tags=("view",))
 def permute(input, *dims):
     return clang.permute(input, size_args(dims))
 
 
-@torchsymbol(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"))
+@torchsymbol(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"), tags=("view",))
 def transpose(input, dim0, dim1):
     return clang.transpose(input, dim0, dim1)
 
 
-@torchsymbol(torch.t, methods=("t",))
+@torchsymbol(torch.t, methods=("t",), tags=("view",))
 def t(input):
     if input.ndim_ > 2:
         raise ValueError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim_}D")
     return clang.transpose(input, 0, 1) if input.ndim_ == 2 else input
 
 
-@torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"))
+@torchsymbol(torch.movedim, torch.moveaxis, methods=("movedim", "moveaxis"), tags=("view",))
 def movedim(input, source, destination):
     nd = input.ndim_
-    src = [source] if isinstance(source, int) else list(source)
-    dst = [destination] if isinstance(destination, int) else list(destination)
+    src = [source] if is_int(source) else list(source)
+    dst = [destination] if is_int(destination) else list(destination)
     src = [clang.canonicalize_dim(nd, d) for d in src]
     dst = [clang.canonicalize_dim(nd, d) for d in dst]
     perm = [-1] * nd
@@ -103,17 +104,17 @@ def movedim(input, source, destination):
     return clang.permute(input, perm)
 
 
-@torchsymbol(methods=("expand",))
+@torchsymbol(methods=("expand",), tags=("view",))
 def expand(input, *sizes):
     return clang.expand(input, size_args(sizes))
 
 
-@torchsymbol(methods=("expand_as",))
+@torchsymbol(methods=("expand_as",), tags=("view",))
 def expand_as(input, other):
     return clang.expand(input, other._tt_shape)
 
 
-@torchsymbol(torch.broadcast_to, methods=("broadcast_to",))
+@torchsymbol(torch.broadcast_to, methods=("broadcast_to",), tags=("view",))
 def broadcast_to(input, size):
     return clang.expand(input, tuple(size))
 
@@ -145,11 +146,11 @@ def vstack(tensors):
     return clang.cat(tensors, 0)
 
 
-@torchsymbol(torch.split, methods=("split",))
+@torchsymbol(torch.split, methods=("split",), tags=("view",))
 def split(tensor, split_size_or_sections, dim=0):
     dim = clang.canonicalize_dim(tensor.ndim_, dim)
     n = tensor._tt_shape[dim]
-    if isinstance(split_size_or_sections, int):
+    if is_int(split_size_or_sections):
         s = split_size_or_sections
         sizes = [min(s, n - i) for i in range(0, n, s)] if n else [0]
     else:
@@ -163,7 +164,7 @@ def split(tensor, split_size_or_sections, dim=0):
     return tuple(out)
 
 
-@torchsymbol(torch.chunk, methods=("chunk",))
+@torchsymbol(torch.chunk, methods=("chunk",), tags=("view",))
 def chunk(input, chunks, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
@@ -171,11 +172,11 @@ def chunk(input, chunks, dim=0):
     return split(input, size, dim) if size else (input,)
 
 
-@torchsymbol(torch.tensor_split, methods=("tensor_split",))
+@torchsymbol(torch.tensor_split, methods=("tensor_split",), tags=("view",))
 def tensor_split(input, indices_or_sections, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
-    if isinstance(indices_or_sections, int):
+    if is_int(indices_or_sections):
         k = indices_or_sections
         sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     else:
@@ -206,13 +207,13 @@ def _tensor_split_vjp(g, out, /, input, indices_or_sections, dim=0):
     return {"input": _cat_piece_grads(g, out, clang.canonicalize_dim(input.ndim_, dim))}
 
 
-@torchsymbol(torch.unbind, methods=("unbind",))
+@torchsymbol(torch.unbind, methods=("unbind",), tags=("view",))
 def unbind(input, dim=0):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     return tuple(clang.squeeze(clang.slice_in_dim(input, i, i + 1, 1, dim), (dim,)) for i in range(input._tt_shape[dim]))
 
 
-@torchsymbol(torch.narrow, methods=("narrow",))
+@torchsymbol(torch.narrow, methods=("narrow",), tags=("view",))
 def narrow(input, dim, start, length):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     if start < 0:
@@ -220,7 +221,7 @@ def narrow(input, dim, start, length):
     return clang.slice_in_dim(input, start, start + length, 1, dim)
 
 
-@torchsymbol(torch.select, methods=("select",))
+@torchsymbol(torch.select, methods=("select",), tags=("view",))
 def select(input, dim, index):
     dim = clang.canonicalize_dim(input.ndim_, dim)
     n = input._tt_shape[dim]
@@ -240,8 +241,8 @@ def flip(input, dims):
 def roll(input, shifts, dims=None):
     if dims is None:
         return clang.reshape(roll(clang.flatten(input), shifts, 0), input._tt_shape)
-    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    shifts = (shifts,) if is_int(shifts) else tuple(shifts)
+    dims = (dims,) if is_int(dims) else tuple(dims)
     out = input
     for s, d in zip(shifts, dims):
         d = clang.canonicalize_dim(input.ndim_, d)
@@ -377,7 +378,7 @@ def _normalize_index(input, key):
     if not isinstance(key, tuple):
         key = (key,)
     key = tuple(_list_index(k) for k in key)
-    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and not isinstance(k, bool))
+    n_real = sum(1 for k in key if k is not None and k is not Ellipsis and number_type(k) is not bool)
     for k in key:
         if _t(k) and k._tt_dtype.is_bool:
             raise NotImplementedError(
@@ -397,7 +398,7 @@ def _normalize_index(input, key):
     return key
 
 
-@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible",))  # tensor indices out of range raise
+@torchsymbol(methods=("__getitem__",), name="getitem", tags=("fallible", "view"))  # tensor indices out of range raise
 def getitem(input, key):
     """Basic indexing (ints, slices, None, ...) and integer-tensor indexing (one or several tensors)."""
     key = _normalize_index(input, key)
@@ -408,13 +409,13 @@ def getitem(input, key):
         if k is None:
             x = clang.unsqueeze(x, out_dim)
             out_dim += 1
-        elif isinstance(k, (bool,)):
+        elif number_type(k) is bool:
             raise NotImplementedError("indexing with a Python bool is not supported")
-        elif isinstance(k, (int, NumberProxy)):
-            x = select(x, out_dim, int(k))
+        elif is_int(k):
+            x = select(x, out_dim, operator.index(k))
         elif isinstance(k, slice):
             n = x._tt_shape[out_dim]
-            start, stop, step = k.indices(n)
+            start, stop, step = _slice_indices(k, n)
             if step <= 0:
                 raise ValueError("step must be greater than zero")
             stop = max(stop, start)
@@ -434,6 +435,25 @@ def getitem(input, key):
     flat = _wrap_negative(clang.reshape(idx, (-1,)), n)  # negative indices wrap, like eager
     taken = prims.take(x, flat, dim)
     return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+def _slice_indices(k, n):
+    """``slice.indices(n)``, keeping a symbolic size (dynamic=True) symbolic: ``x[1:]`` and ``x[:-1]`` stay one
+    program for every length (the comparisons that clamp the bounds record checks, as any decision on a size)."""
+    if type(n) is not SizeProxy and not builtins.any(isinstance(v, NumberProxy) for v in (k.start, k.stop, k.step)):
+        return k.indices(n)
+    step = 1 if k.step is None else operator.index(k.step)
+
+    def bound(v, default):
+        if v is None:
+            return default
+        v = v if type(v) is SizeProxy else operator.index(v)  # an item() bound is decided, as eager uses its value
+        if v < 0:
+            v = v + n
+            return 0 if v < 0 else v
+        return n if v > n else v
+
+    return bound(k.start, 0), bound(k.stop, n), step
 
 
 def _wrap_negative(idx, n):
@@ -551,7 +571,7 @@ def _split_dim(name, dim, min_ndim):
             raise RuntimeError(f"torch.{name} requires a tensor with at least {min_ndim} dimension, but got a tensor with "
                                f"{input.ndim} dimensions!")
         d = 0 if (name == "hsplit" and input.ndim == 1) else dim
-        if isinstance(indices_or_sections, int) and input.shape[d] % indices_or_sections:
+        if is_int(indices_or_sections) and input.shape[d] % indices_or_sections:
             raise RuntimeError(f"torch.{name} attempted to split along dimension {d}, but the size of the dimension "
                                f"{input.shape[d]} is not divisible by the split_size {indices_or_sections}!")
         return torch.tensor_split(input, indices_or_sections, d)
@@ -618,7 +638,7 @@ composed("channel_shuffle", channel_shuffle, (F.channel_shuffle, torch.channel_s
 
 
 def fftshift(input, dim=None):
-    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if is_int(dim) else tuple(dim))
     return torch.roll(input, [input.shape[d] // 2 for d in dims], dims)
 
 
@@ -626,7 +646,7 @@ composed("fftshift", fftshift, (torch.fft.fftshift,))
 
 
 def ifftshift(input, dim=None):
-    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    dims = tuple(range(input.ndim)) if dim is None else ((dim,) if is_int(dim) else tuple(dim))
     return torch.roll(input, [-(input.shape[d] // 2) for d in dims], dims)
 
 
@@ -727,7 +747,7 @@ def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     if dim is None:
         input, dim = input.reshape(-1), 0
     d = dim % max(input.ndim, 1)
-    if isinstance(repeats, int):
+    if is_int(repeats):
         x = input.reshape(1) if input.ndim == 0 else input
         shape = list(x.shape)
         out = x.unsqueeze(d + 1).expand(shape[:d + 1] + [repeats] + shape[d + 1:])

@@ -8,6 +8,7 @@ from ..errors import DataDependentError  # noqa: F401  (defined with the other u
 from ..proxies import TensorProxy, meta_tensor
 from .convert import to_dtype, to_device
 from .registry import composed, torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
+from .shapes import permute, transpose, unbind
 
 
 # ---------------------------------------------------------------------------
@@ -426,14 +427,11 @@ def contiguous(a, memory_format=torch.contiguous_format):
     return prims.clone(a, memory_format)
 
 
-@torchsymbol(torch.detach, methods=("detach",))
+@torchsymbol(torch.detach, methods=("detach",), tags=("view",))
 def detach(a):
     """Same values, no gradient."""
     return prims.stop_gradient(a)
 
-
-# Imported late: shape functions used by properties above.
-from .shapes import permute, transpose, unbind  # noqa: E402
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .. import dtypes
 from ..executors import torch_impls
 from ..executors.torch_executor import impl_symbol
 from ..proxies import TensorProxy
-from ..torchlang import losses as ltorch_losses, nn as ltorch_nn
+from ..torchlang import attention as ltorch_attention, losses as ltorch_losses, normalization as ltorch_normalization
 from ..pytree import tree_flatten
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -191,9 +191,9 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
 
 # Which forward statistics an op's backward reuses: a fact of the op (``Symbol.torch_saved_statistics``),
 # registered here because the kernels are the torch executor's.
-ltorch_nn.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
+ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy
-ltorch_nn.layer_norm.torch_saved_statistics = _rewrite_layer_norm
+ltorch_normalization.layer_norm.torch_saved_statistics = _rewrite_layer_norm
 
 
 def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):

@@ -1,0 +1,118 @@
+"""``F.scaled_dot_product_attention``: its decomposition (masks, causal, grouped-query heads, dropout) and its direct
+gradient rule (recorded as one ``scaled_dot_product_attention_vjp`` line)."""
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+
+from .. import clang, dtypes, prims
+from ..clang import downcast_like, is_tensor, upcast
+from ..grad_rules import register_vjp
+from ..prims.core import is_float as _float, sum_to
+from .autocast import LOWER  # autocast policies: see autocast.py
+from .dropout import dropout
+from .helpers import upcast_and_dtype
+from .registry import torchsymbol
+
+
+# Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
+_mul, _add, _sub = prims.mul, prims.add, prims.sub
+
+
+@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",), autocast={"cpu": LOWER, "cuda": LOWER})
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
+    q, dt = upcast_and_dtype(query)
+    k = clang.maybe_convert(key, q._tt_dtype)
+    v = clang.maybe_convert(value, q._tt_dtype)
+    E = q._tt_shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if enable_gqa and k._tt_shape[-3] != q._tt_shape[-3]:
+        rep = q._tt_shape[-3] // k._tt_shape[-3]
+        k = _repeat_heads(k, rep)
+        v = _repeat_heads(v, rep)
+    scores = prims.mul(prims.matmul(q, clang.transpose(k, -2, -1)), scale)
+    L, S = q._tt_shape[-2], k._tt_shape[-2]
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal, not both")
+        r = prims.broadcast_in_dim(prims.iota(L, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (0,))
+        c = prims.broadcast_in_dim(prims.iota(S, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (1,))
+        keep = prims.ge(r, c)
+        scores = clang.where(clang.expand(keep, scores._tt_shape), scores, -math.inf)
+    elif attn_mask is not None:
+        if attn_mask._tt_dtype.is_bool:
+            scores = clang.where(clang.expand(attn_mask, scores._tt_shape) if attn_mask._tt_shape != scores._tt_shape else attn_mask, scores, -math.inf)
+        else:
+            scores = clang.add(scores, clang.maybe_convert(attn_mask, scores._tt_dtype))
+    p = clang.softmax(scores, -1)
+    if dropout_p > 0.0:
+        p = dropout(p, dropout_p, True)
+    return clang.maybe_convert(prims.matmul(p, v), dt)
+
+
+def _repeat_heads(x, rep):
+    shape = x._tt_shape
+    x = clang.unsqueeze(x, -3)
+    x = clang.expand(x, shape[:-2] + (rep,) + shape[-2:])
+    return clang.reshape(x, shape[:-3] + (shape[-3] * rep,) + shape[-2:])
+
+
+def _sdpa_supported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """No dropout (its mask exists only inside the forward: the decomposition, which keeps it, is used then)."""
+    if dropout_p != 0.0 or not query.ndim_ == key.ndim_ == value.ndim_:
+        return False
+    hq, hk, hv = (t._tt_shape[-3:-2] for t in (query, key, value))
+    if hq == hk == hv:
+        return True
+    return bool(enable_gqa) and hk == hv and hq[0] % hk[0] == 0
+
+
+@register_vjp(scaled_dot_product_attention, supports=_sdpa_supported)
+def _sdpa_vjp(g, out, /, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Attention probabilities are recomputed from q and k; nothing of size L×S is saved.
+
+    Grouped-query attention (``enable_gqa``, fewer key/value heads): each kv
+    head serves ``Hq / Hkv`` consecutive query heads, so it is repeated for the
+    computation and its gradient is the sum over its group.
+    """
+    q, k, v, gu = upcast(query), upcast(key), upcast(value), upcast(g)
+    rep = 1
+    if q.ndim_ >= 3 and k._tt_shape[-3] != q._tt_shape[-3]:
+        rep = q._tt_shape[-3] // k._tt_shape[-3]
+        k, v = _repeat_heads(k, rep), _repeat_heads(v, rep)
+    L, S = q._tt_shape[-2], k._tt_shape[-2]
+    scale = 1.0 / math.sqrt(q._tt_shape[-1]) if scale is None else scale
+    scores = _mul(prims.matmul(q, clang.transpose(k, -2, -1)), scale)
+    if is_causal:
+        r = prims.broadcast_in_dim(prims.iota(L, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (0,))
+        c = prims.broadcast_in_dim(prims.iota(S, start=0, step=1, device=q._tt_device, dtype=dtypes.int64), (L, S), (1,))
+        scores = clang.where(clang.expand(prims.ge(r, c), scores._tt_shape), scores, -math.inf)
+    elif is_tensor(attn_mask):
+        if attn_mask._tt_dtype.is_bool:
+            scores = clang.where(clang.expand(attn_mask, scores._tt_shape), scores, -math.inf)
+        else:
+            scores = clang.add(scores, clang.maybe_convert(attn_mask, scores._tt_dtype))
+    p = clang.softmax(scores, -1)
+    gv = prims.matmul(clang.transpose(p, -2, -1), gu)
+    gp = prims.matmul(gu, clang.transpose(v, -2, -1))
+    gs = _mul(p, _sub(gp, clang.expand(clang.sum(_mul(gp, p), -1, keepdim=True), p._tt_shape)))
+    gk = _mul(prims.matmul(clang.transpose(gs, -2, -1), q), scale)
+    if rep > 1:
+        gk, gv = _sum_head_groups(gk, rep), _sum_head_groups(gv, rep)
+    grads = {
+        "query": downcast_like(sum_to(_mul(prims.matmul(gs, k), scale), query._tt_shape), query),
+        "key": downcast_like(sum_to(gk, key._tt_shape), key),
+        "value": downcast_like(sum_to(gv, value._tt_shape), value),
+    }
+    if _float(attn_mask) and not is_causal:
+        grads["attn_mask"] = downcast_like(sum_to(gs, attn_mask._tt_shape), attn_mask)
+    return grads
+
+
+def _sum_head_groups(x, rep):
+    """(..., H·rep, S, E) -> (..., H, S, E): the sum over each group of ``rep`` consecutive heads."""
+    shape = x._tt_shape
+    grouped = clang.reshape(x, shape[:-3] + (shape[-3] // rep, rep) + shape[-2:])
+    return prims.sum(grouped, (len(shape) - 2,))
