@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import operator
 import os
+import sys
 import time
 import warnings
 
@@ -168,6 +169,15 @@ def _describe_struct_diff(old_key, args, kwargs) -> str:
     return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
 
 
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
+    f, level = sys._getframe(2), 2  # the caller of the function that warns
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f, level = f.f_back, level + 1
+    return level
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
 
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
@@ -257,21 +267,24 @@ class CompiledFunction:
                 if entry is not None:
                     break
                 tried.append((probe, gkey))
+        hit = entry is not None
         if entry is None:
             entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
-            self._misses_in_a_row = 0
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
         if self.thin:
             self._after_validation(entry, vals)
         try:
-            return entry.computation(*entry.select(vals))
+            out = entry.computation(*entry.select(vals))
         except DecisionMismatch as mismatch:
             return self._redispatch(args, kwargs, skey, entry, mismatch)
+        if hit:
+            self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
+        return out
 
     # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
     def _redispatch(self, args, kwargs, skey, entry, mismatch):
@@ -307,6 +320,7 @@ class CompiledFunction:
                 continue
             if found is not None:
                 self._prefer(skey, probe, gkey, entry)
+                self._misses_in_a_row = 0
             if self.thin:
                 self._prev_validated = (entry, vals)
             return result
@@ -377,13 +391,8 @@ class CompiledFunction:
         for note in entry.decision_notes:
             if note not in self.stats.decision_notes:
                 self.stats.decision_notes.append(note)
-        if self._misses_in_a_row == _RETRACE_STORM and entry.mutated:
-            warnings.warn(
-                f"{getattr(self.fn, '__qualname__', 'the compiled function')}: the last {_RETRACE_STORM} calls each traced "
-                f"a new program, and the function changes {', '.join(entry.mutated[:3])}, which its programs are "
-                "specialised on (a list it appends to, a Python counter it increments). Results are right, but every "
-                "call retraces: keep such values in tensors, or return them and collect them outside.",
-                stacklevel=4)
+        if self._misses_in_a_row == _RETRACE_STORM:
+            self._warn_retrace_storm(entry)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -403,6 +412,21 @@ class CompiledFunction:
         self.stats.total_trace_seconds += dt
         self._last = entry
         return entry
+
+    def _warn_retrace_storm(self, entry):
+        """Every call of late traced a new program: results are right, but each call pays a trace and the cache grows."""
+        name = getattr(self.fn, "__qualname__", "the compiled function")
+        if entry.mutated:
+            advice = (f"the function changes {', '.join(entry.mutated[:3])}, which its programs are specialised on (a "
+                      "list it appends to, a Python counter it increments): keep such values in tensors, or return them "
+                      "and collect them outside")
+        else:
+            recent = self.stats.retrace_reasons[-2:]
+            advice = ("the reasons of the last two: " + " | ".join(recent) + ". A Python read of a value that changes "
+                      "every call (an f-string or print of loss.item(), a branch on a float) is a decision each new value "
+                      "retraces: return the value and use it outside the compiled function, or keep it in a tensor")
+        warnings.warn(f"{name}: the last {_RETRACE_STORM} calls each traced a new program. Results are right, but "
+                      f"every call retraces; {advice}.", stacklevel=_user_stacklevel())
 
     # ---- thin mode ----
     def _after_validation(self, entry, vals):
