@@ -19,8 +19,9 @@ from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import cuda_graphs as graphs, thin
 from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
-from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
+from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
 from .guards.thin import ThinBinding
+from .cache_keys import arg_key, describe_struct_diff, dynamic_arg_key, struct_diffs, struct_key
 
 
 @dataclasses.dataclass
@@ -75,100 +76,6 @@ class _Probe:
     paths: dict = dataclasses.field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------
-# The cheap structural key: a miss here means a retrace without running any prologue.
-# ---------------------------------------------------------------------------
-_T = "tensor"
-
-
-def _arg_key(x, depth=0):
-    if isinstance(x, torch.Tensor):
-        return (_T, x.shape, x.dtype, x.device, x.requires_grad)
-    t = type(x)
-    if t in (int, bool, str, type(None), complex):
-        return (t, x)
-    if t is float:
-        return (t, x if x == x else "nan")
-    if depth < 3 and (t is tuple or t is list):
-        return (t, tuple(_arg_key(v, depth + 1) for v in x))
-    if depth < 3 and t is dict:
-        return (t, tuple((k, _arg_key(v, depth + 1)) for k, v in x.items()))
-    return (t, id(x))
-
-
-def _dynamic_arg_key(x, depth=0):
-    """``_arg_key`` for dynamic=True: sizes ≥ 2 of argument tensors are symbolic, so not part of the key."""
-    if isinstance(x, torch.Tensor):
-        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad)
-    t = type(x)
-    if depth < 3 and (t is tuple or t is list):
-        return (t, tuple(_dynamic_arg_key(v, depth + 1) for v in x))
-    if depth < 3 and t is dict:
-        return (t, tuple((k, _dynamic_arg_key(v, depth + 1)) for k, v in x.items()))
-    return _arg_key(x, depth)
-
-
-def _struct_key(args, kwargs, key=_arg_key) -> tuple:
-    return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in kwargs.items()), current_global_state())
-
-
-_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
-
-
-def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
-    """Append ``"path.what: old → new"`` for the differences between two ``_arg_key`` values."""
-    if len(out) >= limit or a == b:
-        return
-    if a[0] == _T and b[0] == _T:
-        for i, field in enumerate(_TENSOR_FIELDS, 1):
-            if a[i] != b[i] and len(out) < limit:
-                out.append(f"{path}.{field}: {fmt_value(field, a[i])} → {fmt_value(field, b[i])}")
-        return
-    ta = "Tensor" if a[0] == _T else a[0].__name__
-    tb = "Tensor" if b[0] == _T else b[0].__name__
-    if a[0] != b[0]:
-        out.append(f"{path}.type: {ta} → {tb}")
-    elif a[0] in (tuple, list) and type(a[1]) is tuple and type(b[1]) is tuple:  # beyond depth 3: (type, id)
-        if len(a[1]) != len(b[1]):
-            out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
-        else:
-            for i, (x, y) in enumerate(zip(a[1], b[1])):
-                _key_diffs(x, y, f"{path}[{i}]", out, limit)
-    elif a[0] is dict and type(a[1]) is tuple and type(b[1]) is tuple:
-        ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
-        if ka != kb:
-            out.append(f"{path}.keys: {ka!r} → {kb!r}")
-        else:
-            for (k, x), (_, y) in zip(a[1], b[1]):
-                _key_diffs(x, y, f"{path}[{k!r}]", out, limit)
-    elif a[0] in (int, bool, str, type(None), complex, float):
-        out.append(f"{path}.value: {a[1]!r} → {b[1]!r}")
-    else:
-        out.append(f"{path}: a different {ta} object")
-
-
-def _struct_diffs(old: tuple, new: tuple, limit: int = 3) -> list:
-    (oa, ok, og), (na, nk, ng) = old, new
-    out: list = []
-    if len(oa) != len(na):
-        out.append(f"number of positional arguments: {len(oa)} → {len(na)}")
-    else:
-        for i, (a, b) in enumerate(zip(oa, na)):
-            _key_diffs(a, b, f"args[{i}]", out, limit)
-    if tuple(k for k, _ in ok) != tuple(k for k, _ in nk):
-        out.append(f"keyword arguments: {tuple(k for k, _ in ok)!r} → {tuple(k for k, _ in nk)!r}")
-    else:
-        for (k, a), (_, b) in zip(ok, nk):
-            _key_diffs(a, b, f"kwargs[{k!r}]", out, limit)
-    out.extend(describe_diffs(GLOBAL_LABELS, og, ng, limit))
-    return out[:limit]
-
-
-def _describe_struct_diff(old_key, args, kwargs) -> str:
-    diffs = _struct_diffs(old_key, _struct_key(args, kwargs))
-    return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
-
-
 def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
     f, level = sys._getframe(2), 2  # the caller of the function that warns
@@ -219,7 +126,7 @@ class CompiledFunction:
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
         self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
-        self._arg_key = _dynamic_arg_key if dynamic else _arg_key
+        self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
@@ -251,7 +158,7 @@ class CompiledFunction:
         st = self.stats
         st.full_calls += 1
         st.validations += 1
-        skey = _struct_key(args, kwargs, self._arg_key)
+        skey = struct_key(args, kwargs, self.arg_key)
         probes = self._cache.get(skey)
         entry = None
         tried = []
@@ -365,10 +272,10 @@ class CompiledFunction:
                     return "; ".join(diffs)
         if skey not in self._cache:
             def distance(k):  # a different argument count is farther than any value difference
-                return len(_struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
+                return len(struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
 
             nearest = min(self._cache, key=distance)
-            diffs = _struct_diffs(nearest, skey)
+            diffs = struct_diffs(nearest, skey)
             if diffs:
                 return "; ".join(diffs)
         return "the structure of a module or container inside the arguments changed"
@@ -541,11 +448,11 @@ class CompiledFunction:
             text, expected = entry.checked[mismatch.index]
             self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")
         self._thin_decided_at = self.stats.calls
-        return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), entry, mismatch)
+        return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), entry, mismatch)
 
     def _thin_mismatch(self, args, kwargs):
         b = self._binding
-        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, _describe_struct_diff)
+        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, describe_struct_diff)
 
     def _thin_periodic(self, args, kwargs):
         b = self._binding
@@ -559,7 +466,7 @@ class CompiledFunction:
         try:
             return b.entry.computation(*b.entry.select(vals))
         except DecisionMismatch as mismatch:
-            return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), b.entry, mismatch)
+            return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), b.entry, mismatch)
 
     def revalidate(self) -> None:
         """Drop the thin binding: the next calls run the full prologue (and retrace if needed) and bind again.
@@ -576,7 +483,7 @@ class CompiledFunction:
 
     def direct_call_parts(self, *args, **kwargs):
         """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
-        skey = _struct_key(args, kwargs, self._arg_key)
+        skey = struct_key(args, kwargs, self.arg_key)
         for probe in self._cache.get(skey, ()):
             try:
                 vals = probe.prologue.extract.fn(*args, **kwargs)
