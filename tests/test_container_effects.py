@@ -354,7 +354,7 @@ def test_a_large_list_held_by_a_plain_object_changed_inside_is_a_clear_error():
 def test_a_list_that_grows_on_every_call_is_right_and_warns_that_every_call_retraces():
     log_c, log_e = [], []
     cf = tt.compile(append)
-    with pytest.warns(UserWarning, match=r"append: the last 8 calls each traced a new program, and the function changes args\[1\]"):
+    with pytest.warns(UserWarning, match=r"append: the last 8 calls each traced a new program\..*the function changes args\[1\]"):
         for i in range(9):
             x = torch.full((2,), float(i))
             assert_same_tree(cf(x, log_c), append(x, log_e))

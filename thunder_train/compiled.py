@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import operator
 import os
+import sys
 import time
 import warnings
 
@@ -18,8 +19,9 @@ from .compiler.pipeline import CacheEntry, Options, compile_entry
 from .guards import cuda_graphs as graphs, thin
 from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
-from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs, fmt_value
+from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
 from .guards.thin import ThinBinding
+from .cache_keys import arg_key, describe_struct_diff, dynamic_arg_key, struct_diffs, struct_key
 
 
 @dataclasses.dataclass
@@ -74,100 +76,15 @@ class _Probe:
     paths: dict = dataclasses.field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------
-# The cheap structural key: a miss here means a retrace without running any prologue.
-# ---------------------------------------------------------------------------
-_T = "tensor"
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
+    f, level = sys._getframe(2), 2  # the caller of the function that warns
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f, level = f.f_back, level + 1
+    return level
 
 
-def _arg_key(x, depth=0):
-    if isinstance(x, torch.Tensor):
-        return (_T, x.shape, x.dtype, x.device, x.requires_grad)
-    t = type(x)
-    if t in (int, bool, str, type(None), complex):
-        return (t, x)
-    if t is float:
-        return (t, x if x == x else "nan")
-    if depth < 3 and (t is tuple or t is list):
-        return (t, tuple(_arg_key(v, depth + 1) for v in x))
-    if depth < 3 and t is dict:
-        return (t, tuple((k, _arg_key(v, depth + 1)) for k, v in x.items()))
-    return (t, id(x))
-
-
-def _dynamic_arg_key(x, depth=0):
-    """``_arg_key`` for dynamic=True: sizes ≥ 2 of argument tensors are symbolic, so not part of the key."""
-    if isinstance(x, torch.Tensor):
-        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad)
-    t = type(x)
-    if depth < 3 and (t is tuple or t is list):
-        return (t, tuple(_dynamic_arg_key(v, depth + 1) for v in x))
-    if depth < 3 and t is dict:
-        return (t, tuple((k, _dynamic_arg_key(v, depth + 1)) for k, v in x.items()))
-    return _arg_key(x, depth)
-
-
-def _struct_key(args, kwargs, key=_arg_key) -> tuple:
-    return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in kwargs.items()), current_global_state())
-
-
-_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
-
-
-def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:
-    """Append ``"path.what: old → new"`` for the differences between two ``_arg_key`` values."""
-    if len(out) >= limit or a == b:
-        return
-    if a[0] == _T and b[0] == _T:
-        for i, field in enumerate(_TENSOR_FIELDS, 1):
-            if a[i] != b[i] and len(out) < limit:
-                out.append(f"{path}.{field}: {fmt_value(field, a[i])} → {fmt_value(field, b[i])}")
-        return
-    ta = "Tensor" if a[0] == _T else a[0].__name__
-    tb = "Tensor" if b[0] == _T else b[0].__name__
-    if a[0] != b[0]:
-        out.append(f"{path}.type: {ta} → {tb}")
-    elif a[0] in (tuple, list) and type(a[1]) is tuple and type(b[1]) is tuple:  # beyond depth 3: (type, id)
-        if len(a[1]) != len(b[1]):
-            out.append(f"{path}.len: {len(a[1])} → {len(b[1])}")
-        else:
-            for i, (x, y) in enumerate(zip(a[1], b[1])):
-                _key_diffs(x, y, f"{path}[{i}]", out, limit)
-    elif a[0] is dict and type(a[1]) is tuple and type(b[1]) is tuple:
-        ka, kb = tuple(k for k, _ in a[1]), tuple(k for k, _ in b[1])
-        if ka != kb:
-            out.append(f"{path}.keys: {ka!r} → {kb!r}")
-        else:
-            for (k, x), (_, y) in zip(a[1], b[1]):
-                _key_diffs(x, y, f"{path}[{k!r}]", out, limit)
-    elif a[0] in (int, bool, str, type(None), complex, float):
-        out.append(f"{path}.value: {a[1]!r} → {b[1]!r}")
-    else:
-        out.append(f"{path}: a different {ta} object")
-
-
-def _struct_diffs(old: tuple, new: tuple, limit: int = 3) -> list:
-    (oa, ok, og), (na, nk, ng) = old, new
-    out: list = []
-    if len(oa) != len(na):
-        out.append(f"number of positional arguments: {len(oa)} → {len(na)}")
-    else:
-        for i, (a, b) in enumerate(zip(oa, na)):
-            _key_diffs(a, b, f"args[{i}]", out, limit)
-    if tuple(k for k, _ in ok) != tuple(k for k, _ in nk):
-        out.append(f"keyword arguments: {tuple(k for k, _ in ok)!r} → {tuple(k for k, _ in nk)!r}")
-    else:
-        for (k, a), (_, b) in zip(ok, nk):
-            _key_diffs(a, b, f"kwargs[{k!r}]", out, limit)
-    out.extend(describe_diffs(GLOBAL_LABELS, og, ng, limit))
-    return out[:limit]
-
-
-def _describe_struct_diff(old_key, args, kwargs) -> str:
-    diffs = _struct_diffs(old_key, _struct_key(args, kwargs))
-    return "; ".join(diffs) if diffs else "the inputs' structure differs from the bound one"
-
-
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
 
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
@@ -209,7 +126,7 @@ class CompiledFunction:
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
         self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
-        self._arg_key = _dynamic_arg_key if dynamic else _arg_key
+        self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
@@ -241,7 +158,7 @@ class CompiledFunction:
         st = self.stats
         st.full_calls += 1
         st.validations += 1
-        skey = _struct_key(args, kwargs, self._arg_key)
+        skey = struct_key(args, kwargs, self.arg_key)
         probes = self._cache.get(skey)
         entry = None
         tried = []
@@ -257,21 +174,24 @@ class CompiledFunction:
                 if entry is not None:
                     break
                 tried.append((probe, gkey))
+        hit = entry is not None
         if entry is None:
             entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
             vals = entry.prologue.extract.fn(*args, **kwargs)
         else:
             st.cache_hits += 1
-            self._misses_in_a_row = 0
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
         if self.thin:
             self._after_validation(entry, vals)
         try:
-            return entry.computation(*entry.select(vals))
+            out = entry.computation(*entry.select(vals))
         except DecisionMismatch as mismatch:
             return self._redispatch(args, kwargs, skey, entry, mismatch)
+        if hit:
+            self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
+        return out
 
     # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
     def _redispatch(self, args, kwargs, skey, entry, mismatch):
@@ -307,6 +227,7 @@ class CompiledFunction:
                 continue
             if found is not None:
                 self._prefer(skey, probe, gkey, entry)
+                self._misses_in_a_row = 0
             if self.thin:
                 self._prev_validated = (entry, vals)
             return result
@@ -351,10 +272,10 @@ class CompiledFunction:
                     return "; ".join(diffs)
         if skey not in self._cache:
             def distance(k):  # a different argument count is farther than any value difference
-                return len(_struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
+                return len(struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
 
             nearest = min(self._cache, key=distance)
-            diffs = _struct_diffs(nearest, skey)
+            diffs = struct_diffs(nearest, skey)
             if diffs:
                 return "; ".join(diffs)
         return "the structure of a module or container inside the arguments changed"
@@ -377,13 +298,8 @@ class CompiledFunction:
         for note in entry.decision_notes:
             if note not in self.stats.decision_notes:
                 self.stats.decision_notes.append(note)
-        if self._misses_in_a_row == _RETRACE_STORM and entry.mutated:
-            warnings.warn(
-                f"{getattr(self.fn, '__qualname__', 'the compiled function')}: the last {_RETRACE_STORM} calls each traced "
-                f"a new program, and the function changes {', '.join(entry.mutated[:3])}, which its programs are "
-                "specialised on (a list it appends to, a Python counter it increments). Results are right, but every "
-                "call retraces: keep such values in tensors, or return them and collect them outside.",
-                stacklevel=4)
+        if self._misses_in_a_row == _RETRACE_STORM:
+            self._warn_retrace_storm(entry)
         for name in opaque_ops:
             if name not in self.stats.opaque_ops:
                 self.stats.opaque_ops.append(name)
@@ -403,6 +319,21 @@ class CompiledFunction:
         self.stats.total_trace_seconds += dt
         self._last = entry
         return entry
+
+    def _warn_retrace_storm(self, entry):
+        """Every call of late traced a new program: results are right, but each call pays a trace and the cache grows."""
+        name = getattr(self.fn, "__qualname__", "the compiled function")
+        if entry.mutated:
+            advice = (f"the function changes {', '.join(entry.mutated[:3])}, which its programs are specialised on (a "
+                      "list it appends to, a Python counter it increments): keep such values in tensors, or return them "
+                      "and collect them outside")
+        else:
+            recent = self.stats.retrace_reasons[-2:]
+            advice = ("the reasons of the last two: " + " | ".join(recent) + ". A Python read of a value that changes "
+                      "every call (an f-string or print of loss.item(), a branch on a float) is a decision each new value "
+                      "retraces: return the value and use it outside the compiled function, or keep it in a tensor")
+        warnings.warn(f"{name}: the last {_RETRACE_STORM} calls each traced a new program. Results are right, but "
+                      f"every call retraces; {advice}.", stacklevel=_user_stacklevel())
 
     # ---- thin mode ----
     def _after_validation(self, entry, vals):
@@ -517,11 +448,11 @@ class CompiledFunction:
             text, expected = entry.checked[mismatch.index]
             self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")
         self._thin_decided_at = self.stats.calls
-        return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), entry, mismatch)
+        return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), entry, mismatch)
 
     def _thin_mismatch(self, args, kwargs):
         b = self._binding
-        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, _describe_struct_diff)
+        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, describe_struct_diff)
 
     def _thin_periodic(self, args, kwargs):
         b = self._binding
@@ -535,7 +466,7 @@ class CompiledFunction:
         try:
             return b.entry.computation(*b.entry.select(vals))
         except DecisionMismatch as mismatch:
-            return self._redispatch(args, kwargs, _struct_key(args, kwargs, self._arg_key), b.entry, mismatch)
+            return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), b.entry, mismatch)
 
     def revalidate(self) -> None:
         """Drop the thin binding: the next calls run the full prologue (and retrace if needed) and bind again.
@@ -552,7 +483,7 @@ class CompiledFunction:
 
     def direct_call_parts(self, *args, **kwargs):
         """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
-        skey = _struct_key(args, kwargs, self._arg_key)
+        skey = struct_key(args, kwargs, self.arg_key)
         for probe in self._cache.get(skey, ()):
             try:
                 vals = probe.prologue.extract.fn(*args, **kwargs)
