@@ -190,3 +190,15 @@ def test_cache_directory_is_inductors(monkeypatch):
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert payback.inductor_cache_dir() == cache_dir()
+
+
+def test_regions_beyond_the_timing_budget_save_nothing(monkeypatch, no_kernels):
+    traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
+    calls = []
+    monkeypatch.setattr(payback, "MEASURE_BUDGET_S", 0.0)
+    d = payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True, warm=lambda key: True)
+    assert not calls and d.start_at is None and d.regions == 1
+    monkeypatch.setattr(payback, "MEASURE_BUDGET_S", 10.0)
+    monkeypatch.setattr(payback, "MAX_MEASURED", 0)
+    assert payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True,
+                          warm=lambda key: True).start_at is None and not calls

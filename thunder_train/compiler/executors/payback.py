@@ -40,8 +40,9 @@ REPEATS = 5
 START_S = 1.0  # Inductor's start-up in a process (imports, first compile): 0.5 s warm to seconds on a loaded machine
 COLD_S = 2.0  # compiling one region's C++ with an empty cache
 WARM_S = 0.1  # one region found in Inductor's on-disk cache
-MAX_MEASURED_BYTES = 1 << 28  # a region with larger stand-ins is not timed (counted as saving nothing)
+MAX_MEASURED_BYTES = 1 << 26  # a region with larger stand-ins is not timed (counted as saving nothing)
 MAX_MEASURED = 64  # region structures timed per program (the rest count as saving nothing)
+MEASURE_BUDGET_S = 0.25  # and no more time than this spent timing them, on the call that decides
 
 
 @dataclasses.dataclass
@@ -71,7 +72,8 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
     """The decision for a program made of ``traces`` (the lowered traces the fused program fuses).
 
     ``measure(bsyms, inputs, outputs) -> (torch seconds, fused seconds)`` estimates a region (default:
-    ``region_seconds``; regions of one structure are measured once, at most ``MAX_MEASURED`` structures);
+    ``region_seconds``; regions of one structure are measured once, at most ``MAX_MEASURED`` structures and
+    ``MEASURE_BUDGET_S`` seconds; the rest count as saving nothing);
     ``started`` says whether Inductor already runs in this process; ``warm(key) -> bool`` whether the on-disk
     cache has a region structure.  Tests inject all three.
     """
@@ -81,6 +83,7 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
     started = ("torch._inductor.compile_fx" in sys.modules) if started is None else started
     warm = warm or in_index
     saving, build, count, seen, warm_count, timed = 0.0, 0.0 if started else START_S, 0, set(), 0, {}
+    t0 = time.perf_counter()
     for trc in traces:
         for bsyms, outputs in inductor_fusion.plan_regions(trc):
             key, inputs = inductor_fusion._structure(bsyms, outputs)
@@ -88,7 +91,8 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
                 continue
             count += 1
             if key not in timed:
-                torch_s, fused_s = measure(bsyms, inputs, outputs) if len(timed) < MAX_MEASURED else (0.0, 0.0)
+                within = len(timed) < MAX_MEASURED and time.perf_counter() - t0 < MEASURE_BUDGET_S
+                torch_s, fused_s = measure(bsyms, inputs, outputs) if within else (0.0, 0.0)
                 timed[key] = max(0.0, torch_s - fused_s)
             saving += timed[key]
             if key in seen or key in inductor_fusion._kernels:
