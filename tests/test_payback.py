@@ -202,3 +202,26 @@ def test_regions_beyond_the_timing_budget_save_nothing(monkeypatch, no_kernels):
     monkeypatch.setattr(payback, "MAX_MEASURED", 0)
     assert payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True,
                           warm=lambda key: True).start_at is None and not calls
+
+
+def test_timing_is_invisible_to_the_callers_modes():
+    """A FLOP counter (a dispatch mode) around the deciding call counts the step's ops, not the timing runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    traces = _lowered(_block, x, y)
+    (b, o), = inductor_fusion.plan_regions(traces[0])
+    i = inductor_fusion._structure(b, o)[1]
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch_s, _ = payback.region_seconds(b, i, o)
+    assert torch_s > 0.0 and not seen
+    with FlopCounterMode(display=False) as counter:
+        payback.region_seconds(b, i, o)
+    assert counter.get_total_flops() == 0

@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..proxies import is_proxy
 from ..pytree import tree_map
@@ -132,23 +133,33 @@ def region_seconds(bsyms, inputs, outputs) -> tuple[float, float]:
     nbytes = sum(_nbytes(p) for p in list(inputs) + list(outputs))
     if nbytes > MAX_MEASURED_BYTES:
         return 0.0, 0.0
+    # Timing is not part of the user's step: no grad, and no torch function or dispatch mode the caller has
+    # active (a profiler or FLOP counter around the step must not see these ops).
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        try:
+            return _time_region(bsyms, inputs), _time_copy(nbytes)
+        except Exception:  # noqa: BLE001 - an op that needs other values than stand-ins
+            return 0.0, 0.0
+
+
+def _time_region(bsyms, inputs) -> float:
     env = {id(p): _stand_in(p) for p in inputs}
 
     def value(x):
         return env[id(x)] if is_proxy(x) else x
 
-    torch_s = 0.0
-    try:
-        with torch.no_grad():
-            for b in bsyms:
-                fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
-                env[id(b.output)] = fn(*args, **kwargs)
-                torch_s += _best(lambda: fn(*args, **kwargs))
-    except Exception:  # noqa: BLE001 - an op that needs other values than stand-ins
-        return 0.0, 0.0
+    total = 0.0
+    for b in bsyms:
+        fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
+        env[id(b.output)] = fn(*args, **kwargs)
+        total += _best(lambda: fn(*args, **kwargs))
+    return total
+
+
+def _time_copy(nbytes) -> float:
     src = torch.empty(max(1, nbytes // 8), dtype=torch.float32)  # a copy reads and writes: nbytes in all
     dst = torch.empty_like(src)
-    return torch_s, _best(lambda: dst.copy_(src))
+    return _best(lambda: dst.copy_(src))
 
 
 def _best(call) -> float:
