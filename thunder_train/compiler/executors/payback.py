@@ -7,7 +7,8 @@ as the training loop).  At an entry's second call ``decide`` estimates both, on 
   its torch calls are timed one by one on stand-in tensors of its shapes (best of ``REPEATS``), and one fused
   kernel is taken to cost what one torch copy moving the region's input and output bytes costs (one
   vectorized pass over memory, one call): the saving is the rest.  Both are timed on the machine as loaded
-  now, so they scale alike.
+  now, so they scale alike; the deciding call is timed too, and the saving is at most that time times the
+  regions' share of the program's lines.
 * **build cost** ``B``: ``START_S`` when Inductor has not compiled anything in this process yet, plus, for
   each region structure this process has not compiled, ``WARM_S`` when this Inductor cache directory compiled
   it before (an index file per structure, written after each compile) and ``COLD_S`` otherwise.
@@ -69,14 +70,16 @@ class Decision:
         return f"background fusion: starts at call {self.start_at} ({est}; pays back after that many calls)"
 
 
-def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
+def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Decision:
     """The decision for a program made of ``traces`` (the lowered traces the fused program fuses).
 
     ``measure(bsyms, inputs, outputs) -> (torch seconds, fused seconds)`` estimates a region (default:
     ``region_seconds``; regions of one structure are measured once, at most ``MAX_MEASURED`` structures and
     ``MEASURE_BUDGET_S`` seconds; the rest count as saving nothing);
     ``started`` says whether Inductor already runs in this process; ``warm(key) -> bool`` whether the on-disk
-    cache has a region structure.  Tests inject all three.
+    cache has a region structure.  Tests inject all three.  ``call_s``: what the deciding call took; the saving
+    is at most that times the regions' share of the program's lines (isolated timings on a loaded machine can
+    be far off; the step itself bounds them).
     """
     if any(on_cuda(t) for t in traces):
         return Decision(0, 0, 0, 0.0, 0.0, 2, "CUDA program: built from the second call (the pay-back estimate is for CPU kernels)")
@@ -84,13 +87,14 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
     started = ("torch._inductor.compile_fx" in sys.modules) if started is None else started
     warm = warm or in_index
     saving, build, count, seen, warm_count, timed = 0.0, 0.0 if started else START_S, 0, set(), 0, {}
-    t0 = time.perf_counter()
+    t0, fused_ops = time.perf_counter(), 0
     for trc in traces:
         for bsyms, outputs in inductor_fusion.plan_regions(trc):
             key, inputs = inductor_fusion._structure(bsyms, outputs)
             if isinstance(inductor_fusion._kernels.get(key), str):  # failed before: it stays on torch
                 continue
             count += 1
+            fused_ops += len(bsyms)
             if key not in timed:
                 within = len(timed) < MAX_MEASURED and time.perf_counter() - t0 < MEASURE_BUDGET_S
                 torch_s, fused_s = measure(bsyms, inputs, outputs) if within else (0.0, 0.0)
@@ -106,6 +110,9 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
         build = 0.0
     if count == 0:
         return Decision(0, 0, 0, 0.0, 0.0, None, "not started: nothing to fuse")
+    if call_s is not None:
+        lines = sum(len(trc.bound_symbols) for trc in traces)
+        saving = min(saving, call_s * fused_ops / max(1, lines))
     if saving <= 0.0:
         return Decision(count, len(seen), warm_count, saving, build, None)
     return Decision(count, len(seen), warm_count, saving, build, max(2, math.ceil(build / saving)))
