@@ -93,8 +93,10 @@ def first_call(fn, args) -> float:
 
 
 def run_case(name, fn, args, *, number, repeat, with_torch_compile, with_fusion):
-    full = tt.compile(fn)
-    thin = tt.compile(fn, thin=True)
+    # fusion=None: the default background fusion would replace the thin call's program part-way through the
+    # timing (its Inductor kernel vs the torch program called directly); "tt thin + inductor" times that.
+    full = tt.compile(fn, fusion=None)
+    thin = tt.compile(fn, thin=True, fusion=None)
     first = {"tt thin": first_call(thin, args)}
     for _ in range(3):
         full(*args)
