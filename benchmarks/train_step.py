@@ -134,7 +134,7 @@ class Mode:
                 self.call()
                 job = self.compiled._last.fusion_job
             self.fused_after = (time.perf_counter() - t0, self.i, tt.compile_stats(self.compiled).fusion_switches,
-                                job.start_at if job is not None else None)
+                                job.start_at if job is not None else None, job is not None and job.done.is_set())
 
 
 def step_modes(key, with_tc):
@@ -219,9 +219,11 @@ def report(label, base, modes, with_memory):
         diff = float((m.first_loss - modes[0].first_loss).abs().max())  # same weights, same batch: ~0
         fused = ""
         if m.fused_after is not None:
-            s, calls, switches, start_at = m.fused_after
+            s, calls, switches, start_at, done = m.fused_after
             fused = (f"built from call {start_at}, ran from call {calls + 1} ({s:.1f} s after the first)" if switches
-                     else "not built (pay-back rule)" if start_at is None else "nothing fused")
+                     else "not built: the pay-back rule says it never pays" if start_at is None
+                     else f"not built in the 600 s warm-up: the pay-back rule starts it at call {start_at}" if not done
+                     else "nothing fused")
         print(f"  {m.name:<38}{m.first_s:>13.3f}{med * 1e3:>11.3f}{eager / med:>11.2f}x{diff:>20.1e}  {fused}")
         rows[m.name] = {"first_s": m.first_s, "median_s": med, "ratio": eager / med}
     if with_memory:

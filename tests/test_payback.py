@@ -30,8 +30,8 @@ def _lowered(fn, *args):
     """The lowered trace the background build of ``fn``'s entry would fuse."""
     captured = {}
 
-    def spy(traces):
-        captured["traces"] = traces
+    def spy(traces, call_s):
+        captured["traces"], captured["call_s"] = traces, call_s
         return Decision(0, 0, 0, 0.0, 0.0, None, "not started: test")
 
     cf = tt.compile(fn)
@@ -99,7 +99,7 @@ def test_a_region_that_failed_before_saves_nothing(monkeypatch, no_kernels):
 
 
 def _decide_with(monkeypatch, start_at):
-    monkeypatch.setattr(payback, "decide", lambda traces: Decision(1, 1, 0, 1e-3, 1.0, start_at))
+    monkeypatch.setattr(payback, "decide", lambda traces, call_s: Decision(1, 1, 0, 1e-3, 1.0, start_at))
 
 
 @pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
@@ -136,7 +136,7 @@ def test_never_puts_the_uncounted_program_back(monkeypatch):
 
 
 def test_a_failing_estimate_builds_from_the_second_call(monkeypatch):
-    def broken(traces):
+    def broken(traces, call_s):
         raise ValueError("no clock")
 
     monkeypatch.setattr(payback, "decide", broken)
@@ -190,3 +190,61 @@ def test_cache_directory_is_inductors(monkeypatch):
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert payback.inductor_cache_dir() == cache_dir()
+
+
+def test_regions_beyond_the_timing_budget_save_nothing(monkeypatch, no_kernels):
+    traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
+    calls = []
+    monkeypatch.setattr(payback, "MEASURE_BUDGET_S", 0.0)
+    d = payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True, warm=lambda key: True)
+    assert not calls and d.start_at is None and d.regions == 1
+    monkeypatch.setattr(payback, "MEASURE_BUDGET_S", 10.0)
+    monkeypatch.setattr(payback, "MAX_MEASURED", 0)
+    assert payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True,
+                          warm=lambda key: True).start_at is None and not calls
+
+
+def test_timing_is_invisible_to_the_callers_modes():
+    """A FLOP counter (a dispatch mode) around the deciding call counts the step's ops, not the timing runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    traces = _lowered(_block, x, y)
+    (b, o), = inductor_fusion.plan_regions(traces[0])
+    i = inductor_fusion._structure(b, o)[1]
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch_s, _ = payback.region_seconds(b, i, o)
+    assert torch_s > 0.0 and not seen
+    with FlopCounterMode(display=False) as counter:
+        payback.region_seconds(b, i, o)
+    assert counter.get_total_flops() == 0
+
+
+def test_the_deciding_call_bounds_the_saving(no_kernels):
+    """Isolated timings on a loaded machine can be far off: the saving is at most the deciding call's time
+    times the regions' share of the program's lines."""
+    traces = _lowered(_two_blocks, torch.randn(4, 4), torch.randn(4, 4))
+    regions = inductor_fusion.plan_regions(traces[0])
+    share = sum(len(b) for b, _ in regions) / len(traces[0].bound_symbols)
+    kw = dict(measure=lambda *a: (1.0, 0.0), started=True, warm=lambda key: True)
+    assert payback.decide(traces, **kw).saving_s == pytest.approx(2.0)
+    d = payback.decide(traces, call_s=1e-3, **kw)
+    assert d.saving_s == pytest.approx(1e-3 * share) and d.start_at == math.ceil(d.build_s / d.saving_s)
+    assert payback.decide(traces, call_s=10.0, **kw).saving_s == pytest.approx(2.0)  # a bound, not an estimate
+
+
+def test_the_deciding_call_is_timed(monkeypatch):
+    seen = []
+    monkeypatch.setattr(payback, "decide", lambda traces, call_s: seen.append(call_s) or Decision(1, 1, 0, 1e-3, 1.0, None))
+    cf = tt.compile(_block)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(3):
+        torch.testing.assert_close(cf(x, y), _block(x, y))
+    assert len(seen) == 1 and seen[0] > 0.0

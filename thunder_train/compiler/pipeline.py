@@ -167,7 +167,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     if options.fusion == "background" and build_fused is not None:
         decisions = fusion_decisions if fusion_decisions is not None else []
         entry.fusion_job = job = _fusion_job(entry, build_fused, fusion_notes)
-        job.decide, job.record = (lambda: payback.decide(to_fuse)), decisions.append
+        job.decide, job.record = (lambda call_s: payback.decide(to_fuse, call_s=call_s)), decisions.append
         entry.computation = job.counted(entry.computation, entry.uncount)
     return entry, acquired.opaque_ops
 

@@ -17,6 +17,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 NEW, QUEUED, DONE = "new", "queued", "done"
@@ -32,7 +33,7 @@ class FusionJob:
     def __init__(self, build: Callable, on_ready: Callable, note: Callable, name: str,
                  decide: Callable | None = None, record: Callable | None = None):
         self.build, self.on_ready, self.note, self.name = build, on_ready, note, name
-        self.decide = decide  # () -> payback.Decision, asked at the second call; None: start at the second call
+        self.decide = decide  # (seconds the second call took) -> payback.Decision; None: start at the second call
         self.record = record or (lambda line: None)  # one line per decision (compile_stats(cf).fusion_decisions)
         self.decision = None
         self.start_at = 2  # the call that submits the job (None: never)
@@ -49,15 +50,20 @@ class FusionJob:
         def run(*args):
             self.calls += 1
             if self.state == NEW and self.start_at is not None and self.calls >= self.start_at:
+                if self.decide is not None and self.decision is None:  # decide after timing this call
+                    t0 = time.perf_counter()
+                    out = computation(*args)
+                    self._due(computation, uncount, time.perf_counter() - t0)
+                    return out
                 self._due(computation, uncount)
             return computation(*args)
 
         return run
 
-    def _due(self, computation, uncount) -> None:
+    def _due(self, computation, uncount, call_s=None) -> None:
         if self.decide is not None and self.decision is None:
             try:
-                self.decision = self.decide()
+                self.decision = self.decide(call_s)
             except Exception as e:  # noqa: BLE001 - an estimate that fails: build as without the rule
                 self.record(f"{self.name}: the pay-back estimate failed ({type(e).__name__}: {e}); built from the second call")
                 self.decide = None

@@ -7,7 +7,8 @@ as the training loop).  At an entry's second call ``decide`` estimates both, on 
   its torch calls are timed one by one on stand-in tensors of its shapes (best of ``REPEATS``), and one fused
   kernel is taken to cost what one torch copy moving the region's input and output bytes costs (one
   vectorized pass over memory, one call): the saving is the rest.  Both are timed on the machine as loaded
-  now, so they scale alike.
+  now, so they scale alike; the deciding call is timed too, and the saving is at most that time times the
+  regions' share of the program's lines.
 * **build cost** ``B``: ``START_S`` when Inductor has not compiled anything in this process yet, plus, for
   each region structure this process has not compiled, ``WARM_S`` when this Inductor cache directory compiled
   it before (an index file per structure, written after each compile) and ``COLD_S`` otherwise.
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..proxies import is_proxy
 from ..pytree import tree_map
@@ -40,8 +42,9 @@ REPEATS = 5
 START_S = 1.0  # Inductor's start-up in a process (imports, first compile): 0.5 s warm to seconds on a loaded machine
 COLD_S = 2.0  # compiling one region's C++ with an empty cache
 WARM_S = 0.1  # one region found in Inductor's on-disk cache
-MAX_MEASURED_BYTES = 1 << 28  # a region with larger stand-ins is not timed (counted as saving nothing)
+MAX_MEASURED_BYTES = 1 << 26  # a region with larger stand-ins is not timed (counted as saving nothing)
 MAX_MEASURED = 64  # region structures timed per program (the rest count as saving nothing)
+MEASURE_BUDGET_S = 0.25  # and no more time than this spent timing them, on the call that decides
 
 
 @dataclasses.dataclass
@@ -67,13 +70,16 @@ class Decision:
         return f"background fusion: starts at call {self.start_at} ({est}; pays back after that many calls)"
 
 
-def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
+def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Decision:
     """The decision for a program made of ``traces`` (the lowered traces the fused program fuses).
 
     ``measure(bsyms, inputs, outputs) -> (torch seconds, fused seconds)`` estimates a region (default:
-    ``region_seconds``; regions of one structure are measured once, at most ``MAX_MEASURED`` structures);
+    ``region_seconds``; regions of one structure are measured once, at most ``MAX_MEASURED`` structures and
+    ``MEASURE_BUDGET_S`` seconds; the rest count as saving nothing);
     ``started`` says whether Inductor already runs in this process; ``warm(key) -> bool`` whether the on-disk
-    cache has a region structure.  Tests inject all three.
+    cache has a region structure.  Tests inject all three.  ``call_s``: what the deciding call took; the saving
+    is at most that times the regions' share of the program's lines (isolated timings on a loaded machine can
+    be far off; the step itself bounds them).
     """
     if any(on_cuda(t) for t in traces):
         return Decision(0, 0, 0, 0.0, 0.0, 2, "CUDA program: built from the second call (the pay-back estimate is for CPU kernels)")
@@ -81,14 +87,17 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
     started = ("torch._inductor.compile_fx" in sys.modules) if started is None else started
     warm = warm or in_index
     saving, build, count, seen, warm_count, timed = 0.0, 0.0 if started else START_S, 0, set(), 0, {}
+    t0, fused_ops = time.perf_counter(), 0
     for trc in traces:
         for bsyms, outputs in inductor_fusion.plan_regions(trc):
             key, inputs = inductor_fusion._structure(bsyms, outputs)
             if isinstance(inductor_fusion._kernels.get(key), str):  # failed before: it stays on torch
                 continue
             count += 1
+            fused_ops += len(bsyms)
             if key not in timed:
-                torch_s, fused_s = measure(bsyms, inputs, outputs) if len(timed) < MAX_MEASURED else (0.0, 0.0)
+                within = len(timed) < MAX_MEASURED and time.perf_counter() - t0 < MEASURE_BUDGET_S
+                torch_s, fused_s = measure(bsyms, inputs, outputs) if within else (0.0, 0.0)
                 timed[key] = max(0.0, torch_s - fused_s)
             saving += timed[key]
             if key in seen or key in inductor_fusion._kernels:
@@ -101,6 +110,9 @@ def decide(traces, *, measure=None, started=None, warm=None) -> Decision:
         build = 0.0
     if count == 0:
         return Decision(0, 0, 0, 0.0, 0.0, None, "not started: nothing to fuse")
+    if call_s is not None:
+        lines = sum(len(trc.bound_symbols) for trc in traces)
+        saving = min(saving, call_s * fused_ops / max(1, lines))
     if saving <= 0.0:
         return Decision(count, len(seen), warm_count, saving, build, None)
     return Decision(count, len(seen), warm_count, saving, build, max(2, math.ceil(build / saving)))
@@ -128,23 +140,33 @@ def region_seconds(bsyms, inputs, outputs) -> tuple[float, float]:
     nbytes = sum(_nbytes(p) for p in list(inputs) + list(outputs))
     if nbytes > MAX_MEASURED_BYTES:
         return 0.0, 0.0
+    # Timing is not part of the user's step: no grad, and no torch function or dispatch mode the caller has
+    # active (a profiler or FLOP counter around the step must not see these ops).
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        try:
+            return _time_region(bsyms, inputs), _time_copy(nbytes)
+        except Exception:  # noqa: BLE001 - an op that needs other values than stand-ins
+            return 0.0, 0.0
+
+
+def _time_region(bsyms, inputs) -> float:
     env = {id(p): _stand_in(p) for p in inputs}
 
     def value(x):
         return env[id(x)] if is_proxy(x) else x
 
-    torch_s = 0.0
-    try:
-        with torch.no_grad():
-            for b in bsyms:
-                fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
-                env[id(b.output)] = fn(*args, **kwargs)
-                torch_s += _best(lambda: fn(*args, **kwargs))
-    except Exception:  # noqa: BLE001 - an op that needs other values than stand-ins
-        return 0.0, 0.0
+    total = 0.0
+    for b in bsyms:
+        fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
+        env[id(b.output)] = fn(*args, **kwargs)
+        total += _best(lambda: fn(*args, **kwargs))
+    return total
+
+
+def _time_copy(nbytes) -> float:
     src = torch.empty(max(1, nbytes // 8), dtype=torch.float32)  # a copy reads and writes: nbytes in all
     dst = torch.empty_like(src)
-    return torch_s, _best(lambda: dst.copy_(src))
+    return _best(lambda: dst.copy_(src))
 
 
 def _best(call) -> float:
