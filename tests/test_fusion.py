@@ -42,7 +42,9 @@ def test_elementwise_chain_matches_eager_and_prints_one_call():
     trace = str(tt.last_traces(cf)[-1])
     assert len(_fused_lines(cf)) == 1 and "inductor_fusion_0(x, y)" in trace
     assert "# t0 = torch.sin(x)" in trace  # the region's original lines stay as comments
-    assert any("fused 8 ops" in n for n in tt.compile_stats(cf).fusion_notes), tt.compile_stats(cf).fusion_notes
+    # "reused": another test in this process (test_fusion_auto, test_payback) compiled the same region first.
+    notes = tt.compile_stats(cf).fusion_notes
+    assert any("fused 8 ops" in n or "1 region(s) reused a kernel" in n for n in notes), notes
     x2, y2 = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(cf(x2, y2), _block(x2, y2))
 
