@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")
+from _lightning_losses import Losses  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -63,14 +64,6 @@ def data(n=96, batch_size=16):
     g = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
     return DataLoader(ds, batch_size=batch_size)
-
-
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
 
 
 def fit(callbacks=(), *, module_cls=Tiny, max_steps=20, n=96, val=False, ckpt_path=None, model=None, **trainer_kwargs):

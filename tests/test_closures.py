@@ -316,12 +316,7 @@ def _lightning_fit(callbacks, max_steps=8):
             global g_temperature
             g_temperature = 1.0 if trainer.global_step < max_steps // 2 else 2.0
 
-    class Losses(L.Callback):
-        def __init__(self):
-            self.losses = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].detach().clone())
+    from _lightning_losses import Losses
 
     g = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 4, (64,), generator=g))

@@ -351,12 +351,7 @@ def test_thunder_callback_trains_a_module_deciding_on_an_activation_like_the_pla
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    class Losses(L.Callback):
-        def __init__(self):
-            self.losses = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].detach().clone())
+    from _lightning_losses import Losses
 
     def fit(callbacks):
         torch.manual_seed(0)

@@ -12,6 +12,7 @@ import torch
 import _zoo
 
 L = pytest.importorskip("lightning")
+from _lightning_losses import Losses  # noqa: E402
 pytest.importorskip("transformers")
 from thunder_train import ThunderCallback  # noqa: E402
 import thunder_train as tt  # noqa: E402
@@ -34,14 +35,6 @@ class HFModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-6)
-
-
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
 
 
 def fit(name, callbacks=()):

@@ -195,12 +195,7 @@ def test_thunder_callback_with_dropout_matches_plain_trainer(options):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
 
-    class Losses(L.Callback):
-        def __init__(self):
-            self.losses = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(outputs["loss"].detach().clone())
+    from _lightning_losses import Losses
 
     def fit(callbacks):
         torch.manual_seed(0)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")
+from _lightning_losses import Losses  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
@@ -45,14 +46,6 @@ class Hazard(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step in self.at:
             self.fn(pl_module, trainer.optimizers[0])
-
-
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
 
 
 def data(n=96, seed=0):
