@@ -164,8 +164,9 @@ class NumberProxy(Proxy):
     ``range(n)``, ``lst[:n]``, ``math.sqrt(v)``, format specs, ``struct``, ... with no hook to notice,
     silently using a placeholder.  Here each of those calls ``__index__``/``__float__``/...: arithmetic
     and comparisons record scalar prims (``n1 = n0 + 1``), and every other use of the number needs its
-    plain value, which ``_concrete`` gives as a *decision* the prologue recomputes and checks on every
-    call (``item()`` results, acquisition/decisions.py) or as a recorded check (``_Checked``).
+    plain value, which ``_concrete`` gives as a *decision* checked on every call (``item()`` results,
+    acquisition/decisions.py: by the prologue, or by the program where it computes the value) or as a
+    recorded check (``_Checked``).
     """
 
     def __new__(cls, name=None, *, value, python_type=None):
@@ -212,8 +213,8 @@ class NumberProxy(Proxy):
     # ---- the plain Python value, for every use that is not recorded arithmetic ----
     def _concrete(self, what: str, convert: str | None = None):
         """``convert(value)`` as a plain Python number (``convert`` defaults to the proxy's own type):
-        while tracing, a decision the prologue recomputes from the inputs (the value does not exist
-        yet, and another call's would differ)."""
+        while tracing, a decision checked on every call (acquisition/decisions.py; the value does not
+        exist yet, and another call's would differ)."""
         from .context import tracer_state
 
         convert = convert or self.python_type.__name__

@@ -15,7 +15,7 @@ def _factory_shape(shape):
 
 def _size(s):
     """A size argument: symbolic sizes (dynamic=True) stay symbolic, other runtime numbers (``item()``) are
-    specialised on their value (a decision the prologue recomputes)."""
+    specialised on their value (a decision, acquisition/decisions.py)."""
     return size_arg(s) if isinstance(s, NumberProxy) else s
 
 

@@ -29,7 +29,7 @@ def item(a):
 
     Its value does not exist while tracing (``value=None``): arithmetic with it is recorded as
     scalar prims, and any other use of the number (``if``, ``range()``, ``math.sqrt``, ...) is a
-    decision the prologue recomputes (``NumberProxy._concrete``).
+    decision checked on every call (``NumberProxy._concrete``, acquisition/decisions.py).
     """
     check(a.numel_() == 1, lambda: f"a Tensor with {a.numel_()} elements cannot be converted to Scalar")
     dt = a._tt_dtype
