@@ -90,6 +90,16 @@ _RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retr
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
 
+def _probe_key(probe, args, kwargs):
+    """``(leaf values, guard key)`` of this call under ``probe``'s prologue, or None when its structure differs."""
+    pro = probe.prologue
+    try:
+        vals = pro.extract.fn(*args, **kwargs)
+        return vals, pro.guard_key_fn.fn(*vals)
+    except _STRUCTURE_ERRORS:
+        return None
+
+
 class CompiledFunction:
     """A function compiled by thunder_train.
 
@@ -164,12 +174,10 @@ class CompiledFunction:
         tried = []
         if probes is not None:
             for probe in probes:
-                pro = probe.prologue
-                try:
-                    vals = pro.extract.fn(*args, **kwargs)
-                    gkey = pro.guard_key_fn.fn(*vals)
-                except _STRUCTURE_ERRORS:
+                found = _probe_key(probe, args, kwargs)
+                if found is None:
                     continue
+                vals, gkey = found
                 entry = probe.entries.get(gkey)
                 if entry is not None:
                     break
@@ -233,13 +241,10 @@ class CompiledFunction:
     def _entry_for(self, skey, args, kwargs, observed):
         """``(probe, guard key, entry, leaf values)`` of an entry for this call whose program decides ``observed``."""
         for probe in self._cache.get(skey, ()):
-            if not probe.paths:
+            found = _probe_key(probe, args, kwargs) if probe.paths else None
+            if found is None:
                 continue
-            try:
-                vals = probe.prologue.extract.fn(*args, **kwargs)
-                gkey = probe.prologue.guard_key_fn.fn(*vals)
-            except _STRUCTURE_ERRORS:
-                continue
+            vals, gkey = found
             entry = probe.paths.get((gkey, observed))
             if entry is not None:
                 return probe, gkey, entry, vals
@@ -483,13 +488,10 @@ class CompiledFunction:
         """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
         skey = struct_key(args, kwargs, self.arg_key)
         for probe in self._cache.get(skey, ()):
-            try:
-                vals = probe.prologue.extract.fn(*args, **kwargs)
-                entry = probe.entries.get(probe.prologue.guard_key_fn.fn(*vals))
-            except _STRUCTURE_ERRORS:
-                continue
+            found = _probe_key(probe, args, kwargs)
+            entry = probe.entries.get(found[1]) if found is not None else None
             if entry is not None:
-                return entry.computation, entry.select(vals)
+                return entry.computation, entry.select(found[0])
         raise LookupError("no cache entry for these arguments; call the compiled function with them first")
 
     # ---- introspection ----
