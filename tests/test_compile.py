@@ -259,8 +259,8 @@ def test_device_change_makes_a_new_entry():
 
 
 def test_data_dependent_control_flow_is_specialised_or_a_clear_error():
-    # A decision on a value computed with parameters is recomputed by the prologue (test_intermediate_decisions.py);
-    # one on a random value cannot be, and is an error naming the line.
+    # A decision on a value computed with parameters is checked by the program (test_decision_checks.py);
+    # one on a random value cannot be specialised on, and is an error naming the line.
     lin = nn.Linear(3, 3)
 
     def f(x):

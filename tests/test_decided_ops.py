@@ -1,5 +1,5 @@
 """Ops whose result depends on tensor values through a Python value (torchlang/decided.py): the value is a
-decision on per-call inputs, recomputed by the prologue on every call; a decision on a computed value is loud."""
+decision on per-call inputs, recomputed by the prologue on every call; a decision on a random value is loud."""
 from __future__ import annotations
 
 import pytest
@@ -32,8 +32,8 @@ def test_value_decided_per_call(fn, make):
             assert a == e
 
 
-def test_decision_on_a_computed_value_is_loud():
-    with pytest.raises(DataDependentError):  # a random value cannot be recomputed by the prologue
+def test_decision_on_a_random_value_is_loud():
+    with pytest.raises(DataDependentError):  # a random value can be neither recomputed nor checked
         tt.compile(lambda x: torch.narrow(x, 0, (torch.rand(()) * 3).long(), 2))(torch.arange(6.0))
 
 

@@ -76,7 +76,7 @@ def test_decisions_of_every_kind_follow_eager(fn, make, thin):
         torch.testing.assert_close(cf(*args), fn(*args))
 
 
-def test_a_decision_on_an_intermediate_value_is_recomputed_by_the_prologue():
+def test_a_decision_on_an_intermediate_value_gets_an_entry_per_value():
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
 
