@@ -244,24 +244,31 @@ def _run(cmd, env):
     return out.stdout
 
 
-def e2e(steps):
+def e2e(steps, rounds):
+    """Each round runs every mode once, one fresh process after another; the medians over rounds are compared,
+    because one process's step time varies by up to ~30 % from the next on a shared machine."""
     recipe = os.path.join(ROOT, "recipes", "train_gpt.py")
     print(f"\nrecipes/train_gpt.py, {steps} steps of its default model, fresh process each (wall time of the loop, "
-          "compilation included)")
-    with tempfile.TemporaryDirectory() as cold_cache:
-        runs = [("eager", "eager", None), ("thunder (recipe default), cold Inductor cache", "thunder", cold_cache),
-                ("thunder-thin, warm Inductor cache", "thunder-thin", cold_cache),
-                ("torch.compile, cold Inductor cache", "torch", tempfile.mkdtemp())]
-        base = None
-        for label, mode, cache in runs:
-            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
-            if cache is not None:
-                env["TORCHINDUCTOR_CACHE_DIR"] = cache
-            out = _run([sys.executable, recipe, "--compile", mode, "--steps", str(steps), "--no-progress", "--device", "cpu"], env)
-            total = float(re.search(r"total_s=([0-9.]+)", out).group(1))
-            loss = re.search(r"final_loss=([0-9.]+)", out).group(1)
-            base = base or total
-            print(f"  {label:<48}{total:>8.1f} s  {total / base:5.2f}x eager's time   final loss {loss}")
+          f"compilation included), {rounds} round(s) of all modes, medians")
+    labels = ("eager", "thunder (recipe default), cold Inductor cache", "thunder-thin, warm Inductor cache",
+              "torch.compile, cold Inductor cache")
+    totals = {label: [] for label in labels}
+    losses = {}
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as cold_cache, tempfile.TemporaryDirectory() as torch_cache:
+            for label, mode, cache in zip(labels, ("eager", "thunder", "thunder-thin", "torch"),
+                                          (None, cold_cache, cold_cache, torch_cache)):
+                env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
+                if cache is not None:
+                    env["TORCHINDUCTOR_CACHE_DIR"] = cache
+                out = _run([sys.executable, recipe, "--compile", mode, "--steps", str(steps), "--no-progress", "--device", "cpu"], env)
+                totals[label].append(float(re.search(r"total_s=([0-9.]+)", out).group(1)))
+                losses[label] = re.search(r"final_loss=([0-9.]+)", out).group(1)
+    base = statistics.median(totals["eager"])
+    for label in labels:
+        med = statistics.median(totals[label])
+        runs = ", ".join(f"{t:.1f}" for t in totals[label])
+        print(f"  {label:<48}{med:>8.1f} s  {med / base:5.2f}x eager's time   (runs: {runs})   final loss {losses[label]}")
     print("\nGPT step (4L d256), first call in a fresh process (tracing + one step)")
     with tempfile.TemporaryDirectory() as cache:
         for label in ("cold caches", "warm (second process)"):
@@ -289,6 +296,7 @@ def main(argv=None):
     p.add_argument("--no-torch-compile", action="store_true")
     p.add_argument("--e2e", action="store_true", help="also the 1,000-step recipe runs and first calls in fresh processes")
     p.add_argument("--e2e-steps", type=int, default=1000)
+    p.add_argument("--e2e-rounds", type=int, default=3, help="fresh-process runs of each mode (medians are compared)")
     p.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.first_call_child:
@@ -308,7 +316,7 @@ def main(argv=None):
             measure(modes, args.samples, STEP_WORKLOADS[key][2])
             results[key] = report(label, base, modes, key == "gpt")
     if args.e2e:
-        e2e(args.e2e_steps)
+        e2e(args.e2e_steps, args.e2e_rounds)
     return results
 
 

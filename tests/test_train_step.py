@@ -751,6 +751,35 @@ def test_cross_entropy_backward_in_place_matches_eager(reduction, ignore_index, 
     assert "ttex.cross_entropy_backward(" in tt.last_traces(cf)[-1].python_source()
 
 
+@pytest.mark.parametrize("loss_of", ["sum", "transposed", "strided"])
+def test_attention_backward_takes_the_gradient_in_any_layout(loss_of):
+    """The whole-step attention backward passes the incoming gradient as it comes (broadcast from a sum,
+    transposed, strided): equal to eager bitwise, the attention's own kernels run."""
+    def step(proj, x):
+        q, k, v = proj(x).view(2, 16, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if loss_of == "sum":
+            loss = out.sum()
+        elif loss_of == "transposed":
+            loss = (out.transpose(-1, -2) * torch.arange(16.0)).pow(2).mean()
+        else:
+            loss = out[..., ::2].pow(2).sum()
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    p1 = nn.Linear(8, 48)
+    p2 = copy.deepcopy(p1)
+    cf = tt.compile(step)
+    for _ in range(2):
+        x = torch.randn(2, 16, 8)
+        assert torch.equal(cf(p1, x), step(p2, x))
+        for a, b in zip(p1.parameters(), p2.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad = b.grad = None
+    assert "ttex.sdpa_flash_cpu_backward(" in tt.last_traces(cf)[-1].python_source()
+
+
 def test_thin_mode_notices_gradients_created_between_steps():
     """The bound step assumed .grad is None; an eager backward() in between makes it re-validate."""
     eager, compiled = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -52,8 +52,10 @@ def sdpa_flash_cpu(query, key, value, is_causal, scale):
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which):
+    # ``g`` as autograd would pass it: the kernel makes its own copy where its layout needs one (a
+    # ``.contiguous()`` here cost a copy and then, not matching ``out``'s layout, a second one inside).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g.contiguous(), query, key, value, out, lse, 0.0, is_causal, scale=scale)
+        g, query, key, value, out, lse, 0.0, is_causal, scale=scale)
     return tuple(grads[i] for i in which)
 
 
