@@ -277,6 +277,38 @@ def e2e(steps, rounds):
             print(f"  {label:<24}{out.strip()}")
 
 
+def e2e_paired(steps, with_torch_compile):
+    """The same 1,000-step runs in one process, the modes' steps interleaved (eager, thunder, ...: one step each,
+    in turn), so that whatever the machine does slows every mode alike.  Each mode's total is the sum of its own
+    step times, its first call (tracing, compilation) included; every mode trains its own copy of one model on
+    the same batches, as the recipe does (``recipes/train_gpt.py``'s defaults)."""
+    from gpt import ALPHABET, batches, make_corpus
+    from train_gpt import train_step as recipe_step
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(ALPHABET), block_size=32, n_layer=2, n_head=4, n_embd=64))
+    fns = {"eager": recipe_step, "thunder (recipe default)": tt.compile(recipe_step),
+           "thunder-thin": tt.compile(recipe_step, thin=True)}
+    if with_torch_compile:
+        fns["torch.compile"] = torch.compile(recipe_step)
+    runs = {}
+    for name, fn in fns.items():
+        m = copy.deepcopy(model)
+        runs[name] = (fn, m, torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01))
+    totals = {name: 0.0 for name in fns}
+    data = batches(make_corpus(seed=0), 32, 32, torch.device("cpu"), seed=0)
+    for _ in range(steps):
+        x, y = next(data)
+        for name, (fn, m, opt) in runs.items():
+            t0 = time.perf_counter()
+            fn(m, opt, x, y)
+            totals[name] += time.perf_counter() - t0
+    print(f"\nthe same {steps} steps in one process, modes interleaved step by step (sum of each mode's step times, "
+          "first call included)")
+    for name, total in totals.items():
+        print(f"  {name:<48}{total:>8.2f} s  {total / totals['eager']:5.2f}x eager's time")
+
+
 def first_call_child():
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -305,7 +337,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {os.cpu_count()} CPUs; "
           f"ratio = eager median / mode median")
     results = {}
-    for key in args.workloads.split(","):
+    for key in filter(None, args.workloads.split(",")):  # --workloads "" --e2e: only the fresh-process runs
         if key == "tiny":
             with torch.no_grad():
                 label, base, modes = tiny_modes(not args.no_torch_compile)
@@ -316,7 +348,9 @@ def main(argv=None):
             measure(modes, args.samples, STEP_WORKLOADS[key][2])
             results[key] = report(label, base, modes, key == "gpt")
     if args.e2e:
-        e2e(args.e2e_steps, args.e2e_rounds)
+        if args.e2e_rounds > 0:
+            e2e(args.e2e_steps, args.e2e_rounds)
+        e2e_paired(args.e2e_steps, not args.no_torch_compile)
     return results
 
 
