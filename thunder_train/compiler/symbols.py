@@ -54,6 +54,8 @@ class Symbol:
     - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
     - ``"view"``: a torch-language op whose result shares storage with its first argument in eager PyTorch
       (getitem with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``);
+    - ``"shape_only"``: a prim computing a view or a reshape, whose output layout is the same on every device
+      (executors/layout_rules.py finds it, and torch-language ``"view"`` ops' layouts, on meta tensors);
     - ``"fallible"``: its run-time values can make it raise (an index out of range, a failed check);
       re-inplacing writes no input before it (executors/reinplace.py), so a failed call changes nothing;
     - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose

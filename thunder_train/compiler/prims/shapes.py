@@ -14,9 +14,11 @@ from .core import check, common_device, is_tensor, prim, prims, reshape as resha
 # "cheap_to_recompute": views and metadata changes the backward recomputes from their input rather than
 # saving their output, when that saves no extra value (transforms/autograd.py).
 _CHEAP = ("cheap_to_recompute",)
+# "shape_only": views and reshapes, whose output layout is the same on every device (found on meta tensors).
+_VIEWLIKE = _CHEAP + ("shape_only",)
 
 
-@prim(tags=("fusible",) + _CHEAP)  # fusible when the torch executor runs it as ttex.broadcast_in_dim (a view otherwise)
+@prim(tags=("fusible",) + _VIEWLIKE)  # fusible when the torch executor runs it as ttex.broadcast_in_dim (a view otherwise)
 def broadcast_in_dim(a, shape, broadcast_dimensions):
     """Broadcast ``a`` to ``shape``; dim i of ``a`` maps to ``broadcast_dimensions[i]``."""
     shape = tuple(shape)
@@ -38,7 +40,7 @@ def broadcast_in_dim_vjp(g, out, /, a, shape, broadcast_dimensions):
     return {"a": reshape_to(g, a._tt_shape)}
 
 
-@prim(tags=_CHEAP)
+@prim(tags=_VIEWLIKE)
 def reshape(a, shape):
     """Reshape to ``shape`` (no -1; clang resolves it)."""
     shape = tuple(shape)
@@ -50,7 +52,7 @@ def reshape(a, shape):
     return TensorProxy(shape=shape, dtype=a._tt_dtype, device=a._tt_device)
 
 
-@prim(tags=_CHEAP)
+@prim(tags=_VIEWLIKE)
 def squeeze(a, dims):
     """Remove the size-1 dims ``dims``."""
     for d in dims:
@@ -63,7 +65,7 @@ def reshape_vjp(g, out, /, a, *_, **__):
     return {"a": reshape_to(g, a._tt_shape)}
 
 
-@prim(tags=_CHEAP)
+@prim(tags=_VIEWLIKE)
 def transpose(a, permutation):
     """Permute dimensions."""
     nd = len(a._tt_shape)
@@ -79,7 +81,7 @@ def transpose_vjp(g, out, /, a, permutation):
     return {"a": prims.transpose(g, tuple(inverse))}
 
 
-@prim(tags=_CHEAP)
+@prim(tags=_VIEWLIKE)
 def slice(a, start_indices, end_indices, strides=None):
     """Take ``a[start:end:stride]`` in every dim; all indices are in range."""
     nd = len(a._tt_shape)
