@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import codegen
 from ..errors import DecisionMismatch
-from ..torchlang import activations as ltorch_activations, optim as ltorch_optim
+from ..torchlang import activations as ltorch_activations, normalization as ltorch_normalization, optim as ltorch_optim
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -192,6 +192,13 @@ def silu_vjp(g, reads, input, inplace=False):
     return (torch.ops.aten.silu_backward(g, input),)
 
 
+def batch_norm_running_stats(input, running_mean, running_var, momentum):
+    """The running statistics' new values, from eager's own training-mode batch norm kernel (bitwise eager's update)."""
+    out = torch.ops.aten._native_batch_norm_legit_functional(input, None, None, running_mean, running_var, True, momentum, 0.0)
+    return out[3], out[4]
+
+
+ltorch_normalization.batch_norm_running_stats.torch_impl = batch_norm_running_stats
 ltorch_activations.gelu.torch_direct_vjp = gelu_vjp
 ltorch_activations.silu.torch_direct_vjp = silu_vjp
 

@@ -1,5 +1,5 @@
 """Normalisations: layer_norm, rms_norm, batch_norm, group_norm, normalize (symbols, with the direct gradient
-rules of layer_norm and rms_norm), and local_response_norm, instance_norm (input statistics),
+rules of layer_norm, rms_norm, batch_norm and group_norm), and local_response_norm, instance_norm (input statistics),
 native_layer_norm and native_group_norm written as torch calls."""
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
     return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, None, dims)}
 
 
-@torchsymbol(F.batch_norm)
+@torchsymbol(F.batch_norm, tags=("fused_backward",))
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Batch norm; in training mode the running statistics are updated in place (copy_)."""
     x, dt = upcast_and_dtype(input)
@@ -132,28 +132,45 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     return clang.maybe_convert(out, dt)
 
 
+def _new_running_stats(x, running_mean, running_var, momentum):
+    """The running statistics' new values after a training-mode batch norm (the unbiased variance)."""
+    dims = (0,) + tuple(range(2, x.ndim_))
+    n = math.prod(x._tt_shape[d] for d in dims)
+    new = []
+    if running_mean is not None:
+        mean = prims.div(prims.sum(x, dims), as_divisor(n))
+        new.append(clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum)))
+    if running_var is not None:
+        unbiased = prims.var(x, dims, 1 if n > 1 else 0)
+        new.append(clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum)))
+    return new
+
+
+@torchsymbol(name="batch_norm_running_stats", torch_impl=None, tags=("non_differentiable",))
+def batch_norm_running_stats(input, running_mean, running_var, momentum):
+    """Both running statistics' new values; the torch executor runs eager's own update kernel for it
+    (``Symbol.torch_impl``, registered by executors/torch_impls.py), so they come out bitwise equal."""
+    x, _ = upcast_and_dtype(input)
+    new_mean, new_var = _new_running_stats(x, running_mean, running_var, momentum)
+    return new_mean, new_var
+
+
 def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """The tracer's form: the normalised output plus the running statistics' new values as writes."""
     if not training or (running_mean is None and running_var is None):
         return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps), []
     out = batch_norm(input, None, None, weight, bias, True, momentum, eps)
+    if running_mean is not None and running_var is not None:
+        return out, list(zip((running_mean, running_var), batch_norm_running_stats(input, running_mean, running_var, momentum)))
     x, _ = upcast_and_dtype(input)
-    dims = (0,) + tuple(range(2, x.ndim_))
-    n = math.prod(x._tt_shape[d] for d in dims)
-    writes = []
-    if running_mean is not None:
-        mean = prims.div(prims.sum(x, dims), as_divisor(n))
-        writes.append((running_mean, clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))))
-    if running_var is not None:
-        unbiased = prims.var(x, dims, 1 if n > 1 else 0)
-        writes.append((running_var, clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))))
-    return out, writes
+    stats = [t for t in (running_mean, running_var) if t is not None]
+    return out, list(zip(stats, _new_running_stats(x, running_mean, running_var, momentum)))
 
 
 batch_norm.functionalize = _batch_norm_functionalize
 
 
-@torchsymbol(F.group_norm, autocast={"cuda": FP32})
+@torchsymbol(F.group_norm, tags=("fused_backward",), autocast={"cuda": FP32})
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
     x, dt = upcast_and_dtype(input)
@@ -171,6 +188,52 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if bias is not None:
         out = clang.add(out, clang.reshape(clang.maybe_convert(bias, out._tt_dtype), bshape))
     return clang.maybe_convert(out, dt)
+
+
+def _per_channel(t, x):
+    """A (C,) tensor broadcast along dim 1 of ``x``."""
+    return clang.expand(clang.reshape(clang.maybe_convert(t, x._tt_dtype), (1, x._tt_shape[1]) + (1,) * (x.ndim_ - 2)), x._tt_shape)
+
+
+def _normalized_input_grad(gxhat, xhat, rstd, dims):
+    """d/dx of ``xhat = (x - mean) * rstd`` with mean and rstd taken over ``dims`` of x itself."""
+    return _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+
+
+def _batch_stats(x, dims, eps):
+    centred = _sub(x, _mean_keep(x, dims))
+    rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
+    return centred, rstd
+
+
+@register_vjp(batch_norm)
+def _batch_norm_vjp(g, out, /, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Training: the batch statistics' gradient, as layer norm's over (N, *spatial); evaluation: the running
+    statistics are constants.  The running statistics get no gradient (eager's buffers need none)."""
+    x, gy = upcast(input), upcast(g)
+    dims = (0,) + tuple(range(2, x.ndim_))
+    if training:
+        centred, rstd = _batch_stats(x, dims, eps)
+    else:
+        centred = _sub(x, _per_channel(running_mean, x))
+        rstd = _per_channel(prims.rsqrt(prims.add(clang.maybe_convert(running_var, x._tt_dtype), eps)), x)
+    xhat = _mul(centred, rstd)
+    gxhat = clang.mul(gy, _per_channel(weight, x)) if is_tensor(weight) else gy
+    gx = _normalized_input_grad(gxhat, xhat, rstd, dims) if training else _mul(gxhat, rstd)
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, bias, (1,))}
+
+
+@register_vjp(group_norm)
+def _group_norm_vjp(g, out, /, input, num_groups, weight=None, bias=None, eps=1e-5):
+    """Layer norm's gradient over each (sample, group) of (C / num_groups, *spatial), then the per-channel affine."""
+    x, gy = upcast(input), upcast(g)
+    grouped = (x._tt_shape[0], num_groups, -1)
+    xg = clang.reshape(x, grouped)
+    centred, rstd = _batch_stats(xg, (2,), eps)
+    xhat = _mul(centred, rstd)
+    gxhat = clang.mul(gy, _per_channel(weight, x)) if is_tensor(weight) else gy
+    gx = clang.reshape(_normalized_input_grad(clang.reshape(gxhat, grouped), xhat, rstd, (2,)), x._tt_shape)
+    return {"input": downcast_like(gx, input), **_affine_grads(gy, clang.reshape(xhat, x._tt_shape), weight, bias, (1,))}
 
 
 @torchsymbol(F.normalize, autocast={"cuda": FP32})

@@ -10,7 +10,11 @@ a training step with ``loss.backward()`` inside — the forward can produce them
   loss, the log-probabilities and the total weight that ``nll_loss_backward`` and
   ``_log_softmax_backward_data`` read;
 * ``layer_norm`` → ``native_layer_norm`` returns the mean and reciprocal std that
-  ``native_layer_norm_backward`` reads.
+  ``native_layer_norm_backward`` reads;
+* ``batch_norm`` (CPU) → ``native_batch_norm`` returns the batch mean and inverse std that
+  ``native_batch_norm_backward`` reads (in evaluation mode it reads the running statistics);
+* ``group_norm`` (CPU, row-major input) → ``native_group_norm`` returns the per-group mean
+  and reciprocal std that ``native_group_norm_backward`` reads.
 
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
@@ -85,8 +89,35 @@ def layer_norm_backward(g, input, normalized_shape, mean, rstd, weight, bias, wh
     return tuple(grads[i] for i in which)
 
 
+def batch_norm_with_stats(input, weight, bias, running_mean, running_var, training, eps):
+    """Batch norm's output plus the mean and inverse std its backward kernel reads (empty in evaluation mode).
+    Training-mode lines come without running statistics: their updates are separate lines of the program."""
+    return torch.ops.aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, 0.0, eps)
+
+
+def batch_norm_backward(g, input, weight, running_mean, running_var, save_mean, save_invstd, training, eps, which):
+    mask = [0 in which, 1 in which, 2 in which]
+    grads = torch.ops.aten.native_batch_norm_backward(g, input, weight, running_mean, running_var, save_mean, save_invstd,
+                                                      training, eps, mask)
+    return tuple(grads[i] for i in which)
+
+
+def group_norm_with_stats(input, weight, bias, num_groups, eps):
+    """Group norm's output plus the per-(sample, group) mean and reciprocal std its backward kernel reads."""
+    n, c = input.shape[:2]
+    return torch.ops.aten.native_group_norm(input, weight, bias, n, c, input[0, 0].numel(), num_groups, eps)
+
+
+def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
+    mask = [0 in which, 1 in which, 2 in which]
+    n, c = input.shape[:2]
+    grads = torch.ops.aten.native_group_norm_backward(g, input, mean, rstd, weight, n, c, input[0, 0].numel(), num_groups, mask)
+    return tuple(grads[i] for i in which)
+
+
 for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_backward,
-           layer_norm_with_stats, layer_norm_backward):
+           layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
+           group_norm_with_stats, group_norm_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)
 
@@ -191,11 +222,84 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
     return new_fwd, new_vjp
 
 
+def _which(fwd, positions, tensors):
+    """For each differentiated argument position of the vjp line, its index in ``tensors``; None if one is not
+    there (or appears twice)."""
+    leaves = tree_flatten((fwd.args, fwd.kwargs))[0]
+    which = []
+    for pos in positions:
+        i = next((i for i, t in enumerate(tensors) if t is not None and t is leaves[pos[0]]), None)
+        if i is None or len(pos) != 1 or i in which:
+            return None
+        which.append(i)
+    return tuple(which)
+
+
+def _cpu_float_like(x, *others) -> bool:
+    """A CPU float32/float64 tensor, and each other argument None or a tensor of its dtype on its device."""
+    if type(x) is not TensorProxy or x._tt_device.type != "cpu" or x._tt_dtype not in (dtypes.float32, dtypes.float64):
+        return False
+    return all(t is None or (type(t) is TensorProxy and t._tt_dtype is x._tt_dtype and t._tt_device == x._tt_device) for t in others)
+
+
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+def _rewrite_batch_norm(trc, fwd, vjp, positions):
+    b = _bind(_BN_ARGS, _BN_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or type(b["training"]) is not bool or type(b["eps"]) is not float:
+        return None
+    x, w, bias, rm, rv, training = b["input"], b["weight"], b["bias"], b["running_mean"], b["running_var"], b["training"]
+    # Training lines carry no running statistics (their updates are lines of their own); evaluation needs both.
+    stats_ok = rm is None and rv is None if training else type(rm) is TensorProxy and type(rv) is TensorProxy
+    if not stats_ok or not _cpu_float_like(x, w, bias, rm, rv) or x.ndim_ < 2:
+        return None
+    which = _which(fwd, positions, (x, w, bias))
+    if which is None:
+        return None
+    n_stats = x._tt_shape[1] if training else 0
+    mean = _new_proxy(trc, "bn_mean", (n_stats,), x._tt_dtype, x._tt_device)
+    invstd = _new_proxy(trc, "bn_invstd", (n_stats,), x._tt_dtype, x._tt_device)
+    new_fwd = fwd.replace(sym=impl_symbol(batch_norm_with_stats), args=(x, w, bias, rm, rv, training, b["eps"]), kwargs={},
+                          output=(fwd.output, mean, invstd), comment="forward also keeps the mean and inverse std its backward reads")
+    new_vjp = vjp.replace(sym=impl_symbol(batch_norm_backward),
+                          args=(vjp.args[0], x, w, rm, rv, mean, invstd, training, b["eps"], which), kwargs={})
+    return new_fwd, new_vjp
+
+
+_GN_ARGS = ("input", "num_groups", "weight", "bias", "eps")
+_GN_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
+
+
+def _rewrite_group_norm(trc, fwd, vjp, positions):
+    b = _bind(_GN_ARGS, _GN_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or type(b["num_groups"]) is not int or type(b["eps"]) is not float:
+        return None
+    x, w, bias = b["input"], b["weight"], b["bias"]
+    # Row-major input: eager's group_norm hands the kernel a contiguous copy in the input's memory format.
+    if not _cpu_float_like(x, w, bias) or x.ndim_ < 2 or not x._tt_rowmajor or not all(type(s) is int for s in x._tt_shape):
+        return None
+    which = _which(fwd, positions, (x, w, bias))
+    if which is None:
+        return None
+    stat_shape = (x._tt_shape[0], b["num_groups"])
+    mean = _new_proxy(trc, "gn_mean", stat_shape, x._tt_dtype, x._tt_device)
+    rstd = _new_proxy(trc, "gn_rstd", stat_shape, x._tt_dtype, x._tt_device)
+    new_fwd = fwd.replace(sym=impl_symbol(group_norm_with_stats), args=(x, w, bias, b["num_groups"], b["eps"]), kwargs={},
+                          output=(fwd.output, mean, rstd), comment="forward also keeps the mean and rstd its backward reads")
+    new_vjp = vjp.replace(sym=impl_symbol(group_norm_backward),
+                          args=(vjp.args[0], x, mean, rstd, w, b["num_groups"], which), kwargs={})
+    return new_fwd, new_vjp
+
+
 # Which forward statistics an op's backward reuses: a fact of the op (``Symbol.torch_saved_statistics``),
 # registered here because the kernels are the torch executor's.
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy
 ltorch_normalization.layer_norm.torch_saved_statistics = _rewrite_layer_norm
+ltorch_normalization.batch_norm.torch_saved_statistics = _rewrite_batch_norm
+ltorch_normalization.group_norm.torch_saved_statistics = _rewrite_group_norm
 
 
 def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):

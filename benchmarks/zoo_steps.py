@@ -1,0 +1,75 @@
+"""Whole training steps of the model zoo (tests/_zoo.py: tiny random-init transformers and torch.nn models):
+eager, ``tt.compile(step, thin=True)`` with its defaults and, with ``--torch-compile``, ``torch.compile``, in one
+process, their calls interleaved (one step of each in turn), each mode training its own copy of the model.
+
+Run: python benchmarks/zoo_steps.py [--models gpt2,resnet,...] [--steps 150] [--torch-compile]
+Prints per model the median step time of each mode, ratio = eager median / mode median (> 1: faster than
+eager), the first call's time and whether the compiled run matched eager's losses.  The zoo's models are tiny
+(hidden 32, 2 layers, batch 2): these steps measure per-step host overhead more than kernels.  Not a test:
+timings vary by machine (docs/performance.md has the latest run).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import _zoo  # noqa: E402
+
+import thunder_train as tt  # noqa: E402
+
+
+def run(name, steps, with_torch_compile):
+    models = {"eager": _zoo.build(name)}
+    fns = {"eager": _zoo.train_step, "tt thin (default)": tt.compile(_zoo.train_step, thin=True)}
+    if with_torch_compile:
+        fns["torch.compile"] = torch.compile(_zoo.train_step)
+    for k in fns:
+        models.setdefault(k, copy.deepcopy(models["eager"]))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    batches = _zoo.batches(name, 4)
+    first, losses, times = {}, {k: [] for k in fns}, {k: [] for k in fns}
+    for i in range(steps + 10):
+        b = batches[i % len(batches)]
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            loss = fn(models[k], opts[k], b)
+            dt = time.perf_counter() - t0
+            if i == 0:
+                first[k] = dt
+            elif i >= 10:
+                times[k].append(dt)
+            if i < 5:
+                losses[k].append(loss.detach())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(losses["tt thin (default)"], losses["eager"]))
+    cells = "  ".join(f"{k} {med[k] * 1e3:6.2f} ms ({med['eager'] / med[k]:4.2f}x, first {first[k]:5.2f} s)" for k in fns)
+    print(f"{name:20s} {cells}  losses match eager: {same}", flush=True)
+    return {k: med["eager"] / med[k] for k in fns}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(_zoo.CASES))
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--torch-compile", action="store_true")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = eager median / mode median")
+    ratios = {name: run(name, args.steps, args.torch_compile) for name in args.models.split(",")}
+    slower = [n for n, r in ratios.items() if r["tt thin (default)"] < 1.0]
+    print(f"tt thin (default) slower than eager on: {', '.join(slower) if slower else 'none'}")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
