@@ -1,8 +1,9 @@
 """Whole training steps of the model zoo (tests/_zoo.py: tiny random-init transformers and torch.nn models):
-eager, ``tt.compile(step, thin=True)`` with its defaults and, with ``--torch-compile``, ``torch.compile``, in one
+eager, ``tt.compile(step, thin=True)`` with its defaults, with ``--inductor`` also with ``fusion="inductor"``, and
+with ``--torch-compile`` ``torch.compile``, in one
 process, their calls interleaved (one step of each in turn), each mode training its own copy of the model.
 
-Run: python benchmarks/zoo_steps.py [--models gpt2,resnet,...] [--steps 150] [--torch-compile]
+Run: python benchmarks/zoo_steps.py [--models gpt2,resnet,...] [--steps 150] [--torch-compile] [--inductor]
 Prints per model the median step time of each mode, ratio = eager median / mode median (> 1: faster than
 eager), the first call's time and whether the compiled run matched eager's losses.  The zoo's models are tiny
 (hidden 32, 2 layers, batch 2): these steps measure per-step host overhead more than kernels.  Not a test:
@@ -26,10 +27,13 @@ import _zoo  # noqa: E402
 import thunder_train as tt  # noqa: E402
 
 
-def run(name, steps, with_torch_compile):
+def run(name, steps, with_torch_compile, with_inductor):
     models = {"eager": _zoo.build(name)}
     fns = {"eager": _zoo.train_step, "tt thin (default)": tt.compile(_zoo.train_step, thin=True)}
+    if with_inductor:
+        fns["tt thin fusion='inductor'"] = tt.compile(_zoo.train_step, thin=True, fusion="inductor")
     if with_torch_compile:
+        torch._dynamo.reset()  # one step function for every model: without a reset, dynamo's recompile limit makes it eager
         fns["torch.compile"] = torch.compile(_zoo.train_step)
     for k in fns:
         models.setdefault(k, copy.deepcopy(models["eager"]))
@@ -61,11 +65,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--inductor", action="store_true", help="also tt thin with fusion='inductor' (fused from the first call)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = eager median / mode median")
-    ratios = {name: run(name, args.steps, args.torch_compile) for name in args.models.split(",")}
+    ratios = {name: run(name, args.steps, args.torch_compile, args.inductor) for name in args.models.split(",")}
     slower = [n for n, r in ratios.items() if r["tt thin (default)"] < 1.0]
     print(f"tt thin (default) slower than eager on: {', '.join(slower) if slower else 'none'}")
     return ratios
