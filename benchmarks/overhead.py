@@ -73,33 +73,21 @@ def mlp_forward(model, x):
 
 
 def bench_all(variants: dict, *, number, repeat) -> dict:
-    """Median µs per call of each variant; repeats are interleaved so machine noise hits all alike."""
+    """Median µs per call of each variant; repeats are interleaved so machine noise hits all alike.
+
+    ``number=1`` times one call at a time in turn (call 1 of each, call 2 of each, ...): for whole steps, every
+    call then follows another step's computation, as in a training loop."""
+    clock = time.thread_time_ns if CLOCK is time.thread_time else time.perf_counter_ns
     for fn, args in variants.values():
         for _ in range(20):
             fn(*args)
     times = {k: [] for k in variants}
     for _ in range(repeat):
         for k, (fn, args) in variants.items():
-            t0 = CLOCK()
+            t0 = clock()
             for _ in range(number):
                 fn(*args)
-            times[k].append((CLOCK() - t0) / number * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def bench_paired(variants: dict, *, calls) -> dict:
-    """Median µs per call of each variant, timed one call at a time in turn (call 1 of each, call 2 of each, ...):
-    every call follows another step's computation, as in a training loop, and drift hits all variants alike."""
-    clock = time.thread_time_ns if CLOCK is time.thread_time else time.perf_counter_ns
-    for fn, args in variants.values():
-        for _ in range(20):
-            fn(*args)
-    times = {k: [] for k in variants}
-    for _ in range(calls):
-        for k, (fn, args) in variants.items():
-            t0 = clock()
-            fn(*args)
-            times[k].append((clock() - t0) / 1000)
+            times[k].append((clock() - t0) / number / 1000)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -199,7 +187,7 @@ def run_step_case(n_params, *, number, repeat):
     comp, inputs = paths["c++ guards"].direct_call_parts(*args)
     variants = {f"tt thin ({k})": (f, args) for k, f in paths.items()}
     variants["computation direct"] = (comp, inputs)
-    steps = bench_paired(variants, calls=max(number * repeat // (10 if n_params < 100 else 40), 20))
+    steps = bench_all(variants, number=1, repeat=max(number * repeat // (10 if n_params < 100 else 40), 20))
 
     # The stub takes the computation's parameters, so both sides pass the same arguments the way they do for
     # the real one (the thin call may pass the bound ones as defaults: guards/thin_args.py).
