@@ -22,6 +22,8 @@ after it: less memory, same kernels); the pass only rewrites a forward/vjp pair 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import dtypes
@@ -105,13 +107,13 @@ def batch_norm_backward(g, input, weight, running_mean, running_var, save_mean, 
 def group_norm_with_stats(input, weight, bias, num_groups, eps):
     """Group norm's output plus the per-(sample, group) mean and reciprocal std its backward kernel reads."""
     n, c = input.shape[:2]
-    return torch.ops.aten.native_group_norm(input, weight, bias, n, c, input[0, 0].numel(), num_groups, eps)
+    return torch.ops.aten.native_group_norm(input, weight, bias, n, c, math.prod(input.shape[2:]), num_groups, eps)
 
 
 def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     mask = [0 in which, 1 in which, 2 in which]
     n, c = input.shape[:2]
-    grads = torch.ops.aten.native_group_norm_backward(g, input, mean, rstd, weight, n, c, input[0, 0].numel(), num_groups, mask)
+    grads = torch.ops.aten.native_group_norm_backward(g, input, mean, rstd, weight, n, c, math.prod(input.shape[2:]), num_groups, mask)
     return tuple(grads[i] for i in which)
 
 
@@ -203,14 +205,9 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
         return None
     if not all(t is None or (type(t) is TensorProxy and t._tt_dtype is x._tt_dtype) for t in (w, bias)):
         return None
-    leaves = tree_flatten((fwd.args, fwd.kwargs))[0]
-    which = []
-    for pos in positions:
-        target = leaves[pos[0]]
-        i = next((i for i, t in enumerate((x, w, bias)) if t is target), None)
-        if i is None or len(pos) != 1:
-            return None
-        which.append(i)
+    which = _which(fwd, positions, (x, w, bias))
+    if which is None:
+        return None
     stat_shape = tuple(x._tt_shape[: x.ndim_ - len(shape)]) + (1,) * len(shape)
     stat_dtype = dtypes.float32 if x._tt_dtype in (dtypes.bfloat16, dtypes.float16) else x._tt_dtype
     mean = _new_proxy(trc, "ln_mean", stat_shape, stat_dtype, x._tt_device)
@@ -218,7 +215,7 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
     new_fwd = fwd.replace(sym=impl_symbol(layer_norm_with_stats), args=(x, shape, w, bias, b["eps"]), kwargs={},
                           output=(fwd.output, mean, rstd), comment="forward also keeps the mean and rstd its backward reads")
     new_vjp = vjp.replace(sym=impl_symbol(layer_norm_backward),
-                          args=(vjp.args[0], x, shape, mean, rstd, w, bias, tuple(which)), kwargs={})
+                          args=(vjp.args[0], x, shape, mean, rstd, w, bias, which), kwargs={})
     return new_fwd, new_vjp
 
 
