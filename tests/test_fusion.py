@@ -3,24 +3,13 @@
 Inductor's C++ compiles are slow (seconds each, cached on disk across runs), so the tests share region
 structures: ``_block`` is compiled once and reused by several tests.
 """
-import shutil
-
 import pytest
 import torch
 
 import thunder_train as tt
+from _inductor import cxx_available
 
-
-def _cxx_available() -> bool:
-    try:
-        from torch._inductor import config
-    except Exception:  # noqa: BLE001
-        return False
-    names = [c for c in (config.cpp.cxx if isinstance(config.cpp.cxx, (tuple, list)) else (config.cpp.cxx,)) if c]
-    return any(shutil.which(c) for c in names + ["g++", "c++", "clang++"])
-
-
-pytestmark = pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+pytestmark = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 
 from thunder_train.compiler.executors import inductor_fusion  # noqa: E402
 

@@ -14,9 +14,10 @@ import thunder_train as tt
 from thunder_train.compiler import pipeline
 from thunder_train.compiler.executors import inductor_fusion
 from _steps import assert_same_state, mlp, mlp_batches, twin
-from test_fusion import _block, _cxx_available, _fused_lines
+from _inductor import cxx_available
+from test_fusion import _block, _fused_lines
 
-pytestmark = pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+pytestmark = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 
 
 @pytest.fixture(autouse=True)

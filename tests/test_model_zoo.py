@@ -8,7 +8,9 @@ Each model of ``tests/_zoo.py`` is checked four ways, each its own test so xdist
 - ``step_full`` / ``step_thin``: the whole training step (AdamW, ``model(**batch).loss``, backward,
   step, zero_grad), compiled, over 5 steps gives eager's losses, final ``state_dict`` and AdamW state;
 - ``closure_full`` / ``closure_thin``: the same step written as ``step(batch)`` with the model and the
-  optimizer captured from the enclosing scope (a few models).
+  optimizer captured from the enclosing scope (a few models);
+- ``step_fused``: the thin step with ``fusion="inductor"`` (the program the default's background fusion
+  switches to once it pays back), one model of each family, where a C++ compiler is available.
 
 A case that does not work yet is ``xfail(strict=True)`` with its root cause, so a fix flips it loudly.
 """
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import _zoo
+from _inductor import cxx_available
 from _zoo import train_step
 import thunder_train as tt
 
@@ -106,7 +109,7 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
 
 
-def check_steps(name, *, thin, closure):
+def check_steps(name, *, thin, closure, fusion="background"):
     eager = _zoo.build(name)
     model = copy.deepcopy(eager)
     eager_opt, opt = adamw(eager), adamw(model)
@@ -116,7 +119,7 @@ def check_steps(name, *, thin, closure):
         step = tt.compile(closure_step(model, opt), thin=thin)
         got = [step(b) for b in data]
     else:
-        step = tt.compile(train_step, thin=thin)
+        step = tt.compile(train_step, thin=thin, fusion=fusion)
         got = [step(model, opt, b) for b in data]
     for i, (a, b) in enumerate(zip(got, want)):
         assert type(a) is torch.Tensor, f"step {i} returned a {type(a).__name__}"
@@ -129,6 +132,7 @@ def check_steps(name, *, thin, closure):
             torch.testing.assert_close(got_state[k][key], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"AdamW state {k} {key}: {m}")
     if thin:
         assert tt.compile_stats(step).thin_calls > 0, "thin mode never took the thin path"
+    return step
 
 
 @pytest.mark.parametrize("name", params("step_full"))
@@ -186,3 +190,16 @@ def test_weight_used_transposed_trains_like_eager(thin):
         batch = {"x": torch.randn(3, 4)}
         torch.testing.assert_close(step(model, opt, batch), train_step(eager, eager_opt, batch), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(model.weight, eager.weight, rtol=RTOL, atol=ATOL)
+
+
+# One model of each family: each fused step compiles its regions with Inductor (seconds, cached on disk).
+FUSED = ["gpt2", "llama", "bert_cls", "t5", "vit", "transformer_encoder", "resnet"]
+
+
+@pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+@pytest.mark.parametrize("name", [p for p in params("step_fused") if p.values[0] in FUSED])
+def test_step_fused(name):
+    step = check_steps(name, thin=True, closure=False, fusion="inductor")
+    notes = tt.compile_stats(step).fusion_notes
+    assert any("Inductor kernel" in n or "reused a kernel" in n for n in notes), notes
+

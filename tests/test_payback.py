@@ -12,7 +12,8 @@ import thunder_train as tt
 from thunder_train.compiler import pipeline
 from thunder_train.compiler.executors import inductor_fusion, payback
 from thunder_train.compiler.executors.payback import COLD_S, START_S, WARM_S, Decision
-from test_fusion import _block, _cxx_available
+from _inductor import cxx_available
+from test_fusion import _block
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +103,7 @@ def _decide_with(monkeypatch, start_at):
     monkeypatch.setattr(payback, "decide", lambda traces, call_s: Decision(1, 1, 0, 1e-3, 1.0, start_at))
 
 
-@pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+@pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 def test_the_build_starts_at_the_decided_call_in_thin_mode(monkeypatch):
     _decide_with(monkeypatch, 6)
     cf = tt.compile(_block, thin=True)
