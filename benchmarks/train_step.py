@@ -283,10 +283,11 @@ def e2e_paired(steps, with_torch_compile):
     step times, its first call (tracing, compilation) included; every mode trains its own copy of one model on
     the same batches, as the recipe does (``recipes/train_gpt.py``'s defaults)."""
     from gpt import ALPHABET, batches, make_corpus
-    from train_gpt import train_step as recipe_step
+    from train_gpt import parse_args, train_step as recipe_step
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=len(ALPHABET), block_size=32, n_layer=2, n_head=4, n_embd=64))
+    a = parse_args([])  # the recipe's defaults: its model, batch, learning rate, seed
+    torch.manual_seed(a.seed)
+    model = GPT(GPTConfig(vocab_size=len(ALPHABET), block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd))
     fns = {"eager": recipe_step, "thunder (recipe default)": tt.compile(recipe_step),
            "thunder-thin": tt.compile(recipe_step, thin=True)}
     if with_torch_compile:
@@ -294,9 +295,9 @@ def e2e_paired(steps, with_torch_compile):
     runs = {}
     for name, fn in fns.items():
         m = copy.deepcopy(model)
-        runs[name] = (fn, m, torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01))
+        runs[name] = (fn, m, torch.optim.AdamW(m.parameters(), lr=a.lr, weight_decay=0.01))  # as the recipe's main()
     totals = {name: 0.0 for name in fns}
-    data = batches(make_corpus(seed=0), 32, 32, torch.device("cpu"), seed=0)
+    data = batches(make_corpus(seed=a.seed), a.batch_size, a.block_size, torch.device("cpu"), seed=a.seed)
     for _ in range(steps):
         x, y = next(data)
         for name, (fn, m, opt) in runs.items():

@@ -73,17 +73,28 @@ def _affine_grads(gy, xhat, weight, bias, dims):
     return grads
 
 
+def _centred_and_rstd(x, dims, eps):
+    """``x - mean`` and ``1 / sqrt(var + eps)`` over ``dims`` (biased variance), both of x's shape: recomputed
+    from the input by the norms' gradients instead of saved."""
+    centred = _sub(x, _mean_keep(x, dims))
+    rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
+    return centred, rstd
+
+
+def _normalized_input_grad(gxhat, xhat, rstd, dims):
+    """d/dx of ``xhat = (x - mean) * rstd`` with mean and rstd taken over ``dims`` of x itself."""
+    return _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+
+
 @register_vjp(layer_norm)
 def _layer_norm_vjp(g, out, /, input, normalized_shape, weight=None, bias=None, eps=1e-5):
     # Mean and rstd are recomputed from the input (cheap reductions) instead of being saved.
     x, gy = upcast(input), upcast(g)
     dims = _norm_dims(x, normalized_shape)
-    mean = _mean_keep(x, dims)
-    centred = _sub(x, mean)
-    rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
+    centred, rstd = _centred_and_rstd(x, dims, eps)
     xhat = _mul(centred, rstd)
     gxhat = clang.mul(gy, weight) if is_tensor(weight) else gy
-    gx = _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
+    gx = _normalized_input_grad(gxhat, xhat, rstd, dims)
     return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, bias, dims)}
 
 
@@ -111,13 +122,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         n = math.prod(x._tt_shape[d] for d in dims)
         var = prims.var(x, dims, 0)
         mean = prims.div(prims.sum(x, dims), as_divisor(n))
-        if running_mean is not None:
-            new_mean = clang.add(clang.mul(running_mean, 1 - momentum), clang.mul(clang.maybe_convert(mean, running_mean._tt_dtype), momentum))
-            prims.copy_(new_mean, running_mean)
-        if running_var is not None:
-            unbiased = prims.mul(var, n / max(n - 1, 1))
-            new_var = clang.add(clang.mul(running_var, 1 - momentum), clang.mul(clang.maybe_convert(unbiased, running_var._tt_dtype), momentum))
-            prims.copy_(new_var, running_var)
+        for buffer, new in _running_stat_updates(x, running_mean, running_var, momentum):
+            prims.copy_(new, buffer)
     else:
         mean = clang.maybe_convert(running_mean, x._tt_dtype)
         var = clang.maybe_convert(running_var, x._tt_dtype)
@@ -146,6 +152,12 @@ def _new_running_stats(x, running_mean, running_var, momentum):
     return new
 
 
+def _running_stat_updates(x, running_mean, running_var, momentum):
+    """(buffer, new value) for each running statistic that is not None."""
+    stats = [t for t in (running_mean, running_var) if t is not None]
+    return list(zip(stats, _new_running_stats(x, running_mean, running_var, momentum)))
+
+
 @torchsymbol(name="batch_norm_running_stats", torch_impl=None, tags=("non_differentiable",))
 def batch_norm_running_stats(input, running_mean, running_var, momentum):
     """Both running statistics' new values; the torch executor runs eager's own update kernel for it
@@ -162,9 +174,7 @@ def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bia
     out = batch_norm(input, None, None, weight, bias, True, momentum, eps)
     if running_mean is not None and running_var is not None:
         return out, list(zip((running_mean, running_var), batch_norm_running_stats(input, running_mean, running_var, momentum)))
-    x, _ = upcast_and_dtype(input)
-    stats = [t for t in (running_mean, running_var) if t is not None]
-    return out, list(zip(stats, _new_running_stats(x, running_mean, running_var, momentum)))
+    return out, _running_stat_updates(upcast_and_dtype(input)[0], running_mean, running_var, momentum)
 
 
 batch_norm.functionalize = _batch_norm_functionalize
@@ -195,17 +205,6 @@ def _per_channel(t, x):
     return clang.expand(clang.reshape(clang.maybe_convert(t, x._tt_dtype), (1, x._tt_shape[1]) + (1,) * (x.ndim_ - 2)), x._tt_shape)
 
 
-def _normalized_input_grad(gxhat, xhat, rstd, dims):
-    """d/dx of ``xhat = (x - mean) * rstd`` with mean and rstd taken over ``dims`` of x itself."""
-    return _mul(rstd, _sub(_sub(gxhat, _mean_keep(gxhat, dims)), _mul(xhat, _mean_keep(_mul(gxhat, xhat), dims))))
-
-
-def _batch_stats(x, dims, eps):
-    centred = _sub(x, _mean_keep(x, dims))
-    rstd = clang.expand(prims.rsqrt(_add(clang.mean(square(centred), dims, keepdim=True), eps)), x._tt_shape)
-    return centred, rstd
-
-
 @register_vjp(batch_norm)
 def _batch_norm_vjp(g, out, /, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Training: the batch statistics' gradient, as layer norm's over (N, *spatial); evaluation: the running
@@ -213,7 +212,7 @@ def _batch_norm_vjp(g, out, /, input, running_mean, running_var, weight=None, bi
     x, gy = upcast(input), upcast(g)
     dims = (0,) + tuple(range(2, x.ndim_))
     if training:
-        centred, rstd = _batch_stats(x, dims, eps)
+        centred, rstd = _centred_and_rstd(x, dims, eps)
     else:
         centred = _sub(x, _per_channel(running_mean, x))
         rstd = _per_channel(prims.rsqrt(prims.add(clang.maybe_convert(running_var, x._tt_dtype), eps)), x)
@@ -229,7 +228,7 @@ def _group_norm_vjp(g, out, /, input, num_groups, weight=None, bias=None, eps=1e
     x, gy = upcast(input), upcast(g)
     grouped = (x._tt_shape[0], num_groups, -1)
     xg = clang.reshape(x, grouped)
-    centred, rstd = _batch_stats(xg, (2,), eps)
+    centred, rstd = _centred_and_rstd(xg, (2,), eps)
     xhat = _mul(centred, rstd)
     gxhat = clang.mul(gy, _per_channel(weight, x)) if is_tensor(weight) else gy
     gx = clang.reshape(_normalized_input_grad(clang.reshape(gxhat, grouped), xhat, rstd, (2,)), x._tt_shape)
