@@ -16,7 +16,9 @@ of a shared machine costs all alike.  Reported: the first call (trace/compile + 
 the default how long until the fused program ran, the median time of the later samples and
 ``eager median / mode median`` (> 1: faster than eager); the first call's result against eager's (same
 weights, same batch: they must agree to rounding); for ``gpt`` the
-peak memory a step allocates (allocator events from ``torch.profiler``) against eager's.
+peak memory of a step (what it allocates, from ``torch.profiler``'s allocator events, plus the buffers a
+thunder_train program keeps between calls) against eager's; and each mode's page faults per step (the memory
+a step takes from the operating system again).
 
 ``--e2e`` also runs recipes/train_gpt.py for 1,000 steps (its default model) in fresh processes: eager,
 thunder_train (the recipe's default) and thin mode with cold and warm Inductor caches, torch.compile; and
@@ -29,6 +31,7 @@ import contextlib
 import copy
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -114,6 +117,7 @@ class Mode:
         self.name, self.fn, self.batches, self.compiled = name, fn, batches, compiled
         self.context = context or contextlib.nullcontext
         self.i, self.times, self.loss, self.fused_after, self.first_loss = 0, [], None, None, None
+        self.faults = []  # page faults (minor) per step: the memory a step takes from the OS again
 
     def call(self):
         x, y = self.batches[self.i % len(self.batches)]
@@ -189,15 +193,20 @@ def measure(modes, samples, per_sample):
     for i in range(samples):
         order = modes[i % len(modes):] + modes[:i % len(modes)]
         for m in order:
-            t0 = time.perf_counter()
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             for _ in range(per_sample):
                 m.call()
             m.times.append((time.perf_counter() - t0) / per_sample)
+            m.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / per_sample)
 
 
 def peak_step_bytes(mode) -> int:
-    """Peak bytes allocated during one call above what was live before (torch.profiler's allocator events)."""
+    """Peak bytes allocated during one call above what was live before (torch.profiler's allocator events),
+    plus the buffers a thunder_train program keeps between calls for its intermediates (executors/buffers.py):
+    they are allocated before the call, and held for it."""
     from torch.profiler import ProfilerActivity, profile
+
+    from thunder_train.compiler.executors.buffers import kept_bytes
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         mode.call()
@@ -205,14 +214,15 @@ def peak_step_bytes(mode) -> int:
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
         peak = max(peak, cur)
-    return peak
+    return peak + (kept_bytes(tt.last_traces(mode.compiled)[-1]) if mode.compiled is not None else 0)
 
 
 def report(label, base, modes, with_memory):
     eager = statistics.median(modes[0].times)
     n = f", {sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters" if base is not None else ""
     print(f"\n{label}{n}; {len(modes[0].times)} samples per mode")
-    print(f"  {'mode':<38}{'first call s':>13}{'median ms':>11}{'eager/mode':>12}{'1st result - eager':>20}  fused program")
+    print(f"  {'mode':<38}{'first call s':>13}{'median ms':>11}{'eager/mode':>12}{'faults/step':>12}{'1st result - eager':>20}"
+          f"  fused program")
     rows = {}
     for m in modes:
         med = statistics.median(m.times)
@@ -224,12 +234,13 @@ def report(label, base, modes, with_memory):
                      else "not built: the pay-back rule says it never pays" if start_at is None
                      else f"not built in the 600 s warm-up: the pay-back rule starts it at call {start_at}" if not done
                      else "nothing fused")
-        print(f"  {m.name:<38}{m.first_s:>13.3f}{med * 1e3:>11.3f}{eager / med:>11.2f}x{diff:>20.1e}  {fused}")
+        print(f"  {m.name:<38}{m.first_s:>13.3f}{med * 1e3:>11.3f}{eager / med:>11.2f}x{statistics.median(m.faults):>12.0f}"
+              f"{diff:>20.1e}  {fused}")
         rows[m.name] = {"first_s": m.first_s, "median_s": med, "ratio": eager / med}
     if with_memory:
         peaks = {m.name: peak_step_bytes(m) for m in modes if m.name in ("eager", "tt thin (default)", "tt thin fusion=None")}
         e = peaks["eager"]
-        print("  peak memory allocated during one step: " + ", ".join(
+        print("  peak memory of one step (allocated during it, plus kept buffers): " + ", ".join(
             f"{k} {v / 2**20:.1f} MiB ({v / e:.2f}x eager)" for k, v in peaks.items()))
     return rows
 

@@ -120,12 +120,13 @@ class CompiledFunction:
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
                  dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, keep_buffers: bool = True):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
-                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose)
+                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose, keep_buffers=keep_buffers)
         self.fn = fn
+        self.keep_buffers = keep_buffers
         self.strict = strict
         self.decompose = decompose
         self.thin = thin
@@ -291,7 +292,7 @@ class CompiledFunction:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
         options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
-                          optimizer_kernels=self.optimizer_kernels)
+                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers)
         entry, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
@@ -593,7 +594,7 @@ def _call_module(self, *args, **kwargs):
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
             dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-            cuda_graphs: bool = False):
+            cuda_graphs: bool = False, keep_buffers: bool = True):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -619,9 +620,12 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
+    ``keep_buffers=True`` (default): a program PyTorch autograd does not see (a whole training step) writes its
+    large CPU intermediates into memory it keeps between calls instead of allocating them on every call
+    (docs/performance.md); ``False`` frees them after each call.
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
-                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs)
+                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs, keep_buffers=keep_buffers)
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)

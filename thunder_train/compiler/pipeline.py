@@ -24,6 +24,7 @@ from .executors.background import FusionJob
 from .executors.fusion import fuse
 from .executors.inductor_fusion import FusionSymbol
 from .executors.lowering import lower_to_executors
+from .executors.buffers import keep_large_buffers, release_replaced
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
@@ -60,6 +61,7 @@ class CacheEntry:
 
     def switch(self, program, traces, backward_traces) -> None:
         """Run ``program`` from the next call on (same inputs and results as the current one)."""
+        release_replaced(self.traces, traces)  # the replaced program's kept buffers (executors/buffers.py)
         self.traces = traces
         if backward_traces is not None:
             self.backward_traces = backward_traces
@@ -86,6 +88,7 @@ class Options:
     fusion: str | None = None  # None, "inductor", "nvfuser", "auto" (fused before the first call; executors/fusion.py)
     #                            or "background" (built later, executors/background.py)
     optimizer_kernels: str = "fused"
+    keep_buffers: bool = True  # executors/buffers.py
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
@@ -119,7 +122,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
     #    later (step 12).
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
-                               written=bool(acquired.written), names=names)
+                               written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers)
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
@@ -180,7 +183,7 @@ def _decision_note(d) -> str:
     return f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call{why}"
 
 
-def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names):
+def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers):
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
@@ -195,7 +198,10 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names):
     if written:
         shown.append(trc)
         trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
-    # 7. Lifetimes (transforms/lifetimes.py): intermediates are freed after their last use.
+    # 7. Kept buffers (executors/buffers.py): large CPU intermediates are written into memory the program keeps
+    #    between calls; lifetimes (transforms/lifetimes.py): the others are freed after their last use.
+    if keep_buffers:
+        trc = keep_large_buffers(trc)
     trc = free_after_last_use(trc, header=trc.header)
     shown.append(trc)
     return trc, shown

@@ -199,6 +199,29 @@ def batch_norm_running_stats(input, running_mean, running_var, momentum):
 
 
 ltorch_normalization.batch_norm_running_stats.torch_impl = batch_norm_running_stats
+
+
+# Out forms (executors/buffers.py): the same kernels as the functions they stand for, writing into ``out``.
+def linear_out(input, weight, bias=None, *, out):
+    """``F.linear`` into ``out`` by the kernels functional ``linear`` picks, so the values are bitwise the same:
+    ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), else ``matmul`` then ``add_``."""
+    if bias is not None and bias.dim() == 1 and (input.dim() == 2 or input.is_contiguous()):
+        torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+        return out
+    torch.matmul(input, weight.t(), out=out)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def gelu_vjp_out(g, reads, input, approximate="none", *, out):
+    return (torch.ops.aten.gelu_backward.grad_input(g, input, approximate=approximate, grad_input=out[0]),)
+
+
+gelu_vjp.out = gelu_vjp_out
+# The arguments whose memory a function's results may share (executors/buffers.py; undeclared: all of them).
+for _f in (gelu_vjp, silu_vjp, convolution, convolution_backward, batch_norm_running_stats):
+    _f.aliases = ()
 ltorch_activations.gelu.torch_direct_vjp = gelu_vjp
 ltorch_activations.silu.torch_direct_vjp = silu_vjp
 
@@ -218,6 +241,9 @@ def grad_layout(g, param):
     if all(gs == ps if n != 1 else gs != 0 for n, gs, ps in zip(g.shape, g.stride(), param.stride())):
         return g
     return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
+
+
+grad_layout.aliases = (0,)  # g itself, or a copy
 
 
 def _alike(i, lists) -> bool:

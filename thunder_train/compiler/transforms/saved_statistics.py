@@ -72,11 +72,34 @@ def cross_entropy_with_stats(input, target, ignore_index, reduction):
     return loss, logp, total_weight
 
 
-def cross_entropy_backward(g, logp, target, total_weight, ignore_index, reduction):
-    """Eager's two backward kernels; the second writes its result into ``logp``: ``_rewrite_cross_entropy``
-    made ``logp`` for this line alone (its only reader), and the kernel reads each element before it writes
-    it.  One array of the logits' size less at the step's peak than a new result (eager's peak, not above)."""
-    g_logp = torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+def cross_entropy_with_stats_out(input, target, ignore_index, reduction, *, out):
+    """The same kernels into ``out`` (executors/buffers.py); None entries are allocated."""
+    loss, logp, total_weight = (o if o is not None else input.new_empty(0) for o in out)
+    torch.ops.aten._log_softmax.out(input, 1, False, out=logp)
+    torch.ops.aten.nll_loss_forward.output(logp, target, None, reduction, ignore_index, output=loss, total_weight=total_weight)
+    return loss, logp, total_weight
+
+
+cross_entropy_with_stats.out = cross_entropy_with_stats_out
+
+
+def nll_loss_backward(g, logp, target, total_weight, ignore_index, reduction):
+    """The gradient of the log-probabilities: eager's first cross-entropy backward kernel."""
+    return torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+
+
+def nll_loss_backward_out(g, logp, target, total_weight, ignore_index, reduction, *, out):
+    """The same kernel into ``out`` (executors/buffers.py; it zeroes ``out`` first, as it zeroes a new result)."""
+    return torch.ops.aten.nll_loss_backward.grad_input(g, logp, target, None, reduction, ignore_index, total_weight, grad_input=out)
+
+
+nll_loss_backward.out = nll_loss_backward_out
+
+
+def log_softmax_backward_into_logp(g_logp, logp):
+    """Eager's second cross-entropy backward kernel, writing its result into ``logp``: ``_rewrite_cross_entropy``
+    made ``logp`` for the backward alone, and the kernel reads each element before it writes it.  One array of
+    the logits' size less at the step's peak than a new result (eager's peak, not above)."""
     return (torch.ops.aten._log_softmax_backward_data.out(g_logp, logp, 1, logp.dtype, out=logp),)
 
 
@@ -117,11 +140,14 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_backward,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
+           nll_loss_backward_out, log_softmax_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)
+    # The arguments whose memory the results may share (executors/buffers.py): none, but logp's for the line writing into it.
+    _f.aliases = (1,) if _f is log_softmax_backward_into_logp else ()
 
 
 # ---------------------------------------------------------------------------
@@ -185,10 +211,12 @@ def _rewrite_cross_entropy(trc, fwd, vjp, positions):
     total = _new_proxy(trc, "total_weight", (), x._tt_dtype, x._tt_device)
     new_fwd = fwd.replace(sym=impl_symbol(cross_entropy_with_stats), args=(x, y, b["ignore_index"], red), kwargs={},
                           output=(fwd.output, logp, total), comment="forward also keeps the log-probabilities its backward reads")
-    # ``logp`` has one reader, this backward line, which overwrites it (``cross_entropy_backward``).
-    new_vjp = vjp.replace(sym=impl_symbol(cross_entropy_backward),
-                          args=(vjp.args[0], logp, y, total, b["ignore_index"], red), kwargs={})
-    return new_fwd, new_vjp
+    # ``logp`` is read by the two backward lines alone; the second overwrites it (``log_softmax_backward_into_logp``).
+    g_nll = _new_proxy(trc, "g_nll", x._tt_shape, x._tt_dtype, x._tt_device)
+    nll_vjp = vjp.replace(sym=impl_symbol(nll_loss_backward), args=(vjp.args[0], logp, y, total, b["ignore_index"], red),
+                          kwargs={}, output=g_nll, comment="cross-entropy's backward: eager's two kernels")
+    new_vjp = vjp.replace(sym=impl_symbol(log_softmax_backward_into_logp), args=(g_nll, logp), kwargs={}, comment=None)
+    return new_fwd, (nll_vjp, new_vjp)
 
 
 _LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
@@ -310,6 +338,8 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
             continue
         for i in range(j - 1, -1, -1):
             fb = bsyms[i]
+            if isinstance(fb, tuple):  # lines a rewrite made: no forward line of another vjp
+                continue
             if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb):
                 pair = rewrite(trc, fb, vb, vjp.wanted)
                 if pair is not None:
@@ -319,5 +349,5 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
     if not changed:
         return trc
     new = trc.derive(header)
-    new.bound_symbols = bsyms
+    new.bound_symbols = [line for b in bsyms for line in (b if isinstance(b, tuple) else (b,))]
     return new

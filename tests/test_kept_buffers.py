@@ -1,0 +1,296 @@
+"""Kept buffers (executors/buffers.py): large intermediates written into memory the program keeps between calls.
+
+The buffers must change nothing but where the memory comes from: the same values as the program without them
+(bitwise: the same kernels) and as eager, results and anything kept outside the call never overwritten by a
+later call, correct under threads and after a call that raised, and a peak no higher than without them.
+Most tests lower ``MIN_BYTES`` to 0 and lift the peak rule so that the small models here use the buffers for
+every value they can.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _zoo
+import thunder_train as tt
+from _zoo import train_step
+from thunder_train.compiler.codegen import standard_namespace
+from thunder_train.compiler.executors import buffers, torch_impls
+from thunder_train.compiler.transforms import saved_statistics
+
+
+@pytest.fixture
+def every_size(monkeypatch):
+    """Every value an out form computes is a candidate, and the peak rule keeps them all (the most sharing)."""
+    monkeypatch.setattr(buffers, "MIN_BYTES", 0)
+    monkeypatch.setattr(buffers, "PEAK_SLACK", 2**62)
+
+
+def source(cf) -> str:
+    return tt.last_traces(cf)[-1].python_source()
+
+
+def garbage_like(t):
+    return torch.full_like(t, float("nan")) if t.dtype.is_floating_point else torch.full_like(t, 7)
+
+
+# ---------------------------------------------------------------------------
+# Out forms: bitwise the functional call, in eager's layout, whatever the buffer held before
+# ---------------------------------------------------------------------------
+def _x(*shape, t=False):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g)
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2) if t else x
+
+
+OUT_CASES = {
+    "linear 2-d, bias": (F.linear, (_x(64, 32), _x(48, 32), _x(48)), {}),
+    "linear 3-d, bias": (F.linear, (_x(4, 16, 32), _x(48, 32), _x(48)), {}),
+    "linear 4-d, bias": (F.linear, (_x(2, 3, 16, 32), _x(48, 32), _x(48)), {}),
+    "linear 3-d column-major, bias": (F.linear, (_x(4, 16, 32, t=True), _x(48, 32), _x(48)), {}),
+    "linear 3-d, no bias": (F.linear, (_x(4, 16, 32), _x(48, 32), None), {}),
+    "linear transposed weight": (F.linear, (_x(64, 32), _x(48, 32, t=True), _x(48)), {}),
+    "matmul 2-d": (torch.matmul, (_x(64, 32), _x(32, 48)), {}),
+    "matmul transposed": (torch.matmul, (_x(32, 64).t(), _x(32, 48)), {}),
+    "matmul 3-d @ 2-d": (torch.matmul, (_x(4, 16, 32), _x(32, 48)), {}),
+    "matmul batched": (torch.matmul, (_x(4, 16, 32), _x(4, 32, 8)), {}),
+    "gelu": (F.gelu, (_x(64, 32),), {}),
+    "gelu tanh": (F.gelu, (_x(64, 32),), {"approximate": "tanh"}),
+    "add alpha": (torch.Tensor.add, (_x(64, 32), _x(32)), {"alpha": 0.5}),
+    "sub scalar": (torch.Tensor.sub, (_x(64, 32), 3.0), {}),
+    "mul": (torch.mul, (_x(64, 32), _x(64, 1)), {}),
+    "div floor": (torch.Tensor.div, (_x(64, 32), _x(32)), {"rounding_mode": "floor"}),
+    "cat": (torch.cat, ([_x(8, 32), _x(4, 32)], 0), {}),
+    "gelu_vjp": (torch_impls.gelu_vjp, (_x(64, 32), (), _x(64, 32)), {"approximate": "tanh"}),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_CASES))
+def test_out_form_is_bitwise_the_functional_call(case):
+    fn, args, kwargs = OUT_CASES[case]
+    want = fn(*args, **kwargs)
+    form = buffers._TORCH_OUT_FORMS.get(fn) or fn.out
+    if isinstance(want, tuple):
+        out = tuple(garbage_like(w) for w in want)
+        got = form(*args, out=out, **kwargs)
+        assert all(g is o for g, o in zip(got, out))
+    else:
+        out = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype).copy_(garbage_like(want))
+        got = form(*args, out=out, **kwargs)
+        assert got is out
+        got, want = (got,), (want,)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+
+
+def test_cross_entropy_out_forms_are_bitwise_eager_kernels():
+    logits, target = _x(64, 40), torch.randint(0, 40, (64,), generator=torch.Generator().manual_seed(0))
+    target[3] = -100
+    want = saved_statistics.cross_entropy_with_stats(logits, target, -100, 1)
+    logp = garbage_like(want[1])
+    got = saved_statistics.cross_entropy_with_stats_out(logits, target, -100, 1, out=(None, logp, None))
+    assert got[1] is logp and all(torch.equal(g, w) for g, w in zip(got, want))
+    g_nll = saved_statistics.nll_loss_backward(torch.tensor(1.0), want[1], target, want[2], -100, 1)
+    out = garbage_like(g_nll)  # the kernel zeroes its result before it scatters: nothing of the old content stays
+    assert torch.equal(saved_statistics.nll_loss_backward_out(torch.tensor(1.0), want[1], target, want[2], -100, 1, out=out), g_nll)
+
+
+# ---------------------------------------------------------------------------
+# Real models: the zoo's whole thin steps, bitwise the same with and without buffers, and as eager
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(_zoo.CASES))
+def test_zoo_step_is_the_same_with_kept_buffers(name, every_size):
+    eager = _zoo.build(name)
+    models = [copy.deepcopy(eager) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (eager, *models)]
+    steps = [tt.compile(train_step, thin=True, fusion=None, keep_buffers=keep) for keep in (True, False)]
+    for b in _zoo.batches(name, 4):
+        want = train_step(eager, opts[0], b)
+        kept, plain = (s(m, o, b) for s, m, o in zip(steps, models, opts[1:]))
+        assert torch.equal(kept, plain)
+        torch.testing.assert_close(kept, want, rtol=1e-4, atol=1e-5)
+    assert "ttex.kept_buffers(" in source(steps[0]) and "ttex.kept_buffers(" not in source(steps[1])
+    for (k, a), b, c in zip(models[0].state_dict().items(), models[1].state_dict().values(), eager.state_dict().values()):
+        assert torch.equal(a, b), f"{k} differs with kept buffers"
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# What must never be in a kept buffer
+# ---------------------------------------------------------------------------
+def test_returned_intermediates_and_their_views_are_not_overwritten_by_the_next_call(every_size):
+    def f(x, w):
+        h = torch.matmul(x, w)
+        g = F.gelu(h)
+        return g, g.t(), (h * 2).sum()
+
+    cf = tt.compile(f, thin=True)
+    x1, x2, w = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 16)
+    first = cf(x1, w)
+    kept = [t.clone() for t in first]
+    for _ in range(3):
+        cf(x2, w)
+    for a, b, c in zip(first, kept, f(x1, w)):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c)
+    assert "ttex.kept_buffers(" in source(cf)  # h * 2 is kept; g, g.t() are returned
+
+
+def test_a_value_an_opaque_op_received_is_not_reused(every_size):
+    # diagonal runs opaquely: its view of the product, and so the product, may be kept by it; they must stay.
+    def f(x, w):
+        p = torch.matmul(x, w)
+        d = p.diagonal()
+        return d, torch.matmul(p, w).sum()
+
+    cf = tt.compile(f, thin=True)
+    w = torch.randn(6, 6)
+    x1 = torch.randn(6, 6)
+    d1, _ = cf(x1, w)
+    want = d1.clone()
+    for _ in range(3):
+        cf(torch.randn(6, 6), w)
+    assert torch.equal(d1, want)
+    torch.testing.assert_close(d1, (x1 @ w).diagonal())
+
+
+def test_threads_calling_one_program_each_get_their_own_buffers(every_size):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cf = tt.compile(lambda x: (model(x) * 2).sum(0), thin=True)
+    cf(torch.randn(128, 64))
+    assert "ttex.kept_buffers(" in source(cf)
+    errors = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(30):
+            x = torch.randn(128, 64, generator=g)
+            got, want = cf(x), (model(x) * 2).sum(0)
+            if not torch.equal(got, want):
+                errors.append(float((got - want).abs().max()))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_a_call_that_raises_leaves_later_calls_correct(every_size):
+    def f(x, w, y):
+        return F.cross_entropy(torch.matmul(x, w), y)
+
+    cf = tt.compile(f, thin=True)
+    x, w = torch.randn(32, 16), torch.randn(16, 10)
+    y = torch.randint(0, 10, (32,))
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, w, y), f(x, w, y))
+    with pytest.raises(Exception):
+        cf(x, w, torch.full((32,), 99))  # class index out of range: raises inside the program
+    x2 = torch.randn(32, 16)
+    torch.testing.assert_close(cf(x2, w, y), f(x2, w, y))
+
+
+def test_a_program_autograd_sees_keeps_no_buffers_and_differentiates_like_eager(every_size):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    twin = copy.deepcopy(model)
+    cm = tt.compile(model)
+    x = torch.randn(8, 16)
+    cm(x).sum().backward()
+    twin(x).sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert all("ttex.kept_buffers(" not in str(t) for t in tt.last_traces(cm))
+
+
+def test_printed_trace_with_kept_buffers_runs_by_hand(every_size):
+    def f(x, w):
+        return (F.gelu(torch.matmul(x, w)) * 3).sum(0)
+
+    cf = tt.compile(f)
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    cf(x, w)
+    src = source(cf)
+    assert "_pool = ttex.kept_buffers(" in src and "_pool.give(_b)" in src
+    ns = standard_namespace()
+    exec(compile(src, "<printed trace>", "exec"), ns)
+    for _ in range(2):
+        torch.testing.assert_close(ns["computation"](x, w), f(x, w))
+
+
+# ---------------------------------------------------------------------------
+# Memory and the option
+# ---------------------------------------------------------------------------
+def _peak_bytes(fn, *args) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def test_peak_with_kept_buffers_is_not_above_the_peak_without():
+    """At the default threshold, on an MLP step whose activations are MiBs: the arena plus what the call still
+    allocates is at most what the call allocates without buffers (within ``PEAK_SLACK``: the small results
+    it allocates while the arena is full)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(),
+                               torch.nn.Linear(1024, 10))
+    x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))
+    peaks, losses, kept = {}, {}, {}
+    for keep in (True, False):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        cf = tt.compile(step, thin=True, fusion=None, keep_buffers=keep)
+        losses[keep] = [cf(x, y) for _ in range(3)]
+        kept[keep] = buffers.kept_bytes(tt.last_traces(cf)[-1])
+        peaks[keep] = _peak_bytes(cf, x, y) + kept[keep]
+    assert kept[True] >= 2 * 512 * 1024 * 4 and kept[False] == 0, kept  # the hidden activations at least
+    assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[False]))
+    assert 0 < peaks[True] <= peaks[False] + buffers.PEAK_SLACK, peaks
+
+
+def test_keep_buffers_must_be_a_bool():
+    with pytest.raises(ValueError, match="keep_buffers must be a bool"):
+        tt.compile(lambda x: x, keep_buffers="no")
+
+
+@pytest.mark.skipif(not __import__("_inductor").cxx_available(), reason="Inductor's CPU fusion needs a C++ compiler")
+def test_background_fusion_switch_frees_the_replaced_programs_buffers(every_size, monkeypatch):
+    monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns the default's fusion off
+
+    def f(x, w):
+        h = torch.matmul(x, w)
+        return (torch.tanh(h) * 2 + 1).sum(0) + torch.matmul(h, w).sum(0)
+
+    cf = tt.compile(f)
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+    cf(x, w)
+    cf(x, w)
+    torch_program = tt.last_traces(cf)[-1]
+    pool = next(b.sym.pool for b in torch_program.bound_symbols if isinstance(b.sym, buffers._PoolLine))
+    assert pool._free and not pool.released  # one set kept after the calls
+    assert tt.wait_for_fusion(cf, timeout=300) and tt.compile_stats(cf).fusion_switches == 1
+    assert pool.released and not pool._free
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, w), f(x, w))

@@ -1,0 +1,365 @@
+"""Kept buffers (torch executor, CPU): large intermediates are written into memory the program keeps between calls.
+
+Why: glibc gives a large freed block back to the operating system (``munmap``, or trimming the top of the
+heap), so a training step that allocates and frees the same activations and gradients on every call
+page-faults them in again on every call: 6,000-14,000 page faults and ~8 % of the GPT benchmark's step on
+the CPU.  PyTorch's CPU allocator keeps no cache that would stop this (CUDA's caching allocator does).
+
+What: on a final computation PyTorch autograd does not see (a whole training step; a call without grad),
+each CPU intermediate of at least ``MIN_BYTES``
+
+* computed by a line whose function has an out form (``out_form``: the torch function's own ``out=``, or a
+  ``ttex`` function's ``.out``: the same kernels, writing into the buffer),
+* that is not returned, not aliased by anything returned, and not passed to a line that may keep a
+  reference (an op run opaquely),
+
+gets a place in one arena, shared by values whose storage lifetimes do not overlap.  A storage lives until
+the last line that reads it or anything that may alias it; a line whose function is not known to return new
+tensors (``aliases`` declared with the function, or ``_FRESH_TORCH``) is taken to alias all its tensor
+arguments.  Each value is a view of the arena with the shape and strides its proxy has (eager's layout), so
+the kernels, the values and every later view are the same as without the buffers (``tests/test_kept_buffers.py``
+checks the zoo's steps bitwise).  The arena is held for the whole call, so the plan keeps the arena plus what
+the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).
+
+The program takes one set of views when it starts (``_pool = ttex.kept_buffers(k)``, ``_b = _pool.take()``)
+and gives it back before it returns.  A call running at the same time (another thread, or reentrant) takes
+another set; a call that raises does not give its set back, and the next call allocates a new one.  When
+background fusion replaces the program, its sets are freed (``release_replaced``).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_flatten
+from ..symbols import BoundSymbol, Symbol
+from . import torch_impls
+from .inductor_fusion import FusionSymbol
+from .torch_executor import ImplSymbol, impl_symbol
+
+# Smaller blocks come from glibc's free lists, without page faults: below this size keeping them gains nothing.
+MIN_BYTES = 128 * 1024
+_ALIGN = 64
+# The arena may raise the peak by this much (the small results a call allocates while the arena is full).
+PEAK_SLACK = 64 * 1024
+
+
+# ---------------------------------------------------------------------------
+# Out forms: ``f(*args, out=..., **kwargs)`` computes what the line computes into ``out`` and returns it.
+# ``out`` has the line's output structure; a ttex function's form also accepts None entries (allocated).
+# ---------------------------------------------------------------------------
+_TORCH_OUT_FORMS = {
+    torch.nn.functional.linear: torch_impls.linear_out,
+    torch.nn.functional.gelu: torch._C._nn.gelu,
+    torch.matmul: torch.matmul,
+    torch.cat: torch.cat,
+    **{f: f for f in (torch.add, torch.sub, torch.mul, torch.div)},
+    **{getattr(torch.Tensor, name): getattr(torch, name) for name in ("add", "sub", "mul", "div")},
+}
+
+
+def out_form(bsym):
+    """The out form of the line's function, or None."""
+    if not isinstance(bsym.sym, ImplSymbol) or (bsym.source is not None and bsym.source.module == "opaque"):
+        return None
+    fn = bsym.sym.fn
+    form = getattr(fn, "out", None)
+    if form is not None and fn.__module__ != "torch":
+        return form
+    try:
+        return _TORCH_OUT_FORMS.get(fn)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+# Torch functions besides those above whose results never share memory with their inputs (a line whose function is
+# not known to return new tensors is taken to alias its inputs: views, ``contiguous``, ``to``, ``dropout``, any
+# ``inplace=True`` activation, ...).
+_FRESH_TORCH = frozenset({
+    torch.sum, torch.mean, torch.amax, torch.amin, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.where,
+    torch.softmax, torch.log_softmax, torch.nn.functional.embedding, torch.nn.functional.layer_norm,
+    torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.cross_entropy, torch.full, torch.zeros,
+    torch.ones, torch.empty, torch.arange,
+})
+
+
+def _aliased_args(bsym):
+    """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (an out
+    form, or a function declared so: ``fn.aliases``), None when unknown (every argument)."""
+    if out_form(bsym) is not None:
+        return ()
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
+    if fn is None:
+        return None
+    aliases = getattr(fn, "aliases", None)
+    if aliases is not None:
+        return aliases
+    try:
+        return () if fn in _FRESH_TORCH else None
+    except TypeError:
+        return None
+
+
+def _keeps_no_reference(bsym) -> bool:
+    """Lines known to keep no reference to their inputs once they return: the torch executor's calls of the ops
+    it knows, and fused regions.  An op run opaquely (any torch or user function) may keep one."""
+    if isinstance(bsym.sym, FusionSymbol):
+        return True
+    return isinstance(bsym.sym, ImplSymbol) and not (bsym.source is not None and bsym.source.module == "opaque")
+
+
+def _tensor(x) -> bool:
+    return type(x) is TensorProxy
+
+
+def _storage_bytes(p) -> int | None:
+    """Bytes of a dense, non-overlapping layout for the proxy, or None for any other layout."""
+    shape, strides = p._tt_shape, p._tt_strides
+    if not all(type(n) is int for n in shape) or not all(type(s) is int for s in strides) or p._tt_storage_offset != 0:
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return None
+    dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return None
+        expected *= n
+    return numel * p._tt_dtype.torch.itemsize
+
+
+# ---------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------
+def _reached(values, may_alias) -> set:
+    out = set()
+    for a in values:
+        if _tensor(a):
+            out |= may_alias.get(id(a), set())
+    return out
+
+
+def _eligible(trc) -> bool:
+    """``out=`` refuses tensors that need grad under grad mode: the program runs without grad, or no value needs it."""
+    if "@torch.no_grad()" in trc.decorators:
+        return True
+    values = list(trc.args) + [o for b in trc.bound_symbols for o in b.flat_outputs()]
+    return not any(_tensor(v) and v._tt_requires_grad for v in values)
+
+
+def plan(trc):
+    """(arena bytes, {id(value): (byte offset, value)}) for the trace's lines.
+
+    Every storage a line creates is tracked (for the peak-memory rule below), the ones a kept buffer can hold
+    are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
+    the peak of what it still allocates; when that is above the peak without buffers (by more than
+    ``PEAK_SLACK``), candidates alive where the arena is fullest but not where the other allocations peak are
+    allocated again until it is not (or nothing is kept)."""
+    bsyms = trc.bound_symbols
+    may_alias: dict = {}  # id(value) -> ids of the storages it may share
+    storages: dict = {}  # id(value) -> [first line, last line, bytes, value] of a storage a line created
+    candidates: set = set()
+    escaped: set = set()
+    for i, b in enumerate(bsyms):
+        reached = _reached(b.flat_args(), may_alias)
+        for r in reached:
+            storages[r][1] = i
+        if not _keeps_no_reference(b):
+            escaped |= reached
+        aliased, into = _aliased_args(b), out_form(b) is not None
+        shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
+        for o in b.flat_outputs():
+            if not _tensor(o):
+                continue
+            if aliased != () and shared:
+                may_alias[id(o)] = shared
+                continue
+            may_alias[id(o)] = {id(o)}
+            nbytes = _storage_bytes(o)  # None: a layout no arena view can have
+            storages[id(o)] = [i, i, nbytes or 0, o]
+            if into and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1):
+                candidates.add(id(o))
+    for p in tree_flatten(trc.output)[0]:
+        if is_proxy(p):
+            escaped |= may_alias.get(id(p), set())
+    kept = candidates - escaped
+    if not kept:
+        return 0, {}
+    n = len(bsyms)
+    without = _live_bytes(storages, storages.keys(), n)
+    natural = max(without)
+    while kept:
+        nbytes, assigned = _pack(storages, kept)
+        pooled = _live_bytes(storages, kept, n)
+        others = [a - b for a, b in zip(without, pooled)]
+        excess = nbytes + max(others) - natural - PEAK_SLACK
+        if excess <= 0:
+            return nbytes, assigned
+        # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
+        # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
+        t = max(range(n), key=others.__getitem__)
+        full = [i for i in range(n) if pooled[i] == max(pooled)]
+        movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
+                         and any(storages[k][0] <= i <= storages[k][1] for i in full))
+        if not movable:
+            break
+        kept.discard(next((m for m in movable if m[0] >= excess), movable[-1])[2])
+    return 0, {}
+
+
+def _live_bytes(storages, keys, n) -> list:
+    """Bytes of the given storages alive at each line."""
+    delta = [0] * (n + 1)
+    for k in keys:
+        first, last, nbytes, _ = storages[k]
+        delta[first] += nbytes
+        delta[last + 1] -= nbytes
+    live, cur = [], 0
+    for d in delta[:n]:
+        cur += d
+        live.append(cur)
+    return live
+
+
+def _pack(storages, kept):
+    """Offsets in one arena, largest values first, each at the lowest offset free of the values whose
+    storage lifetimes overlap its own: close to the peak of the kept values' bytes, and one allocation."""
+    items = sorted(((_aligned(storages[k][3]), storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
+    placed: list = []  # (offset, end, first line, last line)
+    assigned: dict = {}
+    for nbytes, first, end, key in items:
+        offset = 0
+        for lo, hi in sorted((lo, hi) for lo, hi, f, l in placed if f <= end and first <= l):
+            if offset + nbytes <= lo:
+                break
+            offset = max(offset, hi)
+        placed.append((offset, offset + nbytes, first, end))
+        assigned[key] = (offset, storages[key][3])
+    return max(hi for _, hi, _, _ in placed), assigned
+
+
+def _aligned(p) -> int:
+    return -(-_storage_bytes(p) // _ALIGN) * _ALIGN
+
+
+class BufferPool:
+    """Sets of views into a kept arena, one set per running call."""
+
+    def __init__(self, nbytes, views):
+        self.nbytes = nbytes  # the arena's size
+        self.views = views  # (byte offset, bytes, shape, strides, torch dtype) of each pooled value
+        self._free: list = []
+        self.released = False
+        self.key = next(_keys)
+        _pools[self.key] = self
+
+    def take(self) -> list:
+        try:
+            return self._free.pop()
+        except IndexError:
+            arena = torch.empty(self.nbytes, dtype=torch.uint8)
+            return [arena[o:o + n].view(dtype).as_strided(shape, strides) for o, n, shape, strides, dtype in self.views]
+
+    def give(self, views) -> None:
+        if not self.released:
+            self._free.append(views)
+
+    def release(self) -> None:
+        """The program was replaced (background fusion switched): its buffers go back to the allocator."""
+        self.released = True
+        self._free.clear()
+
+
+# Printed programs name their pool by key (``ttex.kept_buffers(3)``), so that a printed trace runs by hand in the
+# process that compiled it; the program's globals hold the pool (``_kept_buffers_3``), the registry does not.
+_pools: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+
+def kept_buffers(key) -> BufferPool:
+    return _pools[key]
+
+
+kept_buffers.__module__ = torch_impls.__name__  # printed as ttex.kept_buffers
+torch_impls.kept_buffers = kept_buffers
+
+
+class _PoolLine(Symbol):
+    """The lines that take a set of buffers from this program's pool, and give it back before returning."""
+
+    def __init__(self, pool, take):
+        super().__init__("take_buffers" if take else "give_buffers", None, module="torch_executor", is_prim=True)
+        self.pool, self.take = pool, take  # no side effect on any input: the lines run after the last DCE
+
+    def format_lines(self, bsym, fmt):
+        if self.take:
+            mib = self.pool.nbytes / 2**20
+            return [f"_pool = ttex.kept_buffers({self.pool.key})  # {len(self.pool.views)} intermediates in {mib:.1f} MiB "
+                    f"kept between calls (executors/buffers.py)", "_b = _pool.take()"]
+        return ["_pool.give(_b)"]
+
+    def codegen_globals(self) -> dict:
+        return {"ttex": torch_impls, f"_kept_buffers_{self.pool.key}": self.pool}
+
+
+def keep_large_buffers(trc, header=None):
+    """The trace with its large intermediates written into kept buffers (see the module docstring)."""
+    from ..codegen import Name
+
+    if not _eligible(trc):
+        return trc
+    nbytes, assigned = plan(trc)
+    if not assigned:
+        return trc
+    order = {key: k for k, key in enumerate(sorted(assigned, key=lambda key: assigned[key][1]._tt_name))}
+    views = [None] * len(order)
+    for key, k in order.items():
+        offset, o = assigned[key]
+        views[k] = (offset, _aligned(o), tuple(o._tt_shape), tuple(o._tt_strides), o._tt_dtype.torch)
+    pool = BufferPool(nbytes, views)
+    new = trc.derive(header or trc.header)
+    new.bound_symbols.append(BoundSymbol(_PoolLine(pool, True), (), {}, None))
+    for b in trc.bound_symbols:
+        outs = [o for o in tree_flatten(b.output)[0] if _tensor(o)]
+        if any(id(o) in order for o in outs):
+            b = _into_buffers(b, order, Name)
+        new.bound_symbols.append(b)
+    new.bound_symbols.append(BoundSymbol(_PoolLine(pool, False), (), {}, None))
+    return new
+
+
+def _into_buffers(b, order, Name):
+    def out_of(o):
+        return Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None
+
+    form = out_form(b)
+    if _tensor(b.output):
+        out = out_of(b.output)
+    elif all(_tensor(o) and id(o) in order for o in b.output):
+        out = tuple(out_of(o) for o in b.output)
+    elif getattr(b.sym.fn, "out", None) is form:  # a ttex form allocates the None entries
+        out = tuple(out_of(o) for o in b.output)
+    else:
+        return b
+    return b.replace(sym=impl_symbol(form), kwargs={**b.kwargs, "out": out})
+
+
+def kept_bytes(trc) -> int:
+    """Bytes the trace's program keeps between calls (one set of buffers; benchmarks add it to the step's peak)."""
+    return sum(b.sym.pool.nbytes for b in trc.bound_symbols if isinstance(b.sym, _PoolLine) and b.sym.take)
+
+
+def release_replaced(old_traces, new_traces) -> None:
+    """Free the kept buffers of the programs among ``old_traces`` that ``new_traces`` no longer has."""
+    keep = {id(t) for t in new_traces}
+    for t in old_traces:
+        if id(t) not in keep:
+            for b in t.bound_symbols:
+                if isinstance(b.sym, _PoolLine) and b.sym.take:
+                    b.sym.pool.release()
