@@ -148,7 +148,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
-        attached = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes)
+        attached = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes,
+                                    keep_buffers=options.keep_buffers)
         if attached is not None:
             build_fused, to_fuse = attached
     elif fuse_main:
@@ -226,7 +227,7 @@ def _fusion_job(entry, build_fused, notes) -> FusionJob:
     return FusionJob(build, lambda program: entry.switch(*program), notes.append, "background fusion")
 
 
-def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
+def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None, keep_buffers=True):
     """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
 
     ``trc`` is the computation after dead code elimination.  Nothing changes when grad is disabled,
@@ -255,9 +256,11 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None):
             fw = fuse(fw, kind, notes, "fw_")
             bw = fuse(bw, kind, notes, "bw_")
         fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
+        bw = take_saved_as_list(dce(bw, header=f"Final backward (autograd, executors: {names})"), fb.saved)
+        if keep_buffers:  # ThunderFunction runs both without grad (autograd.Function's forward; once_differentiable)
+            fw, bw = keep_large_buffers(fw, grad_disabled=True), keep_large_buffers(bw, grad_disabled=True)
         fw = free_after_last_use(fw)
-        bw = dce(bw, header=f"Final backward (autograd, executors: {names})")
-        bw = free_after_last_use(take_saved_as_list(bw, fb.saved))
+        bw = free_after_last_use(bw)
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
         run = AutogradProgram(trc, fb, fw, bw) if kind != "background" or _fused_regions(fw, bw) else None
