@@ -65,6 +65,18 @@ OUT_CASES = {
     "mul": (torch.mul, (_x(64, 32), _x(64, 1)), {}),
     "div floor": (torch.Tensor.div, (_x(64, 32), _x(32)), {"rounding_mode": "floor"}),
     "cat": (torch.cat, ([_x(8, 32), _x(4, 32)], 0), {}),
+    "true_divide": (torch.true_divide, (_x(64, 32), _x(32)), {}),
+    "neg of a transposed input": (torch.Tensor.neg, (_x(32, 64).t(),), {}),
+    "rsqrt": (torch.rsqrt, (_x(64, 32).abs() + 0.1,), {}),
+    "sqrt": (torch.Tensor.sqrt, (_x(64, 32).abs(),), {}),
+    "exp": (torch.exp, (_x(64, 32),), {}),
+    "log": (torch.Tensor.log, (_x(64, 32).abs() + 0.1,), {}),
+    "tanh": (torch.tanh, (_x(64, 32),), {}),
+    "sigmoid": (torch.Tensor.sigmoid, (_x(64, 32),), {}),
+    "pow scalar exponent": (torch.Tensor.pow, (_x(64, 32), 2), {}),
+    "pow scalar base": (torch.pow, (2.0, _x(64, 32)), {}),
+    "le": (torch.le, (_x(64, 32), _x(32)), {}),
+    "ne of a scalar": (torch.Tensor.ne, (_x(64, 32), 0.5), {}),
     "gelu_vjp": (torch_impls.gelu_vjp, (_x(64, 32), (), _x(64, 32)), {"approximate": "tanh"}),
 }
 
@@ -85,6 +97,21 @@ def test_out_form_is_bitwise_the_functional_call(case):
         got, want = (got,), (want,)
     for g, w in zip(got, want):
         assert torch.equal(g, w) and g.stride() == w.stride()
+
+
+def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_size, monkeypatch):
+    # torch.where's out= overload takes no Python number for `other`: were it an out form, the line would raise.
+    monkeypatch.setitem(buffers._TORCH_OUT_FORMS, torch.where, torch.where)
+
+    def f(c, x):
+        return (torch.where(c, torch.where(c, x * 2, x), 0.0) * 3).sum(0)
+
+    cf = tt.compile(f, thin=True)
+    c, x = torch.randn(8, 16) > 0, torch.randn(8, 16)
+    for _ in range(3):
+        torch.testing.assert_close(cf(c, x), f(c, x))
+    src = source(cf)
+    assert "0.0, out=" not in src and "torch.where(c, t0, x, out=_b[" in src.replace("  ", " "), src
 
 
 def test_cross_entropy_out_forms_are_bitwise_eager_kernels():

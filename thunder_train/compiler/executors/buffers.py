@@ -35,11 +35,11 @@ import weakref
 import torch
 
 from ..proxies import TensorProxy, is_proxy
-from ..pytree import tree_flatten
+from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .inductor_fusion import FusionSymbol
-from .torch_executor import ImplSymbol, impl_symbol
+from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
 # Every size is worth keeping: a large block saves its page faults, a small one the allocation itself (the model
 # zoo's tiny steps are 3-5 % faster keeping every size than keeping only blocks of 128 KiB and more).
@@ -53,13 +53,17 @@ PEAK_SLACK = 64 * 1024
 # Out forms: ``f(*args, out=..., **kwargs)`` computes what the line computes into ``out`` and returns it.
 # ``out`` has the line's output structure; a ttex function's form also accepts None entries (allocated).
 # ---------------------------------------------------------------------------
+# Elementwise torch functions (TensorIterator kernels): ``torch.f(..., out=o)`` with ``o`` of the result's shape,
+# dtype and strides runs the kernel the functional call runs; the ``Tensor`` method of the same name is the same call.
+_ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid",
+                "pow", "le", "lt", "ge", "gt", "eq", "ne")
 _TORCH_OUT_FORMS = {
     torch.nn.functional.linear: torch_impls.linear_out,
     torch.nn.functional.gelu: torch._C._nn.gelu,
     torch.matmul: torch.matmul,
     torch.cat: torch.cat,
-    **{f: f for f in (torch.add, torch.sub, torch.mul, torch.div)},
-    **{getattr(torch.Tensor, name): getattr(torch, name) for name in ("add", "sub", "mul", "div")},
+    **{getattr(torch, name): getattr(torch, name) for name in _ELEMENTWISE},
+    **{getattr(torch.Tensor, name): getattr(torch, name) for name in _ELEMENTWISE if hasattr(torch.Tensor, name)},
 }
 
 
@@ -80,11 +84,12 @@ def out_form(bsym):
 # Torch functions besides those above whose results never share memory with their inputs (a line whose function is
 # not known to return new tensors is taken to alias its inputs: views, ``contiguous``, ``to``, ``dropout``, any
 # ``inplace=True`` activation, ...).
+_FRESH_NAMES = ("sum", "mean", "amax", "amin", "softmax", "log_softmax", "where")
 _FRESH_TORCH = frozenset({
-    torch.sum, torch.mean, torch.amax, torch.amin, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.where,
-    torch.softmax, torch.log_softmax, torch.nn.functional.embedding, torch.nn.functional.layer_norm,
-    torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.cross_entropy, torch.full, torch.zeros,
-    torch.ones, torch.empty, torch.arange,
+    *(getattr(torch, n) for n in _FRESH_NAMES), *(getattr(torch.Tensor, n) for n in _FRESH_NAMES),
+    torch.nn.functional.embedding, torch.nn.functional.layer_norm, torch.nn.functional.softmax,
+    torch.nn.functional.log_softmax, torch.nn.functional.scaled_dot_product_attention,
+    torch.nn.functional.cross_entropy, torch.full, torch.zeros, torch.ones, torch.empty, torch.arange,
 })
 
 
@@ -103,6 +108,47 @@ def _aliased_args(bsym):
         return () if fn in _FRESH_TORCH else None
     except TypeError:
         return None
+
+
+def _meta(x):
+    if _tensor(x):
+        return torch.empty_strided(x._tt_shape, x._tt_strides, dtype=x._tt_dtype.torch, device="meta")
+    return to_torch_arg(x)
+
+
+def _kind(x):
+    """What decides whether an overload takes an argument: a tensor's dtype and rank, a number's type, the rest as is."""
+    if _tensor(x):
+        return ("tensor", x._tt_dtype, len(x._tt_shape))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *map(_kind, x))
+    if isinstance(x, dict):
+        return ("dict", *((k, _kind(v)) for k, v in x.items()))
+    if type(x) in (int, float, complex) or is_proxy(x):
+        return type(x).__name__
+    return repr(x)
+
+
+_accepted: set = set()  # (out form, argument kinds) it took on meta tensors
+
+
+def _accepts_out(bsym) -> bool:
+    """Whether the out form takes this line's arguments: it is called on meta tensors once for each kind of call
+    (``out=`` overloads accept fewer argument kinds than their functions: ``torch.where(c, x, 0.0, out=o)`` is a
+    TypeError).  Autocast and grad mode are off as when the program runs; a refusal is not remembered (the
+    caller's state could have caused it)."""
+    form = out_form(bsym)
+    key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
+    if key in _accepted:
+        return True
+    try:
+        with torch.autocast("cpu", enabled=False), torch.no_grad():
+            args, kwargs = tree_map(_meta, bsym.args), tree_map(_meta, bsym.kwargs)
+            form(*args, **kwargs, out=tree_map(_meta, bsym.output))
+    except Exception:
+        return False
+    _accepted.add(key)
+    return True
 
 
 def _keeps_no_reference(bsym) -> bool:
@@ -174,7 +220,7 @@ def plan(trc):
             storages[r][1] = i
         if not _keeps_no_reference(b):
             escaped |= reached
-        aliased, into = _aliased_args(b), out_form(b) is not None
+        aliased, into = _aliased_args(b), out_form(b) is not None and _accepts_out(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if not _tensor(o):
