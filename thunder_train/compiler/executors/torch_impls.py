@@ -204,10 +204,14 @@ ltorch_normalization.batch_norm_running_stats.torch_impl = batch_norm_running_st
 # Out forms (executors/buffers.py): the same kernels as the functions they stand for, writing into ``out``.
 def linear_out(input, weight, bias=None, *, out):
     """``F.linear`` into ``out`` by the kernels functional ``linear`` picks, so the values are bitwise the same:
-    ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), else ``matmul`` then ``add_``."""
-    if bias is not None and bias.dim() == 1 and (input.dim() == 2 or input.is_contiguous()):
-        torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
-        return out
+    ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), else ``matmul`` then ``add_``.
+    (aten's own ``linear.out`` is that for a 2-d input, but ``matmul`` then ``add_`` for a 3-d one.)"""
+    if bias is not None and bias.dim() == 1:
+        if input.dim() == 2:
+            return torch._C._nn.linear(input, weight, bias, out=out)
+        if input.is_contiguous():
+            torch.addmm(bias, input.view(-1, input.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+            return out
     torch.matmul(input, weight.t(), out=out)
     if bias is not None:
         out.add_(bias)
