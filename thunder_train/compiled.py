@@ -620,9 +620,10 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``optimizer_kernels="fused"`` (default): an Adam, AdamW, SGD or (CPU) Adagrad step inside the function runs
     torch's fused kernel (one pass over all parameters) where that computes the same update;
     ``"traced"`` runs the optimizer's own per-op code (see docs/training_step.md).
-    ``keep_buffers=True`` (default): a program PyTorch autograd does not see (a whole training step) writes its
-    large CPU intermediates into memory it keeps between calls instead of allocating them on every call
-    (docs/performance.md); ``False`` frees them after each call.
+    ``keep_buffers=True`` (default): a program that runs without grad (a whole training step, and the forward and
+    backward connected to PyTorch autograd) writes its CPU intermediates into memory it keeps between calls
+    instead of allocating them on every call, never raising the call's peak (docs/performance.md); ``False``
+    frees them after each call.
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
                    optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs, keep_buffers=keep_buffers)

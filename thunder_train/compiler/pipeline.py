@@ -61,7 +61,10 @@ class CacheEntry:
 
     def switch(self, program, traces, backward_traces) -> None:
         """Run ``program`` from the next call on (same inputs and results as the current one)."""
-        release_replaced(self.traces, traces)  # the replaced program's kept buffers (executors/buffers.py)
+        # The replaced programs' kept buffers (executors/buffers.py); an autograd node made before the switch still
+        # runs its backward correctly, allocating as it goes.
+        kept_backward = backward_traces if backward_traces is not None else self.backward_traces
+        release_replaced(self.traces + list(self.backward_traces or ()), traces + list(kept_backward or ()))
         self.traces = traces
         if backward_traces is not None:
             self.backward_traces = backward_traces
