@@ -30,11 +30,13 @@ background fusion replaces the program, its sets are freed (``release_replaced``
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
 import torch
 
-from ..proxies import TensorProxy, is_proxy
+from ..codegen import Name
+from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
@@ -51,7 +53,8 @@ PEAK_SLACK = 64 * 1024
 
 # ---------------------------------------------------------------------------
 # Out forms: ``f(*args, out=..., **kwargs)`` computes what the line computes into ``out`` and returns it.
-# ``out`` has the line's output structure; a ttex function's form also accepts None entries (allocated).
+# ``out`` has the line's output structure (the torch functions below have one tensor result); a ttex function's
+# form also accepts None entries for results it allocates.
 # ---------------------------------------------------------------------------
 # Elementwise torch functions (TensorIterator kernels): ``torch.f(..., out=o)`` with ``o`` of the result's shape,
 # dtype and strides runs the kernel the functional call runs; the ``Tensor`` method of the same name is the same call.
@@ -94,10 +97,8 @@ _FRESH_TORCH = frozenset({
 
 
 def _aliased_args(bsym):
-    """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (an out
-    form, or a function declared so: ``fn.aliases``), None when unknown (every argument)."""
-    if out_form(bsym) is not None:
-        return ()
+    """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (a function
+    declared so: ``fn.aliases``, or ``_FRESH_TORCH``; a line with an out form too), None when unknown (every argument)."""
     fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
     if fn is None:
         return None
@@ -111,9 +112,7 @@ def _aliased_args(bsym):
 
 
 def _meta(x):
-    if _tensor(x):
-        return torch.empty_strided(x._tt_shape, x._tt_strides, dtype=x._tt_dtype.torch, device="meta")
-    return to_torch_arg(x)
+    return meta_tensor(x) if _tensor(x) else to_torch_arg(x)
 
 
 def _kind(x):
@@ -132,12 +131,11 @@ def _kind(x):
 _accepted: set = set()  # (out form, argument kinds) it took on meta tensors
 
 
-def _accepts_out(bsym) -> bool:
+def _accepts_out(bsym, form) -> bool:
     """Whether the out form takes this line's arguments: it is called on meta tensors once for each kind of call
     (``out=`` overloads accept fewer argument kinds than their functions: ``torch.where(c, x, 0.0, out=o)`` is a
     TypeError).  Autocast and grad mode are off as when the program runs; a refusal is not remembered (the
     caller's state could have caused it)."""
-    form = out_form(bsym)
     key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
     if key in _accepted:
         return True
@@ -164,22 +162,15 @@ def _tensor(x) -> bool:
 
 
 def _storage_bytes(p) -> int | None:
-    """Bytes of a dense, non-overlapping layout for the proxy, or None for any other layout."""
+    """Bytes of the proxy's storage, rounded up to ``_ALIGN``, when its layout is one an arena view can have
+    (dense, non-overlapping, concrete sizes, no storage offset); else None."""
     shape, strides = p._tt_shape, p._tt_strides
     if not all(type(n) is int for n in shape) or not all(type(s) is int for s in strides) or p._tt_storage_offset != 0:
         return None
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel == 0:
+    numel = math.prod(shape)
+    if numel == 0 or not is_non_overlapping_and_dense(meta_tensor(p)):
         return None
-    dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return None
-        expected *= n
-    return numel * p._tt_dtype.torch.itemsize
+    return -(-numel * p._tt_dtype.torch.itemsize // _ALIGN) * _ALIGN
 
 
 # ---------------------------------------------------------------------------
@@ -202,7 +193,7 @@ def _eligible(trc) -> bool:
 
 
 def plan(trc):
-    """(arena bytes, {id(value): (byte offset, value)}) for the trace's lines.
+    """(arena bytes, {id(value): (byte offset, bytes, value)}) for the trace's lines.
 
     Every storage a line creates is tracked (for the peak-memory rule below), the ones a kept buffer can hold
     are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
@@ -220,7 +211,9 @@ def plan(trc):
             storages[r][1] = i
         if not _keeps_no_reference(b):
             escaped |= reached
-        aliased, into = _aliased_args(b), out_form(b) is not None and _accepts_out(b)
+        form = out_form(b)
+        aliased = () if form is not None else _aliased_args(b)
+        into = form is not None and _accepts_out(b, form)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if not _tensor(o):
@@ -279,7 +272,7 @@ def _live_bytes(storages, keys, n) -> list:
 def _pack(storages, kept):
     """Offsets in one arena, largest values first, each at the lowest offset free of the values whose
     storage lifetimes overlap its own: close to the peak of the kept values' bytes, and one allocation."""
-    items = sorted(((_aligned(storages[k][3]), storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
+    items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
     placed: list = []  # (offset, end, first line, last line)
     assigned: dict = {}
     for nbytes, first, end, key in items:
@@ -289,12 +282,8 @@ def _pack(storages, kept):
                 break
             offset = max(offset, hi)
         placed.append((offset, offset + nbytes, first, end))
-        assigned[key] = (offset, storages[key][3])
+        assigned[key] = (offset, nbytes, storages[key][3])
     return max(hi for _, hi, _, _ in placed), assigned
-
-
-def _aligned(p) -> int:
-    return -(-_storage_bytes(p) // _ALIGN) * _ALIGN
 
 
 class BufferPool:
@@ -360,44 +349,27 @@ class _PoolLine(Symbol):
 def keep_large_buffers(trc, header=None, *, grad_disabled=False):
     """The trace with its large intermediates written into kept buffers (see the module docstring).
     ``grad_disabled``: the program always runs without grad (the forward and backward of ``ThunderFunction``)."""
-    from ..codegen import Name
-
     if not grad_disabled and not _eligible(trc):
         return trc
     nbytes, assigned = plan(trc)
     if not assigned:
         return trc
-    order = {key: k for k, key in enumerate(sorted(assigned, key=lambda key: assigned[key][1]._tt_name))}
+    order = {key: k for k, key in enumerate(sorted(assigned, key=lambda key: assigned[key][2]._tt_name))}
     views = [None] * len(order)
     for key, k in order.items():
-        offset, o = assigned[key]
-        views[k] = (offset, _aligned(o), tuple(o._tt_shape), tuple(o._tt_strides), o._tt_dtype.torch)
+        offset, size, o = assigned[key]
+        views[k] = (offset, size, tuple(o._tt_shape), tuple(o._tt_strides), o._tt_dtype.torch)
     pool = BufferPool(nbytes, views)
     new = trc.derive(header or trc.header)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, True), (), {}, None))
     for b in trc.bound_symbols:
         outs = [o for o in tree_flatten(b.output)[0] if _tensor(o)]
         if any(id(o) in order for o in outs):
-            b = _into_buffers(b, order, Name)
+            out = tree_map(lambda o: Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None, b.output)
+            b = b.replace(sym=impl_symbol(out_form(b)), kwargs={**b.kwargs, "out": out})
         new.bound_symbols.append(b)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, False), (), {}, None))
     return new
-
-
-def _into_buffers(b, order, Name):
-    def out_of(o):
-        return Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None
-
-    form = out_form(b)
-    if _tensor(b.output):
-        out = out_of(b.output)
-    elif all(_tensor(o) and id(o) in order for o in b.output):
-        out = tuple(out_of(o) for o in b.output)
-    elif getattr(b.sym.fn, "out", None) is form:  # a ttex form allocates the None entries
-        out = tuple(out_of(o) for o in b.output)
-    else:
-        return b
-    return b.replace(sym=impl_symbol(form), kwargs={**b.kwargs, "out": out})
 
 
 def kept_bytes(trc) -> int:
