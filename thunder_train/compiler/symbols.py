@@ -70,6 +70,8 @@ class Symbol:
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
+    fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
+    fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/inductor_fusion.py ``fusion_form``)
     inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
     python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims/elementwise.py ``_on_numbers``)
 

@@ -72,6 +72,8 @@ _TORCH_OUT_FORMS = {
 
 def out_form(bsym):
     """The out form of the line's function, or None."""
+    if isinstance(bsym.sym, FusionSymbol):  # a fused region: its kernel writes into given buffers
+        return None if bsym.sym.into else getattr(bsym.sym.runner, "out", None)
     if not isinstance(bsym.sym, ImplSymbol) or (bsym.source is not None and bsym.source.module == "opaque"):
         return None
     fn = bsym.sym.fn
@@ -99,7 +101,7 @@ _FRESH_TORCH = frozenset({
 def _aliased_args(bsym):
     """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (a function
     declared so: ``fn.aliases``, or ``_FRESH_TORCH``; a line with an out form too), None when unknown (every argument)."""
-    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, (ImplSymbol, FusionSymbol)) else None
     if fn is None:
         return None
     aliases = getattr(fn, "aliases", None)
@@ -136,6 +138,8 @@ def _accepts_out(bsym, form) -> bool:
     (``out=`` overloads accept fewer argument kinds than their functions: ``torch.where(c, x, 0.0, out=o)`` is a
     TypeError).  Autocast and grad mode are off as when the program runs; a refusal is not remembered (the
     caller's state could have caused it)."""
+    if isinstance(bsym.sym, FusionSymbol):
+        return True  # compiled for these very layouts; any other buffer fails its check and runs the region's torch ops
     key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
     if key in _accepted:
         return True
@@ -366,7 +370,8 @@ def keep_large_buffers(trc, header=None, *, grad_disabled=False):
         outs = [o for o in tree_flatten(b.output)[0] if _tensor(o)]
         if any(id(o) in order for o in outs):
             out = tree_map(lambda o: Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None, b.output)
-            b = b.replace(sym=impl_symbol(out_form(b)), kwargs={**b.kwargs, "out": out})
+            into = b.sym.out_symbol() if isinstance(b.sym, FusionSymbol) else impl_symbol(out_form(b))
+            b = b.replace(sym=into, kwargs={**b.kwargs, "out": out})
         new.bound_symbols.append(b)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, False), (), {}, None))
     return new

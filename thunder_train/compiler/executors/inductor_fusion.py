@@ -15,20 +15,23 @@ Regions form in one forward walk.  A fusible op joins the open region; a non-fus
 of the region's values and has no side effect moves ahead of it (its relative order with other
 non-fusible ops is kept, and fusible ops are pure, so nothing observable changes); anything else closes
 the region: ops that read its values, write-backs (``ttex.copy_``) and ``Tensor.item``.  A region with
-fewer than ``MIN_OPS`` ops stays as it was.
+fewer than ``MIN_OPS`` ops stays as it was, unless a line has a fusion form (``fusion_form``: what the kernel
+computes for an op whose eager kernel is slow, e.g. tanh GELU as x * sigmoid(2u); declared with the op).
 
 Inductor generates C++ for CPU regions and Triton for CUDA regions; a region holds tensors of one device
 (a fusible op on another device closes the open region).  Kernels are cached by structure (ops, constants,
-input shapes, dtypes and devices, which values leave the region), process-wide, so identical regions — every layer of a model, a retrace, another compiled
+input shapes, strides, dtypes and devices, which values leave the region), process-wide, so identical regions — every layer of a model, a retrace, another compiled
 function — compile once.  If Inductor cannot compile a region (not installed, no C++ compiler, an op it
 does not lower) the region runs on the torch executor as before and one line in
-``compile_stats(cf).fusion_notes`` says why.  Kernels are compiled for contiguous inputs; an input with
-other strides fails Inductor's size/stride check before any work and that call runs the region's ops
-through torch instead (same values, no speedup).
+``compile_stats(cf).fusion_notes`` says why.  Kernels write their outputs into buffers (the runner's ``.out``
+form, which kept buffers use) and are compiled for the trace's layouts of the inputs and outputs; an input or
+buffer with other strides fails Inductor's size/stride check before any work, and that call runs the region's
+torch calls instead and copies their values (eager's values, no speedup).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -50,9 +53,23 @@ MIN_OPS = 3
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
 
+def fusion_form(bsym):
+    """The torch function a fused kernel computes for this line in place of its torch call, when its op declares one
+    for these arguments (``Symbol.fusion_form``; ``Symbol.fusion_vjp_form`` for the op's ``<name>_vjp`` line): the
+    same function, faster to compile into a kernel (tanh GELU as x * sigmoid(2u), torchlang/activations.py)."""
+    src = bsym.source
+    if bsym.sym.module != "torch_executor" or src is None:
+        return None
+    owner = getattr(src, "forward_symbol", None)
+    declare = owner.fusion_vjp_form if owner is not None else src.fusion_form
+    return None if declare is None else declare(*bsym.args, **bsym.kwargs)
+
+
 def _fusible_name(bsym) -> str | None:
     """The op's short name (for comments) when Inductor may fuse the line, else None."""
     src, fn = bsym.source, getattr(bsym.sym, "fn", None)
+    if fusion_form(bsym) is not None:
+        return src.name
     if bsym.sym.module != "torch_executor" or src is None or "fusible" not in src.tags or fn is None:
         return None
     if src.module == "ltorch":
@@ -77,9 +94,17 @@ def _static_tensor(x) -> str | None:
     return None
 
 
+def _result(bsym):
+    """The line's one tensor result (a ``<name>_vjp`` line returns it in a 1-tuple), or None."""
+    out = bsym.output
+    if isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]
+    return out if type(out) is TensorProxy else None
+
+
 def _device_of(bsym):
     """The one device of a fusible line's tensors (None: tensors on several devices, e.g. a CPU scalar tensor)."""
-    devs = {x._tt_device for x in list(bsym.flat_args()) + [bsym.output] if type(x) is TensorProxy}
+    devs = {x._tt_device for x in list(bsym.flat_args()) + [_result(bsym)] if type(x) is TensorProxy}
     return devs.pop() if len(devs) == 1 else None
 
 
@@ -87,13 +112,13 @@ def _classify(bsym) -> tuple[str | None, str | None]:
     """``(op name, None)`` for a fusible bound symbol, ``(None, reason)`` for a candidate that is not,
     ``(None, None)`` for anything else."""
     name = _fusible_name(bsym)
-    if name is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
+    if name is None or bsym.has_side_effect or _result(bsym) is None:
         return None, None
     if name in _DTYPE_ONLY and name != "type_as":
         extra = [a for a in bsym.flat_args()[1:] if not isinstance(a, torch.dtype)]
         if extra or (set(bsym.kwargs) - {"dtype"}):
             return None, None
-    for x in list(bsym.flat_args()) + [bsym.output]:
+    for x in list(bsym.flat_args()) + [_result(bsym)]:
         why = _static_tensor(x)
         if why is not None:
             return None, why
@@ -135,7 +160,7 @@ def plan_regions(trc) -> list:
     found = []
 
     def flush(region, hoisted):
-        if len(region) >= MIN_OPS:
+        if _worth_fusing([b for _, b in region]):
             outputs = _region_outputs(region, readers, returned)
             if outputs:
                 found.append(([b for _, b in region], outputs))
@@ -157,7 +182,13 @@ def _uses(trc):
 def _region_outputs(region, readers, returned) -> list:
     """The values of ``region`` ((index, bsym) pairs) read after it or returned."""
     inside = {i for i, _ in region}
-    return [b.output for _, b in region if id(b.output) in returned or readers.get(id(b.output), set()) - inside]
+    results = [_result(b) for _, b in region]
+    return [r for r in results if id(r) in returned or readers.get(id(r), set()) - inside]
+
+
+def _worth_fusing(bsyms) -> bool:
+    """At least ``MIN_OPS`` ops, or one whose fusion form is faster compiled than its torch call."""
+    return len(bsyms) >= MIN_OPS or any(fusion_form(b) is not None for b in bsyms)
 
 
 def _walk(trc, flush, emit, skipped: dict) -> None:
@@ -176,7 +207,7 @@ def _walk(trc, flush, emit, skipped: dict) -> None:
                 region, produced, hoisted = [], set(), []
             device = _device_of(b)
             region.append((i, b))
-            produced.add(id(b.output))
+            produced.add(id(_result(b)))
             continue
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
@@ -200,7 +231,7 @@ class _State:
 
     def flush(self, region, hoisted):
         self.out.extend(hoisted)
-        if len(region) < MIN_OPS:
+        if not _worth_fusing([b for _, b in region]):
             self.out.extend(b for _, b in region)
             return
         outputs = _region_outputs(region, self.readers, self.returned)
@@ -238,17 +269,23 @@ def _op_names(bsyms, limit: int = 8) -> str:
 
 
 class FusionSymbol(Symbol):
-    """The call of one compiled region; its subsymbols are the region's original lines."""
+    """The call of one compiled region; its subsymbols are the region's original lines.  ``into``: the call of
+    the region's out form, printed ``inductor_fusion_3.out(x, out=_b[2])`` (executors/buffers.py)."""
 
-    def __init__(self, name, runner):
-        super().__init__(name, runner, module="inductor", is_prim=True)
+    def __init__(self, name, runner, *, into: bool = False):
+        super().__init__(name, runner.out if into else runner, module="inductor", is_prim=True)
+        self.runner, self.into = runner, into
 
     @property
     def print_name(self) -> str:
-        return self.name
+        return f"{self.name}.out" if self.into else self.name
 
     def codegen_globals(self) -> dict:
-        return {self.name: self.fn}
+        return {self.name: self.runner}
+
+    def out_symbol(self) -> "FusionSymbol | None":
+        """The symbol of the region's out form, when the kernel has one."""
+        return FusionSymbol(self.name, self.runner, into=True) if getattr(self.runner, "out", None) else None
 
 
 # ---------------------------------------------------------------------------
@@ -291,9 +328,9 @@ def _structure(bsyms, outputs):
     ops = []
     for j, b in enumerate(bsyms):
         ops.append((b.sym.fn, tuple(norm(a) for a in b.flat_args()), tree_flatten((b.args, b.kwargs))[1].__repr__()))
-        index[id(b.output)] = ("op", j)
-    metas = tuple((p._tt_shape, p._tt_dtype.torch, p._tt_device.torch) for p in inputs)
-    return (tuple(ops), metas, tuple(index[id(o)] for o in outputs)), inputs
+        index[id(_result(b))] = ("op", j)
+    metas = tuple((p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch) for p in inputs)
+    return (tuple(ops), metas, tuple((index[id(o)], o._tt_strides) for o in outputs)), inputs
 
 
 def _kernel_for(bsyms, outputs):
@@ -314,28 +351,40 @@ def _kernel_for(bsyms, outputs):
     return kernel, inputs
 
 
-def _region_graph(bsyms, inputs, outputs):
-    """The region as a Python function of its inputs that calls the same torch callables as the trace.
+def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
+    """The region as a Python function of its inputs that calls the same torch callables as the trace and returns
+    its outputs (the fallback).  ``into``: what Inductor compiles, a function of the inputs and one buffer per
+    output that writes the outputs into the buffers, with each line's fusion form in place of its torch call
+    (``fusion_form``).  Writing into given buffers lets a program keep them between calls (executors/buffers.py).
 
     ``make_fx`` traces it to ATen.  Not a torch.fx graph of those callables: fx prints a call by its
     callable's ``__module__`` and ``__name__``, which for some (``Tensor.__pow__``, whose wrapper says
     ``torch._tensor.pow``) names nothing, and the whole region failed.
     """
     in_ids = [id(p) for p in inputs]
-    steps = [(b.sym.fn, b.args, b.kwargs, id(b.output)) for b in bsyms]
+    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, id(_result(b)), _result(b) is not b.output) for b in bsyms]
     out_ids = [id(o) for o in outputs]
 
-    def region(*args):
+    def values(*args):
         env = dict(zip(in_ids, args))
 
         def value(x):
             return env[id(x)] if is_proxy(x) else x
 
-        for fn, a, kw, out in steps:
-            env[out] = fn(*tree_map(value, a), **tree_map(value, kw))
+        for fn, a, kw, out, boxed in steps:
+            r = fn(*tree_map(value, a), **tree_map(value, kw))
+            env[out] = r[0] if boxed else r
         return tuple(env[i] for i in out_ids)
 
-    return region
+    if not into:
+        return values
+
+    def region_into(*args):
+        for buffer, v in zip(args[len(in_ids):], values(*args[:len(in_ids)])):
+            buffer.copy_(v)
+        return ()
+
+    return region_into
 
 
 _compiling = threading.local()
@@ -386,26 +435,64 @@ def _inductor_compile(gm, example):
     return call if call is not None else compiled  # the bare generated ``call``: no per-call bookkeeping
 
 
+def _example(p):
+    return torch.empty_strided(p._tt_shape, p._tt_strides, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
+
+
 def _compile_region(bsyms, inputs, outputs):
-    gm = _region_graph(bsyms, inputs, outputs)
-    example = [torch.empty(p._tt_shape, dtype=p._tt_dtype.torch, device=p._tt_device.torch) for p in inputs]
-    call = _inductor_compile(gm, example)
-    return _runner(call, gm, len(outputs) == 1)
+    """The region compiled for its inputs' and outputs' layouts (the proxies', which are eager's)."""
+    example = [_example(p) for p in list(inputs) + list(outputs)]
+    call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example)
+    return _runner(call, _region_graph(bsyms, inputs, outputs), outputs)
 
 
-def _runner(call, fallback, single):
-    """The function the trace calls.  Inductor's generated ``call`` checks every input's size and strides
-    before any work; when that check (or anything else) fails, the region's torch ops run instead."""
+def _allocator(p):
+    """A function of no arguments returning a new tensor laid out as the proxy ``p`` (Inductor's own allocation
+    helpers where this torch has them: a third of ``torch.empty_strided``'s cost, which counts for small regions)."""
+    shape, strides, dtype, device = tuple(p._tt_shape), tuple(p._tt_strides), p._tt_dtype.torch, p._tt_device.torch
+    guards = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "guards", None)
+    fast = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
+    if fast is not None and device.type == "cpu":
+        return functools.partial(fast, shape, strides, dtype)
+    return functools.partial(torch.empty_strided, shape, strides, dtype=dtype, device=device)
+
+
+def _runner(call, fallback, outputs):
+    """The function the trace calls, with its out form ``.out`` (executors/buffers.py): the kernel writes the
+    outputs into buffers it is given (``out``: one per output, None for one it allocates, with its proxy's
+    layout).  Inductor's generated ``call`` checks every input's and buffer's size and strides before any work;
+    when that check (or anything else) fails, the region's torch ops run instead and their values are copied."""
+    single = len(outputs) == 1
+    allocate = [_allocator(o) for o in outputs]
+
+    def into(args, buffers):
+        try:
+            call([*args, *buffers])
+        except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
+            for b, v in zip(buffers, fallback(*args)):
+                b.copy_(v)
+
+    def run_into(*args, out):
+        buffers = [out] if single and not isinstance(out, (tuple, list)) else list(out)
+        buffers = [b if b is not None else new() for b, new in zip(buffers, allocate)]
+        into(args, buffers)
+        return buffers[0] if single else tuple(buffers)
+
     if single:
-        def run(*args):
+        new_output = allocate[0]
+
+        def run(*args):  # the common case, without the general path's calls (small regions are µs)
+            b = new_output()
             try:
-                return call(list(args))[0]
-            except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
-                return fallback(*args)[0]
+                call([*args, b])
+            except Exception:  # noqa: BLE001
+                b.copy_(fallback(*args)[0])
+            return b
     else:
         def run(*args):
-            try:
-                return call(list(args))
-            except Exception:  # noqa: BLE001
-                return fallback(*args)
+            buffers = [new() for new in allocate]
+            into(args, buffers)
+            return tuple(buffers)
+
+    run.out, run.aliases = run_into, ()  # the outputs are new tensors
     return run
