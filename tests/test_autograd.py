@@ -118,6 +118,7 @@ def _cases(dtype):
         "cross_entropy_label_smoothing": (lambda x: F.cross_entropy(x, torch.tensor([1, 0, 4]), label_smoothing=0.1), (r(3, 5),)),
         "embedding": (lambda w: F.embedding(torch.tensor([[1, 2, 1], [0, 3, 1]]), w), (r(4, 3),)),
         "embedding_padding_idx": (lambda w: F.embedding(torch.tensor([[1, 2, 1], [0, 3, 1]]), w, padding_idx=1), (r(4, 3),)),
+        "embedding_scale_grad_by_freq": (lambda w: F.embedding(torch.tensor([[1, 2, 1], [0, 3, 1]]), w, padding_idx=2, scale_grad_by_freq=True), (r(4, 3),)),
         "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (r(2, 2, 4, 8), r(2, 2, 5, 8), r(2, 2, 5, 8))),
         "sdpa_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (r(1, 2, 4, 8), r(1, 2, 4, 8), r(1, 2, 4, 8))),
         "sdpa_float_mask": (
@@ -151,13 +152,25 @@ def test_grad_matches_eager_float32(name):
 
 
 FLOAT64 = ["exp_log", "pow", "mul_div", "var", "matmul_batched_broadcast", "linear", "layer_norm", "rms_norm",
-           "cross_entropy_weighted_ignore", "log_softmax", "sdpa_causal", "conv2d", "embedding_padding_idx", "gelu"]
+           "cross_entropy_weighted_ignore", "log_softmax", "sdpa_causal", "conv2d", "embedding_padding_idx",
+           "embedding_scale_grad_by_freq", "gelu"]
 
 
 @pytest.mark.parametrize("name", FLOAT64)
 def test_grad_matches_eager_float64(name):
     fn, args = _cases(torch.float64)[name]
     check_grads(fn, *args, atol=1e-10, rtol=1e-10)
+
+
+def test_sparse_embedding_gradient_is_refused_with_what_to_do():
+    """A sparse gradient cannot be given; a dense one in its place would be silently different (its type)."""
+    emb = nn.Embedding(5, 3, sparse=True)
+    x = torch.tensor([1, 2, 1])
+    cf = tt.compile(emb)
+    with torch.no_grad():
+        assert torch.equal(cf(x), emb(x))  # the forward is fine
+    with pytest.raises(NotImplementedError, match="sparse=True.*use sparse=False"):
+        cf(x).sum().backward()
 
 
 # ---------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class Symbol:
     torch_impl = None  # the torch callable the torch executor runs for the whole op
     autocast = None  # {"cpu": policy, "cuda": policy}: what torch.autocast does to its inputs (torchlang/autocast.py)
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
-    torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor)
+    torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor; ``.wanted``: for which inputs' gradients, default the first's)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
     fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
     fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/inductor_fusion.py ``fusion_form``)

@@ -497,7 +497,7 @@ class TorchExecutor:
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
             direct = sym.forward_symbol.torch_direct_vjp
-            if direct is not None and wanted == ((0,),):
+            if direct is not None and wanted == getattr(direct, "wanted", ((0,),)):  # the gradients it computes
                 return BoundSymbol(impl_symbol(direct), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
             impl = _vjp_impls.get((fn, wanted))
             if impl is None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import codegen
 from ..errors import DecisionMismatch
-from ..torchlang import activations as ltorch_activations, normalization as ltorch_normalization, optim as ltorch_optim
+from ..torchlang import activations as ltorch_activations, nn as ltorch_nn, normalization as ltorch_normalization, optim as ltorch_optim
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -182,7 +182,7 @@ class TorchVJP:
             return torch.autograd.grad(out, leaves, g)
 
 
-# Backwards that need no forward recomputation (``Symbol.torch_direct_vjp``; used when only ``input`` needs grad).
+# Backwards that need no forward recomputation (``Symbol.torch_direct_vjp``; used when only the gradients they compute are wanted: ``input``'s, or those their ``.wanted`` names).
 def gelu_vjp(g, reads, input, approximate="none"):
     """GELU's gradient from its input alone: PyTorch's backward kernel, no forward recomputation."""
     return (torch.ops.aten.gelu_backward(g, input, approximate=approximate),)
@@ -190,6 +190,17 @@ def gelu_vjp(g, reads, input, approximate="none"):
 
 def silu_vjp(g, reads, input, inplace=False):
     return (torch.ops.aten.silu_backward(g, input),)
+
+
+def embedding_vjp(g, reads, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    """The weight's gradient by eager's own backward kernel (``embedding_dense_backward``, what eager's autograd
+    calls), without running the forward again under autograd."""
+    n = weight.shape[0]
+    pad = -1 if padding_idx is None else padding_idx % n  # F.embedding's normalisation of a negative index
+    return (torch.ops.aten.embedding_dense_backward(g, input, n, pad, scale_grad_by_freq),)
+
+
+embedding_vjp.wanted = ((1,),)  # the gradient of ``weight`` (positional argument 1) only
 
 
 def batch_norm_running_stats(input, running_mean, running_var, momentum):
@@ -224,10 +235,11 @@ def gelu_vjp_out(g, reads, input, approximate="none", *, out):
 
 gelu_vjp.out = gelu_vjp_out
 # The arguments whose memory a function's results may share (executors/buffers.py; undeclared: all of them).
-for _f in (gelu_vjp, silu_vjp, convolution, convolution_backward, batch_norm_running_stats):
+for _f in (gelu_vjp, silu_vjp, embedding_vjp, convolution, convolution_backward, batch_norm_running_stats):
     _f.aliases = ()
 ltorch_activations.gelu.torch_direct_vjp = gelu_vjp
 ltorch_activations.silu.torch_direct_vjp = silu_vjp
+ltorch_nn.embedding.torch_direct_vjp = embedding_vjp
 
 
 def grad_layout(g, param):

@@ -47,11 +47,23 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     return clang.reshape(out, input._tt_shape + (weight._tt_shape[1],))
 
 
-@register_vjp(embedding, supports=lambda input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False: not scale_grad_by_freq and not sparse)
+@register_vjp(embedding)  # every call: padding_idx, scale_grad_by_freq and sparse change only the gradient
 def _embedding_vjp(g, out, /, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
-    # Rows are accumulated with index_put; the padding row gets no gradient (torch semantics).
+    # Rows are accumulated with index_put; the padding row gets no gradient (torch semantics).  The flags act on
+    # the gradient alone, so differentiating the forward's decomposition (a take) would ignore them: this rule
+    # handles every call (the torch executor runs eager's embedding_dense_backward, executors/torch_impls.py).
+    if sparse:
+        raise NotImplementedError(
+            "embedding(sparse=True): sparse gradients are not supported by thunder_train; use sparse=False "
+            "(a dense gradient, the same values), or run this embedding outside the compiled function")
     idx = clang.reshape(input, (-1,))
     rows = clang.reshape(g, (-1, weight._tt_shape[1]))
+    if scale_grad_by_freq:  # each row divided by how often its index occurs in the batch (before accumulating)
+        n, m = weight._tt_shape[0], idx._tt_shape[0]
+        ones = clang.full((m,), 1.0, device=weight._tt_device, dtype=rows._tt_dtype)
+        counts = prims.index_put(clang.full((n,), 0.0, device=weight._tt_device, dtype=rows._tt_dtype), (idx,), ones, True)
+        scale = prims.broadcast_in_dim(prims.div(ones, prims.take(counts, idx, 0)), rows._tt_shape, (0,))
+        rows = prims.mul(rows, scale)
     if padding_idx is not None:
         pad = padding_idx % weight._tt_shape[0]
         is_pad = prims.broadcast_in_dim(prims.eq(idx, pad), rows._tt_shape, (0,))
