@@ -162,6 +162,19 @@ def test_grad_matches_eager_float64(name):
     check_grads(fn, *args, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"padding_idx": -1}, {"padding_idx": 2, "scale_grad_by_freq": True}])
+def test_embedding_gradient_is_eagers_kernel_bitwise(kwargs):
+    """The torch executor runs eager's own embedding backward (no forward recomputation): the same bits."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(7, 5, **kwargs)
+    x = torch.tensor([[1, 2, 1, 6], [0, 2, 2, 3]])
+    g = torch.randn(2, 4, 5)
+    cf = tt.compile(emb)
+    got = torch.autograd.grad(cf(x), emb.weight, g)[0]
+    assert torch.equal(got, torch.autograd.grad(emb(x), emb.weight, g)[0])
+    assert "ttex.embedding_vjp(" in str(tt.last_backward_traces(cf)[-1])
+
+
 def test_sparse_embedding_gradient_is_refused_with_what_to_do():
     """A sparse gradient cannot be given; a dense one in its place would be silently different (its type)."""
     emb = nn.Embedding(5, 3, sparse=True)

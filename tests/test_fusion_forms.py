@@ -166,3 +166,19 @@ def test_whole_training_step_with_fused_gelu_matches_eager():
     assert "(gelu)" in notes and "gelu_vjp" in notes, notes
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_region_out_form_fills_given_buffers_and_allocates_the_rest():
+    """Any region's out form (what kept buffers call): given buffers are written, None entries allocated."""
+    def two(x, y):
+        return torch.sin(x) * y + 1.0, torch.cos(x) * y - 1.0
+
+    x, y = _inputs()
+    cf = tt.compile(two, fusion="inductor")
+    cf(x, y)
+    runner, = [s.runner for s in _fused_syms(cf)]
+    buffer = torch.full((64, 100), 7.0)
+    first, second = runner.out(x, y, out=(None, buffer))
+    assert second is buffer and first is not buffer
+    for got, want in zip((first, second), two(x, y)):
+        torch.testing.assert_close(got, want, equal_nan=True)

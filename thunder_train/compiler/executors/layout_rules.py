@@ -128,6 +128,33 @@ def _direct_rule(bsym) -> bool:
     return False
 
 
+_LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+_ROW_MAJOR_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _row_major_by_rule(bsym, tensors, outs) -> bool:
+    """True when eager lays every output out row-major (as the proxies are created) whatever the call computes, by
+    torch's own allocation: known without the fake run that costs 0.1-14 ms a call on the first call (the GPT
+    benchmark step's linear, matmul, cross-entropy, zeros_like and _foreach_add lines: ~70 ms of its 0.5 s).
+    Mixed dtypes or devices are left to the fake run, which raises eager's error."""
+    if all(len(o._tt_shape) == 0 for o in outs):
+        return True  # 0-d results have no strides
+    name = bsym.sym.name
+    same = len({(t._tt_dtype, t._tt_device) for t in tensors}) == 1
+    if name == "matmul" and same and len(tensors) == 2 and all(len(t._tt_shape) <= 2 for t in tensors):
+        return True  # mm, mv, dot: a new row-major result whatever the operands' strides
+    if name == "linear" and bsym.sym.module == "ltorch" and same and tensors[0] is bsym.args[0] and tensors[0]._tt_rowmajor:
+        return True  # addmm/mm on the row-major input flattened to 2-d
+    if name in _LIKE_FACTORIES and len(tensors) == 1 and tensors[0]._tt_rowmajor \
+            and bsym.kwargs.get("memory_format") in _ROW_MAJOR_FORMATS:
+        return True  # preserve_format of a row-major tensor
+    if name.startswith("_foreach_") and not name.endswith("_") and all(t._tt_rowmajor for t in tensors):
+        first = bsym.args[0] if isinstance(bsym.args[0], (list, tuple)) else ()
+        # elementwise per list element: each result has its first-list tensor's shape, row-major like it
+        return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
+    return False
+
+
 def set_layout(bsym) -> None:
     outs = [o for o in bsym.flat_outputs() if type(o) is TensorProxy]
     if not outs or _direct_rule(bsym):
@@ -136,6 +163,8 @@ def set_layout(bsym) -> None:
     tensors = [x for x in flat_in if type(x) is TensorProxy]
     if not tensors:
         return  # factories: row-major, as created
+    if _row_major_by_rule(bsym, tensors, outs):
+        return
     if _is_elementwise(bsym.sym) and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
             and all(o._tt_shape == outs[0]._tt_shape for o in outs):
         return  # elementwise on row-major inputs of the output's shape: row-major, as created
