@@ -435,24 +435,21 @@ def _inductor_compile(gm, example):
     return call if call is not None else compiled  # the bare generated ``call``: no per-call bookkeeping
 
 
-def _example(p):
-    return torch.empty_strided(p._tt_shape, p._tt_strides, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
-
-
 def _compile_region(bsyms, inputs, outputs):
     """The region compiled for its inputs' and outputs' layouts (the proxies', which are eager's)."""
-    example = [_example(p) for p in list(inputs) + list(outputs)]
+    example = [_allocator(p)() for p in list(inputs) + list(outputs)]
     call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example)
     return _runner(call, _region_graph(bsyms, inputs, outputs), outputs)
 
 
 def _allocator(p):
-    """A function of no arguments returning a new tensor laid out as the proxy ``p`` (Inductor's own allocation
-    helpers where this torch has them: a third of ``torch.empty_strided``'s cost, which counts for small regions)."""
+    """A function of no arguments returning a new tensor laid out as the proxy ``p`` (on the CPU Inductor's own
+    allocation helper where this torch has it: a third of ``torch.empty_strided``'s cost, which counts for small
+    regions)."""
     shape, strides, dtype, device = tuple(p._tt_shape), tuple(p._tt_strides), p._tt_dtype.torch, p._tt_device.torch
-    guards = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "guards", None)
-    fast = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
-    if fast is not None and device.type == "cpu":
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    fast = getattr(guards, "_empty_strided_cpu", None) if device.type == "cpu" else None
+    if fast is not None:
         return functools.partial(fast, shape, strides, dtype)
     return functools.partial(torch.empty_strided, shape, strides, dtype=dtype, device=device)
 

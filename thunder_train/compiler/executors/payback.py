@@ -158,8 +158,8 @@ def _time_region(bsyms, inputs) -> float:
     total = 0.0
     for b in bsyms:
         fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
-        r = fn(*args, **kwargs)
-        env[id(inductor_fusion._result(b))] = r if inductor_fusion._result(b) is b.output else r[0]
+        r, result = fn(*args, **kwargs), inductor_fusion._result(b)
+        env[id(result)] = r if result is b.output else r[0]  # a <name>_vjp line returns its one result in a 1-tuple
         total += _best(lambda: fn(*args, **kwargs))
     return total
 
