@@ -12,7 +12,7 @@ the thin call and the direct computation (per-call µs and the difference; timed
 taking turns, so each call follows a step's computation as in a training loop), and the checks alone (the same
 ``thin_call`` with its computation replaced by a function that returns at once, minus calling that function
 with the same inputs directly), each with the per-parameter checks in torch's C++ guards (the default,
-thunder_train/guards/bulk.py) and in Python, measured interleaved in one process; the checks alone are timed
+thunder_train/runtime/bulk.py) and in Python, measured interleaved in one process; the checks alone are timed
 twice: repeated back to back (everything they read stays in the CPU caches) and one call right after the real
 computation (what a training loop's call finds: the step has pushed the bound objects out of the caches).
 Target (issue 14): the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.guards import bulk
+from thunder_train.runtime import bulk
 
 CLOCK = time.thread_time if "--cpu-time" in sys.argv else time.perf_counter
 
@@ -190,7 +190,7 @@ def run_step_case(n_params, *, number, repeat):
     steps = bench_all(variants, number=1, repeat=max(number * repeat // (10 if n_params < 100 else 40), 20))
 
     # The stub takes the computation's parameters, so both sides pass the same arguments the way they do for
-    # the real one (the thin call may pass the bound ones as defaults: guards/thin_args.py).
+    # the real one (the thin call may pass the bound ones as defaults: runtime/thin_args.py).
     ns = {}
     exec(f"def nothing({', '.join(f'a{i}' for i in range(len(inputs)))}):\n  return None\n", ns)
     nothing = ns["nothing"]

@@ -1,4 +1,4 @@
-"""A whole step under an outer torch.autocast: eager's weight-cast cache across calls (guards/autocast_region.py).
+"""A whole step under an outer torch.autocast: eager's weight-cast cache across calls (runtime/autocast_region.py).
 
 Eager reuses a parameter's low-precision copy until the outermost autocast region exits, so a step that
 updates parameters and is called twice in one region runs on stale weights from the second call.  The

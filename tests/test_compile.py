@@ -12,7 +12,7 @@ import thunder_train as tt
 from thunder_train.compiler.codegen import standard_namespace
 from thunder_train.compiler.opaque import UnsupportedOpError
 from thunder_train.compiler.torchlang.tensor_methods import DataDependentError
-from thunder_train.guards.errors import GuardFailure
+from thunder_train.compiler.errors import GuardFailure
 
 
 def readme_fn(x, w):

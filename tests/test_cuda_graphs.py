@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from _models import train_step
-from thunder_train.guards import cuda_graphs as cg
+from thunder_train.runtime import cuda_graphs as cg
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 

@@ -152,7 +152,7 @@ def test_an_input_with_another_layout_gets_its_own_program(thin):
         torch.testing.assert_close(cf(a), f(a))
     b = torch.randn(3, 4).t()  # same shape, transposed layout
     if thin:  # thin mode's contract: per-call inputs keep their layout; a change is loud, never wrong
-        from thunder_train.guards.errors import ThinModeError
+        from thunder_train.compiler.errors import ThinModeError
 
         with pytest.raises(ThinModeError, match="stride expected"):
             cf(b)

@@ -1,4 +1,4 @@
-"""The module epoch's process-wide hooks (guards/module_epoch.py) are installed by the first thin binding only."""
+"""The module epoch's process-wide hooks (runtime/module_epoch.py) are installed by the first thin binding only."""
 import os
 import subprocess
 import sys

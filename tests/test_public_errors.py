@@ -58,7 +58,7 @@ def test_the_exported_classes_are_the_defining_modules_classes():
     from thunder_train.compiler import errors, opaque
     from thunder_train.compiler.torchlang import tensor_methods
     from thunder_train.compiler import grad_rules
-    from thunder_train.guards import errors as guard_errors
+    from thunder_train.compiler import errors as guard_errors
 
     assert tt.UnsupportedOpError is errors.UnsupportedOpError is opaque.UnsupportedOpError
     assert tt.DataDependentError is errors.DataDependentError is tensor_methods.DataDependentError

@@ -1,4 +1,4 @@
-"""thin_call passes bound inputs as defaults of a reordered computation (guards/thin_args.py): same results."""
+"""thin_call passes bound inputs as defaults of a reordered computation (runtime/thin_args.py): same results."""
 import copy
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.guards import thin_args
-from thunder_train.guards.thin import _packed_args
+from thunder_train.runtime import thin_args
+from thunder_train.runtime.thin import _packed_args
 
 
 def _generated(n_bound_first: int, n_bound_last: int):

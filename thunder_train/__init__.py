@@ -6,9 +6,8 @@ Public API: ``compile``, ``last_traces``, ``last_prologue_traces``, ``last_backw
 imports Lightning) ``ThunderCallback``.
 """
 from .compiled import compile, last_traces, last_prologue_traces, last_backward_traces, compile_stats, CompiledFunction, ThunderModule, wait_for_fusion  # noqa: F401
-from .compiler.errors import DataDependentError, NoGradientRuleError, TracingError, UnsupportedOpError  # noqa: F401
-from .guards.autocast_region import AutocastCacheError  # noqa: F401
-from .guards.errors import GuardFailure, ThinModeError  # noqa: F401
+from .compiler.errors import DataDependentError, GuardFailure, NoGradientRuleError, ThinModeError, TracingError, UnsupportedOpError  # noqa: F401
+from .runtime.autocast_region import AutocastCacheError  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -16,12 +16,12 @@ from .compiler.errors import DecisionMismatch
 from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
-from .guards import cuda_graphs as graphs, thin
-from .guards.autocast_region import RegionProbe
-from .guards.errors import GuardFailure
-from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
-from .guards.thin import ThinBinding
-from .cache_keys import arg_key, describe_struct_diff, dynamic_arg_key, struct_diffs, struct_key
+from .compiler.errors import GuardFailure
+from .compiler.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
+from .runtime import cuda_graphs as graphs, thin
+from .runtime.autocast_region import RegionProbe
+from .runtime.thin import ThinBinding
+from .runtime.cache_keys import arg_key, describe_struct_diff, dynamic_arg_key, struct_diffs, struct_key
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ class CompiledFunction:
     the entry for the observed value (``_Probe.paths``), or traces it.
 
     Thin mode (``thin=True``): once the same entry validated on two
-    consecutive calls, ``thin_call`` (generated, see ``guards/thin.py``)
+    consecutive calls, ``thin_call`` (generated, see ``runtime/thin.py``)
     replaces the full path: extract and check the per-call leaves, call the
     computation with the bound static tensors.  See docs/thin_mode.md.
     """
@@ -136,7 +136,7 @@ class CompiledFunction:
         self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
-        self._graphed = None  # guards/cuda_graphs.GraphedProgram of the current binding
+        self._graphed = None  # runtime/cuda_graphs.GraphedProgram of the current binding
         self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
@@ -145,7 +145,7 @@ class CompiledFunction:
         self._prev_validated = None  # (entry, leaf values) of the previous full-path call
         self._binding: ThinBinding | None = None
         self._call = self._full_call
-        self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (guards/autocast_region.py)
+        self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (runtime/autocast_region.py)
         self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
         self._thin_decided_at = -1  # stats.calls of the last thin call whose program went another way
         self.stats = CompileStats()
@@ -393,7 +393,7 @@ class CompiledFunction:
         if b is not None and b.entry is entry and b.fn is not None and self._graphed is None:
             g = b.fn.fn.__globals__
             if g["_computation_of"] is not entry.computation:
-                # A thin_call that passes only the per-call values calls the new program adapted (guards/thin_args.py).
+                # A thin_call that passes only the per-call values calls the new program adapted (runtime/thin_args.py).
                 g["_computation"] = entry.computation if g["_adapt"] is None else g["_adapt"](entry.computation)
                 g["_computation_of"] = entry.computation
 

@@ -61,10 +61,10 @@ from collections.abc import Mapping
 import torch
 
 from ..compiled import compile as tt_compile
-from ..compiler.distributed import average_gradients_at_backward
+from ..compiler.acquisition.distributed import average_gradients_at_backward
 from ..compiler.proxies import is_proxy
 from ..compiler.pytree import tree_flatten
-from ..guards.errors import ThinModeError
+from ..compiler.errors import ThinModeError
 
 
 class StepError(RuntimeError):
@@ -208,7 +208,7 @@ def _fused_program(method, step_name: str, records: dict, stepping: bool, averag
     ``configure_gradient_clipping(...)`` with the Trainer's values and ``optimizer.step()``;
     all but the step outside autocast, where Lightning runs them.  ``average``: under
     ``DDPStrategy`` on a synchronising batch, the names of parameters DDP ignores; the
-    backward then averages the gradients over the ranks (``compiler/distributed.py``).
+    backward then averages the gradients over the ranks (``compiler/acquisition/distributed.py``).
     """
 
     def step(self, optimizer, normalize, clip_val, clip_algorithm, *args, **kwargs):

@@ -56,7 +56,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from ..compiler.distributed import is_ddp, unsupported
+from ..compiler.acquisition.distributed import is_ddp, unsupported
 from .compiled_step import CompiledStep, FusedCall, _Patch
 
 

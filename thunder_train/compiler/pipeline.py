@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from ..autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
-from ..guards.prologue import Prologue, build_prologue
+from .autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
+from .prologue import Prologue, build_prologue
 from . import acquisition
 from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
@@ -46,15 +46,15 @@ class CacheEntry:
     input_idx: tuple  # leaf index of each computation argument
     select: Callable  # leaf values -> computation arguments
     backward_traces: list | None = None  # set when the entry computes gradients for PyTorch autograd
-    epilogue: object = None  # compiler/epilogue.py: Python side effects replayed after the computation
+    epilogue: object = None  # compiler/acquisition/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
-    updates_parameters: bool = False  # writes in place into inputs that require grad (guards/autocast_region.py)
+    updates_parameters: bool = False  # writes in place into inputs that require grad (runtime/autocast_region.py)
     decision_notes: list = dataclasses.field(default_factory=list)  # where each decision is checked, and its cost
     # (text, value) of each decision the program checks (acquisition/decisions.py), in the order it checks them:
     # a DecisionMismatch at index i means the first i held and the i-th went the other way.
     checked: tuple = ()
     mutated: tuple = ()  # the containers and objects the epilogue changes (acquisition/containers.py), as paths
-    program: Callable | None = None  # the computation before the epilogue and output rebuild (guards/cuda_graphs.py)
+    program: Callable | None = None  # the computation before the epilogue and output rebuild (runtime/cuda_graphs.py)
     wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
     fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
     on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
@@ -130,7 +130,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
     traces.extend(more)
-    # 8. Prologue (guards/prologue.py): extraction + guard key, generated once per leaf structure and shared.
+    # 8. Prologue (compiler/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
                if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]
     # Decisions on the call's own inputs are part of the guard key; the program checks the others itself.
@@ -146,7 +146,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry.decision_notes = [_decision_note(d) for d in acquired.decisions]
     entry.checked = tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked)
     entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
-    # 9. Autograd (transforms/autograd.py, autograd_function.py): outputs that require grad connect to PyTorch
+    # 9. Autograd (transforms/autograd.py, compiler/autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
@@ -277,7 +277,7 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None, keep_buf
 def _wrapping(entry, acquired, n_inputs):
     """Steps 10-11 as a function of the computation (applied again to a fused program that replaces it).
 
-    10. Epilogue (compiler/epilogue.py): Python side effects replayed after the computation.
+    10. Epilogue (compiler/acquisition/epilogue.py): Python side effects replayed after the computation.
     11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
         trace time; it is rebuilt around the real tensors after every call.
     """

@@ -15,17 +15,17 @@ import inspect
 import torch
 
 from .. import context, prims
-from ..custom_function import custom_functions_while_tracing
-from ..distributed import check_finished as check_ddp_finished, ddp_while_tracing
-from ..epilogue import finish
+from .custom_function import custom_functions_while_tracing
+from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
+from .epilogue import finish
 from ..errors import TracingError
-from ..functional import Buffers
+from .functional import Buffers
 from ..proxies import is_proxy
 from ..pytree import flatten_output, holds, tree_flatten
 from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
-from ..traced_autograd import GradState
+from .traced_autograd import GradState
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines

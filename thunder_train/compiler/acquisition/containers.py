@@ -5,7 +5,7 @@ tensors are proxies), and runs it with a plain object's ``__dict__`` swapped for
 change the function makes — ``log.append(loss)``, ``d['n'] = d['n'] + 1``, ``metrics.update(...)``,
 ``state.step += 1`` — lands in the copy while tracing.  Afterwards every copy is compared with
 what it held when the function started, and each change becomes lines of the epilogue
-(``compiler/epilogue.py``) that give the real object of *this* call (found by the prologue
+(``compiler/acquisition/epilogue.py``) that give the real object of *this* call (found by the prologue
 like any input) the same final contents, with the real tensors the computation returns:
 
     log[0:] = [extras[0]]

@@ -10,7 +10,7 @@ the function continues with the real Python value.  Where the decision is checke
 - **in the prologue**, when it reads only the call's own inputs (arguments, globals, runtime
   numbers) through at most ``PROLOGUE_MAX_OPS`` lines without a matmul, convolution or opaque op
   (HF's ``(mask == 1).all()`` is two): the prologue runs the decision's program on every call and
-  its value is part of the guard key (``guards/prologue.py``; thin mode per call too), so a call
+  its value is part of the guard key (``compiler/prologue.py``; thin mode per call too), so a call
   that decides differently finds (or traces) its own entry before anything runs;
 - **in the program** otherwise (a loss, an activation, a gradient norm, a parameter after
   ``opt.step()``): one line ``prims.check_decision(value, ...)`` right after the line that computes

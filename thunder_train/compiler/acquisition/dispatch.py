@@ -17,10 +17,10 @@ from .. import context, proxies, symbols
 from ..errors import TracingError, UnsupportedOpError
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
-from ..functional import fresh_results
+from .functional import fresh_results
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
-from .. import traced_autograd
+from . import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
 from .opaque_views import record_opaque_views
@@ -62,7 +62,7 @@ def handle_torch_function(func, types, args, kwargs):
         _refuse_generator(func)
     if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
-    # Functionalization (compiler/functional.py): read the current value of every buffer.
+    # Functionalization (compiler/acquisition/functional.py): read the current value of every buffer.
     orig_args, orig_kwargs = args, kwargs
     if top:
         args, kwargs = read_current(st, args, kwargs)

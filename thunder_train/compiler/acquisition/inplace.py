@@ -1,7 +1,7 @@
 """Functionalization glue of the dispatcher: in-place ops, ``out=`` and views.
 
 An in-place op records its out-of-place form and the result becomes the
-destination's current value (``compiler/functional.py``'s ``Buffers``); a
+destination's current value (``compiler/acquisition/functional.py``'s ``Buffers``); a
 view remembers how it was made from its base so writes through it reach the
 base.
 """

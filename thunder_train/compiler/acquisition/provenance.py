@@ -139,7 +139,7 @@ class Leaf:
     value: Any
     proxy: Any = None
     alias_of: "Leaf | None" = None
-    # For modules: Python state read before tracing ran (guards/prologue.py guards it). For lists/tuples: their
+    # For modules: Python state read before tracing ran (compiler/prologue.py guards it). For lists/tuples: their
     # length, for dicts their keys, when walked (the epilogue may change the real container afterwards).
     snapshot: Any = None
     # For "namespace" leaves of objects with ``__slots__``: (every slot name, the names filled when walked).

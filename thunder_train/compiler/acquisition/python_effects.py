@@ -12,7 +12,7 @@ import torch
 
 from .. import context
 from ..errors import TracingError
-from ..traced_autograd import gradient_path
+from .traced_autograd import gradient_path
 from .provenance import path_str
 
 

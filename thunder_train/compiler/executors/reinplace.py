@@ -1,6 +1,6 @@
 """Re-inplacing (torch executor): run an input's update chain in place instead of computing it aside and copying.
 
-Functionalization (``compiler/functional.py``) turns ``p.mul_(a); p.addcdiv_(m, d, value=s)``
+Functionalization (``compiler/acquisition/functional.py``) turns ``p.mul_(a); p.addcdiv_(m, d, value=s)``
 into ``t1 = mul(p, a); t2 = addcdiv(t1, m, d, value=s); ...; copy_(t2, p)``: exact, but
 for every updated tensor one extra allocation and one extra copy per step — for an
 optimizer over many small parameters that is a third more kernel launches than eager.

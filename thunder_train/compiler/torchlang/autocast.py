@@ -48,7 +48,7 @@ Known limits: ops run opaquely (``compile_stats(cf).opaque_ops``) are not
 autocast; devices other than CPU and CUDA.  Eager autocast's weight-cast cache
 is not reproduced: each use of a weight gets its own conversion, the same values
 within one call; across calls of a parameter-updating step inside one cached
-region eager would reuse stale casts, and ``guards/autocast_region.py`` refuses
+region eager would reuse stale casts, and ``runtime/autocast_region.py`` refuses
 such a second call (``AutocastCacheError``).
 """
 from __future__ import annotations

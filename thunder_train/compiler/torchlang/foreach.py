@@ -5,7 +5,7 @@ decomposition applies the elementwise symbol to every list element; the torch
 executor claims it whole and calls ``torch._foreach_add`` (one call for the
 list).  The in-place forms (``_foreach_add_``) are functionalized like every
 in-place method: their ``functional`` form returns the new value of each
-destination (see ``compiler/functional.py``).
+destination (see ``compiler/acquisition/functional.py``).
 
 The second operand may be a number (or runtime number), a list of numbers, a
 tensor, or a list of tensors — torch's overloads.

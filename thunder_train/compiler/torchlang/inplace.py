@@ -2,7 +2,7 @@
 
 Each symbol has a ``functional`` form: the new value of the destination,
 computed out of place.  While tracing, the tracer records only that form and
-makes the result the destination's current value (``compiler/functional.py``);
+makes the result the destination's current value (``compiler/acquisition/functional.py``);
 the mutation itself becomes one ``prims.copy_`` at the end of the computation.
 The symbol's own decomposition (functional form + ``prims.copy_``) is what runs
 when a printed trace calls it on real tensors.

@@ -4,7 +4,7 @@ A whole training step would otherwise keep every activation and gradient alive u
 returns (memory, and fresh pages on every step).  ``free_after_last_use`` runs on every
 executed trace (computation, forward, backward); ``take_saved_as_list`` makes a backward
 take its saved values in one list that it empties, so that each saved value is freed as
-soon as the backward has used it (see ``autograd_function.py``).
+soon as the backward has used it (see ``compiler/autograd_function.py``).
 """
 from __future__ import annotations
 

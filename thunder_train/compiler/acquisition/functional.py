@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .proxies import TensorProxy, size_value
+from ..proxies import TensorProxy, size_value
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ class Buffers:
         if view is None:
             self._set(dst, value)
             return
-        from . import clang, dtypes, prims
+        from .. import clang, dtypes, prims
 
         base = view.base
         base_value = self.read(base)
@@ -135,8 +135,8 @@ def fresh_results(func, args, kwargs, out):
     """
     import torch
 
-    from . import prims
-    from .pytree import tree_flatten, tree_map, tree_unflatten
+    from .. import prims
+    from ..pytree import tree_flatten, tree_map, tree_unflatten
 
     flat_out, spec = tree_flatten(out)
     arg_ids = {id(a) for a in tree_flatten((args, kwargs))[0] if type(a) is TensorProxy}

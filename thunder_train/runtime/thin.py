@@ -31,13 +31,13 @@ import operator
 import torch
 
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
-from .errors import ThinModeError
-from ..compiler.distributed import is_ddp
+from ..compiler.errors import ThinModeError
+from ..compiler.acquisition.distributed import is_ddp
 from ..compiler.errors import DecisionMismatch
 from ..compiler.proxies import SizeProxy
 from . import bulk, thin_args
-from .checks import autocast_state
-from .prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS, _storage_overlaps
+from ..compiler.prologue_state import autocast_state
+from ..compiler.prologue import per_call_mask, is_symbolic, fmt_value, Consts, GeneratedFunction, _float_key, describe_diffs, extraction_lines, current_global_state, GLOBAL_LABELS, _storage_overlaps
 
 
 from .module_epoch import _Epoch, epoch, watch  # noqa: F401  (compiled.py uses thin.watch/epoch)

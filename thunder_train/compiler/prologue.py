@@ -28,10 +28,10 @@ import math
 
 import torch
 
-from ..compiler.prims import SCALAR_INFIX
-from ..compiler.proxies import NumberProxy, SizeProxy, is_checked, size_value
-from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
-from . import checks
+from .prims import SCALAR_INFIX
+from .proxies import NumberProxy, SizeProxy, is_checked, size_value
+from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
+from . import prologue_state as checks
 
 _counter = itertools.count()
 

@@ -19,11 +19,11 @@ import contextlib
 
 import torch
 
-from . import context
-from .errors import TracingError
-from .proxies import TensorProxy
-from .symbols import Symbol
-from .prims.core import zeros_like
+from .. import context
+from ..errors import TracingError
+from ..proxies import TensorProxy
+from ..symbols import Symbol
+from ..prims.core import zeros_like
 
 
 class TracedCtx:
@@ -58,7 +58,7 @@ class TracedCtx:
 
 def _proxies_in(ctx) -> list:
     """The tensors ``ctx`` holds: ``save_for_backward`` and tensors stored as attributes (``ctx.x = x``)."""
-    from .pytree import tree_flatten
+    from ..pytree import tree_flatten
 
     values = [v for k, v in vars(ctx).items() if k != "non_differentiable"]
     seen, out = set(), []
@@ -116,7 +116,7 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
         for a, ga in zip(inputs, grads):
             ok = type(a) is TensorProxy and type(ga) is TensorProxy
             if ok and (ga._tt_shape != a._tt_shape or ga._tt_dtype is not a._tt_dtype):
-                from . import clang
+                from .. import clang
 
                 ga = clang.maybe_convert(ga, a._tt_dtype)
                 if ga._tt_shape != a._tt_shape:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from . import prims
+from .. import prims
 from .distributed import reduce_gradients
-from .proxies import TensorProxy
-from .transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
+from ..proxies import TensorProxy
+from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 
 
 class GradState:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .compiler.errors import NoGradientRuleError
-from .compiler.proxies import is_proxy
-from .compiler.pytree import tree_flatten, tree_unflatten
-from .compiler.transforms import autograd as ag
+from .errors import NoGradientRuleError
+from .proxies import is_proxy
+from .pytree import tree_flatten, tree_unflatten
+from .transforms import autograd as ag
 
 SECOND_BACKWARD_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "

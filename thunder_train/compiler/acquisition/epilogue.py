@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 import linecache
 
-from . import prims
-from .proxies import TensorProxy, is_proxy
-from .pytree import tree_map
+from .. import prims
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_map
 
 _counter = itertools.count()
 

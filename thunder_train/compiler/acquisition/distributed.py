@@ -23,9 +23,9 @@ import contextlib
 
 import torch
 
-from . import context, prims
-from .errors import TracingError
-from .proxies import TensorProxy
+from .. import context, prims
+from ..errors import TracingError
+from ..proxies import TensorProxy
 
 
 def _ddp_class():

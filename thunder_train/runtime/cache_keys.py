@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .guards.prologue import GLOBAL_LABELS, current_global_state, describe_diffs, fmt_value
+from ..compiler.prologue import GLOBAL_LABELS, current_global_state, describe_diffs, fmt_value
 
 _T = "tensor"
 
