@@ -37,7 +37,7 @@ def test_default_runs_torch_program_then_switches_to_fused():
     assert len(_fused_lines(cf)) == 1  # last_traces shows the program that runs now
     # Thin mode keeps its binding (same checks); the bound thin call now calls the fused program.
     assert cf.is_thin_bound and st.thin_binds == 1
-    assert cf._binding.fn.fn.__globals__["_computation"] is cf._last.computation
+    assert cf._binding.fn.fn.__globals__["_slot"] is cf._last.slot and cf._last.slot.thin is cf._last.computation
     for _ in range(2):
         x2, y2 = torch.randn(4, 4), torch.randn(4, 4)
         torch.testing.assert_close(cf(x2, y2), _block(x2, y2))

@@ -131,7 +131,7 @@ def test_never_puts_the_uncounted_program_back(monkeypatch):
     entry = cf._last
     assert entry.computation is not counted
     assert entry.fusion_job.state == "new" and entry.fusion_job.calls == 2  # not counted after the decision
-    assert cf._binding.fn.fn.__globals__["_computation"] is entry.computation
+    assert cf._binding.fn.fn.__globals__["_slot"] is entry.slot and entry.slot.thin is entry.computation
     assert tt.compile_stats(cf).fusion_switches == 0
     assert "not started" in tt.compile_stats(cf).fusion_decisions[0]
 

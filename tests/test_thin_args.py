@@ -91,8 +91,9 @@ def test_thin_step_with_bound_defaults_matches_eager(fusion):
         if i == 4 and fusion == "background":
             tt.wait_for_fusion(step)
     assert step.is_thin_bound
-    g = step._binding.fn.fn.__globals__
-    assert g["_adapt"] is not None and g["_computation"].__defaults__, "the bound inputs were not passed as defaults"
+    slot = step._binding.fn.fn.__globals__["_slot"]
+    assert slot is step._binding.entry.slot and slot.thin is not slot.run and slot.thin.__defaults__, \
+        "the bound inputs were not passed as defaults"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
     sd, rsd = opt.state_dict()["state"], ref_opt.state_dict()["state"]

@@ -1,28 +1,26 @@
-"""``compile``: the user-facing compiled function, its cache and statistics."""
+"""``compile``: the user-facing compiled function, its options and statistics.
+
+``CompiledFunction`` is glue: its full path (lookup, compile on a miss, decision re-dispatch) is
+``runtime/dispatch.py``, its thin path ``runtime/binding.py``, and what each cache entry runs its slot
+(``runtime/slot.py``).  docs/architecture.md ("Call path") follows one call through them.
+"""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import operator
 import os
-import sys
-import time
-import warnings
 
 import torch
 
 from .compiler import acquisition
-from .compiler.errors import DecisionMismatch
-from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
-from .compiler.pipeline import CacheEntry, Options, compile_entry
-from .compiler.errors import GuardFailure
-from .compiler.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
-from .runtime import cuda_graphs as graphs, thin
 from .runtime.autocast_region import RegionProbe
+from .runtime.binding import ThinMode
+from .runtime.cache_keys import arg_key, dynamic_arg_key
+from .runtime.dispatch import Dispatch
+from .runtime.slot import Entry
 from .runtime.thin import ThinBinding
-from .runtime.cache_keys import arg_key, describe_struct_diff, dynamic_arg_key, struct_diffs, struct_key
-
 
 @dataclasses.dataclass
 class CompileStats:
@@ -65,42 +63,7 @@ class CompileStats:
         return self.calls - self.full_calls
 
 
-@dataclasses.dataclass
-class _Probe:
-    """One leaf structure within a structural-key bucket: its prologue and entries by guard key."""
-
-    prologue: Prologue
-    entries: dict
-    # (guard key, (text, value) of the first checked decisions) -> an entry whose program decides so
-    # (compiler/acquisition/decisions.py); entries[guard key] is the one a call runs first.
-    paths: dict = dataclasses.field(default_factory=dict)
-
-
-def _user_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
-    f, level = sys._getframe(2), 2  # the caller of the function that warns
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-        f, level = f.f_back, level + 1
-    return level
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
-
-_STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
-
-
-def _probe_key(probe, args, kwargs):
-    """``(leaf values, guard key)`` of this call under ``probe``'s prologue, or None when its structure differs."""
-    pro = probe.prologue
-    try:
-        vals = pro.extract.fn(*args, **kwargs)
-        return vals, pro.guard_key_fn.fn(*vals)
-    except _STRUCTURE_ERRORS:
-        return None
-
-
-class CompiledFunction:
+class CompiledFunction(Dispatch, ThinMode):
     """A function compiled by thunder_train.
 
     Full path (every call without ``thin``): a structural key of the arguments
@@ -110,12 +73,12 @@ class CompiledFunction:
     in ``compile_stats(...).retrace_reasons``.  A program that checks a
     decision on an intermediate value and finds the other value raises
     ``DecisionMismatch`` before writing anything; ``_redispatch`` then runs
-    the entry for the observed value (``_Probe.paths``), or traces it.
+    the entry for the observed value (``_Probe.paths``), or traces it (runtime/dispatch.py).
 
     Thin mode (``thin=True``): once the same entry validated on two
     consecutive calls, ``thin_call`` (generated, see ``runtime/thin.py``)
     replaces the full path: extract and check the per-call leaves, call the
-    computation with the bound static tensors.  See docs/thin_mode.md.
+    computation with the bound static tensors (runtime/binding.py).  See docs/thin_mode.md.
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
@@ -136,12 +99,11 @@ class CompiledFunction:
         self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
-        self._graphed = None  # runtime/cuda_graphs.GraphedProgram of the current binding
         self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
-        self._last: CacheEntry | None = None
+        self._last: Entry | None = None
         self._prev_validated = None  # (entry, leaf values) of the previous full-path call
         self._binding: ThinBinding | None = None
         self._call = self._full_call
@@ -160,340 +122,6 @@ class CompiledFunction:
     # ``__call__`` up on the type, and this property hands back the function in C, with no Python frame of
     # its own in between (about 0.3 µs a call less than a method that forwards ``*args, **kwargs``).
     __call__ = property(operator.attrgetter("_call"))
-
-    def _full_call(self, *args, **kwargs):
-        self.stats.calls += 1
-        return self._run_full(args, kwargs)
-
-    def _run_full(self, args, kwargs):
-        st = self.stats
-        st.full_calls += 1
-        st.validations += 1
-        skey = struct_key(args, kwargs, self.arg_key)
-        probes = self._cache.get(skey)
-        entry = None
-        tried = []
-        if probes is not None:
-            for probe in probes:
-                found = _probe_key(probe, args, kwargs)
-                if found is None:
-                    continue
-                vals, gkey = found
-                entry = probe.entries.get(gkey)
-                if entry is not None:
-                    break
-                tried.append((probe, gkey))
-        hit = entry is not None
-        if entry is None:
-            entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
-            vals = entry.prologue.extract.fn(*args, **kwargs)
-        else:
-            st.cache_hits += 1
-        self._last = entry
-        if entry.updates_parameters:
-            self._autocast_region.check()
-        if self.thin:
-            self._after_validation(entry, vals)
-        try:
-            out = entry.computation(*entry.select(vals))
-        except DecisionMismatch as mismatch:
-            return self._redispatch(args, kwargs, skey, entry, mismatch)
-        if hit:
-            self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
-        return out
-
-    # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
-    def _redispatch(self, args, kwargs, skey, entry, mismatch):
-        """``entry``'s program found a decision going the other way and stopped before writing anything: run
-        the entry traced for the value observed, tracing it (with that value) if there is none yet."""
-        self.stats.decision_mismatches += 1
-        tried = {id(entry)}
-        while True:
-            text, expected = entry.checked[mismatch.index]
-            observed = entry.checked[:mismatch.index] + ((text, mismatch.value),)
-            found = self._entry_for(skey, args, kwargs, observed)
-            if found is None:
-                entry = self._compile(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
-                                      forced_decisions=observed)
-                vals = entry.prologue.extract.fn(*args, **kwargs)
-            else:
-                probe, gkey, entry, vals = found  # its calls are counted by its computation (pay-back rule)
-            if id(entry) in tried or len(tried) > 2 * len(observed) + 2:
-                raise RuntimeError(
-                    f"thunder_train: the decisions the program checks do not settle ({text}: the program traced for "
-                    f"{mismatch.value!r} decides otherwise when it runs); the value is not a deterministic function "
-                    "of the inputs. Move the decision outside the compiled function and pass its result in.")
-            tried.add(id(entry))
-            self._last = entry
-            if entry.updates_parameters:
-                self._autocast_region.check()
-            try:
-                result = entry.computation(*entry.select(vals))
-            except DecisionMismatch as again:
-                mismatch = again
-                continue
-            if found is not None:
-                self._prefer(skey, probe, gkey, entry)
-                self._misses_in_a_row = 0
-            if self.thin:
-                self._prev_validated = (entry, vals)
-            return result
-
-    def _entry_for(self, skey, args, kwargs, observed):
-        """``(probe, guard key, entry, leaf values)`` of an entry for this call whose program decides ``observed``."""
-        for probe in self._cache.get(skey, ()):
-            found = _probe_key(probe, args, kwargs) if probe.paths else None
-            if found is None:
-                continue
-            vals, gkey = found
-            entry = probe.paths.get((gkey, observed))
-            if entry is not None:
-                return probe, gkey, entry, vals
-        return None
-
-    def _prefer(self, skey, probe, gkey, entry):
-        """The entry that ran last is the one the next call with this key tries first (decisions flip rarely)."""
-        probe.entries[gkey] = entry
-        probes = self._cache[skey]
-        if probes[0] is not probe:
-            probes.remove(probe)
-            probes.insert(0, probe)
-
-    def _miss_reason(self, skey, tried) -> str | None:
-        """Which input differed from the nearest entry, and how."""
-        if not self._cache:
-            return None
-        if tried:
-            best = None
-            for probe, gkey in tried:
-                for e in probe.entries.values():
-                    n = count_diffs(e.key, gkey)
-                    if best is None or n < best[0]:
-                        best = (n, probe.prologue.labels, e.key, gkey)
-            if best is not None:
-                diffs = describe_diffs(best[1], best[2], best[3])
-                if diffs:
-                    return "; ".join(diffs)
-        if skey not in self._cache:
-            def distance(k):  # a different argument count is farther than any value difference
-                return len(struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
-
-            nearest = min(self._cache, key=distance)
-            diffs = struct_diffs(nearest, skey)
-            if diffs:
-                return "; ".join(diffs)
-        return "the structure of a module or container inside the arguments changed"
-
-    def _compile(self, args, kwargs, key, reason, forced_decisions=()) -> CacheEntry:
-        """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
-        self.stats.cache_misses += 1
-        self._misses_in_a_row += 1
-        if reason is not None:
-            self.stats.retrace_reasons.append(reason)
-        t0 = time.perf_counter()
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
-                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers)
-        entry, opaque_ops = compile_entry(
-            self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
-            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
-            forced_decisions=forced_decisions, fusion_decisions=self.stats.fusion_decisions)
-        prologue, expected = entry.prologue, entry.key
-        entry.on_switch = self._entry_switched
-        for note in entry.decision_notes:
-            if note not in self.stats.decision_notes:
-                self.stats.decision_notes.append(note)
-        if self._misses_in_a_row == _RETRACE_STORM:
-            self._warn_retrace_storm(entry)
-        for name in opaque_ops:
-            if name not in self.stats.opaque_ops:
-                self.stats.opaque_ops.append(name)
-        probes = self._cache.setdefault(key, [])
-        for probe in probes:
-            if probe.prologue is prologue:
-                break
-        else:
-            probe = _Probe(prologue, {})
-            probes.insert(0, probe)
-        probe.entries[expected] = entry
-        for k in range(1, len(entry.checked) + 1):
-            probe.paths.setdefault((expected, entry.checked[:k]), entry)
-        self.stats.entries += 1
-        dt = time.perf_counter() - t0
-        self.stats.last_trace_seconds = dt
-        self.stats.total_trace_seconds += dt
-        self._last = entry
-        return entry
-
-    def _warn_retrace_storm(self, entry):
-        """Every call of late traced a new program: results are right, but each call pays a trace and the cache grows."""
-        name = getattr(self.fn, "__qualname__", "the compiled function")
-        if entry.mutated:
-            advice = (f"the function changes {', '.join(entry.mutated[:3])}, which its programs are specialised on (a "
-                      "list it appends to, a Python counter it increments): keep such values in tensors, or return them "
-                      "and collect them outside")
-        else:
-            recent = self.stats.retrace_reasons[-2:]
-            advice = ("the reasons of the last two: " + " | ".join(recent) + ". A Python read of a value that changes "
-                      "every call (an f-string or print of loss.item(), a branch on a float) is a decision each new value "
-                      "retraces: return the value and use it outside the compiled function, or keep it in a tensor")
-        warnings.warn(f"{name}: the last {_RETRACE_STORM} calls each traced a new program. Results are right, but "
-                      f"every call retraces; {advice}.", stacklevel=_user_stacklevel())
-
-    # ---- thin mode ----
-    def _after_validation(self, entry, vals):
-        """Bind once the same entry validated on two consecutive calls (the steady state)."""
-        prev = self._prev_validated
-        self._prev_validated = (entry, vals)
-        if self._binding is not None or prev is None or prev[0] is not entry:
-            return
-        thin.watch(v for leaf, v in zip(entry.leaves, vals) if leaf.kind == "module")
-        binding = ThinBinding(entry, vals, (), None, self.stats.calls, self.check_every or 0, self.check_every or 0,
-                              entry.struct_key[2], thin.epoch())
-        handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
-                    "failed": self._thin_failed, "decided": self._thin_decided}
-        graphed = computation = None
-        if self.cuda_graphs:
-            why = graphs.obstacle(entry)
-            if why is not None:
-                self._graph_note(f"cuda_graphs: not captured: {why}; the program runs uncaptured")
-            else:
-                graphed = graphs.GraphedProgram(entry, binding, self._graph_note, self.stats)
-                computation = entry.wrap(graphed)
-        try:
-            fn, static_idx = thin.build_thin_call(
-                entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
-                kwnames=tuple(k for k, _ in entry.struct_key[1]), global_state=entry.struct_key[2],
-                handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every,
-                computation=computation)
-        except thin.CannotBind as why:
-            if str(why) not in self.stats.thin_bind_failures[-1:]:
-                self.stats.thin_bind_failures.append(str(why))
-            return
-        binding.fn, binding.static_idx = fn, static_idx
-        self._binding = binding
-        self._graphed = graphed
-        self._entry_switched(entry, count=False)  # a fused program that replaced the torch one while binding
-        self._call = fn.fn
-        if entry.updates_parameters and torch._C._is_any_autocast_enabled():
-            # Bound under autocast (a change of autocast state unbinds): each call probes the region first.
-            probe, thin_fn = self._autocast_region.check, fn.fn
-
-            def call_in_region(*args, **kwargs):
-                probe()
-                return thin_fn(*args, **kwargs)
-
-            self._call = call_in_region
-        self.stats.thin_binds += 1
-
-    def _entry_switched(self, entry, count: bool = True):
-        """A fused program replaced ``entry.computation`` (worker thread): the thin binding calls it from now on."""
-        if count:
-            self.stats.fusion_switches += 1
-        b = self._binding
-        if b is not None and b.entry is entry and b.fn is not None and self._graphed is None:
-            g = b.fn.fn.__globals__
-            if g["_computation_of"] is not entry.computation:
-                # A thin_call that passes only the per-call values calls the new program adapted (runtime/thin_args.py).
-                g["_computation"] = entry.computation if g["_adapt"] is None else g["_adapt"](entry.computation)
-                g["_computation_of"] = entry.computation
-
-    def wait_for_fusion(self, timeout: float | None = None) -> bool:
-        """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
-        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
-                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
-        return background.wait(jobs, timeout)
-
-    def _graph_note(self, line: str) -> None:
-        if line not in self.stats.cuda_graph_notes[-1:]:
-            self.stats.cuda_graph_notes.append(line)
-
-    def _unbind(self, reason: str | None):
-        if self._binding is not None and reason is not None:
-            self.stats.thin_invalidations.append(reason)
-        if self._graphed is not None:
-            if self._graphed.graph is not None:
-                self._graph_note(f"cuda_graphs: graph dropped with the thin binding ({reason}); the next binding captures again")
-            self._graphed.release()
-            self._graphed = None
-        self._binding = None
-        self._prev_validated = None
-        self._call = self._full_call
-
-    def _thin_changed(self, args, kwargs):
-        b = self._binding
-        g = current_global_state()
-        diffs = describe_diffs(GLOBAL_LABELS, b.global_state, g)
-        if not diffs:
-            try:
-                diffs = describe_diffs(b.entry.prologue.labels, b.entry.key, b.entry.prologue.key_of(args, kwargs))
-            except _STRUCTURE_ERRORS:
-                diffs = []
-        if not diffs and thin.epoch() != b.epoch:
-            diffs = [f"a bound module changed: {thin._Epoch.why}"]
-        self._unbind("; ".join(diffs) or "something the binding assumed changed (optimizer state, .grad, requires_grad, storage)")
-        return self._run_full(args, kwargs)
-
-    def _thin_failed(self, args, kwargs, exc):
-        """The computation raised: if the inputs no longer match what thin mode bound, say so (else re-raise)."""
-        raise_if_stale = thin.stale_binding_error(self._binding, args, kwargs, self._arg_names, exc)
-        if raise_if_stale is not None:
-            self._unbind("the computation raised on inputs that changed since binding")
-            raise raise_if_stale from exc
-
-    def _thin_decided(self, args, kwargs, mismatch):
-        """The bound program found a decision going the other way (nothing was written): this call runs the
-        entry for the value observed.  The binding stays for the next call, unless the previous call also went
-        the other way: then the decision changed for good and the full path binds the other entry."""
-        b = self._binding
-        self.stats.full_calls += 1
-        self.stats.validations += 1
-        entry = b.entry
-        if self._thin_decided_at == self.stats.calls - 1:
-            text, expected = entry.checked[mismatch.index]
-            self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")
-        self._thin_decided_at = self.stats.calls
-        return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), entry, mismatch)
-
-    def _thin_mismatch(self, args, kwargs):
-        b = self._binding
-        raise thin.mismatch_error(b.entry, b.entry.prologue, args, kwargs, self._arg_names, describe_struct_diff)
-
-    def _thin_periodic(self, args, kwargs):
-        b = self._binding
-        b.countdown = b.check_every
-        try:
-            vals = thin.periodic_check(b, b.entry.prologue, b.entry.leaves, args, kwargs, self._arg_names)
-        except GuardFailure:
-            self._unbind("check_every found a change")
-            raise
-        self.stats.validations += 1
-        try:
-            return b.entry.computation(*b.entry.select(vals))
-        except DecisionMismatch as mismatch:
-            return self._redispatch(args, kwargs, struct_key(args, kwargs, self.arg_key), b.entry, mismatch)
-
-    def revalidate(self) -> None:
-        """Drop the thin binding: the next calls run the full prologue (and retrace if needed) and bind again.
-
-        Call it after changing what thin mode bound: ``model.to(...)``,
-        ``model.half()``, replacing parameters or optimizer state, changing
-        grad mode, autocast or the default dtype for good.
-        """
-        self._unbind("revalidate()")
-
-    @property
-    def is_thin_bound(self) -> bool:
-        return self._binding is not None
-
-    def direct_call_parts(self, *args, **kwargs):
-        """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
-        skey = struct_key(args, kwargs, self.arg_key)
-        for probe in self._cache.get(skey, ()):
-            found = _probe_key(probe, args, kwargs)
-            entry = probe.entries.get(found[1]) if found is not None else None
-            if entry is not None:
-                return entry.computation, entry.select(found[0])
-        raise LookupError("no cache entry for these arguments; call the compiled function with them first")
 
     # ---- introspection ----
     def last_traces(self) -> list:

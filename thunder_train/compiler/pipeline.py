@@ -1,8 +1,8 @@
 """The pass sequence: from a Python function and its arguments to the programs one cache entry runs.
 
-``compile_entry`` is the whole pipeline, in order; each step names the module that implements it.
-``CompiledFunction`` (compiled.py) calls it on a cache miss and keeps only the cache, the statistics
-and the call paths.  docs/architecture.md describes every pass.
+``compile_entry`` is the whole pipeline, in order; each step names the module that implements it.  It ends
+in a ``Compiled``: a frozen product (prologue, program, backward, the builder of the fused program) that call
+time (``runtime/``) wraps in a cache entry and never changes.  docs/architecture.md describes every pass.
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from . import acquisition
 from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors import payback
-from .executors.background import FusionJob
 from .executors.fusion import fuse
 from .executors.inductor_fusion import FusionSymbol
 from .executors.lowering import lower_to_executors
-from .executors.buffers import keep_large_buffers, release_replaced
+from .executors.buffers import keep_large_buffers
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
@@ -34,51 +33,38 @@ from .transforms.no_grad import without_autograd
 from .transforms.saved_statistics import reuse_forward_statistics
 
 
-@dataclasses.dataclass
-class CacheEntry:
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What compile time hands to call time for one cache entry (frozen: call time never changes it).
+
+    ``program`` is the torch program (the computation before the epilogue and the output rebuild) and
+    ``wrap(program)`` what a call runs; ``build_fused`` (``fusion="background"``) builds the fused program that
+    may replace ``program`` later: ``runtime/slot.py`` owns which one runs.
+    """
+
     key: tuple  # the guard key (everything the trace was specialised on)
     struct_key: tuple  # the cheap structural key of the arguments + global state
     prologue: Prologue  # extract + guard_key, shared by entries with the same leaf structure
-    computation: Callable
-    traces: list
-    prologue_traces: list
-    leaves: list
-    input_idx: tuple  # leaf index of each computation argument
+    program: Callable
+    wrap: Callable  # program -> computation: adds the RNG restore, the epilogue and the output rebuild
+    traces: tuple
+    backward_traces: tuple | None  # set when the entry computes gradients for PyTorch autograd
+    prologue_traces: tuple
+    leaves: tuple
+    input_idx: tuple  # leaf index of each computation argument (then the epilogue's targets)
     select: Callable  # leaf values -> computation arguments
-    backward_traces: list | None = None  # set when the entry computes gradients for PyTorch autograd
     epilogue: object = None  # compiler/acquisition/epilogue.py: Python side effects replayed after the computation
     has_backward: bool = False  # the function calls backward(): gradients are values of the computation
     updates_parameters: bool = False  # writes in place into inputs that require grad (runtime/autocast_region.py)
-    decision_notes: list = dataclasses.field(default_factory=list)  # where each decision is checked, and its cost
+    decision_notes: tuple = ()  # where each decision is checked, and its cost
     # (text, value) of each decision the program checks (acquisition/decisions.py), in the order it checks them:
     # a DecisionMismatch at index i means the first i held and the i-th went the other way.
     checked: tuple = ()
     mutated: tuple = ()  # the containers and objects the epilogue changes (acquisition/containers.py), as paths
-    program: Callable | None = None  # the computation before the epilogue and output rebuild (runtime/cuda_graphs.py)
-    wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
-    fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
-    on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
-
-    def switch(self, program, traces, backward_traces) -> None:
-        """Run ``program`` from the next call on (same inputs and results as the current one)."""
-        # The replaced programs' kept buffers (executors/buffers.py); an autograd node made before the switch still
-        # runs its backward correctly, allocating as it goes.
-        kept_backward = backward_traces if backward_traces is not None else self.backward_traces
-        release_replaced(self.traces + list(self.backward_traces or ()), traces + list(kept_backward or ()))
-        self.traces = traces
-        if backward_traces is not None:
-            self.backward_traces = backward_traces
-        self.program = program
-        self.computation = self.wrap(program)
-        if self.on_switch is not None:
-            self.on_switch(self)
-
-    def uncount(self, computation) -> None:
-        """Background fusion will not start: call ``computation`` directly again (no switch is counted)."""
-        if self.fusion_job is not None and not self.fusion_job.switched:
-            self.computation = computation
-            if self.on_switch is not None:
-                self.on_switch(self, count=False)
+    # fusion="background": () -> (fused program, traces, backward traces or None) or None (nothing to fuse), run
+    # off the calling thread; payback(seconds the second call took) -> payback.Decision: the call it pays off at.
+    build_fused: Callable | None = None
+    payback: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +81,12 @@ class Options:
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
-                  fusion_notes: list, fusion_decisions: list | None = None, forced_decisions=()) -> tuple[CacheEntry, list]:
+                  fusion_notes: list, forced_decisions=()) -> tuple[Compiled, list]:
     """Trace ``fn`` on ``args``/``kwargs`` and compile what a cache entry runs; also returns the ops run opaquely.
 
     ``intern_prologue`` maps a generated prologue to the one already shared by entries with the same
-    leaf structure; ``fusion_notes`` collects what Inductor fusion did, ``fusion_decisions`` when background
-    fusion starts and why (``compile_stats``); ``forced_decisions`` the checked decisions a run of another
-    entry observed (``acquire``).
+    leaf structure; ``fusion_notes`` collects what Inductor fusion did (``compile_stats``);
+    ``forced_decisions`` the checked decisions a run of another entry observed (``acquire``).
     """
     names = ", ".join(ex.name for ex in executors)
     # 1. Acquisition (compiler/acquisition/): run fn on proxies; in-place ops functionalized, a backward and an
@@ -140,21 +125,16 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves)
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
     input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
-    entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
-                       acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
-                       updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
-    entry.decision_notes = [_decision_note(d) for d in acquired.decisions]
-    entry.checked = tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked)
-    entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
+    program, backward_traces = trc.python_callable(), None
     # 9. Autograd (transforms/autograd.py, compiler/autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
-        attached = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes,
+        attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers)
         if attached is not None:
-            build_fused, to_fuse = attached
+            program, traces, backward_traces, build_fused, to_fuse = attached
     elif fuse_main:
         shown = list(traces[: len(traces) - len(more)])
 
@@ -165,18 +145,23 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
             return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
     # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
     #     user type rebuilt around the real tensors.
-    entry.program = entry.computation
-    entry.wrap = _wrapping(entry, acquired, len(input_idx))
-    entry.computation = entry.wrap(entry.program)
-    # 12. Background fusion (executors/background.py): the entry runs the torch program built above while its
-    #     fused program is built in a worker thread, submitted at the call where it pays for itself
-    #     (executors/payback.py, decided at the second call); it then replaces the torch program between two calls.
-    if options.fusion == "background" and build_fused is not None:
-        decisions = fusion_decisions if fusion_decisions is not None else []
-        entry.fusion_job = job = _fusion_job(entry, build_fused, fusion_notes)
-        job.decide, job.record = (lambda call_s: payback.decide(to_fuse, call_s=call_s)), decisions.append
-        entry.computation = job.counted(entry.computation, entry.uncount)
-    return entry, acquired.opaque_ops
+    wrap, targets = _wrapping(acquired, len(input_idx))
+    input_idx += targets  # the epilogue's targets are passed after the computation's inputs
+    # 12. Background fusion (runtime/background.py, runtime/slot.py): the entry runs the torch program built
+    #     above while ``build_fused`` runs in a worker thread, submitted at the call where it pays for itself
+    #     (executors/payback.py, decided at the second call); its program then replaces the torch program.
+    background = options.fusion == "background" and build_fused is not None
+    compiled = Compiled(
+        expected, struct_key, prologue, program, wrap, tuple(traces), None if backward_traces is None else tuple(backward_traces),
+        (prologue.extract, prologue.guard_key_fn), tuple(acquired.leaves), input_idx, _select(input_idx),
+        epilogue=acquired.epilogue, has_backward=has_backward,
+        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written),
+        decision_notes=tuple(_decision_note(d) for d in acquired.decisions),
+        checked=tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked),
+        mutated=tuple(acquisition.path_str(p) for p in acquired.mutated_paths),
+        build_fused=_noting(build_fused, fusion_notes) if background else None,
+        payback=(lambda call_s: payback.decide(to_fuse, call_s=call_s)) if background else None)
+    return compiled, acquired.opaque_ops
 
 
 def _decision_note(d) -> str:
@@ -216,7 +201,9 @@ def _fused_regions(*trcs) -> int:
     return sum(isinstance(b.sym, FusionSymbol) for t in trcs for b in t.bound_symbols)
 
 
-def _fusion_job(entry, build_fused, notes) -> FusionJob:
+def _noting(build_fused, notes):
+    """``build_fused`` for the worker thread: the fused program, traces and backward traces, or None (nothing to
+    fuse), with a note either way."""
     def build():
         t0 = time.perf_counter()
         computation, traces, backward_traces = build_fused(notes)
@@ -227,31 +214,30 @@ def _fusion_job(entry, build_fused, notes) -> FusionJob:
                      f"(built in {time.perf_counter() - t0:.2f} s while the torch program ran)")
         return computation, traces, backward_traces
 
-    return FusionJob(build, lambda program: entry.switch(*program), notes.append, "background fusion")
+    return build
 
 
-def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None, keep_buffers=True):
-    """Route ``entry`` through ``ThunderFunction`` when this call needs gradients.
+def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True):
+    """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
-    ``trc`` is the computation after dead code elimination.  Nothing changes when grad is disabled,
-    no input requires grad, or no output depends on one.  Returns the builder of the fused program
-    (``fusion="background"``) and the traces it fuses, or None.
+    ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
+    elimination.  None when grad is disabled, no input requires grad, or no output depends on one; else the
+    program, traces and backward traces that replace them, the builder of the fused program
+    (``fusion="background"``, or None) and the traces it fuses.
     """
     if not may_need_autograd(trc):
         return None
     try:
         fb = build_forward_backward(trc)
     except NoGradientRuleError as error:
-        entry.computation = NoBackwardProgram(trc, entry.computation, error)
-        entry.backward_traces = []
-        return None
+        return NoBackwardProgram(trc, program, error), traces, [], None, [trc]
     if fb is None:
         return None
     names = ", ".join(ex.name for ex in executors)
     fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
     bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
-    keep = next(i for i, t in enumerate(entry.traces) if t is trc)
-    before = entry.traces[: keep + 1]
+    keep = next(i for i, t in enumerate(traces) if t is trc)
+    before = traces[: keep + 1]
 
     def program(kind, notes):
         fw, bw = fw_lowered, bw_lowered
@@ -270,12 +256,13 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None, keep_buf
         return run, before + forward_traces, backward_traces
 
     now = fusion if fusion != "background" else None
-    entry.computation, entry.traces, entry.backward_traces = program(now, [] if notes is None else notes)
-    return (lambda notes: program("background", notes)), [fw_lowered, bw_lowered]
+    run, traces, backward_traces = program(now, [] if notes is None else notes)
+    return run, traces, backward_traces, (lambda notes: program("background", notes)), [fw_lowered, bw_lowered]
 
 
-def _wrapping(entry, acquired, n_inputs):
-    """Steps 10-11 as a function of the computation (applied again to a fused program that replaces it).
+def _wrapping(acquired, n_inputs):
+    """Steps 10-11 as a function of the computation (applied again to a fused program that replaces it), and the
+    leaf indices of the epilogue's targets (passed after the computation's inputs).
 
     10. Epilogue (compiler/acquisition/epilogue.py): Python side effects replayed after the computation.
     11. Outputs (compiler/pytree.py): a returned user type (ModelOutput, dataclass, ...) was flattened at
@@ -288,9 +275,6 @@ def _wrapping(entry, acquired, n_inputs):
         index_of_leaf = {id(leaf): i for i, leaf in enumerate(acquired.leaves)}
         targets = [(name, index_of_leaf[id(leaf)]) for name, leaf in epilogue.targets.items() if leaf is not None]
         target_names = [n for n, _ in targets]
-        entry.epilogue = epilogue
-        entry.input_idx = entry.input_idx + tuple(i for _, i in targets)
-        entry.select = _select(entry.input_idx)
 
     def wrap(computation):
         if acquired.random_before_checks:
@@ -301,7 +285,7 @@ def _wrapping(entry, acquired, n_inputs):
             computation = _rebuilding(computation, spec)
         return computation
 
-    return wrap
+    return wrap, tuple(i for _, i in targets) if epilogue is not None else ()
 
 
 def _with_epilogue(computation, epilogue, n_inputs, target_names):

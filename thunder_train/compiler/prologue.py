@@ -223,9 +223,10 @@ class _Missing:
 _MISSING = _Missing()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Prologue:
-    """The generated extraction and guard-key functions for one leaf structure."""
+    """The generated extraction and guard-key functions for one leaf structure, and what thin mode's checks
+    (runtime/thin_checks.py) read besides the leaves."""
 
     extract: GeneratedFunction
     guard_key_fn: GeneratedFunction
@@ -235,7 +236,10 @@ class Prologue:
     label_leaf: tuple  # leaf index of each guard-key element
     check_globals: dict = dataclasses.field(default_factory=dict)  # names decision checks use (thin mode needs them)
     # (guard-key index, expression) per decision: the expected value is each entry's own key (entries share prologues).
-    decision_checks: list = dataclasses.field(default_factory=list)
+    decision_checks: tuple = ()
+    size_checks: tuple = ()  # (expression, result) per decision taken on symbolic sizes or hyper-parameters
+    decision_leaves: tuple = ()  # leaf indices the decisions' programs read
+    written: tuple = ()  # leaf indices updated in place (thin mode checks per-call storage against them)
 
     def key_of(self, args, kwargs) -> tuple:
         return self.guard_key_fn.fn(*self.extract.fn(*args, **kwargs))
@@ -384,12 +388,9 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
         "Prologue part 2: checks (everything the trace was specialised on; must equal the entry's key)",
         gk_lines, g,
     )
-    pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf))
-    pro.size_checks = size_exprs
-    pro.check_globals = {"_as_list": _as_list, **dec.d}
-    pro.decision_checks = decision_checks
-    pro.decision_leaves = tuple(sorted(decision_leaves))
-    pro.written = tuple(written)  # leaf indices updated in place (thin mode checks per-call storage against them)
+    pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf),
+                   check_globals={"_as_list": _as_list, **dec.d}, decision_checks=tuple(decision_checks),
+                   size_checks=tuple(size_exprs), decision_leaves=tuple(sorted(decision_leaves)), written=tuple(written))
     return pro, tuple(expected)
 
 

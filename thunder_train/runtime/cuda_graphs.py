@@ -118,7 +118,7 @@ class GraphedProgram:
 
     def _capture(self, *inputs):
         static = set(self.binding.static_idx)
-        written = set(getattr(self.entry.prologue, "written", ()))
+        written = set(self.entry.prologue.written)
         idx = self.entry.input_idx
         args, self.copies, self.numbers, self.const_pos = [], [], [], []
         for j, v in enumerate(inputs):

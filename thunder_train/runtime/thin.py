@@ -90,7 +90,7 @@ def _under_state(leaf) -> bool:
 
 
 def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
-                    computation=None, python_checks=False):
+                    graphed=False, python_checks=False):
     """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
 
     Every assumption the guard key makes has a per-call check here (docs/thin_mode.md has the table):
@@ -98,7 +98,9 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     dicts (hyper-parameters, tuples included, and its non-float options compared); its ``state`` is
     compared by identity in bulk; ``.grad`` and ``requires_grad`` of the bound tensors in bulk; modules
     through the epoch (registration, attribute assignment, ``_apply``); global state directly.
-    ``computation`` replaces ``entry.computation`` as what the checked call runs (``cuda_graphs.py``).
+    The checked call runs ``entry.slot.thin`` (slot.py).  Returns the generated function, the leaf indices
+    bound as constants and the argument order for ``Slot.bind_thin`` (None: the computation's own;
+    ``graphed``: the CUDA graph runs, called in the computation's order).
     """
     names = prologue.var_names
     per_call = per_call_mask(leaves)
@@ -354,11 +356,11 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     except Exception:  # noqa: BLE001 - an object torch's guards do not take: the same checks in Python
         return build_thin_call(entry, prologue, leaves, vals, prev_vals, nargs=nargs, kwnames=kwnames, global_state=global_state,
                                handlers=handlers, stats=stats, binding_holder=binding_holder, check_every=check_every,
-                               computation=computation, python_checks=True)
+                               graphed=graphed, python_checks=True)
 
     # A per-call tensor sharing storage with an input the program updates in place (a batch that is a
     # view of a parameter, or two overlapping views passed together): the full path decides.
-    written = getattr(prologue, "written", ())
+    written = prologue.written
     pc_tensors = [i for i in pc_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
     if written and pc_tensors:
         w_static = frozenset(vals[i].untyped_storage().data_ptr() for i in written if not per_call[i])
@@ -405,11 +407,11 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         lines += [f"    if {c}:", "      raise _Changed"]
     # Decisions taken on sizes or hyper-parameters: this entry's own recorded results (entries that share
     # the prologue took other decisions).
-    size_exprs = [e for e, _ in getattr(prologue, "size_checks", ())]
+    size_exprs = [e for e, _ in prologue.size_checks]
     expected = [e for lab, e in zip(prologue.labels, entry.key) if lab.path == "sizes"]
     for expr, result in zip(size_exprs, expected):
         lines += [f"    if {expr} is not {result}:", "      raise _Changed"]
-    for i in getattr(prologue, "decision_leaves", ()):
+    for i in prologue.decision_leaves:
         # A decision on an intermediate value reads static leaves too (parameters, optimizer state): name them.
         if per_call[i] or comp_arg.get(i) == names[i]:
             continue
@@ -426,16 +428,16 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
               "    return _changed(args, kwargs)"]
     # The bound inputs as defaults of a reordered copy of the computation (thin_args.py), or an interleaved call.
     arg_names = [comp_arg[i] for i in entry.input_idx]
-    target = source = entry.computation if computation is None else computation
-    made = None if computation is not None else thin_args.computation_call(target, arg_names, bound, entry.__dict__.setdefault("_thin_codes", {}))
+    slot = entry.slot
+    made = None if graphed else thin_args.computation_call(slot.run, arg_names, bound, slot.thin_codes)
     if made is not None:
-        target, per_call_names = made
-        call_args = ", ".join(per_call_names)
-        adapt = thin_args.adapter(arg_names, dict(bound), entry._thin_codes, _packed_args)
+        call_args = ", ".join(made[1])
+        adapt = thin_args.adapter(arg_names, dict(bound), slot.thin_codes, _packed_args)
     else:
         call_args = ", ".join(_packed_args(arg_names, bound))
         adapt = None
-    lines += ["  try:", f"    return _computation({call_args})",
+    # What runs is the slot's (slot.py): a fused program that replaces the torch one later is called the same way.
+    lines += ["  try:", f"    return _slot.thin({call_args})",
               # A decision the program checks went the other way (nothing written): the entry for it runs.
               "  except _DecisionMismatch as e:", "    return _decided(args, kwargs, e)",
               "  except Exception as e:", "    _failed(args, kwargs, e)", "    raise"]
@@ -446,7 +448,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG, "_stride": _STRIDE,
         "_values": dict.values, "_chain": itertools.chain.from_iterable, "_shares_storage": _shares_storage,
         "_storage_overlaps": _storage_overlaps, "_Changed": _Changed, "_Mismatch": _Mismatch,
-        "_computation": target, "_computation_of": source, "_adapt": adapt, "_b": binding_holder,
+        "_slot": slot, "_b": binding_holder,
         "_changed": handlers["changed"], "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"],
         "_failed": handlers["failed"], "_decided": handlers["decided"], "_DecisionMismatch": DecisionMismatch,
         "_meta_check": meta_check if bulk_meta else None, "_pc_meta_check": pc_meta if pc_batch else None, "_dict_version": bulk.dict_version() if bulk_dicts else None,
@@ -458,7 +460,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
         "param_groups, compare state, .grad and requires_grad in bulk, then the computation"
         + (f"\nfull prologue every {check_every} calls" if check_every else "")
     )
-    return GeneratedFunction("thin_call", header, lines, g), tuple(static_idx)
+    return GeneratedFunction("thin_call", header, lines, g), tuple(static_idx), adapt
 
 
 def _packed_args(names: list, bound: dict) -> list:

@@ -73,7 +73,7 @@ def computation_call(fn, names: list, bound: dict, cache: dict):
 def adapter(names: list, bound: dict, cache: dict, packed_args):
     """A function that turns ``fn`` (a computation taking ``names``) into what a reordered ``thin_call`` calls.
 
-    Used when a fused program replaces the computation after binding (``CompiledFunction._entry_switched``)."""
+    Applied by ``Slot`` (slot.py) to whatever the entry runs: at binding, and when a fused program replaces it."""
     per_call = [n for n in names if n not in bound]
 
     def adapt(fn):

@@ -2,10 +2,10 @@
 
 ``fusion="background"`` (the default, docs/fusion.md) gives each cache entry a ``FusionJob``: building the
 entry's fused program (Inductor kernels: seconds of C++ compile when cold) without making any call wait for
-it.  The entry's calls are counted (``counted``); at the second, ``decide`` (payback.py) says at which call
-the build pays for itself, and the job is submitted then, or never.  One daemon thread runs the jobs in order.  When a job
-has built its program it hands it to ``on_ready``, which swaps it into the entry (and the thin binding)
-between two calls: the torch program and the fused program take the same inputs and compute the same
+it.  The entry's calls are counted (``counted``); at the second, ``decide`` (compiler/executors/payback.py) says
+at which call the build pays for itself, and the job is submitted then, or never.  One daemon thread runs the jobs
+in order.  When a job has built its program it hands it to ``on_ready``, the entry's ``Slot.swap`` (slot.py), which
+puts it in place for the full path and the thin binding together, between two calls: the torch program and the fused program take the same inputs and compute the same
 values, so which one a call runs changes no result beyond floating-point rounding.
 
 A job that raises leaves the torch program in place and reports one line through ``note``.
@@ -45,7 +45,7 @@ class FusionJob:
     def counted(self, computation: Callable, uncount: Callable) -> Callable:
         """``computation`` counting the calls of its entry; the call ``start_at`` submits the job.
 
-        ``uncount(computation)`` puts the uncounted computation back once the job will never start.
+        ``uncount()`` puts the uncounted computation back once the job will never start (``Slot.stop_counting``).
         """
         def run(*args):
             self.calls += 1
@@ -71,7 +71,7 @@ class FusionJob:
                 self.start_at = self.decision.start_at
                 self.record(self.decision.line())
                 if self.start_at is None:
-                    uncount(computation)
+                    uncount()
                     return
                 if self.calls < self.start_at:
                     return

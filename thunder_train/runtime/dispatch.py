@@ -1,0 +1,272 @@
+"""Dispatch: from a call's arguments to the cache entry that runs it, compiling on a miss.
+
+A structural key of the arguments and global state (``cache_keys.py``) selects a bucket; in it, one ``_Probe``
+per leaf structure holds its prologue (generated ``extract`` and ``guard_key``, compiler/prologue.py) and its
+entries by guard key: a lookup is one ``extract``, one ``guard_key`` and one dict access however many entries
+exist.  A miss runs the pipeline (compiler/pipeline.py), wraps its frozen product in an ``Entry`` with the
+``Slot`` that says what it runs (slot.py), files it, and records why it missed (``retrace_reasons``, naming the
+input and both values).  A program that finds a decision it checks going the other way raises
+``DecisionMismatch`` before writing anything; ``_redispatch`` runs the entry for the observed value
+(``_Probe.paths``), tracing it if there is none.
+
+``Dispatch`` is the full path of ``CompiledFunction`` (compiled.py); ``binding.py`` is its thin path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+
+from ..compiler.errors import DecisionMismatch
+from ..compiler.pipeline import Options, compile_entry
+from ..compiler.prologue import Prologue, count_diffs, describe_diffs
+from . import background
+from .cache_keys import struct_diffs, struct_key
+from .slot import Entry, Slot
+
+
+@dataclasses.dataclass
+class _Probe:
+    """One leaf structure within a structural-key bucket: its prologue and entries by guard key."""
+
+    prologue: Prologue
+    entries: dict
+    # (guard key, (text, value) of the first checked decisions) -> an entry whose program decides so
+    # (compiler/acquisition/decisions.py); entries[guard key] is the one a call runs first.
+    paths: dict = dataclasses.field(default_factory=dict)
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
+    f, level = sys._getframe(2), 2  # the caller of the function that warns
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f, level = f.f_back, level + 1
+    return level
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # thunder_train/
+_RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
+
+_STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
+
+
+def _probe_key(probe, args, kwargs):
+    """``(leaf values, guard key)`` of this call under ``probe``'s prologue, or None when its structure differs."""
+    pro = probe.prologue
+    try:
+        vals = pro.extract.fn(*args, **kwargs)
+        return vals, pro.guard_key_fn.fn(*vals)
+    except _STRUCTURE_ERRORS:
+        return None
+
+
+class Dispatch:
+    """The full path of a compiled function: lookup, compile on a miss, decision re-dispatch."""
+
+    def _full_call(self, *args, **kwargs):
+        self.stats.calls += 1
+        return self._run_full(args, kwargs)
+
+    def _run_full(self, args, kwargs):
+        st = self.stats
+        st.full_calls += 1
+        st.validations += 1
+        skey = struct_key(args, kwargs, self.arg_key)
+        probes = self._cache.get(skey)
+        entry = None
+        tried = []
+        if probes is not None:
+            for probe in probes:
+                found = _probe_key(probe, args, kwargs)
+                if found is None:
+                    continue
+                vals, gkey = found
+                entry = probe.entries.get(gkey)
+                if entry is not None:
+                    break
+                tried.append((probe, gkey))
+        hit = entry is not None
+        if entry is None:
+            entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
+            vals = entry.prologue.extract.fn(*args, **kwargs)
+        else:
+            st.cache_hits += 1
+        self._last = entry
+        if entry.updates_parameters:
+            self._autocast_region.check()
+        if self.thin:
+            self._after_validation(entry, vals)
+        try:
+            out = entry.slot.run(*entry.select(vals))
+        except DecisionMismatch as mismatch:
+            return self._redispatch(args, kwargs, skey, entry, mismatch)
+        if hit:
+            self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
+        return out
+
+    # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
+    def _redispatch(self, args, kwargs, skey, entry, mismatch):
+        """``entry``'s program found a decision going the other way and stopped before writing anything: run
+        the entry traced for the value observed, tracing it (with that value) if there is none yet."""
+        self.stats.decision_mismatches += 1
+        tried = {id(entry)}
+        while True:
+            text, expected = entry.checked[mismatch.index]
+            observed = entry.checked[:mismatch.index] + ((text, mismatch.value),)
+            found = self._entry_for(skey, args, kwargs, observed)
+            if found is None:
+                entry = self._compile(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
+                                      forced_decisions=observed)
+                vals = entry.prologue.extract.fn(*args, **kwargs)
+            else:
+                probe, gkey, entry, vals = found  # its calls are counted by its computation (pay-back rule)
+            if id(entry) in tried or len(tried) > 2 * len(observed) + 2:
+                raise RuntimeError(
+                    f"thunder_train: the decisions the program checks do not settle ({text}: the program traced for "
+                    f"{mismatch.value!r} decides otherwise when it runs); the value is not a deterministic function "
+                    "of the inputs. Move the decision outside the compiled function and pass its result in.")
+            tried.add(id(entry))
+            self._last = entry
+            if entry.updates_parameters:
+                self._autocast_region.check()
+            try:
+                result = entry.slot.run(*entry.select(vals))
+            except DecisionMismatch as again:
+                mismatch = again
+                continue
+            if found is not None:
+                self._prefer(skey, probe, gkey, entry)
+                self._misses_in_a_row = 0
+            if self.thin:
+                self._prev_validated = (entry, vals)
+            return result
+
+    def _entry_for(self, skey, args, kwargs, observed):
+        """``(probe, guard key, entry, leaf values)`` of an entry for this call whose program decides ``observed``."""
+        for probe in self._cache.get(skey, ()):
+            found = _probe_key(probe, args, kwargs) if probe.paths else None
+            if found is None:
+                continue
+            vals, gkey = found
+            entry = probe.paths.get((gkey, observed))
+            if entry is not None:
+                return probe, gkey, entry, vals
+        return None
+
+    def _prefer(self, skey, probe, gkey, entry):
+        """The entry that ran last is the one the next call with this key tries first (decisions flip rarely)."""
+        probe.entries[gkey] = entry
+        probes = self._cache[skey]
+        if probes[0] is not probe:
+            probes.remove(probe)
+            probes.insert(0, probe)
+
+    def _miss_reason(self, skey, tried) -> str | None:
+        """Which input differed from the nearest entry, and how."""
+        if not self._cache:
+            return None
+        if tried:
+            best = None
+            for probe, gkey in tried:
+                for e in probe.entries.values():
+                    n = count_diffs(e.key, gkey)
+                    if best is None or n < best[0]:
+                        best = (n, probe.prologue.labels, e.key, gkey)
+            if best is not None:
+                diffs = describe_diffs(best[1], best[2], best[3])
+                if diffs:
+                    return "; ".join(diffs)
+        if skey not in self._cache:
+            def distance(k):  # a different argument count is farther than any value difference
+                return len(struct_diffs(k, skey, limit=1000)) + 1000 * (len(k[0]) != len(skey[0]) or len(k[1]) != len(skey[1]))
+
+            nearest = min(self._cache, key=distance)
+            diffs = struct_diffs(nearest, skey)
+            if diffs:
+                return "; ".join(diffs)
+        return "the structure of a module or container inside the arguments changed"
+
+    def _compile(self, args, kwargs, key, reason, forced_decisions=()) -> Entry:
+        """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
+        self.stats.cache_misses += 1
+        self._misses_in_a_row += 1
+        if reason is not None:
+            self.stats.retrace_reasons.append(reason)
+        t0 = time.perf_counter()
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
+                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers)
+        compiled, opaque_ops = compile_entry(
+            self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
+            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
+            forced_decisions=forced_decisions)
+        entry = Entry(compiled, self._slot(compiled))
+        prologue, expected = entry.prologue, entry.key
+        for note in entry.decision_notes:
+            if note not in self.stats.decision_notes:
+                self.stats.decision_notes.append(note)
+        if self._misses_in_a_row == _RETRACE_STORM:
+            self._warn_retrace_storm(entry)
+        for name in opaque_ops:
+            if name not in self.stats.opaque_ops:
+                self.stats.opaque_ops.append(name)
+        probes = self._cache.setdefault(key, [])
+        for probe in probes:
+            if probe.prologue is prologue:
+                break
+        else:
+            probe = _Probe(prologue, {})
+            probes.insert(0, probe)
+        probe.entries[expected] = entry
+        for k in range(1, len(entry.checked) + 1):
+            probe.paths.setdefault((expected, entry.checked[:k]), entry)
+        self.stats.entries += 1
+        dt = time.perf_counter() - t0
+        self.stats.last_trace_seconds = dt
+        self.stats.total_trace_seconds += dt
+        self._last = entry
+        return entry
+
+    def _slot(self, compiled) -> Slot:
+        """What the new entry runs: with background fusion, its calls counted until the build is due (background.py)."""
+        if compiled.build_fused is None:
+            return Slot(compiled)
+        job = background.FusionJob(compiled.build_fused, lambda program: slot.swap(*program), self.stats.fusion_notes.append,
+                                   "background fusion", decide=compiled.payback, record=self.stats.fusion_decisions.append)
+        slot = Slot(compiled, job, on_swap=self._count_switch)
+        return slot
+
+    def _count_switch(self) -> None:
+        self.stats.fusion_switches += 1
+
+    def _warn_retrace_storm(self, entry):
+        """Every call of late traced a new program: results are right, but each call pays a trace and the cache grows."""
+        name = getattr(self.fn, "__qualname__", "the compiled function")
+        if entry.mutated:
+            advice = (f"the function changes {', '.join(entry.mutated[:3])}, which its programs are specialised on (a "
+                      "list it appends to, a Python counter it increments): keep such values in tensors, or return them "
+                      "and collect them outside")
+        else:
+            recent = self.stats.retrace_reasons[-2:]
+            advice = ("the reasons of the last two: " + " | ".join(recent) + ". A Python read of a value that changes "
+                      "every call (an f-string or print of loss.item(), a branch on a float) is a decision each new value "
+                      "retraces: return the value and use it outside the compiled function, or keep it in a tensor")
+        warnings.warn(f"{name}: the last {_RETRACE_STORM} calls each traced a new program. Results are right, but "
+                      f"every call retraces; {advice}.", stacklevel=_user_stacklevel())
+
+    def wait_for_fusion(self, timeout: float | None = None) -> bool:
+        """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
+        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
+                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
+        return background.wait(jobs, timeout)
+
+    def direct_call_parts(self, *args, **kwargs):
+        """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
+        skey = struct_key(args, kwargs, self.arg_key)
+        for probe in self._cache.get(skey, ()):
+            found = _probe_key(probe, args, kwargs)
+            entry = probe.entries.get(found[1]) if found is not None else None
+            if entry is not None:
+                return entry.slot.run, entry.select(found[0])
+        raise LookupError("no cache entry for these arguments; call the compiled function with them first")

@@ -1,0 +1,135 @@
+"""What one cache entry runs now: the ``Slot``, and the ``Entry`` that pairs it with its frozen compiled product.
+
+A cache entry's compiled product (``compiler/pipeline.py: Compiled``) never changes.  What a call of the entry
+runs does: background fusion replaces the torch program by the fused one between two calls, the call counting
+that decides when to build it ends, thin mode calls the program with its bound inputs in another order
+(``thin_args.py``), and CUDA graphs replay a captured program on the thin path (``cuda_graphs.py``).  The slot is
+the one object that knows all of these; each change goes through one of its methods, which recomputes both
+callables a call reads:
+
+* ``run``: what a full-path call runs (``entry.slot.run(*entry.select(leaf values))``);
+* ``thin``: what the bound ``thin_call`` runs (``thin.py`` generates ``_slot.thin(...)``).
+
+``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
+step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
+thin binding.
+"""
+from __future__ import annotations
+
+import threading
+
+from ..compiler.executors.buffers import release_replaced
+
+
+class Slot:
+    """What one cache entry runs now (see the module docstring)."""
+
+    def __init__(self, compiled, job=None, on_swap=None):
+        self._wrap = compiled.wrap  # program -> computation (epilogue, output rebuild)
+        self.program = compiled.program
+        self.traces = list(compiled.traces)
+        self.backward_traces = None if compiled.backward_traces is None else list(compiled.backward_traces)
+        self.job = job  # background fusion: the FusionJob building the fused program (background.py)
+        self._counting = job is not None  # the job counts the entry's calls until it decided when to build
+        self._adapt = None  # thin mode: computation -> what thin_call calls (its argument order); None: unbound
+        self.thin_codes = {}  # thin_args.py: the computation's code with the bound inputs last, per layout
+        self.graphed = None  # cuda_graphs.GraphedProgram of the thin binding
+        self._on_swap = on_swap
+        self._lock = threading.Lock()
+        self._refresh()
+
+    def _refresh(self) -> None:
+        run = self._wrap(self.program)
+        if self._counting:
+            run = self.job.counted(run, self.stop_counting)
+        self.run = run
+        if self.graphed is not None:
+            self.thin = self._wrap(self.graphed)
+        elif self._adapt is not None:
+            self.thin = self._adapt(run)
+        else:
+            self.thin = run
+
+    def swap(self, program, traces, backward_traces) -> None:
+        """Run ``program`` (same inputs and results as the current one) from the next call on; ``backward_traces``
+        None keeps the current ones."""
+        with self._lock:
+            # The replaced programs' kept buffers (executors/buffers.py); an autograd node made before the switch
+            # still runs its backward correctly, allocating as it goes.
+            kept_backward = backward_traces if backward_traces is not None else self.backward_traces
+            release_replaced(self.traces + list(self.backward_traces or ()), list(traces) + list(kept_backward or ()))
+            self.traces = list(traces)
+            if backward_traces is not None:
+                self.backward_traces = list(backward_traces)
+            self.program = program
+            self._counting = False
+            self._refresh()
+        if self._on_swap is not None:
+            self._on_swap()
+
+    def stop_counting(self) -> None:
+        """Background fusion will not start (pay-back): call the program directly again."""
+        with self._lock:
+            if self._counting:
+                self._counting = False
+                self._refresh()
+
+    def bind_thin(self, adapt=None, graphed=None) -> None:
+        """Thin mode bound this entry: ``thin`` is ``adapt`` of what runs (its argument order), or the CUDA graph."""
+        with self._lock:
+            self._adapt = adapt if adapt is not None else _same
+            self.graphed = graphed
+            self._refresh()
+
+    def unbind_thin(self) -> None:
+        """The thin binding is gone: drop its argument order and its CUDA graph (with the graph's buffers)."""
+        with self._lock:
+            if self.graphed is not None:
+                self.graphed.release()
+            self._adapt = self.graphed = None
+            self._refresh()
+
+
+def _same(computation):
+    return computation
+
+
+class Entry:
+    """One cache entry: its frozen compiled product and its slot.
+
+    The fields a call reads are copied here (one attribute lookup each); the others are read from the product
+    (``entry.epilogue``, ``entry.leaves``, ... fall through to ``compiled``).
+    """
+
+    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters")
+
+    def __init__(self, compiled, slot: Slot):
+        self.compiled, self.slot = compiled, slot
+        self.key, self.struct_key, self.prologue = compiled.key, compiled.struct_key, compiled.prologue
+        self.select, self.checked, self.updates_parameters = compiled.select, compiled.checked, compiled.updates_parameters
+
+    def __getattr__(self, name):
+        if name == "compiled":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+    @property
+    def computation(self):
+        """What a full-path call runs now."""
+        return self.slot.run
+
+    @property
+    def traces(self) -> list:
+        return self.slot.traces
+
+    @property
+    def backward_traces(self):
+        return self.slot.backward_traces
+
+    @property
+    def fusion_job(self):
+        return self.slot.job
+
+    @property
+    def program(self):
+        return self.slot.program
