@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -159,3 +160,50 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path):
 def test_layer_lookup_uses_the_longest_name(name, expected):
     layers = declared_layers()
     assert expected in layers[layer_of(name, layers)]
+
+
+def _package_of(name: str) -> str:
+    """``compiler``, ``runtime``, ... : the first folder (or module) under thunder_train."""
+    rel = name.removeprefix("thunder_train").lstrip(".")
+    return rel.split(".")[0] if rel else "thunder_train"
+
+
+@pytest.mark.parametrize("package,allowed", [
+    ("compiler", {"compiler"}),  # compile time ends in a frozen product and knows nothing of what calls it
+    ("runtime", {"compiler", "runtime"}),  # call time runs what compile time produced
+])
+def test_compile_time_and_call_time_are_separate_packages(package, allowed):
+    mods, edges = graph()
+    bad = [f"{mods[m].relative_to(ROOT)}:{line} imports {t}"
+           for m, targets in edges.items() if _package_of(m) == package
+           for t, line in targets if _package_of(t) not in allowed]
+    assert not bad, f"thunder_train/{package}/ may import only {sorted(allowed)}:\n" + "\n".join(bad)
+
+
+def test_callbacks_and_compiled_sit_above_runtime():
+    layers = declared_layers()
+    runtime = layer_of("thunder_train.runtime", layers)
+    assert runtime > max(layer_of(m, layers) for m in modules() if _package_of(m) == "compiler")
+    assert layer_of("thunder_train.compiled", layers) > runtime
+    assert layer_of("thunder_train.callbacks", layers) > layer_of("thunder_train.compiled", layers)
+
+
+MAX_FUNCTION_LINES = 150
+
+
+def test_no_function_is_longer_than_150_lines():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
+
+
+def test_the_length_check_counts_nested_functions(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    tree = ast.parse(f"def outer():\n    def inner():\n{textwrap.indent(body, '    ')}\n    return inner\n")
+    lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert lengths["inner"] == MAX_FUNCTION_LINES + 1 and lengths["outer"] > lengths["inner"]
