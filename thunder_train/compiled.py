@@ -1,7 +1,7 @@
 """``compile``: the user-facing compiled function, its options and statistics.
 
 ``CompiledFunction`` is glue: its full path (lookup, compile on a miss, decision re-dispatch) is
-``runtime/dispatch.py``, its thin path ``runtime/binding.py``, and what each cache entry runs its slot
+``runtime/cache.py``, its thin path ``runtime/binding.py``, and what each cache entry runs its slot
 (``runtime/slot.py``).  docs/architecture.md ("Call path") follows one call through them.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .runtime.autocast_region import RegionProbe
-from .runtime.binding import ThinMode
+from .runtime.binding import ThinPath
 from .runtime.cache_keys import arg_key, dynamic_arg_key
-from .runtime.dispatch import Dispatch
+from .runtime.cache import FullPath
 from .runtime.slot import Entry
 from .runtime.thin import ThinBinding
 
@@ -63,7 +63,7 @@ class CompileStats:
         return self.calls - self.full_calls
 
 
-class CompiledFunction(Dispatch, ThinMode):
+class CompiledFunction(FullPath, ThinPath):
     """A function compiled by thunder_train.
 
     Full path (every call without ``thin``): a structural key of the arguments
@@ -73,7 +73,7 @@ class CompiledFunction(Dispatch, ThinMode):
     in ``compile_stats(...).retrace_reasons``.  A program that checks a
     decision on an intermediate value and finds the other value raises
     ``DecisionMismatch`` before writing anything; ``_redispatch`` then runs
-    the entry for the observed value (``_Probe.paths``), or traces it (runtime/dispatch.py).
+    the entry for the observed value (``_Probe.paths``), or traces it (runtime/cache.py).
 
     Thin mode (``thin=True``): once the same entry validated on two
     consecutive calls, ``thin_call`` (generated, see ``runtime/thin.py``)

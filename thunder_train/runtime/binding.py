@@ -16,11 +16,11 @@ from ..compiler.errors import DecisionMismatch, GuardFailure
 from ..compiler.prologue import GLOBAL_LABELS, current_global_state, describe_diffs
 from . import cuda_graphs as graphs, thin
 from .cache_keys import describe_struct_diff, struct_key
-from .dispatch import _STRUCTURE_ERRORS
+from .cache import _STRUCTURE_ERRORS
 from .thin import ThinBinding
 
 
-class ThinMode:
+class ThinPath:
     """The thin path of a compiled function (see the module docstring)."""
 
     def _after_validation(self, entry, vals):

@@ -1,4 +1,4 @@
-"""Dispatch: from a call's arguments to the cache entry that runs it, compiling on a miss.
+"""The cache: from a call's arguments to the entry that runs it (dispatch), compiling on a miss.
 
 A structural key of the arguments and global state (``cache_keys.py``) selects a bucket; in it, one ``_Probe``
 per leaf structure holds its prologue (generated ``extract`` and ``guard_key``, compiler/prologue.py) and its
@@ -9,7 +9,7 @@ input and both values).  A program that finds a decision it checks going the oth
 ``DecisionMismatch`` before writing anything; ``_redispatch`` runs the entry for the observed value
 (``_Probe.paths``), tracing it if there is none.
 
-``Dispatch`` is the full path of ``CompiledFunction`` (compiled.py); ``binding.py`` is its thin path.
+``FullPath`` is the full path of ``CompiledFunction`` (compiled.py); ``binding.py`` its thin path.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _probe_key(probe, args, kwargs):
         return None
 
 
-class Dispatch:
+class FullPath:
     """The full path of a compiled function: lookup, compile on a miss, decision re-dispatch."""
 
     def _full_call(self, *args, **kwargs):
