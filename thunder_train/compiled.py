@@ -15,12 +15,10 @@ import torch
 
 from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
-from .runtime.autocast_region import RegionProbe
 from .runtime.binding import ThinPath
 from .runtime.cache_keys import arg_key, dynamic_arg_key
 from .runtime.cache import FullPath
-from .runtime.slot import Entry
-from .runtime.thin import ThinBinding
+
 
 @dataclasses.dataclass
 class CompileStats:
@@ -101,16 +99,9 @@ class CompiledFunction(FullPath, ThinPath):
         self.cuda_graphs = cuda_graphs
         self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
-        self._cache: dict = {}  # structural key -> [_Probe]
-        self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
-        self._last: Entry | None = None
-        self._prev_validated = None  # (entry, leaf values) of the previous full-path call
-        self._binding: ThinBinding | None = None
-        self._call = self._full_call
-        self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (runtime/autocast_region.py)
-        self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
-        self._thin_decided_at = -1  # stats.calls of the last thin call whose program went another way
         self.stats = CompileStats()
+        self._init_full_path()  # runtime/cache.py: the cache, the last entry, the full path as _call
+        self._init_thin_path()  # runtime/binding.py: no binding yet
         self._arg_names = acquisition.arg_names(fn)
         if cuda_graphs and not torch.cuda.is_available():
             self._graph_note("cuda_graphs: not captured: no CUDA device on this machine (torch.cuda.is_available() is False); "

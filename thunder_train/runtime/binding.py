@@ -23,6 +23,11 @@ from .thin import ThinBinding
 class ThinPath:
     """The thin path of a compiled function (see the module docstring)."""
 
+    def _init_thin_path(self) -> None:
+        self._prev_validated = None  # (entry, leaf values) of the previous full-path call
+        self._binding: ThinBinding | None = None
+        self._thin_decided_at = -1  # stats.calls of the last thin call whose program went another way
+
     def _after_validation(self, entry, vals):
         """Bind once the same entry validated on two consecutive calls (the steady state)."""
         prev = self._prev_validated

@@ -23,6 +23,7 @@ from ..compiler.errors import DecisionMismatch
 from ..compiler.pipeline import Options, compile_entry
 from ..compiler.prologue import Prologue, count_diffs, describe_diffs
 from . import background
+from .autocast_region import RegionProbe
 from .cache_keys import struct_diffs, struct_key
 from .slot import Entry, Slot
 
@@ -64,6 +65,14 @@ def _probe_key(probe, args, kwargs):
 
 class FullPath:
     """The full path of a compiled function: lookup, compile on a miss, decision re-dispatch."""
+
+    def _init_full_path(self) -> None:
+        self._cache: dict = {}  # structural key -> [_Probe]
+        self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
+        self._last: Entry | None = None  # the entry the last call ran
+        self._call = self._full_call  # what cf(...) calls (binding.py puts thin_call here)
+        self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (autocast_region.py)
+        self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
 
     def _full_call(self, *args, **kwargs):
         self.stats.calls += 1
