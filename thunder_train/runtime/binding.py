@@ -1,7 +1,7 @@
 """Thin mode's binding: when a compiled function binds an entry, what its calls check, and when it lets go.
 
 Once the same entry validated on two consecutive full-path calls, ``_after_validation`` generates ``thin_call``
-(thin.py) and makes it the compiled function's ``__call__``; the entry's slot (slot.py) then says what
+(thin_checks.py) and makes it the compiled function's ``__call__``; the entry's slot (slot.py) then says what
 ``thin_call`` runs (the bound inputs as defaults, thin_args.py; a CUDA graph, cuda_graphs.py).  The handlers
 below are what ``thin_call`` falls back to: a changed assumption re-validates (``_thin_changed``), a per-call
 input that does not match raises ``ThinModeError`` (``_thin_mismatch``), ``check_every`` runs the full prologue

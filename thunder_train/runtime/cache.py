@@ -64,7 +64,12 @@ def _probe_key(probe, args, kwargs):
 
 
 class FullPath:
-    """The full path of a compiled function: lookup, compile on a miss, decision re-dispatch."""
+    """The full path of a compiled function: lookup, compile on a miss, decision re-dispatch.
+
+    A base of ``CompiledFunction`` (compiled.py), which holds the function, its compile options and ``stats``;
+    ``ThinPath`` (binding.py) is the other base, and the two call each other's entry points
+    (``_after_validation`` after a validated call; ``_run_full`` and ``_redispatch`` from thin mode's handlers).
+    """
 
     def _init_full_path(self) -> None:
         self._cache: dict = {}  # structural key -> [_Probe]
