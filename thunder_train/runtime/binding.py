@@ -48,7 +48,7 @@ class ThinPath:
                 graphed = graphs.GraphedProgram(entry, binding, self._graph_note, self.stats)
         try:
             fn, static_idx, adapt = thin.build_thin_call(
-                entry, entry.prologue, entry.leaves, vals, prev[1], nargs=len(entry.struct_key[0]),
+                entry, vals, prev[1], nargs=len(entry.struct_key[0]),
                 kwnames=tuple(k for k, _ in entry.struct_key[1]), global_state=entry.struct_key[2],
                 handlers=handlers, stats=self.stats, binding_holder=binding, check_every=self.check_every,
                 graphed=graphed is not None)

@@ -90,7 +90,7 @@ class _ThinSource:
         return name
 
 
-def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
+def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, handlers, stats, binding_holder, check_every,
                     graphed=False):
     """Generate ``thin_call`` for ``entry`` from the leaf values of two consecutive validated calls.
 
@@ -99,7 +99,7 @@ def build_thin_call(entry, prologue, leaves, vals, prev_vals, *, nargs, kwnames,
     the leaf indices bound as constants and the argument order for ``Slot.bind_thin`` (None: the computation's
     own; ``graphed``: the CUDA graph runs, called in the computation's order).
     """
-    assert prologue is entry.prologue and leaves is entry.leaves
+    prologue, leaves = entry.prologue, entry.leaves
     src = _ThinSource(entry, vals, prev_vals, _bulk_kinds(entry, vals, prev_vals))
     for i in src.pc_idx:
         into = src.changed if i in src.state else src.mismatch
