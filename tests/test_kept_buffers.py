@@ -21,7 +21,7 @@ import thunder_train as tt
 from _zoo import train_step
 from thunder_train.compiler.codegen import standard_namespace
 from thunder_train.compiler.executors import buffers, torch_impls
-from thunder_train.compiler.transforms import saved_statistics
+from thunder_train.compiler.executors import saved_statistics
 
 
 @pytest.fixture

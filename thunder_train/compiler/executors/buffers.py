@@ -40,7 +40,7 @@ from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
-from .inductor_fusion import FusionSymbol
+from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
 # Every size is worth keeping: a large block saves its page faults, a small one the allocation itself (the model

@@ -26,10 +26,10 @@ import time
 import torch
 
 from ..proxies import TensorProxy, is_int, is_proxy
-from ..pytree import tree_flatten, tree_map
+from ..pytree import tree_map
 from ..symbols import BoundSymbol
 from . import torch_impls
-from .inductor_fusion import FusionSymbol, MIN_OPS, _fusible_name, _op_names, _structure
+from .regions import MIN_OPS, FusionSymbol, fusible_name, op_names, structure, uses
 
 _UNARY = {n: n for n in ("abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan",
                          "sinh", "cosh", "tanh", "asin", "acos", "atan", "sigmoid", "relu", "silu", "sqrt", "rsqrt",
@@ -79,7 +79,7 @@ def _probe():
 # ---------------------------------------------------------------------------
 def _translatable(bsym, device_type: str) -> str | None:
     """The op's name when nvFuser takes the line, else None."""
-    name = _fusible_name(bsym)
+    name = fusible_name(bsym)
     if name is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
         return None
     if name not in _UNARY and name not in _BINARY and name not in _TERNARY and name not in _REDUCTION and name not in _CASTS:
@@ -137,7 +137,7 @@ def fuse_regions(trc, notes: list, *, prefix: str = "nvfuser_fusion", header: st
                 if fusion.uses:
                     reused.append(name)
                 else:
-                    notes.append(f"{name}: fused {len(r.lines)} ops ({_op_names(r.compute)}"
+                    notes.append(f"{name}: fused {len(r.lines)} ops ({op_names(r.compute)}"
                                  f"{', %d write-back(s)' % len(r.writes) if r.writes else ''}) into one nvFuser fusion, "
                                  f"defined in {fusion.seconds:.2f} s")
                 fusion.uses += 1
@@ -165,12 +165,7 @@ class Region:
 
 def plan_regions(trc, device_type: str = "cuda") -> list:
     """The regions of ``trc`` nvFuser would take (consecutive lines; a write-back ends its region)."""
-    readers: dict = {}
-    for i, b in enumerate(trc.bound_symbols):
-        for a in b.flat_args():
-            if is_proxy(a):
-                readers.setdefault(id(a), set()).add(i)
-    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    readers, returned = uses(trc)
     regions, cur, device = [], [], None
 
     def close():
@@ -207,7 +202,7 @@ def _may_alias(wb, cur) -> bool:
     if type(dst) is not TensorProxy or dst._tt_dtype != src._tt_dtype or dst._tt_device != src._tt_device:
         return False
     for b in compute:
-        if _fusible_name(b) in _REDUCTION:
+        if fusible_name(b) in _REDUCTION:
             return False
         for x in list(b.flat_args()) + [b.output]:
             if type(x) is TensorProxy and x._tt_shape != dst._tt_shape:
@@ -260,7 +255,7 @@ def define_region(fd, region, DataType) -> list:
         return v
 
     for b in region.compute:
-        name, out = _fusible_name(b), b.output
+        name, out = fusible_name(b), b.output
         shape = out._tt_shape
         args = b.args
         if name in _UNARY:
@@ -302,7 +297,7 @@ _fusions: dict = {}  # structural key -> _Fusion, or why defining failed (str)
 
 
 def _definition_for(nvf, region):
-    key, _ = _structure(region.compute + region.writes, region.outputs)
+    key, _ = structure(region.compute + region.writes, region.outputs)
     key = (key, tuple(p._tt_strides for p in region.inputs))
     fusion = _fusions.get(key)
     if fusion is None:
