@@ -31,7 +31,7 @@ TAGS = {
     "fusible": "a fusing executor may put the op's torch call in a fused kernel (executors/regions.py)",
     "elementwise": "its output has its tensor inputs' broadcast shape, row-major when they are row-major and of "
                    "that shape (executors/layout_rules.py); prims and torch-language ops alike",
-    "reduction": "a reducing prim",
+    "reduction": "a prim reducing over dimensions of its input (sum, amax, var, ...)",
     "commutative": "the operands of a binary prim may be swapped",
     "non_differentiable": "its outputs carry no gradient (autograd does not differentiate through it)",
     "cheap_to_recompute": "the backward recomputes its output from its input rather than saving it, when that "
