@@ -8,7 +8,8 @@ translation (which calls are issued) is tested here, with a recording stand-in o
 (``tests/test_nvfuser.py``); ``availability()`` says why the executor is off wherever it cannot run.
 
 Regions: fusible lines (the ops tagged ``"fusible"``, as for Inductor) whose op has a translation
-(``Symbol.nvfuser_translation``, declared below for the ops of ``_UNARY``/``_BINARY``/...), on CUDA tensors of static shape, all on one device.  A write-back
+(``Symbol.nvfuser_translation``, declared below for the ops of ``_UNARY``/``_BINARY``/...), on CUDA tensors of
+static shape, all on one device.  A write-back
 (``ttex.copy_(src, dst)``) of a value the region computed joins the region as its last line(s) and is
 lowered as ``fd.ops.set(src)`` + ``fd.add_output(..., alias_input=dst)``, so the update lands in ``dst``
 inside the fusion with no extra copy.  To keep that safe, a write-back joins only a region without

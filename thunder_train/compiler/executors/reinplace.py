@@ -105,7 +105,7 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
     no_grad = "@torch.no_grad()" in trc.decorators
     write_backs = {}  # id(value) -> index of the copy_ writing it back into an input
     for ci, b in enumerate(bsyms):
-        if getattr(b.sym, "print_name", "") != "ttex.copy_":
+        if _fn(b) is not torch_impls.copy_:  # a write-back
             continue
         write_backs[id(b.args[0])] = ci
         value, inp = b.args
