@@ -19,7 +19,7 @@ from _steps import GPT, GPTConfig
 pytestmark = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 
 from thunder_train.compiler.executors import inductor_fusion, payback  # noqa: E402
-from thunder_train.compiler.executors.inductor_fusion import FusionSymbol  # noqa: E402
+from thunder_train.compiler.executors.regions import FusionSymbol  # noqa: E402
 
 SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-4, -1e-4, 3.0, -3.0, 7.5, -7.5, 20.0, -20.0, 1e10, -1e10,
            float("inf"), float("-inf"), float("nan")]

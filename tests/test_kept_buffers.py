@@ -21,7 +21,8 @@ import thunder_train as tt
 from _zoo import train_step
 from thunder_train.compiler.codegen import standard_namespace
 from thunder_train.compiler.executors import buffers, torch_impls
-from thunder_train.compiler.transforms import saved_statistics
+from thunder_train.compiler.executors import saved_statistics
+from thunder_train.compiler.torchlang import registry
 
 
 @pytest.fixture
@@ -86,7 +87,8 @@ OUT_CASES = {
 def test_out_form_is_bitwise_the_functional_call(case):
     fn, args, kwargs = OUT_CASES[case]
     want = fn(*args, **kwargs)
-    form = buffers._TORCH_OUT_FORMS.get(fn) or fn.out
+    op = registry.lookup(fn)  # a torch callable's out form is declared with its op (Symbol.torch_out_forms)
+    form = (getattr(op, "torch_out_forms", None) or {}).get(fn) or fn.out
     if isinstance(want, tuple):
         out = tuple(garbage_like(w) for w in want)
         got = form(*args, out=out, **kwargs)
@@ -102,7 +104,8 @@ def test_out_form_is_bitwise_the_functional_call(case):
 
 def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_size, monkeypatch):
     # torch.where's out= overload takes no Python number for `other`: were it an out form, the line would raise.
-    monkeypatch.setitem(buffers._TORCH_OUT_FORMS, torch.where, torch.where)
+    where = registry.lookup(torch.where)
+    monkeypatch.setattr(where, "torch_out_forms", {torch.where: torch.where})
 
     def f(c, x):
         return (torch.where(c, torch.where(c, x * 2, x), 0.0) * 3).sum(0)

@@ -207,3 +207,22 @@ def test_the_length_check_counts_nested_functions(tmp_path):
     tree = ast.parse(f"def outer():\n    def inner():\n{textwrap.indent(body, '    ')}\n    return inner\n")
     lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert lengths["inner"] == MAX_FUNCTION_LINES + 1 and lengths["outer"] > lengths["inner"]
+def _imported(edges, module: str) -> set:
+    return {t for t, _ in edges[f"thunder_train.compiler.{module}"]}
+
+
+def test_fusing_executors_share_regions_not_each_other():
+    # What Inductor and nvFuser fusion both need (fusible lines, a region's values and key) is executors/regions.py.
+    _, edges = graph()
+    assert "thunder_train.compiler.executors.inductor_fusion" not in _imported(edges, "executors.nvfuser_fusion")
+    assert "thunder_train.compiler.executors.nvfuser_fusion" not in _imported(edges, "executors.inductor_fusion")
+    for m in ("executors.inductor_fusion", "executors.nvfuser_fusion"):
+        assert "thunder_train.compiler.executors.regions" in _imported(edges, m)
+
+
+def test_transforms_import_no_executor():
+    # Passes that serve one executor (saved statistics, re-inplacing, kept buffers) live with it in executors/.
+    mods, edges = graph()
+    bad = [f"{m} imports {t}" for m in mods if m.startswith("thunder_train.compiler.transforms")
+           for t, _ in edges[m] if t.startswith("thunder_train.compiler.executors")]
+    assert not bad, bad

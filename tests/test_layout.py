@@ -33,7 +33,7 @@ LAYOUT_FUNCS = {
     "contiguous_channels_last": lambda x: x.unsqueeze(0).contiguous(memory_format=torch.channels_last),
     "clone_channels_last": lambda x: x.unsqueeze(0).clone(memory_format=torch.channels_last) + 1,
     "empty_like_channels_last": lambda x: torch.zeros_like(x.unsqueeze(0), memory_format=torch.channels_last),
-    # the layouts known without a fake run (executors/layout_rules.py ``_row_major_by_rule``) and their neighbours
+    # the layouts known without a fake run (``Symbol.layout_rule``, declared by executors/layout_rules.py) and their neighbours
     "linear_row_major": lambda x: torch.nn.functional.linear(x, torch.ones(6, 4)),
     "linear_transposed_input": lambda x: torch.nn.functional.linear(x.transpose(0, 1), torch.ones(6, 4)),
     "matmul_2d_transposed_operands": lambda x: x[0].t() @ x[1],

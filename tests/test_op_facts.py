@@ -199,3 +199,278 @@ def test_a_failing_index_keeps_the_update_out_of_place():
     with pytest.raises(Exception):
         cf(p, torch.tensor([7]))
     torch.testing.assert_close(p, before * 2)
+
+
+# ---------------------------------------------------------------------------
+# Tags are a closed set, checked when a symbol is made
+# ---------------------------------------------------------------------------
+from thunder_train.compiler import symbols  # noqa: E402
+
+
+def _every_symbol():
+    """Every symbol the package made at import (prims, the torch language, executors' own), by object."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():  # isinstance on some of torch's lazy module attributes warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, Symbol)]
+
+
+def test_every_tag_is_known_and_says_what_it_means():
+    assert all(isinstance(meaning, str) and len(meaning) > 20 for meaning in symbols.TAGS.values())
+    unknown = {s.id: sorted(s.tags - symbols.KNOWN_TAGS) for s in _every_symbol() if s.tags - symbols.KNOWN_TAGS}
+    assert not unknown, unknown
+    used = set().union(*(s.tags for s in _every_symbol()))
+    assert used - {"opaque"} <= symbols.KNOWN_TAGS and len(used) >= 12  # ("opaque": made when an op first runs opaquely)
+
+
+def test_an_unknown_tag_raises_when_the_symbol_is_made_or_tagged():
+    with pytest.raises(ValueError, match=r"ltorch.my_op: unknown tag\(s\) \['fusable'\].*compiler/symbols.py TAGS"):
+        Symbol("my_op", lambda x: x, module="ltorch", tags=("fusable",))
+    with pytest.raises(TypeError, match="not the string 'fusible'"):
+        Symbol("my_op", lambda x: x, module="ltorch", tags="fusible")
+    s = Symbol("my_op", lambda x: x, module="ltorch", tags=("fusible",))
+    with pytest.raises(ValueError, match="unknown tag"):
+        prims.core.add_tags(s, "elementwize")
+    assert s.tags == {"fusible"}
+    from thunder_train.compiler.torchlang.registry import torchsymbol
+
+    with pytest.raises(ValueError, match="unknown tag"):
+        torchsymbol(name="tt_test_badly_tagged", tags=("viewish",))(lambda x: x)
+
+
+def test_ops_run_opaquely_are_tagged_so():
+    from thunder_train.compiler import opaque
+    from thunder_train.compiler.transforms import opaque_grad
+
+    assert opaque_grad.OPAQUE_VJP.runs_opaquely and opaque.OpaqueSymbol(torch.special.entr).runs_opaquely
+    assert not any(s.runs_opaquely for s in _all_symbols())
+    # re-inplacing writes no input before a line run opaquely (its values may make it raise)
+    from thunder_train.compiler.symbols import BoundSymbol
+
+    line = BoundSymbol(torch_executor.impl_symbol(torch.special.entr), (), {}, None, source=opaque.OpaqueSymbol(torch.special.entr))
+    assert reinplace._fallible(line) and not reinplace._fallible(line.replace(source=registry.lookup(torch.exp)))
+
+
+# ---------------------------------------------------------------------------
+# Torch-executor facts keyed by the op: out forms and fresh results (kept buffers, executors/buffers.py)
+# ---------------------------------------------------------------------------
+from thunder_train.compiler.executors import buffers, layout_rules, nvfuser_fusion  # noqa: E402,F401  (declares them)
+
+_G = torch.Generator().manual_seed(0)
+_X, _Y = torch.rand(4, 3, generator=_G) + 0.5, torch.rand(4, 3, generator=_G) + 0.5  # positive: log, sqrt, pow
+_CANDIDATES = [(_X,), (_X, _Y), (_X, torch.rand(3, 5, generator=_G)), ([_X, _Y],)]
+
+
+def _sample_call(fn):
+    """The first candidate arguments ``fn`` accepts, and its result."""
+    for args in _CANDIDATES:
+        try:
+            return args, fn(*args)
+        except (TypeError, RuntimeError):
+            continue
+    raise AssertionError(f"no sample arguments for {fn}")
+
+
+def _runs(op, fn) -> bool:
+    """Whether a line of ``op`` can run ``fn``: a torch callable routed to it, its torch implementation, or the
+    function the torch executor runs for the prim (or its mirror's, with swapped operands)."""
+    if op.is_prim:
+        return fn in {torch_executor._ELEMENTWISE_TORCH.get(p) for p in (op, op.mirrored)} or \
+            fn in {torch.true_divide, torch.matmul, torch.cat, torch.sum, torch.amax, torch.amin, torch.where, torch.full, torch.empty}
+    return registry.lookup(fn) is op or op.torch_impl is fn
+
+
+def test_every_out_form_is_accepted_by_its_op_and_computes_the_same():
+    declared = [(op, fn, form) for op in _every_symbol() if op.torch_out_forms for fn, form in op.torch_out_forms.items()]
+    assert len(declared) >= 60
+    for op, fn, form in declared:
+        assert _runs(op, fn), f"{op.id} declares an out form for {fn}, which its lines do not run"
+        args, expected = _sample_call(fn)
+        meta = [[a.to("meta") for a in x] if isinstance(x, list) else x.to("meta") for x in args]
+        form(*meta, out=torch.empty_like(expected, device="meta"))  # what kept buffers check before using it
+        out = torch.full_like(expected, float("nan")) if expected.is_floating_point() else torch.full_like(expected, 7)
+        got = form(*args, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, expected), f"{op.id}: {form} for {fn}"
+
+
+_FRESH_SAMPLES = {
+    "where": (_X > 1, _X, _Y), "embedding": (torch.tensor([[0, 2], [1, 1]]), _X), "layer_norm": (_X, (3,)),
+    "scaled_dot_product_attention": (torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3)),
+    "cross_entropy": (_X, torch.tensor([0, 2, 1, 1])), "full": ((2, 3), 1.5), "zeros": ((2, 3),), "ones": ((2, 3),),
+    "empty": ((2, 3),), "arange": (5,), "softmax": (_X, 1), "log_softmax": (_X, 1),
+}
+
+
+def test_every_fresh_result_shares_no_memory_with_its_arguments():
+    declared = [(op, fn) for op in _every_symbol() for fn in op.torch_fresh]
+    assert len(declared) >= 30
+    for op, fn in declared:
+        assert _runs(op, fn), f"{op.id} declares {fn} fresh, which its lines do not run"
+        args = (_X, _X > 1, _Y) if fn is torch.Tensor.where else _FRESH_SAMPLES.get(fn.__name__, (_X,))
+        out = fn(*args)
+        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        assert outs and not any(o.untyped_storage().data_ptr() in ins for o in outs), f"{op.id}: {fn} returned an input's memory"
+
+
+# ---------------------------------------------------------------------------
+# Layout rules keyed by the op (executors/layout_rules.py): what each decides is eager's layout
+# ---------------------------------------------------------------------------
+from thunder_train.compiler.proxies import TensorProxy  # noqa: E402
+from thunder_train.compiler.symbols import BoundSymbol  # noqa: E402
+from thunder_train.compiler.torchlang import foreach as tforeach  # noqa: E402
+
+
+def _proxy(t):
+    return TensorProxy(shape=t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), storage_offset=t.storage_offset())
+
+
+def _layout_samples(op):
+    """Arguments on which ``op``'s layout rule decides, one of them laid out other than row-major where it may be."""
+    col = torch.rand(5, 4).t()  # (4, 5), column-major
+    lists = [torch.rand(3, 4) + 0.5, torch.rand(5) + 0.5]
+    if op is prims.copy_:
+        return [((torch.rand(4, 3), torch.rand(3, 4).t()), {})]
+    if op is prims.grad_layout:
+        return [((torch.rand(4, 3), torch.rand(3, 4).t()), {}), ((torch.rand(4, 3), torch.rand(4, 6)[:, :3]), {})]
+    if op.name == "matmul":
+        return [((col, torch.rand(5, 3)), {}), ((torch.rand(5), col.t()), {})]
+    if op.name == "linear":
+        return [((torch.rand(2, 6, 4), torch.rand(3, 4), torch.rand(3)), {})]
+    if op.name.endswith("_like"):
+        return [((torch.rand(3, 4),) + ((2.0,) if op.name == "full_like" else ()), {})]
+    if op in tforeach.OUT_OF_PLACE:
+        if op.name == "_foreach_norm":
+            return [(([torch.rand(()), torch.rand(())],), {})]
+        n = {"_foreach_lerp": 1, "_foreach_addcmul": 2, "_foreach_addcdiv": 2}.get(op.name)
+        if n is not None:
+            return [((lists, [t + 1 for t in lists], *(([t * 2 for t in lists],) if n == 2 else (0.5,))), {})]
+        unary = op.name in ("_foreach_abs", "_foreach_exp", "_foreach_neg", "_foreach_reciprocal", "_foreach_sign", "_foreach_sqrt")
+        return [((lists,) if unary else (lists, [t + 1 for t in lists]), {})]
+    return None
+
+
+def test_every_layout_rule_agrees_with_eager():
+    ruled = [op for op in _every_symbol() if op.layout_rule is not None]
+    assert len(ruled) >= 30
+    for op in ruled:
+        samples = _layout_samples(op)
+        if samples is None:
+            assert op.torch_impl is not None and getattr(op.torch_impl, "overwrites", None), f"no layout sample for {op.id}"
+            continue  # the optimizer updates: test_optimizer_update_layouts_agree_with_eager
+        for args, kwargs in samples:
+            expected = torch_executor.torch_executor.eager_impl(op, args, kwargs)
+            pargs = tuple([_proxy(t) for t in a] if isinstance(a, list) else _proxy(a) if isinstance(a, torch.Tensor) else a for a in args)
+            pout = [_proxy(e.contiguous()) for e in expected] if isinstance(expected, (list, tuple)) else _proxy(expected.contiguous())
+            b = BoundSymbol(op, pargs, kwargs, pout)
+            tensors = [x for x in b.flat_args() if type(x) is TensorProxy]
+            outs = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+            assert op.layout_rule(b, tensors, outs), f"{op.id}'s layout rule did not decide on its sample"
+            for o, e in zip(outs, expected if isinstance(expected, (list, tuple)) else [expected]):
+                assert (o._tt_strides, o._tt_storage_offset) == (e.stride(), e.storage_offset()), f"{op.id}: {o._tt_strides} vs eager {e.stride()}"
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["adamw", "sgd", "adagrad"])
+def test_optimizer_update_layouts_agree_with_eager(make):
+    # The fused update's outputs mirror the lists it overwrites: parameters and state keep eager's layouts.
+    ps = [torch.nn.Parameter(torch.rand(3, 4).t().contiguous().t()), torch.nn.Parameter(torch.rand(5))]
+    for p in ps:
+        p.grad = torch.rand_like(p)
+    eager_ps = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in ps]
+    for e, p in zip(eager_ps, ps):
+        e.grad = p.grad.clone(memory_format=torch.preserve_format)
+    opt, eager = make(ps), make(eager_ps)
+    eager.step()
+    cf = tt.compile(lambda: opt.step(), fusion=None)
+    cf()
+    (b,) = [b for b in tt.last_traces(cf)[0].bound_symbols if b.sym.layout_rule is layout_rules._like_overwritten_lists]
+    state = [next(v for v in eager.state[e].values() if isinstance(v, torch.Tensor) and v.shape == e.shape) for e in eager_ps]
+    for o, e in zip(b.output[0] + b.output[1], eager_ps + state):
+        assert o._tt_strides == e.stride(), (b.sym.id, o._tt_strides, e.stride())
+
+
+# ---------------------------------------------------------------------------
+# nvFuser translations keyed by the op (executors/nvfuser_fusion.py)
+# ---------------------------------------------------------------------------
+def test_nvfuser_translations_are_declared_on_fusible_ops_of_known_kinds():
+    translated = [op for op in _every_symbol() if op.nvfuser_translation is not None]
+    assert len(translated) >= 100
+    for op in translated:
+        kind, nvf_op = op.nvfuser_translation
+        assert "fusible" in op.tags, f"{op.id} is translated but never reaches a fused region"
+        assert kind in ("unary", "binary", "ternary", "reduction", "cast") and (kind == "cast") == (nvf_op is None), op.id
+        if op.is_prim:  # translated when the line runs the prim's own torch function
+            assert op in nvfuser_fusion._PRIM_TORCH_FN, op.id
+    # The same op in both languages translates the same way.
+    for op in translated:
+        if not op.is_prim and op.name in PRIMS and PRIMS[op.name].nvfuser_translation is not None:
+            assert PRIMS[op.name].nvfuser_translation == op.nvfuser_translation, op.name
+
+
+# ---------------------------------------------------------------------------
+# The older slots: numbers, gradients PyTorch does not compute, forward statistics, fusion forms
+# ---------------------------------------------------------------------------
+def test_python_number_forms_agree_with_the_prims_torch_functions():
+    checked = 0
+    for p in PRIMS.values():
+        if p.python_op is None or p not in torch_executor._ELEMENTWISE_TORCH:
+            continue
+        torch_fn = torch_executor._ELEMENTWISE_TORCH[p]
+        for args in ((2.5,), (2.5, 1.5), (0.75, 2.0)):
+            try:
+                expected = torch_fn(*(torch.tensor(a, dtype=torch.float64) for a in args)).item()
+                got = p.python_op(*args)
+            except (TypeError, RuntimeError, ValueError):
+                continue
+            assert got == pytest.approx(expected, rel=1e-12, nan_ok=True), (p.name, args)
+            if p.infix and len(args) == 2:
+                assert eval(f"a {p.infix} b", {"a": args[0], "b": args[1]}) == got, p.name
+            if p.mirrored is not None:
+                assert p.mirrored.python_op(*reversed(args)) == got, p.name
+            checked += 1
+    assert checked >= 30
+
+
+def test_arguments_torch_does_not_differentiate_are_so_in_eager():
+    samples = {"cross_entropy": lambda w: F.cross_entropy(_X.requires_grad_(False), torch.tensor([0, 2, 1, 1]), weight=w)}
+    declared = [op for op in _all_symbols() if op.not_differentiated_by_torch]
+    assert declared and all(op.name in samples for op in declared)
+    for op in declared:
+        assert op.not_differentiated_by_torch <= set(inspect.signature(op.fn).parameters), op.id
+        w = torch.rand(3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="not differentiable with respect to argument"):
+            samples[op.name](w).backward()
+
+
+def test_forward_statistics_are_declared_on_ops_with_a_fused_backward():
+    # The rewrite pairs the op's forward line with its <name>_vjp line, which only "fused_backward" ops record.
+    declared = {op.name for op in _all_symbols() if op.torch_saved_statistics is not None}
+    assert declared == {"scaled_dot_product_attention", "cross_entropy", "layer_norm", "batch_norm", "group_norm"}
+    assert all("fused_backward" in op.tags and callable(op.torch_saved_statistics)
+               for op in _all_symbols() if op.torch_saved_statistics is not None)
+
+
+def test_fusion_forms_compute_the_op():
+    x, g = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
+    declared = [op for op in _all_symbols() if op.fusion_form is not None or op.fusion_vjp_form is not None]
+    assert [op.name for op in declared] == ["gelu"]
+    for op in declared:
+        kw = {"approximate": "tanh"}
+        form = op.fusion_form(_proxy(x), **kw)
+        torch.testing.assert_close(form(x, **kw), op.torch_impl(x, **kw))
+        assert op.fusion_form(_proxy(x), approximate="none") is None  # only where it is faster
+        xg = x.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(op.torch_impl(xg, **kw), xg, g)
+        vjp_form = op.fusion_vjp_form(_proxy(g), None, _proxy(x), **kw)
+        torch.testing.assert_close(vjp_form(g, None, x, **kw)[0], expected)
+
+
+def test_every_fact_slot_of_symbol_is_checked_here():
+    # A new fact slot on Symbol needs a check in this file (its name appears in a test above).
+    slots = [n for n, v in vars(Symbol).items() if not n.startswith("_") and not callable(v) and not isinstance(v, property)]
+    text = pathlib.Path(__file__).read_text().split("def test_every_fact_slot_of_symbol_is_checked_here")[0]
+    unchecked = [n for n in slots if n not in text]
+    assert not unchecked, f"Symbol fact slots no test in tests/test_op_facts.py reads: {unchecked}"

@@ -10,7 +10,7 @@ import torch
 
 import thunder_train as tt
 from thunder_train.compiler import pipeline
-from thunder_train.compiler.executors import inductor_fusion, payback
+from thunder_train.compiler.executors import inductor_fusion, payback, regions
 from thunder_train.compiler.executors.payback import COLD_S, START_S, WARM_S, Decision
 from _inductor import cxx_available
 from test_fusion import _block
@@ -80,9 +80,9 @@ def test_nothing_to_fuse_never_starts(no_kernels):
 
 def test_one_structure_is_built_once_and_a_compiled_one_costs_nothing(monkeypatch, no_kernels):
     traces = _lowered(_two_blocks, torch.randn(4, 4), torch.randn(4, 4))
-    regions = inductor_fusion.plan_regions(traces[0])
-    keys = {inductor_fusion._structure(b, o)[0] for b, o in regions}
-    assert len(regions) == 2 and len(keys) == 1
+    found = inductor_fusion.plan_regions(traces[0])
+    keys = {regions.structure(b, o)[0] for b, o in found}
+    assert len(found) == 2 and len(keys) == 1
     d = payback.decide(traces, measure=lambda *a: (1e-3, 0.0), started=True, warm=lambda key: False)
     assert d.regions == 2 and d.new_regions == 1 and d.build_s == pytest.approx(COLD_S)
     # Compiled in this process already: no build cost, start at the second call.
@@ -94,7 +94,7 @@ def test_one_structure_is_built_once_and_a_compiled_one_costs_nothing(monkeypatc
 def test_a_region_that_failed_before_saves_nothing(monkeypatch, no_kernels):
     traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
     (b, o), = inductor_fusion.plan_regions(traces[0])
-    monkeypatch.setitem(inductor_fusion._kernels, inductor_fusion._structure(b, o)[0], "RuntimeError: no")
+    monkeypatch.setitem(inductor_fusion._kernels, regions.structure(b, o)[0], "RuntimeError: no")
     d = payback.decide(traces, measure=lambda *a: (1.0, 0.0), started=True, warm=lambda key: True)
     assert d.start_at is None and "nothing to fuse" in d.line()
 
@@ -155,7 +155,7 @@ def test_a_failing_estimate_builds_from_the_second_call(monkeypatch):
 def test_region_timing_runs_the_torch_ops(monkeypatch):
     traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
     (b, o), = inductor_fusion.plan_regions(traces[0])
-    i = inductor_fusion._structure(b, o)[1]
+    i = regions.structure(b, o)[1]
     torch_s, fused_s = payback.region_seconds(b, i, o)
     assert 0.0 < fused_s < math.inf and 0.0 < torch_s < math.inf
     # The ops run on stand-ins of the region's inputs, with the trace's callables.
@@ -212,7 +212,7 @@ def test_timing_is_invisible_to_the_callers_modes():
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     traces = _lowered(_block, x, y)
     (b, o), = inductor_fusion.plan_regions(traces[0])
-    i = inductor_fusion._structure(b, o)[1]
+    i = regions.structure(b, o)[1]
     seen = []
 
     class Spy(torch.utils._python_dispatch.TorchDispatchMode):

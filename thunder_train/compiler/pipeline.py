@@ -21,7 +21,7 @@ from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors import payback
 from .executors.fusion import fuse
-from .executors.inductor_fusion import FusionSymbol
+from .executors.regions import FusionSymbol
 from .executors.lowering import lower_to_executors
 from .executors.buffers import keep_large_buffers
 from .executors.reinplace import reinplace
@@ -30,7 +30,7 @@ from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
 from .transforms.no_grad import without_autograd
-from .transforms.saved_statistics import reuse_forward_statistics
+from .executors.saved_statistics import reuse_forward_statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
         trc = fuse(trc, fusion, notes)  # executors/fusion.py
         shown.append(trc)
     trc = dce(trc, header=f"Final computation (executors: {names})")
-    # 5. Backward kernels reuse their forward's statistics (transforms/saved_statistics.py; torch executor).
+    # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.

@@ -23,8 +23,48 @@ from .pytree import tree_flatten
 # implementation here when it is imported (it sits in a higher layer).
 eager_executor: Callable | None = None
 
+# The tags a symbol may carry, and what each tells the passes that read it.  The set is closed: making a symbol
+# with any other tag raises (a misspelt tag would otherwise be a fact nothing reads).
+TAGS = {
+    "side_effect": "a call must run even if nobody reads its outputs (DCE keeps it, fusion leaves it alone)",
+    "inplace": "the op writes one of its arguments (a side effect)",
+    "fusible": "a fusing executor may put the op's torch call in a fused kernel (executors/regions.py)",
+    "elementwise": "its output has its tensor inputs' broadcast shape, row-major when they are row-major and of "
+                   "that shape (executors/layout_rules.py); prims and torch-language ops alike",
+    "reduction": "a prim reducing over dimensions of its input (sum, amax, var, ...)",
+    "commutative": "the operands of a binary prim may be swapped",
+    "non_differentiable": "its outputs carry no gradient (autograd does not differentiate through it)",
+    "cheap_to_recompute": "the backward recomputes its output from its input rather than saving it, when that "
+                          "saves no extra value (views, conversions, constants; transforms/autograd.py)",
+    "random": "its values differ from call to call (decisions refuse to depend on it)",
+    "view": "a torch-language op whose result shares storage with its first argument in eager PyTorch (getitem "
+            "with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``)",
+    "shape_only": "a prim computing a view or a reshape, whose output layout is the same on every device "
+                  "(executors/layout_rules.py finds it, and torch-language \"view\" ops' layouts, on meta tensors)",
+    "fallible": "its run-time values can make it raise (an index out of range, a failed check); re-inplacing "
+                "writes no input before it (executors/reinplace.py), so a failed call changes nothing",
+    "fused_backward": "its gradient is recorded as one ``<name>_vjp`` line whose subsymbols are the rule's prims; "
+                      "the torch executor runs PyTorch's own fused backward for it (transforms/autograd.py)",
+    "opaque": "an op the compiler does not know, run as the user called it (opaque.py): it may raise, and may "
+              "keep references to its arguments (re-inplacing and kept buffers treat it so)",
+}
+KNOWN_TAGS = frozenset(TAGS)
+
 # Tags that make a bound symbol a side effect (DCE keeps it, fusion leaves it alone).
 SIDE_EFFECT_TAGS = frozenset({"side_effect", "inplace"})
+
+
+def checked_tags(tags, owner: str = "a symbol") -> frozenset:
+    """``tags`` as a frozenset, after checking that each is a known tag (``TAGS``)."""
+    if isinstance(tags, str):
+        raise TypeError(f"{owner}: tags must be a collection of tag names, not the string {tags!r} (write ({tags!r},))")
+    tags = frozenset(tags)
+    unknown = tags - KNOWN_TAGS
+    if unknown:
+        raise ValueError(f"{owner}: unknown tag(s) {sorted(unknown)}; a tag is one of {sorted(KNOWN_TAGS)} "
+                         f"(compiler/symbols.py TAGS says what each means; add a new one there with its meaning)")
+    return tags
+
 
 # Sets the eager memory layout of a new bound symbol's output proxies; installed by
 # executors/layout_rules.py (it needs the torch executor's implementations).
@@ -40,27 +80,8 @@ class Symbol:
 
     Every other fact about the op hangs off the symbol and is declared where the
     op is defined (``@torchsymbol(...)`` in torchlang/, ``@register_vjp`` next to
-    it); executors add their own implementations from their side.  ``tags``:
-
-    - ``"side_effect"``, ``"inplace"``: a call must run even if nobody reads it;
-    - ``"fusible"``: Inductor fusion may put the op's torch call in a fused kernel
-      (executors/inductor_fusion.py);
-    - ``"elementwise"``: a prim whose output has its inputs' shape, row-major when they are
-      (executors/layout_rules.py); ``"reduction"``: a reducing prim;
-    - ``"commutative"``: the operands of a binary prim may be swapped;
-    - ``"non_differentiable"``: its outputs carry no gradient (autograd does not differentiate through it);
-    - ``"cheap_to_recompute"``: the backward recomputes its output from its input rather than saving it,
-      when that saves no extra value (views, conversions, constants; transforms/autograd.py);
-    - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
-    - ``"view"``: a torch-language op whose result shares storage with its first argument in eager PyTorch
-      (getitem with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``);
-    - ``"shape_only"``: a prim computing a view or a reshape, whose output layout is the same on every device
-      (executors/layout_rules.py finds it, and torch-language ``"view"`` ops' layouts, on meta tensors);
-    - ``"fallible"``: its run-time values can make it raise (an index out of range, a failed check);
-      re-inplacing writes no input before it (executors/reinplace.py), so a failed call changes nothing;
-    - ``"fused_backward"``: its gradient is recorded as one ``<name>_vjp`` line whose
-      subsymbols are the rule's prims; the torch executor runs PyTorch's own fused
-      backward for it (transforms/autograd.py, executors/torch_impls.py ``TorchVJP``).
+    it); executors add their own implementations from their side, keyed by the symbol.
+    ``tags``: a set of names from ``TAGS`` (checked here: an unknown tag raises).
     """
 
     # Class defaults of the facts (an instance sets what applies to it).
@@ -71,16 +92,27 @@ class Symbol:
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor; ``.wanted``: for which inputs' gradients, default the first's)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
     fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
-    fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/inductor_fusion.py ``fusion_form``)
+    fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/regions.py ``fusion_form``)
     inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
     python_op = infix = mirrored = None  # elementwise prims on Python numbers (prims/elementwise.py ``_on_numbers``)
+    # torch executor (executors/buffers.py): {torch callable a line of the op runs: its ``out=`` form, which
+    # computes the same into given tensors}; kept buffers write the line's results through it
+    torch_out_forms = None
+    # torch executor (executors/buffers.py): the torch callables of the op whose results share no memory with their
+    # arguments (a line running any other is taken to alias all its tensor arguments)
+    torch_fresh = frozenset()
+    # torch executor (executors/layout_rules.py): ``rule(bsym, tensors, outputs) -> bool`` sets the outputs' eager
+    # layout without running the op (or leaves them row-major, as created) and says whether it knew it
+    layout_rule = None
+    # nvFuser (executors/nvfuser_fusion.py): how a fusion defines the op's line, ``(kind, nvFuser op)``
+    nvfuser_translation = None
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name
         self.fn = fn
         self.module = module
         self.is_prim = is_prim
-        self.tags = frozenset(tags)
+        self.tags = tags  # checked against TAGS (the setter below)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.id = f"{module}.{name}"
 
@@ -97,9 +129,22 @@ class Symbol:
         return {} if ns is None else {self.module: ns}
 
     @property
+    def tags(self) -> frozenset:
+        return self._tags
+
+    @tags.setter
+    def tags(self, tags) -> None:
+        self._tags = checked_tags(tags, f"{getattr(self, 'module', '?')}.{getattr(self, 'name', '?')}")
+
+    @property
     def has_side_effect(self) -> bool:
         """Whether a call mutates something or must run even when nobody reads its outputs."""
         return bool(self.tags & SIDE_EFFECT_TAGS)
+
+    @property
+    def runs_opaquely(self) -> bool:
+        """An op the compiler does not know, run as called (tag ``"opaque"``): anything may happen in it."""
+        return "opaque" in self.tags
 
     def __call__(self, *args, **kwargs):
         trc = context.get_trace()

@@ -9,15 +9,16 @@ small tensors the allocation itself is what a kept buffer saves.
 What: on a program that runs without grad (a whole training step; a call without grad; the forward and the
 backward ``ThunderFunction`` runs for ``tt.compile(model)``), each CPU intermediate (of at least ``MIN_BYTES``)
 
-* computed by a line whose function has an out form (``out_form``: the torch function's own ``out=``, or a
-  ``ttex`` function's ``.out``: the same kernels, writing into the buffer),
+* computed by a line whose function has an out form (``out_form``: the torch function's own ``out=``, declared
+  with the op as ``Symbol.torch_out_forms``, or a ``ttex`` function's ``.out``: the same kernels, writing into
+  the buffer),
 * that is not returned, not aliased by anything returned, and not passed to a line that may keep a
   reference (an op run opaquely),
 
 gets a place in one arena, shared by values whose storage lifetimes do not overlap.  A storage lives until
 the last line that reads it or anything that may alias it; a line whose function is not known to return new
-tensors (``aliases`` declared with the function, or ``_FRESH_TORCH``) is taken to alias all its tensor
-arguments.  Each value is a view of the arena with the shape and strides its proxy has (eager's layout), so
+tensors (``aliases`` declared with the function, or its op's ``Symbol.torch_fresh``) is taken to alias all its
+tensor arguments.  Each value is a view of the arena with the shape and strides its proxy has (eager's layout), so
 the kernels, the values and every later view are the same as without the buffers (``tests/test_kept_buffers.py``
 checks the zoo's steps bitwise).  The arena is held for the whole call, so the plan keeps the arena plus what
 the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).
@@ -40,7 +41,7 @@ from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
-from .inductor_fusion import FusionSymbol
+from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
 # Every size is worth keeping: a large block saves its page faults, a small one the allocation itself (the model
@@ -56,51 +57,29 @@ PEAK_SLACK = 64 * 1024
 # ``out`` has the line's output structure (the torch functions below have one tensor result); a ttex function's
 # form also accepts None entries for results it allocates.
 # ---------------------------------------------------------------------------
-# Elementwise torch functions (TensorIterator kernels): ``torch.f(..., out=o)`` with ``o`` of the result's shape,
-# dtype and strides runs the kernel the functional call runs; the ``Tensor`` method of the same name is the same call.
-_ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "neg", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid",
-                "pow", "le", "lt", "ge", "gt", "eq", "ne")
-_TORCH_OUT_FORMS = {
-    torch.nn.functional.linear: torch_impls.linear_out,
-    torch.nn.functional.gelu: torch._C._nn.gelu,
-    torch.matmul: torch.matmul,
-    torch.cat: torch.cat,
-    **{getattr(torch, name): getattr(torch, name) for name in _ELEMENTWISE},
-    **{getattr(torch.Tensor, name): getattr(torch, name) for name in _ELEMENTWISE if hasattr(torch.Tensor, name)},
-}
-
-
 def out_form(bsym):
-    """The out form of the line's function, or None."""
+    """The out form of the line's function, or None: a ttex function's own ``.out``, else the one its op declares for
+    the torch callable the line runs (``Symbol.torch_out_forms``)."""
     if isinstance(bsym.sym, FusionSymbol):  # a fused region: its kernel writes into given buffers
         return None if bsym.sym.into else getattr(bsym.sym.runner, "out", None)
-    if not isinstance(bsym.sym, ImplSymbol) or (bsym.source is not None and bsym.source.module == "opaque"):
+    op = bsym.source
+    if not isinstance(bsym.sym, ImplSymbol) or (op is not None and op.runs_opaquely):
         return None
     fn = bsym.sym.fn
     form = getattr(fn, "out", None)
     if form is not None and fn.__module__ != "torch":
         return form
+    forms = op.torch_out_forms if op is not None else None
     try:
-        return _TORCH_OUT_FORMS.get(fn)
+        return forms.get(fn) if forms else None
     except TypeError:  # an unhashable callable
         return None
 
 
-# Torch functions besides those above whose results never share memory with their inputs (a line whose function is
-# not known to return new tensors is taken to alias its inputs: views, ``contiguous``, ``to``, ``dropout``, any
-# ``inplace=True`` activation, ...).
-_FRESH_NAMES = ("sum", "mean", "amax", "amin", "softmax", "log_softmax", "where")
-_FRESH_TORCH = frozenset({
-    *(getattr(torch, n) for n in _FRESH_NAMES), *(getattr(torch.Tensor, n) for n in _FRESH_NAMES),
-    torch.nn.functional.embedding, torch.nn.functional.layer_norm, torch.nn.functional.softmax,
-    torch.nn.functional.log_softmax, torch.nn.functional.scaled_dot_product_attention,
-    torch.nn.functional.cross_entropy, torch.full, torch.zeros, torch.ones, torch.empty, torch.arange,
-})
-
-
 def _aliased_args(bsym):
     """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (a function
-    declared so: ``fn.aliases``, or ``_FRESH_TORCH``; a line with an out form too), None when unknown (every argument)."""
+    declared so: ``fn.aliases``, or a torch callable its op lists in ``Symbol.torch_fresh``; a line with an out form
+    too), None when unknown (every argument)."""
     fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, (ImplSymbol, FusionSymbol)) else None
     if fn is None:
         return None
@@ -108,9 +87,68 @@ def _aliased_args(bsym):
     if aliases is not None:
         return aliases
     try:
-        return () if fn in _FRESH_TORCH else None
+        return () if bsym.source is not None and fn in bsym.source.torch_fresh else None
     except TypeError:
         return None
+
+
+# The torch executor's facts about the torch callables an op's lines run, declared per op (keyed by its Symbol).
+_T, _F = torch.Tensor, torch.nn.functional
+
+
+def _function_and_method(*names) -> dict:
+    """``torch.f`` and the ``Tensor`` method of the same name (the same call), each with ``torch.f`` as its out form:
+    elementwise torch functions (TensorIterator kernels) run the functional call's kernel with ``out=o`` of the
+    result's shape, dtype and strides."""
+    return {f: getattr(torch, n) for n in names for f in (getattr(torch, n), getattr(_T, n))}
+
+
+def _declare_out_forms() -> None:
+    from .. import prims
+    from ..torchlang import activations, elementwise as ew, linalg, nn, shapes
+    from .torch_executor import _ELEMENTWISE_TORCH
+
+    forms = {ew.div: _function_and_method("div", "true_divide"), prims.div: {torch.true_divide: torch.true_divide},
+             nn.linear: {_F.linear: torch_impls.linear_out}, activations.gelu: {_F.gelu: torch._C._nn.gelu},
+             linalg.matmul: {torch.matmul: torch.matmul}, prims.matmul: {torch.matmul: torch.matmul},
+             shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
+    for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
+                     (ew.rsqrt, prims.rsqrt), (ew.sqrt, prims.sqrt), (ew.exp, prims.exp), (ew.log, prims.log),
+                     (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.pow, prims.pow), (ew.le, prims.le),
+                     (ew.lt, prims.lt), (ew.ge, prims.ge), (ew.gt, prims.gt), (ew.eq, prims.eq), (ew.ne, prims.ne)):
+        forms[op] = _function_and_method(prim.name)
+        # the prim's torch function, and its mirror's (lt(2, t) runs gt(t, 2): torch_executor.py)
+        fns = [_ELEMENTWISE_TORCH[p] for p in (prim, prim.mirrored) if p is not None]
+        forms[prim] = {f: f for f in fns}
+    for op, declared in forms.items():
+        op.torch_out_forms = declared
+
+
+def _declare_fresh() -> None:
+    """Torch callables whose results never share memory with their inputs, besides those with an out form (a line
+    whose callable is not known to return new tensors is taken to alias its inputs: views, ``contiguous``, ``to``,
+    ``dropout``, any ``inplace=True`` activation, ...)."""
+    from .. import prims
+    from ..torchlang import attention, elementwise as ew, factories, losses, nn, normalization, reductions as red
+
+    def both(name):
+        return {getattr(torch, name), getattr(_T, name)}
+
+    fresh = {red.sum: both("sum"), red.mean: both("mean"), red.amax: both("amax"), red.amin: both("amin"),
+             red.softmax: both("softmax") | {_F.softmax}, red.log_softmax: both("log_softmax") | {_F.log_softmax},
+             ew.where: both("where"), nn.embedding: {_F.embedding}, normalization.layer_norm: {_F.layer_norm},
+             attention.scaled_dot_product_attention: {_F.scaled_dot_product_attention},
+             losses.cross_entropy: {_F.cross_entropy},
+             **{op: {getattr(torch, op.name)} for op in (factories.full, factories.zeros, factories.ones,
+                                                         factories.empty, factories.arange)},
+             prims.sum: {torch.sum}, prims.amax: {torch.amax}, prims.amin: {torch.amin}, prims.where: {torch.where},
+             prims.full: {torch.full}, prims.empty: {torch.empty}}
+    for op, fns in fresh.items():
+        op.torch_fresh = frozenset(fns)
+
+
+_declare_out_forms()
+_declare_fresh()
 
 
 def _meta(x):
@@ -158,7 +196,7 @@ def _keeps_no_reference(bsym) -> bool:
     it knows, and fused regions.  An op run opaquely (any torch or user function) may keep one."""
     if isinstance(bsym.sym, FusionSymbol):
         return True
-    return isinstance(bsym.sym, ImplSymbol) and not (bsym.source is not None and bsym.source.module == "opaque")
+    return isinstance(bsym.sym, ImplSymbol) and not (bsym.source is not None and bsym.source.runs_opaquely)
 
 
 def _tensor(x) -> bool:

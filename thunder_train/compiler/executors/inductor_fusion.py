@@ -38,46 +38,11 @@ import time
 import torch
 
 from ..proxies import TensorProxy, is_proxy
-from ..pytree import tree_flatten, tree_map
-from ..symbols import BoundSymbol, Symbol
-from . import torch_impls
-from .torch_executor import NOT_A_KERNEL
+from ..pytree import tree_map
+from ..symbols import BoundSymbol
+from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, region_outputs, result, structure, uses
 
-MIN_OPS = 3
-
-# ---------------------------------------------------------------------------
-# What is fusible: a line of the torch executor whose op (``bsym.source``, the symbol it was lowered
-# from) is tagged "fusible" where it is defined (torchlang/, prims/), unless the torch executor ran it as
-# a view or a wrapper for a Python number (``torch_executor.NOT_A_KERNEL``).
-# ---------------------------------------------------------------------------
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
-
-
-def fusion_form(bsym):
-    """The torch function a fused kernel computes for this line in place of its torch call, when its op declares one
-    for these arguments (``Symbol.fusion_form``; ``Symbol.fusion_vjp_form`` for the op's ``<name>_vjp`` line): the
-    same function, faster to compile into a kernel (tanh GELU as x * sigmoid(2u), torchlang/activations.py)."""
-    src = bsym.source
-    if bsym.sym.module != "torch_executor" or src is None:
-        return None
-    owner = getattr(src, "forward_symbol", None)
-    declare = owner.fusion_vjp_form if owner is not None else src.fusion_form
-    return None if declare is None else declare(*bsym.args, **bsym.kwargs)
-
-
-def _fusible_name(bsym) -> str | None:
-    """The op's short name (for comments) when Inductor may fuse the line, else None."""
-    src, fn = bsym.source, getattr(bsym.sym, "fn", None)
-    if fusion_form(bsym) is not None:
-        return src.name
-    if bsym.sym.module != "torch_executor" or src is None or "fusible" not in src.tags or fn is None:
-        return None
-    if src.module == "ltorch":
-        name = getattr(fn, "__name__", "")
-        return None if name.endswith("_") and not name.endswith("__") else src.name  # in-place method forms
-    if fn in NOT_A_KERNEL or isinstance(fn, torch_impls.ScalarWrapper):
-        return None
-    return getattr(fn, "__name__", src.name).strip("_")
 
 
 FUSED_DEVICES = ("cpu", "cuda")  # Inductor's C++ and Triton backends
@@ -94,31 +59,23 @@ def _static_tensor(x) -> str | None:
     return None
 
 
-def _result(bsym):
-    """The line's one tensor result (a ``<name>_vjp`` line returns it in a 1-tuple), or None."""
-    out = bsym.output
-    if isinstance(out, (tuple, list)) and len(out) == 1:
-        out = out[0]
-    return out if type(out) is TensorProxy else None
-
-
 def _device_of(bsym):
     """The one device of a fusible line's tensors (None: tensors on several devices, e.g. a CPU scalar tensor)."""
-    devs = {x._tt_device for x in list(bsym.flat_args()) + [_result(bsym)] if type(x) is TensorProxy}
+    devs = {x._tt_device for x in list(bsym.flat_args()) + [result(bsym)] if type(x) is TensorProxy}
     return devs.pop() if len(devs) == 1 else None
 
 
 def _classify(bsym) -> tuple[str | None, str | None]:
     """``(op name, None)`` for a fusible bound symbol, ``(None, reason)`` for a candidate that is not,
     ``(None, None)`` for anything else."""
-    name = _fusible_name(bsym)
-    if name is None or bsym.has_side_effect or _result(bsym) is None:
+    name = fusible_name(bsym)
+    if name is None or bsym.has_side_effect or result(bsym) is None:
         return None, None
     if name in _DTYPE_ONLY and name != "type_as":
         extra = [a for a in bsym.flat_args()[1:] if not isinstance(a, torch.dtype)]
         if extra or (set(bsym.kwargs) - {"dtype"}):
             return None, None
-    for x in list(bsym.flat_args()) + [_result(bsym)]:
+    for x in list(bsym.flat_args()) + [result(bsym)]:
         why = _static_tensor(x)
         if why is not None:
             return None, why
@@ -138,7 +95,7 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     """A new trace with each region of ≥ MIN_OPS fusible ops replaced by one Inductor kernel call.
 
     ``notes`` receives one line per decision (``compile_stats(cf).fusion_notes``)."""
-    readers, returned = _uses(trc)
+    readers, returned = uses(trc)
     state = _State(trc, readers, returned, notes, prefix)
     _walk(trc, state.flush, state.out.append, state.skipped)
     fused = state.count
@@ -156,34 +113,17 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
 
 def plan_regions(trc) -> list:
     """The regions ``fuse_regions`` would compile, as ``(bsyms, outputs)``, without compiling anything."""
-    readers, returned = _uses(trc)
+    readers, returned = uses(trc)
     found = []
 
     def flush(region, hoisted):
         if _worth_fusing([b for _, b in region]):
-            outputs = _region_outputs(region, readers, returned)
+            outputs = region_outputs(region, readers, returned)
             if outputs:
                 found.append(([b for _, b in region], outputs))
 
     _walk(trc, flush, lambda b: None, {})
     return found
-
-
-def _uses(trc):
-    """id(proxy) -> indices of the lines that read it; ids of the returned proxies."""
-    readers: dict = {}
-    for i, b in enumerate(trc.bound_symbols):
-        for a in b.flat_args():
-            if is_proxy(a):
-                readers.setdefault(id(a), set()).add(i)
-    return readers, {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
-
-
-def _region_outputs(region, readers, returned) -> list:
-    """The values of ``region`` ((index, bsym) pairs) read after it or returned."""
-    inside = {i for i, _ in region}
-    results = [_result(b) for _, b in region]
-    return [r for r in results if id(r) in returned or readers.get(id(r), set()) - inside]
 
 
 def _worth_fusing(bsyms) -> bool:
@@ -207,7 +147,7 @@ def _walk(trc, flush, emit, skipped: dict) -> None:
                 region, produced, hoisted = [], set(), []
             device = _device_of(b)
             region.append((i, b))
-            produced.add(id(_result(b)))
+            produced.add(id(result(b)))
             continue
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
@@ -234,13 +174,13 @@ class _State:
         if not _worth_fusing([b for _, b in region]):
             self.out.extend(b for _, b in region)
             return
-        outputs = _region_outputs(region, self.readers, self.returned)
+        outputs = region_outputs(region, self.readers, self.returned)
         bsyms = [b for _, b in region]
         if not outputs:  # dead code: the final DCE drops it
             self.out.extend(bsyms)
             return
         name = f"{self.prefix}_{self.count + self.failed}"
-        ops = _op_names(bsyms)
+        ops = op_names(bsyms)
         kernel, inputs = _kernel_for(bsyms, outputs)
         if isinstance(kernel, str):
             self.failed += 1
@@ -259,35 +199,6 @@ class _State:
         self.out.append(BoundSymbol(sym, tuple(inputs), {}, out, tuple(bsyms), comment))
 
 
-def _op_names(bsyms, limit: int = 8) -> str:
-    names = []
-    for b in bsyms:
-        n = _fusible_name(b)
-        if n not in names:
-            names.append(n)
-    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-
-
-class FusionSymbol(Symbol):
-    """The call of one compiled region; its subsymbols are the region's original lines.  ``into``: the call of
-    the region's out form, printed ``inductor_fusion_3.out(x, out=_b[2])`` (executors/buffers.py)."""
-
-    def __init__(self, name, runner, *, into: bool = False):
-        super().__init__(name, runner.out if into else runner, module="inductor", is_prim=True)
-        self.runner, self.into = runner, into
-
-    @property
-    def print_name(self) -> str:
-        return f"{self.name}.out" if self.into else self.name
-
-    def codegen_globals(self) -> dict:
-        return {self.name: self.runner}
-
-    def out_symbol(self) -> "FusionSymbol | None":
-        """The symbol of the region's out form, when the kernel has one."""
-        return FusionSymbol(self.name, self.runner, into=True) if getattr(self.runner, "out", None) else None
-
-
 # ---------------------------------------------------------------------------
 # Compiling a region, cached by structure
 # ---------------------------------------------------------------------------
@@ -304,37 +215,11 @@ on_compiled: list = []  # hooks called with (structural key, seconds) after a re
 
 def compiled_before(bsyms, outputs) -> bool:
     """Whether this process already compiled (or failed to compile) a region of this structure."""
-    return _structure(bsyms, outputs)[0] in _kernels
-
-
-def _const_key(x):
-    return (type(x), repr(x)) if type(x) is float else (type(x), x)
-
-
-def _structure(bsyms, outputs):
-    """The region's structural key and its input proxies (in order of first use)."""
-    index: dict = {}
-    inputs: list = []
-
-    def norm(x):
-        if not is_proxy(x):
-            return _const_key(x)
-        k = index.get(id(x))
-        if k is None:
-            k = index[id(x)] = ("in", len(inputs))
-            inputs.append(x)
-        return k
-
-    ops = []
-    for j, b in enumerate(bsyms):
-        ops.append((b.sym.fn, tuple(norm(a) for a in b.flat_args()), tree_flatten((b.args, b.kwargs))[1].__repr__()))
-        index[id(_result(b))] = ("op", j)
-    metas = tuple((p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch) for p in inputs)
-    return (tuple(ops), metas, tuple((index[id(o)], o._tt_strides) for o in outputs)), inputs
+    return structure(bsyms, outputs)[0] in _kernels
 
 
 def _kernel_for(bsyms, outputs):
-    key, inputs = _structure(bsyms, outputs)
+    key, inputs = structure(bsyms, outputs)
     kernel = _kernels.get(key)
     if kernel is None:
         t0 = time.perf_counter()
@@ -362,7 +247,7 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
     ``torch._tensor.pow``) names nothing, and the whole region failed.
     """
     in_ids = [id(p) for p in inputs]
-    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, id(_result(b)), _result(b) is not b.output) for b in bsyms]
+    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, id(result(b)), result(b) is not b.output) for b in bsyms]
     out_ids = [id(o) for o in outputs]
 
     def values(*args):

@@ -89,11 +89,6 @@ def _on_meta(fn, args, kwargs):
         return None
 
 
-def _is_elementwise(sym) -> bool:
-    """Prims tagged "elementwise" where they are defined, and the torch language's elementwise ops."""
-    return (sym.module == "prims" and "elementwise" in sym.tags) or (sym.module == "ltorch" and getattr(sym.fn, "__module__", "").endswith("torchlang.elementwise"))
-
-
 def _like(p, src) -> None:
     """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
     from ..proxies import is_non_overlapping_and_dense
@@ -104,68 +99,101 @@ def _like(p, src) -> None:
         p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = src._tt_strides, 0, False
 
 
-def _direct_rule(bsym) -> bool:
-    """Layouts known without running anything (the costly ops to run on fake tensors); True if handled."""
-    from .. import prims
-    from . import torch_impls
-
-    sym = bsym.sym
-    if sym is prims.copy_:  # returns its destination
-        bsym.output._tt_strides, bsym.output._tt_rowmajor = bsym.args[1]._tt_strides, bsym.args[1]._tt_rowmajor
-        bsym.output._tt_storage_offset = bsym.args[1]._tt_storage_offset
-        return True
-    if sym is prims.grad_layout:  # the parameter's layout when dense, else row-major (torch_impls.grad_layout)
-        _like(bsym.output, bsym.args[1])
-        return True
-    impl = getattr(sym, "torch_impl", None) if sym.module == "ltorch" else None
-    overwrites = getattr(impl, "overwrites", None) if impl in (torch_impls.adam_update, torch_impls.sgd_update,
-                                                                torch_impls.adagrad_update) else None
-    if overwrites is not None:  # multi-tensor updates of clones: output list i mirrors argument list j
-        for i, j in overwrites:
-            for o, a in zip(bsym.output[i], bsym.args[j]):
-                _like(o, a)
-        return True
-    return False
+# ---------------------------------------------------------------------------
+# Layout rules (``Symbol.layout_rule``, keyed by the op): eager's layout known without the fake run that costs
+# 0.1-14 ms a call on the first call (the GPT benchmark step's linear, matmul, cross-entropy, zeros_like and
+# _foreach_add lines: ~70 ms of its 0.5 s).  ``rule(bsym, tensors, outs)`` returns True when it knows the layout:
+# it set it, or the outputs are row-major as the proxies were created.  Mixed dtypes or devices are left to the
+# fake run, which raises eager's error.
+# ---------------------------------------------------------------------------
+def _returns_destination(bsym, tensors, outs) -> bool:
+    """copy_(src, dst) returns ``dst``."""
+    dst = bsym.args[1]
+    bsym.output._tt_strides, bsym.output._tt_rowmajor, bsym.output._tt_storage_offset = dst._tt_strides, dst._tt_rowmajor, dst._tt_storage_offset
+    return True
 
 
-_LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+def _like_parameter(bsym, tensors, outs) -> bool:
+    """The parameter's layout when dense, else row-major (torch_impls.grad_layout)."""
+    _like(bsym.output, bsym.args[1])
+    return True
+
+
+def _like_overwritten_lists(bsym, tensors, outs) -> bool:
+    """Multi-tensor updates of clones: output list i mirrors argument list j (the kernel's ``overwrites``)."""
+    overwrites = getattr(bsym.sym.torch_impl, "overwrites", None)
+    if overwrites is None:
+        return False
+    for i, j in overwrites:
+        for o, a in zip(bsym.output[i], bsym.args[j]):
+            _like(o, a)
+    return True
+
+
+def _same_dtype_and_device(tensors) -> bool:
+    return len({(t._tt_dtype, t._tt_device) for t in tensors}) == 1
+
+
+def _matmul_of_matrices(bsym, tensors, outs) -> bool:
+    """mm, mv, dot: a new row-major result whatever the operands' strides."""
+    return _same_dtype_and_device(tensors) and len(tensors) == 2 and all(len(t._tt_shape) <= 2 for t in tensors)
+
+
+def _linear_of_row_major(bsym, tensors, outs) -> bool:
+    """addmm/mm on the row-major input flattened to 2-d."""
+    return _same_dtype_and_device(tensors) and tensors[0] is bsym.args[0] and tensors[0]._tt_rowmajor
+
+
 _ROW_MAJOR_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 
 
-def _row_major_by_rule(bsym, tensors, outs) -> bool:
-    """True when eager lays every output out row-major (as the proxies are created) whatever the call computes, by
-    torch's own allocation: known without the fake run that costs 0.1-14 ms a call on the first call (the GPT
-    benchmark step's linear, matmul, cross-entropy, zeros_like and _foreach_add lines: ~70 ms of its 0.5 s).
-    Mixed dtypes or devices are left to the fake run, which raises eager's error."""
-    if all(len(o._tt_shape) == 0 for o in outs):
-        return True  # 0-d results have no strides
-    name = bsym.sym.name
-    same = len({(t._tt_dtype, t._tt_device) for t in tensors}) == 1
-    if name == "matmul" and same and len(tensors) == 2 and all(len(t._tt_shape) <= 2 for t in tensors):
-        return True  # mm, mv, dot: a new row-major result whatever the operands' strides
-    if name == "linear" and bsym.sym.module == "ltorch" and same and tensors[0] is bsym.args[0] and tensors[0]._tt_rowmajor:
-        return True  # addmm/mm on the row-major input flattened to 2-d
-    if name in _LIKE_FACTORIES and len(tensors) == 1 and tensors[0]._tt_rowmajor \
-            and bsym.kwargs.get("memory_format") in _ROW_MAJOR_FORMATS:
-        return True  # preserve_format of a row-major tensor
-    if name.startswith("_foreach_") and not name.endswith("_") and all(t._tt_rowmajor for t in tensors):
-        first = bsym.args[0] if isinstance(bsym.args[0], (list, tuple)) else ()
-        # elementwise per list element: each result has its first-list tensor's shape, row-major like it
-        return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
-    return False
+def _like_of_row_major(bsym, tensors, outs) -> bool:
+    """preserve_format of a row-major tensor."""
+    return len(tensors) == 1 and tensors[0]._tt_rowmajor and bsym.kwargs.get("memory_format") in _ROW_MAJOR_FORMATS
+
+
+def _foreach_of_row_major(bsym, tensors, outs) -> bool:
+    """Elementwise per list element: each result has its first-list tensor's shape, row-major like it."""
+    if not all(t._tt_rowmajor for t in tensors):
+        return False
+    first = bsym.args[0] if isinstance(bsym.args[0], (list, tuple)) else ()
+    return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
+
+
+def _declare_layout_rules() -> None:
+    from .. import prims
+    from ..torchlang import factories, foreach, linalg, nn, optim
+
+    rules = {
+        prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
+        optim.adam_update: _like_overwritten_lists, optim.sgd_update: _like_overwritten_lists,
+        optim.adagrad_update: _like_overwritten_lists,
+        prims.matmul: _matmul_of_matrices, linalg.matmul: _matmul_of_matrices, nn.linear: _linear_of_row_major,
+        **{like: _like_of_row_major for like in (factories.zeros_like, factories.ones_like, factories.empty_like,
+                                                  factories.full_like, factories.rand_like, factories.randn_like)},
+        **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
+    }
+    for sym, rule in rules.items():
+        sym.layout_rule = rule
+
+
+_declare_layout_rules()
 
 
 def set_layout(bsym) -> None:
     outs = [o for o in bsym.flat_outputs() if type(o) is TensorProxy]
-    if not outs or _direct_rule(bsym):
+    if not outs:
         return
     flat_in = bsym.flat_args()
     tensors = [x for x in flat_in if type(x) is TensorProxy]
+    rule = bsym.sym.layout_rule
+    if rule is not None and tensors and rule(bsym, tensors, outs):
+        return
     if not tensors:
         return  # factories: row-major, as created
-    if _row_major_by_rule(bsym, tensors, outs):
-        return
-    if _is_elementwise(bsym.sym) and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
+    if all(len(o._tt_shape) == 0 for o in outs):
+        return  # 0-d results have no strides
+    if "elementwise" in bsym.sym.tags and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
             and all(o._tt_shape == outs[0]._tt_shape for o in outs):
         return  # elementwise on row-major inputs of the output's shape: row-major, as created
     ins = {id(x) for x in flat_in}

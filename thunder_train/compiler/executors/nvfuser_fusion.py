@@ -7,8 +7,9 @@ Written against nvFuser's ``nvfuser_direct`` API: ``FusionDefinition`` as a cont
 translation (which calls are issued) is tested here, with a recording stand-in of the definition
 (``tests/test_nvfuser.py``); ``availability()`` says why the executor is off wherever it cannot run.
 
-Regions: fusible lines (the ops tagged ``"fusible"``, as for Inductor) whose op has a translation in
-``_UNARY``/``_BINARY``/... below, on CUDA tensors of static shape, all on one device.  A write-back
+Regions: fusible lines (the ops tagged ``"fusible"``, as for Inductor) whose op has a translation
+(``Symbol.nvfuser_translation``, declared below for the ops of ``_UNARY``/``_BINARY``/...), on CUDA tensors of
+static shape, all on one device.  A write-back
 (``ttex.copy_(src, dst)``) of a value the region computed joins the region as its last line(s) and is
 lowered as ``fd.ops.set(src)`` + ``fd.add_output(..., alias_input=dst)``, so the update lands in ``dst``
 inside the fusion with no extra copy.  To keep that safe, a write-back joins only a region without
@@ -26,22 +27,60 @@ import time
 import torch
 
 from ..proxies import TensorProxy, is_int, is_proxy
-from ..pytree import tree_flatten, tree_map
+from ..pytree import tree_map
 from ..symbols import BoundSymbol
 from . import torch_impls
-from .inductor_fusion import FusionSymbol, MIN_OPS, _fusible_name, _op_names, _structure
+from .regions import MIN_OPS, FusionSymbol, fusible_name, op_names, structure, uses
 
-_UNARY = {n: n for n in ("abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan",
-                         "sinh", "cosh", "tanh", "asin", "acos", "atan", "sigmoid", "relu", "silu", "sqrt", "rsqrt",
-                         "reciprocal", "erf", "erfc", "floor", "ceil", "trunc", "sign", "logical_not", "isnan",
-                         "isinf", "isfinite")}
-_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "truediv", "true_divide": "truediv", "pow": "pow",  # torch div is true division
+# ---------------------------------------------------------------------------
+# Translations, declared per op (``Symbol.nvfuser_translation``: (kind, nvFuser op)) for the torch-language op and
+# the prim of each name below.  A prim's line is translated when it runs the prim's own torch function (or its
+# mirror's, with the operands swapped: lt(2, t) runs gt(t, 2)), not a wrapper for a number first.
+# ---------------------------------------------------------------------------
+_UNARY = ("abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan", "sinh", "cosh",
+          "tanh", "asin", "acos", "atan", "sigmoid", "relu", "silu", "sqrt", "rsqrt", "reciprocal", "erf", "erfc",
+          "floor", "ceil", "trunc", "sign", "logical_not", "isnan", "isinf", "isfinite")
+_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "truediv", "pow": "pow",  # torch div is true division
            "maximum": "maximum", "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt",
            "ge": "ge", "atan2": "atan2", "fmod": "fmod", "remainder": "remainder", "logical_and": "logical_and",
            "logical_or": "logical_or"}
-_TERNARY = {"where": "where", "lerp": "lerp"}
+_TERNARY = ("where", "lerp")
 _REDUCTION = {"sum": "sum", "amax": "max", "amin": "min"}
-_CASTS = {"to", "float", "double", "half", "bfloat16"}
+_CASTS = ("to", "float", "double", "half", "bfloat16")
+
+
+def _declare_translations() -> None:
+    from .. import prims, torchlang as ltorch
+
+    table = {**{n: ("unary", n) for n in _UNARY}, **{n: ("binary", op) for n, op in _BINARY.items()},
+             **{n: ("ternary", n) for n in _TERNARY}, **{n: ("reduction", op) for n, op in _REDUCTION.items()},
+             **{n: ("cast", None) for n in _CASTS}}
+    for name, translation in table.items():
+        getattr(ltorch, name).nvfuser_translation = translation
+        prim = prims.convert_element_type if name == "to" else getattr(prims, name, None)
+        if prim is not None and prim in _PRIM_TORCH_FN:
+            prim.nvfuser_translation = translation
+
+
+def _prim_torch_fn() -> dict:
+    """The torch function the torch executor runs for a prim when its operands come in order (torch_executor.py)."""
+    from .. import prims
+    from .torch_executor import _ELEMENTWISE_TORCH
+
+    return {**_ELEMENTWISE_TORCH, prims.div: torch.true_divide, prims.convert_element_type: torch.Tensor.to,
+            prims.sum: torch.sum, prims.amax: torch.amax, prims.amin: torch.amin, prims.where: torch.where}
+
+
+def _translation(bsym):
+    """(kind, nvFuser op) for a fusible line whose op nvFuser translates, else None."""
+    src, fn = bsym.source, bsym.sym.fn
+    if not src.is_prim:
+        return src.nvfuser_translation
+    runs = _PRIM_TORCH_FN
+    for prim in (src, src.mirrored):
+        if prim is not None and prim.nvfuser_translation is not None and runs.get(prim) is fn:
+            return prim.nvfuser_translation
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -77,20 +116,19 @@ def _probe():
 # ---------------------------------------------------------------------------
 # What nvFuser claims
 # ---------------------------------------------------------------------------
-def _translatable(bsym, device_type: str) -> str | None:
-    """The op's name when nvFuser takes the line, else None."""
-    name = _fusible_name(bsym)
-    if name is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
+def _translatable(bsym, device_type: str):
+    """(kind, nvFuser op) when nvFuser takes the line, else None."""
+    if fusible_name(bsym) is None or bsym.has_side_effect or type(bsym.output) is not TensorProxy:
         return None
-    if name not in _UNARY and name not in _BINARY and name not in _TERNARY and name not in _REDUCTION and name not in _CASTS:
+    translation = _translation(bsym)
+    if translation is None:
         return None
-    if name in ("add", "sub") and bsym.kwargs.get("alpha", 1) != 1:
+    kind = translation[0]
+    if kind == "binary" and (bsym.kwargs.get("alpha", 1) != 1 or bsym.kwargs.get("rounding_mode") is not None):
+        return None  # add/sub with a scale, div with rounding: not the plain op
+    if kind == "cast" and (set(bsym.kwargs) - {"dtype"} or any(not isinstance(a, torch.dtype) for a in bsym.args[1:])):
         return None
-    if name == "div" and bsym.kwargs.get("rounding_mode") is not None:
-        return None
-    if name in _CASTS and (set(bsym.kwargs) - {"dtype"} or any(not isinstance(a, torch.dtype) for a in bsym.args[1:])):
-        return None
-    if name in _REDUCTION and bsym.kwargs.get("dtype") is not None:
+    if kind == "reduction" and bsym.kwargs.get("dtype") is not None:
         return None
     devs = set()
     for x in list(bsym.flat_args()) + [bsym.output]:
@@ -101,7 +139,7 @@ def _translatable(bsym, device_type: str) -> str | None:
             if any(type(d) is not int for d in x._tt_shape) or x._tt_device.type != device_type or not x._tt_rowmajor:
                 return None
             devs.add(x._tt_device)
-    return name if len(devs) == 1 else None
+    return translation if len(devs) == 1 else None
 
 
 def _is_write_back(bsym) -> bool:
@@ -137,7 +175,7 @@ def fuse_regions(trc, notes: list, *, prefix: str = "nvfuser_fusion", header: st
                 if fusion.uses:
                     reused.append(name)
                 else:
-                    notes.append(f"{name}: fused {len(r.lines)} ops ({_op_names(r.compute)}"
+                    notes.append(f"{name}: fused {len(r.lines)} ops ({op_names(r.compute)}"
                                  f"{', %d write-back(s)' % len(r.writes) if r.writes else ''}) into one nvFuser fusion, "
                                  f"defined in {fusion.seconds:.2f} s")
                 fusion.uses += 1
@@ -165,12 +203,7 @@ class Region:
 
 def plan_regions(trc, device_type: str = "cuda") -> list:
     """The regions of ``trc`` nvFuser would take (consecutive lines; a write-back ends its region)."""
-    readers: dict = {}
-    for i, b in enumerate(trc.bound_symbols):
-        for a in b.flat_args():
-            if is_proxy(a):
-                readers.setdefault(id(a), set()).add(i)
-    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    readers, returned = uses(trc)
     regions, cur, device = [], [], None
 
     def close():
@@ -181,9 +214,9 @@ def plan_regions(trc, device_type: str = "cuda") -> list:
         cur.clear()
 
     for i, b in enumerate(trc.bound_symbols):
-        name = _translatable(b, device_type)
+        translation = _translatable(b, device_type)
         in_writes = bool(cur) and _is_write_back(cur[-1][1])
-        if name is not None and not in_writes:
+        if translation is not None and not in_writes:
             dev = b.output._tt_device
             if cur and dev != device:
                 close()
@@ -207,7 +240,7 @@ def _may_alias(wb, cur) -> bool:
     if type(dst) is not TensorProxy or dst._tt_dtype != src._tt_dtype or dst._tt_device != src._tt_device:
         return False
     for b in compute:
-        if _fusible_name(b) in _REDUCTION:
+        if _translation(b)[0] == "reduction":
             return False
         for x in list(b.flat_args()) + [b.output]:
             if type(x) is TensorProxy and x._tt_shape != dst._tt_shape:
@@ -260,22 +293,22 @@ def define_region(fd, region, DataType) -> list:
         return v
 
     for b in region.compute:
-        name, out = _fusible_name(b), b.output
+        (kind, op), out = _translation(b), b.output
         shape = out._tt_shape
         args = b.args
-        if name in _UNARY:
-            v = getattr(fd.ops, _UNARY[name])(val(args[0]))
-        elif name in _BINARY:
-            v = getattr(fd.ops, _BINARY[name])(val(args[0], shape), val(args[1], shape))
-        elif name in _TERNARY:
-            v = getattr(fd.ops, _TERNARY[name])(*(val(a, shape) for a in args[:3]))
-        elif name in _REDUCTION:
+        if kind == "unary":
+            v = getattr(fd.ops, op)(val(args[0]))
+        elif kind == "binary":
+            v = getattr(fd.ops, op)(val(args[0], shape), val(args[1], shape))
+        elif kind == "ternary":
+            v = getattr(fd.ops, op)(*(val(a, shape) for a in args[:3]))
+        elif kind == "reduction":
             x = args[0]
             dims = args[1] if len(args) > 1 else b.kwargs.get("dim", None)
             dims = list(range(len(x._tt_shape))) if dims is None else [dims] if is_int(dims) else list(dims)
             dims = [d % max(len(x._tt_shape), 1) for d in dims]
             keepdim = args[2] if len(args) > 2 else b.kwargs.get("keepdim", False)
-            v = getattr(fd.ops, _REDUCTION[name])(val(x), dims, keepdim)
+            v = getattr(fd.ops, op)(val(x), dims, keepdim)
         else:  # a dtype conversion; the cast below does it
             v = val(args[0])
         env[id(out)] = fd.ops.cast(v, dtype=getattr(DataType, _DTYPES[out._tt_dtype.torch]))
@@ -302,7 +335,7 @@ _fusions: dict = {}  # structural key -> _Fusion, or why defining failed (str)
 
 
 def _definition_for(nvf, region):
-    key, _ = _structure(region.compute + region.writes, region.outputs)
+    key, _ = structure(region.compute + region.writes, region.outputs)
     key = (key, tuple(p._tt_strides for p in region.inputs))
     fusion = _fusions.get(key)
     if fusion is None:
@@ -345,3 +378,7 @@ def _runner(fd, plan, region):
         return outs[0] if single else tuple(outs)
 
     return run
+
+
+_PRIM_TORCH_FN = _prim_torch_fn()
+_declare_translations()

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..proxies import is_proxy
 from ..pytree import tree_map
-from . import inductor_fusion
+from . import inductor_fusion, regions
 from .fusion import on_cuda
 
 REPEATS = 5
@@ -90,7 +90,7 @@ def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Dec
     t0, fused_ops = time.perf_counter(), 0
     for trc in traces:
         for bsyms, outputs in inductor_fusion.plan_regions(trc):
-            key, inputs = inductor_fusion._structure(bsyms, outputs)
+            key, inputs = regions.structure(bsyms, outputs)
             if isinstance(inductor_fusion._kernels.get(key), str):  # failed before: it stays on torch
                 continue
             count += 1
@@ -158,7 +158,7 @@ def _time_region(bsyms, inputs) -> float:
     total = 0.0
     for b in bsyms:
         fn, args, kwargs = b.sym.fn, tree_map(value, b.args), tree_map(value, b.kwargs)
-        r, result = fn(*args, **kwargs), inductor_fusion._result(b)
+        r, result = fn(*args, **kwargs), regions.result(b)
         env[id(result)] = r if result is b.output else r[0]  # a <name>_vjp line returns its one result in a 1-tuple
         total += _best(lambda: fn(*args, **kwargs))
     return total

@@ -40,12 +40,12 @@ from .torch_executor import impl_symbol, prim_inplace_form
 def _fallible(bsym) -> bool:
     """Whether the line's run-time values can make it raise: its op is tagged ``"fallible"`` where it is
     defined (an index out of range, a failed check), or is the gradient of such an op, or runs opaquely
-    (anything may raise)."""
+    (``Symbol.runs_opaquely``, tag ``"opaque"``: anything may raise)."""
     src = bsym.source if bsym.source is not None else bsym.sym
     ops = (src, getattr(src, "forward_symbol", None))
     if any(op is not None and "fallible" in op.tags for op in ops):
         return True
-    return src.module == "opaque" or getattr(bsym.sym, "module", None) == "opaque" or "opaque" in getattr(bsym.sym, "print_name", "")
+    return src.runs_opaquely or getattr(bsym.sym, "runs_opaquely", False)
 
 
 def _fn(bsym):
@@ -105,7 +105,7 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
     no_grad = "@torch.no_grad()" in trc.decorators
     write_backs = {}  # id(value) -> index of the copy_ writing it back into an input
     for ci, b in enumerate(bsyms):
-        if getattr(b.sym, "print_name", "") != "ttex.copy_":
+        if _fn(b) is not torch_impls.copy_:  # a write-back
             continue
         write_backs[id(b.args[0])] = ci
         value, inp = b.args

@@ -88,7 +88,7 @@ def _gelu_vjp(g, out, /, input, approximate="none"):
     return {"input": downcast_like(_mul(gu, d), input)}
 
 
-# What a fused program compiles for tanh GELU's lines (``Symbol.fusion_form``, executors/inductor_fusion.py).
+# What a fused program compiles for tanh GELU's lines (``Symbol.fusion_form``, executors/regions.py).
 # 0.5 * (1 + tanh(u)) is sigmoid(2u), so GELU is x * sigmoid(2u): one exp per element where eager's kernel and
 # Inductor's own lowering call a vectorized tanh that costs ~5x an exp on this project's AVX-512 CPUs (the
 # 1024-wide GELU of the GPT benchmark: 0.87 ms forward, 1.0 ms backward in eager; 0.3 ms each fused).  The same

@@ -14,7 +14,7 @@ from ..grad_rules import register_vjp
 from ..prims.core import sum_to
 from ..proxies import NumberProxy, TensorProxy
 from .autocast import FP32, PROMOTE  # autocast policies: see autocast.py
-from .registry import composed, torchsymbol
+from .registry import composed, torchsymbol as _torchsymbol
 
 P = Promotion
 
@@ -22,6 +22,12 @@ P = Promotion
 # Tag "fusible" (Symbol): Inductor fusion may take the op's torch call into a kernel.  Elementwise ops are,
 # except the few passed ``tags=()`` below (not checked with Inductor).
 FUSIBLE = ("fusible",)
+
+
+def torchsymbol(*torch_fns, tags=(), **facts):
+    """``registry.torchsymbol`` with the tag every op of this module carries: ``"elementwise"`` (its result has its
+    inputs' broadcast shape, row-major when they are row-major and of that shape: executors/layout_rules.py)."""
+    return _torchsymbol(*torch_fns, tags=("elementwise", *tags), **facts)
 
 
 def _unary(name, prim, kind=P.DEFAULT, torch_fns=None, methods=None, upcast=True, doc=None, tags=FUSIBLE, autocast=None):

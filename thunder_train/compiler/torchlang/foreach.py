@@ -37,6 +37,11 @@ def _check_list(tensors, what):
     return list(tensors)
 
 
+# The out-of-place ``_foreach_`` ops: each returns new tensors, one per element of its first list
+# (executors/layout_rules.py declares their layout rule).
+OUT_OF_PLACE: list = []
+
+
 def _define(name, per_element, n_operands, n_optional=0):
     """``torch._foreach_<name>`` and ``torch._foreach_<name>_`` from ``per_element(a, *operands, **kw)``.
 
@@ -53,6 +58,7 @@ def _define(name, per_element, n_operands, n_optional=0):
 
     outplace.__name__ = f"_foreach_{name}"
     out_sym = torchsymbol(getattr(torch, f"_foreach_{name}"), name=f"_foreach_{name}")(outplace)
+    OUT_OF_PLACE.append(out_sym)
 
     def new_values(tensors, *operands, **kwargs):
         return [_new_value(v, t) for v, t in zip(out_sym(tensors, *operands, **kwargs), tensors)]
@@ -100,3 +106,6 @@ _functional(foreach_zero_, _zero_values)
 @torchsymbol(torch._foreach_norm, name="_foreach_norm")
 def foreach_norm(tensors, ord=2, dtype=None):
     return [norm(t, ord, dtype=dtype) for t in _check_list(tensors, "torch._foreach_norm")]
+
+
+OUT_OF_PLACE.append(foreach_norm)

@@ -168,7 +168,7 @@ _vjp_symbols: dict = {}
 def vjp_symbol(sym) -> Symbol:
     s = _vjp_symbols.get(sym)
     if s is None:
-        s = _vjp_symbols[sym] = Symbol(f"{sym.name}_vjp", None, module="vjp", tags=("vjp",))
+        s = _vjp_symbols[sym] = Symbol(f"{sym.name}_vjp", None, module="vjp")
         s.forward_symbol = sym
     return s
 

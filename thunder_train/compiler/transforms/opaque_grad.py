@@ -90,7 +90,7 @@ def _any_arguments(*args, **kwargs):
 
 class _VJPSymbol(Symbol):
     def __init__(self):
-        super().__init__("opaque_vjp", _any_arguments, module="opaque", is_prim=True)
+        super().__init__("opaque_vjp", _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
         self.torch_impl = opaque_vjp
         self.id = "grad_rules.opaque_vjp"  # "grad_rules." keeps it out of the "run opaquely" wording
 

@@ -27,8 +27,8 @@ import math
 import torch
 
 from .. import dtypes
-from ..executors import torch_impls
-from ..executors.torch_executor import impl_symbol
+from . import torch_impls
+from .torch_executor import impl_symbol
 from ..proxies import TensorProxy
 from ..torchlang import attention as ltorch_attention, losses as ltorch_losses, normalization as ltorch_normalization
 from ..pytree import tree_flatten
