@@ -17,6 +17,9 @@ twice: repeated back to back (everything they read stays in the CPU caches) and 
 computation (what a training loop's call finds: the step has pushed the bound objects out of the caches).
 Target (issue 14): the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
 ``--cpu-time`` times with the thread's CPU clock instead of the wall clock (steadier on a shared machine).
+``--first-call`` only: the 20-op function's first call in fresh processes (what a user's script pays: nothing
+imported beforehand but torch and thunder_train), with ``fusion=None`` and the default, and whether it loaded
+torch._dynamo, Inductor or sympy (target, issue 30: <= 20 ms, none of them).
 """
 from __future__ import annotations
 
@@ -243,7 +246,50 @@ def after_computation(variants: dict, comp, inputs, *, repeat) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+FIRST_CALL_CHILD = """
+import sys, time
+import torch
+import thunder_train as tt
+from benchmarks.overhead import elementwise
+kw = {} if sys.argv[1] == "default" else {"fusion": None}
+f = tt.compile(elementwise, thin=True, **kw)
+x, y = torch.randn(8), torch.randn(8)
+with torch.no_grad():
+    t0, c0 = time.perf_counter(), time.process_time()
+    f(x, y)
+    t, c = time.perf_counter() - t0, time.process_time() - c0
+heavy = [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules]
+print(t * 1000, c * 1000, ",".join(heavy) or "-")
+"""
+
+
+def first_call_fresh(rounds=5):
+    """The 20-op function's first call in ``rounds`` fresh processes per mode, the modes taking turns."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    times, cpu, loaded = {"fusion=None": [], "default": []}, {"fusion=None": [], "default": []}, {}
+    for _ in range(rounds):
+        for label, arg in (("fusion=None", "none"), ("default", "default")):
+            out = subprocess.run([sys.executable, "-c", FIRST_CALL_CHILD, arg], env=env, cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.split()
+            times[label].append(float(out[0]))
+            cpu[label].append(float(out[1]))
+            loaded[label] = out[2]
+    print("\n20 elementwise ops, first call (trace + compile + run) in a fresh process, "
+          f"{rounds} processes each (target <= 20 ms)")
+    for label, ts in times.items():
+        print(f"  {label:12s} median {statistics.median(ts):7.1f} ms wall, {statistics.median(cpu[label]):7.1f} ms CPU "
+              f"(process; wall runs: {', '.join(f'{t:.1f}' for t in ts)})"
+              f"   loaded: {loaded[label] if loaded[label] != '-' else 'no torch._dynamo, Inductor or sympy'}")
+
+
 def main():
+    if "--first-call" in sys.argv:
+        first_call_fresh()
+        return
     quick = "--quick" in sys.argv
     with_tc = "--no-torch-compile" not in sys.argv
     with_fusion = "--no-fusion" not in sys.argv
