@@ -88,6 +88,16 @@ def test_non_overlapping_and_dense_is_torchs_rule(t):
     assert is_non_overlapping_and_dense(t) == bool(rule(t)), (tuple(t.shape), t.stride())
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 7)), min_size=0, max_size=4))
+def test_non_overlapping_and_dense_is_torchs_rule_on_any_strides(dims):
+    import torch._prims_common as pc
+
+    rule = getattr(pc, "is_non_overlapping_and_dense", None) or pc.is_non_overlapping_and_dense_or_false
+    t = torch.empty(0, device="meta").as_strided([n for n, _ in dims], [s for _, s in dims])
+    assert is_non_overlapping_and_dense(t) == bool(rule(t)), dims
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=0, max_size=5))
 def test_contiguous_strides_are_torchs(shape):
