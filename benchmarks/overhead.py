@@ -17,9 +17,18 @@ twice: repeated back to back (everything they read stays in the CPU caches) and 
 computation (what a training loop's call finds: the step has pushed the bound objects out of the caches).
 Target (issue 14): the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
 ``--cpu-time`` times with the thread's CPU clock instead of the wall clock (steadier on a shared machine).
+``--first-call`` only: the 20-op function's first call in fresh processes (what a user's script pays: nothing
+imported beforehand but torch and thunder_train), with ``fusion=None`` and the default, and whether it loaded
+torch._dynamo, Inductor or sympy (target, issue 30: <= 20 ms, none of them).
+``--before-switch`` only: the default (background fusion) against ``fusion=None`` while the default still runs its
+torch program, on the 20-op function: blocks of calls of the two taking turns, timed with the thread's CPU clock;
+the median of the blocks' ratios (the per-call cost) and the ratio of the totals from the second call on (the
+pay-back decision that call makes included), next to a control (two ``fusion=None`` compiles: the noise floor).
+Target (issue 30): within 5 %.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -244,7 +253,94 @@ def after_computation(variants: dict, comp, inputs, *, repeat) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+FIRST_CALL_CHILD = """
+import sys, time
+import torch
+import thunder_train as tt
+from benchmarks.overhead import elementwise
+kw = {} if sys.argv[1] == "default" else {"fusion": None}
+f = tt.compile(elementwise, thin=True, **kw)
+x, y = torch.randn(8), torch.randn(8)
+with torch.no_grad():
+    t0, c0 = time.perf_counter(), time.process_time()
+    f(x, y)
+    t, c = time.perf_counter() - t0, time.process_time() - c0
+heavy = [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules]
+print(t * 1000, c * 1000, ",".join(heavy) or "-")
+"""
+
+
+def first_call_fresh(rounds=5):
+    """The 20-op function's first call in ``rounds`` fresh processes per mode, the modes taking turns."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    times, cpu, loaded = {"fusion=None": [], "default": []}, {"fusion=None": [], "default": []}, {}
+    for _ in range(rounds):
+        for label, arg in (("fusion=None", "none"), ("default", "default")):
+            out = subprocess.run([sys.executable, "-c", FIRST_CALL_CHILD, arg], env=env, cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.split()
+            times[label].append(float(out[0]))
+            cpu[label].append(float(out[1]))
+            loaded[label] = out[2]
+    print("\n20 elementwise ops, first call (trace + compile + run) in a fresh process, "
+          f"{rounds} processes each (target <= 20 ms)")
+    for label, ts in times.items():
+        print(f"  {label:12s} median {statistics.median(ts):7.1f} ms wall, {statistics.median(cpu[label]):7.1f} ms CPU "
+              f"(process; wall runs: {', '.join(f'{t:.1f}' for t in ts)})"
+              f"   loaded: {loaded[label] if loaded[label] != '-' else 'no torch._dynamo, Inductor or sympy'}")
+
+
+def before_switch(rounds=5, blocks=48, block=50):
+    """Paired CPU time of the default and ``fusion=None`` before the default's fused program takes over, with a
+    control: a second ``fusion=None`` compile against the first (what two identical programs differ by here)."""
+    x, y = torch.randn(8), torch.randn(8)
+    per_call = {"default": [], "control": []}
+    totals = {"default": [], "control": []}
+    decisions = set()
+    with torch.no_grad():
+        for _ in range(rounds):
+            fns = {"none": tt.compile(elementwise, thin=True, fusion=None),
+                   "default": tt.compile(elementwise, thin=True),
+                   "control": tt.compile(elementwise, thin=True, fusion=None)}
+            for f in fns.values():
+                f(x, y)  # first calls: tracing, not timed
+            sums = dict.fromkeys(fns, 0)
+            orders = list(itertools.permutations(fns))
+            for i in range(blocks):
+                t = {}
+                for label in orders[i % len(orders)]:  # every order in turn
+                    f = fns[label]
+                    t0 = time.thread_time_ns()
+                    for _ in range(block):
+                        f(x, y)
+                    t[label] = time.thread_time_ns() - t0
+                    sums[label] += t[label]
+                for k in per_call:
+                    per_call[k].append(t[k] / t["none"])
+            for k in totals:
+                totals[k].append(sums[k] / sums["none"])
+            stats = tt.compile_stats(fns["default"])
+            assert stats.fusion_switches == 0, "the fused program took over during the timing"
+            decisions.update(stats.fusion_decisions)
+    print(f"\n20 elementwise ops, the default before its switch against fusion=None ({rounds} rounds of {blocks} blocks "
+          f"of {block} calls, taking turns, thread CPU time; target <= 1.05)")
+    for k, label in (("default", "default / fusion=None"), ("control", "control: fusion=None / fusion=None")):
+        print(f"  {label:36s} per call (median of blocks) {statistics.median(per_call[k]):.3f}; from the second call "
+              f"on (decision included) {statistics.median(totals[k]):.3f} (rounds: {', '.join(f'{r:.3f}' for r in totals[k])})")
+    for line in sorted(decisions):
+        print(f"  {line}")
+
+
 def main():
+    if "--before-switch" in sys.argv:
+        before_switch()
+        return
+    if "--first-call" in sys.argv:
+        first_call_fresh()
+        return
     quick = "--quick" in sys.argv
     with_tc = "--no-torch-compile" not in sys.argv
     with_fusion = "--no-fusion" not in sys.argv

@@ -122,18 +122,39 @@ class TensorProxy(torch.Tensor):
 
 
 def contiguous_strides(shape) -> tuple:
-    """Row-major strides of ``shape`` (of its example values where sizes are symbolic)."""
-    from torch._prims_common import make_contiguous_strides_for
-
-    return tuple(make_contiguous_strides_for(tuple(size_value(s) for s in shape)))
+    """Row-major strides of ``shape`` (of its example values where sizes are symbolic): torch's rule
+    (``contiguous_strides`` in c10/util/strides.h: a size of 0 counts as 1).  Not torch._prims_common's
+    ``make_contiguous_strides_for``: its shape check imports torch.fx.experimental.symbolic_shapes and sympy
+    (about 0.5 s), which a compiled function's first call must not pay (tests/test_first_call.py)."""
+    strides, step = [], 1
+    for n in reversed([size_value(s) for s in shape]):
+        if n < 0:
+            raise ValueError(f"a tensor size must not be negative, got the shape {tuple(shape)}")
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """torch._prims_common's rule (its name changed across torch versions)."""
-    import torch._prims_common as pc
-
-    rule = getattr(pc, "is_non_overlapping_and_dense", None) or pc.is_non_overlapping_and_dense_or_false
-    return bool(rule(t))
+    """Whether some order of ``t``'s dimensions makes it row-major (torch's rule: torch._prims_common's
+    ``is_non_overlapping_and_dense``, c10's ``compute_non_overlapping_and_dense``): fewer than 2 elements, a
+    1-d tensor of stride 1, or, dimensions of size 1 aside, strides that are the running products of the sizes
+    taken in order of stride.  Written here because torch._prims_common's version imports
+    torch.fx.experimental.symbolic_shapes and sympy (about 0.5 s) on its first call, at a compiled function's
+    first call or, through ``ttex.grad_layout``, in the middle of a step (tests/test_first_call.py)."""
+    if t.is_sparse:
+        return False
+    sizes, strides = tuple(t.shape), t.stride()
+    if math.prod(sizes) < 2:
+        return True
+    if len(sizes) == 1:
+        return strides[0] == 1
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(sizes, strides) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def meta_tensor(p) -> torch.Tensor:

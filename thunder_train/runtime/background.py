@@ -14,6 +14,7 @@ A job that raises leaves the torch program in place and reports one line through
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import queue
 import threading
@@ -39,28 +40,57 @@ class FusionJob:
         self.start_at = 2  # the call that submits the job (None: never)
         self.calls = 0
         self.state = NEW
+        self._uncount = None  # set by ``counted``
         self.switched = False
         self.done = threading.Event()
 
     def counted(self, computation: Callable, uncount: Callable) -> Callable:
         """``computation`` counting the calls of its entry; the call ``start_at`` submits the job.
 
-        ``uncount()`` puts the uncounted computation back once the job will never start (``Slot.stop_counting``).
+        ``uncount()`` puts the uncounted computation back once the job will never start, or has finished without
+        installing a program (``Slot.stop_counting``).  Every call of the torch program goes through here until
+        then, so the common path is one count and one comparison with ``_next`` (the next call with something to do).
         """
+        self._uncount = uncount
+
         def run(*args):
-            self.calls += 1
-            if self.state == NEW and self.start_at is not None and self.calls >= self.start_at:
-                if self.decide is not None and self.decision is None:  # decide after timing this call
-                    t0 = time.perf_counter()
-                    out = computation(*args)
-                    self._due(computation, uncount, time.perf_counter() - t0)
-                    return out
-                self._due(computation, uncount)
+            self.calls = calls = self.calls + 1
+            if calls < self._next:
+                return computation(*args)
+            if self.decide is not None and self.decision is None:  # decide after timing this call
+                t0 = time.perf_counter()
+                out = computation(*args)
+                self._due(time.perf_counter() - t0)
+                return out
+            self._due()
             return computation(*args)
 
         return run
 
-    def _due(self, computation, uncount, call_s=None) -> None:
+    # ``_next`` follows ``start_at`` and ``state``, so that ``run`` reads one attribute.
+    @property
+    def start_at(self) -> int | None:
+        return self._start_at
+
+    @start_at.setter
+    def start_at(self, n: int | None) -> None:
+        self._start_at = n
+        self._sync()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+        self._sync()
+
+    def _sync(self) -> None:
+        start_at, state = getattr(self, "_start_at", None), getattr(self, "_state", NEW)
+        self._next = start_at if state == NEW and start_at is not None else math.inf
+
+    def _due(self, call_s=None) -> None:
         if self.decide is not None and self.decision is None:
             try:
                 self.decision = self.decide(call_s)
@@ -71,7 +101,7 @@ class FusionJob:
                 self.start_at = self.decision.start_at
                 self.record(self.decision.line())
                 if self.start_at is None:
-                    uncount()
+                    self._uncount()
                     return
                 if self.calls < self.start_at:
                     return
@@ -93,6 +123,8 @@ class FusionJob:
             first = (str(e).strip().splitlines() or [""])[0][:160]
             self.note(f"{self.name}: background fusion failed, the torch program stays: {type(e).__name__}: {first}")
         finally:
+            if not self.switched and self._uncount is not None:
+                self._uncount()  # the torch program stays: no count in front of it any more
             self.build = None  # drop the traces it held
             self.state = DONE
             self.done.set()

@@ -35,6 +35,7 @@ import math
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codegen import Name
 from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
@@ -168,14 +169,39 @@ def _kind(x):
     return repr(x)
 
 
-_accepted: set = set()  # (out form, argument kinds) it took on meta tensors
+_accepted: set = set()  # (out form, argument kinds) it took
+
+
+class _Dispatched(Exception):
+    """The call got past its argument checks to torch's dispatcher (``_ArgumentCheck``)."""
+
+
+class _ArgumentCheck(TorchDispatchMode):
+    """Stops a call at the first op it dispatches, before any kernel runs.
+
+    Why not run the out form on meta tensors: torch's meta kernels of elementwise ops are Python functions
+    (torch._prims_common.wrappers) whose first call imports torch._dynamo (about 1 s), and a compiled function's
+    first call must not pay that (tests/test_first_call.py)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps ``__torch_dispatch__`` in torch._disable_dynamo, whose first call imports
+        # torch._dynamo; nothing runs under torch.compile inside this check, so there is nothing to disable.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        raise _Dispatched
 
 
 def _accepts_out(bsym, form) -> bool:
-    """Whether the out form takes this line's arguments: it is called on meta tensors once for each kind of call
-    (``out=`` overloads accept fewer argument kinds than their functions: ``torch.where(c, x, 0.0, out=o)`` is a
-    TypeError).  Autocast and grad mode are off as when the program runs; a refusal is not remembered (the
-    caller's state could have caused it)."""
+    """Whether the out form takes this line's kind of call.  ``out=`` overloads accept fewer argument kinds than
+    their functions (``torch.where(c, x, 0.0, out=o)`` is a TypeError): the form is called on meta tensors once
+    for each kind of call and taken if the call gets past torch's argument parser to the dispatcher
+    (``_ArgumentCheck``), where nothing is left to refuse it: ``out`` holds tensors of the line's own results
+    (dtype, shape, device), which the out forms here write as they would allocate them (the TensorIterator
+    kernels, matmul, cat, and the ``ttex`` forms written for these calls; tests/test_kept_buffers.py compares each
+    with its functional call).  Autocast and grad mode are off as when the program runs; a refusal is not
+    remembered (the caller's state could have caused it)."""
     if isinstance(bsym.sym, FusionSymbol):
         return True  # compiled for these very layouts; any other buffer fails its check and runs the region's torch ops
     key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
@@ -183,8 +209,12 @@ def _accepts_out(bsym, form) -> bool:
         return True
     try:
         with torch.autocast("cpu", enabled=False), torch.no_grad():
-            args, kwargs = tree_map(_meta, bsym.args), tree_map(_meta, bsym.kwargs)
-            form(*args, **kwargs, out=tree_map(_meta, bsym.output))
+            args, kwargs, out = tree_map(_meta, bsym.args), tree_map(_meta, bsym.kwargs), tree_map(_meta, bsym.output)
+            with _ArgumentCheck():
+                form(*args, **kwargs, out=out)
+        return False  # it returned without dispatching anything: not a call this check understands
+    except _Dispatched:
+        pass
     except Exception:
         return False
     _accepted.add(key)

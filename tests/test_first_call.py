@@ -1,0 +1,104 @@
+"""A compiled function's first call imports nothing heavy (issue 30: a 20-op function's first call took 1.0 s
+instead of ~4 ms once the kept-buffers planner's meta run imported torch._dynamo).
+
+torch._dynamo and Inductor (about 1 s) load only when a fused build starts; sympy (about 0.5 s, through
+torch.fx.experimental.symbolic_shapes) not at all.  Each case runs in a fresh interpreter, since the test process has
+imported everything already.  No timing is asserted: benchmarks/overhead.py prints the first call's time."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thunder_train.compiler.proxies import contiguous_strides, is_non_overlapping_and_dense
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy")
+
+CHILD = r"""
+import json, sys
+import torch
+import thunder_train as tt
+
+fusion = {"none": None, "default": "default"}[sys.argv[1]]
+kw = {} if fusion == "default" else {"fusion": None}
+
+def tiny(x, y):
+    a = x * y + 1.0
+    b = torch.tanh(a) - y / 3.0
+    return torch.sigmoid(b * a).sqrt() + torch.exp(-b)
+
+x, y = torch.randn(8), torch.randn(8)
+before = sorted(m for m in %(heavy)r if m in sys.modules)
+with torch.no_grad():
+    got = tt.compile(tiny, **kw)(x, y)
+after_tiny = sorted(m for m in %(heavy)r if m in sys.modules)
+print(json.dumps({"before": before, "after_tiny": after_tiny, "equal": torch.equal(got, tiny(x, y))}))
+""" % {"heavy": HEAVY}
+
+
+@pytest.mark.parametrize("fusion", ["none", "default"])
+def test_first_call_imports_neither_dynamo_nor_inductor_nor_sympy(fusion):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", CHILD, fusion], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["before"] == [], f"importing thunder_train loaded {got['before']}"
+    assert got["after_tiny"] == [], f"a tiny function's first call loaded {got['after_tiny']}"
+    assert got["equal"], "the compiled result differs from eager's"
+
+
+def _layouts():
+    """(sizes, strides) of dense, sliced, expanded, permuted and size-0/1 tensors."""
+    sizes = st.lists(st.integers(0, 4), min_size=0, max_size=4)
+
+    @st.composite
+    def layout(draw):
+        shape = draw(sizes)
+        t = torch.empty(shape, device="meta")
+        if t.dim() and draw(st.booleans()):
+            t = t.permute(*draw(st.permutations(range(t.dim()))))
+        if t.dim() and draw(st.booleans()):
+            d = draw(st.integers(0, t.dim() - 1))
+            t = t.narrow(d, 0, draw(st.integers(0, t.shape[d])))
+        if t.dim() and draw(st.booleans()):
+            d = draw(st.integers(0, t.dim() - 1))
+            if t.shape[d] == 1:
+                t = t.expand(*[3 if i == d else -1 for i in range(t.dim())])
+        if t.dim() and draw(st.booleans()):
+            d = draw(st.integers(0, t.dim() - 1))
+            t = t[(slice(None),) * d + (slice(None, None, 2),)]
+        return t
+
+    return layout()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_layouts())
+def test_non_overlapping_and_dense_is_torchs_rule(t):
+    import torch._prims_common as pc
+
+    rule = getattr(pc, "is_non_overlapping_and_dense", None) or pc.is_non_overlapping_and_dense_or_false
+    assert is_non_overlapping_and_dense(t) == bool(rule(t)), (tuple(t.shape), t.stride())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 7)), min_size=0, max_size=4))
+def test_non_overlapping_and_dense_is_torchs_rule_on_any_strides(dims):
+    import torch._prims_common as pc
+
+    rule = getattr(pc, "is_non_overlapping_and_dense", None) or pc.is_non_overlapping_and_dense_or_false
+    t = torch.empty(0, device="meta").as_strided([n for n, _ in dims], [s for _, s in dims])
+    assert is_non_overlapping_and_dense(t) == bool(rule(t)), dims
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=5))
+def test_contiguous_strides_are_torchs(shape):
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
