@@ -255,7 +255,8 @@ def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):
     div = sq.narrow(-1, 0, c)
     for s in range(1, size):
         div = div + sq.narrow(-1, s, c)
-    div = (div / size).transpose(1, -1)
+    # eager averages with avg_pool, which divides integers with truncation (the squares are >= 0: floor)
+    div = (div / size if div.dtype.is_floating_point else torch.div(div, size, rounding_mode="floor")).transpose(1, -1)
     return input / (div * alpha + k) ** beta
 
 

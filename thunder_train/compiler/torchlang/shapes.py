@@ -501,8 +501,8 @@ def meshgrid(*tensors, indexing=None):
         ts[0], ts[1] = ts[1], ts[0]
     shape = [t.shape[0] for t in ts]
     out = [t.reshape([-1 if i == k else 1 for i in range(len(ts))]).expand(shape) for k, t in enumerate(ts)]
-    if xy:
-        out[0], out[1] = out[1].transpose(0, 1), out[0].transpose(0, 1)
+    if xy:  # as eager: the "ij" grids of the swapped inputs, swapped back (no transpose)
+        out[0], out[1] = out[1], out[0]
     return tuple(out)
 
 
