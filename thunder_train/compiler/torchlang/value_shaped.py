@@ -83,8 +83,9 @@ def combinations(input, r=2, with_replacement=False):
 def lstsq(A, B, rcond=None, *, driver=None):
     """Least squares through the pseudo-inverse: the minimum-norm solution LAPACK's gelsy, gelsd and gelss
     drivers return (gels too, for full-rank problems); the auxiliary outputs follow the driver, as eager's do.
-    gelsd/gelss treat singular values up to ``rcond * s_max`` as zero (``pinv``'s ``rtol``); gelsy's own
-    pivoted-QR truncation with an explicit ``rcond`` is left to torch."""
+    gelsd/gelss treat singular values up to ``rcond * s_max`` as zero (``pinv``'s ``rtol``; eager's gradient
+    is the untruncated one's all the same); gelsy's own pivoted-QR truncation with an explicit ``rcond`` is left
+    to torch."""
     if driver not in ("gels", "gelsy", "gelsd", "gelss", None):
         raise NotImplementedError(f"linalg.lstsq with driver={driver!r} is run by torch (eager checks it)")
     svd_driver = driver in ("gelsd", "gelss")
@@ -96,7 +97,10 @@ def lstsq(A, B, rcond=None, *, driver=None):
     vector = B.ndim == A.ndim - 1
     Bm = B.unsqueeze(-1) if vector else B
     rtol = rcond if rcond is not None else torch.finfo(A.dtype).eps * max(m, n)
-    X = torch.matmul(torch.linalg.pinv(A, rtol=rtol) if svd_driver else torch.linalg.pinv(A), Bm)
+    X = torch.matmul(torch.linalg.pinv(A), Bm)
+    if svd_driver and rcond is not None:
+        # the truncated solution's value with eager's gradient, which is the untruncated pinv's
+        X = X + (torch.matmul(torch.linalg.pinv(A, rtol=rtol), Bm) - X).detach()
     empty = A.reshape(-1)[:0]  # derived from A: requires grad like eager's empty outputs
     singular_values = A.new_empty(0)  # eager's: no gradient
     if driver == "gels":
@@ -112,9 +116,7 @@ def lstsq(A, B, rcond=None, *, driver=None):
         with_residuals = False
     residuals = ((torch.matmul(A, X) - Bm) ** 2).sum(-2) if with_residuals else empty
     if vector:
-        X = X.squeeze(-1)
-        if residuals.numel():
-            residuals = residuals.squeeze(-1)
+        X = X.squeeze(-1)  # eager keeps the residuals' last dim (size 1)
     return torch.return_types.linalg_lstsq((X, residuals, rank, singular_values))
 
 
