@@ -236,3 +236,48 @@ def test_zero_spread_gradients(name, fn):
 def test_std_low_precision():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     check(lambda t: t.std(1), x, rtol=2e-2, atol=2e-2)
+
+
+# ---- ctc_loss: run by torch (no meta kernel; its output metadata from a rule), eager's backward ----
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_ctc_loss(reduction, zero_infinity):
+    torch.manual_seed(0)
+    T, N, C = 12, 3, 6
+    x = torch.randn(T, N, C, dtype=torch.float64)
+    targets = torch.randint(1, C, (N, 5))
+    il, tl = torch.tensor([12, 10, 3]), torch.tensor([4, 2, 5])  # the last is impossible: an infinite loss
+    check(lambda t, y, a, b: F.ctc_loss(t.log_softmax(2), y, a, b, reduction=reduction, zero_infinity=zero_infinity),
+          x, targets, il, tl)
+    check(lambda t: F.ctc_loss(t.log_softmax(2), targets, [12, 10, 3], [4, 2, 5], blank=C - 1, reduction=reduction,
+                               zero_infinity=zero_infinity), x)
+    # unbatched, and concatenated 1-d targets
+    check(lambda t: F.ctc_loss(t[:, 0].log_softmax(1), targets[0, :4], [12], [4], reduction=reduction), x)
+    check(lambda t: F.ctc_loss(t.log_softmax(2), targets[:, :3].reshape(-1), il.clamp(min=8), torch.tensor([3, 3, 3]),
+                               reduction=reduction), x)
+
+
+def test_ctc_loss_module_in_a_training_step_full_and_thin():
+    torch.manual_seed(0)
+    for thin in (False, True):
+        models = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LogSoftmax(-1)) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        ctc = torch.nn.CTCLoss(blank=0)
+
+        def step(m, opt, x, y, il, tl):
+            loss = ctc(m(x), y, il, tl)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        cs = tt.compile(step, thin=thin)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batch = (torch.randn(10, 2, 4, generator=g), torch.randint(1, 6, (2, 4), generator=g),
+                     torch.tensor([10, 8]), torch.tensor([4, 3]))
+            torch.testing.assert_close(cs(models[1], opts[1], *batch), step(models[0], opts[0], *batch))
+        for a, b in zip(models[1].parameters(), models[0].parameters()):
+            torch.testing.assert_close(a, b)
+        assert any("ctc_loss" in o for o in tt.compile_stats(cs).opaque_ops)
