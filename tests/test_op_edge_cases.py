@@ -281,3 +281,45 @@ def test_ctc_loss_module_in_a_training_step_full_and_thin():
         for a, b in zip(models[1].parameters(), models[0].parameters()):
             torch.testing.assert_close(a, b)
         assert any("ctc_loss" in o for o in tt.compile_stats(cs).opaque_ops)
+
+
+@pytest.mark.parametrize("fn", [torch.xlogy, torch.special.xlog1py])
+@pytest.mark.parametrize("a,b", [("t", -1), ("t", 2.5), ("t", float("nan")), (0, "t"), (2, "t"), ("i", 3), (1.5, "i")])
+def test_xlogy_family_with_a_number(fn, a, b):
+    vals = {"t": torch.tensor([0.0, 0.0, 2.0, -1.0, 3.0], dtype=torch.float64), "i": torch.tensor([0, 1, -2, 3, 0])}
+    check(lambda *ts: fn(*[vals_or(ts, v) for v in (a, b)]), *[vals[v] for v in (a, b) if isinstance(v, str)])
+
+
+def vals_or(ts, v):
+    """The tensor argument (there is one) in place of its name; a number as is."""
+    return ts[0] if isinstance(v, str) else v
+
+
+# ---- cumulative ops' gradients ----
+@pytest.mark.parametrize("name,fn", [
+    ("logcumsumexp", lambda x: torch.logcumsumexp(x, 1)),
+    ("cumsum", lambda x: torch.cumsum(x, 0)),
+    ("cumprod", lambda x: torch.cumprod(x, 1)),
+    ("cummax", lambda x: torch.cummax(x, 1)),
+    ("cummin", lambda x: torch.cummin(x, 0)),
+])
+def test_cumulative_gradients(name, fn):
+    x = torch.randn(4, 6, dtype=torch.float64) * 3
+    x[1, 2] = 0.0  # cumprod through a zero
+    if name == "logcumsumexp":
+        x[2, 3:] = -torch.inf
+        x[3] = -torch.inf
+    check(fn, x)
+
+
+def test_logcumsumexp_gradient_is_eagers():
+    """Eager's formula (reverse scans of ``log|g| - out``, the scan accumulated in double on the CPU): its float32
+    gradient to rounding, NaN where the output is -inf (an all -inf prefix), and the decomposition's forward."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 5) * 3
+    x[0, :2] = -torch.inf
+    x[1, :, 0] = -torch.inf
+    f = lambda t: torch.logcumsumexp(t, 1)  # noqa: E731
+    check(f, x, rtol=1e-6, atol=1e-6)
+    check(lambda t: torch.logcumsumexp(t, -1), x.double(), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(tt.compile(f, decompose=True)(x), f(x), rtol=1e-5, atol=1e-5)

@@ -489,15 +489,52 @@ def cumprod(input, dim, *, dtype=None):
 composed("cumprod", cumprod, (torch.cumprod,), ("cumprod",))
 
 
+@torchsymbol(torch.logcumsumexp, methods=("logcumsumexp",))
 def logcumsumexp(input, dim):
-    if not input.dtype.is_floating_point:
+    if not input._tt_dtype.is_float:
         raise NotImplementedError("logcumsumexp of a non-float tensor is run by torch")
-    if input.ndim == 0:
-        return input.clone()
-    return _scan(input, dim % input.ndim, torch.logaddexp, -math.inf)
+    if input.ndim_ == 0:
+        clang.canonicalize_dim(0, dim)
+        return prims.clone(input)
+    x = upcast(input)
+    return downcast_like(_logcumsumexp_scan(x, clang.canonicalize_dim(x.ndim_, dim)), input)
 
 
-composed("logcumsumexp", logcumsumexp, (torch.logcumsumexp,), ("logcumsumexp",))
+def _logcumsumexp_scan(x, d):
+    """Log-depth (Hillis-Steele) scan of a logaddexp that is exact at equal infinities (-inf, -inf: -inf)."""
+    n, s = x._tt_shape[d], 1
+    while s < n:
+        head_shape = tuple(s if i == d else k for i, k in enumerate(x._tt_shape))
+        head = prims.full(head_shape, -math.inf, device=x._tt_device, dtype=x._tt_dtype)
+        b = clang.cat([head, clang.slice_in_dim(x, 0, n - s, dim=d)], d)
+        same_inf = prims.bitwise_and(prims.eq(x, b), prims.isinf(x))
+        gap = prims.where(same_inf, 0.0, prims.neg(prims.abs(prims.sub(x, b))))
+        x = prims.add(prims.maximum(x, b), prims.log1p(prims.exp(gap)))
+        s *= 2
+    return x
+
+
+@register_vjp(logcumsumexp)
+def _logcumsumexp_vjp(g, out, /, input, dim):
+    """Eager's ``logcumsumexp_backward``: reverse scans of ``log|g| - out`` for the positive and the negative
+    parts of ``g``, shifted by the input and exponentiated (NaN where the output is -inf, as eager's)."""
+    if input.ndim_ == 0:
+        return {"input": g}
+    x, y, gu = upcast(input), upcast(out), upcast(g)
+    d = clang.canonicalize_dim(x.ndim_, dim)
+    lowest = torch.finfo(x._tt_dtype.torch).min
+    log_abs = prims.log(prims.abs(gu))
+    # eager's CPU scan accumulates in double (acc_type) and rounds its result: so does this one, or the
+    # positive and negative parts' cancellation shows the scan's float32 rounding
+    acc = dtypes.float64 if input._tt_device.type == "cpu" else x._tt_dtype
+
+    def part(mask):
+        lg = clang.maybe_convert(prims.flip(prims.sub(prims.where(mask, log_abs, lowest), y), (d,)), acc)
+        rev = prims.flip(clang.maybe_convert(_logcumsumexp_scan(lg, d), x._tt_dtype), (d,))
+        return prims.exp(prims.add(rev, x))
+
+    grad = prims.sub(part(prims.gt(gu, 0.0)), part(prims.lt(gu, 0.0)))
+    return {"input": downcast_like(grad, input)}
 
 
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
