@@ -24,7 +24,10 @@ def main():
     ap.add_argument("--details", action="store_true", help="print one line per failing OpInfo")
     ap.add_argument("--only", default=None, help="comma-separated OpInfo ids")
     ap.add_argument("--write-expected", default=None, help="write the expected-failures file")
+    ap.add_argument("--samples", type=int, default=oc.SAMPLES,
+                    help=f"sample inputs per OpInfo, dtype and variant (default {oc.SAMPLES}, as the test; later samples reach edge cases)")
     a = ap.parse_args()
+    oc.SAMPLES = a.samples
     ops = oc.all_opinfos()
     if a.only:
         wanted = set(a.only.split(","))

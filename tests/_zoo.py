@@ -156,6 +156,25 @@ def vit():
     return transformers.ViTForImageClassification(cfg)
 
 
+def wav2vec2_ctc():
+    import transformers
+
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean",
+        pad_token_id=0)
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def audio_ctc_batch(g):
+    """Raw audio (400 samples: 39 frames) and CTC labels of different lengths (-100 pads the second)."""
+    labels = torch.randint(1, 12, (BATCH, 5), generator=g)
+    labels[1, 3:] = -100
+    return {"input_values": torch.randn(BATCH, 400, generator=g), "labels": labels}
+
+
 # ---------------------------------------------------------------------------
 # torch.nn models
 # ---------------------------------------------------------------------------
@@ -236,6 +255,8 @@ CASES = {c.name: c for c in [
          lambda g: padded_cls_batch(g, 1, low=3)),
     Case("t5", "T5 encoder-decoder with labels (relative position bias)", t5, seq2seq_batch),
     Case("vit", "ViT image classification", vit, image_batch),
+    Case("wav2vec2_ctc", "wav2vec2 speech recognition with a CTC head (conv feature encoder, weight norm, ctc_loss)",
+         wav2vec2_ctc, audio_ctc_batch),
     # torch.nn
     Case("transformer_encoder", "torch.nn.TransformerEncoder LM (causal mask)", TransformerEncoderLM, lm_batch),
     Case("lstm", "LSTM language model", lambda: RNNLM(nn.LSTM), lm_batch),

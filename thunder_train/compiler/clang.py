@@ -519,20 +519,20 @@ def var_mean(a, dims=None, keepdim=False, *, correction=1):
 def softmax(a, dim, dtype=None):
     out_dtype = dtype or a._tt_dtype
     x = maybe_convert(a, compute_dtype(out_dtype if out_dtype.is_float else dtypes.default_float()))
-    dim = canonicalize_dim(a.ndim_, dim)
-    m = amax(x, dim, keepdim=True)
+    dims = canonicalize_dims(a.ndim_, dim)  # () for a 0-d tensor: dim 0 and -1 name the scalar itself
+    m = amax(x, dims, keepdim=True)
     e = prims.exp(prims.sub(x, expand(m, x._tt_shape)))
-    s = prims.sum(e, (dim,))
-    s = _restore_dims(s, x._tt_shape, (dim,))
+    s = prims.sum(e, dims)
+    s = _restore_dims(s, x._tt_shape, dims)
     return maybe_convert(prims.div(e, expand(s, x._tt_shape)), out_dtype)
 
 
 def log_softmax(a, dim, dtype=None):
     out_dtype = dtype or a._tt_dtype
     x = maybe_convert(a, compute_dtype(out_dtype))
-    dim = canonicalize_dim(a.ndim_, dim)
-    m = amax(x, dim, keepdim=True)
+    dims = canonicalize_dims(a.ndim_, dim)
+    m = amax(x, dims, keepdim=True)
     shifted = prims.sub(x, expand(m, x._tt_shape))
-    lse = prims.log(prims.sum(prims.exp(shifted), (dim,)))
-    lse = _restore_dims(lse, x._tt_shape, (dim,))
+    lse = prims.log(prims.sum(prims.exp(shifted), dims))
+    lse = _restore_dims(lse, x._tt_shape, dims)
     return maybe_convert(prims.sub(shifted, expand(lse, x._tt_shape)), out_dtype)

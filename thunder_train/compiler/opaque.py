@@ -89,6 +89,19 @@ def printable_reference(func, name: str):
 
 
 _opaque_symbols: dict = {}
+# Output rules for torch ops that have no meta kernel (``F.ctc_loss``), declared with the op in the torch language
+# (``@meta_rule(func)``): ``rule(*meta_args, **meta_kwargs)`` returns the meta tensors the op would return
+# (``requires_grad`` as eager's), computed from the arguments' metadata alone.
+meta_rules: dict = {}
+
+
+def meta_rule(*funcs):
+    def deco(rule):
+        for f in funcs:
+            meta_rules[f] = rule
+        return rule
+
+    return deco
 # Installed by transforms/opaque_grad.py: ``gradient_positions(flat_args)`` -> positions of the inputs a
 # gradient flows into; ``record_differentiable(func, args, kwargs, out, positions)`` records the op with
 # its autograd graph and returns the name compile_stats lists.
@@ -120,7 +133,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     rng = torch.default_generator.get_state()
     try:
         with torch._C.DisableTorchFunction(), torch.device("meta"):
-            meta_out = func(*meta_args, **meta_kwargs)
+            meta_out = meta_rules.get(func, func)(*meta_args, **meta_kwargs)
     except Exception as e:
         raise UnsupportedOpError(
             f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "

@@ -395,6 +395,11 @@ def addcdiv(input, tensor1, tensor2, *, value=1):
 def xlogy(input, other):
     d = clang.result_dtype(input, other)
     d = d if d.is_float else dtypes.default_float()
+    # a number operand: a 0-d tensor of the result's dtype (so that log/eq apply; the dtype is already decided)
+    if type(other) is not TensorProxy:
+        other = prims.full((), other, device=input._tt_device, dtype=d)
+    if type(input) is not TensorProxy:
+        input = prims.full((), input, device=other._tt_device, dtype=d)
     prod = clang.mul(input, clang.log(other))
     zero_x = clang.eq(input, 0)
     out = clang.where(zero_x, 0.0, prod)
@@ -408,7 +413,10 @@ def _xlogy_vjp(g, out, /, input, other):
     x, y = _operand(input, out), _operand(other, out)
     g_log_y = prims.where(prims.eq(g, 0.0), 0.0, prims.mul(g, prims.log(y)))
     g_log_y = prims.where(prims.isnan(y), math.nan, g_log_y)  # xlogy(g, nan) is nan, also for g == 0
-    ga = prims.where(prims.bitwise_and(prims.eq(x, 0.0), prims.le(y, 0.0)), 0.0, g_log_y)
+    # a number ``other`` (eager's xlogy.Scalar_Other): 0 where input == 0 and not other > 0 (other = NaN too)
+    not_positive = prims.le(y, 0.0) if type(other) is TensorProxy else prims.bitwise_not(prims.gt(y, 0.0))
+    zero = prims.bitwise_and(prims.eq(x, 0.0), not_positive)
+    ga = prims.where(zero, 0.0, g_log_y)
     return {"input": _to_input(ga, input), "other": _to_input(prims.div(prims.mul(g, x), y), other)}
 
 

@@ -225,6 +225,14 @@ def index_fill(input, dim, index, value):
         return index_fill(input.reshape(1), dim, index, value).reshape(())
     if isinstance(value, torch.Tensor) and value.ndim != 0:
         raise RuntimeError("index_fill_ only supports a 0-dimensional value tensor")
+    if isinstance(value, torch.Tensor):
+        # A where() over a mask of the filled positions: ``value`` gets each position's gradient once, as in
+        # eager (a duplicated index fills one position), which an index_put of ``value`` would count twice.
+        d = dim % input.ndim
+        mask = torch.zeros(input.shape[d], dtype=torch.bool, device=input.device)
+        mask[index] = True
+        mask = mask.reshape([-1 if i == d else 1 for i in range(input.ndim)])
+        return torch.where(mask, value.to(input.dtype), input)
     out = input.clone()
     out[_index_key(dim, input.ndim, index)] = value
     return out

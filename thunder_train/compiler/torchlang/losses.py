@@ -18,6 +18,7 @@ from .activations import _softplus
 from .distances import pairwise_distance
 from .elementwise import xlogy
 from .helpers import upcast_and_dtype
+from ..opaque import meta_rule
 from .registry import composed, torchsymbol
 
 
@@ -570,3 +571,16 @@ def multilabel_margin_loss(input, target, size_average=None, reduce=None, reduct
 
 
 composed("multilabel_margin_loss", multilabel_margin_loss, (F.multilabel_margin_loss,))
+
+
+# ``F.ctc_loss`` runs through torch (opaquely, gradient by torch's autograd: eager's own backward); eager has no
+# meta kernel for it, so its output's metadata comes from this rule.
+@meta_rule(F.ctc_loss)
+def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if log_probs.ndim not in (2, 3):
+        raise RuntimeError(f"ctc_loss: log_probs must be 2-d (unbatched) or 3-d (T, N, C), got {log_probs.ndim}-d")
+    shape = (log_probs.shape[1],) if reduction == "none" and log_probs.ndim == 3 else ()
+    out = torch.empty(shape, dtype=log_probs.dtype, device="meta")
+    return out.requires_grad_() if log_probs.requires_grad else out

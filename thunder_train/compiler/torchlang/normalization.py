@@ -249,13 +249,16 @@ def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):
         raise ValueError(f"Expected 3D or higher dimensionality input (got {input.ndim} dimensions)")
     if input.numel() == 0:
         return input
+    if input.dtype in (torch.int8, torch.int16, torch.int32, torch.uint8, torch.bool):
+        raise NotImplementedError("local_response_norm of this integer dtype is run by torch (eager's avg_pool raises)")
     c = input.shape[1]
     sq = (input * input).transpose(1, -1)
     sq = F.pad(sq, (size // 2, (size - 1) // 2))
     div = sq.narrow(-1, 0, c)
     for s in range(1, size):
         div = div + sq.narrow(-1, s, c)
-    div = (div / size).transpose(1, -1)
+    # eager averages with avg_pool, which divides integers with truncation (the squares are >= 0: floor)
+    div = (div / size if div.dtype.is_floating_point else torch.div(div, size, rounding_mode="floor")).transpose(1, -1)
     return input / (div * alpha + k) ** beta
 
 

@@ -26,12 +26,15 @@ def constant_pad(input, pad, mode="constant", value=None):
 # ---------------------------------------------------------------------------
 def _pad_index(n, left, right, mode, device):
     """Source positions of the padded dimension (a few index lines, whatever its length)."""
+    if mode == "circular":
+        # Eager first crops by the negative pads, then wraps around what is left (the core), not the input.
+        lo, core = max(-left, 0), n - max(-left, 0) - max(-right, 0)
+        i = torch.arange(-max(left, 0), core + max(right, 0), device=device)
+        return torch.remainder(i, core) + lo
     i = torch.arange(-left, n + right, device=device)
     if mode == "reflect":
         return (n - 1) - torch.abs((n - 1) - torch.abs(i)) if n > 1 else torch.zeros_like(i)
-    if mode == "replicate":
-        return torch.clamp(i, 0, n - 1)
-    return torch.remainder(i, n)  # circular
+    return torch.clamp(i, 0, n - 1)  # replicate
 
 
 def pad(input, pad, mode="constant", value=None):
@@ -40,8 +43,9 @@ def pad(input, pad, mode="constant", value=None):
     if mode not in ("reflect", "replicate", "circular"):
         raise NotImplementedError(f"F.pad(mode={mode!r}) is run by torch")
     pad = tuple(pad)
-    if len(pad) % 2 or len(pad) // 2 > input.ndim - 1:
-        raise NotImplementedError("this padding form is run by torch (eager checks it)")
+    k = len(pad) // 2
+    if len(pad) % 2 or k not in (1, 2, 3) or input.ndim not in (k + 1, k + 2):
+        raise NotImplementedError("this padding form is run by torch (eager checks it)")  # eager's combinations
     out = input
     for i in range(len(pad) // 2):
         d = input.ndim - 1 - i
@@ -49,8 +53,9 @@ def pad(input, pad, mode="constant", value=None):
         n = input.shape[d]
         if mode == "reflect" and (left >= n or right >= n):
             raise NotImplementedError("reflect padding as large as the input is run by torch (eager raises)")
-        if mode == "circular" and (left > n or right > n):
-            raise NotImplementedError("circular padding larger than the input is run by torch (eager raises)")
+        core = n - max(-left, 0) - max(-right, 0)
+        if mode == "circular" and (core <= 0 or left > core or right > core):
+            raise NotImplementedError("circular padding larger than the cropped input is run by torch (eager raises)")
         if n == 0:
             raise NotImplementedError("padding an empty dimension is run by torch")
         if left or right:

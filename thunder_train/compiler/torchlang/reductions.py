@@ -4,6 +4,7 @@ Sorting and top-k are in sorting.py."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -158,6 +159,37 @@ def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return clang.sqrt(v)
 
 
+def _std_vjp_parts(g, out, input, dim, unbiased, keepdim, correction):
+    """As eager's ``std_backward``: ``g / std * (x - mean) / (N - correction)``, and 0 where the std is 0 (a
+    constant slice; the square root's own rule would give 0 * inf = NaN there)."""
+    if number_type(dim) is bool:
+        dim, unbiased = None, dim
+    c = _correction(unbiased, correction)
+    x = upcast(input)
+    dims = clang.canonicalize_dims(x.ndim_, _dims(dim))
+    rest = tuple(d for d in range(x.ndim_) if d not in dims)
+
+    def back(v):  # a reduced value broadcast back over the input
+        v = upcast(v)
+        if keepdim:
+            v = clang.reshape(v, tuple(x._tt_shape[d] for d in rest))
+        return prims.broadcast_in_dim(v, x._tt_shape, rest)
+
+    n = 1
+    for d in dims:
+        n *= x._tt_shape[d]
+    s = back(out)
+    scale = prims.where(prims.eq(s, 0.0), 0.0, prims.div(back(g), s))
+    centred = prims.sub(x, clang.expand(clang.mean(x, dims, keepdim=True), x._tt_shape))
+    per = 1.0 / (n - c) if n != c else math.inf
+    return prims.mul(prims.mul(scale, centred), per)
+
+
+@register_vjp(std)
+def _std_vjp(g, out, /, input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    return {"input": downcast_like(_std_vjp_parts(g, out, input, dim, unbiased, keepdim, correction), input)}
+
+
 @torchsymbol(torch.var_mean)
 def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     if number_type(dim) is bool:
@@ -169,6 +201,27 @@ def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
 def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     v, m = var_mean(input, dim, unbiased, keepdim, correction=correction)
     return clang.sqrt(v), m
+
+
+@register_vjp(std_mean)
+def _std_mean_vjp(g, out, /, input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    grad = None
+    if g[0] is not None:
+        grad = _std_vjp_parts(g[0], out[0], input, dim, unbiased, keepdim, correction)
+    if g[1] is not None:
+        d = None if number_type(dim) is bool else _dims(dim)
+        x = upcast(input)
+        dims = clang.canonicalize_dims(x.ndim_, d)
+        n = 1
+        for k in dims:
+            n *= x._tt_shape[k]
+        gm = upcast(g[1])
+        if not keepdim:
+            gm = prims.broadcast_in_dim(gm, tuple(1 if k in dims else x._tt_shape[k] for k in range(x.ndim_)),
+                                        tuple(k for k in range(x.ndim_) if k not in dims))
+        gm = prims.div(clang.expand(gm, x._tt_shape), float(n) if n else math.inf)
+        grad = gm if grad is None else prims.add(grad, gm)
+    return {"input": downcast_like(grad, input)}
 
 
 @torchsymbol(torch.logsumexp, methods=("logsumexp",), tags=("fusible",), autocast={"cuda": FP32})
@@ -184,28 +237,33 @@ def logsumexp(input, dim, keepdim=False):
     return clang.maybe_convert(out, input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float())
 
 
+def _softmax_dim(name, input, dim):
+    """``dim``, or eager's deprecated implicit choice (``F._get_softmax_dim``) with its warning."""
+    if dim is not None:
+        return dim
+    warnings.warn(f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X as an argument.", stacklevel=3)
+    return 0 if input.ndim_ in (0, 1, 3) else 1
+
+
 @torchsymbol(torch.softmax, torch.nn.functional.softmax, torch.special.softmax, methods=("softmax",), torch_impl=torch.softmax,
              tags=("fusible", "fused_backward",),
              autocast={"cuda": FP32_UNLESS_DTYPE})
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """softmax along ``dim`` (computed in float32 for low-precision inputs)."""
-    if dim is None:
-        raise ValueError("softmax: pass dim explicitly (implicit dim is deprecated in torch)")
-    return clang.softmax(input, dim, to_dtype(dtype))
+    return clang.softmax(input, _softmax_dim("softmax", input, dim), to_dtype(dtype))
 
 
 @torchsymbol(torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax, methods=("log_softmax",), torch_impl=torch.log_softmax,
              tags=("fusible", "fused_backward",),
              autocast={"cuda": FP32_UNLESS_DTYPE})
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
-    if dim is None:
-        raise ValueError("log_softmax: pass dim explicitly (implicit dim is deprecated in torch)")
-    return clang.log_softmax(input, dim, to_dtype(dtype))
+    return clang.log_softmax(input, _softmax_dim("log_softmax", input, dim), to_dtype(dtype))
 
 
 # Direct rules: the softmax output is all the gradient needs.
 def _softmax_dims_ok(input, dim=None, _stacklevel=3, dtype=None):
-    return dim is not None and dtype is None and input._tt_dtype.is_float
+    # dtype=: the same rule in the output's dtype, converted back to the input's (eager's softmax, then .to's)
+    return dim is not None and input._tt_dtype.is_float and (dtype is None or to_dtype(dtype).is_float)
 
 
 @register_vjp(softmax, supports=_softmax_dims_ok)
@@ -279,13 +337,14 @@ def norm(input, p=2, dim=None, keepdim=False, dtype=None):
 
 
 def _real_norm(input, p=2, dim=None, keepdim=False, dtype=None):
-    return number_type(p) in (int, float) and type(input) is TensorProxy and input._tt_dtype.is_float
+    return (p in ("fro", None) or number_type(p) in (int, float)) and type(input) is TensorProxy and input._tt_dtype.is_float
 
 
 @register_vjp(norm, supports=_real_norm)
 def _norm_vjp(g, out, /, input, p=2, dim=None, keepdim=False, dtype=None):
     """As eager's ``linalg_vector_norm_backward``: 0 at a zero norm (p = 2, p > 1), ``sgn(x)`` shares of the
     gradient among the maxima for p = inf (a NaN is a maximum, and ``sgn(nan)`` is 0), 0 at zero entries for p < 1."""
+    p = 2 if p in ("fro", None) else p  # Tensor.norm() passes p='fro': the 2-norm
     x = upcast(input if dtype is None else clang.maybe_convert(input, to_dtype(dtype)))
     dims = tuple(range(x.ndim_)) if _dims(dim) is None else clang.canonicalize_dims(x.ndim_, dim if isinstance(dim, (tuple, list)) else (dim,))
     rest = tuple(d for d in range(x.ndim_) if d not in dims)
@@ -430,15 +489,52 @@ def cumprod(input, dim, *, dtype=None):
 composed("cumprod", cumprod, (torch.cumprod,), ("cumprod",))
 
 
+@torchsymbol(torch.logcumsumexp, methods=("logcumsumexp",))
 def logcumsumexp(input, dim):
-    if not input.dtype.is_floating_point:
+    if not input._tt_dtype.is_float:
         raise NotImplementedError("logcumsumexp of a non-float tensor is run by torch")
-    if input.ndim == 0:
-        return input.clone()
-    return _scan(input, dim % input.ndim, torch.logaddexp, -math.inf)
+    if input.ndim_ == 0:
+        clang.canonicalize_dim(0, dim)
+        return prims.clone(input)
+    x = upcast(input)
+    return downcast_like(_logcumsumexp_scan(x, clang.canonicalize_dim(x.ndim_, dim)), input)
 
 
-composed("logcumsumexp", logcumsumexp, (torch.logcumsumexp,), ("logcumsumexp",))
+def _logcumsumexp_scan(x, d):
+    """Log-depth (Hillis-Steele) scan of a logaddexp that is exact at equal infinities (-inf, -inf: -inf)."""
+    n, s = x._tt_shape[d], 1
+    while s < n:
+        head_shape = tuple(s if i == d else k for i, k in enumerate(x._tt_shape))
+        head = prims.full(head_shape, -math.inf, device=x._tt_device, dtype=x._tt_dtype)
+        b = clang.cat([head, clang.slice_in_dim(x, 0, n - s, dim=d)], d)
+        same_inf = prims.bitwise_and(prims.eq(x, b), prims.isinf(x))
+        gap = prims.where(same_inf, 0.0, prims.neg(prims.abs(prims.sub(x, b))))
+        x = prims.add(prims.maximum(x, b), prims.log1p(prims.exp(gap)))
+        s *= 2
+    return x
+
+
+@register_vjp(logcumsumexp)
+def _logcumsumexp_vjp(g, out, /, input, dim):
+    """Eager's ``logcumsumexp_backward``: reverse scans of ``log|g| - out`` for the positive and the negative
+    parts of ``g``, shifted by the input and exponentiated (NaN where the output is -inf, as eager's)."""
+    if input.ndim_ == 0:
+        return {"input": g}
+    x, y, gu = upcast(input), upcast(out), upcast(g)
+    d = clang.canonicalize_dim(x.ndim_, dim)
+    lowest = torch.finfo(x._tt_dtype.torch).min
+    log_abs = prims.log(prims.abs(gu))
+    # eager's CPU scan accumulates in double (acc_type) and rounds its result: so does this one, or the
+    # positive and negative parts' cancellation shows the scan's float32 rounding
+    acc = dtypes.float64 if input._tt_device.type == "cpu" else x._tt_dtype
+
+    def part(mask):
+        lg = clang.maybe_convert(prims.flip(prims.sub(prims.where(mask, log_abs, lowest), y), (d,)), acc)
+        rev = prims.flip(clang.maybe_convert(_logcumsumexp_scan(lg, d), x._tt_dtype), (d,))
+        return prims.exp(prims.add(rev, x))
+
+    grad = prims.sub(part(prims.gt(gu, 0.0)), part(prims.lt(gu, 0.0)))
+    return {"input": downcast_like(grad, input)}
 
 
 def _softmax_backward_data(grad_output, output, dim, input_dtype):

@@ -89,8 +89,12 @@ def movedim(input, source, destination):
     nd = input.ndim_
     src = [source] if is_int(source) else list(source)
     dst = [destination] if is_int(destination) else list(destination)
+    if len(src) != len(dst):
+        raise RuntimeError(f"movedim: Invalid source or destination dims: source ({src} dims) should contain the same number of dims as destination ({dst} dims)")
     src = [clang.canonicalize_dim(nd, d) for d in src]
     dst = [clang.canonicalize_dim(nd, d) for d in dst]
+    if nd == 0:  # dims 0 and -1 name the scalar itself: nothing moves (eager returns a view)
+        return clang.permute(input, [])
     perm = [-1] * nd
     for s, d in zip(src, dst):
         perm[d] = s
@@ -501,8 +505,8 @@ def meshgrid(*tensors, indexing=None):
         ts[0], ts[1] = ts[1], ts[0]
     shape = [t.shape[0] for t in ts]
     out = [t.reshape([-1 if i == k else 1 for i in range(len(ts))]).expand(shape) for k, t in enumerate(ts)]
-    if xy:
-        out[0], out[1] = out[1].transpose(0, 1), out[0].transpose(0, 1)
+    if xy:  # as eager: the "ij" grids of the swapped inputs, swapped back (no transpose)
+        out[0], out[1] = out[1], out[0]
     return tuple(out)
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import clang, prims
+from .. import clang, dtypes, prims
 from .registry import composed, torchsymbol
 
 
 @torchsymbol(torch.topk, methods=("topk",), returns=torch.return_types.topk)
 def topk(input, k, dim=-1, largest=True, sorted=True):
+    if input.ndim_ == 0:  # as eager: the scalar and index 0 (k may be 0 or 1)
+        clang.canonicalize_dim(0, dim)
+        if k not in (0, 1):
+            raise RuntimeError(f"selected index k out of range (k={k} for a 0-d tensor)")
+        return prims.clone(input), prims.full((), 0, device=input._tt_device, dtype=dtypes.int64)
     return prims.topk(input, k, clang.canonicalize_dim(input.ndim_, dim), largest, sorted)
 
 

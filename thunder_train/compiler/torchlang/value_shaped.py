@@ -81,28 +81,43 @@ def combinations(input, r=2, with_replacement=False):
 
 
 def lstsq(A, B, rcond=None, *, driver=None):
-    """Least squares through the pseudo-inverse (eager's LAPACK drivers give the same solution for the
-    full-rank problems they solve); the auxiliary outputs follow the driver, as eager's do."""
-    if driver not in ("gels", "gelsy", None) or rcond is not None:
-        raise NotImplementedError("linalg.lstsq with driver gelsd/gelss or rcond= is run by torch")
+    """Least squares through the pseudo-inverse: the minimum-norm solution LAPACK's gelsy, gelsd and gelss
+    drivers return (gels too, for full-rank problems); the auxiliary outputs follow the driver, as eager's do.
+    gelsd/gelss treat singular values up to ``rcond * s_max`` as zero (``pinv``'s ``rtol``; eager's gradient
+    is the untruncated one's all the same); gelsy's own pivoted-QR truncation with an explicit ``rcond`` is left
+    to torch."""
+    if driver not in ("gels", "gelsy", "gelsd", "gelss", None):
+        raise NotImplementedError(f"linalg.lstsq with driver={driver!r} is run by torch (eager checks it)")
+    svd_driver = driver in ("gelsd", "gelss")
+    if rcond is not None and (driver in ("gelsy", None) or rcond < 0):
+        raise NotImplementedError("linalg.lstsq with driver gelsy and rcond=, or a negative rcond, is run by torch")
     if A.dtype.is_complex or A.ndim < 2:
         raise NotImplementedError("complex or 1-d linalg.lstsq is run by torch")
     m, n = A.shape[-2], A.shape[-1]
     vector = B.ndim == A.ndim - 1
     Bm = B.unsqueeze(-1) if vector else B
+    rtol = rcond if rcond is not None else torch.finfo(A.dtype).eps * max(m, n)
     X = torch.matmul(torch.linalg.pinv(A), Bm)
+    if svd_driver and rcond is not None:
+        # the truncated solution's value with eager's gradient, which is the untruncated pinv's
+        X = X + (torch.matmul(torch.linalg.pinv(A, rtol=rtol), Bm) - X).detach()
     empty = A.reshape(-1)[:0]  # derived from A: requires grad like eager's empty outputs
+    singular_values = A.new_empty(0)  # eager's: no gradient
     if driver == "gels":
         rank = torch.zeros(0, dtype=torch.int64)
-        residuals = ((torch.matmul(A, X) - Bm) ** 2).sum(-2) if m > n else empty
+        with_residuals = m > n
+    elif svd_driver:
+        singular_values = torch.linalg.svdvals(A.detach())
+        rank = (singular_values > rtol * singular_values.amax(-1, keepdim=True)).sum(-1)
+        # eager computes them only when every matrix has full column rank: a decision on A's values
+        with_residuals = m > n and bool((rank == n).all())
     else:
         rank = torch.linalg.matrix_rank(A)
-        residuals = empty
+        with_residuals = False
+    residuals = ((torch.matmul(A, X) - Bm) ** 2).sum(-2) if with_residuals else empty
     if vector:
-        X = X.squeeze(-1)
-        if residuals.numel():
-            residuals = residuals.squeeze(-1)
-    return torch.return_types.linalg_lstsq((X, residuals, rank, A.new_empty(0)))  # eager's singular_values: no grad
+        X = X.squeeze(-1)  # eager keeps the residuals' last dim (size 1)
+    return torch.return_types.linalg_lstsq((X, residuals, rank, singular_values))
 
 
 composed("nonzero", nonzero, (torch.nonzero,), ("nonzero",))

@@ -1,0 +1,325 @@
+"""Ops at the edges OpInfo's later samples reach, compiled and compared with eager: values, dtypes, shapes and
+gradients.
+
+Each case was silently different from eager once (or failed where eager runs): ``meshgrid(indexing="xy")``,
+circular padding with negative pads, ``local_response_norm`` of integers, ``index_fill``'s value gradient with a
+repeated index, ``linalg.lstsq``'s drivers, reductions of 0-d tensors, the gradient of ``std`` / ``norm`` at a
+zero spread; with their neighbours (the other pad modes, other integer dtypes, the other drivers, ...).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+import thunder_train as tt
+
+
+def _leaves(x):
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _same(actual, expected, rtol, atol):
+    a, e = _leaves(actual), _leaves(expected)
+    assert len(a) == len(e)
+    for x, y in zip(a, e):
+        assert (x.shape, x.dtype, x.requires_grad) == (y.shape, y.dtype, y.requires_grad)
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def check(fn, *args, rtol=1e-6, atol=1e-6, grad=True):
+    """``fn(*args)`` compiled equals eager; with ``grad``, so do the gradients of a weighted sum of its float
+    outputs with respect to the float inputs."""
+    def run(f):
+        a = [t.detach().clone().requires_grad_(grad and t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in args]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = f(*a)
+        ins = [t for t in a if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [o for o in _leaves(out) if o.requires_grad]
+        if not (grad and ins and outs):
+            return out, []
+        g = torch.Generator().manual_seed(3)
+        loss = sum((o * torch.rand(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+        return out, [torch.zeros_like(t) if d is None else d for t, d in zip(ins, torch.autograd.grad(loss, ins, allow_unused=True))]
+
+    expected, e_grads = run(fn)
+    actual, c_grads = run(tt.compile(fn))
+    _same(actual, expected, rtol, atol)
+    _same(c_grads, e_grads, rtol, atol)
+
+
+# ---- meshgrid ----
+@pytest.mark.parametrize("indexing", ["ij", "xy", None])
+@pytest.mark.parametrize("sizes", [(3, 1), (3, 4), (3, 0), (2, 3, 4), (3, 1, 2, 1)])
+def test_meshgrid(indexing, sizes):
+    ts = [torch.randn(n, dtype=torch.float64) for n in sizes]
+    kw = {} if indexing is None else {"indexing": indexing}
+    check(lambda *t: torch.meshgrid(*t, **kw), *ts)
+    check(lambda *t: torch.meshgrid(list(t), **kw), *ts)
+
+
+def test_meshgrid_of_scalars_and_cartesian_prod():
+    a, b = torch.randn(3, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+    check(lambda x, y: torch.meshgrid(x, y, indexing="xy"), a, b)
+    check(lambda x, y: torch.cartesian_prod(x, y), a, torch.randn(2, dtype=torch.float64))
+
+
+# ---- F.pad: every mode with negative (cropping) and positive pads ----
+PADS_1D = [(1, 1), (-1, 1), (1, -1), (-1, 2), (2, -1), (-2, 1), (-1, -1), (0, -2), (3, 3), (-3, 3)]
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate", "constant"])
+@pytest.mark.parametrize("pad", PADS_1D)
+def test_pad_1d(mode, pad):
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    try:
+        F.pad(x, pad, mode=mode)
+    except Exception:  # eager rejects it: the compiled call raises too
+        with pytest.raises(Exception):
+            tt.compile(lambda t: F.pad(t, pad, mode=mode))(x)
+        return
+    check(lambda t: F.pad(t, pad, mode=mode), x)
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+@pytest.mark.parametrize("pad", [(-1, 1, -2, 1), (1, -1, 2, 0), (-1, 0, 1, -1, 1, 1)])
+def test_pad_nd_negative(mode, pad):
+    for x in (torch.randn(*(3, 4, 4, 5)[: len(pad) // 2 + 1], dtype=torch.float64),
+              torch.randn(*(2, 3, 4, 4, 5)[: len(pad) // 2 + 2], dtype=torch.float64)):
+        check(lambda t: F.pad(t, pad, mode=mode), x)
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_pad_forms_eager_rejects_are_rejected(mode):
+    x = torch.randn(1, 3, 4, 4, 5)
+    with pytest.raises(NotImplementedError):
+        F.pad(x, (1, 1, 1, 1), mode=mode)
+    with pytest.raises(NotImplementedError):
+        tt.compile(lambda t: F.pad(t, (1, 1, 1, 1), mode=mode))(x)
+
+
+# ---- integer inputs where eager computes in integers ----
+@pytest.mark.parametrize("shape", [(2, 5, 4), (2, 5, 3, 4)])
+def test_local_response_norm_of_integers(shape):
+    x = torch.randint(-9, 10, shape)  # eager averages the int64 squares with truncation (avg_pool's)
+    for size in (2, 3, 4):
+        check(lambda t: F.local_response_norm(t, size, alpha=0.5, beta=0.75, k=1.0), x, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_local_response_norm_of_other_integers_raises_as_eager(dtype):
+    x = torch.randint(0, 10, (2, 5, 4)).to(dtype)
+    with pytest.raises(NotImplementedError):
+        F.local_response_norm(x, 2)
+    with pytest.raises(NotImplementedError):
+        tt.compile(lambda t: F.local_response_norm(t, 2))(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_xlog1py_and_xlogy_of_integers(dtype):
+    x = torch.tensor([0, 0, 3, -2, 5, 1]).to(dtype)
+    y = torch.tensor([-1, 4, 0, 2, -1, 7]).to(dtype)
+    check(torch.special.xlog1py, x, y, grad=False)
+    check(torch.xlogy, x, y, grad=False)
+    check(torch.special.xlog1py, x, y.double())
+    check(torch.xlogy, x.double(), y)
+
+
+# ---- index_fill and its neighbours with a repeated index ----
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_index_fill_value_gradient_counts_each_position_once(dim):
+    x = torch.randn(4, 5, dtype=torch.float64)
+    index = torch.tensor([1, 3, 1, 0, 3])  # (eager's backward rejects negative positions)
+    value = torch.tensor(2.5, dtype=torch.float64)
+    check(lambda t, i, v: t.index_fill(dim, i, v), x, index, value)
+    check(lambda t, i: t.index_fill(dim, i, -1.5), x, index)
+    check(lambda t, i, v: torch.index_fill(t, dim, i, v), x.to(torch.int64), index, value, grad=False)
+    check(lambda t, i, v: t.index_fill(dim, i, v), x, torch.tensor([1, -1, 1]), value, grad=False)
+
+
+def test_index_fill_of_a_scalar_and_in_place():
+    check(lambda t, i, v: t.index_fill(0, i, v), torch.tensor(1.0, dtype=torch.float64), torch.tensor([0, 0]), torch.tensor(3.0, dtype=torch.float64))
+    check(lambda t, i, v: t.clone().index_fill_(1, i, v), torch.randn(3, 4, dtype=torch.float64), torch.tensor([2, 2, 0]), torch.tensor(7.0, dtype=torch.float64))
+
+
+def test_index_put_and_copy_with_repeated_indices_keep_eager_gradients():
+    x, i = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 2, 4])
+    check(lambda t, s: t.index_copy(0, i, s), x, torch.randn(3, 3, dtype=torch.float64))
+    check(lambda t, v: t.index_put((torch.tensor([1, 1, 3]),), v, accumulate=True), x, torch.randn(3, dtype=torch.float64))
+
+
+# ---- linalg.lstsq: every driver, rcond, rank-deficient problems ----
+@pytest.mark.parametrize("driver", ["gels", "gelsy", "gelsd", "gelss", None])
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 4, 3), (3, 3)])
+def test_lstsq_drivers(driver, shape):
+    torch.manual_seed(0)
+    A = torch.randn(*shape, dtype=torch.float64)
+    B = torch.randn(*shape[:-1], 2, dtype=torch.float64)
+    check(lambda a, b: torch.linalg.lstsq(a, b, driver=driver), A, B)
+    check(lambda a, b: torch.linalg.lstsq(a, b[..., 0], driver=driver), A, B)
+
+
+@pytest.mark.parametrize("driver", ["gelsd", "gelss"])
+def test_lstsq_rcond_and_rank_deficient_residuals(driver):
+    torch.manual_seed(0)
+    A = torch.randn(5, 3, dtype=torch.float64)
+    low_rank = torch.randn(5, 2, dtype=torch.float64) @ torch.randn(2, 3, dtype=torch.float64)
+    B = torch.randn(5, 2, dtype=torch.float64)
+    check(lambda a, b: torch.linalg.lstsq(a, b, rcond=0.5, driver=driver), A, B)
+    # residuals exist only at full column rank: the same compiled function follows the rank
+    f = tt.compile(lambda a, b: torch.linalg.lstsq(a, b, driver=driver))
+    for a in (A, low_rank, A):
+        _same(f(a, B), torch.linalg.lstsq(a, B, driver=driver), 1e-6, 1e-6)
+
+
+# ---- reductions of 0-d tensors (dims 0 and -1 name the scalar) ----
+ZERO_D = {
+    "softmax": lambda x: F.softmax(x, 0),
+    "softmax-1": lambda x: torch.softmax(x, -1),
+    "softmax_dtype": lambda x: F.softmax(x, 0, dtype=torch.float64),
+    "log_softmax": lambda x: F.log_softmax(x, -1),
+    "softmin": lambda x: F.softmin(x, 0),
+    "implicit_dim": lambda x: F.log_softmax(x),
+    "sum": lambda x: x.sum(0),
+    "mean_list": lambda x: x.mean([-1]),
+    "logsumexp": lambda x: torch.logsumexp(x, 0),
+    "std0": lambda x: x.std(0, correction=0),
+    "var_mean": lambda x: torch.var_mean(x, 0, correction=0),
+    "std_mean": lambda x: torch.std_mean(x, -1, correction=0),
+    "norm": lambda x: x.norm(dim=0),
+    "cumsum": lambda x: x.cumsum(0),
+    "logcumsumexp": lambda x: x.logcumsumexp(-1),
+    "max": lambda x: x.max(0),
+    "argmax": lambda x: x.argmax(-1),
+    "topk1": lambda x: x.topk(1, 0),
+    "topk0": lambda x: x.topk(0),
+    "sort": lambda x: x.sort(0),
+    "movedim": lambda x: x.movedim(0, -1),
+    "moveaxis_list": lambda x: torch.moveaxis(x, [0], [0]),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO_D))
+def test_zero_d_reductions(name):
+    check(ZERO_D[name], torch.tensor(1.5, dtype=torch.float64))
+
+
+def test_implicit_softmax_dim_follows_eager():
+    for shape in [(3,), (2, 3), (2, 3, 4), (2, 3, 4, 5)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        check(lambda t: F.softmax(t), x)
+        check(lambda t: F.softmin(t), x)
+
+
+# ---- gradients at a zero spread: eager's are 0, a square root's rule gives NaN ----
+@pytest.mark.parametrize("name,fn", [
+    ("std", lambda x: x.std()),
+    ("std_dim", lambda x: x.std(1, keepdim=True)),
+    ("std_mean", lambda x: torch.std_mean(x, 0)),
+    ("std_correction0", lambda x: x.std(dim=(0, 1), correction=0)),
+    ("norm", lambda x: (x - 1).norm()),
+    ("norm_fro_dim", lambda x: (x - 1).norm(p="fro", dim=1)),
+    ("dist", lambda x: torch.dist(x, torch.ones(2, 3, dtype=torch.float64))),
+    ("vector_norm", lambda x: torch.linalg.vector_norm(x - 1, dim=0)),
+])
+def test_zero_spread_gradients(name, fn):
+    x = torch.ones(2, 3, dtype=torch.float64)
+    x[1] = torch.tensor([1.0, 2.0, 4.0])  # one constant row and one that is not
+    check(fn, x)
+    check(fn, torch.ones(2, 3, dtype=torch.float64))
+
+
+def test_std_low_precision():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    check(lambda t: t.std(1), x, rtol=2e-2, atol=2e-2)
+
+
+# ---- ctc_loss: run by torch (no meta kernel; its output metadata from a rule), eager's backward ----
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_ctc_loss(reduction, zero_infinity):
+    torch.manual_seed(0)
+    T, N, C = 12, 3, 6
+    x = torch.randn(T, N, C, dtype=torch.float64)
+    targets = torch.randint(1, C, (N, 5))
+    il, tl = torch.tensor([12, 10, 3]), torch.tensor([4, 2, 5])  # the last is impossible: an infinite loss
+    check(lambda t, y, a, b: F.ctc_loss(t.log_softmax(2), y, a, b, reduction=reduction, zero_infinity=zero_infinity),
+          x, targets, il, tl)
+    check(lambda t: F.ctc_loss(t.log_softmax(2), targets, [12, 10, 3], [4, 2, 5], blank=C - 1, reduction=reduction,
+                               zero_infinity=zero_infinity), x)
+    # unbatched, and concatenated 1-d targets
+    check(lambda t: F.ctc_loss(t[:, 0].log_softmax(1), targets[0, :4], [12], [4], reduction=reduction), x)
+    check(lambda t: F.ctc_loss(t.log_softmax(2), targets[:, :3].reshape(-1), il.clamp(min=8), torch.tensor([3, 3, 3]),
+                               reduction=reduction), x)
+
+
+def test_ctc_loss_module_in_a_training_step_full_and_thin():
+    torch.manual_seed(0)
+    for thin in (False, True):
+        models = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LogSoftmax(-1)) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        ctc = torch.nn.CTCLoss(blank=0)
+
+        def step(m, opt, x, y, il, tl):
+            loss = ctc(m(x), y, il, tl)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        cs = tt.compile(step, thin=thin)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batch = (torch.randn(10, 2, 4, generator=g), torch.randint(1, 6, (2, 4), generator=g),
+                     torch.tensor([10, 8]), torch.tensor([4, 3]))
+            torch.testing.assert_close(cs(models[1], opts[1], *batch), step(models[0], opts[0], *batch))
+        for a, b in zip(models[1].parameters(), models[0].parameters()):
+            torch.testing.assert_close(a, b)
+        assert any("ctc_loss" in o for o in tt.compile_stats(cs).opaque_ops)
+
+
+@pytest.mark.parametrize("fn", [torch.xlogy, torch.special.xlog1py])
+@pytest.mark.parametrize("a,b", [("t", -1), ("t", 2.5), ("t", float("nan")), (0, "t"), (2, "t"), ("i", 3), (1.5, "i")])
+def test_xlogy_family_with_a_number(fn, a, b):
+    vals = {"t": torch.tensor([0.0, 0.0, 2.0, -1.0, 3.0], dtype=torch.float64), "i": torch.tensor([0, 1, -2, 3, 0])}
+    check(lambda *ts: fn(*[vals_or(ts, v) for v in (a, b)]), *[vals[v] for v in (a, b) if isinstance(v, str)])
+
+
+def vals_or(ts, v):
+    """The tensor argument (there is one) in place of its name; a number as is."""
+    return ts[0] if isinstance(v, str) else v
+
+
+# ---- cumulative ops' gradients ----
+@pytest.mark.parametrize("name,fn", [
+    ("logcumsumexp", lambda x: torch.logcumsumexp(x, 1)),
+    ("cumsum", lambda x: torch.cumsum(x, 0)),
+    ("cumprod", lambda x: torch.cumprod(x, 1)),
+    ("cummax", lambda x: torch.cummax(x, 1)),
+    ("cummin", lambda x: torch.cummin(x, 0)),
+])
+def test_cumulative_gradients(name, fn):
+    x = torch.randn(4, 6, dtype=torch.float64) * 3
+    x[1, 2] = 0.0  # cumprod through a zero
+    if name == "logcumsumexp":
+        x[2, 3:] = -torch.inf
+        x[3] = -torch.inf
+    check(fn, x)
+
+
+def test_logcumsumexp_gradient_is_eagers():
+    """Eager's formula (reverse scans of ``log|g| - out``, the scan accumulated in double on the CPU): its float32
+    gradient to rounding, NaN where the output is -inf (an all -inf prefix), and the decomposition's forward."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 5) * 3
+    x[0, :2] = -torch.inf
+    x[1, :, 0] = -torch.inf
+    f = lambda t: torch.logcumsumexp(t, 1)  # noqa: E731
+    check(f, x, rtol=1e-6, atol=1e-6)
+    check(lambda t: torch.logcumsumexp(t, -1), x.double(), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(tt.compile(f, decompose=True)(x), f(x), rtol=1e-5, atol=1e-5)
