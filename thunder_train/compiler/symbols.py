@@ -101,6 +101,11 @@ class Symbol:
         """Whether a call mutates something or must run even when nobody reads its outputs."""
         return bool(self.tags & SIDE_EFFECT_TAGS)
 
+    @property
+    def draws_random(self) -> bool:
+        """Whether a call uses or changes a global random generator's state (tag ``"random"``)."""
+        return "random" in self.tags
+
     def __call__(self, *args, **kwargs):
         trc = context.get_trace()
         if trc is None:
@@ -186,6 +191,14 @@ class BoundSymbol:
     def has_side_effect(self) -> bool:
         """The symbol's own side effect, or one of its decomposition's (DCE keeps the line)."""
         return self.sym.has_side_effect or any(s.has_side_effect for s in self.subsymbols)
+
+    @property
+    def draws_random(self) -> bool:
+        """The symbol or one of its decomposition's uses or changes a global generator's state: the line runs
+        even when nobody reads its outputs (an unread ``torch.rand`` still advances the generator in eager)."""
+        src = self.source
+        return (self.sym.draws_random or (src is not None and src.draws_random)
+                or any(s.draws_random for s in self.subsymbols))
 
     def __repr__(self) -> str:
         return "\n".join(codegen.format_bsym(self, None, with_subsymbols=False))
