@@ -430,6 +430,21 @@ def _(bsym):
     return torch_impls.bernoulli, bsym.args, {}
 
 
+@_rule(prims.get_rng_state)
+def _(bsym):
+    return torch_impls.get_rng_state, (bsym.args[0].torch,), {}
+
+
+@_rule(prims.set_rng_state)
+def _(bsym):
+    return torch_impls.set_rng_state, (bsym.args[0], bsym.args[1].torch), {}
+
+
+@_rule(prims.manual_seed)
+def _(bsym):
+    return torch_impls.manual_seed, bsym.args, {}
+
+
 @_rule(prims.copy_)
 def _(bsym):
     return torch_impls.copy_, bsym.args, {}
