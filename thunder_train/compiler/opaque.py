@@ -139,7 +139,9 @@ def call_opaque(func, args, kwargs, *, strict: bool):
             "Operations whose output shape depends on tensor values (nonzero, boolean masking, unique, .item()) cannot be compiled."
         ) from e
     finally:
-        torch.default_generator.set_state(rng)
+        # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
+        if not torch.equal(torch.default_generator.get_state(), rng):
+            torch.default_generator.set_state(rng)
     if proxies:
         device = proxies[0]._tt_device
     else:
