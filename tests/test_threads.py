@@ -107,8 +107,12 @@ class _Gate(nn.Module):
         return x
 
 
+# the optimizers whose eager implementations tracing routes to their fused kernels (torchlang/optim.py)
+OPTIMIZERS = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad]
+
+
 def test_eager_code_in_another_thread_while_one_traces():
-    """While a thread traces, another steps an optimizer eagerly and draws random numbers: its results are eager's,
+    """While a thread traces, another steps optimizers eagerly and draws random numbers: its results are eager's,
     and the trace is not refused for the generator the other thread moved."""
     gate = _Gate()
     model, other = nn.Sequential(gate, _mlp(0)), _mlp(1)
@@ -123,16 +127,14 @@ def test_eager_code_in_another_thread_while_one_traces():
     def eager():
         gate.tracing.wait(timeout=60)
         try:
-            opt = torch.optim.SGD(other.parameters(), lr=0.1)
             torch.manual_seed(3)
-            got["eager"] = [_step(other, opt, x + torch.randn(5, 6), y) for _ in range(3)]
+            got["eager"] = [_step(other, opt(other.parameters(), lr=0.1), x + torch.randn(5, 6), y) for opt in OPTIMIZERS]
         finally:
             gate.release.set()
 
     assert _in_threads([compiled, eager]) == []
-    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     torch.manual_seed(3)
-    want = [_step(twin, opt, x + torch.randn(5, 6), y) for _ in range(3)]
+    want = [_step(twin, opt(twin.parameters(), lr=0.1), x + torch.randn(5, 6), y) for opt in OPTIMIZERS]
     torch.testing.assert_close(torch.stack(got["eager"]), torch.stack(want))
     torch.testing.assert_close(got["compiled"], _step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y))
     for a, b in zip(model.parameters(), reference.parameters()):

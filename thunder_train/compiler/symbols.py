@@ -51,7 +51,9 @@ class Symbol:
     - ``"non_differentiable"``: its outputs carry no gradient (autograd does not differentiate through it);
     - ``"cheap_to_recompute"``: the backward recomputes its output from its input rather than saving it,
       when that saves no extra value (views, conversions, constants; transforms/autograd.py);
-    - ``"random"``: its values differ from call to call (decisions refuse to depend on it);
+    - ``"random"``: it uses or changes a global generator's state (random values, prims/generators.py): its values
+      differ from call to call (decisions refuse to depend on it), and DCE keeps it although nobody reads it
+      (an unread draw still advances eager's generator; ``BoundSymbol.draws_random``);
     - ``"view"``: a torch-language op whose result shares storage with its first argument in eager PyTorch
       (getitem with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``);
     - ``"shape_only"``: a prim computing a view or a reshape, whose output layout is the same on every device
