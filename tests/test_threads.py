@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,8 +51,9 @@ def _mlp(seed):
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
 
 
-def test_models_through_one_compiled_step():
-    cf = tt.compile(_step)
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_models_through_one_compiled_step(thin):
+    cf = tt.compile(_step, thin=thin)
     models = [_mlp(i) for i in range(4)]
     eager = [copy.deepcopy(m) for m in models]
     g = torch.Generator().manual_seed(0)
