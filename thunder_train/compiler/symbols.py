@@ -54,6 +54,8 @@ class Symbol:
     - ``"random"``: it uses or changes a global generator's state (random values, prims/generators.py): its values
       differ from call to call (decisions refuse to depend on it), and DCE keeps it although nobody reads it
       (an unread draw still advances eager's generator; ``BoundSymbol.draws_random``);
+    - ``"reads_generator"``: it reads a global generator's state without changing it (``prims.get_rng_state``):
+      its value differs from call to call (decisions refuse to depend on it), and it runs in program order;
     - ``"view"``: a torch-language op whose result shares storage with its first argument in eager PyTorch
       (getitem with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``);
     - ``"shape_only"``: a prim computing a view or a reshape, whose output layout is the same on every device

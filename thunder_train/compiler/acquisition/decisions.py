@@ -92,8 +92,12 @@ def _refuse(what: str, where: str, why: str):
 
 def _random(b) -> bool:
     """A random op (tag ``"random"``, or run opaquely with an aten overload torch tags ``nondeterministic_seeded``),
-    or a decomposition holding one."""
-    return b.draws_random
+    a read of a generator's state (``"reads_generator"``), or a decomposition holding one."""
+    return b.draws_random or _reads_generator(b)
+
+
+def _reads_generator(b) -> bool:
+    return "reads_generator" in getattr(b.sym, "tags", ()) or any(_reads_generator(s) for s in b.subsymbols)
 
 
 def _slice(st, value):

@@ -3,8 +3,9 @@
 Inside a compiled function, ``torch.manual_seed``, ``torch.get_rng_state``/``set_rng_state`` and their
 ``torch.cuda`` forms (and so ``torch.random.fork_rng`` and checkpoint's ``preserve_rng_state``, which are built on
 them) are lines of the program, run where eager runs them on every call: reading the state gives a uint8 tensor,
-setting it takes one. All three are ``"random"``: they use or change a generator, so DCE keeps the writes, the
-decisions refuse values read from them, and a program abandoned by a decision check puts the state back.  Which
+setting it takes one. Seeding and setting are ``"random"`` (they change a generator: DCE keeps them, and a program
+abandoned by a decision check puts the state back); reading is ``"reads_generator"`` (an unread read is dropped;
+decisions refuse values read from it, as from random values).  Which
 generator: ``device`` (a ``devices.Device``, ``cpu`` or ``cuda:i``); ``manual_seed``'s ``scope`` is ``"all"``
 (``torch.manual_seed``: every device), ``"cuda"`` (the current CUDA device) or ``"cuda_all"``."""
 from __future__ import annotations
@@ -28,7 +29,7 @@ def state_size(device) -> int:
     return mod.default_generators[device.index].get_state().numel()
 
 
-@prim(tags=("random", "non_differentiable"))
+@prim(tags=("reads_generator", "non_differentiable"))
 def get_rng_state(device):
     """A copy of ``device``'s default generator state (a CPU uint8 tensor, as ``torch.get_rng_state()``)."""
     check(isinstance(device, devices.Device), "get_rng_state: expected a device")
