@@ -54,7 +54,7 @@ def _mlp(seed):
 @pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
 def test_models_through_one_compiled_step(thin):
     cf = tt.compile(_step, thin=thin)
-    models = [_mlp(i) for i in range(4)]
+    models = [_mlp(i) for i in range(3)]
     eager = [copy.deepcopy(m) for m in models]
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)) for _ in models]
@@ -64,7 +64,7 @@ def test_models_through_one_compiled_step(thin):
         opt = torch.optim.Adam(models[i].parameters(), lr=1e-2)
         got[i] = torch.stack([cf(models[i], opt, *data[i]) for _ in range(3)])
 
-    assert _in_threads([lambda i=i: train(i) for i in range(4)]) == []
+    assert _in_threads([lambda i=i: train(i) for i in range(len(models))]) == []
     for i, m in enumerate(eager):
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         want = torch.stack([_step(m, opt, *data[i]) for _ in range(3)])
@@ -82,7 +82,7 @@ def test_pure_function_with_different_shapes():
         return torch.softmax(x @ x.T, dim=-1).sum(0) * 2 + x.mean()
 
     cf = tt.compile(f)
-    xs = [torch.randn(n, 3) for n in (2, 3, 4, 5, 6, 7)]
+    xs = [torch.randn(n, 3) for n in (2, 3, 4, 5)]
     got = {}
 
     def run(i):
