@@ -113,7 +113,7 @@ _RESEED_MSG = (
 def _refusing(name, original, st, elsewhere):
     def reseed(*args, **kwargs):
         if context.tracer_state() is not st:  # another thread, or a pass after acquisition
-            elsewhere.append(name)
+            elsewhere.note(name)
             return original(*args, **kwargs)
         raise TracingError(_RESEED_MSG.format(name=name))
 
@@ -121,10 +121,21 @@ def _refusing(name, original, st, elsewhere):
     return reseed
 
 
+class _OtherThreads:
+    """The generator functions other threads called while this thread traced (they pass through our patches)."""
+
+    def __init__(self):
+        self.owner, self.calls = threading.get_ident(), []
+
+    def note(self, name):
+        if threading.get_ident() != self.owner:
+            self.calls.append(name)
+
+
 def _traced(name, traced, original, st, elsewhere):
     def fn(*args, **kwargs):
         if context.tracer_state() is not st:  # eager code in another thread, or a pass after acquisition
-            elsewhere.append(name)
+            elsewhere.note(name)
             return original(*args, **kwargs)
         return traced(*args, **kwargs)
 
@@ -150,7 +161,7 @@ def global_state_unchanged():
     before = {k: get() for k, (get, _) in _STATE.items()}
     rng = _rng_state()
     patched = []
-    elsewhere = []  # generator functions other threads called meanwhile
+    elsewhere = _OtherThreads()
     for (mod, name), traced in list(_TRACED.items()) + [(k, None) for k in _REFUSED]:
         original = getattr(mod, name, None)
         if original is not None:
@@ -174,8 +185,9 @@ def global_state_unchanged():
         # seed is that unless another thread seeded through torch's functions meanwhile; a state that only advanced
         # may be another thread's draws (the generator is theirs too), so that counts only when no other thread
         # runs. Either way the state is put back and the call refused.
-        reseeded = rng_after[1] != rng[1] and not elsewhere
-        rng_changed = reseeded or not elsewhere and not _other_threads() and not torch.equal(rng_after[0], rng[0])
+        others_seeded = bool(elsewhere.calls)
+        reseeded = rng_after[1] != rng[1] and not others_seeded
+        rng_changed = reseeded or not others_seeded and not _other_threads() and not torch.equal(rng_after[0], rng[0])
         if rng_changed:
             torch.set_rng_state(rng[0])
         if ok and rng_changed:
