@@ -68,6 +68,18 @@ class OpaqueSymbol(Symbol):
         return self._globals
 
     @property
+    def draws_random(self) -> bool:
+        """torch tags the op's aten overloads ``nondeterministic_seeded`` (``torch.poisson``)."""
+        packet = getattr(torch.ops.aten, self.name.rsplit(".", 1)[-1], None)
+        if packet is None:
+            return False
+        try:
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except Exception:  # noqa: BLE001 - not an op packet: nothing known
+            return False
+        return any(torch.Tag.nondeterministic_seeded in getattr(o, "tags", ()) for o in overloads)
+
+    @property
     def has_side_effect(self) -> bool:
         # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
         n = self.name
@@ -140,7 +152,9 @@ def call_opaque(func, args, kwargs, *, strict: bool):
             "Operations whose output shape depends on tensor values (nonzero, boolean masking, unique, .item()) cannot be compiled."
         ) from e
     finally:
-        torch.default_generator.set_state(rng)
+        # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
+        if not torch.equal(torch.default_generator.get_state(), rng):
+            torch.default_generator.set_state(rng)
     if proxies:
         device = proxies[0]._tt_device
     else:

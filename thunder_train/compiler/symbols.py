@@ -36,7 +36,11 @@ TAGS = {
     "non_differentiable": "its outputs carry no gradient (autograd does not differentiate through it)",
     "cheap_to_recompute": "the backward recomputes its output from its input rather than saving it, when that "
                           "saves no extra value (views, conversions, constants; transforms/autograd.py)",
-    "random": "its values differ from call to call (decisions refuse to depend on it)",
+    "random": "it uses or changes a global generator's state (random values, prims/generators.py): its values "
+              "differ from call to call (decisions refuse to depend on it), and DCE keeps it although nobody reads it "
+              "(an unread draw still advances eager's generator; ``BoundSymbol.draws_random``)",
+    "reads_generator": "it reads a global generator's state without changing it (``prims.get_rng_state``): its value "
+                       "differs from call to call (decisions refuse to depend on it), and it runs in program order",
     "view": "a torch-language op whose result shares storage with its first argument in eager PyTorch (getitem "
             "with tensor indices aside): the tracer keeps the alias (acquisition/inplace.py ``is_view``)",
     "shape_only": "a prim computing a view or a reshape, whose output layout is the same on every device "
@@ -145,6 +149,9 @@ class Symbol:
     def runs_opaquely(self) -> bool:
         """An op the compiler does not know, run as called (tag ``"opaque"``): anything may happen in it."""
         return "opaque" in self.tags
+    def draws_random(self) -> bool:
+        """Whether a call uses or changes a global random generator's state (tag ``"random"``)."""
+        return "random" in self.tags
 
     def __call__(self, *args, **kwargs):
         trc = context.get_trace()
@@ -231,6 +238,14 @@ class BoundSymbol:
     def has_side_effect(self) -> bool:
         """The symbol's own side effect, or one of its decomposition's (DCE keeps the line)."""
         return self.sym.has_side_effect or any(s.has_side_effect for s in self.subsymbols)
+
+    @property
+    def draws_random(self) -> bool:
+        """The symbol or one of its decomposition's uses or changes a global generator's state: the line runs
+        even when nobody reads its outputs (an unread ``torch.rand`` still advances the generator in eager)."""
+        src = self.source
+        return (self.sym.draws_random or (src is not None and src.draws_random)
+                or any(s.draws_random for s in self.subsymbols))
 
     def __repr__(self) -> str:
         return "\n".join(codegen.format_bsym(self, None, with_subsymbols=False))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 
 import torch
 
@@ -83,6 +84,21 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     (``decisions.py``): the trace takes them instead of computing them.
     """
     check_call_signature(fn, args, kwargs)
+    with TRACING_LOCK:
+        return _acquire(fn, args, kwargs, strict=strict, dynamic=dynamic, fused_optimizers=fused_optimizers,
+                        forced_decisions=forced_decisions)
+
+
+# One acquisition at a time in the process. While it runs, tracing patches process-wide names (torch.optim's
+# update functions, ``Function.apply``, DDP's forward, the reseeding functions) and registers a global optimizer
+# step hook; done by two threads at once, one trace would see the other's patches and hooks, and undoing them
+# out of order would leave one installed. Each patch acts only in the thread whose trace installed it
+# (``context.tracer_state()``) and passes everything else through, so eager code in other threads runs unchanged
+# while a trace holds the lock. Re-entrant: a trace may acquire a nested function in the same thread.
+TRACING_LOCK = threading.RLock()
+
+
+def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_decisions) -> Acquired:
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
     walker = InputWalker(trc, arg_names(fn))
     walker.dynamic = dynamic

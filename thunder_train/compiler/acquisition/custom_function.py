@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from .. import context
+from .checkpoint import is_reentrant_checkpoint, reentrant_checkpoint
 from ..errors import TracingError
 from ..proxies import TensorProxy
 from ..symbols import Symbol
@@ -142,6 +143,9 @@ def custom_functions_while_tracing(needs_grad):
 
     def apply(cls, *args, **kwargs):
         st = context.tracer_state()
+        if st is not None and is_reentrant_checkpoint(cls):
+            tensors = [a for a in args if type(a) is TensorProxy]
+            return reentrant_checkpoint(args, torch.is_grad_enabled() and any(needs_grad(st, tensors)) if tensors else False)
         if st is not None and torch.is_grad_enabled() and cls is not BackwardHookFunction:
             positions = [i for i, a in enumerate(args) if type(a) is TensorProxy]
             extra = [v for v in kwargs.values() if type(v) is TensorProxy]

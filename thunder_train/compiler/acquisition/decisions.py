@@ -91,22 +91,13 @@ def _refuse(what: str, where: str, why: str):
 
 
 def _random(b) -> bool:
-    return "random" in getattr(b.sym, "tags", ()) or _opaque_random(b) or any(_random(s) for s in b.subsymbols)
+    """A random op (tag ``"random"``, or run opaquely with an aten overload torch tags ``nondeterministic_seeded``),
+    a read of a generator's state (``"reads_generator"``), or a decomposition holding one."""
+    return b.draws_random or _reads_generator(b)
 
 
-def _opaque_random(b) -> bool:
-    """An op run opaquely whose aten overloads torch tags ``nondeterministic_seeded`` (``torch.poisson``)."""
-    if "opaque" not in getattr(b.sym, "tags", ()):
-        return False
-    short = b.sym.name.rsplit(".", 1)[-1]
-    packet = getattr(torch.ops.aten, short, None)
-    if packet is None:
-        return False
-    try:
-        overloads = [getattr(packet, o) for o in packet.overloads()]
-    except Exception:  # noqa: BLE001 — not an op packet: nothing known
-        return False
-    return any(torch.Tag.nondeterministic_seeded in getattr(o, "tags", ()) for o in overloads)
+def _reads_generator(b) -> bool:
+    return "reads_generator" in getattr(b.sym, "tags", ()) or any(_reads_generator(s) for s in b.subsymbols)
 
 
 def _slice(st, value):

@@ -1,14 +1,16 @@
-"""Process-wide torch state a traced function changes: refused, never silently dropped.
+"""Process-wide torch state a traced function changes: traced as lines of the program, or refused; never
+silently dropped.
 
 Tracing runs the user's Python once; later calls run only the recorded tensor program.  A call
-that changes process-wide state (``torch.manual_seed``, ``torch.set_default_dtype``,
+that changes process-wide state (``torch.set_default_dtype``,
 ``torch.set_grad_enabled(False)`` as a plain call, ``torch.use_deterministic_algorithms``, ...)
-would therefore happen on the first call only: later calls would draw different random numbers
-than eager, or leave the state as it was.  So
+would therefore happen on the first call only: later calls would leave the state as it was.  So
 
-* reseeding the random number generators (``torch.manual_seed``, ``torch.seed``,
-  ``torch.set_rng_state`` and their ``torch.random``/``torch.cuda`` forms) raises at once — a
-  reseed never changes anything the trace could see, so it cannot be specialised on;
+* seeding, reading and setting the random generators' state (``torch.manual_seed``,
+  ``torch.get_rng_state``/``set_rng_state``, their ``torch.random``/``torch.cuda`` forms, and so
+  ``torch.random.fork_rng`` and checkpoint's ``preserve_rng_state``) become lines of the program
+  (``prims/generators.py``), run on every call where eager runs them; ``torch.seed()`` (entropy
+  from the operating system) raises at once;
 * any other state in ``_STATE`` that the function leaves changed when it returns raises, naming it
   (a change that is undone before returning, as ``with torch.set_grad_enabled(False):`` does, is
   traced like any other region);
@@ -17,11 +19,13 @@ than eager, or leave the state as it was.  So
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
-from .. import context
+from .. import context, devices, prims
 from ..errors import TracingError
+from ..proxies import TensorProxy, is_int
 
 
 def _backend_flag(obj, attr):
@@ -51,21 +55,65 @@ _STATE = {
     "torch.backends.cuda.matmul.allow_tf32": _backend_flag(torch.backends.cuda.matmul, "allow_tf32"),
 }
 
-# (module, name) of the Python functions that reseed a generator
-_RESEEDS = [(torch, "manual_seed"), (torch, "seed"), (torch, "set_rng_state"),
-            (torch.random, "manual_seed"), (torch.random, "seed"), (torch.random, "set_rng_state"),
-            (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"), (torch.cuda, "seed"), (torch.cuda, "seed_all"),
-            (torch.cuda, "set_rng_state"), (torch.cuda, "set_rng_state_all")]
+def _cuda_device(device):
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return devices.Device("cuda", d.index)
+
+
+def _state_value(name, state):
+    if type(state) is not TensorProxy:
+        raise TracingError(
+            f"{name}() inside a compiled function was given a {type(state).__name__} made while tracing, not a state "
+            "read by torch.get_rng_state() or a tensor input: pass the saved state in as an argument (or read it from "
+            "a global), so that every call sets it.")
+    return state
+
+
+def _seed_value(seed):
+    return seed if is_int(seed) else int(seed)  # eager's int(seed)
+
+
+def _cpu_manual_seed(seed):
+    prims.manual_seed(_seed_value(seed), "all")
+    return torch.default_generator
+
+
+# (module, name) -> what it does while this thread traces: a line of the program (prims/generators.py), so that
+# every call seeds, reads and restores the generators where eager does (fork_rng and checkpoint's
+# preserve_rng_state are built on these names and come along).
+_TRACED = {
+    (torch, "manual_seed"): _cpu_manual_seed,
+    (torch.random, "manual_seed"): _cpu_manual_seed,
+    (torch, "get_rng_state"): lambda: prims.get_rng_state(devices.cpu),
+    (torch.random, "get_rng_state"): lambda: prims.get_rng_state(devices.cpu),
+    (torch, "set_rng_state"): lambda new_state: prims.set_rng_state(_state_value("torch.set_rng_state", new_state), devices.cpu),
+    (torch.random, "set_rng_state"): lambda new_state: prims.set_rng_state(
+        _state_value("torch.random.set_rng_state", new_state), devices.cpu),
+    (torch.cuda, "manual_seed"): lambda seed: prims.manual_seed(_seed_value(seed), "cuda"),
+    (torch.cuda, "manual_seed_all"): lambda seed: prims.manual_seed(_seed_value(seed), "cuda_all"),
+    (torch.cuda, "get_rng_state"): lambda device="cuda": prims.get_rng_state(_cuda_device(device)),
+    (torch.cuda, "get_rng_state_all"): lambda: [prims.get_rng_state(devices.Device("cuda", i))
+                                                for i in range(torch.cuda.device_count())],
+    (torch.cuda, "set_rng_state"): lambda new_state, device="cuda": prims.set_rng_state(
+        _state_value("torch.cuda.set_rng_state", new_state), _cuda_device(device)),
+    (torch.cuda, "set_rng_state_all"): lambda new_states: [prims.set_rng_state(
+        _state_value("torch.cuda.set_rng_state_all", s), devices.Device("cuda", i)) for i, s in enumerate(new_states)],
+}
+
+# (module, name) of the functions that seed from the operating system's entropy: no two calls agree, so the
+# program cannot draw what eager draws after them
+_REFUSED = [(torch, "seed"), (torch.random, "seed"), (torch.cuda, "seed"), (torch.cuda, "seed_all")]
 
 _RESEED_MSG = (
-    "{name}() inside a compiled function: it would run once, while tracing, and later calls would draw different "
-    "random numbers than eager. Seed outside the compiled function (before calling it), or pass random tensors in."
+    "{name}() inside a compiled function seeds from the operating system's entropy, which no compiled program can "
+    "reproduce. Call it outside the compiled function, or seed with torch.manual_seed(n) inside."
 )
 
 
-def _refusing(name, original, st):
+def _refusing(name, original, st, elsewhere):
     def reseed(*args, **kwargs):
         if context.tracer_state() is not st:  # another thread, or a pass after acquisition
+            elsewhere.note(name)
             return original(*args, **kwargs)
         raise TracingError(_RESEED_MSG.format(name=name))
 
@@ -73,8 +121,37 @@ def _refusing(name, original, st):
     return reseed
 
 
+class _OtherThreads:
+    """The generator functions other threads called while this thread traced (they pass through our patches)."""
+
+    def __init__(self):
+        self.owner, self.calls = threading.get_ident(), []
+
+    def note(self, name):
+        if threading.get_ident() != self.owner:
+            self.calls.append(name)
+
+
+def _traced(name, traced, original, st, elsewhere):
+    def fn(*args, **kwargs):
+        if context.tracer_state() is not st:  # eager code in another thread, or a pass after acquisition
+            elsewhere.note(name)
+            return original(*args, **kwargs)
+        return traced(*args, **kwargs)
+
+    fn.__wrapped__ = original
+    return fn
+
+
 def _rng_state():
     return torch.get_rng_state(), torch.initial_seed()
+
+
+def _other_threads() -> bool:
+    """Whether a thread other than this one and thunder_train's fusion worker (which draws nothing) runs: its
+    draws would move the generator while this thread traces."""
+    me = threading.current_thread()
+    return any(t is not me and t.name != "thunder_train-fusion" for t in threading.enumerate())
 
 
 @contextlib.contextmanager
@@ -84,11 +161,14 @@ def global_state_unchanged():
     before = {k: get() for k, (get, _) in _STATE.items()}
     rng = _rng_state()
     patched = []
-    for mod, name in _RESEEDS:
+    elsewhere = _OtherThreads()
+    for (mod, name), traced in list(_TRACED.items()) + [(k, None) for k in _REFUSED]:
         original = getattr(mod, name, None)
         if original is not None:
             patched.append((mod, name, original))
-            setattr(mod, name, _refusing(f"{mod.__name__}.{name}", original, st))
+            full = f"{mod.__name__}.{name}"
+            setattr(mod, name, _refusing(full, original, st, elsewhere) if traced is None
+                    else _traced(full, traced, original, st, elsewhere))
     ok = False
     try:
         yield
@@ -100,7 +180,14 @@ def global_state_unchanged():
         for k in changed:
             _STATE[k][1](before[k])
         rng_after = _rng_state()
-        rng_changed = rng_after[1] != rng[1] or not torch.equal(rng_after[0], rng[0])
+        # Tracing records the user's random ops and the generator-state functions above as lines; what moved the
+        # generator now ran for real (torch.default_generator.manual_seed, a random op on a real tensor). A new
+        # seed is that unless another thread seeded through torch's functions meanwhile; a state that only advanced
+        # may be another thread's draws (the generator is theirs too), so that counts only when no other thread
+        # runs. Either way the state is put back and the call refused.
+        others_seeded = bool(elsewhere.calls)
+        reseeded = rng_after[1] != rng[1] and not others_seeded
+        rng_changed = reseeded or not others_seeded and not _other_threads() and not torch.equal(rng_after[0], rng[0])
         if rng_changed:
             torch.set_rng_state(rng[0])
         if ok and rng_changed:

@@ -33,7 +33,9 @@ def view_outputs(func, args, kwargs) -> list:
             with torch._C.DisableTorchFunction(), torch.device("meta"):
                 out = func(*margs, **mkwargs)
         finally:
-            torch.default_generator.set_state(rng)
+            # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
+            if not torch.equal(torch.default_generator.get_state(), rng):
+                torch.default_generator.set_state(rng)
     except Exception:  # noqa: BLE001 - no meta answer: treated as a fresh result (the op ran opaquely anyway)
         return []
     base = margs[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import context
 from ..errors import TracingError
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
@@ -595,8 +596,11 @@ class _RefusedHooks(collections.OrderedDict):
     def __init__(self, hooks, what):
         super().__init__(hooks)
         self.what = what
+        self.tracer = context.tracer_state()
 
     def values(self):
+        if context.tracer_state() is not self.tracer:  # an eager step in another thread (the global dicts)
+            return super().values()
         raise TracingError(
             f"{self.what} would run only while tracing, not on every call. Remove the hooks, or call "
             "optimizer.step() outside the compiled function."

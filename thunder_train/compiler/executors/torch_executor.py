@@ -50,14 +50,14 @@ def _globals_root(name):
     return {"torch": torch, "ttex": torch_impls}[name.split(".")[0]]
 
 
-def impl_symbol(fn, side_effect: bool = False) -> ImplSymbol:
-    """The (cached) symbol for a torch callable; ``side_effect`` keeps DCE away from mutations."""
-    key = (fn, side_effect)
+def impl_symbol(fn, side_effect: bool = False, random: bool = False) -> ImplSymbol:
+    """The (cached) symbol for a torch callable; ``side_effect`` keeps DCE away from mutations, ``random`` from
+    draws nobody reads (they advance the generator) and keeps the fact for passes on executed traces."""
+    key = (fn, side_effect, random)
     s = _impl_symbols.get(key)
     if s is None:
         s = _impl_symbols[key] = ImplSymbol(fn)
-        if side_effect:
-            s.tags = frozenset({"side_effect"})
+        s.tags = frozenset({"side_effect"} if side_effect else ()) | frozenset({"random"} if random else ())
     return s
 
 
@@ -430,6 +430,21 @@ def _(bsym):
     return torch_impls.bernoulli, bsym.args, {}
 
 
+@_rule(prims.get_rng_state)
+def _(bsym):
+    return torch_impls.get_rng_state, (bsym.args[0].torch,), {}
+
+
+@_rule(prims.set_rng_state)
+def _(bsym):
+    return torch_impls.set_rng_state, (bsym.args[0], bsym.args[1].torch), {}
+
+
+@_rule(prims.manual_seed)
+def _(bsym):
+    return torch_impls.manual_seed, bsym.args, {}
+
+
 @_rule(prims.copy_)
 def _(bsym):
     return torch_impls.copy_, bsym.args, {}
@@ -490,10 +505,10 @@ class TorchExecutor:
                 return None
             fn, args, kwargs = r
             args, kwargs = _conv_args(args, kwargs)
-            impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, bsym.has_side_effect)
+            impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, bsym.has_side_effect, bsym.draws_random)
             return BoundSymbol(impl, args, kwargs, bsym.output, (), bsym.comment)
         if sym.module == "opaque":
-            return BoundSymbol(impl_symbol(sym.torch_impl, bsym.has_side_effect), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(sym.torch_impl, bsym.has_side_effect, bsym.draws_random), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
             direct = sym.forward_symbol.torch_direct_vjp
@@ -507,7 +522,7 @@ class TorchExecutor:
             impl = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
             if impl is None:
                 return None
-            return BoundSymbol(impl_symbol(impl, bsym.has_side_effect), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+            return BoundSymbol(impl_symbol(impl, bsym.has_side_effect, bsym.draws_random), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         return None
 
     def eager_impl(self, sym, args, kwargs):

@@ -50,6 +50,23 @@ def uniform(shape, minval, maxval, device, dtype):
     return torch.empty(shape, device=device, dtype=dtype).uniform_(minval, maxval)
 
 
+def get_rng_state(device):
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device.index)
+
+
+def set_rng_state(state, device):
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device.index)
+
+
+def manual_seed(seed, scope):
+    {"all": torch.manual_seed, "cuda": torch.cuda.manual_seed, "cuda_all": torch.cuda.manual_seed_all}[scope](seed)
+
+
 def bernoulli(a, p):
     """0/1 draws with probability ``p`` in ``a``'s shape and dtype — the same draws eager dropout makes on CPU."""
     return torch.empty_like(a).bernoulli_(p)

@@ -14,7 +14,8 @@ module per family:
 - ``shapes.py``: broadcast, reshape, permute, slice, cat, pad, flip and the indexing prims;
 - ``linalg.py``: matmul, convolution (and its backward);
 - ``factories.py``: full, empty, iota, random values;
-- ``memory.py``: ``copy_``, ``item``, ``shape``, runtime checks, collectives.
+- ``memory.py``: ``copy_``, ``item``, ``shape``, runtime checks, collectives;
+- ``generators.py``: the random generators' state as values (``get_rng_state``, ``set_rng_state``, ``manual_seed``).
 
 Each declares a prim's meta, its tags (``Symbol`` documents them) and its gradient rule
 (``@register_vjp``, ``compiler/grad_rules.py``) together; ``core.py`` has the decorator, the checks
@@ -27,7 +28,7 @@ from __future__ import annotations
 import sys
 
 from .. import codegen, proxies
-from . import core, elementwise, factories, linalg, memory, reductions, shapes  # noqa: F401  (each defines its prims)
+from . import core, elementwise, factories, generators, linalg, memory, reductions, shapes  # noqa: F401  (each defines its prims)
 from .core import PrimError, all_prims  # noqa: F401
 from .elementwise import BINARY_BOOL_OPS, BINARY_OPS, SCALAR_INFIX, UNARY_BOOL_OPS, UNARY_OPS  # noqa: F401
 

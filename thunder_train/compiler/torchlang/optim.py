@@ -226,7 +226,7 @@ def _adagrad_fits(params, grads, state_sums, state_steps, grad_scale, found_inf,
                   differentiable=False, has_complex=False, **_):
     if grad_scale is not None or found_inf is not None or has_sparse_grad or differentiable or has_complex:
         return False
-    if isinstance(lr, torch.Tensor) or not params or params[0]._tt_device.type != "cpu":
+    if isinstance(lr, torch.Tensor) or not params or type(params[0]) is not TensorProxy or params[0]._tt_device.type != "cpu":
         return False  # torch's fused Adagrad runs on the CPU only
     return _same_device_floats([*params, *grads, *state_sums], state_steps)
 

@@ -18,7 +18,8 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
     kept = []
     for bsym in reversed(trc.bound_symbols):
         outs = [o for o in bsym.flat_outputs() if is_proxy(o)]
-        if bsym.has_side_effect or any(id(o) in needed for o in outs):
+        # A random op runs although nobody reads it: eager's draw advances the generator all the same.
+        if bsym.has_side_effect or bsym.draws_random or any(id(o) in needed for o in outs):
             kept.append(bsym)
             for a in bsym.flat_args():
                 if is_proxy(a):

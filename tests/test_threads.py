@@ -1,0 +1,143 @@
+"""Concurrent first calls from several threads are correct (issue 25 item 6, "What must hold" 5).
+
+Tracing patches process-wide names and registers a global optimizer step hook while it runs; one acquisition runs
+at a time (``acquisition/acquire.py``: ``TRACING_LOCK``) and each patch acts only in the tracing thread, so other
+threads' eager code (optimizer steps, random draws) runs unchanged meanwhile. Each case compares with eager.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+from thunder_train.compiler import context
+
+
+def _in_threads(fns):
+    """Run each callable in its own thread, all released at once; the exceptions they raised."""
+    barrier = threading.Barrier(len(fns))
+    errors = []
+
+    def run(fn):
+        try:
+            barrier.wait()
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return errors
+
+
+def _step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_models_through_one_compiled_step(thin):
+    cf = tt.compile(_step, thin=thin)
+    models = [_mlp(i) for i in range(3)]
+    eager = [copy.deepcopy(m) for m in models]
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)) for _ in models]
+    got = {}
+
+    def train(i):
+        opt = torch.optim.Adam(models[i].parameters(), lr=1e-2)
+        got[i] = torch.stack([cf(models[i], opt, *data[i]) for _ in range(3)])
+
+    assert _in_threads([lambda i=i: train(i) for i in range(len(models))]) == []
+    for i, m in enumerate(eager):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        want = torch.stack([_step(m, opt, *data[i]) for _ in range(3)])
+        torch.testing.assert_close(got[i], want)
+        for a, b in zip(models[i].parameters(), m.parameters()):
+            torch.testing.assert_close(a, b)
+    # Nothing of the traces stayed installed: eager optimizer steps run as before.
+    from torch.optim import optimizer as optim_mod
+    assert not optim_mod._global_optimizer_pre_hooks and type(optim_mod._global_optimizer_pre_hooks) is type(
+        optim_mod._global_optimizer_post_hooks)
+
+
+def test_pure_function_with_different_shapes():
+    def f(x):
+        return torch.softmax(x @ x.T, dim=-1).sum(0) * 2 + x.mean()
+
+    cf = tt.compile(f)
+    xs = [torch.randn(n, 3) for n in (2, 3, 4, 5)]
+    got = {}
+
+    def run(i):
+        got[i] = [cf(xs[i]) for _ in range(2)]
+
+    assert _in_threads([lambda i=i: run(i) for i in range(len(xs))]) == []
+    for i, x in enumerate(xs):
+        for r in got[i]:
+            torch.testing.assert_close(r, f(x))
+
+
+class _Gate(nn.Module):
+    """Identity; while the calling thread traces, it signals and waits: the trace's patches and hooks are installed
+    then, and another thread runs eager code meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracing, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if context.tracer_state() is not None:
+            self.tracing.set()
+            self.release.wait(timeout=60)
+        return x
+
+
+# the optimizers whose eager implementations tracing routes to their fused kernels (torchlang/optim.py)
+OPTIMIZERS = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad]
+
+
+def test_eager_code_in_another_thread_while_one_traces():
+    """While a thread traces, another steps optimizers eagerly and draws random numbers: its results are eager's,
+    and the trace is not refused for the generator the other thread moved."""
+    gate = _Gate()
+    model, other = nn.Sequential(gate, _mlp(0)), _mlp(1)
+    reference, twin = nn.Sequential(_Gate(), copy.deepcopy(model[1])), copy.deepcopy(other)
+    x, y = torch.randn(5, 6), torch.randn(5, 2)
+    cf = tt.compile(_step)
+    got = {}
+
+    def compiled():
+        got["compiled"] = cf(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+
+    def eager():
+        gate.tracing.wait(timeout=60)
+        try:
+            torch.manual_seed(3)
+            got["eager"] = [_step(other, opt(other.parameters(), lr=0.1), x + torch.randn(5, 6), y) for opt in OPTIMIZERS]
+        finally:
+            gate.release.set()
+
+    assert _in_threads([compiled, eager]) == []
+    torch.manual_seed(3)
+    want = [_step(twin, opt(twin.parameters(), lr=0.1), x + torch.randn(5, 6), y) for opt in OPTIMIZERS]
+    torch.testing.assert_close(torch.stack(got["eager"]), torch.stack(want))
+    torch.testing.assert_close(got["compiled"], _step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y))
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
