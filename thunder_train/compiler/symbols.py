@@ -149,6 +149,8 @@ class Symbol:
     def runs_opaquely(self) -> bool:
         """An op the compiler does not know, run as called (tag ``"opaque"``): anything may happen in it."""
         return "opaque" in self.tags
+
+    @property
     def draws_random(self) -> bool:
         """Whether a call uses or changes a global random generator's state (tag ``"random"``)."""
         return "random" in self.tags
