@@ -323,3 +323,13 @@ def test_logcumsumexp_gradient_is_eagers():
     check(f, x, rtol=1e-6, atol=1e-6)
     check(lambda t: torch.logcumsumexp(t, -1), x.double(), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(tt.compile(f, decompose=True)(x), f(x), rtol=1e-5, atol=1e-5)
+
+
+def test_sum_to_size_of_its_own_shape_is_the_input():
+    x = torch.randn(2, 3)
+    for size in [(2, 3), ((2, 3),), (torch.Size([2, 3]),)]:
+        f = tt.compile(lambda t: (t, t.sum_to_size(*size)))
+        a, b = f(x)
+        assert b is a is x
+    check(lambda t: t.sum_to_size(1, 3), x.double())
+    check(lambda t: t.sum_to_size(2, 3) * 2, x.double())
