@@ -323,3 +323,23 @@ def test_logcumsumexp_gradient_is_eagers():
     check(f, x, rtol=1e-6, atol=1e-6)
     check(lambda t: torch.logcumsumexp(t, -1), x.double(), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(tt.compile(f, decompose=True)(x), f(x), rtol=1e-5, atol=1e-5)
+
+
+def test_sum_to_size_of_its_own_shape_is_the_input():
+    x = torch.randn(2, 3)
+    for size in [(2, 3), ((2, 3),), (torch.Size([2, 3]),)]:
+        f = tt.compile(lambda t: (t, t.sum_to_size(*size)))
+        a, b = f(x)
+        assert b is a is x
+    check(lambda t: t.sum_to_size(1, 3), x.double())
+    check(lambda t: t.sum_to_size(2, 3) * 2, x.double())
+
+
+@pytest.mark.parametrize("fn", [
+    lambda t: F.avg_pool2d(t, (2, 2), (), (0,), False, True, -2),
+    lambda t: F.avg_pool2d(t, [3], [1], [1]),
+    lambda t: F.max_pool2d(t, [2], [2], [1]),
+    lambda t: F.conv2d(t, torch.ones(2, 1, 3, 3, dtype=t.dtype), stride=[2], padding=[1]),
+])
+def test_one_element_pool_and_conv_parameters_repeat(fn):
+    check(fn, torch.randn(1, 1, 5, 5, dtype=torch.float64))

@@ -14,4 +14,7 @@ def square(x):
 
 
 def ntuple(x, n):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,) * n
+    """``x`` as an ``n``-tuple; a number or a one-element sequence repeats (as eager's pools and convolutions)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(x) * n if len(x) == 1 else tuple(x)
+    return (x,) * n

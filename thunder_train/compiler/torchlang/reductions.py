@@ -185,7 +185,11 @@ def _std_vjp_parts(g, out, input, dim, unbiased, keepdim, correction):
     return prims.mul(prims.mul(scale, centred), per)
 
 
-@register_vjp(std)
+def _real_std(input, *args, **kwargs):
+    return type(input) is TensorProxy and input._tt_dtype.is_float  # complex: the decomposition's rules
+
+
+@register_vjp(std, supports=_real_std)
 def _std_vjp(g, out, /, input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return {"input": downcast_like(_std_vjp_parts(g, out, input, dim, unbiased, keepdim, correction), input)}
 
@@ -203,7 +207,7 @@ def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     return clang.sqrt(v), m
 
 
-@register_vjp(std_mean)
+@register_vjp(std_mean, supports=_real_std)
 def _std_mean_vjp(g, out, /, input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     grad = None
     if g[0] is not None:

@@ -542,6 +542,8 @@ def sum_to_size(input, *size):
     size = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
     if not size and input.ndim == 0:
         return input.sum()  # eager sums a 0-d tensor (bool -> int64)
+    if tuple(input.shape) == size:
+        return input  # eager returns the tensor itself (x.sum_to_size(x.shape) is x)
     lead = input.ndim - len(size)
     dims = list(range(lead)) + [lead + i for i, s in enumerate(size) if s == 1 and input.shape[lead + i] != 1]
     out = input.sum(dims, keepdim=True) if dims else input
