@@ -130,6 +130,12 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
     return sym(*args)
 
 
+def _checkpoint_function():
+    from torch.utils.checkpoint import CheckpointFunction
+
+    return CheckpointFunction
+
+
 @contextlib.contextmanager
 def custom_functions_while_tracing(needs_grad):
     """``Function.apply`` while tracing: ``traced_apply`` when an argument needs a gradient
@@ -146,6 +152,11 @@ def custom_functions_while_tracing(needs_grad):
             positions = [i for i, a in enumerate(args) if type(a) is TensorProxy]
             extra = [v for v in kwargs.values() if type(v) is TensorProxy]
             flags = needs_grad(st, [args[i] for i in positions] + extra) if positions or extra else []
+            if any(flags) and cls is _checkpoint_function():
+                # Reentrant activation checkpointing: a region of fn's lines (acquisition/checkpoint_regions.py).
+                from .acquisition.checkpoint_regions import trace_reentrant_checkpoint
+
+                return trace_reentrant_checkpoint(args)
             if any(flags):
                 needs_input_grad = [False] * len(args)
                 for i, flag in zip(positions, flags):

@@ -30,6 +30,7 @@ from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
+from .transforms.memory import plan_memory
 from .transforms.no_grad import without_autograd
 from .transforms.saved_statistics import reuse_forward_statistics
 
@@ -116,6 +117,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     traces.append(trc)
     computed = trc  # what autograd differentiates (step 9)
     if has_backward:
+        trc = plan_memory(trc, traces)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
