@@ -109,8 +109,10 @@ def _clone(b, mapping, make_name, comment=None):
         mapping[id(x)] = y = _fresh_like(x, make_name)
         return y
 
+    # A recomputed line is a backward line (a later planning step must not take it for a forward one).
     return b.replace(args=args, kwargs=kwargs, output=tree_map(out, b.output), subsymbols=subs,
-                     comment=comment if comment is not None else b.comment)
+                     comment=comment if comment is not None else b.comment,
+                     region=BACKWARD if comment is not None else b.region)
 
 
 def _substitute(b, mapping):
