@@ -31,7 +31,7 @@ from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
 from .transforms.logp_in_place import logp_into_dead_logits
-from .transforms.memory import plan_memory
+from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .transforms.saved_statistics import reuse_forward_statistics
 
@@ -60,6 +60,7 @@ class CacheEntry:
     wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
     fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
     on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
+    memory: object = None  # transforms/memory.py MemoryPlan: what the backward recomputes, what is saved
 
     def switch(self, program, traces, backward_traces) -> None:
         """Run ``program`` from the next call on (same inputs and results as the current one)."""
@@ -94,6 +95,7 @@ class Options:
     #                            or "background" (built later, executors/background.py)
     optimizer_kernels: str = "fused"
     keep_buffers: bool = True  # executors/buffers.py
+    memory_budget: float | None = None  # transforms/memory.py
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
@@ -117,8 +119,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     trc = dce(acquired.trace, keep_sizes=True)
     traces.append(trc)
     computed = trc  # what autograd differentiates (step 9)
+    memory = None
     if has_backward:
-        trc = plan_memory(trc, traces)  # transforms/memory.py: what the backward recomputes
+        trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
@@ -146,6 +149,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     entry = CacheEntry(expected, struct_key, prologue, trc.python_callable(), traces, [prologue.extract, prologue.guard_key_fn],
                        acquired.leaves, input_idx, _select(input_idx), has_backward=has_backward,
                        updates_parameters=any(acquired.leaves[i].proxy._tt_requires_grad for i in written))
+    entry.memory = memory
     entry.decision_notes = [_decision_note(d) for d in acquired.decisions]
     entry.checked = tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked)
     entry.mutated = tuple(acquisition.path_str(p) for p in acquired.mutated_paths)
@@ -154,6 +158,10 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
+        if options.memory_budget is not None:
+            raise NotImplementedError(
+                "memory_budget= applies to whole training steps (loss.backward() inside the compiled function); "
+                "for tt.compile(model) with PyTorch's backward use activation checkpointing (torch.utils.checkpoint)")
         attached = _attach_autograd(entry, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers)
         if attached is not None:
@@ -251,6 +259,7 @@ def _attach_autograd(entry, trc, executors, *, fusion=None, notes=None, keep_buf
         return None
     if fb is None:
         return None
+    entry.memory = split_memory_plan(fb, trc)
     names = ", ".join(ex.name for ex in executors)
     fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
     bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")

@@ -49,11 +49,20 @@ def _reads(b) -> list:
     return out
 
 
+def _pairs_with_forward(b) -> bool:
+    """A ``<op>_vjp`` line whose backward kernel reuses its forward line's statistics (transforms/saved_statistics.py
+    pairs the two by their arguments): a recomputed argument would break the pair and run the op's backward
+    through PyTorch's autograd, forward included, so its arguments are kept."""
+    op = getattr(b.sym, "forward_symbol", None)
+    return "vjp" in b.sym.tags and getattr(op, "torch_saved_statistics", None) is not None
+
+
 class Saved:
     """The forward values a joint program's backward reads, with their producers."""
 
     def __init__(self, lines, is_backward, returned_ids, input_ids):
         self.producer = {}
+        self.value = {}
         self.read = {}  # id -> proxy, in first backward read order
         self.inputs = set(input_ids)
         alive = set(returned_ids)  # values kept after the backward starts anyway
@@ -61,6 +70,8 @@ class Saved:
         for b in lines:
             if is_backward(b):
                 seen_backward = True
+                if _pairs_with_forward(b):
+                    alive.update(id(a) for a in b.flat_args())
                 for a in _reads(b):
                     if id(a) in self.producer and type(a) is TensorProxy:
                         self.read.setdefault(id(a), a)
@@ -70,6 +81,7 @@ class Saved:
             for o in b.flat_outputs():
                 if is_proxy(o):
                     self.producer[id(o)] = b
+                    self.value[id(o)] = o
         self.alive = alive
         # Storage roots: a view's is its argument's (the values sharing one stay alive while any of them is read).
         self.root = {}
@@ -88,8 +100,9 @@ class Saved:
         """Another value the backward reads shares k's memory."""
         return len(self.sharing.get(self.root.get(k, k), ())) > 1
 
-    def bytes(self, excluded=()) -> int:
-        return sum(nbytes(p) for k, p in self.read.items() if k not in excluded)
+    def stored_bytes(self) -> int:
+        """Bytes of the memory the backward reads from the forward (a value and its views counted once)."""
+        return sum(nbytes(self.value[r]) for r in self.sharing if r in self.value)
 
 
 def cheap_values(saved: Saved, chosen: dict | None = None) -> dict:
@@ -107,3 +120,63 @@ def cheap_values(saved: Saved, chosen: dict | None = None) -> dict:
                 chosen[k] = p
                 changed = True
     return chosen
+
+
+def cost(b) -> int:
+    """Rough work of recomputing a line: 2·M·N·K for a matmul, one per output element for any other prim."""
+    if b.sym.is_prim or not b.subsymbols:
+        outs = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+        n = sum(nbytes(o) // max(1, o._tt_dtype.torch.itemsize) for o in outs)
+        if b.sym.name == "matmul":
+            a = next((x for x in b.flat_args() if type(x) is TensorProxy), None)
+            return 2 * n * (int(a._tt_shape[-1]) if a is not None and a._tt_shape else 1)
+        return max(1, n)
+    return sum(cost(s) for s in b.subsymbols)
+
+
+def budget_values(saved: Saved, target_bytes: float) -> dict:
+    """id -> proxy of the values to recompute so that the bytes kept for the backward are at most ``target_bytes``:
+    greedily the memory (a value with its views) that frees the most bytes per unit of recompute work, counting
+    what its recomputation must keep instead; stops when the target is met or nothing more frees bytes."""
+    members: dict = {}  # root -> ids of the forward values on it
+    for k, r in saved.root.items():
+        members.setdefault(r, set()).add(k)
+    kept = {r for r in saved.sharing if r in saved.producer}  # roots kept for the backward (not program inputs)
+    chosen: set = set()
+    current = sum(nbytes(saved.value[r]) for r in kept)
+    while current > target_bytes:
+        best = None
+        for r in kept:
+            option = _option(saved, members, r, kept, chosen)
+            if option is not None and option[0] > 0 and (best is None or option[0] / option[1] > best[0] / best[1]):
+                best = option + (r,)
+        if best is None:
+            break
+        freed, _, new_kept, r = best
+        chosen.add(r)
+        kept.discard(r)
+        kept |= new_kept
+        current -= freed
+    return {k: saved.value[k] for r in chosen for k in members[r]}
+
+
+def _option(saved, members, r, kept, chosen):
+    """(bytes freed, work, roots newly kept) of recomputing root ``r``'s values, or None if it cannot be."""
+    ids = members[r]
+    if any(k in saved.alive for k in ids):
+        return None
+    work, new_kept = 0, set()
+    for k in ids:
+        b = saved.producer.get(k)
+        if b is None or not recomputable(b):
+            return None
+        work += cost(b)
+        for a in b.flat_args():
+            if type(a) is not TensorProxy or id(a) in saved.inputs:
+                continue
+            ra = saved.root.get(id(a))
+            if ra is None or ra == r or ra in chosen or ra in kept:
+                continue
+            new_kept.add(ra)
+    freed = nbytes(saved.value[r]) - sum(nbytes(saved.value[x]) for x in new_kept)
+    return freed, max(1, work), new_kept
