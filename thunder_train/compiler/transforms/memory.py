@@ -35,6 +35,7 @@ class MemoryPlan:
     recomputed: list = dataclasses.field(default_factory=list)
     checkpoint_regions: int = 0
     memory_budget: float | None = None
+    budget_met: bool | None = None  # None without a budget; False: nothing more could be recomputed (see docs/memory.md)
 
     def summary(self) -> str:
         mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
@@ -42,7 +43,10 @@ class MemoryPlan:
         for _, reason in self.recomputed:
             why[reason] = why.get(reason, 0) + 1
         recomputed = ", ".join(f"{n} {r}" for r, n in why.items()) or "none"
-        budget = f", budget {self.memory_budget} of the default's {mib(self.saved_bytes_default)}" if self.memory_budget is not None else ""
+        budget = ""
+        if self.memory_budget is not None:
+            budget = (f", budget {self.memory_budget} of the default's {mib(self.saved_bytes_default)}"
+                      f"{'' if self.budget_met else ' NOT reached: what is left is kept by backward kernels reading their forward statistics, or not recomputable'}")
         return (f"saved for the backward {mib(self.saved_bytes)} (without recomputation {mib(self.saved_bytes_without_remat)}"
                 f"{budget}); planned peak {mib(self.planned_peak_bytes)}; recomputed lines: {recomputed}; "
                 f"checkpoint regions: {self.checkpoint_regions}")
@@ -124,6 +128,8 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             new = step
             plan.recomputed += more.lines
     plan.saved_bytes = _saved(new).stored_bytes()
+    if memory_budget is not None:
+        plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
     returned = {id(p) for p in tree_flatten(new.output)[0] if is_proxy(p)}
     # Up to the backward's last line: the optimizer's functional updates become in-place writes later.
     last = max((i for i, b in enumerate(new.bound_symbols) if _is_backward(b)), default=len(new.bound_symbols) - 1)
