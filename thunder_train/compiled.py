@@ -55,6 +55,9 @@ class CompileStats:
     # Calls whose program found a checked decision going the other way: abandoned before writing anything, and
     # the call ran (or traced) the entry for the value observed.
     decision_mismatches: int = 0
+    # The memory plan of the latest compiled program (compiler/transforms/memory.py MemoryPlan): bytes saved for the
+    # backward, planned peak, what the backward recomputes and why; None when the program has no backward.
+    memory: object = None
 
     @property
     def thin_calls(self) -> int:
@@ -81,13 +84,17 @@ class CompiledFunction(FullPath, ThinPath):
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
                  dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-                 cuda_graphs: bool = False, keep_buffers: bool = True):
+                 cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
                       cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose, keep_buffers=keep_buffers)
+        if memory_budget is not None and (type(memory_budget) not in (int, float) or not 0 <= memory_budget <= 1):
+            raise ValueError(f"memory_budget must be a number between 0 and 1 (a fraction of what the default "
+                             f"saves for the backward), got {memory_budget!r}")
         self.fn = fn
         self.keep_buffers = keep_buffers
+        self.memory_budget = memory_budget
         self.strict = strict
         self.decompose = decompose
         self.thin = thin
@@ -213,7 +220,7 @@ def _call_module(self, *args, **kwargs):
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
             dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-            cuda_graphs: bool = False, keep_buffers: bool = True):
+            cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -243,9 +250,15 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     backward connected to PyTorch autograd) writes its CPU intermediates into memory it keeps between calls
     instead of allocating them on every call, never raising the call's peak (docs/performance.md); ``False``
     frees them after each call.
+    Memory (docs/memory.md): activation checkpointing (``torch.utils.checkpoint``, every form) is honoured, and
+    cheap values are recomputed in the backward by default; ``memory_budget=f`` (a whole training step) also
+    recomputes what it must so that the bytes saved for the backward are at most ``f`` of the default's.
+    ``compile_stats(cf).memory`` reports the plan.
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
                    optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs, keep_buffers=keep_buffers)
+    if memory_budget is not None:
+        options["memory_budget"] = memory_budget
     if isinstance(fn, torch.nn.Module):
         return ThunderModule(fn, **options)
     return CompiledFunction(fn, **options)

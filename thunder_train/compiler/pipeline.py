@@ -29,6 +29,8 @@ from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
+from .executors.logp_in_place import logp_into_dead_logits
+from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
 
@@ -65,6 +67,7 @@ class Compiled:
     # off the calling thread; payback(seconds the second call took) -> payback.Decision: the call it pays off at.
     build_fused: Callable | None = None
     payback: Callable | None = None
+    memory: object = None  # transforms/memory.py MemoryPlan: what the backward recomputes, what is saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Options:
     #                            or "background" (built later, executors/background.py)
     optimizer_kernels: str = "fused"
     keep_buffers: bool = True  # executors/buffers.py
+    memory_budget: float | None = None  # transforms/memory.py
 
 
 def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, arg_names, intern_prologue,
@@ -100,7 +104,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     trc = dce(acquired.trace, keep_sizes=True)
     traces.append(trc)
     computed = trc  # what autograd differentiates (step 9)
+    memory = None
     if has_backward:
+        trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
@@ -131,10 +137,14 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
+        if options.memory_budget is not None:
+            raise NotImplementedError(
+                "memory_budget= applies to whole training steps (loss.backward() inside the compiled function); "
+                "for tt.compile(model) with PyTorch's backward use activation checkpointing (torch.utils.checkpoint)")
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers)
         if attached is not None:
-            program, traces, backward_traces, build_fused, to_fuse = attached
+            program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
         shown = list(traces[: len(traces) - len(more)])
 
@@ -160,7 +170,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         checked=tuple((d.text, decision_key(d.result)) for d in acquired.decisions if d.checked),
         mutated=tuple(acquisition.path_str(p) for p in acquired.mutated_paths),
         build_fused=_noting(build_fused, fusion_notes) if background else None,
-        payback=(lambda call_s: payback.decide(to_fuse, call_s=call_s)) if background else None)
+        payback=(lambda call_s: payback.decide(to_fuse, call_s=call_s)) if background else None,
+        memory=memory)
     return compiled, acquired.opaque_ops
 
 
@@ -183,6 +194,7 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
+        trc = logp_into_dead_logits(trc)  # executors/logp_in_place.py
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:
         shown.append(trc)
@@ -223,14 +235,14 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
     elimination.  None when grad is disabled, no input requires grad, or no output depends on one; else the
     program, traces and backward traces that replace them, the builder of the fused program
-    (``fusion="background"``, or None) and the traces it fuses.
+    (``fusion="background"``, or None), the traces it fuses and the memory plan (transforms/memory.py).
     """
     if not may_need_autograd(trc):
         return None
     try:
         fb = build_forward_backward(trc)
     except NoGradientRuleError as error:
-        return NoBackwardProgram(trc, program, error), traces, [], None, [trc]
+        return NoBackwardProgram(trc, program, error), traces, [], None, [trc], None
     if fb is None:
         return None
     names = ", ".join(ex.name for ex in executors)
@@ -257,7 +269,8 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
 
     now = fusion if fusion != "background" else None
     run, traces, backward_traces = program(now, [] if notes is None else notes)
-    return run, traces, backward_traces, (lambda notes: program("background", notes)), [fw_lowered, bw_lowered]
+    return (run, traces, backward_traces, (lambda notes: program("background", notes)), [fw_lowered, bw_lowered],
+            split_memory_plan(fb, trc))
 
 
 def _wrapping(acquired, n_inputs):

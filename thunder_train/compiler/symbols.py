@@ -74,6 +74,10 @@ def checked_tags(tags, owner: str = "a symbol") -> frozenset:
 # executors/layout_rules.py (it needs the torch executor's implementations).
 layout_hook = None
 
+# Marks a new top-level bound symbol recorded inside an activation-checkpoint region (its ``region``);
+# installed by acquisition/checkpoint_regions.py.
+region_hook = None
+
 
 class Symbol:
     """An operation with a meta function (prims) or a decomposition (composites).
@@ -184,6 +188,8 @@ class Symbol:
             bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
         if layout_hook is not None and not trc.claimed_depth:
             layout_hook(bsym)
+        if region_hook is not None:
+            region_hook(trc, bsym)
         trc.add(bsym)
         return out
 
@@ -209,9 +215,13 @@ def run_eagerly(sym, *args, **kwargs):
 class BoundSymbol:
     """One line of a trace: ``output = sym(*args, **kwargs)``."""
 
-    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source")
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source", "region")
 
-    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None):
+    def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
+                 region=None):
+        # region: where the line sits for the memory planner (transforms/remat.py): a checkpoint region's mark,
+        # or the mark of a line a traced backward recorded; None elsewhere.
+        self.region = region
         # torch_fn: the torch callable the user actually called (torch.softmax,
         # F.softmax, Tensor.softmax ...); the torch executor calls exactly it.
         self.torch_fn = torch_fn

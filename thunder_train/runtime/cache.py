@@ -210,13 +210,15 @@ class FullPath:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
         options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
-                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers)
+                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
+                          memory_budget=self.memory_budget)
         compiled, opaque_ops = compile_entry(
             self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
             intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
             forced_decisions=forced_decisions)
         entry = Entry(compiled, self._slot(compiled))
         prologue, expected = entry.prologue, entry.key
+        self.stats.memory = compiled.memory
         for note in entry.decision_notes:
             if note not in self.stats.decision_notes:
                 self.stats.decision_notes.append(note)

@@ -27,6 +27,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from .traced_autograd import GradState
+from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines

@@ -26,6 +26,7 @@ import torch
 
 from .. import context
 from ..errors import TracingError
+from .checkpoint_regions import reentrant as checkpoint_region
 
 
 def is_reentrant_checkpoint(cls) -> bool:
@@ -46,7 +47,8 @@ def reentrant_checkpoint(args, any_input_needs_grad: bool):
             return run_function(*inputs)
     scope = context.get_trace()._scopes[-1]
     start = len(scope)
-    out = run_function(*inputs)
+    with checkpoint_region():  # its lines are recomputed in the backward (checkpoint_regions.py)
+        out = run_function(*inputs)
     drawn = _region_draws(scope[start:])
     if not preserve_rng_state and drawn:
         raise TracingError(

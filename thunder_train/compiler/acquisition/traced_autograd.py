@@ -30,6 +30,7 @@ from .. import prims
 from .distributed import reduce_gradients
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
+from ..transforms.remat import BACKWARD
 
 
 class GradState:
@@ -126,6 +127,8 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
             raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
         cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
     backward_pass(fwd, cts)
+    for b in trc.bound_symbols[n:]:
+        b.region = BACKWARD  # the memory planner's backward lines (transforms/remat.py)
     # Composites differentiated through their decomposition: run the decomposition in the
     # forward when the backward reads one of its internal values (dropout's mask).
     read = {id(a) for b in trc.bound_symbols[n:] for a in b.flat_args()}

@@ -35,6 +35,7 @@ from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
 from .dce import dce
+from .remat import recompute_split
 from ..grad_rules import NoGradientRuleError, bind_arguments, differentiable, get_rule
 
 
@@ -59,6 +60,7 @@ class ForwardBackward:
     differentiable: list  # per output: does it carry gradient?
     saved: list  # proxies the backward reads from the forward
     cotangents: list  # one per differentiable output
+    recomputed: object = None  # transforms/remat.py ``Recomputed``: the forward lines the backward computes again
 
 
 # ---------------------------------------------------------------------------
@@ -314,6 +316,8 @@ def build_forward_backward(trc) -> ForwardBackward | None:
     fwd_ids = {id(b) for b in fwd.bsyms}
     fwd_part = [b for b in joint.bound_symbols if id(b) in fwd_ids]
     bwd_part = [b for b in joint.bound_symbols if id(b) not in fwd_ids]
+    # Checkpointed values: the backward recomputes them (transforms/remat.py).
+    bwd_part, recomputed = recompute_split(fwd_part, bwd_part, outputs, joint.make_name)
     ct_ids = {id(c) for c in cotangents}
     saved = [p for p in _proxies_read(bwd_part, grads) if id(p) not in ct_ids]
     saved, recompute = _recompute_cheap(saved, fwd_part)
@@ -332,7 +336,7 @@ def build_forward_backward(trc) -> ForwardBackward | None:
     # Not no_grad (the backward runs inside autograd's engine), but the autocast-off decorator of an
     # autocast trace stays: the backward's dtypes are explicit too.
     backward.decorators = [d for d in trc.decorators if "autocast" in d]
-    return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents)
+    return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents, recomputed)
 
 
 def detach_float_tensors(out):

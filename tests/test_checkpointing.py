@@ -1,0 +1,162 @@
+"""Activation checkpointing inside compiled functions: every form torch and transformers offer gives eager's
+values, and the backward recomputes the checkpointed values instead of keeping them (transforms/remat.py).
+
+Whole steps (``loss.backward()`` and ``optimizer.step()`` inside) and ``tt.compile(model)`` are both checked
+against eager PyTorch running the same checkpointed code.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
+                                    create_selective_checkpoint_contexts)
+
+import thunder_train as tt
+
+
+class Blocks(nn.Module):
+    """Residual MLP blocks, each run by ``run(block, x)`` (a checkpoint form, or a plain call)."""
+
+    def __init__(self, n=3, d=16, p=0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(p), nn.Linear(2 * d, d))
+                                    for _ in range(n))
+        self.inp = nn.Linear(d, d)  # reentrant checkpoint differentiates only through inputs that require grad
+        self.head = nn.Linear(d, 4)
+        self.run = lambda block, x: block(x)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + self.run(b, x)
+        return self.head(x)
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _recomputed_lines(trc) -> list:
+    return [b for b in trc.bound_symbols if b.comment == "recomputed for the backward"]
+
+
+def _whole_step_matches(run, p=0.0, steps=2):
+    torch.manual_seed(0)
+    m = Blocks(p=p)
+    m.run = run
+    m2 = copy.deepcopy(m)
+    o, o2 = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    cf = tt.compile(_step)
+    for i in range(steps):
+        x, y = _batch(i)
+        torch.manual_seed(10 + i)
+        got = cf(m, o, x, y)
+        torch.manual_seed(10 + i)
+        want = _step(m2, o2, x, y)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(m.parameters(), m2.parameters()):
+            torch.testing.assert_close(a, b)
+    return cf
+
+
+FORMS = {
+    "non_reentrant": lambda b, x: checkpoint(b, x, use_reentrant=False),
+    "reentrant": lambda b, x: checkpoint(b, x, use_reentrant=True),
+    "reentrant_no_rng": lambda b, x: checkpoint(b, x, use_reentrant=True, preserve_rng_state=False),
+    "sequential": lambda b, x: checkpoint_sequential(b, 2, x, use_reentrant=False),
+    "sequential_reentrant": lambda b, x: checkpoint_sequential(b, 2, x, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_whole_step_checkpoint_forms_match_eager_and_recompute(form):
+    cf = _whole_step_matches(FORMS[form])
+    rec = _recomputed_lines(tt.last_traces(cf)[-1])
+    assert rec, "checkpointed values were kept, not recomputed"
+    # Each block's hidden activation is recomputed once, from the block's input; checkpoint_sequential leaves
+    # its last segment (GELU's output onwards) uncheckpointed, as eager does.
+    names = " ".join(str(b.sym.name) for b in rec)
+    assert ("linear" in names) and (("gelu" in names) != form.startswith("sequential")), names
+
+
+def test_whole_step_without_checkpoint_recomputes_nothing():
+    cf = _whole_step_matches(lambda b, x: b(x))
+    assert not _recomputed_lines(tt.last_traces(cf)[-1])
+
+
+@pytest.mark.parametrize("form", ["non_reentrant", "reentrant"])
+def test_dropout_inside_a_region_draws_what_eager_draws(form):
+    # preserve_rng_state (the default): eager recomputes the same mask; the compiled backward keeps the draws.
+    _whole_step_matches(FORMS[form], p=0.5)
+
+
+@pytest.mark.parametrize("form", ["non_reentrant", "reentrant", "sequential"])
+def test_compiled_module_checkpoint_forms_match_eager(form):
+    torch.manual_seed(0)
+    m = Blocks()
+    m.run = FORMS[form]
+    m2 = copy.deepcopy(m)
+    cm = tt.compile(m)
+    x, y = _batch()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    F.cross_entropy(cm(x1), y).backward()
+    F.cross_entropy(m2(x2), y).backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert _recomputed_lines(tt.last_backward_traces(cm)[-1])
+
+
+def _policy(ctx, op, *args, **kwargs):
+    save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_selective_checkpoint_policy_saves_what_it_says():
+    run = lambda b, x: checkpoint(b, x, use_reentrant=False,  # noqa: E731
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    cf = _whole_step_matches(run)
+    rec = _recomputed_lines(tt.last_traces(cf)[-1])
+    kinds = {b.sym.name for b in rec}
+    assert rec and not any("linear" in k or "matmul" in k for k in kinds), kinds
+    # Without a policy, the linear layers are recomputed too.
+    cf = _whole_step_matches(FORMS["non_reentrant"])
+    assert any("linear" in b.sym.name for b in _recomputed_lines(tt.last_traces(cf)[-1]))
+
+
+def test_selective_policy_list_form():
+    ops = [torch.ops.aten.gelu.default]
+    run = lambda b, x: checkpoint(b, x, use_reentrant=False,  # noqa: E731
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts, ops))
+    cf = _whole_step_matches(run)
+    assert not any("gelu" in b.sym.name for b in _recomputed_lines(tt.last_traces(cf)[-1]))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_transformers_gradient_checkpointing_matches_eager(use_reentrant):
+    import _zoo
+
+    model = _zoo.build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    m2 = copy.deepcopy(model)
+    o, o2 = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    cf = tt.compile(_zoo.train_step)
+    for b in _zoo.batches("llama", 2):
+        torch.testing.assert_close(cf(model, o, b), _zoo.train_step(m2, o2, b))
+    for a, b in zip(model.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b)
+    assert _recomputed_lines(tt.last_traces(cf)[-1])

@@ -1,0 +1,152 @@
+"""The memory plan of a whole step: what the backward recomputes instead of keeping, and the report of it.
+
+Three steps, all carried out by ``transforms/remat.py`` ``recompute``: checkpoint regions first (the user asked
+for them), then cheap values (``transforms/remat_policy.py``, by default), then, under ``memory_budget=f``,
+more values until the bytes kept for the backward are at most ``f`` of what the default keeps.  ``MemoryPlan``
+reports it (``tt.compile_stats(cf).memory``); recomputed lines carry the comment ``recomputed for the
+backward`` in every trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..proxies import TensorProxy, is_proxy
+from ..pytree import tree_flatten
+from .remat import BACKWARD, recompute, recompute_checkpointed
+from .remat_policy import Saved, budget_values, cheap_values, is_view, nbytes
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What the memory planner chose for one compiled program (``tt.compile_stats(cf).memory``).
+
+    ``saved_bytes``: the forward values the backward reads, in bytes (one count per memory they share; the
+    program's inputs, such as parameters, not counted); ``saved_bytes_default``: the same with the default plan
+    (the budget's reference); ``saved_bytes_without_remat``: with nothing recomputed; ``planned_peak_bytes``: the
+    most bytes the planned program holds at once above its inputs, counted on the trace before executors run
+    (kernel temporaries, kept buffers and executor rewrites aside); ``recomputed``: ``(line, reason)`` of each
+    forward line the backward computes again, reason ``"checkpoint region"``, ``"cheap"`` or ``"budget"``.
+    """
+
+    saved_bytes: int = 0
+    saved_bytes_default: int = 0
+    saved_bytes_without_remat: int = 0
+    planned_peak_bytes: int = 0
+    recomputed: list = dataclasses.field(default_factory=list)
+    checkpoint_regions: int = 0
+    memory_budget: float | None = None
+    budget_met: bool | None = None  # None without a budget; False: nothing more could be recomputed (see docs/memory.md)
+
+    def summary(self) -> str:
+        mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+        why: dict = {}
+        for _, reason in self.recomputed:
+            why[reason] = why.get(reason, 0) + 1
+        recomputed = ", ".join(f"{n} {r}" for r, n in why.items()) or "none"
+        budget = ""
+        if self.memory_budget is not None:
+            budget = (f", budget {self.memory_budget} of the default's {mib(self.saved_bytes_default)}"
+                      f"{'' if self.budget_met else ' NOT reached: what is left is kept by backward kernels reading their forward statistics, or not recomputable'}")
+        return (f"saved for the backward {mib(self.saved_bytes)} (without recomputation {mib(self.saved_bytes_without_remat)}"
+                f"{budget}); planned peak {mib(self.planned_peak_bytes)}; recomputed lines: {recomputed}; "
+                f"checkpoint regions: {self.checkpoint_regions}")
+
+
+def planned_peak(lines, returned_ids=()) -> int:
+    """Most bytes alive at once: each non-view line allocates its tensors, freed after the last read of them or
+    of a view of them; inputs of the program are not counted."""
+    root, size, last = {}, {}, {}
+    for i, b in enumerate(lines):
+        args = [a for a in b.flat_args() if type(a) is TensorProxy]
+        for a in _all_reads(b):
+            r = root.get(id(a))
+            if r is not None:
+                last[r] = i
+        for o in b.flat_outputs():
+            if type(o) is TensorProxy and id(o) not in root:
+                if is_view(b) and args:
+                    root[id(o)] = root.get(id(args[0]), id(args[0]))
+                else:
+                    root[id(o)] = id(o)
+                    size[id(o)] = nbytes(o)
+                    last.setdefault(id(o), i)
+    for k in returned_ids:
+        if k in root:
+            last[root[k]] = len(lines)
+    delta = [0] * (len(lines) + 2)
+    for r, n in size.items():
+        first = next(i for i, b in enumerate(lines) if any(o is not None and id(o) == r for o in b.flat_outputs()))
+        delta[first] += n
+        delta[last[r] + 1] -= n
+    cur = peak = 0
+    for d in delta:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def _all_reads(b) -> list:
+    out = [a for a in b.flat_args() if is_proxy(a)]
+    for s in b.subsymbols:
+        out.extend(_all_reads(s))
+    return out
+
+
+def _is_backward(b) -> bool:
+    return b.region is BACKWARD
+
+
+def _saved(trc) -> Saved:
+    returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
+    return Saved(trc.bound_symbols, _is_backward, returned, {id(a) for a in trc.args})
+
+
+def plan_memory(trc, traces: list, memory_budget: float | None = None):
+    """The whole step's plan: (trace, MemoryPlan); each new trace is appended to ``traces``."""
+    plan = MemoryPlan(memory_budget=memory_budget)
+    plan.saved_bytes_without_remat = _saved(trc).stored_bytes()
+    new, report = recompute_checkpointed(trc)
+    plan.recomputed += report.lines
+    plan.checkpoint_regions = report.regions
+    if new is not trc:
+        traces.append(new)
+    for reason, header in (("cheap", "Cheap values recomputed in the backward (transforms/remat_policy.py)"),
+                           ("budget", f"Values recomputed to fit memory_budget={memory_budget} (transforms/remat_policy.py)")):
+        saved = _saved(new)
+        if reason == "cheap":
+            chosen = cheap_values(saved)
+        else:
+            plan.saved_bytes_default = saved.stored_bytes()
+            if memory_budget is None:
+                break
+            chosen = budget_values(saved, memory_budget * plan.saved_bytes_default)
+        lines, more = recompute(new.bound_symbols, _is_backward, chosen, new.make_name, reasons={k: reason for k in chosen})
+        if more.lines:
+            step = new.derive(header)
+            step.bound_symbols = lines
+            traces.append(step)
+            new = step
+            plan.recomputed += more.lines
+    plan.saved_bytes = _saved(new).stored_bytes()
+    if memory_budget is not None:
+        plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
+    returned = {id(p) for p in tree_flatten(new.output)[0] if is_proxy(p)}
+    # Up to the backward's last line: the optimizer's functional updates become in-place writes later.
+    last = max((i for i, b in enumerate(new.bound_symbols) if _is_backward(b)), default=len(new.bound_symbols) - 1)
+    plan.planned_peak_bytes = planned_peak(new.bound_symbols[: last + 1], returned)
+    return new, plan
+
+
+def split_memory_plan(fb, trc) -> MemoryPlan:
+    """The plan of a forward/backward split (``transforms/autograd.py``, ``tt.compile(model)``)."""
+    inputs = {id(a) for a in trc.args}
+    plan = MemoryPlan()
+    plan.saved_bytes = plan.saved_bytes_default = sum(nbytes(p) for p in fb.saved if id(p) not in inputs)
+    rec = fb.recomputed
+    if rec is not None:
+        plan.recomputed = list(rec.lines)
+        plan.checkpoint_regions = rec.regions
+    plan.saved_bytes_without_remat = plan.saved_bytes
+    lines = list(fb.forward.bound_symbols) + list(fb.backward.bound_symbols)
+    plan.planned_peak_bytes = planned_peak(lines)
+    return plan
