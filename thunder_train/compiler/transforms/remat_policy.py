@@ -50,11 +50,11 @@ def _reads(b) -> list:
 
 
 def _pairs_with_forward(b) -> bool:
-    """A ``<op>_vjp`` line whose backward kernel reuses its forward line's statistics (transforms/saved_statistics.py
-    pairs the two by their arguments): a recomputed argument would break the pair and run the op's backward
+    """A ``<op>_vjp`` line (transforms/autograd.py ``vjp_symbol``: its ``forward_symbol`` is the op) whose backward
+    kernel reuses its forward line's statistics (executors/saved_statistics.py pairs the two by their arguments): a recomputed argument would break the pair and run the op's backward
     through PyTorch's autograd, forward included, so its arguments are kept."""
     op = getattr(b.sym, "forward_symbol", None)
-    return "vjp" in b.sym.tags and getattr(op, "torch_saved_statistics", None) is not None
+    return getattr(op, "torch_saved_statistics", None) is not None
 
 
 class Saved:
