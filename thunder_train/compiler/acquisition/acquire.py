@@ -26,6 +26,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
+from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
@@ -89,6 +90,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
     # grad_enabled: torch.no_grad() regions inside fn (dispatch.no_grad_region)
     state = TracerState(trc, walker, Buffers(), strict=strict, grad_enabled=torch.is_grad_enabled())
     state.grads = GradState(state)
+    state.leaf_values = LeafValues(state)
     state.forced_decisions = list(forced_decisions)
     with context.tracing(trc, state):
         try:
