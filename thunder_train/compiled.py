@@ -16,7 +16,7 @@ from .compiler.errors import DecisionMismatch
 from .compiler.executors import background
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .compiler.pipeline import CacheEntry, Options, compile_entry
-from .guards import cuda_graphs as graphs, thin
+from .guards import cuda_graphs as graphs, hook_guard, thin
 from .guards.autocast_region import RegionProbe
 from .guards.errors import GuardFailure
 from .guards.prologue import GLOBAL_LABELS, Prologue, count_diffs, current_global_state, describe_diffs
@@ -184,9 +184,14 @@ class CompiledFunction:
                     break
                 tried.append((probe, gkey))
         hit = entry is not None
+        hooks_changed = entry.hooks.changed(entry.leaves, vals) if hit and entry.hooks is not None else None
+        if hooks_changed is not None:  # hooks added or removed since tracing: retrace (the new entry replaces it)
+            hit, entry = False, None
         if entry is None:
-            entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
+            entry = self._compile(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
             vals = entry.prologue.extract.fn(*args, **kwargs)
+            entry.hooks = hook_guard.HookCheck(entry.leaves, vals)
+            self._note_forward_hooks(entry, vals)
         else:
             st.cache_hits += 1
         self._last = entry
@@ -323,6 +328,14 @@ class CompiledFunction:
         self.stats.total_trace_seconds += dt
         self._last = entry
         return entry
+
+    def _note_forward_hooks(self, entry, vals):
+        """Forward hooks ran once, while tracing: their tensor work is in the program, their Python side effects
+        (a list they append to, a print, a counter) are not repeated by later calls.  Said once per function."""
+        note = hook_guard.forward_hooks_note(entry.leaves, vals)
+        if note is not None and not getattr(self, "_warned_forward_hooks", False):
+            self._warned_forward_hooks = True
+            warnings.warn(note, stacklevel=_user_stacklevel())
 
     def _warn_retrace_storm(self, entry):
         """Every call of late traced a new program: results are right, but each call pays a trace and the cache grows."""

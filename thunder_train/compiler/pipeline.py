@@ -58,6 +58,7 @@ class CacheEntry:
     wrap: Callable | None = None  # program -> computation: adds the epilogue and the output rebuild
     fusion_job: object = None  # fusion="background": the FusionJob building this entry's fused program
     on_switch: Callable | None = None  # called with the entry after a fused program replaced its computation
+    hooks: object = None  # guards/hook_guard.HookCheck: the hook registries as traced (set by compiled.py)
 
     def switch(self, program, traces, backward_traces) -> None:
         """Run ``program`` from the next call on (same inputs and results as the current one)."""
