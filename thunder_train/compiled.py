@@ -490,8 +490,10 @@ class CompiledFunction:
 
         Call it after changing what thin mode bound: ``model.to(...)``,
         ``model.half()``, replacing parameters or optimizer state, changing
-        grad mode, autocast or the default dtype for good.
+        grad mode, autocast or the default dtype for good.  Hooks are read again too (also ones edited into a
+        hook dict directly, which no version counter sees).
         """
+        hook_guard.recheck(e for probes in self._cache.values() for probe in probes for e in probe.entries.values())
         self._unbind("revalidate()")
 
     @property

@@ -128,3 +128,10 @@ class HookCheck:
             return describe(self.sig, now)
         self.version = _Version.n
         return None
+
+
+def recheck(entries) -> None:
+    """The next full-path call of each entry re-reads its hooks whatever the version says (``revalidate()``)."""
+    for e in entries:
+        if e.hooks is not None:
+            e.hooks.version = -1
