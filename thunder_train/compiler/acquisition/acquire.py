@@ -26,6 +26,7 @@ from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from ..traced_autograd import GradState
+from . import library_objects
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
@@ -102,6 +103,7 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.classes.finish()
             walker.check_unwalked_unchanged()
+            library_objects.check(walker.library_objects)
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
@@ -123,6 +125,9 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
 
             trc.output, epilogue = finish(state, out, python_effects)
             _insert_shape_queries(trc, walker.symbolic_inputs)
+        except BaseException:
+            library_objects.rollback(walker.library_objects)
+            raise
         finally:
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}
