@@ -67,6 +67,13 @@ def _settle_attrs(st, module_tensor):
                 m.__dict__[k] = real
                 continue
             _put_back(st)
+            if _old_weight_norm(m, k):
+                raise TracingError(
+                    f"{st.where} uses the deprecated torch.nn.utils.weight_norm, whose forward pre-hook assigns "
+                    f"{st.where}.{k} a tensor computed from {k}_g and {k}_v on every call: a compiled program cannot "
+                    "replay that assignment. Use torch.nn.utils.parametrizations.weight_norm instead (torch's "
+                    "replacement; compiled functions support it): remove the old one with "
+                    "torch.nn.utils.remove_weight_norm(module) first.")
             raise TracingError(
                 f"the function sets {st.where}.{k} to a value computed inside the compiled function (a tensor, or "
                 "a number from .item()): a module "
@@ -74,6 +81,13 @@ def _settle_attrs(st, module_tensor):
                 f"buffer (self.register_buffer({k!r}, ...)) so the program updates it on every call, or return the "
                 "value and set it outside the compiled function."
             )
+
+
+def _old_weight_norm(m, name) -> bool:
+    """``name`` is computed by the deprecated ``torch.nn.utils.weight_norm`` hook on ``m``."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return any(isinstance(h, WeightNorm) and h.name == name for h in m._forward_pre_hooks.values())
 
 
 def _as_module_tensors(v, module_tensor):

@@ -327,6 +327,8 @@ def _rewrite_batch_norm(trc, fwd, vjp, positions):
     stats_ok = rm is None and rv is None if training else type(rm) is TensorProxy and type(rv) is TensorProxy
     if not stats_ok or not _cpu_float_like(x, w, bias, rm, rv) or x.ndim_ < 2:
         return None
+    if not all(type(s) is int for s in x._tt_shape) or 0 in x._tt_shape:
+        return None  # eager's batch_norm does not call native_batch_norm on an empty batch
     which = _which(fwd, positions, (x, w, bias))
     if which is None:
         return None
