@@ -110,7 +110,7 @@ def test_class_probabilities_still_work():
     torch.testing.assert_close(tt.compile(F.cross_entropy)(x, p), F.cross_entropy(x, p))
 
 
-@pytest.mark.filterwarnings("ignore:.*weight_norm")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_deprecated_weight_norm_gets_the_right_advice_and_the_replacement_works():
     def step(m, opt, x):
         loss = m(x).pow(2).sum()
@@ -119,10 +119,11 @@ def test_deprecated_weight_norm_gets_the_right_advice_and_the_replacement_works(
         opt.zero_grad()
         return loss
 
-    old = torch.nn.utils.weight_norm(torch.nn.Linear(4, 3))
-    with pytest.raises(TracingError, match="parametrizations.weight_norm"):
-        tt.compile(step)(old, torch.optim.SGD(old.parameters(), lr=0.1), torch.randn(2, 4))
-    old(torch.randn(2, 4)).sum().backward()  # still works eagerly
+    for name in ("weight_norm", "spectral_norm"):
+        old = getattr(torch.nn.utils, name)(torch.nn.Linear(4, 3))
+        with pytest.raises(TracingError, match=f"parametrizations.{name}"):
+            tt.compile(step)(old, torch.optim.SGD(old.parameters(), lr=0.1), torch.randn(2, 4))
+        old(torch.randn(2, 4)).sum().backward()  # still works eagerly
 
     torch.manual_seed(0)
     me = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3))
