@@ -103,11 +103,11 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.classes.finish()
             walker.check_unwalked_unchanged()
-            library_objects.check(walker.library_objects)
             check_ddp_finished(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
+            library_objects.check(walker.library_objects)  # after the checks that name a more specific cause
             out, output_spec = _check_output(out)
             inputs = []
             seen = set()

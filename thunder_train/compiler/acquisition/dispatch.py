@@ -187,6 +187,11 @@ def _run_opaque(st):
 
 def _property(st, prop, get, args, top):
     a = args[0]
+    if get and isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+        # A real tensor the function reads (a library object's own tensor, e.g. a GradScaler's scale): its
+        # metadata is eager's, read without this mode.
+        with torch._C.DisableTorchFunction():
+            return getattr(a, prop)
     if prop == "grad":
         if get:
             return st.grads.get(a)

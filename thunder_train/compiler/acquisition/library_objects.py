@@ -79,6 +79,6 @@ def check(objects) -> None:
         name = type(obj).__name__
         raise TracingError(
             f"{path_str(path)} ({name}): {', '.join(bad)} {'was' if len(bad) == 1 else 'were'} set inside the compiled "
-            f"function to a tensor computed there (library code initialising {name} lazily on first use). The compiled "
+            f"function to a value computed there, a tensor or a traced number (library code initialising {name} lazily on first use). The compiled "
             f"program would not set it again, and the object would hold a placeholder; it has been put back. Initialise "
             f"it outside, before the first compiled call (one eager call of the same method does it).")
