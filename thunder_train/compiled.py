@@ -221,6 +221,7 @@ class CompiledFunction:
                 entry = self._compile(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
                                       forced_decisions=observed)
                 vals = entry.prologue.extract.fn(*args, **kwargs)
+                entry.hooks = hook_guard.HookCheck(entry.leaves, vals)
             else:
                 probe, gkey, entry, vals = found  # its calls are counted by its computation (pay-back rule)
             if id(entry) in tried or len(tried) > 2 * len(observed) + 2:
