@@ -14,7 +14,7 @@ import torch
 
 from ..compiler.errors import DecisionMismatch, GuardFailure
 from ..compiler.prologue import GLOBAL_LABELS, current_global_state, describe_diffs
-from . import cuda_graphs as graphs, thin
+from . import cuda_graphs as graphs, hook_guard, thin
 from .cache_keys import describe_struct_diff, struct_key
 from .cache import _STRUCTURE_ERRORS
 from .thin import ThinBinding
@@ -145,8 +145,10 @@ class ThinPath:
 
         Call it after changing what thin mode bound: ``model.to(...)``,
         ``model.half()``, replacing parameters or optimizer state, changing
-        grad mode, autocast or the default dtype for good.
+        grad mode, autocast or the default dtype for good.  Hooks are read again too (also ones edited into a
+        hook dict directly, which no version counter sees).
         """
+        hook_guard.recheck(e for probes in self._cache.values() for probe in probes for e in probe.entries.values())
         self._unbind("revalidate()")
 
     @property

@@ -22,7 +22,7 @@ import warnings
 from ..compiler.errors import DecisionMismatch
 from ..compiler.pipeline import Options, compile_entry
 from ..compiler.prologue import Prologue, count_diffs, describe_diffs
-from . import background
+from . import background, hook_guard
 from .autocast_region import RegionProbe
 from .cache_keys import struct_diffs, struct_key
 from .slot import Entry, Slot
@@ -78,6 +78,7 @@ class FullPath:
         self._call = self._full_call  # what cf(...) calls (binding.py puts thin_call here)
         self._autocast_region = RegionProbe()  # eager's autocast weight cache across calls (autocast_region.py)
         self._misses_in_a_row = 0  # a function that changes what it is specialised on retraces every call
+        self._warned_forward_hooks = False  # hook_guard.forward_hooks_note said once per function
 
     def _full_call(self, *args, **kwargs):
         self.stats.calls += 1
@@ -102,9 +103,12 @@ class FullPath:
                     break
                 tried.append((probe, gkey))
         hit = entry is not None
+        hooks_changed = entry.hooks.changed(entry.leaves, vals) if hit and entry.hooks is not None else None
+        if hooks_changed is not None:  # hooks added or removed since tracing: retrace (the new entry replaces it)
+            hit, entry = False, None
         if entry is None:
-            entry = self._compile(args, kwargs, skey, self._miss_reason(skey, tried))
-            vals = entry.prologue.extract.fn(*args, **kwargs)
+            entry, vals = self._compile_for_call(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
+            self._note_forward_hooks(entry, vals)
         else:
             st.cache_hits += 1
         self._last = entry
@@ -131,9 +135,8 @@ class FullPath:
             observed = entry.checked[:mismatch.index] + ((text, mismatch.value),)
             found = self._entry_for(skey, args, kwargs, observed)
             if found is None:
-                entry = self._compile(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
-                                      forced_decisions=observed)
-                vals = entry.prologue.extract.fn(*args, **kwargs)
+                entry, vals = self._compile_for_call(args, kwargs, skey, f"{text} was {expected!r}, now {mismatch.value!r}",
+                                                     forced_decisions=observed)
             else:
                 probe, gkey, entry, vals = found  # its calls are counted by its computation (pay-back rule)
             if id(entry) in tried or len(tried) > 2 * len(observed) + 2:
@@ -201,6 +204,21 @@ class FullPath:
             if diffs:
                 return "; ".join(diffs)
         return "the structure of a module or container inside the arguments changed"
+
+    def _compile_for_call(self, args, kwargs, key, reason, forced_decisions=()):
+        """``_compile``, then this call's leaf values, and the entry's hooks as traced (hook_guard.py)."""
+        entry = self._compile(args, kwargs, key, reason, forced_decisions)
+        vals = entry.prologue.extract.fn(*args, **kwargs)
+        entry.hooks = hook_guard.HookCheck(entry.leaves, vals)
+        return entry, vals
+
+    def _note_forward_hooks(self, entry, vals):
+        """Forward hooks ran once, while tracing: their tensor work is in the program, their Python side effects
+        (a list they append to, a print, a counter) are not repeated by later calls.  Said once per function."""
+        note = hook_guard.forward_hooks_note(entry.leaves, vals)
+        if note is not None and not self._warned_forward_hooks:
+            self._warned_forward_hooks = True
+            warnings.warn(note, stacklevel=_user_stacklevel())
 
     def _compile(self, args, kwargs, key, reason, forced_decisions=()) -> Entry:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""

@@ -101,10 +101,11 @@ class Entry:
     (``entry.epilogue``, ``entry.leaves``, ... fall through to ``compiled``).
     """
 
-    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters")
+    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters", "hooks")
 
     def __init__(self, compiled, slot: Slot):
         self.compiled, self.slot = compiled, slot
+        self.hooks = None  # hook_guard.HookCheck: the hook registries as traced (set by cache.py after compiling)
         self.key, self.struct_key, self.prologue = compiled.key, compiled.struct_key, compiled.prologue
         self.select, self.checked, self.updates_parameters = compiled.select, compiled.checked, compiled.updates_parameters
 

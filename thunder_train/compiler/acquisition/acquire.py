@@ -28,6 +28,8 @@ from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
+from . import library_objects
+from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
@@ -106,6 +108,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     # grad_enabled: torch.no_grad() regions inside fn (dispatch.no_grad_region)
     state = TracerState(trc, walker, Buffers(), strict=strict, grad_enabled=torch.is_grad_enabled())
     state.grads = GradState(state)
+    state.leaf_values = LeafValues(state)
     state.forced_decisions = list(forced_decisions)
     with context.tracing(trc, state):
         try:
@@ -121,6 +124,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))
+            library_objects.check(walker.library_objects)  # after the checks that name a more specific cause
             out, output_spec = _check_output(out)
             inputs = []
             seen = set()
@@ -138,6 +142,9 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
 
             trc.output, epilogue = finish(state, out, python_effects)
             _insert_shape_queries(trc, walker.symbolic_inputs)
+        except BaseException:
+            library_objects.rollback(walker.library_objects)
+            raise
         finally:
             walker.restore()
     written = {id(dst) for dst in state.written_inputs}

@@ -23,6 +23,7 @@ from ..pytree import tree_flatten, tree_map
 from . import traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
+from ..torchlang.tensor_methods import requires_grad_of
 from .opaque_views import record_opaque_views
 from .state import TracerState
 from .inplace import (back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view, no_grad_region,
@@ -67,6 +68,8 @@ def handle_torch_function(func, types, args, kwargs):
     if top:
         args, kwargs = read_current(st, args, kwargs)
     if sym is not None:
+        if top and getattr(sym, "on_buffer", False):  # flags act on the user's tensor (tensor_methods.set_requires_grad)
+            return sym(*orig_args, **orig_kwargs)
         out_arg = kwargs.get("out")
         if out_arg is not None:
             if not top or type(out_arg) is not TensorProxy:
@@ -184,6 +187,11 @@ def _run_opaque(st):
 
 def _property(st, prop, get, args, top):
     a = args[0]
+    if get and isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+        # A real tensor the function reads (a library object's own tensor, e.g. a GradScaler's scale): its
+        # metadata is eager's, read without this mode.
+        with torch._C.DisableTorchFunction():
+            return getattr(a, prop)
     if prop == "grad":
         if get:
             return st.grads.get(a)
@@ -198,6 +206,8 @@ def _property(st, prop, get, args, top):
         raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
     if not top or type(a) is not TensorProxy:
         return getter(a)
+    if prop == "requires_grad":
+        return requires_grad_of(st, a)
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)

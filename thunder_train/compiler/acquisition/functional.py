@@ -41,6 +41,7 @@ class Buffers:
         self._version: dict = {}  # id(base) -> number of writes so far
         self._views: dict = {}  # id(view proxy) -> View
         self._keep: dict = {}  # id -> proxy: keeps ids stable while tracing
+        self._alias_of: dict = {}  # id(alias) -> the value it aliases (acquisition/leaf_values.py)
 
     # ---- reading ----
     def read(self, p):
@@ -76,6 +77,14 @@ class Buffers:
 
     def rebind(self, buf, value) -> None:
         """``buf`` now names ``value``, whose shape or strides may differ (t_(), squeeze_(), ...)."""
+        self._set(buf, value)
+
+    def alias(self, buf, value, of) -> None:
+        """``buf`` now reads as ``value``, which holds the same data as ``of`` (a ``stop_gradient`` alias; None:
+        ``value`` is an earlier value of ``buf``).  Its write-back writes the data, not the alias."""
+        if of is not None:
+            self._alias_of[id(value)] = of
+            self._keep[id(value)] = value
         self._set(buf, value)
 
     def base_of(self, p):
@@ -116,6 +125,8 @@ class Buffers:
         for p in inputs:
             if type(p) is TensorProxy and id(p) in self._current:
                 v = self.read(p)
+                while id(v) in self._alias_of:
+                    v = self._alias_of[id(v)]
                 if v is not p:
                     out.append((v, p))
         return out

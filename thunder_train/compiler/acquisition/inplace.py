@@ -77,6 +77,9 @@ def write(st, sym, dst, value):
         # fill_ / zero_ / copy_), whatever layout the out-of-place form gives its result.
         value = prims.grad_layout(value, dst)
     st.buffers.write(dst, value)
+    if st.leaf_values is not None:
+        base = st.buffers.base_of(dst)
+        st.leaf_values.written(dst if base is None else base)
 
 
 def converted_to(value, dst):

@@ -67,6 +67,13 @@ def _settle_attrs(st, module_tensor):
                 m.__dict__[k] = real
                 continue
             _put_back(st)
+            old = _old_reparametrization(m, k)
+            if old is not None:
+                raise TracingError(
+                    f"{st.where} uses the deprecated torch.nn.utils.{old}, whose forward pre-hook assigns "
+                    f"{st.where}.{k} a tensor computed on every call: a compiled program cannot replay that assignment. "
+                    f"Use torch.nn.utils.parametrizations.{old} instead (torch's replacement; compiled functions support "
+                    f"it): remove the old one with torch.nn.utils.remove_{old}(module) first.")
             raise TracingError(
                 f"the function sets {st.where}.{k} to a value computed inside the compiled function (a tensor, or "
                 "a number from .item()): a module "
@@ -74,6 +81,20 @@ def _settle_attrs(st, module_tensor):
                 f"buffer (self.register_buffer({k!r}, ...)) so the program updates it on every call, or return the "
                 "value and set it outside the compiled function."
             )
+
+
+def _old_reparametrization(m, name):
+    """``"weight_norm"``/``"spectral_norm"`` when ``name`` is computed by that deprecated hook on ``m`` (else None)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for h in m._forward_pre_hooks.values():
+        if getattr(h, "name", None) == name:
+            if isinstance(h, WeightNorm):
+                return "weight_norm"
+            if isinstance(h, SpectralNorm):
+                return "spectral_norm"
+    return None
 
 
 def _as_module_tensors(v, module_tensor):

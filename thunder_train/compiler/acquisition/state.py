@@ -21,6 +21,7 @@ class TracerState:
     walker: Any  # acquisition.walker.InputWalker: leaves and proxies of the inputs
     buffers: Any  # functional.Buffers: current value of every buffer (functionalization)
     grads: Any = None  # traced_autograd.GradState: ``.grad`` of the tensors the function touched
+    leaf_values: Any = None  # leaf_values.LeafValues: the values standing for each input in a backward
     strict: bool = False  # unknown torch ops are errors instead of running opaquely
     grad_enabled: bool = True  # grad mode when the call began (``torch.no_grad()`` regions inside)
     opaque_ops: list = dataclasses.field(default_factory=list)  # names of ops run opaquely by torch

@@ -91,24 +91,52 @@ class GradState:
 
 
 def grad_leaves(st) -> list:
-    """(user-visible tensor, current value) of every input tensor that requires grad (``st``: the TracerState)."""
+    """(user-visible tensor, [values standing for it]) of every input tensor that requires grad now (``st``: the
+    TracerState).  The values are those it held while it required grad (``acquisition/leaf_values.py``): a
+    gradient reaching any of them reaches the tensor, as eager's graph recorded at each op."""
+    lv = st.leaf_values
     out = []
     for p in st.walker.input_proxies():
         if is_float_tensor(p) and p._tt_requires_grad:
-            out.append((p, st.buffers.read(p)))
+            out.append((p, lv.stand_ins(p) if lv is not None else [st.buffers.read(p)]))
+    return out
+
+
+def _wrt_groups(st, tensors) -> list:
+    """For each tensor of ``autograd.grad(..., inputs=tensors)``: the values its gradient is the sum over."""
+    lv = st.leaf_values
+    out = []
+    for t in tensors:
+        if lv is not None and lv.tracks(t) and t._tt_requires_grad:
+            out.append(lv.stand_ins(t))
+        else:
+            out.append([st.buffers.read(t) if type(t) is TensorProxy else t])
+    return out
+
+
+def _summed(groups, grads) -> list:
+    """One gradient per group: the sum of its values' gradients (None if none reached them)."""
+    out, i = [], 0
+    for vals in groups:
+        total = None
+        for g in grads[i:i + len(vals)]:
+            if g is not None:
+                total = g if total is None else prims.add(total, g)
+        out.append(total)
+        i += len(vals)
     return out
 
 
 def gradient_path(st) -> set:
     """Ids of the values so far that depend on an input requiring grad (what a backward would reach)."""
-    return Forward(list(st.trace.bound_symbols), [v for _, v in grad_leaves(st)]).needs_grad
+    return Forward(list(st.trace.bound_symbols), [v for _, vals in grad_leaves(st) for v in vals]).needs_grad
 
 
 def record_backward(st, outputs, cotangents, wrt_values) -> list:
     """Record the backward of ``outputs`` into the trace; returns one gradient (or None) per ``wrt_values``."""
     st.has_backward = True
     trc = st.trace
-    leaves = [v for _, v in grad_leaves(st)] + [v for v in wrt_values if v is not None]
+    leaves = [v for _, vals in grad_leaves(st) for v in vals] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
     fwd = Forward(list(trc.bound_symbols), leaves)
     # A function called under torch.no_grad()/inference_mode() computes nothing that requires grad, as in
@@ -166,7 +194,8 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
         params = [(p, v) for p, v in params if id(p) in wanted]
         if len(params) != len(wanted):
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
-    grads = record_backward(st, outs, cts, [v for _, v in params])
+    groups = [vals for _, vals in params]
+    grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
     taken: set = set()
     for (p, _), g in zip(params, grads):
         if g is None:
@@ -191,14 +220,15 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
     outs = [buffers.read(t) for t in _as_list(outputs)]
     cts = _as_list(grad_outputs) or [None] * len(outs)
     cts = [None if c is None else buffers.read(c) for c in cts]
-    values = [buffers.read(t) for t in ins]
+    groups = _wrt_groups(st, ins)
+    values = [vals[-1] if vals else buffers.read(t) for vals, t in zip(groups, ins)]
     on_path = None  # ids on the gradient path, computed once if an input is not itself a leaf requiring grad
     for i, v in enumerate(values):
         if type(v) is TensorProxy and not v._tt_requires_grad and on_path is None:
             on_path = gradient_path(st)
-        if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path:
+        if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path and not getattr(ins[i], "_tt_requires_grad", False):
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
-    grads = record_backward(st, outs, cts, values)
+    grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
     # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
     if not create_graph:
         grads = [None if g is None else prims.stop_gradient(g) for g in grads]

@@ -25,6 +25,7 @@ from ..trace import Trace
 from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
 from .module_writes import ModuleState
+from . import library_objects
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
@@ -66,6 +67,9 @@ class InputWalker:
         self.module_states: list = []
         # Class attributes the function reads (class_attrs.py): inputs under the root ``Cls.name``.
         self.classes = ClassWatch(self)
+        # (path, object, its __dict__ when walked): objects the function runs on as they are (library objects);
+        # what library code sets on them while tracing is rolled back or refused (library_objects.py).
+        self.library_objects: list = []
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -203,7 +207,13 @@ class InputWalker:
         if isinstance(x, type) and user_class(x):
             self.classes.watch(x)  # a class the function reads attributes of (Cfg.scale)
         if id(x) not in self.by_id:  # (an object walked as a namespace already runs with its walked __dict__)
-            self._swap_dict(leaf, x, dict(x.__dict__) if plain_object(x) else None, "object")
+            if plain_object(x):
+                self._swap_dict(leaf, x, dict(x.__dict__), "object")
+            elif not isinstance(x, type) and all(o is not x for _, o, _ in self.library_objects):
+                before = library_objects.snapshot(x)
+                if before is not None:
+                    self.library_objects.append((path, x, before))
+                    library_objects.initialise(x)
         return x
 
     def namespace(self, x, path):

@@ -52,12 +52,31 @@ def _bind(names, defaults, args, kwargs):
 # ---------------------------------------------------------------------------
 # Runtime functions (printed as ttex.<name> in traces)
 # ---------------------------------------------------------------------------
+def _flash_is_eagers(query, key, value, is_causal, scale) -> bool:
+    from torch.nn.attention import SDPBackend
+
+    return torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+
+
 def sdpa_flash_cpu(query, key, value, is_causal, scale):
-    """Attention output and log-sum-exp (what the backward kernel reads)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
+    """Attention output and log-sum-exp (what the backward kernel reads).
+
+    Eager's choice is asked again at run time (a few microseconds): the backend switches
+    (``torch.nn.attention.sdpa_kernel``) are process state a call may change after tracing.  Where eager
+    would not run flash, this runs eager's call and returns a 0-d log-sum-exp, which tells the backward to
+    differentiate that call instead.
+    """
+    if not _flash_is_eagers(query, key, value, is_causal, scale):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale), query.new_empty(())
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which):
+    if lse.dim() == 0:  # the forward ran eager's call (not flash): its gradients by autograd, as eager's
+        with torch.enable_grad():
+            qkv = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
+            o = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=is_causal, scale=scale)
+            return torch.autograd.grad(o, [qkv[i] for i in which], g)
     # ``g`` as autograd would pass it: the kernel makes its own copy where its layout needs one (a
     # ``.contiguous()`` here cost a copy and then, not matching ``out``'s layout, a second one inside).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -168,6 +187,32 @@ def _new_proxy(trc, prefix, shape, dtype, device):
     return TensorProxy(trc.make_name(prefix), shape=shape, dtype=dtype, device=device)
 
 
+def _empty_like_proxy(t):
+    """An uninitialised CPU tensor with ``t``'s sizes, strides and dtype (None if they are not all known ints)."""
+    shape, strides = t._tt_shape, getattr(t, "_tt_strides", None)
+    if strides is None or not all(type(s) is int for s in (*shape, *strides)):
+        return None
+    return torch.empty_strided(shape, strides, dtype=t._tt_dtype.torch, device="cpu")
+
+
+def _eager_picks_cpu_flash(q, k, v, is_causal, scale) -> bool:
+    """Whether eager's ``scaled_dot_product_attention`` runs the CPU flash kernel on these operands.
+
+    Asked of torch's own selector (``torch._fused_sdp_choice``, what eager calls) on uninitialised tensors with
+    the operands' sizes, strides and dtype, so every condition it checks (layout, dtype, sizes, the backend
+    switches of ``torch.nn.attention.sdpa_kernel``) is eager's.  The rewritten line calls that kernel directly
+    and must not where eager would not (strided last dimensions, from views of a packed projection, take the
+    math kernel: values differ).
+    """
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    operands = [_empty_like_proxy(t) for t in (q, k, v)]
+    if choose is None or any(t is None for t in operands):
+        return False
+    from torch.nn.attention import SDPBackend
+
+    return choose(*operands, None, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+
+
 def _rewrite_sdpa(trc, fwd, vjp, positions):
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
     if b is None or b["attn_mask"] is not None or b["dropout_p"] != 0.0 or b["enable_gqa"]:
@@ -186,6 +231,8 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         which.append(pos[0])
     if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
+    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"]):
+        return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
     new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
@@ -280,6 +327,8 @@ def _rewrite_batch_norm(trc, fwd, vjp, positions):
     stats_ok = rm is None and rv is None if training else type(rm) is TensorProxy and type(rv) is TensorProxy
     if not stats_ok or not _cpu_float_like(x, w, bias, rm, rv) or x.ndim_ < 2:
         return None
+    if not all(type(s) is int for s in x._tt_shape) or 0 in x._tt_shape:
+        return None  # eager's batch_norm does not call native_batch_norm on an empty batch
     which = _which(fwd, positions, (x, w, bias))
     if which is None:
         return None

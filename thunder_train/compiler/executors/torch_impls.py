@@ -221,7 +221,10 @@ embedding_vjp.wanted = ((1,),)  # the gradient of ``weight`` (positional argumen
 
 
 def batch_norm_running_stats(input, running_mean, running_var, momentum):
-    """The running statistics' new values, from eager's own training-mode batch norm kernel (bitwise eager's update)."""
+    """The running statistics' new values, from eager's own training-mode batch norm kernel (bitwise eager's update).
+    An empty batch leaves them as they are: eager's batch_norm does not call the kernel for one (it would raise)."""
+    if input.numel() == 0:
+        return running_mean.clone(), running_var.clone()
     out = torch.ops.aten._native_batch_norm_legit_functional(input, None, None, running_mean, running_var, True, momentum, 0.0)
     return out[3], out[4]
 

@@ -17,12 +17,15 @@ from . import activations, elementwise as ew, indexing
 from .registry import torchsymbol
 
 
-def _new_value(out, a):
-    """``out`` converted and broadcast to the destination's dtype and shape, as torch does for in-place ops."""
+def _new_value(out, a, cast=False):
+    """``out`` converted and broadcast to the destination's dtype and shape, as torch does for in-place ops.
+
+    ``cast``: any dtype converts (``copy_`` casts, as ``a.copy_(b)`` does in eager: float into int truncates);
+    otherwise a result of a higher category than the destination is eager's error for in-place arithmetic."""
     if type(out) is not TensorProxy:
         out = prims.full(a._tt_shape, out, device=a._tt_device, dtype=a._tt_dtype)
     if out._tt_dtype is not a._tt_dtype:
-        if out._tt_dtype.category > a._tt_dtype.category:
+        if out._tt_dtype.category > a._tt_dtype.category and not cast:
             raise RuntimeError(f"result type {out._tt_dtype.torch} can't be cast to the desired output type {a._tt_dtype.torch}")
         out = prims.convert_element_type(out, a._tt_dtype)
     if out._tt_shape != a._tt_shape:
@@ -114,7 +117,7 @@ def _copy_value(a, src, non_blocking=False):
             f"copy_ from {src._tt_device} into {a._tt_device} inside a compiled function is not supported yet; "
             "move the tensor before calling it"
         )
-    return _new_value(src, a)
+    return _new_value(src, a, cast=True)
 
 
 @torchsymbol(methods=("copy_",), name="copy_", tags=("inplace",))

@@ -220,8 +220,20 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     return _nll(input, target, weight, ignore_index, reduction)
 
 
+_SCALAR_TYPE = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.bool: "Bool"}
+
+
+def _check_class_indices(target):
+    """Eager's check of a class-index target (a float one there means class probabilities of the input's shape)."""
+    if target._tt_dtype.torch not in (torch.int64, torch.uint8):
+        name = _SCALAR_TYPE.get(target._tt_dtype.torch, str(target._tt_dtype.torch))
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {name}")
+
+
 def _nll(logp, target, weight, ignore_index, reduction):
     # logp: (N, C, ...) or (C,); target: (N, ...) or ()
+    _check_class_indices(target)
     if logp.ndim_ == 1:
         logp = clang.unsqueeze(logp, 0)
         target = clang.unsqueeze(target, 0)
@@ -256,7 +268,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     c_dim = 0 if x.ndim_ == 1 else 1
     C = x._tt_shape[c_dim]
     logp = clang.log_softmax(x, c_dim)
-    if target._tt_dtype.is_float:  # class probabilities
+    if target._tt_dtype.is_float and tuple(target._tt_shape) == tuple(input._tt_shape):  # class probabilities
         t = clang.maybe_convert(target, x._tt_dtype)
         if label_smoothing > 0:
             t = clang.add(clang.mul(t, 1 - label_smoothing), label_smoothing / C)

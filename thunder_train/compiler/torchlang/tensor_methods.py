@@ -127,14 +127,16 @@ def _real(a):
 
 
 # Metadata methods that return Python values, not tensors.
-def _metadata_method(*fns, methods=()):
+def _metadata_method(*fns, methods=(), on_buffer=False):
+    """``on_buffer``: the method acts on the user's tensor itself, not on its current value (flags; see
+    ``set_requires_grad``)."""
     def deco(f):
         for fn in fns:
-            by_torch_fn[fn] = _MetadataSymbol(f)
+            by_torch_fn[fn] = _MetadataSymbol(f, on_buffer)
         for m in methods:
             from .registry import by_method_name
 
-            s = _MetadataSymbol(f)
+            s = _MetadataSymbol(f, on_buffer)
             by_method_name[m] = s
             for owner in (torch.Tensor, torch._C.TensorBase):
                 if hasattr(owner, m):
@@ -149,9 +151,10 @@ class _MetadataSymbol:
 
     tags = frozenset()
 
-    def __init__(self, fn):
+    def __init__(self, fn, on_buffer=False):
         self.fn = fn
         self.name = fn.__name__
+        self.on_buffer = on_buffer
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -288,23 +291,49 @@ def item(a):
     return prims.item(a)
 
 
-@_metadata_method(methods=("requires_grad_",))
+@_metadata_method(methods=("requires_grad_",), on_buffer=True)
 def requires_grad_(a, requires_grad=True):
     set_requires_grad(a, requires_grad)
     return a
 
 
+def _leaf_values(st, a):
+    """The tracer's record of an input's values while it requires grad (``acquisition/leaf_values.py``), if ``a`` is
+    an input it tracks: an in-place update makes a new value proxy, but eager's flags belong to the user's tensor."""
+    lv = getattr(st, "leaf_values", None)
+    return lv if lv is not None and lv.tracks(a) else None
+
+
+def requires_grad_of(st, a):
+    """``a.requires_grad`` while tracing (``a``: the user's tensor, not its current value)."""
+    lv = _leaf_values(st, a)
+    if lv is not None:
+        return lv.requires_grad(a)
+    return (st.buffers.read(a) if st is not None and st.buffers is not None else a)._tt_requires_grad
+
+
 def set_requires_grad(a, requires_grad):
-    """``t.requires_grad = flag`` while tracing: later backwards see it; an input's flag is set by the epilogue."""
+    """``t.requires_grad = flag`` while tracing: later ops and backwards see it; an input's flag is set by the epilogue.
+
+    ``a`` is the user's tensor (the dispatcher passes it, not its current value), so the flag acts on an input
+    also after it was updated in place, from this point of the function on, as in eager.
+    """
     from ..context import tracer_state
 
     if requires_grad and not a._tt_dtype.is_float:
         raise RuntimeError("only Tensors of floating point dtype can require gradients")
     st = tracer_state()
+    lv = _leaf_values(st, a)
+    if lv is not None:
+        lv.set_flag(a, requires_grad)  # raises where eager does (a non-leaf)
     changes = st.requires_grad_changes if st is not None else None
     if changes is not None and id(a) not in changes:
         changes[id(a)] = (a, a._tt_requires_grad)
     a._tt_requires_grad = bool(requires_grad)
+    if lv is None and st is not None and st.buffers is not None and type(a) is TensorProxy:
+        cur = st.buffers.read(a)  # a tensor made inside the function and updated in place: its value of the moment
+        if cur is not a:
+            cur._tt_requires_grad = bool(requires_grad)
 
 
 @tensor_property_setter("requires_grad")
@@ -312,9 +341,20 @@ def _set_requires_grad(a, value):
     set_requires_grad(a, value)
 
 
-@_metadata_method(methods=("detach_",))
+@_metadata_method(methods=("detach_",), on_buffer=True)
 def detach_(a):
+    from ..context import tracer_state
+
+    st = tracer_state()
+    lv = _leaf_values(st, a)
+    if lv is not None:
+        lv.set_flag(a, False, detach=True)
+    changes = st.requires_grad_changes if st is not None else None
+    if changes is not None and type(a) is TensorProxy and id(a) not in changes:
+        changes[id(a)] = (a, a._tt_requires_grad)
     a._tt_requires_grad = False
+    if st is not None and st.buffers is not None and type(a) is TensorProxy:
+        st.buffers.read(a)._tt_requires_grad = False
     return a
 _metadata_method(methods=("tolist",))(_decided("list", "Tensor.tolist()"))
 _metadata_method(methods=("__int__",))(_decided("int", "int(tensor)"))

@@ -1,0 +1,109 @@
+"""Rewrites that call a specific ATen kernel run it only where eager would (issue 25, item 5).
+
+``transforms/saved_statistics.py`` replaces a forward/backward pair by direct calls of the kernels eager runs
+for it.  Where eager picks another kernel for the same call (attention on q/k/v whose last dimension is
+strided takes the math kernel on the CPU, not flash), the rewrite must not happen: the whole step then
+trains exactly as eager.  Each case trains a few steps eagerly and compiled and compares after every step.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_train as tt
+
+
+class PackedAttention(torch.nn.Module):
+    """A diffusion-style attention block (trained with SGD: the gradient of k's bias is zero up to rounding, which
+    Adam would amplify to the learning rate): q, k and v are views of one packed 1x1 projection of a feature map,
+    laid out (batch, heads, pixels, head_dim) with head_dim strided (stride = pixels)."""
+
+    def __init__(self, channels=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.GroupNorm(4, channels)
+        self.qkv = torch.nn.Conv1d(channels, 3 * channels, 1)
+        self.out = torch.nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        b, c, n = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, 3, self.heads, c // self.heads, n)
+        q, k, v = qkv.permute(1, 0, 2, 4, 3).unbind(0)  # last-dim stride n, not 1
+        a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.out(a.transpose(-1, -2).reshape(b, c, n))
+
+
+class TransposedAttention(PackedAttention):
+    """The same projection viewed (batch, heads, pixels, head_dim) with head_dim contiguous: eager takes flash."""
+
+    def forward(self, x):
+        b, c, n = x.shape
+        qkv = self.qkv(self.norm(x)).transpose(1, 2).contiguous().view(b, n, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, n, c).transpose(1, 2))
+
+
+def _step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _train_both(make, steps=4, **compile_kw):
+    torch.manual_seed(0)
+    me = make()
+    mc = copy.deepcopy(me)
+    oe = torch.optim.SGD(me.parameters(), lr=0.1, momentum=0.9)
+    oc = torch.optim.SGD(mc.parameters(), lr=0.1, momentum=0.9)
+    cf = tt.compile(_step, **compile_kw)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x, y = torch.randn(2, 32, 24, generator=g), torch.randn(2, 32, 24, generator=g)
+        torch.testing.assert_close(cf(mc, oc, x, y), _step(me, oe, x, y), rtol=1e-5, atol=1e-6, msg=lambda m: f"loss {i}: {m}")
+        for (n, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i} {n}: {m}")
+    return cf
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_strided_qkv_whole_step_matches_eager(thin):
+    cf = _train_both(PackedAttention, thin=thin)
+    assert "sdpa_flash_cpu" not in str(tt.last_traces(cf)[-1])  # eager's math kernel: the call stays SDPA
+
+
+def test_contiguous_head_dim_keeps_the_flash_rewrite():
+    cf = _train_both(TransposedAttention)
+    assert "sdpa_flash_cpu" in str(tt.last_traces(cf)[-1])
+
+
+def _kernels(fn, *args):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args)
+    return out, {e.name for e in prof.events()}
+
+
+def test_backend_switch_after_tracing_is_eagers_choice():
+    """A call under ``sdpa_kernel(MATH)`` after the step was traced (with flash) runs eager's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    me = TransposedAttention()
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+    cf = tt.compile(_step)
+    g = torch.Generator().manual_seed(1)
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    for i in range(3):
+        x, y = torch.randn(2, 32, 24, generator=g), torch.randn(2, 32, 24, generator=g)
+        with sdpa_kernel(SDPBackend.MATH) if i == 2 else torch.enable_grad():
+            le, eager_ran = _kernels(_step, me, oe, x, y)
+            lc, compiled_ran = _kernels(cf, mc, oc, x, y)
+        assert (flash in eager_ran) == (flash in compiled_ran) == (i < 2), i
+        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+        for (n, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i} {n}: {m}")
+    assert "sdpa_flash_cpu" in str(tt.last_traces(cf)[-1])
