@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .. import prims
 from ..proxies import TensorProxy
-from ..traced_autograd import gradient_path
+from .traced_autograd import gradient_path
 
 
 class LeafValues:
