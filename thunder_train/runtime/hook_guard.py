@@ -24,6 +24,7 @@ from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 from torch.utils import hooks as _torch_hooks
 
+from ..compiler import context
 from . import module_epoch
 
 _MODULE_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -43,6 +44,10 @@ def version() -> int:
 
 
 def _changed() -> None:
+    if context.tracer_state() is not None:
+        # A handle made or removed while this thread traces: the tracer's own stand-ins (python_effects.py), or a
+        # hook the traced function registers, which the new entry's signature (taken after tracing) includes.
+        return
     _Version.n += 1
     if module_epoch._watched:  # a thin binding exists: its next call re-validates on the full path
         module_epoch._Epoch.n += 1
