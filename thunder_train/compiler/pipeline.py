@@ -29,7 +29,6 @@ from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
-from .executors.logp_in_place import logp_into_dead_logits
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
@@ -194,7 +193,6 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
-        trc = logp_into_dead_logits(trc)  # executors/logp_in_place.py
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:
         shown.append(trc)
