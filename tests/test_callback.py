@@ -158,7 +158,9 @@ def test_partial_last_batch_in_thin_mode():
     compiled = fit([cb], n=100, max_steps=20)
     assert_same(eager, compiled)
     step = cb.steps["training_step"]
-    assert step.thin_rebinds == 2  # epochs 1 and 2 ended on a smaller batch
+    # Epochs 1 and 2 ended on a smaller batch: no ThinModeError to catch since issue 26 (the batch size became
+    # symbolic at the first one, and the bound symbolic program ran the second).
+    assert step.thin_rebinds == 0
     stats = tt.compile_stats(cb.compiled())
     assert stats.entries == 2 and stats.thin_calls > 0
     assert "(16, 8) → (4, 8)" in stats.retrace_reasons[0]
