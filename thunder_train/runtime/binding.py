@@ -145,7 +145,7 @@ class ThinPath:
     def _thin_changed(self, args, kwargs):
         b = self._binding
         g = current_global_state()
-        if g == b.global_state and thin.epoch() == b.epoch and _per_call_input_differs(b.entry, args, kwargs):
+        if g == b.global_state and thin.epoch() == b.epoch and _per_call_input_differs(b.entry, args, kwargs, self._dims):
             # A decision on a size or a per-call value went another way: another entry's call, not a change of
             # what this binding assumed (it keeps checking that on every call it runs).
             return self._thin_mismatch(args, kwargs)
@@ -212,7 +212,7 @@ class ThinPath:
     def _thin_periodic(self, args, kwargs):
         b = self._binding
         b.countdown = b.check_every
-        if _per_call_input_differs(b.entry, args, kwargs):
+        if _per_call_input_differs(b.entry, args, kwargs, self._dims):
             return self._thin_mismatch(args, kwargs)  # a new batch size or value: not a change of what was bound
         try:
             vals = thin.periodic_check(b, b.entry.prologue, b.entry.leaves, args, kwargs, self._arg_names)

@@ -55,13 +55,15 @@ _RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retr
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
 
 
-def _per_call_input_differs(entry, args, kwargs) -> bool:
+def _per_call_input_differs(entry, args, kwargs, dims) -> bool:
     """The call's structure or a per-call input (the batch, a Python flag) differs from what ``entry`` was traced for."""
     pro = entry.prologue
     try:
         key = pro.key_of(args, kwargs)
     except _STRUCTURE_ERRORS:
-        return True
+        # The prologue cannot read this call: per-call when the arguments' own structure differs; otherwise captured
+        # state changed shape (a global rebound to a new optimizer with no state yet), a change of what was bound.
+        return dims.key(args, kwargs) != entry.struct_key
     # Globals and closure cells are state the caller rebinds (a change of what was bound), not the call's inputs.
     per_call = [p and leaf.path[0].kind not in CAPTURED_ROOTS for p, leaf in zip(per_call_mask(entry.leaves), entry.leaves)]
     return any(a != e and per_call[pro.label_leaf[j]] for j, (a, e) in enumerate(zip(key, entry.key)))

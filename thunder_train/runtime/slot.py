@@ -117,7 +117,8 @@ class Entry:
     (``entry.epilogue``, ``entry.leaves``, ... fall through to ``compiled``).
     """
 
-    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters")
+    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters",
+                 "__weakref__")  # the bounded cache's tests check that an evicted entry is freed
 
     def __init__(self, compiled, slot: Slot):
         self.compiled, self.slot = compiled, slot
