@@ -5,16 +5,23 @@ program for every later size; thin mode keeps running thin across them.  Each st
 (loss, parameters after the optimizer step), and the number of traces is asserted.  A few zoo models only (the
 decoders people fine-tune with dynamic padding, an encoder with a padding mask and a torch.nn RNN), to keep the
 file fast; tests/test_zoo.py runs every zoo model at one size.
+
+Slow (minutes on 2 cores): it runs only with THUNDER_TRAIN_SLOW_TESTS=1 set, e.g.
+``THUNDER_TRAIN_SLOW_TESTS=1 PYTHONPATH=$PWD python -m pytest -q tests/test_dynamic_zoo.py``.
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 import thunder_train as tt
 from _zoo import VOCAB, build, train_step
+
+pytestmark = pytest.mark.skipif(not os.environ.get("THUNDER_TRAIN_SLOW_TESTS"),
+                                reason="slow zoo test: set THUNDER_TRAIN_SLOW_TESTS=1 to run it")
 
 # (batch, sequence length): 3 lengths and 2 batch sizes, the first size repeated (optimizer state created).
 SHAPES = [(2, 12), (2, 12), (2, 9), (2, 15), (3, 15), (3, 9), (3, 12), (2, 9)]
