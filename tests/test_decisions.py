@@ -58,7 +58,9 @@ def test_decision_on_an_input_mask_specialises_and_retraces_with_the_decision_as
     assert "bool(tensor) at test_decisions.py" in reason and "if (mask == 1).all()" in reason
     assert "was True, now False" in reason
     if thin:
-        assert stats.thin_invalidations  # the decision is checked on every thin call
+        # The decision is checked on every thin call; one going the other way switches to the other entry's
+        # binding or takes the full path (issue 26), it drops no binding.
+        assert stats.thin_calls >= 1 and not stats.thin_invalidations
     # The prologue computes the decision (printed in guard_key).
     assert "decision" in str(tt.last_prologue_traces(cf)[1])
 

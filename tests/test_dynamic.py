@@ -109,12 +109,20 @@ def test_compiled_module_backward_across_sizes():
     assert tt.compile_stats(cm).cache_misses == 1
 
 
-def test_thin_mode_still_rejects_a_wrong_rank_or_dtype():
+def test_thin_mode_runs_a_new_rank_or_dtype_through_the_full_path():
+    # Issue 26: a call the bound program does not accept takes the full path (never a ThinModeError where eager
+    # runs), which traces the entry for it and binds it; the first binding comes back with its inputs.
     cf = tt.compile(lambda x: x * 2, dynamic=True, thin=True)
     for b in (3, 4, 5):
         cf(torch.randn(b, 2))
     assert cf.is_thin_bound
-    with pytest.raises(tt.ThinModeError, match="dtype"):
-        cf(torch.randn(3, 2, dtype=torch.float64))
-    with pytest.raises(tt.ThinModeError):
-        cf(torch.randn(3, 2, 2))
+    stats = tt.compile_stats(cf)
+    for x in (torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, 2)):
+        for _ in range(2):
+            torch.testing.assert_close(cf(x), x * 2)
+    assert stats.cache_misses == 3 and stats.thin_fallbacks == 2 and stats.thin_binds == 3
+    calls = stats.full_calls
+    x = torch.randn(6, 2)
+    torch.testing.assert_close(cf(x), x * 2)  # the float32 rank-2 binding accepts it: switched to, thin
+    torch.testing.assert_close(cf(x), x * 2)
+    assert stats.full_calls == calls and stats.thin_binds == 3 and stats.cache_misses == 3

@@ -53,7 +53,7 @@ def test_retrace_reason_names_input_and_change():
     cf(m, torch.randn(5, 4), d)
     x = torch.randn(2, 4)
     torch.testing.assert_close(cf(m, x, d), f(m, x, d))
-    assert tt.compile_stats(cf).retrace_reasons == ["args[1].shape: (5, 4) → (2, 4)"]
+    assert tt.compile_stats(cf).retrace_reasons == ["args[1].shape: (5, 4) → (2, 4); symbolic from now on: args[1] (x) dim 0"]
     cf(m, x, {"a": torch.randn(3, dtype=torch.float64)})
     assert tt.compile_stats(cf).retrace_reasons[-1] == "args[2]['a'].dtype: float32 → float64"
     cf(m, x, d, 3.0)

@@ -46,12 +46,15 @@ def test_tracing_error_is_exported():
 
 
 def test_thin_mode_error_and_guard_failure_are_exported():
-    cf = tt.compile(lambda x, w: x @ w, thin=True)
-    x, w = torch.randn(2, 3), torch.randn(3, 4)
+    # check_every=N finds a parameter replaced behind the module's back (issue 26: a new input never raises).
+    m = torch.nn.Linear(3, 4)
+    cf = tt.compile(lambda mod, x: mod(x), thin=True, check_every=1)
+    x = torch.randn(2, 3)
     for _ in range(3):
-        cf(x, w)
-    e = _raised(cf, x, torch.randn(3, 5))
-    assert type(e) is tt.ThinModeError and isinstance(e, tt.GuardFailure) and e.path.startswith("args[1]")
+        cf(m, x)
+    m._parameters["weight"] = torch.nn.Parameter(torch.randn(4, 3))
+    e = _raised(cf, m, x)
+    assert type(e) is tt.ThinModeError and isinstance(e, tt.GuardFailure) and e.path.startswith("args[0]")
 
 
 def test_the_exported_classes_are_the_defining_modules_classes():

@@ -232,10 +232,16 @@ def test_overlapping_views_per_call(mode):
         torch.testing.assert_close(base, base_ref)
 
 
-@pytest.mark.parametrize("option, value", [("thin", "False"), ("thin", 1), ("dynamic", "no"), ("strict", "yes"), ("dynamic", None)])
+@pytest.mark.parametrize("option, value", [("thin", "False"), ("thin", 1), ("strict", "yes"), ("keep_buffers", None)])
 def test_flags_must_be_bools(option, value):
     with pytest.raises(ValueError, match=rf"{option} must be a bool"):
         tt.compile(train_step, **{option: value})
+
+
+@pytest.mark.parametrize("value", ["no", 1, "auto"])
+def test_dynamic_is_none_true_or_false(value):
+    with pytest.raises(ValueError, match=r"dynamic must be None \(automatic\), True or False"):
+        tt.compile(train_step, dynamic=value)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,7 +16,7 @@ import torch
 from .compiler import acquisition
 from .compiler.executors.torch_executor import torch_executor, decomposing_torch_executor
 from .runtime.binding import ThinPath
-from .runtime.cache_keys import arg_key, dynamic_arg_key
+from .runtime import bounded_cache
 from .runtime.cache import FullPath
 
 
@@ -41,6 +41,10 @@ class CompileStats:
     thin_binds: int = 0
     thin_invalidations: list = dataclasses.field(default_factory=list)
     thin_bind_failures: list = dataclasses.field(default_factory=list)
+    # Thin calls the bound program did not accept (a new size, dtype or value): they ran the full path, which
+    # found or built the right entry and bound it (its binding kept for when that entry is selected again).
+    thin_fallbacks: int = 0
+    evictions: int = 0  # entries evicted by the cache limit, or made stale by a size becoming symbolic (runtime/bounded_cache.py)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
@@ -83,12 +87,14 @@ class CompiledFunction(FullPath, ThinPath):
     """
 
     def __init__(self, fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-                 dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-                 cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None):
+                 dynamic: bool | None = None, fusion: str | None = "background", optimizer_kernels: str = "fused",
+                 cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None,
+                 cache_limit: int | None = bounded_cache.DEFAULT_LIMIT):
         if not callable(fn):
             raise TypeError(f"tt.compile expects a function or an nn.Module, got {type(fn).__name__}")
         check_options(thin=thin, check_every=check_every, fusion=fusion, optimizer_kernels=optimizer_kernels,
-                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose, keep_buffers=keep_buffers)
+                      cuda_graphs=cuda_graphs, dynamic=dynamic, strict=strict, decompose=decompose, keep_buffers=keep_buffers,
+                      cache_limit=cache_limit)
         if memory_budget is not None and (type(memory_budget) not in (int, float) or not 0 <= memory_budget <= 1):
             raise ValueError(f"memory_budget must be a number between 0 and 1 (a fraction of what the default "
                              f"saves for the backward), got {memory_budget!r}")
@@ -104,10 +110,9 @@ class CompiledFunction(FullPath, ThinPath):
         self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
-        self.arg_key = dynamic_arg_key if dynamic else arg_key
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self.stats = CompileStats()
-        self._init_full_path()  # runtime/cache.py: the cache, the last entry, the full path as _call
+        self._init_full_path(dynamic, cache_limit)  # runtime/cache.py: the cache, symbolic sizes, the full path as _call
         self._init_thin_path()  # runtime/binding.py: no binding yet
         self._arg_names = acquisition.arg_names(fn)
         if cuda_graphs and not torch.cuda.is_available():
@@ -219,8 +224,9 @@ def _call_module(self, *args, **kwargs):
 
 
 def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = False, check_every: int | None = None,
-            dynamic: bool = False, fusion: str | None = "background", optimizer_kernels: str = "fused",
-            cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None):
+            dynamic: bool | None = None, fusion: str | None = "background", optimizer_kernels: str = "fused",
+            cuda_graphs: bool = False, keep_buffers: bool = True, memory_budget: float | None = None,
+            cache_limit: int | None = bounded_cache.DEFAULT_LIMIT):
     """Compile a function or an ``nn.Module``.
 
     ``strict=True`` makes torch ops the compiler does not know an error
@@ -229,8 +235,13 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``thin=True`` validates, then calls the computation directly (see
     docs/thin_mode.md); ``check_every=N`` (thin mode) runs the full prologue
     every N calls and raises ``ThinModeError`` naming what changed.
-    ``dynamic=True`` makes the sizes of argument tensors symbolic: a new batch
-    size or sequence length reuses the program (see docs/thin_mode.md).
+    ``dynamic=None`` (default): automatic dynamic shapes: the first call specialises every size; a call that
+    differs from a cached one only in some sizes retraces with exactly those sizes symbolic, and later sizes
+    reuse that program (docs/dynamic_shapes.md).  ``dynamic=True`` makes every size of argument tensors
+    symbolic from the first call; ``dynamic=False`` specialises every size.
+    ``cache_limit=8`` (default): at most this many programs per leaf structure; the least recently used is
+    evicted with its kept buffers and fused kernels, and the first eviction warns naming what varies
+    (``None``: unbounded).
     ``fusion="inductor"`` compiles regions of elementwise ops and reductions on CPU or CUDA into Inductor
     kernels (C++ or Triton); ``fusion="nvfuser"`` CUDA regions and their write-backs into nvFuser fusions
     (where ``nvfuser_direct`` imports); ``fusion="auto"`` picks the best available for the program's device
@@ -256,7 +267,8 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     ``compile_stats(cf).memory`` reports the plan.
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,
-                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs, keep_buffers=keep_buffers)
+                   optimizer_kernels=optimizer_kernels, cuda_graphs=cuda_graphs, keep_buffers=keep_buffers,
+                   cache_limit=cache_limit)
     if memory_budget is not None:
         options["memory_budget"] = memory_budget
     if isinstance(fn, torch.nn.Module):
@@ -277,15 +289,20 @@ def fusion_mode(fusion, *, dynamic: bool = False, cuda_graphs: bool = False):
     if value not in _FUSION_ENV:
         raise ValueError(f"THUNDER_TRAIN_FUSION must be one of off, background, inductor, nvfuser, auto; got {value!r}")
     fusion = _FUSION_ENV[value]
-    if fusion == "background" and dynamic:
+    if fusion == "background" and dynamic is True:
         return None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
     if fusion == "background" and cuda_graphs:
         return "auto"  # the graph captures the program it replays: the fused one, from the start
     return fusion
 
 
-def check_options(*, thin=False, check_every=None, fusion="background", optimizer_kernels="fused", cuda_graphs=False, **flags):
+def check_options(*, thin=False, check_every=None, fusion="background", optimizer_kernels="fused", cuda_graphs=False,
+                  dynamic=None, cache_limit=bounded_cache.DEFAULT_LIMIT, **flags):
     """``ValueError`` naming a compile option with a value it does not take (also used by ThunderCallback)."""
+    if dynamic is not None and type(dynamic) is not bool:
+        raise ValueError(f"dynamic must be None (automatic), True or False, got {dynamic!r}")
+    if cache_limit is not None and (type(cache_limit) is not int or cache_limit < 1):
+        raise ValueError(f"cache_limit must be a positive int or None (unbounded), got {cache_limit!r}")
     for name, value in (("thin", thin), ("cuda_graphs", cuda_graphs), *flags.items()):
         if type(value) is not bool:  # thin="False" is truthy: accepting it would turn thin mode on
             raise ValueError(f"{name} must be a bool (True or False), got {value!r}")

@@ -21,6 +21,8 @@ differ, ``describe_diffs`` names each differing property from the ``labels`` —
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import itertools
 import linecache
@@ -340,11 +342,15 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
         var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
                         if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
         first = next((i for i, leaf in enumerate(leaves) if is_symbolic(leaf) or leaf.kind == "number"), 0)
+        leaf_of_var = {v: i for i, v in enumerate(names)}
         for text, expr, result in size_check_specs(size_checks, var_of_proxy):
             labels.append(Label("sizes", text))  # decisions on symbolic sizes and hyper-parameters
             exprs.append(expr)
             expected.append(result)
-            label_leaf.append(first)
+            # The leaf whose size or value the check reads (the batch, not the first number found): thin mode
+            # tells a new per-call input from a change of what it bound by this (runtime/cache.py).
+            read = [leaf_of_var[w] for w in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text) if w in leaf_of_var]
+            label_leaf.append(read[0] if read else first)
             size_exprs.append((expr, result))
     decision_sources = []
     dec = Consts("_decision")  # its own names: thin mode's generated code uses them too

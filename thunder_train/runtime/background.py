@@ -113,6 +113,14 @@ class FusionJob:
             self.state = QUEUED
             _worker().put(self)
 
+    def cancel(self) -> None:
+        """The entry was evicted (bounded_cache.py): a build not started never starts (the traces it holds go)."""
+        if self.state == NEW:
+            self.start_at = None
+            self.state = DONE
+            self.build = None
+            self.done.set()
+
     def run(self) -> None:
         try:
             program = self.build()

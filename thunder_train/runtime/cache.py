@@ -19,13 +19,15 @@ import sys
 import time
 import warnings
 
+from ..compiler.acquisition.provenance import CAPTURED_ROOTS, per_call_mask
 from ..compiler.errors import DecisionMismatch
 from ..compiler.pipeline import Options, compile_entry
 from ..compiler.prologue import Prologue, count_diffs, describe_diffs
-from . import background, hook_guard
+from . import background, bounded_cache, hook_guard
 from .autocast_region import RegionProbe
-from .cache_keys import struct_diffs, struct_key
+from .cache_keys import struct_diffs
 from .slot import Entry, Slot
+from .symbolic_dims import SymbolicDims, is_symbolic_trace
 
 
 @dataclasses.dataclass
@@ -42,7 +44,7 @@ class _Probe:
 def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel naming the user's line that called into thunder_train."""
     f, level = sys._getframe(2), 2  # the caller of the function that warns
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while f is not None and f.f_code.co_filename.startswith((_PACKAGE_DIR, "<thunder_train ")):
         f, level = f.f_back, level + 1
     return level
 
@@ -51,6 +53,20 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # th
 _RETRACE_STORM = 8  # consecutive cache misses after which a self-inflicted retrace storm is reported
 
 _STRUCTURE_ERRORS = (LookupError, AttributeError, TypeError)
+
+
+def _per_call_input_differs(entry, args, kwargs, dims) -> bool:
+    """The call's structure or a per-call input (the batch, a Python flag) differs from what ``entry`` was traced for."""
+    pro = entry.prologue
+    try:
+        key = pro.key_of(args, kwargs)
+    except _STRUCTURE_ERRORS:
+        # The prologue cannot read this call: per-call when the arguments' own structure differs; otherwise captured
+        # state changed shape (a global rebound to a new optimizer with no state yet), a change of what was bound.
+        return dims.key(args, kwargs) != entry.struct_key
+    # Globals and closure cells are state the caller rebinds (a change of what was bound), not the call's inputs.
+    per_call = [p and leaf.path[0].kind not in CAPTURED_ROOTS for p, leaf in zip(per_call_mask(entry.leaves), entry.leaves)]
+    return any(a != e and per_call[pro.label_leaf[j]] for j, (a, e) in enumerate(zip(key, entry.key)))
 
 
 def _probe_key(probe, args, kwargs):
@@ -71,7 +87,9 @@ class FullPath:
     (``_after_validation`` after a validated call; ``_run_full`` and ``_redispatch`` from thin mode's handlers).
     """
 
-    def _init_full_path(self) -> None:
+    def _init_full_path(self, dynamic, cache_limit) -> None:
+        self._dims = SymbolicDims(dynamic)  # which argument sizes are symbolic (symbolic_dims.py)
+        self._lru = bounded_cache.EntryLRU(cache_limit)  # at most cache_limit entries per leaf structure
         self._cache: dict = {}  # structural key -> [_Probe]
         self._prologues: dict = {}  # generated source -> Prologue (shared across buckets)
         self._last: Entry | None = None  # the entry the last call ran
@@ -88,7 +106,7 @@ class FullPath:
         st = self.stats
         st.full_calls += 1
         st.validations += 1
-        skey = struct_key(args, kwargs, self.arg_key)
+        skey = self._dims.key(args, kwargs)
         probes = self._cache.get(skey)
         entry = None
         tried = []
@@ -108,9 +126,11 @@ class FullPath:
             hit, entry = False, None
         if entry is None:
             entry, vals = self._compile_for_call(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
+            skey = entry.struct_key  # sizes that became symbolic for this call (symbolic_dims.py)
             self._note_forward_hooks(entry, vals)
         else:
             st.cache_hits += 1
+            self._lru.touch(entry)
         self._last = entry
         if entry.updates_parameters:
             self._autocast_region.check()
@@ -157,7 +177,7 @@ class FullPath:
                 self._prefer(skey, probe, gkey, entry)
                 self._misses_in_a_row = 0
             if self.thin:
-                self._prev_validated = (entry, vals)
+                self._seen[id(entry)] = vals
             return result
 
     def _entry_for(self, skey, args, kwargs, observed):
@@ -224,16 +244,22 @@ class FullPath:
         """A cache miss: run the pipeline (compiler/pipeline.py) and file the new entry."""
         self.stats.cache_misses += 1
         self._misses_in_a_row += 1
+        key, reason = self._widen(args, kwargs, key, reason, forced_decisions)
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         t0 = time.perf_counter()
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=self.dynamic, fusion=self._fusion_mode,
-                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
-                          memory_budget=self.memory_budget)
-        compiled, opaque_ops = compile_entry(
-            self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
-            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
-            forced_decisions=forced_decisions)
+        try:
+            compiled, opaque_ops = self._trace(args, kwargs, key, forced_decisions)
+        except Exception as e:
+            if not isinstance(self._dims.for_trace(), SymbolicDims):
+                raise
+            # Automatic dynamic shapes: a program with these sizes symbolic cannot be traced (an op or a decision
+            # that needs a concrete size); specialise every size from now on, as dynamic=False does.
+            self._dims.give_up(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            self._drop_stale()
+            key = self._dims.key(args, kwargs)
+            self.stats.retrace_reasons.append(f"sizes specialised again: tracing with symbolic sizes failed ({self._dims.gave_up})")
+            compiled, opaque_ops = self._trace(args, kwargs, key, forced_decisions)
         entry = Entry(compiled, self._slot(compiled))
         prologue, expected = entry.prologue, entry.key
         self.stats.memory = compiled.memory
@@ -256,11 +282,60 @@ class FullPath:
         for k in range(1, len(entry.checked) + 1):
             probe.paths.setdefault((expected, entry.checked[:k]), entry)
         self.stats.entries += 1
+        evicted = self._lru.add(entry)
+        if evicted and self._lru.evicted == len(evicted):  # the first time the limit is hit
+            warnings.warn(bounded_cache.limit_warning(getattr(self.fn, "__qualname__", "the compiled function"),
+                                                      self._lru.limit, self.stats.retrace_reasons,
+                                                      self._dims.describe(self._arg_names)), stacklevel=_user_stacklevel())
+        for old in evicted:
+            self._evict(old)
         dt = time.perf_counter() - t0
         self.stats.last_trace_seconds = dt
         self.stats.total_trace_seconds += dt
         self._last = entry
         return entry
+
+    # ---- automatic dynamic shapes (symbolic_dims.py) and the bounded cache (bounded_cache.py) ----
+    def _widen(self, args, kwargs, key, reason, forced_decisions):
+        """A miss that differs from a cached call in sizes only makes those sizes symbolic: the key under them."""
+        if forced_decisions or key in self._cache:
+            return key, reason
+        added = self._dims.widen(list(self._cache), key)
+        if not added:
+            return key, reason
+        self._drop_stale()
+        names = ", ".join(self._dims.describe(self._arg_names))
+        return self._dims.key(args, kwargs), f"{reason or 'sizes changed'}; symbolic from now on: {names}"
+
+    def _trace(self, args, kwargs, key, forced_decisions):
+        dynamic = self._dims.for_trace()
+        fusion = self._fusion_mode
+        if fusion == "background" and is_symbolic_trace(dynamic):
+            fusion = None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=dynamic, fusion=fusion,
+                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
+                          memory_budget=self.memory_budget)
+        return compile_entry(
+            self.fn, args, kwargs, options, self.executors, struct_key=key, arg_names=self._arg_names,
+            intern_prologue=lambda p: self._prologues.setdefault(p.structure, p), fusion_notes=self.stats.fusion_notes,
+            forced_decisions=forced_decisions)
+
+    def _drop_stale(self):
+        """Entries specialised on a size that is now symbolic (or symbolic where sizes are specialised again):
+        no call's key finds them any more, so they go with what they hold."""
+        for skey in list(self._cache):
+            if self._dims.stale(skey):
+                for probe in list(self._cache.get(skey, ())):
+                    for e in {id(e): e for e in list(probe.entries.values()) + list(probe.paths.values())}.values():
+                        self._evict(e)
+
+    def _evict(self, entry):
+        """``entry`` leaves the cache; its slot lets go of its binding, CUDA graphs, buffers and fusion build."""
+        bounded_cache.remove(self._cache, entry)
+        self._lru.forget(entry)
+        self._forget_binding(entry, "its cache entry was evicted")  # binding.py
+        entry.slot.release()
+        self.stats.evictions += 1
 
     def _slot(self, compiled) -> Slot:
         """What the new entry runs: with background fusion, its calls counted until the build is due (background.py)."""
@@ -297,7 +372,7 @@ class FullPath:
 
     def direct_call_parts(self, *args, **kwargs):
         """``(computation, inputs)`` of the entry these arguments select (for benchmarks and debugging)."""
-        skey = struct_key(args, kwargs, self.arg_key)
+        skey = self._dims.key(args, kwargs)
         for probe in self._cache.get(skey, ()):
             found = _probe_key(probe, args, kwargs)
             entry = probe.entries.get(found[1]) if found is not None else None

@@ -12,7 +12,7 @@ callables a call reads:
 
 ``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
 step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
-thin binding.
+thin binding, ``release`` frees what an evicted entry holds.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class Slot:
         self.thin_codes = {}  # thin_args.py: the computation's code with the bound inputs last, per layout
         self.graphed = None  # cuda_graphs.GraphedProgram of the thin binding
         self._on_swap = on_swap
+        self.released = False  # evicted from the cache (bounded_cache.py): a build that finishes frees its program
         self._lock = threading.Lock()
         self._refresh()
 
@@ -54,6 +55,9 @@ class Slot:
         """Run ``program`` (same inputs and results as the current one) from the next call on; ``backward_traces``
         None keeps the current ones."""
         with self._lock:
+            if self.released:  # no call can reach this entry any more: free what was built instead of installing it
+                release_replaced(list(traces) + list(backward_traces or ()), [])
+                return
             # The replaced programs' kept buffers (executors/buffers.py); an autograd node made before the switch
             # still runs its backward correctly, allocating as it goes.
             kept_backward = backward_traces if backward_traces is not None else self.backward_traces
@@ -90,6 +94,18 @@ class Slot:
             self._refresh()
 
 
+    def release(self) -> None:
+        """The entry was evicted (bounded_cache.py): drop its thin binding and CUDA graphs, cancel a fusion build
+        not started yet (one in flight frees its program instead of installing it, ``swap``), and free the kept
+        buffers of its programs."""
+        self.unbind_thin()
+        with self._lock:
+            self.released = True
+            if self.job is not None:
+                self.job.cancel()
+            release_replaced(self.traces + list(self.backward_traces or ()), [])
+
+
 def _same(computation):
     return computation
 
@@ -101,7 +117,8 @@ class Entry:
     (``entry.epilogue``, ``entry.leaves``, ... fall through to ``compiled``).
     """
 
-    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters", "hooks")
+    __slots__ = ("compiled", "slot", "key", "struct_key", "prologue", "select", "checked", "updates_parameters", "hooks",
+                 "__weakref__")  # the bounded cache's tests check that an evicted entry is freed
 
     def __init__(self, compiled, slot: Slot):
         self.compiled, self.slot = compiled, slot

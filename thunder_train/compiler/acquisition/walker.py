@@ -113,8 +113,12 @@ class InputWalker:
         symbolic = self.dynamic and not self.static_depth and path[0].kind != "const" and path[0].kind not in CAPTURED_ROOTS
         if symbolic:
             # dynamic=True: sizes ≥ 2 of per-call inputs are symbols (0 and 1 stay constants:
-            # they decide broadcasting and emptiness).
-            shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 else s for i, s in enumerate(shape))
+            # they decide broadcasting and emptiness).  Automatic dynamic shapes (symbolic_dims.py) name the
+            # dims that became symbolic: ``dims_at`` (an empty set: this tensor keeps every size).
+            dims = None if self.dynamic is True else self.dynamic.dims_at(path)
+            shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 and (dims is None or i in dims) else s
+                          for i, s in enumerate(shape))
+            symbolic = any(type(s) is SizeProxy for s in shape)
         p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
                         strides=t.stride(), storage_offset=t.storage_offset())
         if symbolic:

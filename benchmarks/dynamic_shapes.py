@@ -1,0 +1,152 @@
+"""Fine-tuning with dynamic padding: a new sequence length nearly every step (issue 26).
+
+Run: python benchmarks/dynamic_shapes.py [--steps 300] [--models gpt2,llama] [--modes eager,tt,tt_dynamic,torch_compile]
+                                         [--threads 1]
+
+The zoo's tiny GPT-2 and Llama (tests/_zoo.py sizes: 2 layers, hidden 32; positions raised to 128), batch 4,
+each row's length drawn from 16-96 and the batch padded to its longest row (attention mask, labels -100 on
+padding), as transformers' padding collators do.  The whole step (forward, loss, backward, AdamW, zero_grad)
+runs eager, under ``tt.compile(step, thin=True)`` (default: automatic dynamic shapes), ``tt.compile(step,
+thin=True, dynamic=True)`` and ``torch.compile(step)`` (default), each in a fresh process on the same batches.
+Reported per mode: total time of all steps with compiles, compiled programs (thunder_train: cache misses;
+torch.compile: the compiles its counters record), steady step time (median of the second half), and for
+thunder_train the share of thin calls; losses are compared with eager's.  Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("eager", "tt", "tt_dynamic", "torch_compile")
+PAD = 0
+
+
+def build(name):
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import _zoo
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=_zoo.VOCAB, n_positions=128, n_embd=_zoo.HIDDEN, n_layer=_zoo.LAYERS,
+                                      n_head=_zoo.HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg).train()
+    if name == "llama":
+        cfg = transformers.LlamaConfig(**{**_zoo._LLAMA_LIKE, "max_position_embeddings": 128}, num_key_value_heads=2,
+                                       tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(cfg).train()
+    raise ValueError(name)
+
+
+def batches(n, seed=0, batch=4, low=16, high=96, vocab=64):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(low, high + 1, (batch,), generator=g)
+        T = int(lengths.max())
+        ids = torch.randint(1, vocab, (batch, T), generator=g)
+        mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+        ids[mask == 0] = PAD
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def step(model, opt, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def run_one(model_name, mode, steps, threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    model = build(model_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(steps)
+    fn, stats = step, None
+    if mode in ("tt", "tt_dynamic"):
+        import thunder_train as tt
+
+        fn = tt.compile(step, thin=True, **({"dynamic": True} if mode == "tt_dynamic" else {}))
+    elif mode == "torch_compile":
+        import torch._dynamo.utils as dutils
+
+        fn = torch.compile(step)
+    times, losses = [], []
+    t_start = time.perf_counter()
+    for b in data:
+        t0 = time.perf_counter()
+        losses.append(float(fn(model, opt, b)))
+        times.append(time.perf_counter() - t0)
+    total = time.perf_counter() - t_start
+    row = {"model": model_name, "mode": mode, "steps": steps, "total_s": total, "first_s": times[0],
+           "steady_ms": 1e3 * statistics.median(times[len(times) // 2:]), "losses": losses}
+    if mode in ("tt", "tt_dynamic"):
+        stats = tt.compile_stats(fn)
+        row.update(programs=stats.cache_misses, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
+                   thin_fallbacks=stats.thin_fallbacks, retraces=stats.retrace_reasons[:4])
+    elif mode == "torch_compile":
+        row["programs"] = int(dutils.counters["stats"]["unique_graphs"])
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--models", default="gpt2,llama")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadier on a shared machine)")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a.steps, a.threads)), flush=True)
+        return
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    rows = []
+    for model in a.models.split(","):
+        eager = None
+        for mode in a.modes.split(","):
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(a.steps),
+                                "--threads", str(a.threads), "--one", model, mode],
+                               capture_output=True, text=True, env=env)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode != 0 or not line:
+                rows.append({"model": model, "mode": mode, "error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+                print(rows[-1], flush=True)
+                continue
+            row = json.loads(line[0][7:])
+            if mode == "eager":
+                eager = row
+            if eager is not None and mode != "eager":
+                row["max_loss_diff"] = max(abs(x - y) for x, y in zip(row["losses"], eager["losses"]))
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+    print()
+    print("| model | mode | total (compiles included) | compiled programs | steady step | thin calls | max loss diff vs eager |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['mode']} | error: {r['error'][:80]} | | | | |")
+            continue
+        thin = f"{100 * r['thin_share']:.0f} %" if "thin_share" in r else "—"
+        diff = f"{r['max_loss_diff']:.1e}" if "max_loss_diff" in r else "—"
+        print(f"| {r['model']} | {r['mode']} | {r['total_s']:.2f} s (first step {r['first_s']:.2f} s) | "
+              f"{r.get('programs', '—')} | {r['steady_ms']:.1f} ms | {thin} | {diff} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Automatic dynamic shapes (symbolic_dims.py, the default ``dynamic=None``) and thin mode across sizes (issue 26)."""
+import warnings
+
+import torch
+
+import thunder_train as tt
+
+
+def matsum(x, w):
+    return (x @ w).sum(1)
+
+
+def test_a_size_becomes_symbolic_when_it_changes_and_later_sizes_reuse_it():
+    cf = tt.compile(matsum)
+    w = torch.randn(4, 3)
+    for B, T in [(2, 5), (2, 5), (2, 7), (2, 9), (3, 9), (4, 6), (5, 11)]:
+        x = torch.randn(B, T, 4)
+        torch.testing.assert_close(cf(x, w), matsum(x, w))
+    st = tt.compile_stats(cf)
+    # The first call specialises; the first new length makes dim 1 symbolic, the first new batch size dim 0 too.
+    assert st.cache_misses == 3 and st.retrace_reasons == [
+        "args[0].shape: (2, 5, 4) → (2, 7, 4); symbolic from now on: args[0] (x) dim 1",
+        "args[0].shape: (2, -1, 4) → (3, -1, 4); symbolic from now on: args[0] (x) dim 0, args[0] (x) dim 1"]
+    assert len(cf._lru) == 1  # the entries specialised on a size that became symbolic are gone
+    src = tt.last_traces(cf)[-1].python_source()
+    assert "x_size0, x_size1, 4" in src and "w: \"cpu f32[4, 3]\"" in src  # only the sizes that changed
+
+
+def test_dynamic_false_specialises_and_dynamic_true_is_symbolic_from_the_first_call():
+    w = torch.randn(4, 3)
+    shapes = [(2, 5), (2, 7), (3, 7)]
+    for dynamic, traces in ((False, 3), (True, 1)):
+        cf = tt.compile(matsum, dynamic=dynamic)
+        for B, T in shapes:
+            x = torch.randn(B, T, 4)
+            torch.testing.assert_close(cf(x, w), matsum(x, w))
+        assert tt.compile_stats(cf).cache_misses == traces
+
+
+def test_decisions_on_a_size_become_checks_and_thin_mode_switches_between_their_programs():
+    def f(x, w):
+        if x.shape[1] > 6:
+            return (x @ w).sum(1) * 2
+        return (x @ w).sum(1)
+
+    cf = tt.compile(f, thin=True)
+    w = torch.randn(4, 3)
+    for T in [5, 5, 7, 8, 8, 3, 4, 9, 10, 2, 11, 3, 5, 12]:
+        x = torch.randn(2, T, 4)
+        torch.testing.assert_close(cf(x, w), f(x, w))
+    st = tt.compile_stats(cf)
+    # Traces: length 5; lengths > 6 (symbolic); lengths ≤ 6. Once both are bound, the per-call check switches.
+    assert st.cache_misses == 3 and st.retrace_reasons[1] == "x.shape[1] > 6 was True, now False"
+    assert st.thin_calls == 8 and st.thin_fallbacks == 2 and st.thin_binds == 3 and not st.thin_invalidations
+
+
+def test_check_every_does_not_turn_a_new_size_into_an_error():
+    cf = tt.compile(matsum, thin=True, check_every=2)
+    w = torch.randn(4, 3)
+    for T in (5, 5, 6, 7, 8, 9, 10, 11):
+        x = torch.randn(2, T, 4)
+        torch.testing.assert_close(cf(x, w), matsum(x, w))
+    assert tt.compile_stats(cf).cache_misses == 2
+
+
+def test_tracing_with_symbolic_sizes_failing_specialises_again():
+    def f(x):
+        y = x.clone()
+        y.resize_(x.shape[0] * x.shape[1])  # in-place metadata change: refused with symbolic sizes
+        return y * 2
+
+    cf = tt.compile(f)
+    for T in (4, 5, 6, 5):
+        x = torch.randn(3, T)
+        torch.testing.assert_close(cf(x), f(x))
+    st = tt.compile_stats(cf)
+    assert st.cache_misses == 3 and st.retrace_reasons[1].startswith("sizes specialised again: tracing with symbolic sizes failed (TracingError: Tensor.resize_")
+
+
+def test_a_batch_inside_a_tuple_and_a_kwarg_dict():
+    def f(batch, *, extra):
+        x, y = batch
+        return (x * y).sum() + extra["z"].sum()
+
+    cf = tt.compile(f)
+    for T in (3, 4, 5):
+        args = ((torch.randn(2, T), torch.randn(2, T)),)
+        kw = {"extra": {"z": torch.randn(T)}}
+        torch.testing.assert_close(cf(*args, **kw), f(*args, **kw))
+    st = tt.compile_stats(cf)
+    assert st.cache_misses == 2 and st.retrace_reasons[0].endswith(
+        "symbolic from now on: args[0] (batch)[0] dim 1, args[0] (batch)[1] dim 1, kwargs['extra']['z'] dim 0")
+
+
+def test_dynamic_padding_thin_step_never_raises_and_stays_thin():
+    torch.manual_seed(0)
+    m1 = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20))
+    m2 = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20))
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = torch.optim.AdamW(m1.parameters(), lr=1e-3), torch.optim.AdamW(m2.parameters(), lr=1e-3)
+
+    def step(model, opt, ids):
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step, thin=True)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cache-limit warning: the length became symbolic
+        for i in range(40):
+            ids = torch.randint(0, 20, (4, int(torch.randint(16, 97, (1,), generator=g))), generator=g)
+            torch.testing.assert_close(cf(m2, o2, ids), step(m1, o1, ids))
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(b, a)
+    st = tt.compile_stats(cf)
+    assert st.cache_misses <= 3 and st.thin_calls >= 35 and st.evictions >= 1
