@@ -94,3 +94,53 @@ def test_a_failed_trace_puts_back_attributes_of_other_library_objects():
     with pytest.raises(RuntimeError, match="fails later"):
         tt.compile(step)(m, opt, sched, torch.randn(3, 2))
     assert vars(sched) == before
+
+
+def test_a_refused_scaler_step_leaves_its_per_optimizer_states_as_before():
+    """``scaler.step(opt)`` inside a step is refused (its skip decision reads gradient values); the entry that
+    ``unscale_`` adds to the scaler's ``_per_optimizer_states`` defaultdict while tracing is taken out again."""
+    def step(m, opt, scaler, x):
+        scaler.scale(m(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(TracingError, match="GradScaler"):
+        tt.compile(step)(m, opt, scaler, torch.randn(3, 4))
+    assert dict(scaler._per_optimizer_states) == {} and scaler._scale is None
+    step(m, opt, scaler, torch.randn(3, 4))  # eager still works on it
+    assert scaler.get_scale() == 2.0 ** 16
+
+
+def test_traced_values_in_containers_a_library_object_holds_are_refused_and_put_back():
+    """A traced tensor stored in a dict or list inside a library object is named, put back and refused;
+    a failed call puts back the containers' entries (added, replaced and removed keys; list contents)."""
+    def stores(sched, x):
+        sched.__dict__.setdefault("_cache", {})
+        sched.state_dict()  # library code runs on the real object
+        sched._last_lr[0] = x.sum()  # a traced value inside a list it holds
+        return x * 2
+
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    last_lr = sched._last_lr
+    with pytest.raises(TracingError, match="an entry of a container it holds"):
+        tt.compile(stores)(sched, torch.randn(3))
+    assert sched._last_lr is last_lr and sched._last_lr == [0.1] and "_cache" not in vars(sched)
+
+    sched.extra = {"a": {"b": 1.0, "c": [1, 2]}}
+    nested, inner = sched.extra["a"], sched.extra["a"]["c"]
+
+    def edits_then_fails(sched, x):
+        sched.extra["a"]["b"] = 2.0
+        sched.extra["a"]["new"] = 3.0
+        sched.extra["a"]["c"].append(3)
+        del sched.extra["a"]["c"][0]
+        raise RuntimeError("fails after editing")
+
+    with pytest.raises(RuntimeError, match="fails after editing"):
+        tt.compile(edits_then_fails)(sched, torch.randn(3))
+    assert sched.extra["a"] is nested and nested == {"b": 1.0, "c": [1, 2]} and nested["c"] is inner

@@ -14,7 +14,10 @@ Where the lazy initialisation is known and depends on no traced value, it is don
 (``initialise``): ``GradScaler``'s scale tensor, which eager's first ``scaler.scale(loss)`` creates on the scaler's
 device.  A failed trace puts it back too.
 
-Changes to objects nested inside such an object (a dict it holds) are not snapshotted (docs/state_audit.md).
+Containers the object holds (a dict of per-optimizer states, a list of learning rates), and the containers
+inside those, down to ``_DEPTH`` levels, are snapshotted the same way: a key added to a ``defaultdict`` or a
+traced tensor stored in a nested dict is rolled back or refused as well.  Objects nested inside are not
+walked (each is an input of its own, or reached by library code only).
 """
 from __future__ import annotations
 
@@ -26,12 +29,56 @@ from ..pytree import holds
 from .provenance import path_str
 
 _MISSING = object()
+_DEPTH = 3  # GradScaler: __dict__ -> _per_optimizer_states -> one optimizer's entry -> found_inf_per_device
+
+
+class Snapshot:
+    """Each container reachable from an object's ``__dict__`` through dicts and lists, with its items then."""
+
+    def __init__(self, attrs: dict):
+        self.attrs = attrs
+        self.saved: list = []  # (container, its items when taken); the attribute dict first
+        self._take(attrs, 0, set())
+
+    def _take(self, container, depth, seen) -> None:
+        if id(container) in seen or depth > _DEPTH:
+            return
+        seen.add(id(container))
+        items = dict(container) if isinstance(container, dict) else list(container)
+        self.saved.append((container, items))
+        for v in (items.values() if isinstance(items, dict) else items):
+            if isinstance(v, (dict, list)):
+                self._take(v, depth + 1, seen)
+
+    def changed(self) -> list:
+        """(container, its items when taken, keys changed since) for every container that changed."""
+        out = []
+        for c, before in self.saved:
+            if isinstance(c, dict):
+                keys = [k for k in set(c) | set(before) if c.get(k, _MISSING) is not before.get(k, _MISSING)]
+            else:
+                same = len(c) == len(before) and all(a is b for a, b in zip(c, before))
+                keys = [] if same else [slice(None)]
+            if keys:
+                out.append((c, before, keys))
+        return out
+
+
+def _put_back(container, before, keys) -> None:
+    if not isinstance(container, dict):
+        container[:] = before
+        return
+    for k in keys:
+        if k in before:
+            container[k] = before[k]
+        else:
+            container.pop(k, None)
 
 
 def snapshot(obj):
-    """The object's attribute dict now (None if it has none to snapshot)."""
+    """A snapshot of the object's attributes and the containers they hold (None if it has no attribute dict)."""
     d = getattr(obj, "__dict__", None)
-    return dict(d) if type(d) is dict else None
+    return Snapshot(d) if type(d) is dict else None
 
 
 def _init_grad_scaler(scaler) -> None:
@@ -49,36 +96,34 @@ def initialise(obj) -> None:
             init(obj)
 
 
-def _changes(obj, before) -> list:
-    d = obj.__dict__
-    return [k for k in set(d) | set(before) if d.get(k, _MISSING) is not before.get(k, _MISSING)]
-
-
-def _put_back(obj, before, keys) -> None:
-    d = obj.__dict__
-    for k in keys:
-        if k in before:
-            d[k] = before[k]
-        else:
-            d.pop(k, None)
-
-
 def rollback(objects) -> None:
-    """After a failed trace: every attribute changed on these objects is put back."""
-    for _, obj, before in objects:
-        _put_back(obj, before, _changes(obj, before))
+    """After a failed trace: every attribute and container entry changed on these objects is put back."""
+    for _, _, snap in objects:
+        for container, before, keys in snap.changed():
+            _put_back(container, before, keys)
+
+
+def _held(container, keys) -> list:
+    if isinstance(container, dict):
+        return [k for k in keys if holds(container.get(k), is_proxy)]
+    return keys if holds(list(container), is_proxy) else []
 
 
 def check(objects) -> None:
-    """After a successful trace: an attribute now holding a traced tensor is put back and refused."""
-    for path, obj, before in objects:
-        bad = sorted(k for k in _changes(obj, before) if holds(obj.__dict__.get(k), is_proxy))
+    """After a successful trace: an attribute or container entry holding a traced value is put back and refused."""
+    for path, obj, snap in objects:
+        bad = []
+        for container, before, keys in snap.changed():
+            held = _held(container, keys)
+            if held:
+                _put_back(container, before, held)
+                bad += [str(k) if container is snap.attrs else f"an entry of a container it holds ({k!r})" for k in held]
         if not bad:
             continue
-        _put_back(obj, before, bad)
         name = type(obj).__name__
         raise TracingError(
-            f"{path_str(path)} ({name}): {', '.join(bad)} {'was' if len(bad) == 1 else 'were'} set inside the compiled "
-            f"function to a value computed there, a tensor or a traced number (library code initialising {name} lazily on first use). The compiled "
-            f"program would not set it again, and the object would hold a placeholder; it has been put back. Initialise "
-            f"it outside, before the first compiled call (one eager call of the same method does it).")
+            f"{path_str(path)} ({name}): {', '.join(sorted(bad))} {'was' if len(bad) == 1 else 'were'} set inside the "
+            f"compiled function to a value computed there, a tensor or a traced number (library code initialising {name} "
+            f"lazily on first use). The compiled program would not set it again, and the object would hold a "
+            f"placeholder; it has been put back. Initialise it outside, before the first compiled call (one eager call "
+            f"of the same method does it).")
