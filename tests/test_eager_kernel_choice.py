@@ -107,3 +107,70 @@ def test_backend_switch_after_tracing_is_eagers_choice():
         for (n, pe), pc in zip(me.named_parameters(), mc.parameters()):
             torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i} {n}: {m}")
     assert "sdpa_flash_cpu" in str(tt.last_traces(cf)[-1])
+
+
+class AttentionUnderSwitches(torch.nn.Module):
+    """Attention whose forward picks its SDPA backends itself (``with sdpa_kernel(...)`` inside the model)."""
+
+    def __init__(self, backends, dropout_p=0.0):
+        super().__init__()
+        self.backends, self.dropout_p = backends, dropout_p
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        from torch.nn.attention import sdpa_kernel
+        q, k, v = self.qkv(x).view(2, 64, 3, 2, 16).permute(2, 0, 3, 1, 4).contiguous().unbind(0)
+        with sdpa_kernel(self.backends):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p)
+        return a.square().mean()
+
+
+def _attention_step(m, opt, x):
+    loss = m(x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("thin", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_sdpa_kernel_context_inside_the_step_is_replayed_on_every_call(thin, dropout_p):
+    """The math kernel the model asks for inside its forward runs on every call (flash, which the caller's
+    switches allow, rounds differently and draws its dropout mask differently): bitwise eager's losses,
+    parameters and generator state, also when the caller's switches change between calls."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    eager = AttentionUnderSwitches(SDPBackend.MATH, dropout_p)
+    compiled = copy.deepcopy(eager)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    step = tt.compile(_attention_step, thin=thin)
+    for i in range(4):
+        x = torch.randn(2, 64, 32)
+        outside = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if i < 2 else [SDPBackend.MATH]
+        with sdpa_kernel(outside):
+            state = torch.get_rng_state()
+            want = _attention_step(eager, opts[0], x)
+            eager_state = torch.get_rng_state()
+            torch.set_rng_state(state)
+            got = step(compiled, opts[1], x)
+        assert torch.equal(got, want), i
+        assert torch.equal(torch.get_rng_state(), eager_state)
+        for a, b in zip(eager.parameters(), compiled.parameters()):
+            assert torch.equal(a, b), i
+    assert "sdpa_with_math" in str(tt.last_traces(step)[-1])
+
+
+def test_switches_set_outside_are_not_baked_in():
+    """Without a context inside the function the program calls attention under the caller's switches, as eager."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(2, 2, 64, 16) for _ in range(3))
+    f = tt.compile(attend)
+    for backends in ([SDPBackend.MATH], [SDPBackend.FLASH_ATTENTION], [SDPBackend.MATH]):
+        with sdpa_kernel(backends):
+            assert torch.equal(f(q, k, v), attend(q, k, v)), backends
+    assert "sdpa_with" not in str(tt.last_traces(f)[-1])

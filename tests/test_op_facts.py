@@ -469,6 +469,17 @@ def test_fusion_forms_compute_the_op():
         torch.testing.assert_close(vjp_form(g, None, x, **kw)[0], expected)
 
 
+def test_kernel_switches_are_declared_with_the_op_that_reads_them():
+    """SDPA's kernel comes from process-wide backend switches: the reader and the runner that replays a setting
+    hang off its symbol, in its file; no other op declares switches."""
+    sdpa = registry.lookup(F.scaled_dot_product_attention)
+    reader, runner = sdpa.kernel_switches()
+    assert _file(reader) == _file(runner) == "compiler/torchlang/attention.py"
+    assert reader() == reader() and runner(reader()) is runner(reader())  # one runner per setting
+    declared = [s for s in registry.all_symbols.values() if s.kernel_switches is not None]
+    assert declared == [sdpa]
+
+
 def test_every_fact_slot_of_symbol_is_checked_here():
     # A new fact slot on Symbol needs a check in this file (its name appears in a test above).
     slots = [n for n, v in vars(Symbol).items() if not n.startswith("_") and not callable(v) and not isinstance(v, property)]

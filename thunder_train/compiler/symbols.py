@@ -114,6 +114,11 @@ class Symbol:
     layout_rule = None
     # nvFuser (executors/nvfuser_fusion.py): how a fusion defines the op's line, ``(kind, nvFuser op)``
     nvfuser_translation = None
+    # ``() -> (reader, runner)`` for an op whose kernel eager picks from process-wide switches (SDPA's backend
+    # switches): ``reader()`` reads them; ``runner(value)`` is a torch callable running the op under that value.
+    # A call made under switches the function itself set (``with sdpa_kernel(...)`` inside it) runs under them on
+    # every call (acquisition/kernel_switches.py)
+    kernel_switches = None
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

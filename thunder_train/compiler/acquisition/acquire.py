@@ -28,7 +28,7 @@ from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
-from . import library_objects
+from . import kernel_switches, library_objects
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
@@ -110,6 +110,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     state.grads = GradState(state)
     state.leaf_values = LeafValues(state)
     state.forced_decisions = list(forced_decisions)
+    kernel_switches.remember_start(state)
     with context.tracing(trc, state):
         try:
             pargs, pkwargs = walker.walk_args(args, kwargs)

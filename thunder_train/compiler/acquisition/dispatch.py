@@ -20,7 +20,7 @@ from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of o
 from .functional import fresh_results
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
-from . import traced_autograd
+from . import kernel_switches, traced_autograd
 from ..torchlang import registry
 from ..torchlang.autocast import cast_inputs
 from ..torchlang.tensor_methods import requires_grad_of
@@ -89,6 +89,9 @@ def handle_torch_function(func, types, args, kwargs):
         entry = getattr(sym, "traces_torch_calls", False)
         if top and not entry:  # the conversions eager autocast would do, as explicit trace lines (torchlang/autocast.py)
             args, kwargs = cast_inputs(sym, func, args, kwargs)
+        runner = kernel_switches.runner_if_switched(st, sym) if top else None
+        if runner is not None:  # called under kernel switches the function set itself: replayed on every call
+            return no_grad_region(st, call_opaque(runner, args, kwargs, strict=False))
         try:
             if entry:
                 # An op written with torch calls (``composed`` in torchlang/registry.py) runs like the user's code:

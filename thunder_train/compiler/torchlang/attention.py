@@ -116,3 +116,57 @@ def _sum_head_groups(x, rep):
     shape = x._tt_shape
     grouped = clang.reshape(x, shape[:-3] + (shape[-3] // rep, rep) + shape[-2:])
     return prims.sum(grouped, (len(shape) - 2,))
+
+
+# The backend switches ``torch.nn.attention.sdpa_kernel`` sets (eager's kernel choice reads them), in the order of
+# ``_sdpa_switch_names``; the priority order is part of them.
+_sdpa_switch_names = ("flash", "mem_efficient", "math", "cudnn", "overrideable")
+
+
+def _sdpa_switches() -> tuple:
+    import torch
+    flags = tuple(getattr(torch._C, f"_get_{n}_sdp_enabled", lambda: None)() for n in _sdpa_switch_names)
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: ())()
+    return flags, tuple(order)
+
+
+_sdpa_runners: dict = {}
+
+
+def _sdpa_under(switches):
+    """``scaled_dot_product_attention`` run under ``switches`` (what ``sdpa_kernel`` set where the function called
+    it), the caller's put back after; one function per setting, named after the backends it allows."""
+    runner = _sdpa_runners.get(switches)
+    if runner is not None:
+        return runner
+    import torch
+    flags, order = switches
+    allowed = [n for n, on in zip(_sdpa_switch_names, flags) if on]
+
+    def run(*args, **kwargs):
+        before = _sdpa_switches()
+        _set_sdpa_switches(switches)
+        try:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        finally:
+            _set_sdpa_switches(before)
+
+    run.__name__ = run.__qualname__ = "sdpa_with_" + ("_".join(allowed) or "no_backend")
+    run.__doc__ = f"F.scaled_dot_product_attention with only these SDPA backends enabled: {allowed} (priority {list(order)})"
+    run.__module__ = __name__
+    _sdpa_runners[switches] = run
+    return run
+
+
+def _set_sdpa_switches(switches) -> None:
+    import torch
+    flags, order = switches
+    for n, on in zip(_sdpa_switch_names, flags):
+        setter = getattr(torch._C, f"_set_sdp_use_{n}", None)
+        if setter is not None and on is not None:
+            setter(on)
+    if order and hasattr(torch._C, "_set_sdp_priority_order"):
+        torch._C._set_sdp_priority_order(list(order))
+
+
+scaled_dot_product_attention.kernel_switches = lambda: (_sdpa_switches, _sdpa_under)
