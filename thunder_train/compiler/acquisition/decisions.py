@@ -202,7 +202,7 @@ def _run(fn, walker, inputs):
 
 def _heavy(b) -> bool:
     """A line that multiplies matrices, convolves or runs opaquely (anywhere in its decomposition)."""
-    if b.sym in (prims.matmul, prims.convolution) or b.sym.module == "opaque":
+    if b.sym in (prims.matmul, prims.convolution) or b.sym.runs_opaquely:
         return True
     return any(_heavy(s) for s in b.subsymbols)
 

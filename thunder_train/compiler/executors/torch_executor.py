@@ -507,7 +507,7 @@ class TorchExecutor:
             args, kwargs = _conv_args(args, kwargs)
             impl = fn if isinstance(fn, ScalarSymbol) else impl_symbol(fn, bsym.has_side_effect, bsym.draws_random)
             return BoundSymbol(impl, args, kwargs, bsym.output, (), bsym.comment)
-        if sym.module == "opaque":
+        if sym.runs_opaquely:
             return BoundSymbol(impl_symbol(sym.torch_impl, bsym.has_side_effect, bsym.draws_random), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
@@ -527,7 +527,7 @@ class TorchExecutor:
 
     def eager_impl(self, sym, args, kwargs):
         """Run ``sym`` on real tensors (used when a printed trace is executed as Python)."""
-        if sym.module in ("ltorch", "opaque"):
+        if sym.module == "ltorch" or sym.runs_opaquely:
             return sym.torch_impl(*args, **kwargs)
         rule = _prim_rules.get(sym)
         if rule is None:

@@ -124,7 +124,7 @@ class Cotangents:
 
 def _describe(bsym) -> str:
     name = bsym.sym.id
-    if bsym.sym.module == "opaque" and not name.startswith("grad_rules."):  # (opaque_grad's own vjp symbol)
+    if bsym.sym.runs_opaquely and not name.startswith("grad_rules."):  # (opaque_grad's own vjp symbol)
         return f"{name.removeprefix('opaque.')} (run opaquely, torch op unknown to thunder_train)"
     return name
 

@@ -44,7 +44,7 @@ def _is_tensor(x) -> bool:
 
 
 def _random(b) -> bool:
-    return "random" in b.sym.tags or b.sym.module == "opaque" or any(_random(s) for s in b.subsymbols)
+    return b.sym.draws_random or b.sym.runs_opaquely or any(_random(s) for s in b.subsymbols)
 
 
 def recomputable(b) -> bool:
