@@ -422,6 +422,24 @@ def test_aliasing_is_part_of_the_guard():
         cf(base, base[:])  # same shapes as before, but b is now a view of a: not the cached program
 
 
+def test_parameters_made_to_share_storage_after_the_first_call_are_seen():
+    """``q.data = p.data`` between steps makes two parameters the optimizer updates one storage: the full path's
+    key sees it and the new trace refuses the aliased in-place updates, as a first call with them would."""
+    def step(m, opt, x):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    cf = tt.compile(step)
+    for _ in range(2):
+        cf(m, opt, torch.randn(3, 4))
+    m[2].weight.data = m[0].weight.data
+    with pytest.raises(NotImplementedError, match="shares its storage"):
+        cf(m, opt, torch.randn(3, 4))
+
+
 # ---------------------------------------------------------------------------
 # Buffers and checkpoints
 # ---------------------------------------------------------------------------

@@ -380,6 +380,14 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
             exprs.append(f"_storage_overlaps(({w}), ({o}))")
             expected.append(())
             label_leaf.append(written[0])
+    if len(written) > 1:
+        # Inputs updated in place share no storage (aliased ones are refused when tracing); ``p.data = q.data``
+        # after the first call would make two of them one: the full path sees it here (thin mode does not: docs).
+        w = "".join(names[i] + ", " for i in written)
+        labels.append(Label("inputs updated in place", "storage shared with another updated input"))
+        exprs.append(f"_storage_overlaps(({w}), ({w}))")
+        expected.append(())
+        label_leaf.append(written[0])
     gk_lines = [f"def guard_key({', '.join(names)}):"]
     gk_lines.append("  return (")
     for lab, e in zip(labels, exprs):
