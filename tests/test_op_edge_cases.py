@@ -343,3 +343,45 @@ def test_sum_to_size_of_its_own_shape_is_the_input():
 ])
 def test_one_element_pool_and_conv_parameters_repeat(fn):
     check(fn, torch.randn(1, 1, 5, 5, dtype=torch.float64))
+
+
+# Ops without a meta kernel in torch, run through torch with their outputs' metadata from a rule declared with
+# the op (torchlang/linalg.py, statistics.py): values, types and memory layout are eager's, so what follows them
+# (a view that needs a contiguous input) behaves as in eager.
+@pytest.mark.parametrize("shape", [(3, 4), (4, 3), (2, 3, 4), (0, 3, 2)])
+def test_geqrf_layout_and_values(shape):
+    x = torch.randn(*shape, dtype=torch.float64)
+    got, want = tt.compile(torch.geqrf)(x), torch.geqrf(x)
+    assert type(got) is type(want)
+    for a, e in zip(got, want):
+        assert a.stride() == e.stride()
+        torch.testing.assert_close(a, e)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):  # column-major, as eager's
+        tt.compile(lambda t: torch.geqrf(t).a.view(-1))(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("bins", [4, "edges"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_histogram(bins, weighted):
+    x = torch.randn(20, dtype=torch.float64)
+    b = torch.tensor([-1.0, 0.0, 0.5, 2.0], dtype=torch.float64) if bins == "edges" else bins
+    kw = {"weight": torch.rand(20, dtype=torch.float64)} if weighted else {}
+    got, want = tt.compile(lambda t: torch.histogram(t, b, **kw))(x), torch.histogram(x, b, **kw)
+    assert type(got) is type(want)
+    _same(got, want, 0, 0)
+    _same(tt.compile(lambda t: t.histogram(b, density=True))(x), x.histogram(b, density=True), 0, 0)
+
+
+@pytest.mark.parametrize("bins", [3, [2, 5], "edges"])
+def test_histogramdd(bins):
+    x = torch.randn(4, 10, 2)
+    b = [torch.tensor([-1.0, 0.0, 1.0]), torch.tensor([-2.0, 2.0])] if bins == "edges" else bins
+    got, want = tt.compile(lambda t: torch.histogramdd(t, b))(x), torch.histogramdd(x, b)
+    assert type(got) is type(want) and type(got.bin_edges) is type(want.bin_edges)
+    _same(got, want, 0, 0)
+
+
+def test_an_op_rejecting_its_arguments_on_meta_tensors_does_not_blame_data_dependent_shapes():
+    with pytest.raises(Exception) as info:
+        tt.compile(lambda x, a, b: x.addbmm_(a, b))(torch.randn(1), torch.randn(2, 2, 2), torch.randn(2, 2, 3))
+    assert "depends on tensor values" not in str(info.value) and "resizes its destination" in str(info.value)

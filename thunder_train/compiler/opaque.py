@@ -129,6 +129,16 @@ def _to_meta(x, requires_grad=False):
     return x
 
 
+def _why_meta_failed(e) -> str:
+    text = str(e)
+    if isinstance(e, NotImplementedError) or "Meta" in text or "meta kernel" in text or "fake impl" in text:
+        return ("torch has no meta kernel for it, so its output's metadata cannot be learned without running it; this "
+                "is the case for ops whose output shape depends on tensor values (nonzero, boolean masking, unique, "
+                ".item()). Compute this part outside the compiled function, or open an issue asking for the op.")
+    return ("The op rejected these arguments' shapes, dtypes or layouts (eager may accept them, e.g. an in-place op "
+            "that resizes its destination): pass arguments of the result's shape, or call it outside the compiled function.")
+
+
 def call_opaque(func, args, kwargs, *, strict: bool):
     name = callable_name(func)
     if strict:
@@ -149,8 +159,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     except Exception as e:
         raise UnsupportedOpError(
             f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "
-            "Operations whose output shape depends on tensor values (nonzero, boolean masking, unique, .item()) cannot be compiled."
-        ) from e
+            + _why_meta_failed(e)) from e
     finally:
         # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
         if not torch.equal(torch.default_generator.get_state(), rng):

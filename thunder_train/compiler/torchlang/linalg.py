@@ -10,6 +10,7 @@ from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
 from .elementwise import _real
 from ..proxies import is_int
+from ..opaque import meta_rule
 from .registry import composed, torchsymbol
 
 
@@ -376,3 +377,17 @@ def diagflat(input, offset=0):
 
 
 composed("diagflat", diagflat, (torch.diagflat,), ("diagflat",))
+
+
+# ``torch.geqrf`` runs through torch (opaquely); eager has no meta kernel for it, so its outputs' metadata comes
+# from this rule: the Householder matrix in LAPACK's column-major layout (each matrix of a batch transposed in
+# memory) and ``tau`` of length min(m, n).
+@meta_rule(torch.geqrf, torch.Tensor.geqrf)
+def _geqrf_meta(input):
+    if input.ndim < 2:
+        raise RuntimeError(f"torch.geqrf: input must have at least 2 dimensions, got {input.ndim}")
+    *batch, m, n = input.shape
+    batch_strides = torch.empty(tuple(batch) + (m * n,), device="meta").stride()[:-1] if batch else ()
+    a = torch.empty_strided(input.shape, batch_strides + (1, m), dtype=input.dtype, device="meta")
+    tau = torch.empty(tuple(batch) + (min(m, n),), dtype=input.dtype, device="meta")
+    return torch.return_types.geqrf((a, tau))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..opaque import meta_rule
 from .registry import composed
 
 
@@ -65,3 +66,32 @@ def corrcoef(input):
 
 composed("cov", cov, (torch.cov,), ("cov",))
 composed("corrcoef", corrcoef, (torch.corrcoef,), ("corrcoef",))
+
+
+# ``torch.histogram``/``histogramdd`` run through torch (opaquely); eager has no meta kernels for them. Their
+# outputs' sizes follow from the bin arguments alone (the edges' values may depend on the data, their number
+# does not), so these rules give the metadata.
+def _bins_count(bins) -> tuple:
+    """(number of bins, number of edges) for an int or a tensor of edges."""
+    if isinstance(bins, torch.Tensor):
+        return bins.shape[0] - 1, bins.shape[0]
+    return int(bins), int(bins) + 1
+
+
+@meta_rule(torch.histogram, torch.Tensor.histogram)
+def _histogram_meta(input, bins=100, *, range=None, weight=None, density=False):
+    hist, edges = _bins_count(bins)
+    out = (torch.empty((hist,), dtype=input.dtype, device="meta"), torch.empty((edges,), dtype=input.dtype, device="meta"))
+    return torch.return_types.histogram(out)
+
+
+@meta_rule(torch.histogramdd)
+def _histogramdd_meta(input, bins, *, range=None, weight=None, density=False):
+    d = input.shape[-1]
+    per_dim = [bins] * d if isinstance(bins, int) else list(bins)
+    if len(per_dim) != d:
+        raise RuntimeError(f"torch.histogramdd: expected {d} sequences of bin edges for each dimension, got {len(per_dim)}")
+    counts = [_bins_count(b) for b in per_dim]
+    hist = torch.empty(tuple(c[0] for c in counts), dtype=input.dtype, device="meta")
+    edges = tuple(torch.empty((c[1],), dtype=input.dtype, device="meta") for c in counts)
+    return torch.return_types.histogramdd((hist, edges))
