@@ -385,3 +385,48 @@ def test_an_op_rejecting_its_arguments_on_meta_tensors_does_not_blame_data_depen
     with pytest.raises(Exception) as info:
         tt.compile(lambda x, a, b: x.addbmm_(a, b))(torch.randn(1), torch.randn(2, 2, 2), torch.randn(2, 2, 3))
     assert "depends on tensor values" not in str(info.value) and "resizes its destination" in str(info.value)
+
+
+def _value_and_grad(fn, x, *args):
+    x = x.detach().clone().requires_grad_()
+    out = fn(x, *args)
+    (g,) = torch.autograd.grad(out.sum(), x, allow_unused=True)
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1, -1])
+def test_take_along_dim_counts_negative_indices_from_the_end_in_its_gradient(dim):
+    x = torch.randn(4, 5)
+    n = x.numel() if dim is None else x.shape[dim]
+    idx = torch.randint(0, n, (4 * 5,)) if dim is None else torch.randint(-n, n, (4, 5))  # (eager wraps with a dim)
+    fn = lambda t, i: torch.take_along_dim(t, i, dim)  # noqa: E731
+    _same(tt.compile(_value_and_grad)(fn, x, idx), _value_and_grad(fn, x, idx), 0, 0)
+
+
+@pytest.mark.parametrize("case", ["empty_index_of_higher_rank", "zero_dim_input", "zero_dim_both"])
+def test_gather_edges(case):
+    x, idx = {"empty_index_of_higher_rank": (torch.randn(5), torch.zeros(2, 0, dtype=torch.uint8)),
+              "zero_dim_input": (torch.tensor(3.0), torch.tensor([0, 0])),
+              "zero_dim_both": (torch.tensor(3.0), torch.tensor(0))}[case]
+    fn = lambda t, i: torch.gather(t, 0, i)  # noqa: E731
+    _same(tt.compile(_value_and_grad)(fn, x, idx), _value_and_grad(fn, x, idx), 0, 0)
+
+
+def test_batch_norm_of_an_empty_1d_input_and_its_error_otherwise():
+    stats = (torch.zeros(0), torch.zeros(0))
+    fn = lambda t, m, v: F.batch_norm(t, m, v, training=True)  # noqa: E731
+    _same(tt.compile(_value_and_grad)(fn, torch.randn(0), *stats), _value_and_grad(fn, torch.randn(0), *stats), 0, 0)
+    with pytest.raises(RuntimeError):
+        fn(torch.randn(3), torch.zeros(3), torch.ones(3))  # eager's error ...
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        tt.compile(fn)(torch.randn(3), torch.zeros(3), torch.ones(3))  # ... and ours says why
+
+
+def test_updated_empty_tensors_do_not_alias_each_other():
+    """Every storage without bytes has data pointer 0: two empty inputs, one updated, share nothing."""
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    a, b = torch.zeros(0), torch.zeros(0)
+    torch.testing.assert_close(tt.compile(fn)(a, b), fn(a.clone(), b.clone()))

@@ -294,7 +294,7 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
 
 def _storage_overlaps(written, others) -> tuple:
     """Pairs (i, j) where the written input ``i`` shares storage with the other input ``j``."""
-    ptrs = {}
+    ptrs = {0: None}  # storages without bytes all have data pointer 0: empty tensors share nothing
     for i, t in enumerate(written):
         ptrs.setdefault(t.untyped_storage().data_ptr(), i)
     out = []

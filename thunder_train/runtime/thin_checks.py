@@ -618,6 +618,7 @@ _STRIDE = torch.Tensor.stride
 
 def _shares_storage(tensors, ptrs) -> bool:
     for t in tensors:
-        if t.untyped_storage().data_ptr() in ptrs:
+        p = t.untyped_storage().data_ptr()
+        if p and p in ptrs:  # (0: a storage without bytes, shared with nothing)
             return True
     return False

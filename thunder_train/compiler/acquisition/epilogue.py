@@ -79,11 +79,12 @@ def _reject_aliased_inputs(walker, written):
         return
     by_ptr = {}
     for leaf in walker.leaves:
-        if leaf.kind == "tensor" and leaf.alias_of is None:
+        if leaf.kind == "tensor" and leaf.alias_of is None and leaf.value.untyped_storage().nbytes():
             by_ptr.setdefault(leaf.value.untyped_storage().data_ptr(), []).append(leaf)
     for dst in written:
         leaf = walker.leaf_of(dst)
-        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), [])
+        # (storages without bytes all have data pointer 0: empty tensors share nothing)
+        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), []) if leaf.value.untyped_storage().nbytes() else []
         others = [x for x in group if x is not leaf]
         if others:
             raise NotImplementedError(

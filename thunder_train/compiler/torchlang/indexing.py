@@ -29,14 +29,28 @@ def index_select(input, dim, index):
 
 @torchsymbol(torch.gather, methods=("gather",), tags=("fallible",))
 def gather(input, dim, index, *, sparse_grad=False):
+    if 0 in index._tt_shape:  # eager returns an empty result of the index's shape before checking ranks or dtype
+        return clang.reshape(clang.slice_in_dim(clang.flatten(input), 0, 0), index._tt_shape)
+    if input.ndim_ == 0:  # eager treats a 0-d input as one element along dim 0 (an index of at most 1 dimension)
+        clang.canonicalize_dim(1, dim)
+        out = prims.gather(clang.reshape(input, (1,)), clang.reshape(index, (-1,)), 0)
+        return clang.reshape(out, index._tt_shape)
     return prims.gather(input, index, clang.canonicalize_dim(input.ndim_, dim))
+
+
+def _wrap_negative(indices, size):
+    """Eager's ``take_along_dim`` with a ``dim`` counts negative indices from the end (``gather`` does not)."""
+    if not indices._tt_dtype.torch.is_signed:
+        return indices
+    return clang.where(clang.lt(indices, 0), clang.add(indices, size), indices)
 
 
 @torchsymbol(torch.take_along_dim, methods=("take_along_dim",), tags=("fallible",))
 def take_along_dim(input, indices, dim=None):
     if dim is None:
-        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
+        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)  # (negative indices: eager's error)
     dim = clang.canonicalize_dim(input.ndim_, dim)
+    indices = _wrap_negative(indices, input._tt_shape[dim])
     # Every dim but ``dim`` broadcasts; along ``dim`` each keeps its own size.
     rest_in = input._tt_shape[:dim] + (1,) + input._tt_shape[dim + 1 :]
     rest_idx = indices._tt_shape[:dim] + (1,) + indices._tt_shape[dim + 1 :]

@@ -115,6 +115,10 @@ def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Batch norm; in training mode the running statistics are updated in place (copy_)."""
     x, dt = upcast_and_dtype(input)
+    if x.ndim_ < 2:  # eager counts no channels in a 1-d input: only an empty one (with empty statistics) runs
+        if x._tt_shape != (0,) or any(t is not None and t._tt_shape != (0,) for t in (running_mean, running_var, weight, bias)):
+            raise RuntimeError(f"batch_norm: expected an input with at least 2 dimensions (N, C, ...), got shape {tuple(x._tt_shape)}")
+        return clang.maybe_convert(clang.mul(x, 1), dt)
     C = x._tt_shape[1]
     dims = (0,) + tuple(range(2, x.ndim_))
     bshape = (1, C) + (1,) * (x.ndim_ - 2)
@@ -205,7 +209,7 @@ def _per_channel(t, x):
     return clang.expand(clang.reshape(clang.maybe_convert(t, x._tt_dtype), (1, x._tt_shape[1]) + (1,) * (x.ndim_ - 2)), x._tt_shape)
 
 
-@register_vjp(batch_norm)
+@register_vjp(batch_norm, supports=lambda input, *args, **kwargs: input.ndim_ >= 2)  # (an empty 1-d input: its decomposition)
 def _batch_norm_vjp(g, out, /, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Training: the batch statistics' gradient, as layer norm's over (N, *spatial); evaluation: the running
     statistics are constants.  The running statistics get no gradient (eager's buffers need none)."""
