@@ -118,6 +118,11 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             ("device", f"{var}.device", v.device),
             ("requires_grad", f"{var}.requires_grad", v.requires_grad),
         ]
+    if k == "dtensor":
+        # A DTensor read through its shard (the next leaf): its global shape, layout and requires_grad.
+        shape, placements, rg = leaf.snapshot
+        return [("type", f"type({var})", type(v)), ("shape", f"tuple({var}.shape)", shape),
+                ("placements", f"tuple({var}.placements)", placements), ("requires_grad", f"{var}.requires_grad", rg)]
     if k == "absent":
         # Specialised on "nothing here" (a .grad that is None, a parameter without optimizer state).
         return [("is None", f"{var} is None", True)]
