@@ -1,6 +1,8 @@
 """Every fact about an op hangs off its Symbol and is declared where the op is defined (docs/architecture.md)."""
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import pathlib
 
@@ -342,6 +344,12 @@ def _layout_samples(op):
         return [((torch.rand(2, 6, 4), torch.rand(3, 4), torch.rand(3)), {})]
     if op.name.endswith("_like"):
         return [((torch.rand(3, 4),) + ((2.0,) if op.name == "full_like" else ()), {})]
+    if op in (prims.all_gather, prims.reduce_scatter, prims.wait):  # on a one-rank gloo group (_one_rank_group)
+        import torch.distributed as dist
+
+        name = dist.group.WORLD.group_name
+        return [((torch.rand(3, 4),) + ((1, name) if op is prims.all_gather else ("sum", 1, name) if op is prims.reduce_scatter
+                                        else ()), {})]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]
@@ -353,7 +361,27 @@ def _layout_samples(op):
     return None
 
 
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of this process alone (the collectives' samples), unless one exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_every_layout_rule_agrees_with_eager():
+    with _one_rank_group():
+        _every_layout_rule_agrees_with_eager()
+
+
+def _every_layout_rule_agrees_with_eager():
     ruled = [op for op in _every_symbol() if op.layout_rule is not None]
     assert len(ruled) >= 30
     for op in ruled:

@@ -184,6 +184,14 @@ def prepare_module(walker, m, where: str):
     walker.fsdp_units.append(unit)
 
 
+def fsdp_hook_ids(m) -> tuple:
+    """The ids of fully_shard's forward hooks on ``m`` (none when it is not a unit)."""
+    if not is_fsdp_module(m):
+        return ()
+    state = m._get_fsdp_state()
+    return state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
+
+
 def lazy_init_roots(values):
     """FSDP2 decides its root module on the first forward; the modules given to the function decide it here,
     before any parameter is swapped (lazy initialisation re-reads the parameters from the modules)."""

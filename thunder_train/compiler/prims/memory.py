@@ -71,8 +71,8 @@ def all_reduce_mean(tensors):
 # Collectives of a sharded step (FSDP2, acquisition/fsdp.py): torch's functional collectives, each split in a
 # start (the result is in flight) and a ``wait``, so a scheduling pass (transforms/collectives.py) can start a
 # collective early and wait for it late.  Every rank runs the same program, so DCE may drop one on all ranks
-# alike: they are not side effects.  Their gradients are the sharded op's rule (torchlang/distributed.py).
-@prim
+# alike: they are not side effects.  They can raise (a peer failed, a size differs): "fallible".  Their gradients are the sharded op's rule (torchlang/distributed.py).
+@prim(tags=("fallible",))
 def all_gather(a, group_size, group_name):
     """Start gathering ``a`` from every rank of the group, concatenated along dim 0 in rank order (in flight)."""
     check(type(a) is TensorProxy and a.ndim_ >= 1 and isinstance(group_size, int) and isinstance(group_name, str),
@@ -84,7 +84,7 @@ def all_gather(a, group_size, group_name):
 REDUCE_OPS = ("sum", "avg")
 
 
-@prim
+@prim(tags=("fallible",))
 def reduce_scatter(a, op, group_size, group_name):
     """Start reducing ``a`` over the ranks (``op``: "sum" or "avg") and keeping this rank's part of dim 0 (in flight)."""
     check(type(a) is TensorProxy and a.ndim_ >= 1 and op in REDUCE_OPS and isinstance(group_size, int)

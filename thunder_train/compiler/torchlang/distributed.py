@@ -23,7 +23,7 @@ def _pad_rows(x, rows):
     return prims.pad(x, 0.0, ((0, extra, 0),) + ((0, 0, 0),) * (x.ndim_ - 1))
 
 
-@torchsymbol(name="fsdp_all_gather", torch_impl=None)
+@torchsymbol(name="fsdp_all_gather", torch_impl=None, tags=("fallible",))
 def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, param_dtype=None, reduce_dtype=None):
     """The unsharded parameter (``full_rows`` rows) from this rank's ``shard`` of it; in ``param_dtype`` if given.
 

@@ -1,0 +1,106 @@
+"""fully_shard (FSDP2) models in compiled whole steps, against eager FSDP2, on gloo CPU processes
+(tests/_fsdp_whole_step.py runs the ranks)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tmp_path, world):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp_whole_step.py"), str(tmp_path), str(world)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _check_equal_to_eager(ranks, case, n_thin):
+    names_gpt = case.startswith("gpt")
+    for r in ranks:
+        eager, compiled = r[case]["eager"], r[case]["compiled"]
+        # Each rank's losses, sharded parameters and optimizer state are eager FSDP2's (float32 rounding) ...
+        torch.testing.assert_close(torch.stack(compiled["losses"]), torch.stack(eager["losses"]))
+        names = _gpt_param_names() if names_gpt else [""] * len(eager["params"])
+        for n, a, b in zip(names, compiled["params"], eager["params"]):
+            if not _key_bias(n):
+                torch.testing.assert_close(a, b)
+        for n, sa, sb in zip(names, compiled["state"], eager["state"]):
+            assert sa.keys() == sb.keys()
+            for k in sa:
+                if not _key_bias(n):
+                    torch.testing.assert_close(sa[k], sb[k])
+        # ... of the same kinds: DTensor parameters and moments, a plain step count.
+        assert compiled["kinds"] == eager["kinds"] and set(compiled["param_types"]) == {"DTensor"}
+        assert compiled["thin_calls"] == n_thin
+    # Different data per rank, yet one model: the shards differ (rank 0 holds other rows than rank 1).
+    assert not torch.equal(torch.stack(ranks[0][case]["compiled"]["losses"]), torch.stack(ranks[1][case]["compiled"]["losses"]))
+
+
+def _key_bias(name):
+    """The attention qkv bias holds the key bias, whose gradient is rounding noise that Adam scales up
+    (_models.without_key_bias); its shards split q, k and v differently on each rank, so it is left out whole."""
+    return name.endswith("qkv.bias")
+
+
+def _gpt_param_names():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from _fsdp_whole_step import TinyGPT
+
+    return [n for n, _ in TinyGPT().named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("fsdp2"), 2)
+
+
+@pytest.mark.parametrize("case,n_thin", [("mlp_adamw", 0), ("mlp_adamw_thin", 1), ("mlp_sgd_keep_gathered", 0),
+                                         ("gpt_adamw_thin", 0)])
+def test_fsdp2_step_equals_eager_on_two_ranks(two_ranks, case, n_thin):
+    _check_equal_to_eager(two_ranks, case, n_thin)
+
+
+def test_fsdp2_collectives_are_lines_of_the_trace(two_ranks):
+    trace = two_ranks[0]["mlp_adamw"]["compiled"]["trace"]
+    # Four sharded parameters: four all-gathers in the forward, four reduce-scatters (averaging) in the backward,
+    # each waited for; FSDP2's own hooks and collectives do not run.
+    assert len(re.findall(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\(", trace)) == 4
+    assert len(re.findall(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\(\w+, 'avg', 2, ", trace)) == 4
+    assert len(re.findall(r"= torch\.ops\._c10d_functional\.wait_tensor\(", trace)) == 8
+    assert "fsdp" not in trace.replace("fsdp_all_gather", "")
+
+
+def test_fsdp2_state_dict_and_dcp_between_compiled_steps(two_ranks):
+    for r in two_ranks:
+        c = r["checkpoint"]
+        assert c["sd_types"] == ["DTensor"]
+        # Saved after two compiled steps, loaded into a fresh model and optimizer, two more: the uninterrupted run.
+        torch.testing.assert_close(torch.stack(c["resumed"]), torch.stack(c["whole"]))
+        for a, b in zip(c["got"][0], c["expected"][0]):
+            torch.testing.assert_close(a, b)
+        for sa, sb in zip(c["got"][1], c["expected"][1]):
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k])
+
+
+def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
+    errors = two_ranks[0]["errors"]
+    for key, words in {"shard_dim1": "sharding on dim 1", "hsdp": "HSDP", "no_sync": "set_requires_gradient_sync(False)",
+                       "forward_only": "backward is not in the same function"}.items():
+        msg, unchanged = errors[key]
+        assert words in msg and "TracingError" in msg, (key, msg)
+        assert unchanged, key  # a refused call leaves the parameters as they were
+    compiled, eager = errors["eval"]  # evaluation under no_grad needs no backward
+    torch.testing.assert_close(compiled, eager)
+
+
+def test_fsdp2_step_equals_eager_on_four_ranks(tmp_path):
+    ranks = _run(tmp_path, 4)
+    _check_equal_to_eager(ranks, "mlp_adamw_thin", 1)
+    _check_equal_to_eager(ranks, "gpt_adamw_thin", 0)
