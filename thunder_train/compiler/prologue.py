@@ -301,10 +301,11 @@ def _storage_overlaps(written, others) -> tuple:
     """Pairs (i, j) where the written input ``i`` shares storage with the other input ``j``."""
     ptrs = {}
     for i, t in enumerate(written):
-        ptrs.setdefault(t.untyped_storage().data_ptr(), i)
+        if t.untyped_storage().nbytes():  # an empty storage (data pointer 0) shares no memory
+            ptrs.setdefault(t.untyped_storage().data_ptr(), i)
     out = []
     for j, t in enumerate(others):
-        i = ptrs.get(t.untyped_storage().data_ptr())
+        i = ptrs.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
         if i is not None and t is not written[i]:
             out.append((i, j))
     return tuple(out)

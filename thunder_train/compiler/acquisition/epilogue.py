@@ -80,10 +80,13 @@ def _reject_aliased_inputs(walker, written):
         return
     by_ptr = {}
     for leaf in walker.leaves:
-        if leaf.kind == "tensor" and leaf.alias_of is None:
+        # (Empty storages have no memory to share: FSDP2's empty shards all have data pointer 0.)
+        if leaf.kind == "tensor" and leaf.alias_of is None and leaf.value.untyped_storage().nbytes():
             by_ptr.setdefault(leaf.value.untyped_storage().data_ptr(), []).append(leaf)
     for dst in written:
         leaf = walker.leaf_of(dst)
+        if not leaf.value.untyped_storage().nbytes():
+            continue
         group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), [])
         others = [x for x in group if x is not leaf]
         if others:
