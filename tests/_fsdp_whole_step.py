@@ -151,6 +151,15 @@ def checkpoint_resume(data):
             "sd_types": sd_types}
 
 
+def clip_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def errors(batch):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -172,6 +181,9 @@ def errors(batch):
     no_sync.set_requires_gradient_sync(False)
     out["no_sync"] = attempt(no_sync)
     out["forward_only"] = attempt(shard(mlp(), linears), lambda m, x, y: F.cross_entropy(m(x), y), with_opt=False)
+    out["clip"] = attempt(shard(mlp(), linears), clip_step)
+    out["tied_outside"] = attempt(shard(mlp(), linears), lambda m, x, y: (m(x) + x @ m[0].weight.t()[:, :5]).sum().backward(),
+                                  with_opt=False)
     with torch.no_grad():
         m = shard(mlp(), linears)
         out["eval"] = (tt.compile(lambda m, x: m(x))(m, x), m(x))

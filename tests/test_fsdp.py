@@ -92,7 +92,9 @@ def test_fsdp2_state_dict_and_dcp_between_compiled_steps(two_ranks):
 def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
     errors = two_ranks[0]["errors"]
     for key, words in {"shard_dim1": "sharding on dim 1", "hsdp": "HSDP", "no_sync": "set_requires_gradient_sync(False)",
-                       "forward_only": "backward is not in the same function"}.items():
+                       "forward_only": "backward is not in the same function",
+                       # a shard read outside its unit's forward and the optimizer: a norm, a matmul with the weight
+                       "clip": "outside its fully_shard unit's forward", "tied_outside": "args[0].0.weight"}.items():
         msg, unchanged = errors[key]
         assert words in msg and "TracingError" in msg, (key, msg)
         assert unchanged, key  # a refused call leaves the parameters as they were

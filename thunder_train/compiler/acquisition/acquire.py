@@ -125,6 +125,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             fsdp.check_finished(state)
+            fsdp.check_shard_uses(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))

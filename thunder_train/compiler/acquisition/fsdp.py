@@ -213,6 +213,43 @@ def check_walked(walker):
                 f"model itself to the function. {_ADVICE}")
 
 
+# What a step may do with a shard besides gathering it: the optimizer's updates, elementwise arithmetic and the
+# gradient's bookkeeping, all of which give eager's rows of the whole result.  Anything else (a norm for
+# gradient clipping, a matmul with a tied weight outside its unit) would see this rank's rows only.
+_ROW_WISE = frozenset({"fsdp_all_gather", "adam_update", "sgd_update", "adagrad_update", "_fused_adam_", "_fused_adamw_",
+                       "_fused_sgd_", "_fused_adagrad_", "copy_", "grad_layout", "stop_gradient", "convert_element_type",
+                       "clone", "detach", "zeros_like", "ones_like", "empty_like", "full_like", "to", "type_as"})
+
+
+def check_shard_uses(st):
+    """Every line that reads a shard (of a sharded parameter, its gradient or optimizer state, or a value computed
+    from them) computes rows from rows; otherwise a clear error instead of a result on this rank's part alone."""
+    walker = st.walker
+    if not walker.dtensor_of:
+        return
+    shards = set(walker.dtensor_of)
+    for b in st.trace.bound_symbols:
+        name = b.sym.name
+        read = [a for a in b.flat_args() if id(a) in shards]
+        if not read:
+            continue
+        if name == "grad_layout":  # the gradient of a sharded parameter (its reduce-scattered rows)
+            shards.update(id(o) for o in b.flat_outputs())
+            continue
+        if name == "fsdp_all_gather":
+            continue
+        if name in _ROW_WISE or "elementwise" in b.sym.tags or name.startswith("_foreach_") and name != "_foreach_norm":
+            shards.update(id(o) for o in b.flat_outputs())
+            continue
+        leaf = walker.dtensor_of.get(id(read[0]))
+        what = f"the sharded {leaf.where}" if leaf is not None else "a value computed from a sharded (FSDP2) tensor"
+        raise TracingError(
+            f"{b.sym.id} reads {what} outside its fully_shard unit's forward and the "
+            "optimizer's update: inside a compiled step that value is this rank's shard, so the result would be "
+            "computed on part of the tensor (eager computes on the whole DTensor). Not supported yet: do this outside "
+            "the compiled step (e.g. gradient clipping by total norm), or run the step eagerly.")
+
+
 def check_finished(st):
     """At the end of tracing: a fully_shard forward with grad enabled had its backward in the function."""
     walker = st.walker
