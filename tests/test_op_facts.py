@@ -349,7 +349,7 @@ def _layout_samples(op):
 
         name = dist.group.WORLD.group_name
         return [((torch.rand(3, 4),) + ((1, name) if op is prims.all_gather else ("sum", 1, name) if op is prims.reduce_scatter
-                                        else ()), {})]
+                                        else (torch.rand(3, 4),)), {})]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]

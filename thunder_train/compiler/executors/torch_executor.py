@@ -472,7 +472,7 @@ def _(bsym):
 
 # The sharded step's collectives are torch's functional collectives, printed under their own names.
 _C10D = torch.ops._c10d_functional
-for _name in ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+for _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
     _fn = getattr(_C10D, _name)
     _impl_symbols[(_fn, False, False)] = ImplSymbol(_fn, name=f"torch.ops._c10d_functional.{_name}")
 
@@ -489,7 +489,7 @@ def _(bsym):
 
 @_rule(prims.wait)
 def _(bsym):
-    return _C10D.wait_tensor, bsym.args, {}
+    return torch_impls.wait_collective, bsym.args, {}
 
 
 @_rule(prims.check_finite)

@@ -95,23 +95,25 @@ def reduce_scatter(a, op, group_size, group_name):
 
 
 @prim
-def wait(a):
-    """The result of a collective started earlier (``all_gather``/``reduce_scatter``), once it has arrived."""
-    check(type(a) is TensorProxy, "wait: expected a tensor")
+def wait(a, source):
+    """The result ``a`` of a collective started earlier on ``source`` (``all_gather``/``reduce_scatter``), once it
+    has arrived.  ``source`` is read here so that no pass frees or reuses its memory while the collective runs
+    (transforms/collectives.py moves waits down to their first use)."""
+    check(type(a) is TensorProxy and type(source) is TensorProxy, "wait: expected the collective's result and input")
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
 
 
 @register_vjp(all_gather)
 def _all_gather_vjp(g, out, /, a, group_size, group_name):
-    return {"a": prims.wait(prims.reduce_scatter(g, "sum", group_size, group_name))}
+    return {"a": prims.wait(prims.reduce_scatter(g, "sum", group_size, group_name), g)}
 
 
 @register_vjp(reduce_scatter)
 def _reduce_scatter_vjp(g, out, /, a, op, group_size, group_name):
-    full = prims.wait(prims.all_gather(g, group_size, group_name))
+    full = prims.wait(prims.all_gather(g, group_size, group_name), g)
     return {"a": full if op == "sum" else prims.div(full, float(group_size))}
 
 
 @register_vjp(wait)
-def _wait_vjp(g, out, /, a):
+def _wait_vjp(g, out, /, a, source):
     return {"a": g}

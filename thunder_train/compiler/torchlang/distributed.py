@@ -30,7 +30,8 @@ def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, pa
     ``reduce_dtype`` is used by the gradient only (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``).
     """
     x = shard if param_dtype is None else clang.maybe_convert(shard, param_dtype)
-    gathered = prims.wait(prims.all_gather(_pad_rows(x, padded_rows), group_size, group_name))
+    padded = _pad_rows(x, padded_rows)
+    gathered = prims.wait(prims.all_gather(padded, group_size, group_name), padded)
     return slice_in_dim(gathered, 0, full_rows, 0)
 
 
@@ -38,7 +39,8 @@ def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, pa
 def _fsdp_all_gather_vjp(g, out, /, shard, *, full_rows, padded_rows, group_size, group_name, param_dtype=None,
                          reduce_dtype=None):
     x = g if reduce_dtype is None else clang.maybe_convert(g, reduce_dtype)
-    mine = prims.wait(prims.reduce_scatter(_pad_rows(x, padded_rows * group_size), "avg", group_size, group_name))
+    padded = _pad_rows(x, padded_rows * group_size)
+    mine = prims.wait(prims.reduce_scatter(padded, "avg", group_size, group_name), padded)
     mine = slice_in_dim(mine, 0, shard._tt_shape[0], 0)
     return {"shard": clang.maybe_convert(mine, shard._tt_dtype)}
 
