@@ -69,7 +69,7 @@ def run(rank, args, port):
                 t0 = time.perf_counter()
                 loss = fn(m, o, x, y)
                 dt = time.perf_counter() - t0
-                losses[k].append(float(loss))
+                losses[k].append(float(loss.detach()))
                 if i < 3:  # the first calls trace (and AdamW's lazy state retraces once)
                     first[k] += dt
                 else:

@@ -69,10 +69,16 @@ def test_fsdp2_step_equals_eager_on_two_ranks(two_ranks, case, n_thin):
 def test_fsdp2_collectives_are_lines_of_the_trace(two_ranks):
     trace = two_ranks[0]["mlp_adamw"]["compiled"]["trace"]
     # Four sharded parameters: four all-gathers in the forward, four reduce-scatters (averaging) in the backward,
-    # each waited for; FSDP2's own hooks and collectives do not run.
-    assert len(re.findall(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\(", trace)) == 4
+    # each waited for; FSDP2's own hooks and collectives do not run.  reshard_after_forward=True (the default): the
+    # backward gathers the one weight it reads (the second linear's, for the first one's input gradient) again,
+    # rather than keeping it from the forward ...
+    assert len(re.findall(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\(", trace)) == 5
+    assert re.search(r"r\d+ = torch\.ops\._c10d_functional\.all_gather_into_tensor\(arg0_2_weight, 2, ", trace)
     assert len(re.findall(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\(\w+, 'avg', 2, ", trace)) == 4
-    assert len(re.findall(r"= ttex\.wait_collective\(", trace)) == 8
+    assert len(re.findall(r"= ttex\.wait_collective\(", trace)) == 9
+    # ... with reshard_after_forward=False it keeps it.
+    kept = two_ranks[0]["mlp_sgd_keep_gathered"]["compiled"]["trace"]
+    assert len(re.findall(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\(", kept)) == 4
     # Each wait sits at the first use of its result: the first reduce-scatters of the backward are waited for
     # only after the backward of the layers before them has run (by the optimizer).
     lines = [ln.strip() for ln in trace.splitlines() if ln.strip() and not ln.strip().startswith(("#", "del "))]

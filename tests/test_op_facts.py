@@ -503,3 +503,16 @@ def test_every_fact_slot_of_symbol_is_checked_here():
     text = pathlib.Path(__file__).read_text().split("def test_every_fact_slot_of_symbol_is_checked_here")[0]
     unchecked = [n for n in slots if n not in text]
     assert not unchecked, f"Symbol fact slots no test in tests/test_op_facts.py reads: {unchecked}"
+
+
+def test_recompute_in_backward_is_declared_where_the_op_is():
+    # Symbol.recompute_in_backward: only FSDP2's gather asks the backward to gather again, and only for units that
+    # reshard after their forward (its line's reshard_after_forward).
+    from thunder_train.compiler.symbols import BoundSymbol
+    from thunder_train.compiler.torchlang import distributed as tdist
+
+    asking = [op for op in _every_symbol() if op.recompute_in_backward is not None]
+    assert asking == [tdist.fsdp_all_gather]
+    line = lambda flag: BoundSymbol(tdist.fsdp_all_gather, (), {"reshard_after_forward": flag}, None)  # noqa: E731
+    assert tdist.fsdp_all_gather.recompute_in_backward(line(True)) is True
+    assert tdist.fsdp_all_gather.recompute_in_backward(line(False)) is False

@@ -114,6 +114,10 @@ class Symbol:
     layout_rule = None
     # nvFuser (executors/nvfuser_fusion.py): how a fusion defines the op's line, ``(kind, nvFuser op)``
     nvfuser_translation = None
+    # memory planning (transforms/remat_policy.py): ``(bsym) -> bool``, whether the backward computes this line's
+    # output again instead of keeping it from the forward (an FSDP2 unit's gathered parameters that are resharded
+    # after its forward: torchlang/distributed.py)
+    recompute_in_backward = None
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

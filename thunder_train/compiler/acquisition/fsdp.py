@@ -108,6 +108,8 @@ class _TracedUnit:
     def __init__(self, walker, state):
         self.walker, self.state = walker, state
         self.params = [fp for pg in state._fsdp_param_groups for fp in pg.fsdp_params]
+        # FSDP2 reshards after forward when the group has a post-forward mesh (its reshard_after_forward=True)
+        self.reshard = any(pg.post_forward_mesh_info is not None for pg in state._fsdp_param_groups)
         mp = state._mp_policy
         self.input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
 
@@ -130,7 +132,8 @@ class _TracedUnit:
                 shard, full_rows=fp._orig_size[0], padded_rows=fp.padded_sharded_param_size[0],
                 group_size=mi.shard_mesh_size, group_name=group.group_name,
                 param_dtype=None if fp.param_dtype is None else dtypes.from_torch(fp.param_dtype),
-                reduce_dtype=None if fp.reduce_dtype is None else dtypes.from_torch(fp.reduce_dtype))
+                reduce_dtype=None if fp.reduce_dtype is None else dtypes.from_torch(fp.reduce_dtype),
+                reshard_after_forward=self.reshard)
             full = _reshape(full, fp._orig_size)
             _set_on_modules(fp, full)
         if self.input_dtype is not None:

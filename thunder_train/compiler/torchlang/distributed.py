@@ -24,10 +24,12 @@ def _pad_rows(x, rows):
 
 
 @torchsymbol(name="fsdp_all_gather", torch_impl=None, tags=("fallible",))
-def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, param_dtype=None, reduce_dtype=None):
+def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, param_dtype=None, reduce_dtype=None,
+                    reshard_after_forward=True):
     """The unsharded parameter (``full_rows`` rows) from this rank's ``shard`` of it; in ``param_dtype`` if given.
 
-    ``reduce_dtype`` is used by the gradient only (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``).
+    ``reduce_dtype`` is used by the gradient only (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``);
+    ``reshard_after_forward``: the backward gathers the parameter again rather than keeping it from the forward.
     """
     x = shard if param_dtype is None else clang.maybe_convert(shard, param_dtype)
     padded = _pad_rows(x, padded_rows)
@@ -37,10 +39,15 @@ def fsdp_all_gather(shard, *, full_rows, padded_rows, group_size, group_name, pa
 
 @register_vjp(fsdp_all_gather)
 def _fsdp_all_gather_vjp(g, out, /, shard, *, full_rows, padded_rows, group_size, group_name, param_dtype=None,
-                         reduce_dtype=None):
+                         reduce_dtype=None, reshard_after_forward=True):
     x = g if reduce_dtype is None else clang.maybe_convert(g, reduce_dtype)
     padded = _pad_rows(x, padded_rows * group_size)
     mine = prims.wait(prims.reduce_scatter(padded, "avg", group_size, group_name), padded)
     mine = slice_in_dim(mine, 0, shard._tt_shape[0], 0)
     return {"shard": clang.maybe_convert(mine, shard._tt_dtype)}
 
+
+
+# FSDP2 frees a unit's gathered parameters after its forward when ``reshard_after_forward`` and gathers them again for
+# its backward: the memory planner recomputes such a line in the backward instead of keeping its result.
+fsdp_all_gather.recompute_in_backward = lambda bsym: bool(bsym.kwargs.get("reshard_after_forward", True))
