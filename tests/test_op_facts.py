@@ -497,14 +497,6 @@ def test_fusion_forms_compute_the_op():
         torch.testing.assert_close(vjp_form(g, None, x, **kw)[0], expected)
 
 
-def test_every_fact_slot_of_symbol_is_checked_here():
-    # A new fact slot on Symbol needs a check in this file (its name appears in a test above).
-    slots = [n for n, v in vars(Symbol).items() if not n.startswith("_") and not callable(v) and not isinstance(v, property)]
-    text = pathlib.Path(__file__).read_text().split("def test_every_fact_slot_of_symbol_is_checked_here")[0]
-    unchecked = [n for n in slots if n not in text]
-    assert not unchecked, f"Symbol fact slots no test in tests/test_op_facts.py reads: {unchecked}"
-
-
 def test_recompute_in_backward_is_declared_where_the_op_is():
     # Symbol.recompute_in_backward: only FSDP2's gather asks the backward to gather again, and only for units that
     # reshard after their forward (its line's reshard_after_forward).
@@ -516,3 +508,13 @@ def test_recompute_in_backward_is_declared_where_the_op_is():
     line = lambda flag: BoundSymbol(tdist.fsdp_all_gather, (), {"reshard_after_forward": flag}, None)  # noqa: E731
     assert tdist.fsdp_all_gather.recompute_in_backward(line(True)) is True
     assert tdist.fsdp_all_gather.recompute_in_backward(line(False)) is False
+
+
+
+def test_every_fact_slot_of_symbol_is_checked_here():
+    # A new fact slot on Symbol needs a check in this file (its name appears in a test above).
+    slots = [n for n, v in vars(Symbol).items() if not n.startswith("_") and not callable(v) and not isinstance(v, property)]
+    text = pathlib.Path(__file__).read_text().split("def test_every_fact_slot_of_symbol_is_checked_here")[0]
+    unchecked = [n for n in slots if n not in text]
+    assert not unchecked, f"Symbol fact slots no test in tests/test_op_facts.py reads: {unchecked}"
+
