@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import thunder_train as tt
@@ -100,6 +100,9 @@ def run(rank, world, out_dir):
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
         "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True}),
+        # torchtitan's mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32
+        "mlp_bf16_params_fp32_reduce": (mlp, linears, mlp_data, adamw, {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
     }
     if world > 2:
         cases = {k: cases[k] for k in ("mlp_adamw_thin", "gpt_adamw_thin")}

@@ -61,7 +61,7 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case,n_thin", [("mlp_adamw", 0), ("mlp_adamw_thin", 1), ("mlp_sgd_keep_gathered", 0),
-                                         ("gpt_adamw_thin", 0)])
+                                         ("gpt_adamw_thin", 0), ("mlp_bf16_params_fp32_reduce", 0)])
 def test_fsdp2_step_equals_eager_on_two_ranks(two_ranks, case, n_thin):
     _check_equal_to_eager(two_ranks, case, n_thin)
 
@@ -87,6 +87,11 @@ def test_fsdp2_collectives_are_lines_of_the_trace(two_ranks):
     gaps = sorted(waits[t] - i for t, i in starts.items())
     assert gaps[-1] > 5 and any("matmul" in ln for ln in lines[min(starts.values()):max(waits.values())]), gaps
     assert "fsdp" not in trace.replace("fsdp_all_gather", "")
+    # Mixed precision: each shard is cast to bfloat16 before its all-gather; each gradient to float32 before its
+    # reduce-scatter (FSDP2's param_dtype and reduce_dtype).
+    mp = two_ranks[0]["mlp_bf16_params_fp32_reduce"]["compiled"]["trace"]
+    assert re.search(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\(\w+, 2, '\w+'\)  # \w+: \"cpu bf16", mp)
+    assert not re.search(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\(.*# \w+: \"cpu bf16", mp)
 
 
 def test_fsdp2_state_dict_and_dcp_between_compiled_steps(two_ranks):
