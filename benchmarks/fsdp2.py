@@ -1,12 +1,14 @@
 """A fully_shard (FSDP2) GPT training step on CPU ranks (gloo): eager FSDP2 against tt.compile(step, thin=True).
 
-Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256]
+Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
 
 Each rank builds the recipe's GPT (recipes/gpt.py), applies fully_shard to every block and to the root (torchtitan's
 layout), and trains two copies of the same weights with AdamW on the same batches: eager FSDP2 and the compiled
 whole step.  The samples interleave (eager, compiled, eager, ...) so a slow phase of a shared machine costs both
 alike.  Rank 0 prints the first call of each, the median step time and ``eager median / compiled median`` (> 1:
-the compiled step is faster), and the largest difference of the losses.  On a machine with GPUs the same script
+the compiled step is faster), the largest difference of the losses, and the peak memory of one step on rank 0
+(bytes allocated during the step above what was live before it, from torch.profiler's allocator events, plus the
+buffers the compiled program keeps between calls: as benchmarks/train_step.py measures it).  On a machine with GPUs the same script
 with ``--device cuda`` and the nccl backend is the GPU measurement (not run here: no GPU).  Not a test: timings vary.
 """
 from __future__ import annotations
@@ -37,6 +39,21 @@ def step(model, opt, x, y):
     return loss
 
 
+def peak_step_bytes(fn, compiled=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    import thunder_train as tt
+    from thunder_train.compiler.executors.buffers import kept_bytes
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
+        peak = max(peak, cur)
+    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
+
+
 def run(rank, args, port):
     from torch.distributed.fsdp import fully_shard
 
@@ -54,8 +71,8 @@ def run(rank, args, port):
         for _ in range(2):
             m = copy.deepcopy(base)
             for b in m.blocks:
-                fully_shard(b)
-            fully_shard(m)
+                fully_shard(b, reshard_after_forward=bool(args.reshard_after_forward))
+            fully_shard(m, reshard_after_forward=bool(args.reshard_after_forward))
             models.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
         g = torch.Generator().manual_seed(rank)
         batches = [(torch.randint(0, 1024, (4, 64), generator=g), torch.randint(0, 1024, (4, 64), generator=g))
@@ -74,6 +91,11 @@ def run(rank, args, port):
                     first[k] += dt
                 else:
                     times[k].append(dt)
+        x, y = batches[-1]
+        peaks = []
+        for (m, o), fn in zip(models, fns):
+            dist.barrier()
+            peaks.append(peak_step_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
         if rank == 0:
             e, c = statistics.median(times[0]), statistics.median(times[1])
             diff = max(abs(a - b) for a, b in zip(*losses))
@@ -81,6 +103,9 @@ def run(rank, args, port):
             print(f"first 3 calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
             print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
             print(f"largest loss difference: {diff:.2e}")
+            print(f"peak memory of a step (rank 0): eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
+                  f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f} (reshard_after_forward="
+                  f"{bool(args.reshard_after_forward)})")
     finally:
         dist.destroy_process_group()
 
@@ -91,6 +116,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--reshard-after-forward", type=int, default=1)
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
