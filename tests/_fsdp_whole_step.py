@@ -105,7 +105,7 @@ def run(rank, world, out_dir):
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
     }
     if world > 2:
-        cases = {k: cases[k] for k in ("mlp_adamw_thin", "gpt_adamw_thin")}
+        cases = {k: cases[k] for k in ("mlp_adamw_thin",)}  # (CI time: the GPT runs on 2 ranks)
     for name, (make, units, data, opt_fn, kw) in cases.items():
         fsdp_kw = {k: v for k, v in kw.items() if k != "thin"}
         result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw),
