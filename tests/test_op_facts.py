@@ -1,6 +1,8 @@
 """Every fact about an op hangs off its Symbol and is declared where the op is defined (docs/architecture.md)."""
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import pathlib
 
@@ -342,6 +344,12 @@ def _layout_samples(op):
         return [((torch.rand(2, 6, 4), torch.rand(3, 4), torch.rand(3)), {})]
     if op.name.endswith("_like"):
         return [((torch.rand(3, 4),) + ((2.0,) if op.name == "full_like" else ()), {})]
+    if op in (prims.all_gather, prims.reduce_scatter, prims.wait):  # on a one-rank gloo group (_one_rank_group)
+        import torch.distributed as dist
+
+        name = dist.group.WORLD.group_name
+        return [((torch.rand(3, 4),) + ((1, name) if op is prims.all_gather else ("sum", 1, name) if op is prims.reduce_scatter
+                                        else (torch.rand(3, 4),)), {})]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]
@@ -353,7 +361,27 @@ def _layout_samples(op):
     return None
 
 
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of this process alone (the collectives' samples), unless one exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_every_layout_rule_agrees_with_eager():
+    with _one_rank_group():
+        _every_layout_rule_agrees_with_eager()
+
+
+def _every_layout_rule_agrees_with_eager():
     ruled = [op for op in _every_symbol() if op.layout_rule is not None]
     assert len(ruled) >= 30
     for op in ruled:
@@ -478,6 +506,18 @@ def test_kernel_switches_are_declared_with_the_op_that_reads_them():
     assert reader() == reader() and runner(reader()) is runner(reader())  # one runner per setting
     declared = [s for s in registry.all_symbols.values() if s.kernel_switches is not None]
     assert declared == [sdpa]
+def test_recompute_in_backward_is_declared_where_the_op_is():
+    # Symbol.recompute_in_backward: only FSDP2's gather asks the backward to gather again, and only for units that
+    # reshard after their forward (its line's reshard_after_forward).
+    from thunder_train.compiler.symbols import BoundSymbol
+    from thunder_train.compiler.torchlang import distributed as tdist
+
+    asking = [op for op in _every_symbol() if op.recompute_in_backward is not None]
+    assert asking == [tdist.fsdp_all_gather]
+    line = lambda flag: BoundSymbol(tdist.fsdp_all_gather, (), {"reshard_after_forward": flag}, None)  # noqa: E731
+    assert tdist.fsdp_all_gather.recompute_in_backward(line(True)) is True
+    assert tdist.fsdp_all_gather.recompute_in_backward(line(False)) is False
+
 
 
 def test_every_fact_slot_of_symbol_is_checked_here():
@@ -486,3 +526,4 @@ def test_every_fact_slot_of_symbol_is_checked_here():
     text = pathlib.Path(__file__).read_text().split("def test_every_fact_slot_of_symbol_is_checked_here")[0]
     unchecked = [n for n in slots if n not in text]
     assert not unchecked, f"Symbol fact slots no test in tests/test_op_facts.py reads: {unchecked}"
+

@@ -28,6 +28,7 @@ from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
+from .transforms.collectives import late_waits
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
@@ -197,8 +198,10 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if written:
         shown.append(trc)
         trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
-    # 7. Kept buffers (executors/buffers.py): large CPU intermediates are written into memory the program keeps
+    # 7. Collectives (transforms/collectives.py): each wait moves down to the first use of its result.
+    #    Kept buffers (executors/buffers.py): large CPU intermediates are written into memory the program keeps
     #    between calls; lifetimes (transforms/lifetimes.py): the others are freed after their last use.
+    trc = late_waits(trc)
     if keep_buffers:
         trc = keep_large_buffers(trc)
     trc = free_after_last_use(trc, header=trc.header)

@@ -118,6 +118,11 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             ("device", f"{var}.device", v.device),
             ("requires_grad", f"{var}.requires_grad", v.requires_grad),
         ]
+    if k == "dtensor":
+        # A DTensor read through its shard (the next leaf): its global shape, layout and requires_grad.
+        shape, placements, rg = leaf.snapshot
+        return [("type", f"type({var})", type(v)), ("shape", f"tuple({var}.shape)", shape),
+                ("placements", f"tuple({var}.placements)", placements), ("requires_grad", f"{var}.requires_grad", rg)]
     if k == "absent":
         # Specialised on "nothing here" (a .grad that is None, a parameter without optimizer state).
         return [("is None", f"{var} is None", True)]
@@ -294,12 +299,13 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
 
 def _storage_overlaps(written, others) -> tuple:
     """Pairs (i, j) where the written input ``i`` shares storage with the other input ``j``."""
-    ptrs = {0: None}  # storages without bytes all have data pointer 0: empty tensors share nothing
+    ptrs = {}
     for i, t in enumerate(written):
-        ptrs.setdefault(t.untyped_storage().data_ptr(), i)
+        if t.untyped_storage().nbytes():  # an empty storage (data pointer 0) shares no memory
+            ptrs.setdefault(t.untyped_storage().data_ptr(), i)
     out = []
     for j, t in enumerate(others):
-        i = ptrs.get(t.untyped_storage().data_ptr())
+        i = ptrs.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
         if i is not None and t is not written[i]:
             out.append((i, j))
     return tuple(out)

@@ -119,6 +119,10 @@ class Symbol:
     # A call made under switches the function itself set (``with sdpa_kernel(...)`` inside it) runs under them on
     # every call (acquisition/kernel_switches.py)
     kernel_switches = None
+    # memory planning (transforms/remat_policy.py): ``(bsym) -> bool``, whether the backward computes this line's
+    # output again instead of keeping it from the forward (an FSDP2 unit's gathered parameters that are resharded
+    # after its forward: torchlang/distributed.py)
+    recompute_in_backward = None
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

@@ -25,6 +25,7 @@ from torch.optim import optimizer as _optim_mod
 from torch.utils import hooks as _torch_hooks
 
 from ..compiler import context
+from ..compiler.acquisition.fsdp import fsdp_hook_ids
 from . import module_epoch
 
 _MODULE_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -102,9 +103,15 @@ def describe(before: tuple, after: tuple) -> str:
     return "the hooks changed"
 
 
+def _user_forward_hooks(m) -> bool:
+    """Forward hooks other than fully_shard's own (which the program replaces: compiler/acquisition/fsdp.py)."""
+    mine = fsdp_hook_ids(m)
+    return any(k not in mine for k in m._forward_hooks) or any(k not in mine for k in m._forward_pre_hooks)
+
+
 def forward_hooks_note(leaves, vals) -> str | None:
     """A warning's text when forward hooks ran while tracing (None without any)."""
-    hooked = [v for leaf, v in zip(leaves, vals) if leaf.kind == "module" and (v._forward_hooks or v._forward_pre_hooks)]
+    hooked = [v for leaf, v in zip(leaves, vals) if leaf.kind == "module" and _user_forward_hooks(v)]
     if not hooked and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
         return None
     where = f"on {type(hooked[0]).__name__}" + (f" and {len(hooked) - 1} more modules" if len(hooked) > 1 else "") \

@@ -211,6 +211,10 @@ def _value_cond(src, var, leaf, v) -> str | None:
     if k in ("method", "partial"):  # a bound method / functools.partial: the function by identity
         callee = "__func__" if k == "method" else "func"
         return f"type({var}) is not {consts(type(v))} or {var}.{callee} is not {consts(getattr(v, callee))}"
+    if k == "dtensor":  # FSDP2's sharded tensors: the shard is a leaf of its own
+        shape, placements, rg = leaf.snapshot
+        return (f"type({var}) is not {consts(type(v))} or tuple({var}.shape) != {consts(shape)} "
+                f"or tuple({var}.placements) != {consts(placements)} or {var}.requires_grad is not {rg}")
     if k == "absent":
         return f"{var} is not None"
     if k == "number":

@@ -28,7 +28,7 @@ from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
-from . import kernel_switches, library_objects
+from . import fsdp, kernel_switches, library_objects
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
@@ -113,8 +113,11 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     kernel_switches.remember_start(state)
     with context.tracing(trc, state):
         try:
+            roots = self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn)
+            fsdp.lazy_init_roots(list(args) + list(kwargs.values()) + [r.value for r in roots])
             pargs, pkwargs = walker.walk_args(args, kwargs)
-            walker.walk_captured(self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn))
+            walker.walk_captured(roots)
+            fsdp.check_walked(walker)
             with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)
@@ -122,6 +125,8 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             walker.classes.finish()
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
+            fsdp.check_finished(state)
+            fsdp.check_shard_uses(state)
             refuse_backward_hooks(state)
             for traced in walker.optimizers:
                 traced.check_groups_unchanged(path_str(walker.by_id[id(traced.opt)].path))

@@ -19,6 +19,7 @@ import itertools
 import linecache
 
 from .. import prims
+from . import fsdp
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
 
@@ -79,12 +80,14 @@ def _reject_aliased_inputs(walker, written):
         return
     by_ptr = {}
     for leaf in walker.leaves:
+        # (Empty storages have no memory to share: FSDP2's empty shards all have data pointer 0.)
         if leaf.kind == "tensor" and leaf.alias_of is None and leaf.value.untyped_storage().nbytes():
             by_ptr.setdefault(leaf.value.untyped_storage().data_ptr(), []).append(leaf)
     for dst in written:
         leaf = walker.leaf_of(dst)
-        # (storages without bytes all have data pointer 0: empty tensors share nothing)
-        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), []) if leaf.value.untyped_storage().nbytes() else []
+        if not leaf.value.untyped_storage().nbytes():
+            continue
+        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), [])
         others = [x for x in group if x is not leaf]
         if others:
             raise NotImplementedError(
@@ -116,13 +119,19 @@ def finish(st, out, python_effects=None):
         extras.append(final_value(value))
         return f"extras[{len(extras) - 1}]"
 
+    def sharded(value: str, leaf) -> str:
+        """A shard the program computed, as a DTensor like ``leaf``'s (FSDP2: fsdp.py); other values unchanged."""
+        if leaf is None or leaf.kind != "dtensor" or value == "None":
+            return value
+        return f"{names(fsdp.as_sharded_like, 'as_sharded_like')}({value}, {names(leaf.value, 'dtensor', leaf)})"
+
     # .grad of parameters: new tensors, None.
     for p, g in st.grads.changes():
-        leaf = walker.leaf_of(p)
+        leaf = walker.target_leaf(p)
         if leaf is None:
             continue  # a tensor created inside the function
-        target = names(leaf.value, leaf.proxy._tt_name, leaf)
-        lines.append(f"  {target}.grad = {extra(g)}")
+        target = names(leaf.value, p._tt_name, leaf)
+        lines.append(f"  {target}.grad = {sharded(extra(g), leaf)}")
     # requires_grad flags of inputs the function changed and did not restore.
     for p, before in st.requires_grad_changes.values():
         leaf = walker.leaf_of(p)
@@ -135,15 +144,21 @@ def finish(st, out, python_effects=None):
             real = traced.real_param.get(id(proxy))
             if real is None:
                 continue
-            param = names(real, getattr(proxy, "_tt_name", "param"), walker.leaf_of(proxy))
+            pleaf = walker.target_leaf(proxy)
+            param = names(real, getattr(proxy, "_tt_name", "param"), pleaf)
+
+            def value(v):  # a sharded parameter's state shaped like its shard is a DTensor like it (eager's zeros_like)
+                like = pleaf if type(v) is TensorProxy and v._tt_shape == proxy._tt_shape else None
+                return sharded(extra(v), like)
+
             before = traced.initial.get(id(proxy))
             if before is None:
-                items = ", ".join(f"{k!r}: {extra(v)}" for k, v in entry.items())
+                items = ", ".join(f"{k!r}: {value(v)}" for k, v in entry.items())
                 lines.append(f"  {opt}.state[{param}] = {{{items}}}")
                 continue
             for k, v in entry.items():
                 if k not in before or before[k] is not v:
-                    lines.append(f"  {opt}.state[{param}][{k!r}] = {extra(v)}")
+                    lines.append(f"  {opt}.state[{param}][{k!r}] = {value(v)}")
             for k in before:
                 if k not in entry:
                     lines.append(f"  del {opt}.state[{param}][{k!r}]")

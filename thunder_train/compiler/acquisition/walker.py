@@ -25,7 +25,7 @@ from ..trace import Trace
 from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
 from .module_writes import ModuleState
-from . import library_objects
+from . import fsdp, library_objects
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
@@ -70,6 +70,11 @@ class InputWalker:
         # (path, object, its __dict__ when walked): objects the function runs on as they are (library objects);
         # what library code sets on them while tracing is rolled back or refused (library_objects.py).
         self.library_objects: list = []
+        # FSDP2 (fsdp.py): id(sharded DTensor parameter) -> its FSDPParam, the units whose hooks are replaced, and
+        # id(shard proxy) -> the leaf of the DTensor it is the shard of.
+        self.fsdp_params: dict = {}
+        self.fsdp_units: list = []
+        self.dtensor_of: dict = {}
 
     def walk_args(self, args, kwargs):
         pargs = tuple(self.walk(a, (Step("arg", i),), self.arg_names[i] if i < len(self.arg_names) else None) for i, a in enumerate(args))
@@ -101,7 +106,9 @@ class InputWalker:
         self.tracked.append(Tracked(leaf, copy, initial, kind))
         self.copy_leaf.setdefault(id(copy), leaf)
 
-    def tensor(self, t, path, hint):
+    def tensor(self, t, path, hint, requires_grad=None):
+        if fsdp.is_dtensor(t):
+            return self.dtensor(t, path, hint)
         prev = self.by_id.get(id(t))
         if prev is not None:
             # The same tensor reached twice (tied weights, one tensor passed twice): one proxy.
@@ -119,7 +126,8 @@ class InputWalker:
             shape = tuple(SizeProxy(f"{name}_size{i}", value=s) if s >= 2 and (dims is None or i in dims) else s
                           for i, s in enumerate(shape))
             symbolic = any(type(s) is SizeProxy for s in shape)
-        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
+        p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device,
+                        requires_grad=t.requires_grad if requires_grad is None else requires_grad,
                         strides=t.stride(), storage_offset=t.storage_offset())
         if symbolic:
             for i, s in enumerate(p._tt_shape):
@@ -131,6 +139,30 @@ class InputWalker:
         self.by_id[id(t)] = leaf
         self.leaf_of_proxy[id(p)] = leaf
         return p
+
+    def dtensor(self, t, path, hint):
+        """A DTensor (FSDP2's sharded parameters, their gradients and optimizer state): the program reads its local
+        shard (``path._local_tensor``); the DTensor itself is guarded by type, layout and ``requires_grad``."""
+        where = path_str(path)
+        if not self.static_depth:
+            raise TracingError(f"{where} is a DTensor passed to the function directly: a compiled function reads DTensors "
+                               "only as the parameters (gradients, optimizer state) of a fully_shard model it is given.")
+        fsdp.check_dtensor(t, where)
+        leaf = Leaf(path, "dtensor", t, snapshot=(tuple(t.shape), tuple(t.placements), t.requires_grad))
+        self.leaves.append(leaf)
+        local, lpath = t._local_tensor, path + (Step("attr", "_local_tensor"),)
+        prev = self.by_id.get(id(t))
+        if prev is not None:
+            self.leaves.append(Leaf(lpath, "tensor", local, prev.proxy, alias_of=prev))
+            return prev.proxy
+        proxy = self.tensor(local, lpath, hint or name_from_path(path), requires_grad=t.requires_grad)
+        self.by_id[id(t)] = self.leaf_of(proxy)
+        self.dtensor_of[id(proxy)] = leaf
+        return proxy
+
+    def target_leaf(self, proxy):
+        """The leaf of the object an effect on ``proxy`` is replayed on: the DTensor a shard proxy stands for."""
+        return self.dtensor_of.get(id(proxy)) or self.leaf_of(proxy)
 
     def captured_tensor(self, t):
         """A real tensor the function reads without receiving it (a closure or global).
@@ -337,6 +369,8 @@ class InputWalker:
     def _module(self, m, path):
         if id(m) in self.by_id:
             return
+        if fsdp.is_fsdp_module(m):  # before its parameters are swapped (FSDP2's lazy init reads them)
+            fsdp.prepare_module(self, m, path_str(path))
         leaf = Leaf(path, "module", m, snapshot=module_snapshot(m))
         self.by_id[id(m)] = leaf
         self.leaves.append(leaf)
@@ -480,6 +514,9 @@ class InputWalker:
                     "from its closure is not supported: pass the tensor (or its module) as an argument"
                 )
             return None  # created inside the function, or a captured tensor without grad
+        owner = self.dtensor_of.get(id(proxy))
+        if owner is not None:  # a shard: the DTensor's .grad (a DTensor, read through its shard)
+            leaf = owner
         path = leaf.path + (Step("attr", "grad"),)
         g = leaf.value.grad
         if g is None:
@@ -487,7 +524,7 @@ class InputWalker:
             return None
         self.static_depth += 1
         try:
-            return self.tensor(g, path, f"{leaf.proxy._tt_name}_grad")
+            return self.tensor(g, path, f"{proxy._tt_name}_grad")
         finally:
             self.static_depth -= 1
 

@@ -160,6 +160,17 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
     return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
 
 
+def _new_row_major(bsym, tensors, outs) -> bool:
+    """A collective's result: new row-major memory (running it on fake tensors would need a process group)."""
+    return True
+
+
+def _like_input(bsym, tensors, outs) -> bool:
+    """``wait`` returns the tensor the collective made."""
+    _like(bsym.output, bsym.args[0])
+    return True
+
+
 def _declare_layout_rules() -> None:
     from .. import prims
     from ..torchlang import factories, foreach, linalg, nn, optim
@@ -168,6 +179,7 @@ def _declare_layout_rules() -> None:
         prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
         optim.adam_update: _like_overwritten_lists, optim.sgd_update: _like_overwritten_lists,
         optim.adagrad_update: _like_overwritten_lists,
+        prims.all_gather: _new_row_major, prims.reduce_scatter: _new_row_major, prims.wait: _like_input,
         prims.matmul: _matmul_of_matrices, linalg.matmul: _matmul_of_matrices, nn.linear: _linear_of_row_major,
         **{like: _like_of_row_major for like in (factories.zeros_like, factories.ones_like, factories.empty_like,
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
@@ -220,8 +232,9 @@ def set_layout(bsym) -> None:
                 mout = _on_meta(fn, args, kwargs)
                 if mout is None:
                     return
-        layouts = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in tree_flatten(mout)[0]
-                   if isinstance(m, torch.Tensor)]
+        with torch._C.DisableTorchFunction():  # fake results must not reach the tracer (it would capture them)
+            layouts = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in tree_flatten(mout)[0]
+                       if isinstance(m, torch.Tensor)]
         if key is not None:
             _layouts[key] = layouts
     pflat = [o for o in bsym.flat_outputs() if isinstance(o, torch.Tensor)]

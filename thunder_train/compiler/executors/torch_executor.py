@@ -470,6 +470,28 @@ def _(bsym):
     return torch_impls.all_reduce_mean, bsym.args, {}
 
 
+# The sharded step's collectives are torch's functional collectives, printed under their own names.
+_C10D = torch.ops._c10d_functional
+for _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    _fn = getattr(_C10D, _name)
+    _impl_symbols[(_fn, False, False)] = ImplSymbol(_fn, name=f"torch.ops._c10d_functional.{_name}")
+
+
+@_rule(prims.all_gather)
+def _(bsym):
+    return _C10D.all_gather_into_tensor, bsym.args, {}
+
+
+@_rule(prims.reduce_scatter)
+def _(bsym):
+    return _C10D.reduce_scatter_tensor, bsym.args, {}
+
+
+@_rule(prims.wait)
+def _(bsym):
+    return torch_impls.wait_collective, bsym.args, {}
+
+
 @_rule(prims.check_finite)
 def _(bsym):
     return torch_impls.check_finite, bsym.args, {}

@@ -379,6 +379,12 @@ def all_reduce_mean(tensors):
     return out
 
 
+def wait_collective(result, source):
+    """``torch.ops._c10d_functional.wait_tensor(result)``; ``source``, the collective's input, is an argument only so
+    that it stays alive (and its memory unused) until here."""
+    return torch.ops._c10d_functional.wait_tensor(result)
+
+
 def check_finite(a, message):
     if not bool(torch.isfinite(a).all()):
         raise RuntimeError(message)

@@ -1,13 +1,15 @@
 """Writes, metadata and collectives: prims with side effects or runtime-number results.
 
-``"side_effect"``: a call must run even when nobody reads its outputs (DCE keeps it).  None of these
-has a gradient rule: ``copy_`` is the program's final write-back and a collective runs in the traced
-backward, so reaching one on a gradient path raises ``NoGradientRuleError``; ``item`` and ``shape``
+``"side_effect"``: a call must run even when nobody reads its outputs (DCE keeps it).  ``copy_`` and
+``all_reduce_mean`` have no gradient rule: ``copy_`` is the program's final write-back and DDP's average runs in
+the traced backward, so reaching one on a gradient path raises ``NoGradientRuleError``; the sharded step's
+collectives (``all_gather``, ``reduce_scatter``, ``wait``) are each other's gradients; ``item`` and ``shape``
 are numbers (``"non_differentiable"``, as eager's ``item()`` is)."""
 from __future__ import annotations
 
+from ..grad_rules import register_vjp
 from ..proxies import NumberProxy, TensorProxy, size_value
-from .core import check, prim
+from .core import check, prim, prims
 
 
 @prim(tags=("side_effect",))
@@ -64,3 +66,54 @@ def all_reduce_mean(tensors):
     check(isinstance(tensors, (list, tuple)) and all(type(t) is TensorProxy and t._tt_dtype.is_float for t in tensors),
           "all_reduce_mean: expected a list of floating-point tensors")
     return [TensorProxy(shape=t._tt_shape, dtype=t._tt_dtype, device=t._tt_device) for t in tensors]
+
+
+# Collectives of a sharded step (FSDP2, acquisition/fsdp.py): torch's functional collectives, each split in a
+# start (the result is in flight) and a ``wait``, so a scheduling pass (transforms/collectives.py) can start a
+# collective early and wait for it late.  Every rank runs the same program, so DCE may drop one on all ranks
+# alike: they are not side effects.  They can raise (a peer failed, a size differs): "fallible".  Their gradients are the sharded op's rule (torchlang/distributed.py).
+@prim(tags=("fallible",))
+def all_gather(a, group_size, group_name):
+    """Start gathering ``a`` from every rank of the group, concatenated along dim 0 in rank order (in flight)."""
+    check(type(a) is TensorProxy and a.ndim_ >= 1 and isinstance(group_size, int) and isinstance(group_name, str),
+          "all_gather: expected a tensor of at least one dimension, a group size and a group name")
+    return TensorProxy(shape=(a._tt_shape[0] * group_size,) + tuple(a._tt_shape[1:]), dtype=a._tt_dtype,
+                       device=a._tt_device)
+
+
+REDUCE_OPS = ("sum", "avg")
+
+
+@prim(tags=("fallible",))
+def reduce_scatter(a, op, group_size, group_name):
+    """Start reducing ``a`` over the ranks (``op``: "sum" or "avg") and keeping this rank's part of dim 0 (in flight)."""
+    check(type(a) is TensorProxy and a.ndim_ >= 1 and op in REDUCE_OPS and isinstance(group_size, int)
+          and isinstance(group_name, str) and a._tt_shape[0] % group_size == 0,
+          lambda: f"reduce_scatter: expected a tensor whose dim 0 divides into {group_size}, op in {REDUCE_OPS}")
+    return TensorProxy(shape=(a._tt_shape[0] // group_size,) + tuple(a._tt_shape[1:]), dtype=a._tt_dtype,
+                       device=a._tt_device)
+
+
+@prim
+def wait(a, source):
+    """The result ``a`` of a collective started earlier on ``source`` (``all_gather``/``reduce_scatter``), once it
+    has arrived.  ``source`` is read here so that no pass frees or reuses its memory while the collective runs
+    (transforms/collectives.py moves waits down to their first use)."""
+    check(type(a) is TensorProxy and type(source) is TensorProxy, "wait: expected the collective's result and input")
+    return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
+
+
+@register_vjp(all_gather)
+def _all_gather_vjp(g, out, /, a, group_size, group_name):
+    return {"a": prims.wait(prims.reduce_scatter(g, "sum", group_size, group_name), g)}
+
+
+@register_vjp(reduce_scatter)
+def _reduce_scatter_vjp(g, out, /, a, op, group_size, group_name):
+    full = prims.wait(prims.all_gather(g, group_size, group_name), g)
+    return {"a": full if op == "sum" else prims.div(full, float(group_size))}
+
+
+@register_vjp(wait)
+def _wait_vjp(g, out, /, a, source):
+    return {"a": g}

@@ -18,7 +18,11 @@ _CHEAP_PRIM_TAGS = frozenset({"elementwise", "shape_only", "cheap_to_recompute"}
 
 
 def cheap(b) -> bool:
-    """Elementwise, view, cast or constant all the way down (its decomposition too)."""
+    """Elementwise, view, cast or constant all the way down (its decomposition too), or an op that asks to be
+    computed again (``Symbol.recompute_in_backward``: an FSDP2 unit's gathered parameters)."""
+    again = b.sym.recompute_in_backward
+    if again is not None:
+        return again(b)
     if b.sym.is_prim:
         return bool(b.sym.tags & _CHEAP_PRIM_TAGS) and "random" not in b.sym.tags
     return bool(b.subsymbols) and all(cheap(s) for s in b.subsymbols)

@@ -1,0 +1,128 @@
+"""A fully_shard (FSDP2) GPT training step on CPU ranks (gloo): eager FSDP2 against tt.compile(step, thin=True).
+
+Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
+
+Each rank builds the recipe's GPT (recipes/gpt.py), applies fully_shard to every block and to the root (torchtitan's
+layout), and trains two copies of the same weights with AdamW on the same batches: eager FSDP2 and the compiled
+whole step.  The samples interleave (eager, compiled, eager, ...) so a slow phase of a shared machine costs both
+alike.  Rank 0 prints the first call of each, the median step time and ``eager median / compiled median`` (> 1:
+the compiled step is faster), the largest difference of the losses, and the peak memory of one step on rank 0
+(bytes allocated during the step above what was live before it, from torch.profiler's allocator events, plus the
+buffers the compiled program keeps between calls: as benchmarks/train_step.py measures it).  On a machine with GPUs the same script
+with ``--device cuda`` and the nccl backend is the GPU measurement (not run here: no GPU).  Not a test: timings vary.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, ROOT)
+
+
+def step(model, opt, x, y):
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def peak_step_bytes(fn, compiled=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    import thunder_train as tt
+    from thunder_train.compiler.executors.buffers import kept_bytes
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
+        peak = max(peak, cur)
+    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
+
+
+def run(rank, args, port):
+    from torch.distributed.fsdp import fully_shard
+
+    import thunder_train as tt
+    from gpt import GPT, GPTConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world))
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=1024, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.d)
+        base = GPT(cfg)
+        models = []
+        for _ in range(2):
+            m = copy.deepcopy(base)
+            for b in m.blocks:
+                fully_shard(b, reshard_after_forward=bool(args.reshard_after_forward))
+            fully_shard(m, reshard_after_forward=bool(args.reshard_after_forward))
+            models.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randint(0, 1024, (4, 64), generator=g), torch.randint(0, 1024, (4, 64), generator=g))
+                   for _ in range(args.steps)]
+        fns = [step, tt.compile(step, thin=True)]
+        times, losses = [[], []], [[], []]
+        first = [0.0, 0.0]
+        for i, (x, y) in enumerate(batches):
+            for k, ((m, o), fn) in enumerate(zip(models, fns)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = fn(m, o, x, y)
+                dt = time.perf_counter() - t0
+                losses[k].append(float(loss.detach()))
+                if i < 3:  # the first calls trace (and AdamW's lazy state retraces once)
+                    first[k] += dt
+                else:
+                    times[k].append(dt)
+        x, y = batches[-1]
+        peaks = []
+        for (m, o), fn in zip(models, fns):
+            dist.barrier()
+            peaks.append(peak_step_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
+        if rank == 0:
+            e, c = statistics.median(times[0]), statistics.median(times[1])
+            diff = max(abs(a - b) for a, b in zip(*losses))
+            print(f"world {args.world}, GPT {args.layers} x {args.d}, batch 4 x 64, {args.steps} steps")
+            print(f"first 3 calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
+            print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
+            print(f"largest loss difference: {diff:.2e}")
+            print(f"peak memory of a step (rank 0): eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
+                  f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f} (reshard_after_forward="
+                  f"{bool(args.reshard_after_forward)})")
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--reshard-after-forward", type=int, default=1)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(args, port), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
