@@ -156,5 +156,6 @@ def test_masked_attention_reads_its_forward_statistics_and_trains_bitwise_as_eag
         for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
             assert torch.equal(pc, pe), (i, name)
     src = str(tt.last_traces(cf)[-1])
-    assert "sdpa_flash_cpu(" in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
+    fwd = {"bool": "sdpa_flash_cpu_bool_masked(", "broadcast": "sdpa_flash_cpu_bool_masked(", "additive": "sdpa_flash_cpu_masked("}
+    assert fwd[kind] in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
     assert tt.compile_stats(cf).cache_misses == 2

@@ -66,7 +66,7 @@ def _additive_mask(attn_mask, dtype):
     return torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=attn_mask.device))
 
 
-def sdpa_flash_cpu(query, key, value, is_causal, scale, attn_mask=None):
+def sdpa_flash_cpu(query, key, value, is_causal, scale):
     """Attention output and log-sum-exp (what the backward kernel reads).
 
     Eager's choice is asked again at run time (a few microseconds): the backend switches
@@ -74,14 +74,33 @@ def sdpa_flash_cpu(query, key, value, is_causal, scale, attn_mask=None):
     symbolic sizes was rewritten for the traced sizes.  Where eager would not run flash, this runs eager's call
     and returns a 0-d log-sum-exp, which tells the backward to differentiate that call instead.
     """
-    if not _flash_is_eagers(query, key, value, is_causal, scale, attn_mask):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    if not _flash_is_eagers(query, key, value, is_causal, scale):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale), query.new_empty(())
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
+
+
+def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask):
+    """``sdpa_flash_cpu`` with an additive mask (of the operands' dtype), as eager passes it to the kernel."""
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
         return out, query.new_empty(())
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype), scale=scale)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
+
+
+def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask):
+    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's): also returns the mask as the kernel reads it
+    (eager's conversion to an additive mask, a new tensor), which the backward reads as eager's autograd node
+    keeps it, instead of converting it again."""
+    mask = _additive_mask(attn_mask, query.dtype)
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+        return out, query.new_empty(()), mask
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return out, lse, mask
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None):
+    # ``attn_mask``: the additive mask ``sdpa_flash_cpu_masked`` returned (the same values as the user's mask).
     if lse.dim() == 0:  # the forward ran eager's call (not flash): its gradients by autograd, as eager's
         with torch.enable_grad():
             qkv = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
@@ -90,7 +109,7 @@ def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, wh
     # ``g`` as autograd would pass it: the kernel makes its own copy where its layout needs one (a
     # ``.contiguous()`` here cost a copy and then, not matching ``out``'s layout, a second one inside).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, query, key, value, out, lse, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype), scale=scale)
+        g, query, key, value, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
     return tuple(grads[i] for i in which)
 
 
@@ -169,7 +188,7 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
            nll_loss_backward_out, log_softmax_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
@@ -257,9 +276,20 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
-    masked = (mask,) if mask is not None else ()
-    new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"], *masked), kwargs={},
-                          output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+    if mask is None:
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
+                              output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+        masked = ()
+    elif mask._tt_dtype is not dtypes.bool8:
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_masked), args=(q, k, v, b["scale"], mask), kwargs={},
+                              output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+        masked = (mask,)
+    else:
+        additive = _new_proxy(trc, "mask", mask._tt_shape, q._tt_dtype, mask._tt_device)
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask), kwargs={},
+                              output=(fwd.output, lse, additive),
+                              comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
+        masked = (additive,)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
                           args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which), *masked), kwargs={})
     return new_fwd, new_vjp
