@@ -1,13 +1,14 @@
 """Fine-tuning with dynamic padding: a new sequence length nearly every step (issue 26).
 
 Run: python benchmarks/dynamic_shapes.py [--steps 300] [--models gpt2,llama] [--modes eager,tt,tt_dynamic,torch_compile]
-                                         [--threads 1]
+                                         [--threads 1] [--interleave]
 
 The zoo's tiny GPT-2 and Llama (tests/_zoo.py sizes: 2 layers, hidden 32; positions raised to 128), batch 4,
 each row's length drawn from 16-96 and the batch padded to its longest row (attention mask, labels -100 on
 padding), as transformers' padding collators do.  The whole step (forward, loss, backward, AdamW, zero_grad)
 runs eager, under ``tt.compile(step, thin=True)`` (default: automatic dynamic shapes), ``tt.compile(step,
-thin=True, dynamic=True)`` and ``torch.compile(step)`` (default), each in a fresh process on the same batches.
+thin=True, dynamic=True)`` and ``torch.compile(step)`` (default), each in a fresh process on the same batches
+(``--interleave``: all but torch.compile in this process, step by step in turn, for ratios on a loaded machine).
 Reported per mode: total time of all steps with compiles, compiled programs (thunder_train: cache misses;
 torch.compile: the compiles its counters record), steady step time (median of the second half), and for
 thunder_train the share of thin calls; losses are compared with eager's.  Not a test.
@@ -70,38 +71,66 @@ def step(model, opt, batch):
     return loss.detach()
 
 
-def run_one(model_name, mode, steps, threads):
+def _setup(model_name, mode):
     import torch
 
-    torch.set_num_threads(threads)
+    torch.manual_seed(0)
     model = build(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = batches(steps)
-    fn, stats = step, None
+    fn = step
     if mode in ("tt", "tt_dynamic"):
         import thunder_train as tt
 
         fn = tt.compile(step, thin=True, **({"dynamic": True} if mode == "tt_dynamic" else {}))
     elif mode == "torch_compile":
-        import torch._dynamo.utils as dutils
-
         fn = torch.compile(step)
-    times, losses = [], []
-    t_start = time.perf_counter()
-    for b in data:
-        t0 = time.perf_counter()
-        losses.append(float(fn(model, opt, b)))
-        times.append(time.perf_counter() - t0)
-    total = time.perf_counter() - t_start
-    row = {"model": model_name, "mode": mode, "steps": steps, "total_s": total, "first_s": times[0],
+    return model, opt, fn
+
+
+def _row(model_name, mode, fn, times, losses):
+    row = {"model": model_name, "mode": mode, "steps": len(times), "total_s": sum(times), "first_s": times[0],
            "steady_ms": 1e3 * statistics.median(times[len(times) // 2:]), "losses": losses}
     if mode in ("tt", "tt_dynamic"):
+        import thunder_train as tt
+
         stats = tt.compile_stats(fn)
         row.update(programs=stats.cache_misses, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
                    thin_fallbacks=stats.thin_fallbacks, retraces=stats.retrace_reasons[:4])
     elif mode == "torch_compile":
+        import torch._dynamo.utils as dutils
+
         row["programs"] = int(dutils.counters["stats"]["unique_graphs"])
     return row
+
+
+def run_one(model_name, mode, steps, threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    model, opt, fn = _setup(model_name, mode)
+    times, losses = [], []
+    for b in batches(steps):
+        t0 = time.perf_counter()
+        losses.append(float(fn(model, opt, b)))
+        times.append(time.perf_counter() - t0)
+    return _row(model_name, mode, fn, times, losses)
+
+
+def run_interleaved(model_name, modes, steps, threads):
+    """Every mode in this one process, step by step in turn on the same batch: a shared machine's load then
+    weighs on all modes alike, so their ratios hold even where the absolute times do not."""
+    import torch
+
+    torch.set_num_threads(threads)
+    runs = {mode: _setup(model_name, mode) for mode in modes}
+    times = {mode: [] for mode in modes}
+    losses = {mode: [] for mode in modes}
+    for b in batches(steps):
+        for mode, (model, opt, fn) in runs.items():
+            t0 = time.perf_counter()
+            losses[mode].append(float(fn(model, opt, b)))
+            times[mode].append(time.perf_counter() - t0)
+    return [_row(model_name, mode, runs[mode][2], times[mode], losses[mode]) for mode in modes]
 
 
 def main():
@@ -110,6 +139,8 @@ def main():
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadier on a shared machine)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the modes (torch.compile excepted) in one process, step by step in turn: ratios on a shared machine")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -117,7 +148,19 @@ def main():
         return
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     rows = []
-    for model in a.models.split(","):
+    if a.interleave:
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        sys.path.insert(0, ROOT)
+        modes = [m for m in a.modes.split(",") if m != "torch_compile"]
+        for model in a.models.split(","):
+            got = run_interleaved(model, modes, a.steps, a.threads)
+            eager = next((r for r in got if r["mode"] == "eager"), None)
+            for row in got:
+                if eager is not None and row is not eager:
+                    row["max_loss_diff"] = max(abs(x - y) for x, y in zip(row["losses"], eager["losses"]))
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+    for model in a.models.split(",") if not a.interleave else ():
         eager = None
         for mode in a.modes.split(","):
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(a.steps),

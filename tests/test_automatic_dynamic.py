@@ -1,6 +1,7 @@
 """Automatic dynamic shapes (symbolic_dims.py, the default ``dynamic=None``) and thin mode across sizes (issue 26)."""
 import warnings
 
+import pytest
 import torch
 
 import thunder_train as tt
@@ -117,3 +118,63 @@ def test_dynamic_padding_thin_step_never_raises_and_stays_thin():
         torch.testing.assert_close(b, a)
     st = tt.compile_stats(cf)
     assert st.cache_misses <= 3 and st.thin_calls >= 35 and st.evictions >= 1
+
+
+def test_stride_answers_follow_the_symbolic_sizes():
+    # A trace with symbolic sizes once answered x.stride(0) with the traced length's stride: wrong for every other
+    # length.  Dense inputs (contiguous, transposed) now get strides computed from their sizes; a slice's strides
+    # are not a function of its sizes, so its trace refuses and the function specialises sizes again.
+    def f(x):
+        if x.dim() == 4:
+            x = x[:, 0]  # constant sizes [2, 3, 4], stride 12 * T: not a function of its own sizes
+            return x * x.stride(0)
+        return x.sum(1) * x.stride(0) + x.stride(1)
+
+    makers = {"contiguous": lambda T: torch.randn(2, T, 4),
+              "transposed": lambda T: torch.randn(2, 4, T).transpose(1, 2),
+              "slice": lambda T: torch.randn(2, T + 3, 4)[:, :T],
+              "constant-size view": lambda T: torch.randn(2, T, 3, 4)}  # f reads the strides of its view x[:, 0]
+    for name, make in makers.items():
+        for dynamic in (None, True):
+            cf = tt.compile(f, thin=True, dynamic=dynamic)
+            if name in ("slice", "constant-size view") and dynamic:  # every size symbolic from the first call: nothing to fall back to
+                with pytest.raises(tt.TracingError, match="not laid out densely"):
+                    cf(make(5))
+                continue
+            for T in (5, 7, 9, 12, 7):
+                x = make(T)
+                torch.testing.assert_close(cf(x), f(x), msg=f"{name} dynamic={dynamic} T={T}")
+            reasons = tt.compile_stats(cf).retrace_reasons
+            assert (name in ("slice", "constant-size view")) == any("not laid out densely" in r for r in reasons), (name, reasons)
+
+
+def test_inputs_sliced_from_a_padded_batch_do_not_retrace_per_length():
+    # Dynamic padding with the causal shift done outside the step: ids[:, :-1] and ids[:, 1:] are slices whose
+    # strides (T, 1) change with every length.  Their layout's form (a row with room after it) does not, so one
+    # symbolic program serves every length; a contiguous batch has another form and gets its own program.
+    torch.manual_seed(0)
+    m1 = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20))
+    m2 = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20))
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+
+    def step(model, opt, inputs, targets):
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step, thin=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(16):
+        ids = torch.randint(0, 20, (4, int(torch.randint(8, 40, (1,), generator=g))), generator=g)
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        if i in (9, 10, 13):
+            inputs, targets = inputs.contiguous(), targets.contiguous()
+        torch.testing.assert_close(cf(m2, o2, inputs, targets), step(m1, o1, inputs, targets))
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(b, a)
+    st = tt.compile_stats(cf)
+    assert st.cache_misses == 3, st.retrace_reasons  # first length; lengths symbolic; the contiguous form
+    assert "layout" in st.retrace_reasons[-1] and st.thin_calls >= 10

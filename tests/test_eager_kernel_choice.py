@@ -174,3 +174,53 @@ def test_switches_set_outside_are_not_baked_in():
         with sdpa_kernel(backends):
             assert torch.equal(f(q, k, v), attend(q, k, v)), backends
     assert "sdpa_with" not in str(tt.last_traces(f)[-1])
+class MaskedAttention(torch.nn.Module):
+    """Attention over a padded batch, as transformers' GPT-2 and Llama call it: a key-padding mask (boolean or
+    additive, per row or broadcast over the batch) and no ``is_causal``."""
+
+    def __init__(self, mask_kind, channels=16, heads=2):
+        super().__init__()
+        self.heads, self.kind = heads, mask_kind
+        self.qkv = torch.nn.Linear(channels, 3 * channels)
+        self.out = torch.nn.Linear(channels, channels)
+
+    def forward(self, x, lengths):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        keep = (torch.arange(n)[None, :] < lengths[:, None])[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
+        if self.kind == "broadcast":
+            keep = keep[:1]
+        mask = keep if self.kind != "additive" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(a.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "broadcast"])
+def test_masked_attention_reads_its_forward_statistics_and_trains_bitwise_as_eager(kind):
+    # The flash kernel with the mask eager passes it: the backward reads the forward's log-sum-exp instead of running
+    # the forward again under autograd.  Lengths change every step (automatic dynamic shapes: symbolic from the second).
+    torch.manual_seed(0)
+    me = MaskedAttention(kind)
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+
+    def step(model, opt, x, lengths, y):
+        loss = F.mse_loss(model(x, lengths), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step, thin=True)
+    g = torch.Generator().manual_seed(1)
+    for i, n in enumerate((9, 12, 7, 10, 12)):
+        x, y = torch.randn(3, n, 16, generator=g), torch.randn(3, n, 16, generator=g)
+        lengths = torch.randint(1, n + 1, (3,), generator=g)
+        lengths[0] = n
+        assert torch.equal(cf(mc, oc, x, lengths, y), step(me, oe, x, lengths, y)), i
+        for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            assert torch.equal(pc, pe), (i, name)
+    src = str(tt.last_traces(cf)[-1])
+    fwd = {"bool": "sdpa_flash_cpu_bool_masked(", "broadcast": "sdpa_flash_cpu_bool_masked(", "additive": "sdpa_flash_cpu_masked("}
+    assert fwd[kind] in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
+    assert tt.compile_stats(cf).cache_misses == 2

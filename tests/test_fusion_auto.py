@@ -157,3 +157,24 @@ def test_worker_thread_is_a_daemon():
     assert tt.wait_for_fusion(cf, timeout=300)
     workers = [t for t in threading.enumerate() if t.name == "thunder_train-fusion"]
     assert len(workers) == 1 and workers[0].daemon
+
+
+def test_a_symbolic_entry_says_why_it_is_not_fused_and_equals_eager():
+    # Automatic dynamic shapes: the first length is specialised (its build is decided at its second call, which
+    # never comes); the second makes dim 0 symbolic, and that entry's decision line says why no build starts.
+    cf = tt.compile(_block, thin=True)
+    for n in (4, 6, 7, 9, 5):
+        x, y = torch.randn(n, 4), torch.randn(n, 4)
+        torch.testing.assert_close(cf(x, y), _block(x, y))
+    st = tt.compile_stats(cf)
+    assert st.cache_misses == 2 and cf._last.fusion_job is None and not _fused_lines(cf)
+    assert st.fusion_decisions == [
+        "background fusion: not started: the program has symbolic sizes (args[0] (x) dim 0, args[1] (y) dim 0); fused "
+        "regions are compiled for static sizes only, so the torch program runs. To get fused programs, pad to a few "
+        "bucket lengths and pass dynamic=False (one fused program per length, within cache_limit)"]
+    assert tt.wait_for_fusion(cf, timeout=300) and st.fusion_switches == 0
+    cf_dyn = tt.compile(_block, dynamic=True)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(cf_dyn(x, y), _block(x, y))
+    assert tt.compile_stats(cf_dyn).fusion_decisions[0].startswith(
+        "background fusion: not started: the program has symbolic sizes (every argument size (dynamic=True))")

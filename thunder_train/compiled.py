@@ -108,6 +108,8 @@ class CompiledFunction(FullPath, ThinPath):
         self.dynamic = dynamic
         self.fusion = fusion
         self._fusion_mode = fusion_mode(fusion, dynamic=dynamic, cuda_graphs=cuda_graphs)
+        # The default would build in the background, but not for a program with symbolic sizes (runtime/cache.py says so).
+        self._background_wanted = fusion_mode(fusion, cuda_graphs=cuda_graphs) == "background"
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
         self.executors = [decomposing_torch_executor if decompose else torch_executor]

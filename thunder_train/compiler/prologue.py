@@ -31,7 +31,7 @@ import math
 import torch
 
 from .prims import SCALAR_INFIX
-from .proxies import NumberProxy, SizeProxy, is_checked, size_value
+from .proxies import NumberProxy, SizeProxy, is_checked, layout_key, size_value
 from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import prologue_state as checks
 
@@ -105,7 +105,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             return [("identity", f"{var} is {var_of_leaf(leaf.alias_of)}", True)]
         if is_symbolic(leaf):
             return symbolic_shape_specs(leaf, var) + [
-                ("contiguous", f"{var}.is_contiguous()", v.is_contiguous()),
+                # Not the strides: they change with the sizes. Their form (dense in an order, or a slice) does not.
+                ("layout", f"_layout_key({var})", layout_key(v)),
                 ("dtype", f"{var}.dtype", v.dtype),
                 ("device", f"{var}.device", v.device),
                 ("requires_grad", f"{var}.requires_grad", v.requires_grad),
@@ -254,7 +255,7 @@ class Prologue:
 
 def leaf_vars(leaves, arg_names=()) -> list:
     """A readable unique variable name per leaf, derived from its path (``x``, ``model_fc1_weight``)."""
-    used = {"args", "kwargs", "_MISSING", "_float_key", "torch", "len", "type", "id", "tuple", "float"}
+    used = {"args", "kwargs", "_MISSING", "_float_key", "_layout_key", "torch", "len", "type", "id", "tuple", "float"}
     names = []
     for leaf in leaves:
         base = name_from_path(leaf.path, "v")
@@ -400,7 +401,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
         gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
     gk_lines.append("  )")
     structure = "\n".join(ex_lines + gk_lines + decision_sources)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
          "torch": torch, **consts.d, **dec.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(

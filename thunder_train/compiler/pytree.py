@@ -29,6 +29,35 @@ def _flatten(x, leaves):
     return None
 
 
+def tree_leaves(x) -> list:
+    """``tree_flatten(x)[0]`` without building the spec: what the passes ask of every line many times."""
+    leaves: list = []
+    _leaves(x, leaves)
+    return leaves
+
+
+def _leaves(x, leaves) -> None:
+    t = type(x)
+    if t is tuple or t is list or t is torch.Size or (isinstance(x, tuple) and _is_tuple_like(t)):
+        for v in x:
+            tv = type(v)
+            if tv is tuple or tv is list or tv is dict or tv is slice or tv is torch.Size or isinstance(v, tuple):
+                _leaves(v, leaves)
+            else:
+                leaves.append(v)
+        return
+    if t is dict:
+        for v in x.values():
+            _leaves(v, leaves)
+        return
+    if t is slice:
+        _leaves(x.start, leaves)
+        _leaves(x.stop, leaves)
+        _leaves(x.step, leaves)
+        return
+    leaves.append(x)
+
+
 def tree_unflatten(leaves, spec):
     it = iter(leaves)
     return _unflatten(it, spec)

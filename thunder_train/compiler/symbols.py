@@ -17,7 +17,7 @@ from typing import Callable
 
 from . import codegen, context
 from .proxies import is_checked, is_proxy
-from .pytree import tree_flatten
+from .pytree import tree_flatten, tree_leaves
 
 # How a symbol runs outside tracing (on real tensors).  The torch executor installs its
 # implementation here when it is imported (it sits in a higher layer).
@@ -250,10 +250,10 @@ class BoundSymbol:
         return BoundSymbol(**d)
 
     def flat_args(self):
-        return tree_flatten((self.args, self.kwargs))[0]
+        return tree_leaves((self.args, self.kwargs))
 
     def flat_outputs(self):
-        return tree_flatten(self.output)[0]
+        return tree_leaves(self.output)
 
     @property
     def has_side_effect(self) -> bool:

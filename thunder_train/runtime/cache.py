@@ -27,7 +27,7 @@ from . import background, bounded_cache, hook_guard
 from .autocast_region import RegionProbe
 from .cache_keys import struct_diffs
 from .slot import Entry, Slot
-from .symbolic_dims import SymbolicDims, is_symbolic_trace
+from .symbolic_dims import SymbolicDims, is_symbolic_trace, symbolic_fusion_decision
 
 
 @dataclasses.dataclass
@@ -310,8 +310,9 @@ class FullPath:
     def _trace(self, args, kwargs, key, forced_decisions):
         dynamic = self._dims.for_trace()
         fusion = self._fusion_mode
-        if fusion == "background" and is_symbolic_trace(dynamic):
+        if self._background_wanted and is_symbolic_trace(dynamic):
             fusion = None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
+            self.stats.fusion_decisions.append(symbolic_fusion_decision(dynamic, self._arg_names))
         options = Options(strict=self.strict, decompose=self.decompose, dynamic=dynamic, fusion=fusion,
                           optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
                           memory_budget=self.memory_budget)

@@ -192,3 +192,13 @@ def is_symbolic_trace(dynamic) -> bool:
     return dynamic is True or isinstance(dynamic, SymbolicDims)
 
 
+
+
+def symbolic_fusion_decision(dynamic, arg_names=()) -> str:
+    """The ``fusion_decisions`` line of an entry traced with symbolic sizes: the default's background build is not
+    started, because the fusion executors compile regions for static sizes only (a region with a symbolic size is
+    not fusible, ``executors/inductor_fusion.py``), so a build would fuse nothing."""
+    which = "every argument size (dynamic=True)" if dynamic is True else ", ".join(dynamic.describe(arg_names))
+    return (f"background fusion: not started: the program has symbolic sizes ({which}); fused regions are compiled for "
+            "static sizes only, so the torch program runs. To get fused programs, pad to a few bucket lengths and "
+            "pass dynamic=False (one fused program per length, within cache_limit)")

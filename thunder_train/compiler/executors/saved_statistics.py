@@ -29,7 +29,7 @@ import torch
 from .. import dtypes
 from . import torch_impls
 from .torch_executor import impl_symbol
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, size_value
 from ..torchlang import attention as ltorch_attention, losses as ltorch_losses, normalization as ltorch_normalization
 from ..pytree import tree_flatten
 
@@ -52,35 +52,64 @@ def _bind(names, defaults, args, kwargs):
 # ---------------------------------------------------------------------------
 # Runtime functions (printed as ttex.<name> in traces)
 # ---------------------------------------------------------------------------
-def _flash_is_eagers(query, key, value, is_causal, scale) -> bool:
+def _flash_is_eagers(query, key, value, is_causal, scale, attn_mask=None) -> bool:
     from torch.nn.attention import SDPBackend
 
-    return torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+    return torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+
+
+def _additive_mask(attn_mask, dtype):
+    """The mask as the flash kernel reads it: eager's conversion of a boolean mask (``convert_boolean_attn_mask``
+    in aten's attention.cpp: 0 where attending, -inf elsewhere); an additive mask as it is."""
+    if attn_mask is None or attn_mask.dtype is not torch.bool:
+        return attn_mask
+    return torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=attn_mask.device))
 
 
 def sdpa_flash_cpu(query, key, value, is_causal, scale):
     """Attention output and log-sum-exp (what the backward kernel reads).
 
     Eager's choice is asked again at run time (a few microseconds): the backend switches
-    (``torch.nn.attention.sdpa_kernel``) are process state a call may change after tracing.  Where eager
-    would not run flash, this runs eager's call and returns a 0-d log-sum-exp, which tells the backward to
-    differentiate that call instead.
+    (``torch.nn.attention.sdpa_kernel``) are process state a call may change after tracing, and a program with
+    symbolic sizes was rewritten for the traced sizes.  Where eager would not run flash, this runs eager's call
+    and returns a 0-d log-sum-exp, which tells the backward to differentiate that call instead.
     """
     if not _flash_is_eagers(query, key, value, is_causal, scale):
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale), query.new_empty(())
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
 
 
-def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which):
+def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask):
+    """``sdpa_flash_cpu`` with an additive mask (of the operands' dtype), as eager passes it to the kernel."""
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+        return out, query.new_empty(())
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
+
+
+def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask):
+    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's): also returns the mask as the kernel reads it
+    (eager's conversion to an additive mask, a new tensor), which the backward reads as eager's autograd node
+    keeps it, instead of converting it again."""
+    mask = _additive_mask(attn_mask, query.dtype)
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+        return out, query.new_empty(()), mask
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return out, lse, mask
+
+
+def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None):
+    # ``attn_mask``: the additive mask ``sdpa_flash_cpu_masked`` returned (the same values as the user's mask).
     if lse.dim() == 0:  # the forward ran eager's call (not flash): its gradients by autograd, as eager's
         with torch.enable_grad():
             qkv = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
-            o = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=is_causal, scale=scale)
+            o = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
             return torch.autograd.grad(o, [qkv[i] for i in which], g)
     # ``g`` as autograd would pass it: the kernel makes its own copy where its layout needs one (a
     # ``.contiguous()`` here cost a copy and then, not matching ``out``'s layout, a second one inside).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, query, key, value, out, lse, 0.0, is_causal, scale=scale)
+        g, query, key, value, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
     return tuple(grads[i] for i in which)
 
 
@@ -159,7 +188,7 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
            nll_loss_backward_out, log_softmax_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
@@ -188,14 +217,15 @@ def _new_proxy(trc, prefix, shape, dtype, device):
 
 
 def _empty_like_proxy(t):
-    """An uninitialised CPU tensor with ``t``'s sizes, strides and dtype (None if they are not all known ints)."""
-    shape, strides = t._tt_shape, getattr(t, "_tt_strides", None)
+    """An uninitialised CPU tensor with ``t``'s sizes (their traced values where symbolic: the kernel's choice is
+    asked again at run time, ``sdpa_flash_cpu``), strides and dtype (None if they are not known)."""
+    shape, strides = tuple(size_value(s) for s in t._tt_shape), getattr(t, "_tt_strides", None)
     if strides is None or not all(type(s) is int for s in (*shape, *strides)):
         return None
     return torch.empty_strided(shape, strides, dtype=t._tt_dtype.torch, device="cpu")
 
 
-def _eager_picks_cpu_flash(q, k, v, is_causal, scale) -> bool:
+def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None) -> bool:
     """Whether eager's ``scaled_dot_product_attention`` runs the CPU flash kernel on these operands.
 
     Asked of torch's own selector (``torch._fused_sdp_choice``, what eager calls) on uninitialised tensors with
@@ -205,19 +235,30 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale) -> bool:
     math kernel: values differ).
     """
     choose = getattr(torch, "_fused_sdp_choice", None)
-    operands = [_empty_like_proxy(t) for t in (q, k, v)]
+    operands = [_empty_like_proxy(t) for t in (q, k, v, *([attn_mask] if attn_mask is not None else []))]
     if choose is None or any(t is None for t in operands):
         return False
     from torch.nn.attention import SDPBackend
 
-    return choose(*operands, None, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+    mask = operands[3] if attn_mask is not None else None
+    return choose(*operands[:3], mask, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
 
 
 def _rewrite_sdpa(trc, fwd, vjp, positions):
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None or b["attn_mask"] is not None or b["dropout_p"] != 0.0 or b["enable_gqa"]:
+    if b is None or b["dropout_p"] != 0.0 or b["enable_gqa"]:
         return None
-    q, k, v = b["query"], b["key"], b["value"]
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if mask is not None:
+        # A mask the flash kernel takes as eager passes it: boolean (converted as eager converts it) or additive of
+        # the operands' dtype, on the CPU; the vjp line must read the forward's own mask (its gradient is not asked).
+        vb = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
+        if type(mask) is not TensorProxy or vb is None or vb["attn_mask"] is not mask or mask._tt_device.type != "cpu":
+            return None
+        if mask._tt_dtype is not dtypes.bool8 and mask._tt_dtype is not q._tt_dtype:
+            return None
+        if b["is_causal"] is not False:
+            return None
     if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
     if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
@@ -231,14 +272,26 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         which.append(pos[0])
     if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
-    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"]):
+    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
-    new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
-                          output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+    if mask is None:
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
+                              output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+        masked = ()
+    elif mask._tt_dtype is not dtypes.bool8:
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_masked), args=(q, k, v, b["scale"], mask), kwargs={},
+                              output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+        masked = (mask,)
+    else:
+        additive = _new_proxy(trc, "mask", mask._tt_shape, q._tt_dtype, mask._tt_device)
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask), kwargs={},
+                              output=(fwd.output, lse, additive),
+                              comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
+        masked = (additive,)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
-                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which)), kwargs={})
+                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which), *masked), kwargs={})
     return new_fwd, new_vjp
 
 

@@ -5,7 +5,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
-from ..proxies import TensorProxy, meta_tensor
+from ..proxies import TensorProxy, meta_tensor, symbolic_strides
 from .convert import to_dtype, to_device
 from .registry import composed, torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
 from .shapes import permute, transpose, unbind
@@ -243,6 +243,7 @@ def get_device(a):
 @_metadata_method(methods=("stride",))
 def stride(a, dim=None):
     st = a._tt_strides
+    st = symbolic_strides(a)  # the example strides hold for the traced sizes only (constant where they are)
     return st if dim is None else st[clang.canonicalize_dim(len(a._tt_shape), dim)]
 
 

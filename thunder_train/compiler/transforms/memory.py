@@ -55,7 +55,7 @@ class MemoryPlan:
 def planned_peak(lines, returned_ids=()) -> int:
     """Most bytes alive at once: each non-view line allocates its tensors, freed after the last read of them or
     of a view of them; inputs of the program are not counted."""
-    root, size, last = {}, {}, {}
+    root, size, last, first = {}, {}, {}, {}
     for i, b in enumerate(lines):
         args = [a for a in b.flat_args() if type(a) is TensorProxy]
         for a in _all_reads(b):
@@ -69,14 +69,14 @@ def planned_peak(lines, returned_ids=()) -> int:
                 else:
                     root[id(o)] = id(o)
                     size[id(o)] = nbytes(o)
+                    first.setdefault(id(o), i)
                     last.setdefault(id(o), i)
     for k in returned_ids:
         if k in root:
             last[root[k]] = len(lines)
     delta = [0] * (len(lines) + 2)
     for r, n in size.items():
-        first = next(i for i, b in enumerate(lines) if any(o is not None and id(o) == r for o in b.flat_outputs()))
-        delta[first] += n
+        delta[first[r]] += n  # the line that allocated it (recorded above: a search per value was quadratic)
         delta[last[r] + 1] -= n
     cur = peak = 0
     for d in delta:
@@ -96,7 +96,7 @@ def _is_backward(b) -> bool:
     return b.region is BACKWARD
 
 
-def _saved(trc) -> Saved:
+def _saved_of(trc) -> Saved:
     returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
     return Saved(trc.bound_symbols, _is_backward, returned, {id(a) for a in trc.args})
 
@@ -104,6 +104,13 @@ def _saved(trc) -> Saved:
 def plan_memory(trc, traces: list, memory_budget: float | None = None):
     """The whole step's plan: (trace, MemoryPlan); each new trace is appended to ``traces``."""
     plan = MemoryPlan(memory_budget=memory_budget)
+    memo: dict = {}  # trace -> Saved: a step that recomputes nothing keeps its trace, whose analysis is reused
+
+    def _saved(t) -> Saved:
+        if id(t) not in memo:
+            memo[id(t)] = (t, _saved_of(t))  # the trace is kept with it, so its id is not reused meanwhile
+        return memo[id(t)][1]
+
     plan.saved_bytes_without_remat = _saved(trc).stored_bytes()
     new, report = recompute_checkpointed(trc)
     plan.recomputed += report.lines
