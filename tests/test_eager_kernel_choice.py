@@ -174,6 +174,8 @@ def test_switches_set_outside_are_not_baked_in():
         with sdpa_kernel(backends):
             assert torch.equal(f(q, k, v), attend(q, k, v)), backends
     assert "sdpa_with" not in str(tt.last_traces(f)[-1])
+
+
 class MaskedAttention(torch.nn.Module):
     """Attention over a padded batch, as transformers' GPT-2 and Llama call it: a key-padding mask (boolean or
     additive, per row or broadcast over the batch) and no ``is_causal``."""
