@@ -299,6 +299,9 @@ class NumberProxy(Proxy):
     def _binop(self, other, opname, reverse=False):
         if not is_number(other):
             return NotImplemented
+        if type(other) is int and ((opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and
+                                                                          not (reverse and opname == "sub"))):
+            return self  # ``1 * n``, ``n + 0``: the number itself (a data-dependent size stays the same symbol)
         a, b = (other, self) if reverse else (self, other)
         return getattr(_prims, opname)(a, b)
 
@@ -456,6 +459,11 @@ class _Checked:
     leaf itself) or ``("op", prim name, *args)``.
     """
 
+    # A size computed by an op from tensor values (``nonzero``, boolean masks, ``unique``): the program knows it
+    # only when the op has run, so no prologue can check a decision on it (acquisition/decisions.py checks it in
+    # the program instead) and its ``value`` is only a stand-in for layout rules and estimates, never decided on.
+    unbacked = False
+
     def _check(self, op, other, result):
         from .context import tracer_state
 
@@ -467,6 +475,11 @@ class _Checked:
     def _concrete(self, what, convert=None):
         from .context import tracer_state
 
+        if self.unbacked:
+            if tracer_state() is None:
+                raise RuntimeError(f"thunder_train internal error: {what} of the data-dependent size {self.name} "
+                                   "after tracing. Please report this with the function being compiled.")
+            return NumberProxy._concrete(self, what, convert)  # a decision the program checks where it runs the op
         if tracer_state() is None:
             # A pass after tracing (autograd, fusion) needs the plain value: no check could be recorded, so the
             # traced call's value would be baked into every later call's program.
@@ -483,6 +496,19 @@ class _Checked:
         return x.value if isinstance(x, NumberProxy) else x
 
     def _cmp(self, other, op, fn, prim):
+        if other is self:
+            return fn(0, 0)
+        if self.unbacked or getattr(other, "unbacked", False):
+            known = _known_for_size(self, op, other)
+            if known is None and _no_tracer():
+                # A compiler pass after tracing compares shapes structurally: another symbol or a number is
+                # "not known equal"; an ordering it cannot know.
+                if op in ("==", "!="):
+                    return op == "!="
+                raise RuntimeError(f"thunder_train internal error: {self.name} {op} {other} on a data-dependent size "
+                                   "after tracing. Please report this with the function being compiled.")
+            # recorded (``n1 = u0 == 1``): deciding on it is a check of the program
+            return known if known is not None else NumberProxy._binop(self, other, prim)
         if isinstance(other, NumberProxy) and not isinstance(other, _Checked):
             return NumberProxy._binop(self, other, prim)  # against an item(): recorded, decided from the inputs
         if not is_number(other):
@@ -512,7 +538,24 @@ class _Checked:
     __hash__ = NumberProxy.__hash__
 
     def __bool__(self):
+        if self.unbacked:
+            return NumberProxy.__bool__(self)
         return self._check("!=", 0, self.value != 0)
+
+
+def _no_tracer() -> bool:
+    from .context import tracer_state
+
+    return tracer_state() is None
+
+
+def _known_for_size(size, op, other):
+    """What a comparison of a size with a plain int says whatever the size is (a size is never negative)."""
+    if not isinstance(size, SizeProxy) or type(other) is not int or other > 0:
+        return None
+    if other == 0:
+        return {">=": True, "<": False}.get(op)
+    return {"==": False, "!=": True, ">": True, ">=": True, "<": False, "<=": False}[op]
 
 
 class SizeProxy(_Checked, _IntProxy):
@@ -524,6 +567,18 @@ class SizeProxy(_Checked, _IntProxy):
     """
 
     __hash__ = NumberProxy.__hash__
+
+
+def unbacked_size(hint: int) -> SizeProxy:
+    """A new size known only when the op computing it runs (``u0``); ``hint`` stands in for layout rules."""
+    s = SizeProxy(fresh_name("u"), value=hint, python_type=int)
+    s.unbacked = True
+    s.origin = ("unbacked",)
+    return s
+
+
+def is_unbacked(x) -> bool:
+    return getattr(x, "unbacked", False) is True
 
 
 class CheckedFloat(_Checked, _FloatProxy):

@@ -160,6 +160,11 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
     return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
 
 
+def _as_created(bsym, tensors, outs) -> bool:
+    """The outputs' layouts are the ones their meta function gave them."""
+    return True
+
+
 def _declare_layout_rules() -> None:
     from .. import prims
     from ..torchlang import factories, foreach, linalg, nn, optim
@@ -172,6 +177,9 @@ def _declare_layout_rules() -> None:
         **{like: _like_of_row_major for like in (factories.zeros_like, factories.ones_like, factories.empty_like,
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
         **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
+        # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
+        prims.nonzero: _as_created, prims.unique: _as_created, prims.bincount: _as_created,
+        prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():
         sym.layout_rule = rule

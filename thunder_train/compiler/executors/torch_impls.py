@@ -84,6 +84,12 @@ def shape(a):
     return tuple(a.shape)
 
 
+def unique(a, sorted, return_inverse, return_counts):
+    """``torch.unique`` with the prim's three results (None for those not asked for, as the trace has them)."""
+    values, inverse, counts = torch._unique2(a, sorted, return_inverse, return_counts)
+    return values, inverse if return_inverse else None, counts if return_counts else None
+
+
 def pad(a, value, config):
     """Constant pad with (lo, hi, interior) per dim; negative lo/hi crop."""
     if any(interior for _, _, interior in config):
