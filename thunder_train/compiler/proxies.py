@@ -302,6 +302,12 @@ class NumberProxy(Proxy):
         if type(other) is int and ((opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and
                                                                           not (reverse and opname == "sub"))):
             return self  # ``1 * n``, ``n + 0``: the number itself (a data-dependent size stays the same symbol)
+        if not reverse and opname in ("floor_divide", "remainder") and type(other) is int and other > 0:
+            o = getattr(self, "origin", None)
+            if o is not None and o[0] == "op" and o[1] == "mul" and other in [a for a in o[2:] if type(a) is int]:
+                # ``(n * k) // k`` is ``n``, ``(n * k) % k`` is 0: a reshape back keeps the symbol
+                i = next(j for j, a in enumerate(o[2:]) if type(a) is int and a == other)
+                return o[2:][1 - i] if opname == "floor_divide" else 0
         a, b = (other, self) if reverse else (self, other)
         return getattr(_prims, opname)(a, b)
 
@@ -499,6 +505,8 @@ class _Checked:
         if other is self:
             return fn(0, 0)
         if self.unbacked or getattr(other, "unbacked", False):
+            if _same_expr(self, other):
+                return fn(0, 0)
             known = _known_for_size(self, op, other)
             if known is None and _no_tracer():
                 # A compiler pass after tracing compares shapes structurally: another symbol or a number is
@@ -541,6 +549,31 @@ class _Checked:
         if self.unbacked:
             return NumberProxy.__bool__(self)
         return self._check("!=", 0, self.value != 0)
+
+
+def _same_expr(x, y) -> bool:
+    """The same size whatever the values: one symbol, equal ints, or the same arithmetic on the same sizes."""
+    if x is y:
+        return True
+    if type(x) is int or type(y) is int:
+        return type(x) is type(y) and x == y
+    ox, oy = getattr(x, "origin", None), getattr(y, "origin", None)
+    return (ox is not None and oy is not None and ox[0] == "op" and oy[0] == "op" and ox[1] == oy[1] and
+            len(ox) == len(oy) and all(_same_expr(a, b) for a, b in zip(ox[2:], oy[2:])))
+
+
+def same_size(x, y) -> bool:
+    """Whether two sizes are equal, for a pass that only asks "can I skip this?": with a data-dependent size a
+    "no" when equality is not certain, never a decision; other sizes compare as usual (checked symbols)."""
+    if x is y:
+        return True
+    if is_unbacked(x) or is_unbacked(y):
+        return _same_expr(x, y)
+    return x == y
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def _no_tracer() -> bool:

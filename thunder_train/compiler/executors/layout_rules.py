@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, size_value
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, same_shape, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -201,8 +201,8 @@ def set_layout(bsym) -> None:
         return  # factories: row-major, as created
     if all(len(o._tt_shape) == 0 for o in outs):
         return  # 0-d results have no strides
-    if "elementwise" in bsym.sym.tags and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
-            and all(o._tt_shape == outs[0]._tt_shape for o in outs):
+    if "elementwise" in bsym.sym.tags and all(t._tt_rowmajor and same_shape(t._tt_shape, outs[0]._tt_shape) for t in tensors) \
+            and all(same_shape(o._tt_shape, outs[0]._tt_shape) for o in outs):
         return  # elementwise on row-major inputs of the output's shape: row-major, as created
     ins = {id(x) for x in flat_in}
     if all(id(o) in ins for o in outs):
