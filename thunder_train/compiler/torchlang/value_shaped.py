@@ -90,6 +90,11 @@ def mask_keys(x, key, probe=False):
     return tuple(out)
 
 
+def repeat_positions(repeats):
+    """``torch.repeat_interleave(repeats)``: each position ``i`` repeated ``repeats[i]`` times."""
+    return _run_sized(prims.repeat_index, repeats)
+
+
 def bincount(input, weights=None, minlength=0):
     if input.ndim != 1 or input.dtype.is_floating_point or input.dtype.is_complex or input.dtype is torch.bool:
         raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
