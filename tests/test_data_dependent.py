@@ -1,0 +1,239 @@
+"""Data-dependent sizes (``nonzero``, boolean masks, ``torch.where(cond)``, ``masked_select``, ``unique``,
+``bincount``, ``repeat_interleave`` with tensor repeats, ``argwhere``) and a mixture-of-experts layer, in whole
+training steps (forward, backward, AdamW) against eager, full and thin.
+
+The counts change on every step (the data and the routing do), and one program serves them all: each op's count
+is a size the program reads when the op runs (docs/dynamic_shapes.md), so a step compiles twice at most (the
+first AdamW step has no state yet) and no call is abandoned on a count.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+
+MODES = [dict(), dict(thin=True)]
+MODE_IDS = ["full", "thin"]
+
+
+class Net(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.l1, self.l2, self.body = nn.Linear(6, 8), nn.Linear(8, 4), body
+
+    def forward(self, x):
+        return self.body(self.l1(x), self.l2)
+
+
+def nonzero(h, l2):
+    idx = torch.nonzero(h[:, 0] > 0).squeeze(1)
+    return l2(h.index_select(0, idx)).sum() + l2(h).sum() * 0.1
+
+
+def mask_get(h, l2):
+    return l2(h[h[:, 0] > 0]).sum() + h.sum() * 0.1
+
+
+def mask_set_scalar(h, l2):
+    h = h.clone()
+    h[h > 0.5] = 0.0
+    return l2(h).sum()
+
+
+def mask_set_tensor(h, l2):
+    h = h.clone()
+    m = h > 0.5
+    h[m] = h[m] * 2
+    return l2(h).sum()
+
+
+def where_cond(h, l2):
+    r, c = torch.where(h > 0)
+    return (h[r, c] ** 2).sum() + l2(h).sum()
+
+
+def masked_select(h, l2):
+    return torch.masked_select(h, h > 0).pow(2).sum() + l2(h).sum()
+
+
+def unique(h, l2):
+    k = (h[:, 0] > 0).long() + (h[:, 1] > 0).long()
+    u, inv, cnt = torch.unique(k, sorted=True, return_inverse=True, return_counts=True)
+    return (l2(h).sum(1) * cnt[inv].float()).sum() + u.sum()
+
+
+def bincount(h, l2):
+    k = h.argmax(1)
+    c = torch.bincount(k)  # its length is the largest index + 1: data-dependent
+    return (l2(h).sum(1) * c[k].float()).sum() + c.shape[0] * 0
+
+
+def repeat_interleave(h, l2):
+    r = (h[:, 0] > 0).long() + 1
+    return l2(torch.repeat_interleave(h, r, dim=0)).sum()
+
+
+def argwhere(h, l2):
+    i = torch.argwhere(h > 0)
+    return h[i[:, 0], i[:, 1]].sum() + l2(h).sum()
+
+
+BODIES = [nonzero, mask_get, mask_set_scalar, mask_set_tensor, where_cond, masked_select, unique, bincount,
+          repeat_interleave, argwhere]
+
+
+class SparseMoE(nn.Module):
+    """Mixtral-style: softmax router, top-k, each expert run on the tokens routed to it (``torch.where`` on the
+    routing mask, ``index_select``, ``index_add_``)."""
+
+    def __init__(self, d=8, experts=4, k=2):
+        super().__init__()
+        self.gate, self.k = nn.Linear(d, experts, bias=False), k
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 16), nn.SiLU(), nn.Linear(16, d)) for _ in range(experts))
+
+    def forward(self, x):
+        w = self.gate(x).softmax(-1)
+        w, sel = torch.topk(w, self.k, -1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(sel, len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            kk, tok = torch.where(mask[e])
+            out.index_add_(0, tok, expert(x.index_select(0, tok)) * w[tok, kk, None])
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.moe, self.out = nn.Linear(6, 8), SparseMoE(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.moe(self.inp(x))).sum(1)
+
+
+def step(model, opt, x):
+    out = model(x)
+    loss = out.sum() if out.ndim == 0 else out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _train(make, mode, steps=6, rows=10):
+    torch.manual_seed(0)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), 1e-2) for m in (m1, m2))
+    cf = tt.compile(step, **mode)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(rows, 6, generator=g)
+        torch.testing.assert_close(cf(m2, o2, x), step(m1, o1, x))
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        for key, v in o1.state[p].items():
+            torch.testing.assert_close(o2.state[q][key], v)
+    return tt.compile_stats(cf)
+
+
+def _one_program_for_every_count(stats, mode):
+    # Two entries: the first AdamW step (no optimizer state yet) and every later one, whatever the counts.
+    assert stats.entries == 2, stats.retrace_reasons
+    assert stats.decision_mismatches == 0
+    assert not stats.opaque_ops, stats.opaque_ops
+    if mode.get("thin"):
+        assert stats.thin_calls >= 3
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("body", BODIES, ids=[b.__name__ for b in BODIES])
+def test_data_dependent_op_in_a_training_step(body, mode):
+    _one_program_for_every_count(_train(lambda: Net(body), mode), mode)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_sparse_moe_training_step_follows_eager_with_routing_that_changes(mode):
+    # the tokens per expert differ from step to step (checked below), and one program runs them all
+    torch.manual_seed(0)
+    moe, g, counts = MoENet(), torch.Generator().manual_seed(1), set()
+    for _ in range(6):
+        x = moe.inp(torch.randn(10, 6, generator=g))
+        sel = torch.topk(moe.moe.gate(x).softmax(-1), 2, -1).indices
+        counts.add(tuple(torch.bincount(sel.reshape(-1), minlength=4).tolist()))
+    assert len(counts) > 3
+    _one_program_for_every_count(_train(MoENet, mode), mode)
+
+
+def test_the_program_reads_the_count_where_the_op_runs():
+    def f(x):
+        return x[x > 0] * 2
+
+    cf = tt.compile(f)
+    for n in range(6):
+        x = torch.randn(12)
+        x[:n] = -1.0
+        x[n:] = x[n:].abs() + 0.1
+        torch.testing.assert_close(cf(x), f(x))
+    src = tt.last_traces(cf)[-1].python_source()
+    assert 'f32[u0]"' in src  # the selection's size is a symbol of the program, not the traced call's count
+    assert tt.compile_stats(cf).entries == 1
+
+
+def test_a_decision_on_a_count_is_checked_by_the_program():
+    def f(x):
+        idx = torch.nonzero(x > 0)
+        if idx.shape[0] > 3:  # a Python decision on a count: checked where the program has it
+            return x.sum()
+        return x.prod()
+
+    cf = tt.compile(f)
+    for x in (torch.tensor([1.0, 2, 3, 4, 5]), torch.tensor([1.0, -2, 3, -4, 5]), torch.tensor([1.0, 2, 3, 4, -5])):
+        torch.testing.assert_close(cf(x), f(x))
+    assert tt.compile_stats(cf).entries == 2
+
+
+def test_a_mask_of_the_wrong_shape_raises_eagers_error():
+    def f(x, m):
+        return x[m]
+
+    with pytest.raises(IndexError, match="shape of the mask"):
+        f(torch.randn(4, 3), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(IndexError, match="shape of the mask"):
+        tt.compile(f)(torch.randn(4, 3), torch.ones(3, dtype=torch.bool))
+
+
+def test_mixtral_per_expert_loop_trains_like_eager():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    m1 = transformers.MixtralForCausalLM(cfg)
+    m1.config._experts_implementation = "eager"  # the per-expert loop (where / index_add_)
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), 1e-2) for m in (m1, m2))
+
+    def lm_step(m, opt, ids):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for mode in MODES:
+        cf = tt.compile(lm_step, **mode)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            ids = torch.randint(0, 32, (2, 8), generator=g)
+            torch.testing.assert_close(cf(m2, o2, ids), lm_step(m1, o1, ids))
+        for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+            torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+        assert tt.compile_stats(cf).decision_mismatches == 0
