@@ -302,6 +302,10 @@ class NumberProxy(Proxy):
         if type(other) is int and ((opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and
                                                                           not (reverse and opname == "sub"))):
             return self  # ``1 * n``, ``n + 0``: the number itself (a data-dependent size stays the same symbol)
+        if self.python_type is int and not reverse and type(other) is int:
+            simpler = _int_identity(self, opname, other)
+            if simpler is not None:
+                return simpler
         if not reverse and opname in ("floor_divide", "remainder") and type(other) is int and other > 0:
             o = getattr(self, "origin", None)
             if o is not None and o[0] == "op" and o[1] == "mul" and other in [a for a in o[2:] if type(a) is int]:
@@ -485,7 +489,10 @@ class _Checked:
             if tracer_state() is None:
                 raise RuntimeError(f"thunder_train internal error: {what} of the data-dependent size {self.name} "
                                    "after tracing. Please report this with the function being compiled.")
-            return NumberProxy._concrete(self, what, convert)  # a decision the program checks where it runs the op
+            v = NumberProxy._concrete(self, what, convert)  # a decision the program checks where it runs the op
+            if convert in (None, "int"):
+                self.decided = v  # every later line runs with this value: later questions need no check
+            return v
         if tracer_state() is None:
             # A pass after tracing (autograd, fusion) needs the plain value: no check could be recorded, so the
             # traced call's value would be baked into every later call's program.
@@ -507,6 +514,9 @@ class _Checked:
         if self.unbacked or getattr(other, "unbacked", False):
             if _same_expr(self, other):
                 return fn(0, 0)
+            a, b = _decided(self), _decided(other)
+            if a is not None and b is not None:
+                return fn(a, b)
             known = _known_for_size(self, op, other)
             if known is None and _no_tracer():
                 # A compiler pass after tracing compares shapes structurally: another symbol or a number is
@@ -551,6 +561,19 @@ class _Checked:
         return self._check("!=", 0, self.value != 0)
 
 
+def _int_identity(x, opname, k):
+    """``x // 1``, ``x % 1``, ``(x + k) - k``, ``(x - k) + k`` on an integer number: the simpler form, so that size
+    arithmetic (a slice's length) keeps a data-dependent size the same symbol; None otherwise."""
+    if k == 1 and opname in ("floor_divide", "remainder"):
+        return x if opname == "floor_divide" else 0
+    o = getattr(x, "origin", None)
+    if o is None or o[0] != "op" or len(o) != 4 or type(o[3]) is not int or o[3] != k:
+        return None
+    if (opname, o[1]) in (("sub", "add"), ("add", "sub")):
+        return o[2]
+    return None
+
+
 def _same_expr(x, y) -> bool:
     """The same size whatever the values: one symbol, equal ints, or the same arithmetic on the same sizes."""
     if x is y:
@@ -558,8 +581,28 @@ def _same_expr(x, y) -> bool:
     if type(x) is int or type(y) is int:
         return type(x) is type(y) and x == y
     ox, oy = getattr(x, "origin", None), getattr(y, "origin", None)
-    return (ox is not None and oy is not None and ox[0] == "op" and oy[0] == "op" and ox[1] == oy[1] and
-            len(ox) == len(oy) and all(_same_expr(a, b) for a, b in zip(ox[2:], oy[2:])))
+    if ox is None or oy is None or ox[0] != "op" or oy[0] != "op" or ox[1] != oy[1] or len(ox) != len(oy):
+        return False
+    if all(_same_expr(a, b) for a, b in zip(ox[2:], oy[2:])):
+        return True
+    return ox[1] in ("mul", "add") and len(ox) == 4 and _same_expr(ox[2], oy[3]) and _same_expr(ox[3], oy[2])
+
+
+def _decided(x):
+    """The value of a size the trace has decided on (a check of the program makes every later line run with
+    it), of arithmetic on such sizes, or of a plain int; None otherwise."""
+    if type(x) is int:
+        return x
+    v = getattr(x, "decided", None)
+    if v is not None:
+        return v
+    o = getattr(x, "origin", None)
+    if o is None or o[0] != "op" or not isinstance(x, NumberProxy):
+        return None
+    args = [_decided(a) for a in o[2:]]
+    if any(a is None for a in args):
+        return None
+    return getattr(_prims, o[1]).python_op(*args)
 
 
 def same_size(x, y) -> bool:
