@@ -210,4 +210,39 @@ def test_a_mask_of_the_wrong_shape_raises_eagers_error():
         tt.compile(f)(torch.randn(4, 3), torch.ones(3, dtype=torch.bool))
 
 
+FORWARD = {
+    "boolean_mask_index": lambda x: x[x > 0],
+    "mask_of_leading_dims": lambda x: x[x[:, :, 0] > 0],
+    "mask_after_a_slice": lambda x: x[:, x[0, :, 0] > 0],
+    "where_one_argument": lambda x: torch.where(x > 0),
+    "nonzero_as_tuple": lambda x: torch.nonzero(x > 0, as_tuple=True),
+    "argwhere": lambda x: torch.argwhere(x > 0),
+    "masked_select_broadcast": lambda x: torch.masked_select(x, x[0] > 0),
+    "masked_scatter": lambda x: x.masked_scatter(x > 0, x * 10),
+    "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
+    "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
+    "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),
+    "repeat_interleave_index": lambda x: torch.repeat_interleave((x[0, 0] > 0).long() + 1),
+    "mask_set_vector": lambda x: x.clone().index_put_((x > 0,), torch.tensor(5.0)),
+}
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_forward_equals_eager_for_every_count(name, decompose):
+    from torch.utils._pytree import tree_flatten
+
+    fn = FORWARD[name]
+    cf = tt.compile(fn, decompose=decompose)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2, 3, 4, generator=g)
+        got, want = tree_flatten(cf(x))[0], tree_flatten(fn(x))[0]
+        assert len(got) == len(want)
+        for a, e in zip(got, want):
+            assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == e.stride(), (a.stride(), e.stride())
+            torch.testing.assert_close(a, e)
+    assert tt.compile_stats(cf).entries == 1
+
+
 # Mixtral's per-expert loop (transformers) is a model of the zoo: tests/_zoo.py, tests/test_model_zoo.py.
