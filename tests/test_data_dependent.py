@@ -246,3 +246,28 @@ def test_forward_equals_eager_for_every_count(name, decompose):
 
 
 # Mixtral's per-expert loop (transformers) is a model of the zoo: tests/_zoo.py, tests/test_model_zoo.py.
+
+
+class GroupedExperts(nn.Module):
+    """transformers' grouped-experts path: tokens sorted by expert, one ``grouped_mm`` over all experts with the
+    offsets of each expert's rows (a static shape; the offsets are values)."""
+
+    def __init__(self, d=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts, d, d) * 0.3)
+
+    def forward(self, x):
+        expert = self.gate(x).argmax(-1)
+        order = torch.sort(expert).indices
+        offs = torch.cumsum(torch.bincount(expert, minlength=self.w.shape[0]), 0).to(torch.int32)
+        y = F.grouped_mm(x[order], self.w, offs=offs)
+        return torch.zeros_like(x).index_add(0, order, y).sum(1)
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm")
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_grouped_mm_experts_train_like_eager(mode):
+    stats = _train(lambda: nn.Sequential(nn.Linear(6, 8), GroupedExperts()), mode, rows=16)
+    assert stats.entries == 2 and stats.decision_mismatches == 0
+    assert any("grouped_mm" in o for o in stats.opaque_ops)
