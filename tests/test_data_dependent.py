@@ -271,3 +271,37 @@ def test_grouped_mm_experts_train_like_eager(mode):
     stats = _train(lambda: nn.Sequential(nn.Linear(6, 8), GroupedExperts()), mode, rows=16)
     assert stats.entries == 2 and stats.decision_mismatches == 0
     assert any("grouped_mm" in o for o in stats.opaque_ops)
+
+
+def _mask_set(x):
+    h = x * 1
+    h[h > 0] = h[h > 0] * 3  # two masks: two counts the program finds equal (checked) before the update
+    return h.pow(2).sum()
+
+
+BACKWARD = {
+    "mask_get": lambda x: (x[x > 0] ** 2).sum(),
+    "masked_select": lambda x: torch.masked_select(x, x > 0).exp().sum(),
+    "where_cond": lambda x: x[torch.where(x > 0)].sin().sum(),
+    "repeat_interleave": lambda x: torch.repeat_interleave(x, (x[:, 0] > 0).long() + 1, dim=0).pow(2).sum(),
+    "index_select_nonzero": lambda x: x.index_select(0, torch.nonzero(x[:, 0] > 0)[:, 0]).tanh().sum(),
+    "mask_set": _mask_set,
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_compiled_function_gradients_through_data_dependent_sizes(name, dynamic):
+    # tt.compile(fn): the forward and its backward are separate programs; the counts cross between them
+    fn = BACKWARD[name]
+    cf = tt.compile(fn, dynamic=dynamic)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(5, 3, generator=g, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        got, want = cf(x), fn(x2)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+    assert tt.compile_stats(cf).entries == 1

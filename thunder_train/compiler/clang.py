@@ -14,7 +14,7 @@ from enum import Enum
 from . import dtypes, prims
 from .dtypes import DType
 from .proxies import (TensorProxy, NumberProxy, SizeProxy, as_divisor, is_int, is_number, number_type, same_shape, same_size,
-                      size_arg)
+                      size_arg, is_unbacked)
 
 
 def is_tensor(x) -> bool:
@@ -55,11 +55,13 @@ def broadcast_shapes(*shapes) -> tuple:
         s = (1,) * (n - len(s)) + tuple(s)
         for i, x in enumerate(s):
             o = out[i]
-            if x is o or (type(x) is int and x == 1) or same_size(x, o):
+            if x is o or (type(x) is int and x == 1):
                 continue
             if type(o) is int and o == 1:
                 out[i] = x  # whatever x is (a data-dependent size too): no decision needed
                 continue
+            if (is_unbacked(x) or is_unbacked(o)) and same_size(x, o):
+                continue  # certainly equal (a data-dependent size is never asked ``== 1`` here)
             if x == 1:
                 continue
             check(o == 1 or o == x, lambda: f"shapes {', '.join(str(tuple(t)) for t in shapes)} cannot be broadcast together")

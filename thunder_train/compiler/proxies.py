@@ -252,7 +252,11 @@ class NumberProxy(Proxy):
         return {"int": int, "float": float, "bool": bool}[convert](self.value)
 
     def __bool__(self):
-        return self._concrete("bool()", "bool")
+        v = self._concrete("bool()", "bool")
+        same = getattr(self, "equates", None)  # ``u0 == u1`` of two data-dependent sizes, decided equal
+        if same is not None and v == same[2] and _root(same[0]) is not _root(same[1]):
+            _root(same[1]).same_as = _root(same[0])  # later shape questions know it (the program checks it first)
+        return v
 
     def __int__(self):
         return self._concrete("int()", "int")
@@ -574,8 +578,15 @@ def _int_identity(x, opname, k):
     return None
 
 
+def _root(x):
+    while getattr(x, "same_as", None) is not None:
+        x = x.same_as
+    return x
+
+
 def _same_expr(x, y) -> bool:
     """The same size whatever the values: one symbol, equal ints, or the same arithmetic on the same sizes."""
+    x, y = _root(x), _root(y)
     if x is y:
         return True
     if type(x) is int or type(y) is int:
@@ -643,6 +654,14 @@ class SizeProxy(_Checked, _IntProxy):
     """
 
     __hash__ = NumberProxy.__hash__
+
+    def __format__(self, spec):
+        if self.unbacked and _no_tracer():
+            return format(self.name, spec)  # an error message written after tracing names the symbol
+        return NumberProxy.__format__(self, spec)
+
+    def __str__(self):
+        return self.__format__("")
 
 
 def unbacked_size(hint: int) -> SizeProxy:

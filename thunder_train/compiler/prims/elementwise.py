@@ -49,6 +49,8 @@ def _elementwise_meta(sym, args, *, bool_output=False):
             if type(value) is not int:
                 out = NumberProxy(value=None, python_type=type(value))
                 out.unbacked = True  # recorded at the top of the program, where a decision on it can find its line
+                if opname in ("eq", "ne") and all(isinstance(a, SizeProxy) for a in args):
+                    out.equates = (args[0], args[1], opname == "eq")  # (a, b, the answer that makes them equal)
                 return out
             out = unbacked_size(value)
             out.origin = ("op", opname) + tuple(args)

@@ -57,9 +57,8 @@ def _flat_positions(mask):
 def masked_select(input, mask):
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
-    shape = torch.broadcast_shapes(input.shape, mask.shape)
-    pos = _flat_positions(mask.expand(shape))
-    return torch.index_select(input.expand(shape).reshape(-1), 0, pos)
+    input, mask = torch.broadcast_tensors(input, mask)
+    return torch.index_select(input.reshape(-1), 0, _flat_positions(mask))
 
 
 def mask_keys(x, key, probe=False):
