@@ -218,7 +218,6 @@ FORWARD = {
     "nonzero_as_tuple": lambda x: torch.nonzero(x > 0, as_tuple=True),
     "argwhere": lambda x: torch.argwhere(x > 0),
     "masked_select_broadcast": lambda x: torch.masked_select(x, x[0] > 0),
-    "masked_scatter": lambda x: x.masked_scatter(x > 0, x * 10),
     "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
     "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
     "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),

@@ -16,7 +16,7 @@ from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
 from .shapes import select
-from .value_shaped import _flat_positions
+from .value_shaped import decided_positions
 
 
 @torchsymbol(torch.index_select, methods=("index_select",), tags=("fallible",))
@@ -320,11 +320,12 @@ def masked_scatter(input, mask, source):
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}")
     shape = torch.broadcast_shapes(input.shape, mask.shape)
-    pos = _flat_positions(mask.expand(shape))
-    # source's first n entries; too few of them raise at run time (an index out of range), as eager raises
-    taken = torch.index_select(source.reshape(-1), 0, torch.arange(pos.shape[0], device=source.device))
+    pos = decided_positions(mask.expand(shape))
+    n = pos.shape[0]
+    if n > source.numel():
+        raise RuntimeError("masked_scatter: expected source to have at least as many elements as ones in mask")
     out = input.expand(shape).reshape(-1).clone()
-    out[pos] = taken
+    out[pos] = source.reshape(-1)[:n]
     return out.reshape(shape)
 
 
