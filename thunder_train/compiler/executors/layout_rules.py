@@ -161,7 +161,14 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
 
 
 def _as_created(bsym, tensors, outs) -> bool:
-    """The outputs' layouts are the ones their meta function gave them."""
+    """Row-major, as created (no fake run can make sizes the values decide)."""
+    return True
+
+
+def _column_major(bsym, tensors, outs) -> bool:
+    """``nonzero``'s ``(n, ndim)`` positions are column-major in eager."""
+    o = bsym.output
+    o._tt_strides, o._tt_rowmajor, o._tt_storage_offset = (1, o._tt_shape[0]), False, 0
     return True
 
 
@@ -178,7 +185,7 @@ def _declare_layout_rules() -> None:
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
         **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
         # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
-        prims.nonzero: _as_created, prims.unique: _as_created, prims.bincount: _as_created,
+        prims.nonzero: _column_major, prims.unique: _as_created, prims.bincount: _as_created,
         prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():

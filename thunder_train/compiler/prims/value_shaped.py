@@ -55,7 +55,7 @@ def unique_vjp(g, out, /, a, sorted, return_inverse, return_counts):
     raise RuntimeError("the derivative for '_unique2' is not implemented.")
 
 
-@prim
+@prim(tags=("fallible",))  # a negative value raises at run time
 def bincount(a, weights, minlength):
     """Counts of each value of the 1-d non-negative integer ``a`` (summed ``weights`` where given): ``(u,)`` with
     ``u = max(a.max() + 1, minlength)``; int64, or float32/float64 as eager's with weights."""
@@ -75,7 +75,7 @@ def bincount_vjp(g, out, /, a, weights, minlength):
     raise RuntimeError("derivative for aten::bincount is not implemented")
 
 
-@prim(tags=("non_differentiable",))
+@prim(tags=("non_differentiable", "fallible"))  # a negative repeat raises at run time
 def repeat_index(repeats):
     """``torch.repeat_interleave(repeats)``: ``i`` repeated ``repeats[i]`` times, ``(u,)`` int64 with
     ``u = repeats.sum()``."""
