@@ -303,14 +303,16 @@ class NumberProxy(Proxy):
     def _binop(self, other, opname, reverse=False):
         if not is_number(other):
             return NotImplemented
-        if type(other) is int and ((opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and
-                                                                          not (reverse and opname == "sub"))):
-            return self  # ``1 * n``, ``n + 0``: the number itself (a data-dependent size stays the same symbol)
-        if self.python_type is int and not reverse and type(other) is int:
-            simpler = _int_identity(self, opname, other)
-            if simpler is not None:
-                return simpler
-        if not reverse and opname in ("floor_divide", "remainder") and type(other) is int and other > 0:
+        # Integer identities (``1 * n``, ``n + 0``, ``x // 1``, ``(x + k) - k``, ``(n * k) // k``): the simpler form,
+        # recorded as nothing, so that a data-dependent size stays the same symbol through shape arithmetic.
+        # Only on ints: on floats ``-0.0 + 0`` is ``0.0``, ``x // 1`` floors.
+        if self.python_type is not int or type(other) is not int:
+            pass
+        elif (opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and not (reverse and opname == "sub")):
+            return self
+        elif not reverse and _int_identity(self, opname, other) is not None:
+            return _int_identity(self, opname, other)
+        elif not reverse and opname in ("floor_divide", "remainder") and other > 0:
             o = getattr(self, "origin", None)
             if o is not None and o[0] == "op" and o[1] == "mul" and other in [a for a in o[2:] if type(a) is int]:
                 # ``(n * k) // k`` is ``n``, ``(n * k) % k`` is 0: a reshape back keeps the symbol
