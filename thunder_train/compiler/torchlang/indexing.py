@@ -34,9 +34,12 @@ def gather(input, dim, index, *, sparse_grad=False):
 
 @torchsymbol(torch.take_along_dim, methods=("take_along_dim",), tags=("fallible",))
 def take_along_dim(input, indices, dim=None):
-    if dim is None:
+    if dim is None:  # a gather of the flattened input: an index out of range raises, as eager's
         return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
+    # along a dim, eager's CPU kernel takes every index modulo the size (-1 is the last entry, and so is
+    # size - 1 + k * size), in the forward and its gradient alike
     dim = clang.canonicalize_dim(input.ndim_, dim)
+    indices = clang.elementwise_binary(prims.remainder, indices, input._tt_shape[dim])
     # Every dim but ``dim`` broadcasts; along ``dim`` each keeps its own size.
     rest_in = input._tt_shape[:dim] + (1,) + input._tt_shape[dim + 1 :]
     rest_idx = indices._tt_shape[:dim] + (1,) + indices._tt_shape[dim + 1 :]
