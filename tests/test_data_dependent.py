@@ -220,6 +220,7 @@ FORWARD = {
     "masked_select_broadcast": lambda x: torch.masked_select(x, x[0] > 0),
     "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
     "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
+    "unique_consecutive": lambda x: torch.unique_consecutive((x > 0).long(), return_inverse=True, return_counts=True),
     "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),
     "repeat_interleave_index": lambda x: torch.repeat_interleave((x[0, 0] > 0).long() + 1),
     "mask_set_vector": lambda x: x.clone().index_put_((x > 0,), torch.tensor(5.0)),

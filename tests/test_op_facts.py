@@ -346,6 +346,8 @@ def _layout_samples(op):
         return [((torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 4.0]]),), {})]
     if op is prims.unique:
         return [((torch.tensor([3, 1, 3, 2]), True, True, True), {})]
+    if op is prims.unique_consecutive:
+        return [((torch.tensor([3, 3, 1, 2, 2]), True, True), {})]
     if op is prims.bincount:
         return [((torch.tensor([0, 2, 2]), None, 5), {}), ((torch.tensor([0, 2, 2]), torch.rand(3), 0), {})]
     if op is prims.repeat_index:

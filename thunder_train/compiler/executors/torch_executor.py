@@ -465,6 +465,11 @@ def _(bsym):
     return torch_impls.unique, bsym.args, {}
 
 
+@_rule(prims.unique_consecutive)
+def _(bsym):
+    return torch_impls.unique_consecutive, bsym.args, {}
+
+
 @_rule(prims.bincount)
 def _(bsym):
     return torch.bincount, bsym.args, {}

@@ -1,4 +1,5 @@
-"""Prims whose output sizes depend on tensor values: ``nonzero``, ``unique``, ``bincount``, ``repeat_index``.
+"""Prims whose output sizes depend on tensor values: ``nonzero``, ``unique``, ``unique_consecutive``, ``bincount``,
+``repeat_index``.
 
 Each output size that values decide is a *data-dependent size* (``proxies.unbacked_size``, printed ``u0``):
 the program reads it from the op's result right after the op runs (``(u0, _) = prims.shape(t)``, recorded by
@@ -53,6 +54,17 @@ def unique(a, sorted, return_inverse, return_counts):
 @register_vjp(unique)
 def unique_vjp(g, out, /, a, sorted, return_inverse, return_counts):
     raise RuntimeError("the derivative for '_unique2' is not implemented.")
+
+
+@prim
+def unique_consecutive(a, return_inverse, return_counts):
+    """``torch.unique_consecutive(a)`` (flattened): each run of equal values once, as ``unique``'s results."""
+    return unique.fn(a, False, return_inverse, return_counts)
+
+
+@register_vjp(unique_consecutive)
+def unique_consecutive_vjp(g, out, /, a, return_inverse, return_counts):
+    raise RuntimeError("the derivative for 'unique_consecutive' is not implemented.")
 
 
 @prim(tags=("fallible",))  # a negative value raises at run time

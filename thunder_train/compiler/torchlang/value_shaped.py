@@ -98,6 +98,14 @@ def mask_keys(x, key, probe=False):
     return tuple(out)
 
 
+def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
+    if dim is not None:
+        raise NotImplementedError("torch.unique_consecutive(dim=...) is run by torch")
+    values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
+    out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
+    return out[0] if len(out) == 1 else out
+
+
 def repeat_positions(repeats):
     """``torch.repeat_interleave(repeats)``: each position ``i`` repeated ``repeats[i]`` times."""
     return _run_sized(prims.repeat_index, repeats)
@@ -177,6 +185,8 @@ def lstsq(A, B, rcond=None, *, driver=None):
 
 composed("nonzero", nonzero, (torch.nonzero,), ("nonzero",))
 composed("unique", unique, (torch.unique, torch.functional.unique), ("unique",))
+composed("unique_consecutive", unique_consecutive, (torch.unique_consecutive, torch.functional.unique_consecutive),
+         ("unique_consecutive",))
 composed("argwhere", argwhere, (torch.argwhere,), ("argwhere",))
 composed("masked_select", masked_select, (torch.masked_select,), ("masked_select",))
 composed("bincount", bincount, (torch.bincount,), ("bincount",))
