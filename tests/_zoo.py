@@ -86,6 +86,19 @@ _LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, 
 _llama = _decoder("Llama", num_key_value_heads=2, tie_word_embeddings=False, **_LLAMA_LIKE)
 
 
+def mixtral():
+    """Mixtral with the per-expert loop (transformers' "eager" experts): routing through ``nonzero``,
+    ``torch.where(mask)``, token gathers and ``index_add_``, whose sizes change with every batch."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
+                                     num_attention_heads=HEADS, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(cfg)
+    model.config._experts_implementation = "eager"
+    return model
+
+
 def gpt2():
     import transformers
 
@@ -247,6 +260,8 @@ CASES = {c.name: c for c in [
     Case("qwen2", "Qwen2 (rotary, QKV biases, tied embeddings)",
          _decoder("Qwen2", num_key_value_heads=2, tie_word_embeddings=True, **_LLAMA_LIKE), lm_batch),
     Case("bloom", "BLOOM (ALiBi positions, tied embeddings)", bloom, lm_batch),
+    Case("mixtral", "Mixtral sparse mixture-of-experts (top-2 routing, per-expert loop: data-dependent sizes)",
+         mixtral, lm_batch),
     Case("falcon", "Falcon (multi-query attention, rotary, parallel attention/MLP, weight used as W.T)", falcon, lm_batch),
     Case("llama_padded", "Llama with a left-padding attention mask", _llama, padded_lm_batch),
     # encoders, encoder-decoder, vision

@@ -292,9 +292,10 @@ def test_data_dependent_control_flow_is_specialised_or_a_clear_error():
         torch.testing.assert_close(ch(x), h(x))
 
 
-def test_bool_mask_indexing_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="boolean-mask"):
-        tt.compile(lambda x: x[x > 0])(torch.randn(4))
+def test_bool_mask_indexing_follows_eager():
+    # a data-dependent size the program reads when the mask is applied (tests/test_data_dependent.py)
+    x = torch.randn(4)
+    torch.testing.assert_close(tt.compile(lambda x: x[x > 0])(x), x[x > 0])
 
 
 def test_unknown_ops_run_opaquely_and_strict_rejects_them():

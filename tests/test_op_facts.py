@@ -65,7 +65,7 @@ NO_RULE_BY_DESIGN = {"copy_", "check_finite", "all_reduce_mean", "convolution_ba
 def test_the_prims_are_split_by_family_and_exported():
     families = {_file(s.fn).rsplit("/", 1)[-1] for s in PRIMS.values()}
     assert families == {"elementwise.py", "reductions.py", "shapes.py", "linalg.py", "factories.py", "memory.py",
-                        "generators.py"}
+                        "generators.py", "value_shaped.py"}
     assert all(getattr(prims, n) is s and s.module == "prims" and s.is_prim for n, s in PRIMS.items())
     assert len(PRIMS) >= 100
 
@@ -350,6 +350,16 @@ def _layout_samples(op):
         name = dist.group.WORLD.group_name
         return [((torch.rand(3, 4),) + ((1, name) if op is prims.all_gather else ("sum", 1, name) if op is prims.reduce_scatter
                                         else (torch.rand(3, 4),)), {})]
+    if op is prims.nonzero:  # sizes the values decide: eager's layout of the result (nonzero's is column-major)
+        return [((torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 4.0]]),), {})]
+    if op is prims.unique:
+        return [((torch.tensor([3, 1, 3, 2]), True, True, True), {})]
+    if op is prims.unique_consecutive:
+        return [((torch.tensor([3, 3, 1, 2, 2]), True, True), {})]
+    if op is prims.bincount:
+        return [((torch.tensor([0, 2, 2]), None, 5), {}), ((torch.tensor([0, 2, 2]), torch.rand(3), 0), {})]
+    if op is prims.repeat_index:
+        return [((torch.tensor([1, 0, 3]),), {})]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]

@@ -108,11 +108,10 @@ def test_dropout_statistics():
 
 # Cases that cannot be compiled raise a clear error rather than computing something else.
 UNSUPPORTED = {
-    "boolean_mask_index": (lambda x: x[x > 0], NotImplementedError, "boolean-mask indexing"),
+    # (boolean-mask indexing and torch.where(cond) have data-dependent sizes now: tests/test_data_dependent.py)
     # as eager: in place, the mask may not grow the input; the value must be 0-d
     "masked_fill__grows_input": (lambda x: (x * 1).masked_fill_(torch.ones(5, 1, 1, 1, dtype=torch.bool), 0.0), RuntimeError, "broadcast shape"),
     "masked_fill_vector_value": (lambda x: x.masked_fill(x > 0, torch.ones(4)), RuntimeError, "0-dimensional value"),
-    "where_one_argument": (lambda x: torch.where(x > 0), NotImplementedError, "three-argument form"),
     # one_hot without num_classes of an input is a decision (tests/test_decided_ops.py); of a random value it cannot be
     "one_hot_without_num_classes_random": (lambda x: torch.nn.functional.one_hot(torch.randint(0, 3, (4,))), RuntimeError, "random"),
     # (branching on .item() of an input is specialised now: tests/test_decisions.py)

@@ -13,7 +13,8 @@ from enum import Enum
 
 from . import dtypes, prims
 from .dtypes import DType
-from .proxies import TensorProxy, NumberProxy, SizeProxy, as_divisor, is_int, is_number, number_type, size_arg
+from .proxies import (TensorProxy, NumberProxy, SizeProxy, as_divisor, is_int, is_number, number_type, same_shape, same_size,
+                      size_arg, is_unbacked)
 
 
 def is_tensor(x) -> bool:
@@ -53,9 +54,17 @@ def broadcast_shapes(*shapes) -> tuple:
     for s in shapes:
         s = (1,) * (n - len(s)) + tuple(s)
         for i, x in enumerate(s):
+            o = out[i]
+            if x is o or (type(x) is int and x == 1):
+                continue
+            if type(o) is int and o == 1:
+                out[i] = x  # whatever x is (a data-dependent size too): no decision needed
+                continue
+            if (is_unbacked(x) or is_unbacked(o)) and same_size(x, o):
+                continue  # certainly equal (a data-dependent size is never asked ``== 1`` here)
             if x == 1:
                 continue
-            check(out[i] == 1 or out[i] == x, lambda: f"shapes {', '.join(str(tuple(t)) for t in shapes)} cannot be broadcast together")
+            check(o == 1 or o == x, lambda: f"shapes {', '.join(str(tuple(t)) for t in shapes)} cannot be broadcast together")
             out[i] = x
     return tuple(out)
 
@@ -72,10 +81,10 @@ def expand(a, shape):
         if t == -1:
             resolved[offset + i] = s
         else:
-            check(s == 1 or s == t, lambda: f"expand: size {s} at dim {i} cannot expand to {t} (target {shape})")
+            check(same_size(s, t) or s == 1 or s == t, lambda: f"expand: size {s} at dim {i} cannot expand to {t} (target {shape})")
     check(all(s >= 0 for s in resolved), lambda: f"expand: invalid target {shape}")
     resolved = tuple(resolved)
-    if resolved == a._tt_shape:
+    if same_shape(resolved, a._tt_shape):
         return a
     return prims.broadcast_in_dim(a, resolved, tuple(range(offset, nd)))
 
@@ -85,7 +94,7 @@ def maybe_broadcast(*args):
     if not shapes:
         return args
     target = broadcast_shapes(*shapes)
-    return tuple(expand(a, target) if is_tensor(a) and a._tt_shape != target else a for a in args)
+    return tuple(expand(a, target) if is_tensor(a) and not same_shape(a._tt_shape, target) else a for a in args)
 
 
 def _prod(sizes):
@@ -108,7 +117,7 @@ def reshape(a, shape):
         minus_one = [type(s) is int and s == -1 for s in shape]
         shape = tuple(n // known if m else s for s, m in zip(shape, minus_one)) if known else tuple(0 if m else s for s, m in zip(shape, minus_one))
     check(_prod(shape) == n, lambda: f"shape {shape} is invalid for input of size {n}")
-    if shape == a._tt_shape:
+    if same_shape(shape, a._tt_shape):
         return a
     return prims.reshape(a, shape)
 

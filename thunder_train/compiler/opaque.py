@@ -6,6 +6,8 @@ torch executor calls the original torch callable.  Each use is recorded so
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import context, devices
@@ -123,7 +125,10 @@ record_differentiable = None
 
 def _to_meta(x, requires_grad=False):
     if type(x) is TensorProxy:
-        return torch.empty(x._tt_shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
+        # torch needs plain sizes: a symbolic or data-dependent size becomes a decision on its value (checked by
+        # the prologue or, for a size values decide, by the program where it computes it), as eager uses it
+        shape = tuple(s if type(s) is int else operator.index(s) for s in x._tt_shape)
+        return torch.empty(shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
     if isinstance(x, torch.Tensor):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x

@@ -325,7 +325,11 @@ class NumberProxy(Proxy):
         return {"int": int, "float": float, "bool": bool}[convert](self.value)
 
     def __bool__(self):
-        return self._concrete("bool()", "bool")
+        v = self._concrete("bool()", "bool")
+        same = getattr(self, "equates", None)  # ``u0 == u1`` of two data-dependent sizes, decided equal
+        if same is not None and v == same[2] and _root(same[0]) is not _root(same[1]):
+            _root(same[1]).same_as = _root(same[0])  # later shape questions know it (the program checks it first)
+        return v
 
     def __int__(self):
         return self._concrete("int()", "int")
@@ -372,6 +376,21 @@ class NumberProxy(Proxy):
     def _binop(self, other, opname, reverse=False):
         if not is_number(other):
             return NotImplemented
+        # Integer identities (``1 * n``, ``n + 0``, ``x // 1``, ``(x + k) - k``, ``(n * k) // k``): the simpler form,
+        # recorded as nothing, so that a data-dependent size stays the same symbol through shape arithmetic.
+        # Only on ints: on floats ``-0.0 + 0`` is ``0.0``, ``x // 1`` floors.
+        if self.python_type is not int or type(other) is not int:
+            pass
+        elif (opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and not (reverse and opname == "sub")):
+            return self
+        elif not reverse and _int_identity(self, opname, other) is not None:
+            return _int_identity(self, opname, other)
+        elif not reverse and opname in ("floor_divide", "remainder") and other > 0:
+            o = getattr(self, "origin", None)
+            if o is not None and o[0] == "op" and o[1] == "mul" and other in [a for a in o[2:] if type(a) is int]:
+                # ``(n * k) // k`` is ``n``, ``(n * k) % k`` is 0: a reshape back keeps the symbol
+                i = next(j for j, a in enumerate(o[2:]) if type(a) is int and a == other)
+                return o[2:][1 - i] if opname == "floor_divide" else 0
         a, b = (other, self) if reverse else (self, other)
         return getattr(_prims, opname)(a, b)
 
@@ -529,6 +548,11 @@ class _Checked:
     leaf itself) or ``("op", prim name, *args)``.
     """
 
+    # A size computed by an op from tensor values (``nonzero``, boolean masks, ``unique``): the program knows it
+    # only when the op has run, so no prologue can check a decision on it (acquisition/decisions.py checks it in
+    # the program instead) and its ``value`` is only a stand-in for layout rules and estimates, never decided on.
+    unbacked = False
+
     def _check(self, op, other, result):
         from .context import tracer_state
 
@@ -540,6 +564,14 @@ class _Checked:
     def _concrete(self, what, convert=None):
         from .context import tracer_state
 
+        if self.unbacked:
+            if tracer_state() is None:
+                raise RuntimeError(f"thunder_train internal error: {what} of the data-dependent size {self.name} "
+                                   "after tracing. Please report this with the function being compiled.")
+            v = NumberProxy._concrete(self, what, convert)  # a decision the program checks where it runs the op
+            if convert in (None, "int"):
+                self.decided = v  # every later line runs with this value: later questions need no check
+            return v
         if tracer_state() is None:
             # A pass after tracing (autograd, fusion) needs the plain value: no check could be recorded, so the
             # traced call's value would be baked into every later call's program.
@@ -556,6 +588,24 @@ class _Checked:
         return x.value if isinstance(x, NumberProxy) else x
 
     def _cmp(self, other, op, fn, prim):
+        if other is self:
+            return fn(0, 0)
+        if self.unbacked or getattr(other, "unbacked", False):
+            if _same_expr(self, other):
+                return fn(0, 0)
+            a, b = _decided(self), _decided(other)
+            if a is not None and b is not None:
+                return fn(a, b)
+            known = _known_for_size(self, op, other)
+            if known is None and _no_tracer():
+                # A compiler pass after tracing compares shapes structurally: another symbol or a number is
+                # "not known equal"; an ordering it cannot know.
+                if op in ("==", "!="):
+                    return op == "!="
+                raise RuntimeError(f"thunder_train internal error: {self.name} {op} {other} on a data-dependent size "
+                                   "after tracing. Please report this with the function being compiled.")
+            # recorded (``n1 = u0 == 1``): deciding on it is a check of the program
+            return known if known is not None else NumberProxy._binop(self, other, prim)
         if isinstance(other, NumberProxy) and not isinstance(other, _Checked):
             return NumberProxy._binop(self, other, prim)  # against an item(): recorded, decided from the inputs
         if not is_number(other):
@@ -585,7 +635,89 @@ class _Checked:
     __hash__ = NumberProxy.__hash__
 
     def __bool__(self):
+        if self.unbacked:
+            return NumberProxy.__bool__(self)
         return self._check("!=", 0, self.value != 0)
+
+
+def _int_identity(x, opname, k):
+    """``x // 1``, ``x % 1``, ``(x + k) - k``, ``(x - k) + k`` on an integer number: the simpler form, so that size
+    arithmetic (a slice's length) keeps a data-dependent size the same symbol; None otherwise."""
+    if k == 1 and opname in ("floor_divide", "remainder"):
+        return x if opname == "floor_divide" else 0
+    o = getattr(x, "origin", None)
+    if o is None or o[0] != "op" or len(o) != 4 or type(o[3]) is not int or o[3] != k:
+        return None
+    if (opname, o[1]) in (("sub", "add"), ("add", "sub")):
+        return o[2]
+    return None
+
+
+def _root(x):
+    while getattr(x, "same_as", None) is not None:
+        x = x.same_as
+    return x
+
+
+def _same_expr(x, y) -> bool:
+    """The same size whatever the values: one symbol, equal ints, or the same arithmetic on the same sizes."""
+    x, y = _root(x), _root(y)
+    if x is y:
+        return True
+    if type(x) is int or type(y) is int:
+        return type(x) is type(y) and x == y
+    ox, oy = getattr(x, "origin", None), getattr(y, "origin", None)
+    if ox is None or oy is None or ox[0] != "op" or oy[0] != "op" or ox[1] != oy[1] or len(ox) != len(oy):
+        return False
+    if all(_same_expr(a, b) for a, b in zip(ox[2:], oy[2:])):
+        return True
+    return ox[1] in ("mul", "add") and len(ox) == 4 and _same_expr(ox[2], oy[3]) and _same_expr(ox[3], oy[2])
+
+
+def _decided(x):
+    """The value of a size the trace has decided on (a check of the program makes every later line run with
+    it), of arithmetic on such sizes, or of a plain int; None otherwise."""
+    if type(x) is int:
+        return x
+    v = getattr(x, "decided", None)
+    if v is not None:
+        return v
+    o = getattr(x, "origin", None)
+    if o is None or o[0] != "op" or not isinstance(x, NumberProxy):
+        return None
+    args = [_decided(a) for a in o[2:]]
+    if any(a is None for a in args):
+        return None
+    return getattr(_prims, o[1]).python_op(*args)
+
+
+def same_size(x, y) -> bool:
+    """Whether two sizes are equal, for a pass that only asks "can I skip this?": with a data-dependent size a
+    "no" when equality is not certain, never a decision; other sizes compare as usual (checked symbols)."""
+    if x is y:
+        return True
+    if is_unbacked(x) or is_unbacked(y):
+        return _same_expr(x, y)
+    return x == y
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def _no_tracer() -> bool:
+    from .context import tracer_state
+
+    return tracer_state() is None
+
+
+def _known_for_size(size, op, other):
+    """What a comparison of a size with a plain int says whatever the size is (a size is never negative)."""
+    if not isinstance(size, SizeProxy) or type(other) is not int or other > 0:
+        return None
+    if other == 0:
+        return {">=": True, "<": False}.get(op)
+    return {"==": False, "!=": True, ">": True, ">=": True, "<": False, "<=": False}[op]
 
 
 class SizeProxy(_Checked, _IntProxy):
@@ -597,6 +729,26 @@ class SizeProxy(_Checked, _IntProxy):
     """
 
     __hash__ = NumberProxy.__hash__
+
+    def __format__(self, spec):
+        if self.unbacked and _no_tracer():
+            return format(self.name, spec)  # an error message written after tracing names the symbol
+        return NumberProxy.__format__(self, spec)
+
+    def __str__(self):
+        return self.__format__("")
+
+
+def unbacked_size(hint: int) -> SizeProxy:
+    """A new size known only when the op computing it runs (``u0``); ``hint`` stands in for layout rules."""
+    s = SizeProxy(fresh_name("u"), value=hint, python_type=int)
+    s.unbacked = True
+    s.origin = ("unbacked",)
+    return s
+
+
+def is_unbacked(x) -> bool:
+    return getattr(x, "unbacked", False) is True
 
 
 class CheckedFloat(_Checked, _FloatProxy):

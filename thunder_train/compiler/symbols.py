@@ -204,8 +204,8 @@ class Symbol:
 
 
 def _is_size(x) -> bool:
-    """Symbolic sizes and checked hyper-parameters (and arithmetic on them)."""
-    return is_checked(x)
+    """Symbolic sizes and checked hyper-parameters, data-dependent sizes (and arithmetic on them)."""
+    return is_checked(x) or getattr(x, "unbacked", False) is True
 
 
 def _returns_an_input(out, args, kwargs) -> bool:

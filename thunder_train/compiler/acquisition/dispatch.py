@@ -21,7 +21,7 @@ from .functional import fresh_results
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
 from . import kernel_switches, traced_autograd
-from ..torchlang import registry
+from ..torchlang import registry, value_shaped
 from ..torchlang.autocast import cast_inputs
 from ..torchlang.tensor_methods import requires_grad_of
 from .opaque_views import record_opaque_views
@@ -63,6 +63,10 @@ def handle_torch_function(func, types, args, kwargs):
         _refuse_generator(func)
     if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
+    if top and st.walker is not None:
+        rewritten = _data_dependent_form(func, args, kwargs)
+        if rewritten is not None:
+            return rewritten(func, args, kwargs)
     # Functionalization (compiler/acquisition/functional.py): read the current value of every buffer.
     orig_args, orig_kwargs = args, kwargs
     if top:
@@ -160,6 +164,25 @@ def handle_torch_function(func, types, args, kwargs):
     if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
         record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
     return no_grad_region(st, out)
+
+
+_ITEM_ACCESS = {getattr(owner, m) for owner in (torch.Tensor, torch._C.TensorBase) for m in ("__getitem__", "__setitem__")}
+
+
+def _data_dependent_form(func, args, kwargs):
+    """Calls whose result sizes the values decide, written with ``nonzero`` (torchlang/value_shaped.py): a boolean
+    mask in an indexing key becomes the positions it selects, ``torch.where(cond)`` is ``nonzero(as_tuple=True)``.
+    Returns how to run the call, or None for every other call."""
+    if func in _ITEM_ACCESS and len(args) >= 2 and type(args[0]) is TensorProxy:
+        if value_shaped.mask_keys(args[0], args[1], probe=True) is None:
+            return None
+
+        def run(func, args, kwargs):
+            return func(args[0], value_shaped.mask_keys(args[0], args[1]), *args[2:], **kwargs)
+        return run
+    if func is torch.where and len(args) == 1 and not kwargs:
+        return lambda func, args, kwargs: value_shaped.where_positions(args[0])
+    return None
 
 
 def _refuse_generator(func):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, size_value
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, same_shape, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -160,14 +160,22 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
     return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
 
 
-def _new_row_major(bsym, tensors, outs) -> bool:
-    """A collective's result: new row-major memory (running it on fake tensors would need a process group)."""
-    return True
-
-
 def _like_input(bsym, tensors, outs) -> bool:
     """``wait`` returns the tensor the collective made."""
     _like(bsym.output, bsym.args[0])
+    return True
+
+
+def _as_created(bsym, tensors, outs) -> bool:
+    """Row-major, as created, without a fake run: a collective's result (a fake run would need a process group) and
+    results whose sizes the values decide (no fake run can make them)."""
+    return True
+
+
+def _column_major(bsym, tensors, outs) -> bool:
+    """``nonzero``'s ``(n, ndim)`` positions are column-major in eager."""
+    o = bsym.output
+    o._tt_strides, o._tt_rowmajor, o._tt_storage_offset = (1, o._tt_shape[0]), False, 0
     return True
 
 
@@ -179,11 +187,14 @@ def _declare_layout_rules() -> None:
         prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
         optim.adam_update: _like_overwritten_lists, optim.sgd_update: _like_overwritten_lists,
         optim.adagrad_update: _like_overwritten_lists,
-        prims.all_gather: _new_row_major, prims.reduce_scatter: _new_row_major, prims.wait: _like_input,
+        prims.all_gather: _as_created, prims.reduce_scatter: _as_created, prims.wait: _like_input,
         prims.matmul: _matmul_of_matrices, linalg.matmul: _matmul_of_matrices, nn.linear: _linear_of_row_major,
         **{like: _like_of_row_major for like in (factories.zeros_like, factories.ones_like, factories.empty_like,
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
         **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
+        # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
+        prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.bincount: _as_created,
+        prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():
         sym.layout_rule = rule
@@ -205,8 +216,8 @@ def set_layout(bsym) -> None:
         return  # factories: row-major, as created
     if all(len(o._tt_shape) == 0 for o in outs):
         return  # 0-d results have no strides
-    if "elementwise" in bsym.sym.tags and all(t._tt_rowmajor and t._tt_shape == outs[0]._tt_shape for t in tensors) \
-            and all(o._tt_shape == outs[0]._tt_shape for o in outs):
+    if "elementwise" in bsym.sym.tags and all(t._tt_rowmajor and same_shape(t._tt_shape, outs[0]._tt_shape) for t in tensors) \
+            and all(same_shape(o._tt_shape, outs[0]._tt_shape) for o in outs):
         return  # elementwise on row-major inputs of the output's shape: row-major, as created
     ins = {id(x) for x in flat_in}
     if all(id(o) in ins for o in outs):

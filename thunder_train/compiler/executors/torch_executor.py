@@ -455,6 +455,31 @@ def _(bsym):
     return torch_impls.shape, bsym.args, {}
 
 
+@_rule(prims.nonzero)
+def _(bsym):
+    return torch.nonzero, bsym.args, {}
+
+
+@_rule(prims.unique)
+def _(bsym):
+    return torch_impls.unique, bsym.args, {}
+
+
+@_rule(prims.unique_consecutive)
+def _(bsym):
+    return torch_impls.unique_consecutive, bsym.args, {}
+
+
+@_rule(prims.bincount)
+def _(bsym):
+    return torch.bincount, bsym.args, {}
+
+
+@_rule(prims.repeat_index)
+def _(bsym):
+    return torch.repeat_interleave, bsym.args, {}
+
+
 @_rule(prims.item)
 def _(bsym):
     return torch.Tensor.item, bsym.args, {}

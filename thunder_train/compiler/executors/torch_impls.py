@@ -84,6 +84,18 @@ def shape(a):
     return tuple(a.shape)
 
 
+def unique(a, sorted, return_inverse, return_counts):
+    """``torch.unique`` with the prim's three results (None for those not asked for, as the trace has them)."""
+    values, inverse, counts = torch._unique2(a, sorted, return_inverse, return_counts)
+    return values, inverse if return_inverse else None, counts if return_counts else None
+
+
+def unique_consecutive(a, return_inverse, return_counts):
+    """``torch.unique_consecutive`` with the prim's three results (None for those not asked for)."""
+    values, inverse, counts = torch.unique_consecutive(a, return_inverse=True, return_counts=True)
+    return values, inverse if return_inverse else None, counts if return_counts else None
+
+
 def pad(a, value, config):
     """Constant pad with (lo, hi, interior) per dim; negative lo/hi crop."""
     if any(interior for _, _, interior in config):

@@ -15,7 +15,8 @@ module per family:
 - ``linalg.py``: matmul, convolution (and its backward);
 - ``factories.py``: full, empty, iota, random values;
 - ``memory.py``: ``copy_``, ``item``, ``shape``, runtime checks, collectives;
-- ``generators.py``: the random generators' state as values (``get_rng_state``, ``set_rng_state``, ``manual_seed``).
+- ``generators.py``: the random generators' state as values (``get_rng_state``, ``set_rng_state``, ``manual_seed``);
+- ``value_shaped.py``: ops whose output sizes the values decide (``nonzero``, ``unique``, ``bincount``, ``repeat_index``).
 
 Each declares a prim's meta, its tags (``Symbol`` documents them) and its gradient rule
 (``@register_vjp``, ``compiler/grad_rules.py``) together; ``core.py`` has the decorator, the checks
@@ -28,7 +29,7 @@ from __future__ import annotations
 import sys
 
 from .. import codegen, proxies
-from . import core, elementwise, factories, generators, linalg, memory, reductions, shapes  # noqa: F401  (each defines its prims)
+from . import core, elementwise, factories, generators, linalg, memory, reductions, shapes, value_shaped  # noqa: F401  (each defines its prims)
 from .core import PrimError, all_prims  # noqa: F401
 from .elementwise import BINARY_BOOL_OPS, BINARY_OPS, SCALAR_INFIX, UNARY_BOOL_OPS, UNARY_OPS  # noqa: F401
 

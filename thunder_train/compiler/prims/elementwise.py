@@ -10,7 +10,8 @@ import operator
 from .. import dtypes
 from ..errors import NoGradientRuleError
 from ..grad_rules import register_vjp
-from ..proxies import CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked, is_number, number_type
+from ..proxies import (CheckedFloat, NumberProxy, SizeProxy, TensorProxy, is_checked, is_number, is_unbacked, number_type,
+                       unbacked_size)
 from .core import (add_tags, check, common_device, is_float, is_tensor, number_value, prim, prims, remove_tags,
                    square, tensor_args, zeros_like)
 
@@ -42,6 +43,18 @@ def _elementwise_meta(sym, args, *, bool_output=False):
                 kind = float
             return NumberProxy(value=None, python_type=kind)
         value = sym.python_op(*values)
+        if any(is_unbacked(a) for a in args):
+            # On a data-dependent size: still a size (a shape may read it), any other result has no value while
+            # tracing (the size's value is a stand-in): a decision on it is a check of the program.
+            if type(value) is not int:
+                out = NumberProxy(value=None, python_type=type(value))
+                out.unbacked = True  # recorded at the top of the program, where a decision on it can find its line
+                if opname in ("eq", "ne") and all(isinstance(a, SizeProxy) for a in args):
+                    out.equates = (args[0], args[1], opname == "eq")  # (a, b, the answer that makes them equal)
+                return out
+            out = unbacked_size(value)
+            out.origin = ("op", opname) + tuple(args)
+            return out
         if any(is_checked(a) for a in args) and type(value) in (int, float):
             # Arithmetic on symbolic sizes / checked hyper-parameters stays checked (their decisions are guarded).
             out = SizeProxy(value=value, python_type=int) if type(value) is int else CheckedFloat(value=value, python_type=float)

@@ -8,7 +8,7 @@ import math
 from .. import dtypes
 from ..errors import NoGradientRuleError
 from ..grad_rules import register_vjp
-from ..proxies import TensorProxy, is_int, size_value
+from ..proxies import TensorProxy, is_int, same_size, size_value
 from .core import check, common_device, is_tensor, prim, prims, reshape as reshape_to, slice_in_dim, sum_to, unsqueeze, zeros_like
 
 # "cheap_to_recompute": views and metadata changes the backward recomputes from their input rather than
@@ -25,7 +25,7 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
     check(len(broadcast_dimensions) == len(a._tt_shape), "broadcast_in_dim: one target dim per input dim")
     for i, d in enumerate(broadcast_dimensions):
         s = a._tt_shape[i]
-        check(0 <= d < len(shape) and (s == 1 or s == shape[d]), lambda: f"broadcast_in_dim: cannot map size {s} onto {shape} at dim {d}")
+        check(0 <= d < len(shape) and (same_size(s, shape[d]) or s == 1 or s == shape[d]), lambda: f"broadcast_in_dim: cannot map size {s} onto {shape} at dim {d}")
     check(list(broadcast_dimensions) == sorted(broadcast_dimensions), "broadcast_in_dim: dims must increase")
     return TensorProxy(shape=shape, dtype=a._tt_dtype, device=a._tt_device)
 
@@ -34,7 +34,7 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
 def broadcast_in_dim_vjp(g, out, /, a, shape, broadcast_dimensions):
     bdims = tuple(broadcast_dimensions)
     reduce = [d for d in range(len(shape)) if d not in bdims]
-    reduce += [d for i, d in enumerate(bdims) if a._tt_shape[i] == 1 and shape[d] != 1]
+    reduce += [d for i, d in enumerate(bdims) if not same_size(a._tt_shape[i], shape[d]) and a._tt_shape[i] == 1 and shape[d] != 1]
     if reduce:
         g = prims.sum(g, tuple(sorted(reduce)))
     return {"a": reshape_to(g, a._tt_shape)}

@@ -16,7 +16,7 @@ from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
 from .shapes import select
-from .value_shaped import _selected_positions
+from .value_shaped import decided_positions
 
 
 @torchsymbol(torch.index_select, methods=("index_select",), tags=("fallible",))
@@ -38,19 +38,14 @@ def gather(input, dim, index, *, sparse_grad=False):
     return prims.gather(input, index, clang.canonicalize_dim(input.ndim_, dim))
 
 
-def _wrap_negative(indices, size):
-    """Eager's ``take_along_dim`` with a ``dim`` counts negative indices from the end (``gather`` does not)."""
-    if not indices._tt_dtype.torch.is_signed:
-        return indices
-    return clang.where(clang.lt(indices, 0), clang.add(indices, size), indices)
-
-
 @torchsymbol(torch.take_along_dim, methods=("take_along_dim",), tags=("fallible",))
 def take_along_dim(input, indices, dim=None):
-    if dim is None:
-        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)  # (negative indices: eager's error)
+    if dim is None:  # a gather of the flattened input: an index out of range raises, as eager's
+        return prims.gather(clang.flatten(input), clang.flatten(indices), 0)
+    # along a dim, eager's CPU kernel takes every index modulo the size (-1 is the last entry, and so is
+    # size - 1 + k * size), in the forward and its gradient alike
     dim = clang.canonicalize_dim(input.ndim_, dim)
-    indices = _wrap_negative(indices, input._tt_shape[dim])
+    indices = clang.elementwise_binary(prims.remainder, indices, input._tt_shape[dim])
     # Every dim but ``dim`` broadcasts; along ``dim`` each keeps its own size.
     rest_in = input._tt_shape[:dim] + (1,) + input._tt_shape[dim + 1 :]
     rest_idx = indices._tt_shape[:dim] + (1,) + indices._tt_shape[dim + 1 :]
@@ -334,7 +329,7 @@ def masked_scatter(input, mask, source):
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}")
     shape = torch.broadcast_shapes(input.shape, mask.shape)
-    pos = _selected_positions(mask.expand(shape))
+    pos = decided_positions(mask.expand(shape))
     n = pos.shape[0]
     if n > source.numel():
         raise RuntimeError("masked_scatter: expected source to have at least as many elements as ones in mask")

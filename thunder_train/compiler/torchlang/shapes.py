@@ -16,6 +16,7 @@ from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from ..grad_rules import register_vjp
 from .registry import composed, torchsymbol
+from .value_shaped import repeat_positions
 
 
 @torchsymbol(torch.reshape, methods=("reshape",), torch_impl=torch.Tensor.reshape, tags=("view",))
@@ -566,9 +567,10 @@ def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
         return out.reshape(shape[:d] + [shape[d] * repeats] + shape[d + 1:])
     if repeats.ndim == 0 or repeats.numel() == 1:
         repeats = repeats.reshape(1).expand(input.shape[d] if input.ndim else 1)
-    total = int(repeats.sum()) if output_size is None else output_size  # a decision on per-call repeats
+    if output_size is None:  # the total is a data-dependent size (prims.repeat_index)
+        return torch.index_select(input, d, repeat_positions(repeats))
     ends = torch.cumsum(repeats, 0)
-    idx = torch.bucketize(torch.arange(total), ends, right=True)
+    idx = torch.bucketize(torch.arange(output_size), ends, right=True)
     return torch.index_select(input, d, idx)
 
 

@@ -1,10 +1,14 @@
-"""Ops whose output shape depends on tensor values: ``nonzero``, ``argwhere``, ``masked_select``,
-``bincount``; and ``combinations`` and ``linalg.lstsq``, whose eager kernels have no meta form.
+"""Ops whose output shape depends on tensor values: ``nonzero``, ``argwhere``, ``torch.where(cond)``,
+``masked_select``, boolean-mask indexing (``x[mask]``, ``x[mask] = v``), ``unique``, ``bincount``,
+``repeat_interleave`` with tensor repeats; and ``combinations`` and ``linalg.lstsq``, whose eager kernels
+have no meta form.
 
-The count that fixes the shape (``int(mask.sum())``) is a decision (``acquisition/decisions.py``):
-computed by the prologue from the per-call inputs on every call, a retrace when it changes, and a
-``DataDependentError`` naming the line when it depends on anything else (an activation).  The values
-are then computed natively: a stable sort brings the selected positions first.
+The count a value decides is a data-dependent size (``prims/value_shaped.py``): each op runs at the top level
+of the program and the line after it reads its sizes (``(u0, _) = prims.shape(t)``), so later lines use the
+count of this call, whatever it is: one program for every count, no retrace when it changes.  A Python
+decision on a count (``if n == 0:``, ``range(n)``) is checked by the program (``acquisition/decisions.py``).
+Selections are written as ``index_select``/index arithmetic on the positions ``nonzero`` gives, so their
+gradients are the index ops' (eager's values: each position is selected once).
 """
 from __future__ import annotations
 
@@ -12,42 +16,99 @@ import itertools
 
 import torch
 
-from .registry import composed
+from .. import context, prims
+from ..proxies import TensorProxy, is_unbacked
+from ..symbols import BoundSymbol
+from .registry import composed, direct
 
 
-def _selected_positions(mask):
-    """Flat positions where ``mask`` is true, in order; their count is a decision."""
-    flat = mask.reshape(-1)
-    n = int(flat.sum())
-    _, order = torch.sort((~flat).to(torch.int32), stable=True)
-    return order[:n]
+def _run_sized(sym, *args):
+    """``sym(*args)`` at the top of the program, then the line that reads its data-dependent sizes."""
+    out = direct(sym, *args)
+    trc = context.get_trace()
+    for t in out if isinstance(out, tuple) else (out,):
+        if type(t) is TensorProxy and any(is_unbacked(s) for s in t._tt_shape):
+            trc.add(BoundSymbol(prims.shape, (t,), {}, tuple(t._tt_shape)))
+            break  # the outputs share their sizes
+    return out
 
 
 def nonzero(input, *, as_tuple=False):
-    x = input.reshape(1) if input.ndim == 0 else input
-    pos = _selected_positions(x != 0 if x.dtype is not torch.bool else x)
-    coords, stride = [], 1
-    for size in reversed(x.shape):
-        coords.append((pos // stride) % size)
-        stride *= size
-    coords.reverse()
-    if as_tuple:
-        return tuple(coords)
-    if input.ndim == 0:
-        return torch.zeros((pos.shape[0], 0), dtype=torch.int64)
-    return torch.stack(coords, 1)
+    if as_tuple and input.ndim == 0:
+        input = input.unsqueeze(0)  # eager's: a 0-d tensor counts as one entry
+    out = _run_sized(prims.nonzero, input)
+    return out.unbind(1) if as_tuple else out
 
 
 def argwhere(input):
     return nonzero(input)
 
 
+def where_positions(condition):
+    """``torch.where(condition)``: ``nonzero(condition, as_tuple=True)``."""
+    return nonzero(condition, as_tuple=True)
+
+
+def _flat_positions(mask):
+    """Flat positions where ``mask`` is true, in order (``(u,)``)."""
+    return nonzero(mask.reshape(-1))[:, 0]
+
+
+def decided_positions(mask):
+    """Flat positions where ``mask`` is true, their count a decision (a retrace per count; ``masked_scatter``,
+    whose gradient through a data-dependent count is not covered yet): a stable sort brings them first."""
+    flat = mask.reshape(-1)
+    n = int(flat.sum())
+    _, order = torch.sort((~flat).to(torch.int32), stable=True)
+    return order[:n]
+
+
 def masked_select(input, mask):
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
-    shape = torch.broadcast_shapes(input.shape, mask.shape)
-    pos = _selected_positions(mask.expand(shape))
-    return input.expand(shape).reshape(-1)[pos]
+    input, mask = torch.broadcast_tensors(input, mask)
+    return torch.index_select(input.reshape(-1), 0, _flat_positions(mask))
+
+
+def mask_keys(x, key, probe=False):
+    """An indexing key with its boolean masks replaced by the integer positions ``nonzero`` gives (eager's
+    rule for ``x[mask]`` and ``x[mask] = v``); None when the key has no mask.  A mask must match the sizes of
+    the dims it indexes, as in eager."""
+    keys = key if isinstance(key, tuple) else (key,)
+    masks = [type(k) is TensorProxy and k.dtype in (torch.bool, torch.uint8) and k.ndim > 0 for k in keys]
+    if not any(masks) or probe:
+        return True if any(masks) else None
+    used = sum(k.ndim if m else 0 if k is None or k is Ellipsis else 1 for k, m in zip(keys, masks))
+    out, dim = [], 0
+    for k, m in zip(keys, masks):
+        if k is Ellipsis:
+            dim += x.ndim - used
+        elif m:
+            for j in range(k.ndim):
+                if dim + j >= x.ndim or k.shape[j] != x.shape[dim + j]:
+                    size = x.shape[dim + j] if dim + j < x.ndim else "?"
+                    raise IndexError(f"The shape of the mask {list(k.shape)} at index {j} does not match the shape "
+                                     f"of the indexed tensor {list(x.shape)} at index {dim + j}")
+            out.extend(nonzero(k if k.dtype is torch.bool else k.bool(), as_tuple=True))
+            dim += k.ndim
+            continue
+        elif k is not None:
+            dim += 1
+        out.append(k)
+    return tuple(out)
+
+
+def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
+    if dim is not None:
+        raise NotImplementedError("torch.unique_consecutive(dim=...) is run by torch")
+    values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
+    out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
+    return out[0] if len(out) == 1 else out
+
+
+def repeat_positions(repeats):
+    """``torch.repeat_interleave(repeats)``: each position ``i`` repeated ``repeats[i]`` times."""
+    return _run_sized(prims.repeat_index, repeats)
 
 
 def bincount(input, weights=None, minlength=0):
@@ -55,15 +116,17 @@ def bincount(input, weights=None, minlength=0):
         raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
     if minlength < 0:
         raise RuntimeError("minlength should be >= 0")
-    if input.numel() and bool((input < 0).any()):
-        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
-    n = max(int(input.max()) + 1 if input.numel() else 0, minlength)
-    if weights is None:
-        return torch.zeros(n, dtype=torch.int64).scatter_add(0, input, torch.ones_like(input, dtype=torch.int64))
-    if weights.shape != input.shape:
+    if weights is not None and weights.shape != input.shape:
         raise RuntimeError("weights should be 1-d and have the same length as input")
-    dt = weights.dtype if weights.dtype.is_floating_point else torch.float64
-    return torch.zeros(n, dtype=dt).scatter_add(0, input, weights.to(dt))
+    return _run_sized(prims.bincount, input, weights, minlength)
+
+
+def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=None):
+    if dim is not None:
+        raise NotImplementedError("torch.unique(dim=...) is run by torch")
+    values, inverse, counts = _run_sized(prims.unique, input, sorted, return_inverse, return_counts)
+    out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
+    return out[0] if len(out) == 1 else out
 
 
 def combinations(input, r=2, with_replacement=False):
@@ -121,6 +184,9 @@ def lstsq(A, B, rcond=None, *, driver=None):
 
 
 composed("nonzero", nonzero, (torch.nonzero,), ("nonzero",))
+composed("unique", unique, (torch.unique, torch.functional.unique), ("unique",))
+composed("unique_consecutive", unique_consecutive, (torch.unique_consecutive, torch.functional.unique_consecutive),
+         ("unique_consecutive",))
 composed("argwhere", argwhere, (torch.argwhere,), ("argwhere",))
 composed("masked_select", masked_select, (torch.masked_select,), ("masked_select",))
 composed("bincount", bincount, (torch.bincount,), ("bincount",))

@@ -1,0 +1,307 @@
+"""Data-dependent sizes (``nonzero``, boolean masks, ``torch.where(cond)``, ``masked_select``, ``unique``,
+``bincount``, ``repeat_interleave`` with tensor repeats, ``argwhere``) and a mixture-of-experts layer, in whole
+training steps (forward, backward, AdamW) against eager, full and thin.
+
+The counts change on every step (the data and the routing do), and one program serves them all: each op's count
+is a size the program reads when the op runs (docs/dynamic_shapes.md), so a step compiles twice at most (the
+first AdamW step has no state yet) and no call is abandoned on a count.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import thunder_train as tt
+
+MODES = [dict(), dict(thin=True)]
+MODE_IDS = ["full", "thin"]
+
+
+class Net(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.l1, self.l2, self.body = nn.Linear(6, 8), nn.Linear(8, 4), body
+
+    def forward(self, x):
+        return self.body(self.l1(x), self.l2)
+
+
+def nonzero(h, l2):
+    idx = torch.nonzero(h[:, 0] > 0).squeeze(1)
+    return l2(h.index_select(0, idx)).sum() + l2(h).sum() * 0.1
+
+
+def mask_get(h, l2):
+    return l2(h[h[:, 0] > 0]).sum() + h.sum() * 0.1
+
+
+def mask_set_scalar(h, l2):
+    h = h.clone()
+    h[h > 0.5] = 0.0
+    return l2(h).sum()
+
+
+def mask_set_tensor(h, l2):
+    h = h.clone()
+    m = h > 0.5
+    h[m] = h[m] * 2
+    return l2(h).sum()
+
+
+def where_cond(h, l2):
+    r, c = torch.where(h > 0)
+    return (h[r, c] ** 2).sum() + l2(h).sum()
+
+
+def masked_select(h, l2):
+    return torch.masked_select(h, h > 0).pow(2).sum() + l2(h).sum()
+
+
+def unique(h, l2):
+    k = (h[:, 0] > 0).long() + (h[:, 1] > 0).long()
+    u, inv, cnt = torch.unique(k, sorted=True, return_inverse=True, return_counts=True)
+    return (l2(h).sum(1) * cnt[inv].float()).sum() + u.sum()
+
+
+def bincount(h, l2):
+    k = h.argmax(1)
+    c = torch.bincount(k)  # its length is the largest index + 1: data-dependent
+    return (l2(h).sum(1) * c[k].float()).sum() + c.shape[0] * 0
+
+
+def repeat_interleave(h, l2):
+    r = (h[:, 0] > 0).long() + 1
+    return l2(torch.repeat_interleave(h, r, dim=0)).sum()
+
+
+def argwhere(h, l2):
+    i = torch.argwhere(h > 0)
+    return h[i[:, 0], i[:, 1]].sum() + l2(h).sum()
+
+
+BODIES = [nonzero, mask_get, mask_set_scalar, mask_set_tensor, where_cond, masked_select, unique, bincount,
+          repeat_interleave, argwhere]
+
+
+class SparseMoE(nn.Module):
+    """Mixtral-style: softmax router, top-k, each expert run on the tokens routed to it (``torch.where`` on the
+    routing mask, ``index_select``, ``index_add_``)."""
+
+    def __init__(self, d=8, experts=4, k=2):
+        super().__init__()
+        self.gate, self.k = nn.Linear(d, experts, bias=False), k
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 16), nn.SiLU(), nn.Linear(16, d)) for _ in range(experts))
+
+    def forward(self, x):
+        w = self.gate(x).softmax(-1)
+        w, sel = torch.topk(w, self.k, -1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(sel, len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            kk, tok = torch.where(mask[e])
+            out.index_add_(0, tok, expert(x.index_select(0, tok)) * w[tok, kk, None])
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.moe, self.out = nn.Linear(6, 8), SparseMoE(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.moe(self.inp(x))).sum(1)
+
+
+def step(model, opt, x):
+    out = model(x)
+    loss = out.sum() if out.ndim == 0 else out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _train(make, mode, steps=6, rows=10):
+    torch.manual_seed(0)
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), 1e-2) for m in (m1, m2))
+    cf = tt.compile(step, **mode)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(rows, 6, generator=g)
+        torch.testing.assert_close(cf(m2, o2, x), step(m1, o1, x))
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        for key, v in o1.state[p].items():
+            torch.testing.assert_close(o2.state[q][key], v)
+    return tt.compile_stats(cf)
+
+
+def _one_program_for_every_count(stats, mode):
+    # Two entries: the first AdamW step (no optimizer state yet) and every later one, whatever the counts.
+    assert stats.entries == 2, stats.retrace_reasons
+    assert stats.decision_mismatches == 0
+    assert not stats.opaque_ops, stats.opaque_ops
+    if mode.get("thin"):
+        assert stats.thin_calls >= 3
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("body", BODIES, ids=[b.__name__ for b in BODIES])
+def test_data_dependent_op_in_a_training_step(body, mode):
+    _one_program_for_every_count(_train(lambda: Net(body), mode), mode)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_sparse_moe_training_step_follows_eager_with_routing_that_changes(mode):
+    # the tokens per expert differ from step to step (checked below), and one program runs them all
+    torch.manual_seed(0)
+    moe, g, counts = MoENet(), torch.Generator().manual_seed(1), set()
+    for _ in range(6):
+        x = moe.inp(torch.randn(10, 6, generator=g))
+        sel = torch.topk(moe.moe.gate(x).softmax(-1), 2, -1).indices
+        counts.add(tuple(torch.bincount(sel.reshape(-1), minlength=4).tolist()))
+    assert len(counts) > 3
+    _one_program_for_every_count(_train(MoENet, mode), mode)
+
+
+def test_the_program_reads_the_count_where_the_op_runs():
+    def f(x):
+        return x[x > 0] * 2
+
+    cf = tt.compile(f)
+    for n in range(6):
+        x = torch.randn(12)
+        x[:n] = -1.0
+        x[n:] = x[n:].abs() + 0.1
+        torch.testing.assert_close(cf(x), f(x))
+    src = tt.last_traces(cf)[-1].python_source()
+    assert 'f32[u0]"' in src  # the selection's size is a symbol of the program, not the traced call's count
+    assert tt.compile_stats(cf).entries == 1
+
+
+def test_a_decision_on_a_count_is_checked_by_the_program():
+    def f(x):
+        idx = torch.nonzero(x > 0)
+        if idx.shape[0] > 3:  # a Python decision on a count: checked where the program has it
+            return x.sum()
+        return x.prod()
+
+    cf = tt.compile(f)
+    for x in (torch.tensor([1.0, 2, 3, 4, 5]), torch.tensor([1.0, -2, 3, -4, 5]), torch.tensor([1.0, 2, 3, 4, -5])):
+        torch.testing.assert_close(cf(x), f(x))
+    assert tt.compile_stats(cf).entries == 2
+
+
+def test_a_mask_of_the_wrong_shape_raises_eagers_error():
+    def f(x, m):
+        return x[m]
+
+    with pytest.raises(IndexError, match="shape of the mask"):
+        f(torch.randn(4, 3), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(IndexError, match="shape of the mask"):
+        tt.compile(f)(torch.randn(4, 3), torch.ones(3, dtype=torch.bool))
+
+
+FORWARD = {
+    "boolean_mask_index": lambda x: x[x > 0],
+    "mask_of_leading_dims": lambda x: x[x[:, :, 0] > 0],
+    "mask_after_a_slice": lambda x: x[:, x[0, :, 0] > 0],
+    "where_one_argument": lambda x: torch.where(x > 0),
+    "nonzero_as_tuple": lambda x: torch.nonzero(x > 0, as_tuple=True),
+    "argwhere": lambda x: torch.argwhere(x > 0),
+    "masked_select_broadcast": lambda x: torch.masked_select(x, x[0] > 0),
+    "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
+    "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
+    "unique_consecutive": lambda x: torch.unique_consecutive((x > 0).long(), return_inverse=True, return_counts=True),
+    "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),
+    "repeat_interleave_index": lambda x: torch.repeat_interleave((x[0, 0] > 0).long() + 1),
+    "mask_set_vector": lambda x: x.clone().index_put_((x > 0,), torch.tensor(5.0)),
+}
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["whole", "decomposed"])
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_forward_equals_eager_for_every_count(name, decompose):
+    from torch.utils._pytree import tree_flatten
+
+    fn = FORWARD[name]
+    cf = tt.compile(fn, decompose=decompose)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2, 3, 4, generator=g)
+        got, want = tree_flatten(cf(x))[0], tree_flatten(fn(x))[0]
+        assert len(got) == len(want)
+        for a, e in zip(got, want):
+            assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == e.stride(), (a.stride(), e.stride())
+            torch.testing.assert_close(a, e)
+    assert tt.compile_stats(cf).entries == 1
+
+
+# Mixtral's per-expert loop (transformers) is a model of the zoo: tests/_zoo.py, tests/test_model_zoo.py.
+
+
+class GroupedExperts(nn.Module):
+    """transformers' grouped-experts path: tokens sorted by expert, one ``grouped_mm`` over all experts with the
+    offsets of each expert's rows (a static shape; the offsets are values)."""
+
+    def __init__(self, d=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts, d, d) * 0.3)
+
+    def forward(self, x):
+        expert = self.gate(x).argmax(-1)
+        order = torch.sort(expert).indices
+        offs = torch.cumsum(torch.bincount(expert, minlength=self.w.shape[0]), 0).to(torch.int32)
+        y = F.grouped_mm(x[order], self.w, offs=offs)
+        return torch.zeros_like(x).index_add(0, order, y).sum(1)
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm")
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_grouped_mm_experts_train_like_eager(mode):
+    stats = _train(lambda: nn.Sequential(nn.Linear(6, 8), GroupedExperts()), mode, rows=16)
+    assert stats.entries == 2 and stats.decision_mismatches == 0
+    assert any("grouped_mm" in o for o in stats.opaque_ops)
+
+
+def _mask_set(x):
+    h = x * 1
+    h[h > 0] = h[h > 0] * 3  # two masks: two counts the program finds equal (checked) before the update
+    return h.pow(2).sum()
+
+
+BACKWARD = {
+    "mask_get": lambda x: (x[x > 0] ** 2).sum(),
+    "masked_select": lambda x: torch.masked_select(x, x > 0).exp().sum(),
+    "where_cond": lambda x: x[torch.where(x > 0)].sin().sum(),
+    "repeat_interleave": lambda x: torch.repeat_interleave(x, (x[:, 0] > 0).long() + 1, dim=0).pow(2).sum(),
+    "index_select_nonzero": lambda x: x.index_select(0, torch.nonzero(x[:, 0] > 0)[:, 0]).tanh().sum(),
+    "mask_set": _mask_set,
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_compiled_function_gradients_through_data_dependent_sizes(name, dynamic):
+    # tt.compile(fn): the forward and its backward are separate programs; the counts cross between them
+    fn = BACKWARD[name]
+    cf = tt.compile(fn, dynamic=dynamic)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(5, 3, generator=g, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        got, want = cf(x), fn(x2)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+    assert tt.compile_stats(cf).entries == 1
