@@ -31,7 +31,8 @@ import math
 import torch
 
 from .prims import SCALAR_INFIX
-from .proxies import NumberProxy, SizeProxy, is_checked, layout_key, size_value
+from .proxies import NumberProxy, SizeProxy, is_checked, size_value
+from .symbolic_layouts import layout_key
 from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import prologue_state as checks
 

@@ -33,7 +33,8 @@ from ..compiler.errors import DecisionMismatch
 from ..compiler.prologue import (Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines, is_symbolic,
                                  per_call_mask)
 from ..compiler.prologue_state import autocast_state
-from ..compiler.proxies import SizeProxy, layout_key
+from ..compiler.proxies import SizeProxy
+from ..compiler.symbolic_layouts import layout_key
 from . import bulk, thin_args
 from .module_epoch import _Epoch, epoch
 
@@ -177,7 +178,7 @@ def _tensor_cond(src, var, v, leaf=None) -> str:
         sizes = " or ".join(f"{var}.shape[{i}] < 2" if type(s) is SizeProxy else f"{var}.shape[{i}] != {s}"
                             for i, s in enumerate(leaf.proxy._tt_shape))
         shape_cond = f"len({var}.shape) != {v.ndim} or {sizes}"
-        # The layout's form, not its strides (they change with the sizes): proxies.layout_key.
+        # The layout's form, not its strides (they change with the sizes): symbolic_layouts.layout_key.
         shape_cond += f" or {consts(layout_key)}({var}) != {consts(layout_key(v))}"
     else:
         # The program assumed this memory layout (stride() answers, view legality, kernels' layouts).

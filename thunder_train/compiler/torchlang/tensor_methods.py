@@ -5,7 +5,8 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..errors import DataDependentError  # noqa: F401  (defined with the other user-facing errors)
-from ..proxies import TensorProxy, meta_tensor, symbolic_strides
+from ..proxies import TensorProxy, meta_tensor
+from ..symbolic_layouts import symbolic_strides
 from .convert import to_dtype, to_device
 from .registry import composed, torchsymbol, tensor_property, tensor_property_setter, by_torch_fn
 from .shapes import permute, transpose, unbind
