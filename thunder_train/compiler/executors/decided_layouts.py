@@ -1,13 +1,15 @@
-"""Layout questions a program asked on every call, answered once from the traced layouts.
+"""Layout questions a program asked on every call, answered once from the traced layouts (and dtypes).
 
-Two kinds of torch-executor lines looked at their tensors' strides every call:
+Three kinds of torch-executor lines looked at their tensors every call:
 
 * ``ttex.grad_layout(g, param)`` (a new ``.grad`` laid out as eager's AccumulateGrad lays it out) is the
   identity when ``g`` already obeys the parameter's layout, as nearly every gradient does: such a line is
   dropped and its readers read ``g``;
 * the fused optimizer updates (``ttex.adam_update_`` and the others, ``torch_impls._fused``) compare every
   parameter's layout with its gradient's and state's (the fused kernels walk them as flat arrays): the indices
-  that differ are passed as ``odd=(...)`` and the comparison is gone from the call.
+  that differ are passed as ``odd=(...)`` and the comparison is gone from the call;
+* ``ttex.foreach_add_(steps, 1)`` (optimizers' step counters) on CPU tensors of one floating dtype becomes
+  ``ttex.foreach_add_same_``, which adds one 0-d tensor instead of wrapping the number for each tensor.
 
 Why the traced layouts are the ones the program meets: every tensor proxy carries eager's strides (layout
 rules, ``tests/test_layout.py``); the prologue checks the strides of every input tensor, and thin mode's per-call
@@ -20,6 +22,8 @@ describe.  A line with a symbolic size or stride is left to decide at run time.
 when a decision was wrong.
 """
 from __future__ import annotations
+
+import torch
 
 from ..proxies import TensorProxy, is_proxy, meta_tensor
 from ..pytree import tree_map
@@ -50,6 +54,20 @@ def _decided_odd(b):
     return torch_impls.unlike_layouts([[meta_tensor(t) for t in ts] for ts in lists])
 
 
+_EXACT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _same_cpu_float(b) -> bool:
+    """``foreach_add_(tensors, n)`` on CPU tensors of one floating dtype that holds the integral constant ``n``
+    exactly (``torch_impls.foreach_add_same_``)."""
+    tensors, other = b.args
+    if type(other) not in (int, float) or other != int(other) or abs(other) > 256 or not tensors:
+        return False
+    dtype = tensors[0]._tt_dtype.torch if type(tensors[0]) is TensorProxy else None
+    return dtype in _EXACT and all(type(t) is TensorProxy and t._tt_dtype.torch is dtype and t._tt_device.type == "cpu"
+                                   for t in tensors)
+
+
 def decide_layouts(trc, header=None):
     """The trace with its layout questions answered from the traced layouts (see the module docstring)."""
     verify = torch_impls.VERIFY_DECIDED_LAYOUTS
@@ -70,6 +88,10 @@ def decide_layouts(trc, header=None):
             else:
                 mapping[id(b.output)] = b.args[0]
                 continue
+        elif fn is torch_impls.foreach_add_ and _same_cpu_float(b):
+            changed = True
+            b = b.replace(sym=impl_symbol(torch_impls.foreach_add_same_, side_effect="side_effect" in b.sym.tags),
+                          args=(*b.args, b.args[0][0]._tt_dtype.torch))
         elif getattr(fn, "layout_lists", None) and "odd" not in b.kwargs:
             odd = _decided_odd(b)
             if odd is not None:

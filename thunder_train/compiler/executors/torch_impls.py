@@ -392,6 +392,22 @@ def foreach_add_(tensors, other):
     return tensors
 
 
+_ADDENDS: dict = {}  # (number, dtype) -> a 0-d CPU tensor of it (foreach_add_same_)
+
+
+def foreach_add_same_(tensors, other, dtype):
+    """``foreach_add_(tensors, other)`` for CPU tensors of one floating ``dtype`` and an integral ``other`` that
+    ``dtype`` holds exactly, as decided from the traced tensors (executors/decided_layouts.py): the tensor-list
+    overload with one 0-d tensor of ``other``, about 3x faster on the CPU than the number overload (which wraps
+    the number into a tensor for each tensor of the list).  The same values: the number is exact in ``dtype``
+    and each sum is computed in ``dtype``'s arithmetic either way (optimizers' step counters)."""
+    addend = _ADDENDS.get((other, dtype))
+    if addend is None:
+        addend = _ADDENDS[(other, dtype)] = torch.tensor(other, dtype=dtype)
+    torch._foreach_add_(tensors, [addend] * len(tensors))
+    return tensors
+
+
 # (functional form, output position -> the argument position its in-place form overwrites)
 adam_update.inplace, adam_update.overwrites = adam_update_, ((0, 0), (1, 2), (2, 3), (3, 4))
 sgd_update.inplace, sgd_update.overwrites = sgd_update_, ((0, 0), (1, 2))
