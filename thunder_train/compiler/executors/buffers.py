@@ -112,7 +112,7 @@ def _declare_out_forms() -> None:
     # Reductions: ``sum.out``/``mean.out`` are the structured kernels the functional calls run (bitwise the same).
     forms = {red.sum: _function_and_method("sum"), red.mean: _function_and_method("mean"), prims.sum: {torch.sum: torch.sum},
              ew.div: _function_and_method("div", "true_divide"), prims.div: {torch.true_divide: torch.true_divide},
-             nn.linear: {_F.linear: torch_impls.linear_out}, activations.gelu: {_F.gelu: torch._C._nn.gelu},
+             nn.linear: {_F.linear: torch_impls.linear_out}, linalg.addmm: _function_and_method("addmm"), activations.gelu: {_F.gelu: torch._C._nn.gelu},
              linalg.matmul: {torch.matmul: torch.matmul}, prims.matmul: {torch.matmul: torch.matmul},
              shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
@@ -399,12 +399,14 @@ class BufferPool:
         except IndexError:
             arena = torch.empty(self.nbytes, dtype=torch.uint8)
             views = [arena[o:o + n].view(dtype).as_strided(shape, strides) for o, n, shape, strides, dtype in self.views]
-            for base, fn, args, kwargs, shape, strides in self.derived:
-                v = fn(views[base], *args, **kwargs)
-                if not v._is_view() or tuple(v.shape) != shape or v.stride() != strides:
-                    raise RuntimeError(f"kept buffers: {fn} of a kept buffer gave {tuple(v.shape)}/{v.stride()}, not the "
-                                       f"view of {shape}/{strides} the program was planned with (a bug: please report it)")
-                views.append(v)
+            for base, fn, args, kwargs, several, layouts in self.derived:
+                made = fn(views[base], *args, **kwargs)
+                for v, (shape, strides) in zip(made if several else (made,), layouts):
+                    if not v._is_view() or tuple(v.shape) != shape or v.stride() != strides:
+                        raise RuntimeError(f"kept buffers: {fn} of a kept buffer gave {tuple(v.shape)}/{v.stride()}, not "
+                                           f"the view of {shape}/{strides} the program was planned with (a bug: please "
+                                           "report it)")
+                    views.append(v)
             return views
 
     def give(self, views) -> None:
@@ -441,7 +443,8 @@ class _PoolLine(Symbol):
     def format_lines(self, bsym, fmt):
         if self.take:
             mib = self.pool.nbytes / 2**20
-            views = f" and {len(self.pool.derived)} views of them" if self.pool.derived else ""
+            n = sum(len(d[-1]) for d in self.pool.derived)
+            views = f" and {n} views of them" if n else ""
             return [f"_pool = ttex.kept_buffers({self.pool.key})  # {len(self.pool.views)} intermediates in {mib:.1f} MiB{views} "
                     f"kept between calls (executors/buffers.py)", "_b = _pool.take()"]
         return ["_pool.give(_b)"]
@@ -458,7 +461,7 @@ _VIEW_FNS = frozenset({
     torch.permute, _T.permute, torch.transpose, _T.transpose, torch.t, _T.t, _T.view, _T.expand, torch.unsqueeze,
     _T.unsqueeze, torch.squeeze, _T.squeeze, torch.reshape, _T.reshape, _T.__getitem__, torch.narrow, _T.narrow,
     torch.flatten, _T.flatten, _T.unflatten, torch.movedim, _T.movedim, torch.select, _T.select,
-    torch_impls.broadcast_in_dim})
+    torch_impls.broadcast_in_dim, torch.split, _T.split, torch.chunk, _T.chunk, torch.unbind, _T.unbind})
 
 
 def _plain(x) -> bool:
@@ -471,7 +474,7 @@ def _plain(x) -> bool:
 
 
 def _hoisted_view(b, order, metas):
-    """(id of the pooled value it views, its meta result, the pool's entry) for a view line of a pooled value whose
+    """(id of the pooled value it views, its meta results, the pool's entry) for a view line of a pooled value whose
     other arguments are constants, else None."""
     fn = b.sym.fn if isinstance(b.sym, ImplSymbol) else None
     try:
@@ -479,37 +482,43 @@ def _hoisted_view(b, order, metas):
             return None
     except TypeError:  # an unhashable callable
         return None
-    if not b.args or not _tensor(b.args[0]) or id(b.args[0]) not in order or not _tensor(b.output):
+    if not b.args or not _tensor(b.args[0]) or id(b.args[0]) not in order:
+        return None
+    outs = b.output if isinstance(b.output, (tuple, list)) else (b.output,)
+    if not outs or not all(_tensor(o) and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides, o._tt_storage_offset))
+                           for o in outs):
         return None
     rest, kwargs = b.args[1:], b.kwargs
     if not _plain(rest) or not _plain(tuple(kwargs.values())):
         return None
-    out = b.output
-    if not all(type(n) is int for n in (*out._tt_shape, *out._tt_strides, out._tt_storage_offset)):
-        return None
-    base = metas[id(b.args[0])]
     try:
         with torch.no_grad():
-            meta = fn(base, *rest, **kwargs)
+            meta = fn(metas[id(b.args[0])], *rest, **kwargs)
     except Exception:  # noqa: BLE001 - not a call this rule understands: the line stays
         return None
-    if (type(meta) is not torch.Tensor or not meta._is_view() or meta.dtype != out._tt_dtype.torch
-            or tuple(meta.shape) != tuple(out._tt_shape) or meta.stride() != tuple(out._tt_strides)
-            or meta.storage_offset() != out._tt_storage_offset):
+    got = tuple(meta) if isinstance(b.output, (tuple, list)) and isinstance(meta, (tuple, list)) else (meta,)
+    if len(got) != len(outs) or not all(
+            type(m) is torch.Tensor and m._is_view() and m.dtype == o._tt_dtype.torch and tuple(m.shape) == tuple(o._tt_shape)
+            and m.stride() == tuple(o._tt_strides) and m.storage_offset() == o._tt_storage_offset for m, o in zip(got, outs)):
         return None
-    return id(b.args[0]), meta, (fn, rest, dict(kwargs), tuple(out._tt_shape), tuple(out._tt_strides))
+    layouts = tuple((tuple(o._tt_shape), tuple(o._tt_strides)) for o in outs)
+    return id(b.args[0]), got, (fn, rest, dict(kwargs), isinstance(b.output, (tuple, list)), layouts)
 
 
 class _PooledView(Symbol):
     """``t = _b[k]``: a view of a kept buffer, made once per set of buffers (``_hoisted_view``)."""
 
-    def __init__(self, index, call):
+    def __init__(self, indices, call):
         super().__init__("pooled_view", None, module="torch_executor", is_prim=True)
-        self.index, self.call = index, call
+        self.indices, self.call = indices, call
 
     def format_lines(self, bsym, fmt):
-        out = bsym.output
-        return [f'{fmt(out)} = _b[{self.index}]  # {out._tt_name}: "{out.type_string()}" = {self.call}, made with the buffers']
+        outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+        names = ", ".join(fmt(o) for o in outs)
+        views = ", ".join(f"_b[{k}]" for k in self.indices)
+        types = ", ".join(f'{o._tt_name}: "{o.type_string()}"' for o in outs)
+        lhs, rhs = (f"({names},)", f"({views},)") if len(outs) == 1 and isinstance(bsym.output, (tuple, list)) else (names, views)
+        return [f"{lhs} = {rhs}  # {types} = {self.call}, made with the buffers"]
 
     def codegen_globals(self) -> dict:
         return {}
@@ -528,16 +537,19 @@ def keep_large_buffers(trc, header=None, *, grad_disabled=False):
     for key, k in order.items():
         offset, size, o = assigned[key]
         views[k] = (offset, size, tuple(o._tt_shape), tuple(o._tt_strides), o._tt_dtype.torch)
-    derived, lines = [], []
+    derived, lines, n = [], [], len(views)
     metas = {key: meta_tensor(assigned[key][2]) for key in order}
     for b in trc.bound_symbols:
         view = _hoisted_view(b, order, metas)
         if view is not None:
-            base, meta, entry = view
-            k = order[id(b.output)] = len(views) + len(derived)
-            metas[id(b.output)] = meta
+            base, made, entry = view
+            outs = b.output if isinstance(b.output, (tuple, list)) else (b.output,)
+            indices = tuple(range(n, n + len(outs)))
+            for o, m, k in zip(outs, made, indices):
+                order[id(o)], metas[id(o)] = k, m
+            n += len(outs)
             derived.append((order[base], *entry))
-            b = BoundSymbol(_PooledView(k, format_call(b, None)), (b.args[0],), {}, b.output)
+            b = BoundSymbol(_PooledView(indices, format_call(b, None)), (b.args[0],), {}, b.output)
         lines.append(b)
     pool = BufferPool(nbytes, views, derived)
     new = trc.derive(header or trc.header)
