@@ -4,8 +4,11 @@ with ``--torch-compile`` ``torch.compile``, in one
 process, their calls interleaved (one step of each in turn), each mode training its own copy of the model.
 
 Run: python benchmarks/zoo_steps.py [--models gpt2,resnet,...] [--steps 150] [--torch-compile] [--inductor]
+[--torch-program] [--cpu-time]
 Prints per model the median step time of each mode, ratio = eager median / mode median (> 1: faster than
-eager), the first call's time and whether the compiled run matched eager's losses.  The zoo's models are tiny
+eager), the first call's time and whether the compiled run matched eager's losses.  ``--torch-program`` also times ``fusion=None`` (the torch program the default runs until its fused
+program takes over); ``--cpu-time`` times each step with the thread's CPU clock (steadier on a shared machine;
+meaningful with ``--threads 1``).  The zoo's models are tiny
 (hidden 32, 2 layers, batch 2): these steps measure per-step host overhead more than kernels.  Not a test:
 timings vary by machine (docs/performance.md has the latest run).
 """
@@ -27,9 +30,11 @@ import _zoo  # noqa: E402
 import thunder_train as tt  # noqa: E402
 
 
-def run(name, steps, with_torch_compile, with_inductor):
+def run(name, steps, with_torch_compile, with_inductor, with_torch_program=False, clock=time.perf_counter):
     models = {"eager": _zoo.build(name)}
     fns = {"eager": _zoo.train_step, "tt thin (default)": tt.compile(_zoo.train_step, thin=True)}
+    if with_torch_program:
+        fns["tt thin fusion=None"] = tt.compile(_zoo.train_step, thin=True, fusion=None)
     if with_inductor:
         fns["tt thin fusion='inductor'"] = tt.compile(_zoo.train_step, thin=True, fusion="inductor")
     if with_torch_compile:
@@ -43,9 +48,9 @@ def run(name, steps, with_torch_compile, with_inductor):
     for i in range(steps + 10):
         b = batches[i % len(batches)]
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             loss = fn(models[k], opts[k], b)
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if i == 0:
                 first[k] = dt
             elif i >= 10:
@@ -66,11 +71,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--torch-compile", action="store_true")
     p.add_argument("--inductor", action="store_true", help="also tt thin with fusion='inductor' (fused from the first call)")
+    p.add_argument("--torch-program", action="store_true", help="also tt thin with fusion=None")
+    p.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = eager median / mode median")
-    ratios = {name: run(name, args.steps, args.torch_compile, args.inductor) for name in args.models.split(",")}
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    ratios = {name: run(name, args.steps, args.torch_compile, args.inductor, args.torch_program, clock)
+              for name in args.models.split(",")}
     slower = [n for n, r in ratios.items() if r["tt thin (default)"] < 1.0]
     print(f"tt thin (default) slower than eager on: {', '.join(slower) if slower else 'none'}")
     return ratios

@@ -226,3 +226,27 @@ def test_masked_attention_reads_its_forward_statistics_and_trains_bitwise_as_eag
     fwd = {"bool": "sdpa_flash_cpu_bool_masked(", "broadcast": "sdpa_flash_cpu_bool_masked(", "additive": "sdpa_flash_cpu_masked("}
     assert fwd[kind] in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
     assert tt.compile_stats(cf).cache_misses == 2
+
+
+class GroupedQueryAttention(TransposedAttention):
+    """Four query heads sharing two key/value heads (``enable_gqa=True``, as Llama, Mistral and Qwen2 call it):
+    eager's CPU flash kernels take the two key/value heads as they are, forward and backward."""
+
+    def __init__(self, channels=32):
+        super().__init__(channels, heads=4)
+        self.qkv = torch.nn.Conv1d(channels, 2 * channels, 1)  # q: 4 heads of 8, k and v: 2 heads of 8
+
+    def forward(self, x):
+        b, c, n = x.shape
+        h = self.qkv(self.norm(x)).transpose(1, 2).contiguous()  # head_dim contiguous: eager takes flash
+        q = h[..., :c].reshape(b, n, 4, c // 4).transpose(1, 2)
+        k, v = (h[..., c + i * c // 2:c + (i + 1) * c // 2].reshape(b, n, 2, c // 4).transpose(1, 2) for i in range(2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, n, c).transpose(1, 2))
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_grouped_query_attention_takes_eagers_flash_kernels(thin):
+    cf = _train_both(GroupedQueryAttention, thin=thin)
+    src = str(tt.last_traces(cf)[-1])
+    assert "sdpa_flash_cpu(" in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src

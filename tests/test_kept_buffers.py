@@ -79,6 +79,15 @@ OUT_CASES = {
     "pow scalar base": (torch.pow, (2.0, _x(64, 32)), {}),
     "le": (torch.le, (_x(64, 32), _x(32)), {}),
     "ne of a scalar": (torch.Tensor.ne, (_x(64, 32), 0.5), {}),
+    "addmm": (torch.addmm, (_x(48), _x(64, 32), _x(32, 48)), {}),
+    "addmm transposed weight": (torch.Tensor.addmm, (_x(48), _x(64, 32), _x(48, 32).t()), {}),
+    "sum over dims": (torch.sum, (_x(64, 32), (0,)), {}),
+    "sum keepdim of a transposed input": (torch.Tensor.sum, (_x(32, 64).t(), (1,), True), {}),
+    "sum over every dim": (torch.sum, (_x(64, 32), (0, 1)), {}),
+    "sum of bools": (torch.sum, (_x(64, 32) > 0, (0,)), {}),
+    "sum to float64": (torch.sum, (_x(64, 32), (0, 1)), {"dtype": torch.float64}),
+    "mean keepdim": (torch.Tensor.mean, (_x(4, 16, 32), (-1,), True), {}),
+    "mean of a transposed input": (torch.mean, (_x(32, 64).t(), (0,)), {}),
     "gelu_vjp": (torch_impls.gelu_vjp, (_x(64, 32), (), _x(64, 32)), {"approximate": "tanh"}),
 }
 

@@ -31,9 +31,10 @@ def test_fused_update_runs_in_place_on_parameters_and_state():
     functional = tt.last_traces(step)[-2]
     dsts = [b.args[1] for b in functional.bound_symbols if "copy_" in b.sym.name]
     assert len(dsts) == len({id(d) for d in dsts}) == n_params * 4
-    # ... and the executed program runs one fused AdamW kernel in place instead (and the step counters' add).
+    # ... and the executed program runs one fused AdamW kernel in place instead (and the step counters' add, in its
+    # form for CPU float tensors decided from the traced dtypes: executors/decided_layouts.py).
     src = tt.last_traces(step)[-1].python_source()
-    assert src.count("ttex.adam_update_(") == 1 and "copy_" not in src and src.count("ttex.foreach_add_(") == 1
+    assert src.count("ttex.adam_update_(") == 1 and "copy_" not in src and src.count("ttex.foreach_add_same_(") == 1
 
 
 def test_returning_a_parameter_after_a_fused_update_returns_the_updated_object():

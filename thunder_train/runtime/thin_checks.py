@@ -152,7 +152,7 @@ def _bulk_kinds(entry, vals, prev_vals) -> frozenset:
                if per_call[i] and leaf.kind == "tensor" and leaf.alias_of is None and not is_symbolic(leaf)
                and not _state_leaf(leaf, kind_of)]
     tensors += [vals[i] for i in sorted(used) if not per_call[i] and leaves[i].kind == "tensor"
-                and leaves[i].alias_of is None and vals[i] is prev_vals[i] and isinstance(vals[i], torch.nn.Parameter)]
+                and leaves[i].alias_of is None and vals[i] is prev_vals[i]]
     dicts = []
     for o, leaf in enumerate(leaves):
         state = vals[o].state if leaf.kind == "optimizer" else None
@@ -360,18 +360,19 @@ def _static_aliases(src) -> None:
 
 def _parameters(src, computes_grads) -> None:
     """Freezing or unfreezing a parameter (requires_grad_) between steps changes what the program must compute
-    (which gradients, which updates), and ``p.data = other`` keeps the bound object but may change its layout,
-    which the program (gradient layouts, fused optimizer kernels) assumed: one bulk comparison per call over the
-    bound parameters.  ``requires_grad`` needs none for a program bound (and checked) to run without grad that
-    computes no gradients itself."""
+    (which gradients, which updates), and ``p.data = other`` (or ``set_``) keeps the bound object but may change
+    its layout, which the program assumed: gradient layouts and the fused optimizer kernels' layout comparison
+    are decided from the traced layouts of parameters, gradients and optimizer state
+    (compiler/executors/decided_layouts.py).  One bulk comparison per call over every bound tensor.
+    ``requires_grad`` needs none for a program bound (and checked) to run without grad that computes no gradients
+    itself."""
     leaves, vals, consts = src.leaves, src.vals, src.consts
-    bound_tensors = [i for i in src.static_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
-    src.laid_out = [i for i in bound_tensors if isinstance(vals[i], torch.nn.Parameter)]
+    src.laid_out = [i for i in src.static_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
     if "meta" in src.fast:
         # Each bound parameter's shape, strides, dtype, device and requires_grad in C++.
         src.bulk_meta += [vals[i] for i in src.laid_out]
         return
-    params = src.laid_out if computes_grads else []
+    params = [i for i in src.laid_out if isinstance(vals[i], torch.nn.Parameter)] if computes_grads else []
     if params:
         src.static_conds.append(f"_list(map(_rg, {consts([vals[i] for i in params])})) != "
                                 f"{consts([vals[i].requires_grad for i in params])}")
@@ -413,7 +414,7 @@ def _bulk_checkers(src) -> None:
     if bulk_meta:
         src.checkers["_meta_check"] = bulk.tensor_meta_check(bulk_meta)
         if not src.joint_meta:
-            src.static_lines.append(f"    # _meta_check: shape, strides, dtype, device and requires_grad of {len(bulk_meta)} parameter(s) in C++")
+            src.static_lines.append(f"    # _meta_check: shape, strides, dtype, device and requires_grad of {len(bulk_meta)} bound tensor(s) in C++")
             src.static_conds.append(f"not _meta_check(*{src.meta_k})")
     if bulk_dicts:
         version = src.checkers["_dict_version"] = bulk.dict_version()
@@ -496,7 +497,7 @@ def _per_call_block(src) -> list:
         # per-call conditions evaluated (a mismatch raises ThinModeError) and the parameters checked on their own.
         joint = [f"_s{i}" for i in src.laid_out] if src.joint_meta else []
         if src.joint_meta:
-            lines.append(f"    # _pc_meta_check: the per-call tensors and {len(src.bulk_meta)} parameter(s) (shape, strides, dtype, device, requires_grad) in C++")
+            lines.append(f"    # _pc_meta_check: the per-call tensors and {len(src.bulk_meta)} bound tensor(s) (shape, strides, dtype, device, requires_grad) in C++")
         lines.append(f"    if not _pc_meta_check({', '.join([var for var, _, _ in src.pc_batch] + joint)}):")
         lines += _raise_if([c for _, _, c in src.pc_batch], "_Mismatch", "      ")
         if src.joint_meta:

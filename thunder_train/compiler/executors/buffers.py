@@ -37,7 +37,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codegen import Name
+from ..codegen import Name, format_call
 from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
@@ -106,11 +106,13 @@ def _function_and_method(*names) -> dict:
 
 def _declare_out_forms() -> None:
     from .. import prims
-    from ..torchlang import activations, elementwise as ew, linalg, nn, shapes
+    from ..torchlang import activations, elementwise as ew, linalg, nn, reductions as red, shapes
     from .torch_executor import _ELEMENTWISE_TORCH
 
-    forms = {ew.div: _function_and_method("div", "true_divide"), prims.div: {torch.true_divide: torch.true_divide},
-             nn.linear: {_F.linear: torch_impls.linear_out}, activations.gelu: {_F.gelu: torch._C._nn.gelu},
+    # Reductions: ``sum.out``/``mean.out`` are the structured kernels the functional calls run (bitwise the same).
+    forms = {red.sum: _function_and_method("sum"), red.mean: _function_and_method("mean"), prims.sum: {torch.sum: torch.sum},
+             ew.div: _function_and_method("div", "true_divide"), prims.div: {torch.true_divide: torch.true_divide},
+             nn.linear: {_F.linear: torch_impls.linear_out}, linalg.addmm: _function_and_method("addmm"), activations.gelu: {_F.gelu: torch._C._nn.gelu},
              linalg.matmul: {torch.matmul: torch.matmul}, prims.matmul: {torch.matmul: torch.matmul},
              shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
@@ -146,6 +148,25 @@ def _declare_fresh() -> None:
              prims.full: {torch.full}, prims.empty: {torch.empty}}
     for op, fns in fresh.items():
         op.torch_fresh = frozenset(fns)
+
+
+def _linear_for_line(b):
+    """``linear_out``'s branch taken from the traced ranks: a 2-d input and a 1-d bias call aten's ``linear.out``
+    directly (what ``linear_out`` calls for them), without the Python function between."""
+    args = list(b.args) + [b.kwargs.get("bias")] * (3 - len(b.args))
+    x, bias = args[0], args[2]
+    if _tensor(x) and _tensor(bias) and len(x._tt_shape) == 2 and len(bias._tt_shape) == 1:
+        return torch._C._nn.linear
+    return torch_impls.linear_out
+
+
+torch_impls.linear_out.for_line = _linear_for_line
+
+
+def _for_line(form, b):
+    """The out form a line calls: a form may pick, from the line's traced arguments, the torch call it would make."""
+    pick = getattr(form, "for_line", None)
+    return form if pick is None else pick(b)
 
 
 _declare_out_forms()
@@ -361,9 +382,12 @@ def _pack(storages, kept):
 class BufferPool:
     """Sets of views into a kept arena, one set per running call."""
 
-    def __init__(self, nbytes, views):
+    def __init__(self, nbytes, views, derived=()):
         self.nbytes = nbytes  # the arena's size
         self.views = views  # (byte offset, bytes, shape, strides, torch dtype) of each pooled value
+        # (index of the view it is taken from, view function, its other arguments, kwargs, shape, strides) of each
+        # view of a pooled value the program takes (``_hoisted_view``), made once per set after ``views``
+        self.derived = tuple(derived)
         self._free: list = []
         self.released = False
         self.key = next(_keys)
@@ -374,7 +398,16 @@ class BufferPool:
             return self._free.pop()
         except IndexError:
             arena = torch.empty(self.nbytes, dtype=torch.uint8)
-            return [arena[o:o + n].view(dtype).as_strided(shape, strides) for o, n, shape, strides, dtype in self.views]
+            views = [arena[o:o + n].view(dtype).as_strided(shape, strides) for o, n, shape, strides, dtype in self.views]
+            for base, fn, args, kwargs, several, layouts in self.derived:
+                made = fn(views[base], *args, **kwargs)
+                for v, (shape, strides) in zip(made if several else (made,), layouts):
+                    if not v._is_view() or tuple(v.shape) != shape or v.stride() != strides:
+                        raise RuntimeError(f"kept buffers: {fn} of a kept buffer gave {tuple(v.shape)}/{v.stride()}, not "
+                                           f"the view of {shape}/{strides} the program was planned with (a bug: please "
+                                           "report it)")
+                    views.append(v)
+            return views
 
     def give(self, views) -> None:
         if not self.released:
@@ -410,12 +443,85 @@ class _PoolLine(Symbol):
     def format_lines(self, bsym, fmt):
         if self.take:
             mib = self.pool.nbytes / 2**20
-            return [f"_pool = ttex.kept_buffers({self.pool.key})  # {len(self.pool.views)} intermediates in {mib:.1f} MiB "
+            n = sum(len(d[-1]) for d in self.pool.derived)
+            views = f" and {n} views of them" if n else ""
+            return [f"_pool = ttex.kept_buffers({self.pool.key})  # {len(self.pool.views)} intermediates in {mib:.1f} MiB{views} "
                     f"kept between calls (executors/buffers.py)", "_b = _pool.take()"]
         return ["_pool.give(_b)"]
 
     def codegen_globals(self) -> dict:
         return {"ttex": torch_impls, f"_kept_buffers_{self.pool.key}": self.pool}
+
+
+# Torch callables that return a view of their first argument (the line's only tensor): a view of a pooled value is
+# the same view of the same memory on every call, so each set of buffers makes it once (``BufferPool.take``) and the
+# line becomes ``t = _b[k]``: one dispatch less per call.  Checked on meta tensors when planned and on the arena when
+# a set is made: a call that copies (``reshape`` of a layout no view has) stays a line.
+_VIEW_FNS = frozenset({
+    torch.permute, _T.permute, torch.transpose, _T.transpose, torch.t, _T.t, _T.view, _T.expand, torch.unsqueeze,
+    _T.unsqueeze, torch.squeeze, _T.squeeze, torch.reshape, _T.reshape, _T.__getitem__, torch.narrow, _T.narrow,
+    torch.flatten, _T.flatten, _T.unflatten, torch.movedim, _T.movedim, torch.select, _T.select,
+    torch_impls.broadcast_in_dim, torch.split, _T.split, torch.chunk, _T.chunk, torch.unbind, _T.unbind})
+
+
+def _plain(x) -> bool:
+    """A constant argument of a view call: numbers, None, Ellipsis, slices of numbers and tuples of those."""
+    if isinstance(x, (tuple, list)):
+        return all(_plain(e) for e in x)
+    if type(x) is slice:
+        return _plain((x.start, x.stop, x.step))
+    return x is None or x is Ellipsis or type(x) in (int, bool)
+
+
+def _hoisted_view(b, order, metas):
+    """(id of the pooled value it views, its meta results, the pool's entry) for a view line of a pooled value whose
+    other arguments are constants, else None."""
+    fn = b.sym.fn if isinstance(b.sym, ImplSymbol) else None
+    try:
+        if fn not in _VIEW_FNS:
+            return None
+    except TypeError:  # an unhashable callable
+        return None
+    if not b.args or not _tensor(b.args[0]) or id(b.args[0]) not in order:
+        return None
+    outs = b.output if isinstance(b.output, (tuple, list)) else (b.output,)
+    if not outs or not all(_tensor(o) and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides, o._tt_storage_offset))
+                           for o in outs):
+        return None
+    rest, kwargs = b.args[1:], b.kwargs
+    if not _plain(rest) or not _plain(tuple(kwargs.values())):
+        return None
+    try:
+        with torch.no_grad():
+            meta = fn(metas[id(b.args[0])], *rest, **kwargs)
+    except Exception:  # noqa: BLE001 - not a call this rule understands: the line stays
+        return None
+    got = tuple(meta) if isinstance(b.output, (tuple, list)) and isinstance(meta, (tuple, list)) else (meta,)
+    if len(got) != len(outs) or not all(
+            type(m) is torch.Tensor and m._is_view() and m.dtype == o._tt_dtype.torch and tuple(m.shape) == tuple(o._tt_shape)
+            and m.stride() == tuple(o._tt_strides) and m.storage_offset() == o._tt_storage_offset for m, o in zip(got, outs)):
+        return None
+    layouts = tuple((tuple(o._tt_shape), tuple(o._tt_strides)) for o in outs)
+    return id(b.args[0]), got, (fn, rest, dict(kwargs), isinstance(b.output, (tuple, list)), layouts)
+
+
+class _PooledView(Symbol):
+    """``t = _b[k]``: a view of a kept buffer, made once per set of buffers (``_hoisted_view``)."""
+
+    def __init__(self, indices, call):
+        super().__init__("pooled_view", None, module="torch_executor", is_prim=True)
+        self.indices, self.call = indices, call
+
+    def format_lines(self, bsym, fmt):
+        outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+        names = ", ".join(fmt(o) for o in outs)
+        views = ", ".join(f"_b[{k}]" for k in self.indices)
+        types = ", ".join(f'{o._tt_name}: "{o.type_string()}"' for o in outs)
+        lhs, rhs = (f"({names},)", f"({views},)") if len(outs) == 1 and isinstance(bsym.output, (tuple, list)) else (names, views)
+        return [f"{lhs} = {rhs}  # {types} = {self.call}, made with the buffers"]
+
+    def codegen_globals(self) -> dict:
+        return {}
 
 
 def keep_large_buffers(trc, header=None, *, grad_disabled=False):
@@ -431,14 +537,31 @@ def keep_large_buffers(trc, header=None, *, grad_disabled=False):
     for key, k in order.items():
         offset, size, o = assigned[key]
         views[k] = (offset, size, tuple(o._tt_shape), tuple(o._tt_strides), o._tt_dtype.torch)
-    pool = BufferPool(nbytes, views)
+    derived, lines, n = [], [], len(views)
+    metas = {key: meta_tensor(assigned[key][2]) for key in order}
+    for b in trc.bound_symbols:
+        view = _hoisted_view(b, order, metas)
+        if view is not None:
+            base, made, entry = view
+            outs = b.output if isinstance(b.output, (tuple, list)) else (b.output,)
+            indices = tuple(range(n, n + len(outs)))
+            for o, m, k in zip(outs, made, indices):
+                order[id(o)], metas[id(o)] = k, m
+            n += len(outs)
+            derived.append((order[base], *entry))
+            b = BoundSymbol(_PooledView(indices, format_call(b, None)), (b.args[0],), {}, b.output)
+        lines.append(b)
+    pool = BufferPool(nbytes, views, derived)
     new = trc.derive(header or trc.header)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, True), (), {}, None))
-    for b in trc.bound_symbols:
+    for b in lines:
+        if isinstance(b.sym, _PooledView):
+            new.bound_symbols.append(b)
+            continue
         outs = [o for o in tree_flatten(b.output)[0] if _tensor(o)]
         if any(id(o) in order for o in outs):
             out = tree_map(lambda o: Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None, b.output)
-            into = b.sym.out_symbol() if isinstance(b.sym, FusionSymbol) else impl_symbol(out_form(b))
+            into = b.sym.out_symbol() if isinstance(b.sym, FusionSymbol) else impl_symbol(_for_line(out_form(b), b))
             b = b.replace(sym=into, kwargs={**b.kwargs, "out": out})
         new.bound_symbols.append(b)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, False), (), {}, None))

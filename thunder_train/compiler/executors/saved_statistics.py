@@ -52,10 +52,11 @@ def _bind(names, defaults, args, kwargs):
 # ---------------------------------------------------------------------------
 # Runtime functions (printed as ttex.<name> in traces)
 # ---------------------------------------------------------------------------
-def _flash_is_eagers(query, key, value, is_causal, scale, attn_mask=None) -> bool:
+def _flash_is_eagers(query, key, value, is_causal, scale, attn_mask=None, enable_gqa=False) -> bool:
     from torch.nn.attention import SDPBackend
 
-    return torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+    choice = torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == SDPBackend.FLASH_ATTENTION.value
 
 
 def _additive_mask(attn_mask, dtype):
@@ -66,16 +67,20 @@ def _additive_mask(attn_mask, dtype):
     return torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=attn_mask.device))
 
 
-def sdpa_flash_cpu(query, key, value, is_causal, scale):
+def sdpa_flash_cpu(query, key, value, is_causal, scale, enable_gqa=False):
     """Attention output and log-sum-exp (what the backward kernel reads).
 
     Eager's choice is asked again at run time (a few microseconds): the backend switches
     (``torch.nn.attention.sdpa_kernel``) are process state a call may change after tracing, and a program with
     symbolic sizes was rewritten for the traced sizes.  Where eager would not run flash, this runs eager's call
-    and returns a 0-d log-sum-exp, which tells the backward to differentiate that call instead.
+    and returns a 0-d log-sum-exp, which tells the backward to differentiate that call instead.  ``enable_gqa``:
+    fewer key/value heads than query heads (grouped-query attention), which the CPU flash kernels take as they are
+    (eager calls them so).
     """
-    if not _flash_is_eagers(query, key, value, is_causal, scale):
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale), query.new_empty(())
+    if not _flash_is_eagers(query, key, value, is_causal, scale, enable_gqa=enable_gqa):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
+                                                               enable_gqa=enable_gqa)
+        return out, query.new_empty(())
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
 
 
@@ -99,12 +104,13 @@ def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask):
     return out, lse, mask
 
 
-def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None):
+def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None, enable_gqa=False):
     # ``attn_mask``: the additive mask ``sdpa_flash_cpu_masked`` returned (the same values as the user's mask).
     if lse.dim() == 0:  # the forward ran eager's call (not flash): its gradients by autograd, as eager's
         with torch.enable_grad():
             qkv = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
-            o = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+            o = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                                                 enable_gqa=enable_gqa)
             return torch.autograd.grad(o, [qkv[i] for i in which], g)
     # ``g`` as autograd would pass it: the kernel makes its own copy where its layout needs one (a
     # ``.contiguous()`` here cost a copy and then, not matching ``out``'s layout, a second one inside).
@@ -225,7 +231,7 @@ def _empty_like_proxy(t):
     return torch.empty_strided(shape, strides, dtype=t._tt_dtype.torch, device="cpu")
 
 
-def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None) -> bool:
+def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa=False) -> bool:
     """Whether eager's ``scaled_dot_product_attention`` runs the CPU flash kernel on these operands.
 
     Asked of torch's own selector (``torch._fused_sdp_choice``, what eager calls) on uninitialised tensors with
@@ -241,14 +247,17 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None) -> bool:
     from torch.nn.attention import SDPBackend
 
     mask = operands[3] if attn_mask is not None else None
-    return choose(*operands[:3], mask, 0.0, is_causal, scale=scale) == SDPBackend.FLASH_ATTENTION.value
+    return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
 def _rewrite_sdpa(trc, fwd, vjp, positions):
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None or b["dropout_p"] != 0.0 or b["enable_gqa"]:
+    if b is None or b["dropout_p"] != 0.0 or type(b["enable_gqa"]) is not bool:
         return None
+    gqa = b["enable_gqa"]
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if mask is not None and gqa:
+        return None  # (the masked kernel pair is written for equal head counts)
     if mask is not None:
         # A mask the flash kernel takes as eager passes it: boolean (converted as eager converts it) or additive of
         # the operands' dtype, on the CPU; the vjp line must read the forward's own mask (its gradient is not asked).
@@ -263,7 +272,10 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         return None
     if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
         return None
-    if k._tt_shape[1] != q._tt_shape[1] or v._tt_shape[1] != q._tt_shape[1]:
+    heads, kv_heads = q._tt_shape[1], k._tt_shape[1]
+    if v._tt_shape[1] != kv_heads or not all(type(n) is int for n in (heads, kv_heads)):
+        return None
+    if kv_heads != heads and not (gqa and kv_heads > 0 and heads % kv_heads == 0):
         return None
     which = []
     for pos in positions:
@@ -272,12 +284,13 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         which.append(pos[0])
     if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
-    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask):
+    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
+    more = {"enable_gqa": True} if gqa else {}  # grouped-query attention (printed only when on)
     if mask is None:
-        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs=more,
                               output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
         masked = ()
     elif mask._tt_dtype is not dtypes.bool8:
@@ -291,7 +304,8 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
                               comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
         masked = (additive,)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
-                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which), *masked), kwargs={})
+                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which), *masked),
+                          kwargs=more)
     return new_fwd, new_vjp
 
 

@@ -1,0 +1,105 @@
+"""Layout questions a program asked on every call, answered once from the traced layouts (and dtypes).
+
+Three kinds of torch-executor lines looked at their tensors every call:
+
+* ``ttex.grad_layout(g, param)`` (a new ``.grad`` laid out as eager's AccumulateGrad lays it out) is the
+  identity when ``g`` already obeys the parameter's layout, as nearly every gradient does: such a line is
+  dropped and its readers read ``g``;
+* the fused optimizer updates (``ttex.adam_update_`` and the others, ``torch_impls._fused``) compare every
+  parameter's layout with its gradient's and state's (the fused kernels walk them as flat arrays): the indices
+  that differ are passed as ``odd=(...)`` and the comparison is gone from the call;
+* ``ttex.foreach_add_(steps, 1)`` (optimizers' step counters) on CPU tensors of one floating dtype becomes
+  ``ttex.foreach_add_same_``, which adds one 0-d tensor instead of wrapping the number for each tensor.
+
+Why the traced layouts are the ones the program meets: every tensor proxy carries eager's strides (layout
+rules, ``tests/test_layout.py``); the prologue checks the strides of every input tensor, and thin mode's per-call
+checks hold the strides of every bound tensor (runtime/thin_checks.py, ``_parameters``: parameters, optimizer
+state, buffers), so inputs keep the traced layouts; intermediates get theirs from the same kernels the rules
+describe.  A line with a symbolic size or stride is left to decide at run time.
+
+``torch_impls.VERIFY_DECIDED_LAYOUTS`` (tests): a decided line is kept as a checking one
+(``ttex.grad_layout_decided``, ``odd=`` compared with the run-time answer) that raises ``LayoutDecisionError``
+when a decision was wrong.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..proxies import TensorProxy, is_proxy, meta_tensor
+from ..pytree import tree_map
+from . import torch_impls
+from .torch_executor import ImplSymbol, impl_symbol
+
+
+def _laid_out(p) -> bool:
+    """A tensor proxy whose sizes, strides and offset are numbers (a symbolic one is decided at run time)."""
+    return (type(p) is TensorProxy and all(type(n) is int for n in p._tt_shape)
+            and all(type(s) is int for s in p._tt_strides) and type(p._tt_storage_offset) is int)
+
+
+def _fn(b):
+    return b.sym.fn if isinstance(b.sym, ImplSymbol) else None
+
+
+def _identity_grad_layout(b) -> bool:
+    g, param = b.args
+    return _laid_out(g) and _laid_out(param) and torch_impls.obeys_layout(meta_tensor(g), meta_tensor(param))
+
+
+def _decided_odd(b):
+    """``odd`` of a fused optimizer line from its lists' traced layouts, or None (not decidable)."""
+    lists = b.args[:_fn(b).layout_lists]
+    if not all(isinstance(ts, (list, tuple)) and all(_laid_out(t) for t in ts) for ts in lists):
+        return None
+    return torch_impls.unlike_layouts([[meta_tensor(t) for t in ts] for ts in lists])
+
+
+_EXACT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _same_cpu_float(b) -> bool:
+    """``foreach_add_(tensors, n)`` on CPU tensors of one floating dtype that holds the integral constant ``n``
+    exactly (``torch_impls.foreach_add_same_``)."""
+    tensors, other = b.args
+    if type(other) not in (int, float) or other != int(other) or abs(other) > 256 or not tensors:
+        return False
+    dtype = tensors[0]._tt_dtype.torch if type(tensors[0]) is TensorProxy else None
+    return dtype in _EXACT and all(type(t) is TensorProxy and t._tt_dtype.torch is dtype and t._tt_device.type == "cpu"
+                                   for t in tensors)
+
+
+def decide_layouts(trc, header=None):
+    """The trace with its layout questions answered from the traced layouts (see the module docstring)."""
+    verify = torch_impls.VERIFY_DECIDED_LAYOUTS
+    # Lines other than the torch executor's calls (a fused region compiled for its inputs) keep what they read.
+    kept = {id(a) for b in trc.bound_symbols if not isinstance(b.sym, ImplSymbol) for a in b.flat_args()}
+    mapping: dict = {}  # id(dropped grad_layout output) -> its gradient
+    new = trc.derive(header or trc.header)
+    changed = False
+    for b in trc.bound_symbols:
+        if mapping:
+            sub = lambda x: mapping.get(id(x), x) if is_proxy(x) else x  # noqa: E731
+            b = b.replace(args=tree_map(sub, b.args), kwargs=tree_map(sub, b.kwargs))
+        fn = _fn(b)
+        if fn is torch_impls.grad_layout and id(b.output) not in kept and _identity_grad_layout(b):
+            changed = True
+            if verify:
+                b = b.replace(sym=impl_symbol(torch_impls.grad_layout_decided))
+            else:
+                mapping[id(b.output)] = b.args[0]
+                continue
+        elif fn is torch_impls.foreach_add_ and _same_cpu_float(b):
+            changed = True
+            b = b.replace(sym=impl_symbol(torch_impls.foreach_add_same_, side_effect="side_effect" in b.sym.tags),
+                          args=(*b.args, b.args[0][0]._tt_dtype.torch))
+        elif getattr(fn, "layout_lists", None) and "odd" not in b.kwargs:
+            odd = _decided_odd(b)
+            if odd is not None:
+                changed = True
+                b = b.replace(kwargs={**b.kwargs, "odd": odd})
+        new.bound_symbols.append(b)
+    if not changed:
+        return trc
+    new.output = tree_map(lambda x: mapping.get(id(x), x) if is_proxy(x) else x, trc.output)
+    return new
+
