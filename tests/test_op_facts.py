@@ -263,17 +263,26 @@ from thunder_train.compiler.executors import buffers, layout_rules, nvfuser_fusi
 
 _G = torch.Generator().manual_seed(0)
 _X, _Y = torch.rand(4, 3, generator=_G) + 0.5, torch.rand(4, 3, generator=_G) + 0.5  # positive: log, sqrt, pow
-_CANDIDATES = [(_X,), (_X, _Y), (_X, torch.rand(3, 5, generator=_G)), ([_X, _Y],)]
+_CANDIDATES = [(_X,), (_X, _Y), (_X, torch.rand(3, 5, generator=_G)), ([_X, _Y],), (_X, (1,)),
+               (torch.rand(5, generator=_G), _X, torch.rand(3, 5, generator=_G))]  # (addmm: bias, mat1, mat2)
 
 
-def _sample_call(fn):
-    """The first candidate arguments ``fn`` accepts, and its result."""
+def _meta(args):
+    return [[a.to("meta") for a in x] if isinstance(x, list) else x.to("meta") if isinstance(x, torch.Tensor) else x
+            for x in args]
+
+
+def _sample_call(fn, form=None):
+    """The first candidate arguments ``fn`` accepts (and its out form ``form``, on meta tensors), and its result."""
     for args in _CANDIDATES:
         try:
-            return args, fn(*args)
+            expected = fn(*args)
+            if form is not None:
+                form(*_meta(args), out=torch.empty_like(expected, device="meta"))
+            return args, expected
         except (TypeError, RuntimeError):
             continue
-    raise AssertionError(f"no sample arguments for {fn}")
+    raise AssertionError(f"no sample arguments for {fn}" + ("" if form is None else f" that its out form {form} takes"))
 
 
 def _runs(op, fn) -> bool:
@@ -290,9 +299,7 @@ def test_every_out_form_is_accepted_by_its_op_and_computes_the_same():
     assert len(declared) >= 60
     for op, fn, form in declared:
         assert _runs(op, fn), f"{op.id} declares an out form for {fn}, which its lines do not run"
-        args, expected = _sample_call(fn)
-        meta = [[a.to("meta") for a in x] if isinstance(x, list) else x.to("meta") for x in args]
-        form(*meta, out=torch.empty_like(expected, device="meta"))  # what kept buffers check before using it
+        args, expected = _sample_call(fn, form)  # (the out form accepted on meta tensors: what kept buffers check)
         out = torch.full_like(expected, float("nan")) if expected.is_floating_point() else torch.full_like(expected, 7)
         got = form(*args, out=out)
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, expected), f"{op.id}: {form} for {fn}"
