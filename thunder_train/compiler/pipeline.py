@@ -29,6 +29,7 @@ from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
+from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
@@ -108,6 +109,10 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
+        updated = update_when_final(trc)  # transforms/early_updates.py: each parameter updated once its gradient is final
+        if updated is not trc:
+            trc = updated
+            traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
     traces.append(lowered)

@@ -114,6 +114,9 @@ class Symbol:
     layout_rule = None
     # nvFuser (executors/nvfuser_fusion.py): how a fusion defines the op's line, ``(kind, nvFuser op)``
     nvfuser_translation = None
+    # Lists in, lists out, result ``i`` computed from the ``i``-th entries alone (the other arguments shared): a line
+    # may run as one line per index with the same values (transforms/early_updates.py: optimizer updates per parameter)
+    splits_by_index = False
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name
