@@ -34,20 +34,12 @@ import torch
 from ..proxies import TensorProxy, is_number, is_proxy
 from ..pytree import tree_flatten
 from . import torch_impls
+from ..symbols import may_raise_on_values
 from .torch_executor import impl_symbol, prim_inplace_form
 
 
-def _fallible(bsym) -> bool:
-    """Whether the line's run-time values can make it raise: its op is tagged ``"fallible"`` where it is
-    defined (an index out of range, a failed check), or runs opaquely (``Symbol.runs_opaquely``, tag
-    ``"opaque"``: anything may raise).  The gradient line of a fallible op (``<op>_vjp``) is not: in a program
-    that computes gradients, the op's own line runs before it on the same indices and targets and raises first
-    (its backward kernels check nothing the forward did not), so optimizer updates may run in place during the
-    backward (transforms/early_updates.py)."""
-    src = bsym.source if bsym.source is not None else bsym.sym
-    if "fallible" in src.tags:
-        return True
-    return src.runs_opaquely or getattr(bsym.sym, "runs_opaquely", False)
+# Whether a line may raise on its run-time values (compiler/symbols.py ``may_raise_on_values``).
+_fallible = may_raise_on_values
 
 
 def _fn(bsym):

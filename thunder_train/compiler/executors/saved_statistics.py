@@ -209,10 +209,22 @@ def _vjp_of(bsym):
     return fn if isinstance(fn, torch_impls.TorchVJP) else None
 
 
-def _same_call(fwd, vjp) -> bool:
+def _same_value(x, y, recomputed_ok) -> bool:
+    """``y`` is ``x``, or (``recomputed_ok``) a copy of ``x`` the backward recomputed (transforms/remat.py: the same
+    ops on the same values)."""
+    return x is y or (recomputed_ok and getattr(y, "_tt_recomputed_of", None) is x)
+
+
+def _same_call(fwd, vjp, recomputed_ok=False) -> bool:
     a, b = fwd.args, vjp.args[2:]
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
-        fwd.kwargs[k] is vjp.kwargs[k] or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy)
+    return len(a) == len(b) and all(_same_value(x, y, recomputed_ok) for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
+        _same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy
+    ) and all(_same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) for k in fwd.kwargs if type(fwd.kwargs[k]) is TensorProxy)
+
+
+def _as_call(vjp):
+    """A ``<op>_vjp`` line's arguments as its op's call: ``(g, (), *args)`` -> ``args`` (same keywords)."""
+    return vjp.replace(args=vjp.args[2:])
 
 
 def _new_proxy(trc, prefix, shape, dtype, device):
@@ -269,9 +281,16 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
     new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs={},
                           output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
+    # The backward reads its own q, k, v: the forward's, or copies the backward recomputed (a memory budget).
+    bv = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
-                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which)), kwargs={})
+                          args=(vjp.args[0], bv["query"], bv["key"], bv["value"], fwd.output, lse, b["is_causal"], b["scale"],
+                                tuple(which)), kwargs={})
     return new_fwd, new_vjp
+
+
+# The backward kernel reads the op's inputs and the forward's results: inputs the backward recomputed do as well.
+_rewrite_sdpa.recomputed_inputs_ok = True
 
 
 def _rewrite_cross_entropy(trc, fwd, vjp, positions):
@@ -311,7 +330,9 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
         return None
     if not all(t is None or (type(t) is TensorProxy and t._tt_dtype is x._tt_dtype) for t in (w, bias)):
         return None
-    which = _which(fwd, positions, (x, w, bias))
+    bv = _bind(_LN_ARGS, _LN_DEFAULTS, vjp.args[2:], vjp.kwargs)  # its own x, w, b: the forward's, or recomputed copies
+    xv, wv, biasv = bv["input"], bv["weight"], bv["bias"]
+    which = _which(_as_call(vjp), positions, (xv, wv, biasv))
     if which is None:
         return None
     stat_shape = tuple(x._tt_shape[: x.ndim_ - len(shape)]) + (1,) * len(shape)
@@ -321,8 +342,11 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
     new_fwd = fwd.replace(sym=impl_symbol(layer_norm_with_stats), args=(x, shape, w, bias, b["eps"]), kwargs={},
                           output=(fwd.output, mean, rstd), comment="forward also keeps the mean and rstd its backward reads")
     new_vjp = vjp.replace(sym=impl_symbol(layer_norm_backward),
-                          args=(vjp.args[0], x, shape, mean, rstd, w, bias, which), kwargs={})
+                          args=(vjp.args[0], xv, shape, mean, rstd, wv, biasv, which), kwargs={})
     return new_fwd, new_vjp
+
+
+_rewrite_layer_norm.recomputed_inputs_ok = True
 
 
 def _which(fwd, positions, tensors):
@@ -447,7 +471,7 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
             fb = bsyms[i]
             if isinstance(fb, tuple):  # lines a rewrite made: no forward line of another vjp
                 continue
-            if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb):
+            if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb, getattr(rewrite, "recomputed_inputs_ok", False)):
                 pair = rewrite(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair

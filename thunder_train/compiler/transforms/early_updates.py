@@ -9,7 +9,7 @@ Here such a line (its op declares ``Symbol.splits_by_index``: result ``i`` depen
 of every list argument) is split into one line per parameter, and each line runs right after the last line it
 needs: its gradient's final line (which runs last in the backward for the first layers, first for the last
 ones), the last read of the parameter's and its state's old values, and the last line that may raise on
-values (``executors/reinplace.py`` ``_fallible``: a call stays transactional, and the update then runs in place).
+values (``compiler/symbols.py`` ``may_raise_on_values``: a call stays transactional, and the update then runs in place).
 The lines that come after the backward and that an update reads (``grad_layout``, the step counters' increment,
 arithmetic on hyper-parameters) move with it when they are pure.  Values are unchanged: each parameter's
 update is the same function of the same values (torch's multi-tensor optimizer kernels update each tensor on its
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
+from ..symbols import may_raise_on_values as _fallible
 from .remat import BACKWARD
 from .remat_policy import is_view
 
@@ -98,8 +99,6 @@ def split_by_index(b) -> list | None:
 def update_when_final(trc, header="Optimizer updates run as soon as their gradients are final (transforms/early_updates.py)"):
     """The whole step ``trc`` (backward lines marked ``BACKWARD``) with each per-index line after the backward split
     and moved up to the last line it needs; ``trc`` itself when nothing moves."""
-    from ..executors.reinplace import _fallible
-
     lines = list(trc.bound_symbols)
     last_bw = max((i for i, b in enumerate(lines) if b.region is BACKWARD), default=None)
     if last_bw is None:
