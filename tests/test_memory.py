@@ -143,20 +143,21 @@ def test_compiled_module_reports_its_plan():
 
 
 def test_gpt_benchmark_step_targets():
-    """The issue's GPT step (benchmarks/train_step.py): the default below eager's peak (measured 0.84x; issue 27's
-    target of 0.80x is not met since cross-entropy's in-place backward was taken out, its values not being bitwise
-    eager's); per-block checkpointing within 10 % of eager's with the same checkpointing (torch.compile 0.22x)."""
+    """The issue's GPT step (benchmarks/train_step.py), issue 27's targets: the default at most 0.80x eager's peak
+    (measured 0.73x: cross-entropy by blocks of rows, updates as soon as gradients are final); per-block
+    checkpointing no higher than eager's with the same checkpointing (0.30x against eager's 0.39x; the issue's
+    0.20x is below what eager's kernels allow here, docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.32x)."""
     model, batch = _setup(n_layer=4, d=256, T=128, B=8, V=4096)
     eager = _measure(copy.deepcopy(model), batch, ckpt=False, steps=2)[0]
     eager_ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, steps=2)[0]
     default = _measure(copy.deepcopy(model), batch, ckpt=False, compile_options={"fusion": None}, steps=2)[0]
     ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, compile_options={"fusion": None}, steps=2)[0]
-    assert default <= 0.85 * eager, (default / eager)
-    # Checkpointing is honoured: it halves the compiled peak. Issue 27 asks for no more than eager's with the same
-    # checkpointing; it is 1.08x of that now (0.42x against eager's 0.39x of eager's plain peak), since
-    # cross-entropy's in-place backward was taken out (its values were not bitwise eager's).
+    budget = _measure(copy.deepcopy(model), batch, ckpt=False, compile_options={"fusion": None, "memory_budget": 0.25},
+                      steps=2)[0]
+    assert default <= 0.75 * eager, (default / eager)
     assert ckpt < 0.5 * default, (ckpt / eager, default / eager)
-    assert ckpt <= 1.10 * eager_ckpt, (ckpt / eager, eager_ckpt / eager)
+    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.31 * eager, (ckpt / eager, eager_ckpt / eager)
+    assert budget <= 0.33 * eager, (budget / eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
