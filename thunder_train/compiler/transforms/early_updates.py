@@ -174,32 +174,68 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
         moved_after.setdefault(at, []).append(line)
         return at
 
+    origin: dict = {}
     for i, pieces in targets.items():
         for piece in pieces:
             at = place(piece, i)
+            origin[id(piece)] = i
             made_by.update((id(o), at) for o in piece.flat_outputs() if is_proxy(o))
     if all(at >= last_bw for at in moved_after):
         return trc
-    out = list(moved_after.get(-1, []))
-    for i, b in enumerate(lines):
-        if i not in moved:
+    for merge in (True, False):
+        out = []
+        for i in range(-1, len(lines)):
+            if i >= 0 and i not in moved:
+                out.append(lines[i])
+            seq = moved_after.get(i, [])
+            out.extend(_merged(seq, origin) if merge else seq)
+        new = trc.derive(header)
+        new.bound_symbols = out
+        if _in_order(new):
+            return new
+    raise AssertionError("thunder_train internal error: early optimizer updates reordered a line before a value it reads")
+
+
+def _merged(seq, origin) -> list:
+    """The pieces of one line that follow the same line as one line again (one multi-tensor kernel call), where
+    the last of them was."""
+    last = {origin[id(b)]: j for j, b in enumerate(seq) if id(b) in origin}
+    groups: dict = {}
+    out = []
+    for j, b in enumerate(seq):
+        o = origin.get(id(b))
+        if o is None:
             out.append(b)
-        out.extend(moved_after.get(i, []))
-    new = trc.derive(header)
-    new.bound_symbols = out
-    _check_order(new)
-    return new
+            continue
+        groups.setdefault(o, []).append(b)
+        if j == last[o]:
+            out.append(_join(groups[o]))
+    return out
 
 
-def _check_order(trc) -> None:
-    """Every value a line reads is an input or computed by an earlier line (or by itself): the reordering is right."""
+def _join(pieces):
+    """One line computing what ``pieces`` (one-index lines of one line, in index order) compute."""
+    if len(pieces) == 1:
+        return pieces[0]
+
+    def cat(xs):
+        if isinstance(xs[0], list):
+            return [v for x in xs for v in x]
+        if isinstance(xs[0], tuple) and any(isinstance(e, list) for e in xs[0]):
+            return tuple(cat([x[k] for x in xs]) for k in range(len(xs[0])))
+        return xs[0]
+
+    first = pieces[0]
+    return first.replace(args=tuple(cat([p.args[k] for p in pieces]) for k in range(len(first.args))),
+                         output=cat([p.output for p in pieces]),
+                         subsymbols=tuple(s for p in pieces for s in p.subsymbols))
+
+
+def _in_order(trc) -> bool:
+    """Every value a line reads is an input or computed by an earlier line (or by itself)."""
     position = {}
     for j, b in enumerate(trc.bound_symbols):
         for o in b.flat_outputs():
             if is_proxy(o):
                 position[id(o)] = j
-    for j, b in enumerate(trc.bound_symbols):
-        for a in _reads(b):
-            if position.get(id(a), -1) > j:
-                raise AssertionError(f"thunder_train internal error: early optimizer updates: line {j} reads a value "
-                                     f"computed at line {position[id(a)]}")
+    return all(position.get(id(a), -1) <= j for j, b in enumerate(trc.bound_symbols) for a in _reads(b))
