@@ -134,9 +134,7 @@ def test_cross_entropy_out_forms_are_bitwise_eager_kernels():
     logp = garbage_like(want[1])
     got = saved_statistics.cross_entropy_with_stats_out(logits, target, -100, 1, out=(None, logp, None))
     assert got[1] is logp and all(torch.equal(g, w) for g, w in zip(got, want))
-    g_nll = saved_statistics.nll_loss_backward(torch.tensor(1.0), want[1], target, want[2], -100, 1)
-    out = garbage_like(g_nll)  # the kernel zeroes its result before it scatters: nothing of the old content stays
-    assert torch.equal(saved_statistics.nll_loss_backward_out(torch.tensor(1.0), want[1], target, want[2], -100, 1, out=out), g_nll)
+    # (The backward has no out form: it writes into logp by blocks of rows, tests/test_memory.py.)
 
 
 # ---------------------------------------------------------------------------

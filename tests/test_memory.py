@@ -143,17 +143,118 @@ def test_compiled_module_reports_its_plan():
 
 
 def test_gpt_benchmark_step_targets():
-    """The issue's GPT step (benchmarks/train_step.py): the default below eager's peak (measured 0.84x; issue 27's
-    target of 0.80x is not met since cross-entropy's in-place backward was taken out, its values not being bitwise
-    eager's); per-block checkpointing within 10 % of eager's with the same checkpointing (torch.compile 0.22x)."""
+    """The issue's GPT step (benchmarks/train_step.py), issue 27's targets: the default at most 0.80x eager's peak
+    (measured 0.73x: cross-entropy by blocks of rows, updates as soon as gradients are final); per-block
+    checkpointing no higher than eager's with the same checkpointing (0.30x against eager's 0.39x; the issue's
+    0.20x is below what eager's kernels allow here, docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.32x)."""
     model, batch = _setup(n_layer=4, d=256, T=128, B=8, V=4096)
     eager = _measure(copy.deepcopy(model), batch, ckpt=False, steps=2)[0]
     eager_ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, steps=2)[0]
     default = _measure(copy.deepcopy(model), batch, ckpt=False, compile_options={"fusion": None}, steps=2)[0]
     ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, compile_options={"fusion": None}, steps=2)[0]
-    assert default <= 0.85 * eager, (default / eager)
-    # Checkpointing is honoured: it halves the compiled peak. Issue 27 asks for no more than eager's with the same
-    # checkpointing; it is 1.08x of that now (0.42x against eager's 0.39x of eager's plain peak), since
-    # cross-entropy's in-place backward was taken out (its values were not bitwise eager's).
+    budget = _measure(copy.deepcopy(model), batch, ckpt=False, compile_options={"fusion": None, "memory_budget": 0.25},
+                      steps=2)[0]
+    assert default <= 0.75 * eager, (default / eager)
     assert ckpt < 0.5 * default, (ckpt / eager, default / eager)
-    assert ckpt <= 1.10 * eager_ckpt, (ckpt / eager, eager_ckpt / eager)
+    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.31 * eager, (ckpt / eager, eager_ckpt / eager)
+    assert budget <= 0.33 * eager, (budget / eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_by_blocks_of_rows_is_eagers_bitwise(dtype, reduction, monkeypatch):
+    """Cross-entropy's whole-step kernels (executors/saved_statistics.py) run eager's log_softmax and its backward on
+    blocks of rows, writing over the logits and then over the log-probabilities: the loss and the logits' gradient
+    equal eager autograd's bitwise, blocks that do not divide the rows and ignored rows included."""
+    from thunder_train.compiler.executors import saved_statistics as ss
+
+    red = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    g = torch.Generator().manual_seed(0)
+    for n, v, block_bytes in ((1024, 4096, 1 << 20), (37, 301, 1000), (5, 3, 1)):
+        monkeypatch.setattr(ss, "_ROW_BLOCK_BYTES", block_bytes)
+        x = (torch.randn(n, v, generator=g) * 4).to(dtype)
+        y = torch.randint(0, v, (n,), generator=g)
+        y[::7] = -100
+        xe = x.clone().requires_grad_()
+        loss = F.cross_entropy(xe, y, reduction=reduction)
+        gout = torch.randn(loss.shape, generator=g).to(dtype) if loss.dim() else torch.tensor(0.75, dtype=dtype)
+        loss.backward(gout)
+        logits = x.clone()
+        got, logp, total = ss.cross_entropy_into_logits(logits, y, -100, red)
+        assert logp is logits and torch.equal(got, loss.detach())
+        assert torch.equal(logp, torch.log_softmax(x, 1))
+        (grad,) = ss.cross_entropy_backward_into_logp(gout, logp, y, total, -100, red)
+        assert grad is logp and torch.equal(grad, xe.grad), (n, v, (grad - xe.grad).abs().max())
+
+
+def _optimizers():
+    return {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+            "adamw fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            "adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+            "sgd nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+            "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1)}
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("opt_name", list(_optimizers()))
+def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monkeypatch):
+    """transforms/early_updates.py: each parameter is updated as soon as its gradient is final, during the backward.
+    Parameters, optimizer state and losses are bitwise those of the same program updating after the backward (and
+    equal eager's); the trace has one in-place update per parameter, most of them before the backward's last line."""
+    from thunder_train.compiler import pipeline
+
+    model, batch = _setup(n_layer=2, d=32, T=16, B=2, V=64)
+    make_opt = _optimizers()[opt_name]
+    runs = {}
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(pipeline, "update_when_final", lambda trc: trc)
+        m = copy.deepcopy(model)
+        m_run = Checkpointed(m) if ckpt else m
+        opt = make_opt(m.parameters())
+        cf = tt.compile(step, fusion=None)
+        losses = [cf(m_run, opt, *batch) for _ in range(3)]
+        runs[early] = (m, opt, losses, tt.last_traces(cf)[-1].python_source())
+    (m1, o1, l1, src), (m2, o2, l2, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2))
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            assert torch.equal(v, o2.state[p2][k]), (opt_name, k)
+    n = len(list(m1.parameters()))
+    kernel = {"adamw": "adam", "adamw fused": "adam", "adam amsgrad": "adam", "sgd nesterov": "sgd", "adagrad": "adagrad"}[opt_name]
+    lines = src.splitlines()
+    # In-place update lines, each of the parameters whose gradients are final at the same line (one kernel call).
+    updated = {i: line.split(f"ttex.{kernel}_update_([")[1].split("]")[0].count(",") + 1
+               for i, line in enumerate(lines) if f"ttex.{kernel}_update_(" in line}
+    assert sum(updated.values()) == n and len(updated) >= n // 2, src
+    # The first layers' gradients are final last: the head's and the last block's updates run before them.
+    first_block_grad = next(i for i, line in enumerate(lines) if "blocks_0_ln1_weight)" in line and "grad_layout" in line)
+    assert sum(k for i, k in updated.items() if i < first_block_grad) >= n // 2, src
+    eager = copy.deepcopy(model)
+    eager_opt = make_opt(eager.parameters())
+    want = [step(Checkpointed(eager) if ckpt else eager, eager_opt, *batch) for _ in range(3)]
+    for got, w in zip(l1, want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+
+
+def test_early_updates_wait_for_reads_of_the_old_parameters():
+    """A step reading the parameters after the backward and before opt.step() sees their old values (eager's), and
+    an update never runs before a read of what it overwrites."""
+    def reading(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        loss.backward()
+        size = sum(p.detach().abs().sum() for p in model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach(), size
+
+    model, batch = _setup(n_layer=1, d=32, T=16, B=2, V=64)
+    m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (m1, m2))
+    cf = tt.compile(reading, fusion=None)
+    for _ in range(3):
+        got, want = cf(m1, o1, *batch), reading(m2, o2, *batch)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

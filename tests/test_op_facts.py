@@ -499,6 +499,29 @@ def test_forward_statistics_are_declared_on_ops_with_a_fused_backward():
                for op in _all_symbols() if op.torch_saved_statistics is not None)
 
 
+def test_ops_that_split_by_index_are_list_ops_whose_kernels_update_each_entry_alone():
+    # transforms/early_updates.py runs a splits_by_index line as one line per index: the torch kernel called per entry
+    # must give what it gives for the whole list, bitwise.
+    from thunder_train.compiler.torchlang import optim as toptim
+
+    declared = {op.name for op in _all_symbols() if op.splits_by_index}
+    assert declared == {"adam_update", "sgd_update", "adagrad_update"} | {op.name for op in tforeach.OUT_OF_PLACE}
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (7,), (3, 5, 2)]
+    lists = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    steps = [torch.tensor(3.0) for _ in shapes]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                 decoupled_weight_decay=True)
+    p, gr, m, v = lists
+    v = [t.abs() for t in v]
+    whole = toptim.adam_update.torch_impl(p, gr, m, v, [], steps, **hyper)
+    for i in range(len(shapes)):
+        one = toptim.adam_update.torch_impl([p[i]], [gr[i]], [m[i]], [v[i]], [], [steps[i]], **hyper)
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(one[:3], whole[:3]))
+    whole = torch._foreach_add(p, gr)
+    assert all(torch.equal(torch._foreach_add([p[i]], [gr[i]])[0], whole[i]) for i in range(len(shapes)))
+
+
 def test_fusion_forms_compute_the_op():
     x, g = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
     declared = [op for op in _all_symbols() if op.fusion_form is not None or op.fusion_vjp_form is not None]

@@ -31,6 +31,7 @@ from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
 from .transforms.collectives import late_waits
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
+from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
@@ -110,6 +111,13 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
+        # transforms/early_updates.py: each parameter updated once its gradient is final.  Not with fusion chosen up
+        # front: update lines inside the backward split the regions Inductor would fuse (the zoo's ViT step fused
+        # nothing); docs/memory.md, known gaps.
+        updated = update_when_final(trc) if options.fusion in (None, "background") else trc
+        if updated is not trc:
+            trc = updated
+            traces.append(trc)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
     traces.append(lowered)

@@ -123,6 +123,9 @@ class Symbol:
     # output again instead of keeping it from the forward (an FSDP2 unit's gathered parameters that are resharded
     # after its forward: torchlang/distributed.py)
     recompute_in_backward = None
+    # Lists in, lists out, result ``i`` computed from the ``i``-th entries alone (the other arguments shared): a line
+    # may run as one line per index with the same values (transforms/early_updates.py: optimizer updates per parameter)
+    splits_by_index = False
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name
@@ -274,3 +277,17 @@ class BoundSymbol:
 
 def flat_proxies(x) -> list:
     return [v for v in tree_flatten(x)[0] if is_proxy(v)]
+
+
+def may_raise_on_values(bsym) -> bool:
+    """Whether the line's run-time values can make it raise: its op is tagged ``"fallible"`` where it is defined (an
+    index out of range, a failed check), or runs opaquely (``Symbol.runs_opaquely``, tag ``"opaque"``: anything may
+    raise).  The gradient line of a fallible op (``<op>_vjp``) is not: in a program that computes gradients, the
+    op's own line runs before it on the same indices and targets and raises first (its backward kernels check
+    nothing the forward did not).  Re-inplacing (executors/reinplace.py) writes inputs in place only after the
+    last such line, so that a call that raises leaves them as they were; optimizer updates run during the backward
+    (transforms/early_updates.py) after it."""
+    src = bsym.source if bsym.source is not None else bsym.sym
+    if "fallible" in src.tags:
+        return True
+    return src.runs_opaquely or getattr(bsym.sym, "runs_opaquely", False)

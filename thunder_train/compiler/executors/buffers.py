@@ -277,6 +277,24 @@ def _reached(values, may_alias) -> set:
     return out
 
 
+def storage_sets(bsyms, inputs=()):
+    """``(may_alias, escaped)`` of a lowered trace's lines: ``id(value) -> ids of the storages it may share`` (an input
+    of the program, a line's new result: its own; a line's result that may alias its arguments: theirs) and the
+    storages a line that may keep a reference was given (an op run opaquely)."""
+    may_alias = {id(a): {id(a)} for a in inputs if _tensor(a)}
+    escaped: set = set()
+    for b in bsyms:
+        reached = _reached(b.flat_args(), may_alias)
+        if not _keeps_no_reference(b):
+            escaped |= reached
+        aliased = () if out_form(b) is not None else _aliased_args(b)
+        shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
+        for o in b.flat_outputs():
+            if _tensor(o):
+                may_alias[id(o)] = shared if aliased != () and shared else {id(o)}
+    return may_alias, escaped
+
+
 def _eligible(trc) -> bool:
     """``out=`` refuses tensors that need grad under grad mode: the program runs without grad, or no value needs it."""
     if "@torch.no_grad()" in trc.decorators:

@@ -34,18 +34,12 @@ import torch
 from ..proxies import TensorProxy, is_number, is_proxy
 from ..pytree import tree_flatten
 from . import torch_impls
+from ..symbols import may_raise_on_values
 from .torch_executor import impl_symbol, prim_inplace_form
 
 
-def _fallible(bsym) -> bool:
-    """Whether the line's run-time values can make it raise: its op is tagged ``"fallible"`` where it is
-    defined (an index out of range, a failed check), or is the gradient of such an op, or runs opaquely
-    (``Symbol.runs_opaquely``, tag ``"opaque"``: anything may raise)."""
-    src = bsym.source if bsym.source is not None else bsym.sym
-    ops = (src, getattr(src, "forward_symbol", None))
-    if any(op is not None and "fallible" in op.tags for op in ops):
-        return True
-    return src.runs_opaquely or getattr(bsym.sym, "runs_opaquely", False)
+# Whether a line may raise on its run-time values (compiler/symbols.py ``may_raise_on_values``).
+_fallible = may_raise_on_values
 
 
 def _fn(bsym):

@@ -137,24 +137,56 @@ def cross_entropy_with_stats_out(input, target, ignore_index, reduction, *, out)
 cross_entropy_with_stats.out = cross_entropy_with_stats_out
 
 
-def nll_loss_backward(g, logp, target, total_weight, ignore_index, reduction):
-    """The gradient of the log-probabilities: eager's first cross-entropy backward kernel."""
-    return torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+# Cross-entropy's log-probabilities and their gradient are logits-sized (vocabulary x tokens: the largest arrays of
+# a language model's step).  Both kernels eager runs (``_log_softmax``, ``_log_softmax_backward_data``) compute
+# each row from that row alone, so running them on blocks of rows gives eager's values bitwise
+# (tests/test_memory.py checks it) while the temporaries are one block, not one more logits-sized array.
+_ROW_BLOCK_BYTES = 1 << 18  # one block is all these two functions allocate (kept buffers do not see it)
 
 
-def nll_loss_backward_out(g, logp, target, total_weight, ignore_index, reduction, *, out):
-    """The same kernel into ``out`` (executors/buffers.py; it zeroes ``out`` first, as it zeroes a new result)."""
-    return torch.ops.aten.nll_loss_backward.grad_input(g, logp, target, None, reduction, ignore_index, total_weight, grad_input=out)
+def _row_blocks(x):
+    """``(start, stop)`` of blocks of ``x``'s rows of about ``_ROW_BLOCK_BYTES`` each (one block off the CPU)."""
+    n = x.shape[0]
+    if x.device.type != "cpu" or n == 0:
+        return [(0, n)]
+    rows = max(1, _ROW_BLOCK_BYTES // max(1, x[0].numel() * x.element_size()))
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
-nll_loss_backward.out = nll_loss_backward_out
+def _block_buffer(x, blocks):
+    """One uninitialised block of ``x``'s rows, reused by every block (the kernels below write all of it)."""
+    a, b = blocks[0]
+    return torch.empty((b - a, *x.shape[1:]), dtype=x.dtype, device=x.device)
 
 
-def log_softmax_backward_into_logp(g_logp, logp):
-    """Eager's second cross-entropy backward kernel, writing its result into ``logp``: ``_rewrite_cross_entropy``
-    made ``logp`` for the backward alone, and the kernel reads each element before it writes it.  One array of
-    the logits' size less at the step's peak than a new result (eager's peak, not above)."""
-    return (torch.ops.aten._log_softmax_backward_data.out(g_logp, logp, 1, logp.dtype, out=logp),)
+def cross_entropy_into_logits(input, target, ignore_index, reduction):
+    """``cross_entropy_with_stats`` writing the log-probabilities over the logits, which nothing reads after this line
+    (``_overwrite_dead_logits``): eager's ``_log_softmax`` kernel on blocks of rows, each computed aside and copied
+    back."""
+    blocks = _row_blocks(input)
+    buf = _block_buffer(input, blocks)
+    for a, b in blocks:
+        torch.ops.aten._log_softmax.out(input[a:b], 1, False, out=buf[: b - a])
+        input[a:b] = buf[: b - a]
+    del buf
+    loss, total_weight = torch.ops.aten.nll_loss_forward(input, target, None, reduction, ignore_index)
+    return loss, input, total_weight
+
+
+def cross_entropy_backward_into_logp(g, logp, target, total_weight, ignore_index, reduction):
+    """Cross-entropy's gradient, written into ``logp`` (which ``_rewrite_cross_entropy`` made for the backward
+    alone): eager's two kernels, ``nll_loss_backward`` then ``_log_softmax_backward_data``, block of rows by block,
+    so the gradient of the log-probabilities is one block at a time, not a logits-sized array (eager's peak holds
+    it).  ``nll_loss_backward`` zeroes its result and writes ``-g / total_weight`` (or ``-g``) at each row's target
+    whatever the block; the second kernel reads each element of its block before it writes it."""
+    blocks = _row_blocks(logp)
+    buf = _block_buffer(logp, blocks)
+    for a, b in blocks:
+        gb = g[a:b] if g.dim() else g  # reduction="none": one incoming gradient per row
+        g_nll = torch.ops.aten.nll_loss_backward.grad_input(gb, logp[a:b], target[a:b], None, reduction, ignore_index,
+                                                            total_weight, grad_input=buf[: b - a])
+        torch.ops.aten._log_softmax_backward_data.out(g_nll, logp[a:b], 1, logp.dtype, out=logp[a:b])
+    return (logp,)
 
 
 def layer_norm_with_stats(input, normalized_shape, weight, bias, eps):
@@ -194,14 +226,14 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, cross_entropy_with_stats, cross_entropy_with_stats_out, nll_loss_backward,
-           nll_loss_backward_out, log_softmax_backward_into_logp,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, cross_entropy_with_stats,
+           cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)
-    # The arguments whose memory the results may share (executors/buffers.py): none, but logp's for the line writing into it.
-    _f.aliases = (1,) if _f is log_softmax_backward_into_logp else ()
+    # The arguments whose memory the results may share (executors/buffers.py): none, but the one a line writes into.
+    _f.aliases = {cross_entropy_backward_into_logp: (1,), cross_entropy_into_logits: (0,)}.get(_f, ())
 
 
 # ---------------------------------------------------------------------------
@@ -212,10 +244,22 @@ def _vjp_of(bsym):
     return fn if isinstance(fn, torch_impls.TorchVJP) else None
 
 
-def _same_call(fwd, vjp) -> bool:
+def _same_value(x, y, recomputed_ok) -> bool:
+    """``y`` is ``x``, or (``recomputed_ok``) a copy of ``x`` the backward recomputed (transforms/remat.py: the same
+    ops on the same values)."""
+    return x is y or (recomputed_ok and getattr(y, "_tt_recomputed_of", None) is x)
+
+
+def _same_call(fwd, vjp, recomputed_ok=False) -> bool:
     a, b = fwd.args, vjp.args[2:]
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
-        fwd.kwargs[k] is vjp.kwargs[k] or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy)
+    return len(a) == len(b) and all(_same_value(x, y, recomputed_ok) for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
+        _same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy
+    ) and all(_same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) for k in fwd.kwargs if type(fwd.kwargs[k]) is TensorProxy)
+
+
+def _as_call(vjp):
+    """A ``<op>_vjp`` line's arguments as its op's call: ``(g, (), *args)`` -> ``args`` (same keywords)."""
+    return vjp.replace(args=vjp.args[2:])
 
 
 def _new_proxy(trc, prefix, shape, dtype, device):
@@ -303,10 +347,17 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
                               output=(fwd.output, lse, additive),
                               comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
         masked = (additive,)
+    # The backward reads its own q, k, v: the forward's, or copies the backward recomputed (a memory budget).
+    bv = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_backward),
-                          args=(vjp.args[0], q, k, v, fwd.output, lse, b["is_causal"], b["scale"], tuple(which), *masked),
+                          args=(vjp.args[0], bv["query"], bv["key"], bv["value"], fwd.output, lse, b["is_causal"], b["scale"],
+                                tuple(which), *masked),
                           kwargs=more)
     return new_fwd, new_vjp
+
+
+# The backward kernel reads the op's inputs and the forward's results: inputs the backward recomputed do as well.
+_rewrite_sdpa.recomputed_inputs_ok = True
 
 
 def _rewrite_cross_entropy(trc, fwd, vjp, positions):
@@ -325,12 +376,11 @@ def _rewrite_cross_entropy(trc, fwd, vjp, positions):
     total = _new_proxy(trc, "total_weight", (), x._tt_dtype, x._tt_device)
     new_fwd = fwd.replace(sym=impl_symbol(cross_entropy_with_stats), args=(x, y, b["ignore_index"], red), kwargs={},
                           output=(fwd.output, logp, total), comment="forward also keeps the log-probabilities its backward reads")
-    # ``logp`` is read by the two backward lines alone; the second overwrites it (``log_softmax_backward_into_logp``).
-    g_nll = _new_proxy(trc, "g_nll", x._tt_shape, x._tt_dtype, x._tt_device)
-    nll_vjp = vjp.replace(sym=impl_symbol(nll_loss_backward), args=(vjp.args[0], logp, y, total, b["ignore_index"], red),
-                          kwargs={}, output=g_nll, comment="cross-entropy's backward: eager's two kernels")
-    new_vjp = vjp.replace(sym=impl_symbol(log_softmax_backward_into_logp), args=(g_nll, logp), kwargs={}, comment=None)
-    return new_fwd, (nll_vjp, new_vjp)
+    # ``logp`` is read by the backward line alone, which overwrites it (``cross_entropy_backward_into_logp``).
+    new_vjp = vjp.replace(sym=impl_symbol(cross_entropy_backward_into_logp),
+                          args=(vjp.args[0], logp, y, total, b["ignore_index"], red), kwargs={},
+                          comment="cross-entropy's backward: eager's two kernels, by blocks of rows, into logp")
+    return new_fwd, new_vjp
 
 
 _LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
@@ -347,7 +397,9 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
         return None
     if not all(t is None or (type(t) is TensorProxy and t._tt_dtype is x._tt_dtype) for t in (w, bias)):
         return None
-    which = _which(fwd, positions, (x, w, bias))
+    bv = _bind(_LN_ARGS, _LN_DEFAULTS, vjp.args[2:], vjp.kwargs)  # its own x, w, b: the forward's, or recomputed copies
+    xv, wv, biasv = bv["input"], bv["weight"], bv["bias"]
+    which = _which(_as_call(vjp), positions, (xv, wv, biasv))
     if which is None:
         return None
     stat_shape = tuple(x._tt_shape[: x.ndim_ - len(shape)]) + (1,) * len(shape)
@@ -357,8 +409,11 @@ def _rewrite_layer_norm(trc, fwd, vjp, positions):
     new_fwd = fwd.replace(sym=impl_symbol(layer_norm_with_stats), args=(x, shape, w, bias, b["eps"]), kwargs={},
                           output=(fwd.output, mean, rstd), comment="forward also keeps the mean and rstd its backward reads")
     new_vjp = vjp.replace(sym=impl_symbol(layer_norm_backward),
-                          args=(vjp.args[0], x, shape, mean, rstd, w, bias, which), kwargs={})
+                          args=(vjp.args[0], xv, shape, mean, rstd, wv, biasv, which), kwargs={})
     return new_fwd, new_vjp
+
+
+_rewrite_layer_norm.recomputed_inputs_ok = True
 
 
 def _which(fwd, positions, tensors):
@@ -443,6 +498,33 @@ ltorch_normalization.batch_norm.torch_saved_statistics = _rewrite_batch_norm
 ltorch_normalization.group_norm.torch_saved_statistics = _rewrite_group_norm
 
 
+def _overwrite_dead_logits(trc, bsyms) -> list:
+    """``cross_entropy_with_stats`` lines whose logits nothing reads afterwards write the log-probabilities over them
+    (``cross_entropy_into_logits``): one logits-sized array less at the end of the forward.  Only for a CPU
+    row-major intermediate of the program: not an input, not returned, not handed to an op that may keep a
+    reference, and no value that may share its memory read by a later line."""
+    from .buffers import storage_sets  # a sibling pass's alias facts
+
+    may_alias, escaped = storage_sets(bsyms, trc.args)
+    inputs = {id(a) for a in trc.args}
+    kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
+    out = list(bsyms)
+    for i, b in enumerate(bsyms):
+        if getattr(b.sym, "fn", None) is not cross_entropy_with_stats:
+            continue
+        x = b.args[0]
+        if type(x) is not TensorProxy or x._tt_device.type != "cpu" or not x._tt_rowmajor or id(x) in inputs:
+            continue
+        mine = may_alias.get(id(x), set())
+        if not mine or mine & (inputs | escaped | kept):
+            continue
+        if any(may_alias.get(id(a), set()) & mine for later in bsyms[i + 1:] for a in later.flat_args() if type(a) is TensorProxy):
+            continue
+        out[i] = b.replace(sym=impl_symbol(cross_entropy_into_logits),
+                           comment="forward also keeps the log-probabilities its backward reads, written over the logits")
+    return out
+
+
 def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):
     bsyms = list(trc.bound_symbols)
     changed = False
@@ -456,7 +538,7 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
             fb = bsyms[i]
             if isinstance(fb, tuple):  # lines a rewrite made: no forward line of another vjp
                 continue
-            if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb):
+            if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb, getattr(rewrite, "recomputed_inputs_ok", False)):
                 pair = rewrite(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
@@ -465,5 +547,5 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
     if not changed:
         return trc
     new = trc.derive(header)
-    new.bound_symbols = [line for b in bsyms for line in (b if isinstance(b, tuple) else (b,))]
+    new.bound_symbols = _overwrite_dead_logits(trc, [line for b in bsyms for line in (b if isinstance(b, tuple) else (b,))])
     return new

@@ -109,3 +109,9 @@ def foreach_norm(tensors, ord=2, dtype=None):
 
 
 OUT_OF_PLACE.append(foreach_norm)
+
+
+# Every out-of-place list op computes result ``i`` from the ``i``-th operands alone (transforms/early_updates.py may
+# split it per index: the step counters' ``_foreach_add`` of an optimizer updating each parameter on its own).
+for _sym in OUT_OF_PLACE:
+    _sym.splits_by_index = True

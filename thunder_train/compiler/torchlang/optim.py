@@ -231,6 +231,12 @@ def _adagrad_fits(params, grads, state_sums, state_steps, grad_scale, found_inf,
     return _same_device_floats([*params, *grads, *state_sums], state_steps)
 
 
+# Each parameter's update reads that parameter's gradient and state alone (torch's multi-tensor kernels update
+# each tensor on its own): a whole step may update a parameter as soon as its gradient is final
+# (transforms/early_updates.py).
+adam_update.splits_by_index = sgd_update.splits_by_index = adagrad_update.splits_by_index = True
+
+
 def _routes():
     """(module, names of its per-op implementations, its fused implementation, fits) for each optimizer."""
     from torch.optim import adagrad, adam, sgd

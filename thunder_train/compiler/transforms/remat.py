@@ -107,6 +107,9 @@ def _clone(b, mapping, make_name, comment=None):
         if not _is_tensor(x) or id(x) in mapping or id(x) in inputs:
             return sub(x)
         mapping[id(x)] = y = _fresh_like(x, make_name)
+        # The value it recomputes: a backward kernel pairing with its forward line by their arguments
+        # (executors/saved_statistics.py) may take the copy for the original (same ops on the same values).
+        y._tt_recomputed_of = getattr(x, "_tt_recomputed_of", x)
         return y
 
     # A recomputed line is a backward line (a later planning step must not take it for a forward one).

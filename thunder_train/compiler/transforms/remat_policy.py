@@ -64,7 +64,9 @@ def _pairs_with_forward(b) -> bool:
     kernel reuses its forward line's statistics (executors/saved_statistics.py pairs the two by their arguments): a recomputed argument would break the pair and run the op's backward
     through PyTorch's autograd, forward included, so its arguments are kept."""
     op = getattr(b.sym, "forward_symbol", None)
-    return getattr(op, "torch_saved_statistics", None) is not None
+    rewrite = getattr(op, "torch_saved_statistics", None)
+    # A pair whose backward kernel may read recomputed copies of the op's inputs (attention, layer norm) stays a pair.
+    return rewrite is not None and not getattr(rewrite, "recomputed_inputs_ok", False)
 
 
 class Saved:
