@@ -17,6 +17,8 @@ What this does not do is refused before anything runs (``unsupported``), never a
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import context, dtypes
@@ -24,12 +26,11 @@ from ..errors import TracingError
 
 
 def _fsdp():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return None, None
-    return FSDPModule, DTensor
+    """(FSDPModule, DTensor), each None while its module is not imported: an FSDP2 module or a DTensor exists only
+    once it is, and importing ``torch.distributed.tensor`` loads sympy, which a first call must not pay
+    (tests/test_first_call.py)."""
+    fsdp_mod, tensor_mod = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    return getattr(fsdp_mod, "FSDPModule", None), getattr(tensor_mod, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
