@@ -29,6 +29,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_step import peak_call_bytes  # noqa: E402  (one way of measuring a step's peak, shared by the benchmarks)
 
 
 def step(model, opt, x, y):
@@ -37,21 +39,6 @@ def step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
-
-
-def peak_step_bytes(fn, compiled=None) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    import thunder_train as tt
-    from thunder_train.compiler.executors.buffers import kept_bytes
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
-        peak = max(peak, cur)
-    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
 
 
 def run(rank, args, port):
@@ -95,7 +82,7 @@ def run(rank, args, port):
         peaks = []
         for (m, o), fn in zip(models, fns):
             dist.barrier()
-            peaks.append(peak_step_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
+            peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
         if rank == 0:
             e, c = statistics.median(times[0]), statistics.median(times[1])
             diff = max(abs(a - b) for a, b in zip(*losses))

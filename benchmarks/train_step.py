@@ -200,21 +200,26 @@ def measure(modes, samples, per_sample):
             m.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / per_sample)
 
 
-def peak_step_bytes(mode) -> int:
-    """Peak bytes allocated during one call above what was live before (torch.profiler's allocator events),
-    plus the buffers a thunder_train program keeps between calls for its intermediates (executors/buffers.py):
-    they are allocated before the call, and held for it."""
+def peak_call_bytes(fn, compiled=None) -> int:
+    """Peak bytes allocated during ``fn()`` above what was live before (torch.profiler's allocator events), plus
+    the buffers the thunder_train function ``compiled`` keeps between calls for its intermediates
+    (executors/buffers.py): they are allocated before the call, and held for it."""
     from torch.profiler import ProfilerActivity, profile
 
     from thunder_train.compiler.executors.buffers import kept_bytes
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        mode.call()
+        fn()
     cur = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
         peak = max(peak, cur)
-    return peak + (kept_bytes(tt.last_traces(mode.compiled)[-1]) if mode.compiled is not None else 0)
+    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
+
+
+def peak_step_bytes(mode) -> int:
+    """``peak_call_bytes`` of one call of a mode."""
+    return peak_call_bytes(mode.call, mode.compiled)
 
 
 def report(label, base, modes, with_memory):
