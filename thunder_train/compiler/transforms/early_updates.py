@@ -103,6 +103,10 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
     last_bw = max((i for i, b in enumerate(lines) if b.region is BACKWARD), default=None)
     if last_bw is None:
         return trc
+    # Nothing moves above the backward's first line: the forward reads every parameter, and when a call's inputs
+    # are not what the program was traced for (thin mode's Python checks see layouts and flags, not dtypes), the
+    # forward is where it raises, before anything is updated.
+    first_bw = min(i for i, b in enumerate(lines) if b.region is BACKWARD)
     targets = {}
     for i in range(last_bw + 1, len(lines)):
         b = lines[i]
@@ -170,7 +174,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
             if type(a) is TensorProxy and id(a) in inputs:
                 at = max([at] + [after(r) for r in readers.get(id(a), ()) if r < origin and r not in targets])
                 at = max([at] + [w for w in writers.get(id(a), ()) if w < origin])
-        at = max([at] + [f for f in barriers if f < origin and f not in anchor])
+        at = max([at, first_bw] + [f for f in barriers if f < origin and f not in anchor])
         moved_after.setdefault(at, []).append(line)
         return at
 
