@@ -28,13 +28,12 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for sub in ("recipes", "benchmarks", "tests"):
     sys.path.insert(0, os.path.join(ROOT, sub))
 import _zoo  # noqa: E402
-from gpt import GPT  # noqa: E402
+from gpt import GPT, CheckpointedBlocks  # noqa: E402
 from train_step import gpt_setup  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
@@ -50,21 +49,6 @@ def gpt_step(model, opt, batch):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
-
-
-class CheckpointedBlocks(torch.nn.Module):
-    """``GPT.forward`` with every block run under ``checkpoint(block, x, use_reentrant=False)``."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx):
-        g = self.gpt
-        x = g.tok(idx) + g.pos(torch.arange(idx.size(1), device=idx.device))
-        for block in g.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return g.head(g.ln_f(x))
 
 
 def gpt_workload():

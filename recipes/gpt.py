@@ -82,6 +82,24 @@ ALPHABET = "0123456789+=\n"
 STOI = {c: i for i, c in enumerate(ALPHABET)}
 
 
+class CheckpointedBlocks(nn.Module):
+    """``GPT.forward`` with every block run under ``checkpoint(block, x, use_reentrant=False)`` (activation
+    checkpointing as users write it; tests/test_memory.py and benchmarks/memory.py measure it)."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx):
+        from torch.utils.checkpoint import checkpoint
+
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.size(1), device=idx.device))
+        for block in g.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return g.head(g.ln_f(x))
+
+
 def make_corpus(n_lines: int = 20000, max_value: int = 99, seed: int = 0) -> torch.Tensor:
     rng = random.Random(seed)
     text = "".join(f"{a}+{b}={a + b}\n" for a, b in ((rng.randint(0, max_value), rng.randint(0, max_value)) for _ in range(n_lines)))

@@ -14,26 +14,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import thunder_train as tt
 from thunder_train.compiler.executors.buffers import kept_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-
-class Checkpointed(torch.nn.Module):
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx):
-        g = self.gpt
-        x = g.tok(idx) + g.pos(torch.arange(idx.size(1), device=idx.device))
-        for block in g.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return g.head(g.ln_f(x))
+from gpt import GPT, CheckpointedBlocks as Checkpointed, GPTConfig  # noqa: E402
 
 
 def step(model, opt, x, y):
