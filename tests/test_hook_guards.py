@@ -105,14 +105,20 @@ def test_compiled_module_hook_added_later(thin):
             torch.testing.assert_close(pc.grad, pe.grad)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_tensor_hook_added_later_is_refused_clearly(mode):
-    """A gradient hook on a parameter, added after the first calls: the whole step would not run it."""
+def _after_three_calls(mode):
+    """A compiled step (``mode``) called three times on the compiled twin of ``_pair()``."""
     me, oe, mc, oc = _pair()
     cf = tt.compile(step, **mode)
     x = torch.randn(8, 4)
-    for i in range(3):
+    for _ in range(3):
         cf(mc, oc, x)
+    return me, oe, mc, oc, cf, x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tensor_hook_added_later_is_refused_clearly(mode):
+    """A gradient hook on a parameter, added after the first calls: the whole step would not run it."""
+    me, oe, mc, oc, cf, x = _after_three_calls(mode)
     mc[0].weight.register_hook(lambda g: g * 0)
     before = [p.detach().clone() for p in mc.parameters()]
     with pytest.raises(TracingError, match="gradient hooks"):
@@ -122,11 +128,7 @@ def test_tensor_hook_added_later_is_refused_clearly(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_full_backward_hook_added_later_is_refused_clearly(mode):
-    me, oe, mc, oc = _pair()
-    cf = tt.compile(step, **mode)
-    x = torch.randn(8, 4)
-    for i in range(3):
-        cf(mc, oc, x)
+    me, oe, mc, oc, cf, x = _after_three_calls(mode)
     mc[2].register_full_backward_hook(lambda mod, gi, go: None)
     with pytest.raises(TracingError, match="backward hooks"):
         cf(mc, oc, x)
@@ -134,11 +136,7 @@ def test_full_backward_hook_added_later_is_refused_clearly(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_optimizer_hook_added_later_is_refused_clearly(mode):
-    me, oe, mc, oc = _pair()
-    cf = tt.compile(step, **mode)
-    x = torch.randn(8, 4)
-    for i in range(3):
-        cf(mc, oc, x)
+    me, oe, mc, oc, cf, x = _after_three_calls(mode)
     h = oc.register_step_post_hook(lambda opt, a, k: None)
     with pytest.raises(TracingError, match="step hooks"):
         cf(mc, oc, x)
