@@ -174,3 +174,68 @@ def test_zoo_steps_with_checked_decisions(verify, name):
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert "made with the buffers" in source(cf)
+
+
+FUSED_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-1, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1, fused=True),
+}
+
+
+def _replace_with_transposed(model):
+    g = torch.Generator().manual_seed(7)
+    w = model[0].weight
+    model[0].weight.data = torch.randn(w.shape[1], w.shape[0], generator=g).t()  # column-major, new values
+
+
+@pytest.mark.parametrize("thin", [True, False], ids=["thin", "full"])
+@pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
+def test_fused_kernel_on_a_parameter_replaced_by_a_transposed_tensor_is_refused(name, thin):
+    """``p.data = w.t()`` after the optimizer's state exists (issue 25, item 4): the state stays row-major while the
+    parameter (and its gradient) are column-major.  Eager's fused kernel walks them as flat arrays of memory and
+    pairs unrelated elements; the compiled step refuses instead of computing another update than eager's, names
+    what to do, and leaves the model and the optimizer as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = FUSED_OPTIMIZERS[name](model.parameters())
+    cf = tt.compile(step, thin=thin)
+    data = batches(3)
+    cf(model, opt, *data[0])
+    _replace_with_transposed(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    with pytest.raises(NotImplementedError, match=r"fused=True.*do not share one dense layout.*contiguous\(\).*fused=False"):
+        cf(model, opt, *data[1])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
+    after = {k: v for p in model.parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    model[0].weight.data = model[0].weight.detach().contiguous()  # the remedy the error names
+    eager, eager_opt = copy.deepcopy((model, opt))  # one memo: the copied optimizer holds the copied parameters
+    for x, y in data[1:]:
+        torch.testing.assert_close(cf(model, opt, x, y), step(eager, eager_opt, x, y).detach(), atol=1e-6, rtol=1e-6)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("thin", [True, False], ids=["thin", "full"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adam_for_loop"])
+def test_default_optimizer_on_a_parameter_replaced_by_a_transposed_tensor_trains_as_eager(name, thin):
+    """The same replacement with the optimizers' default (per-op) implementations, which the program runs on torch's
+    fused kernels with the unlike parameter on row-major copies: eager's values."""
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-1), "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9),
+            "adam_for_loop": lambda ps: torch.optim.Adam(ps, lr=1e-1, foreach=False)}[name]
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    compiled = copy.deepcopy(eager)
+    opts = [make(m.parameters()) for m in (eager, compiled)]
+    cf = tt.compile(step, thin=thin)
+    for i, (x, y) in enumerate(batches(5)):
+        if i == 2:
+            _replace_with_transposed(eager)
+            _replace_with_transposed(compiled)
+        torch.testing.assert_close(cf(compiled, opts[1], x, y), step(eager, opts[0], x, y).detach(), atol=1e-6, rtol=1e-6)
+    for a, b in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert a.stride() == b.stride()

@@ -106,9 +106,35 @@ def test_default_dtype_changed_inside_is_what_the_factory_uses():
     lambda: X.new_zeros(3, requires_grad=True),
     lambda: torch.zeros_like(X, requires_grad=True),
 ], ids=["zeros", "ones", "full", "tensor", "randn", "new_zeros", "zeros_like"])
-def test_requires_grad_true_is_refused_clearly(make):
-    with pytest.raises(TracingError, match="requires_grad=True"):
+def test_a_new_leaf_returned_through_is_refused_clearly(make):
+    """Eager's ``make() + 1`` requires grad through a leaf only the function sees: the compiled program cannot
+    return that, and says so."""
+    with pytest.raises(TracingError, match="requires grad through a tensor made inside it.*requires_grad=True"):
         tt.compile(lambda x: make() + 1)(torch.ones(3))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(3, requires_grad=True),
+    lambda: torch.full((3,), 2.0, requires_grad=True),
+    lambda: torch.randn(3, requires_grad=True),
+    lambda: X.new_ones(3, requires_grad=True),
+    lambda: torch.zeros_like(X, requires_grad=True),
+], ids=["zeros", "full", "randn", "new_ones", "zeros_like"])
+def test_a_new_leaf_gets_its_grad_from_a_backward_inside(make):
+    """``delta = torch.zeros_like(x, requires_grad=True)`` then a backward inside the function (adversarial
+    perturbations): the new leaf's ``.grad`` is eager's, and so are the random draws."""
+    def fn(x):
+        t = make()
+        ((t * x).sin().sum() + (t * t).sum()).backward()
+        return t.grad * 1, t.detach() + 0
+
+    torch.manual_seed(0)
+    want = fn(X)
+    torch.manual_seed(0)
+    got = tt.compile(fn)(X)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+        assert not a.requires_grad
 
 
 def test_opaque_factories_keep_requires_grad():

@@ -26,6 +26,7 @@ from ..pytree import flatten_output, holds, tree_flatten
 from ..symbols import BoundSymbol
 from ..torchlang.optim import optimizers_while_tracing
 from ..trace import Trace
+from . import traced_autograd
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
 from . import fsdp, kernel_switches, library_objects
@@ -36,7 +37,7 @@ from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
 from .global_state import global_state_unchanged
 from .provenance import path_str
-from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks
+from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks, refuse_new_leaves_returned
 from .state import TracerState
 from .module_writes import settle as settle_module_writes
 from .walker import InputWalker
@@ -147,6 +148,8 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
+            refuse_new_leaves_returned(state, trc)
+            traced_autograd.check_data_assignments(state)
             _insert_shape_queries(trc, walker.symbolic_inputs)
         except BaseException:
             library_objects.rollback(walker.library_objects)

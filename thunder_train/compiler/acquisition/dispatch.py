@@ -222,6 +222,8 @@ def _property(st, prop, get, args, top):
         if get:
             return st.grads.get(a)
         return st.grads.set(a, args[1])
+    if prop == "data" and not get:
+        return traced_autograd.assign_data(st, a, args[1])
     if not get:
         setter = registry.property_setters.get(prop)
         if setter is None:

@@ -87,6 +87,11 @@ class Buffers:
             self._keep[id(value)] = value
         self._set(buf, value)
 
+    def version(self, p) -> int:
+        """How many writes ``p``'s memory (its base's, for a view) has had."""
+        base = self.base_of(p)
+        return self._version.get(id(base if base is not None else p), 0)
+
     def base_of(self, p):
         view = self._views.get(id(p))
         return None if view is None else view.base

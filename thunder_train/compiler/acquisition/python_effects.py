@@ -86,3 +86,34 @@ def only_walked_optimizers_step(walker):
         yield
     finally:
         handle.remove()
+
+
+def refuse_new_leaves_returned(st, trc):
+    """A tensor made inside the function and set to require grad (``torch.zeros(3).requires_grad_()``,
+    ``x.detach().requires_grad_()``) returned, or a returned value that requires grad through it alone: eager
+    returns a tensor requiring grad through a leaf only the function saw; the compiled program's outputs get
+    gradients through its inputs only.  Refused where a returned value would silently not require grad.  With a
+    backward inside the function (an adversarial example's ``.grad``, a gradient penalty) its outputs carry no graph
+    anyway (documented), and such leaves work as in eager."""
+    if st.has_backward:
+        return
+    from .traced_autograd import Forward, grad_leaves, new_leaves
+
+    made = new_leaves(st)
+    if not made:
+        return
+    made_ids = {id(v) for _, vals in made for v in vals}
+    bsyms = list(trc.bound_symbols)
+    from_made = Forward(bsyms, [v for _, vals in made for v in vals]).needs_grad
+    from_inputs = Forward(bsyms, [v for p, vals in grad_leaves(st) if id(vals[0]) not in made_ids for v in vals]).needs_grad
+    from ..pytree import tree_flatten
+
+    grad_mode = st.grad_enabled or torch.is_grad_enabled()  # under no_grad nothing computed requires grad
+    for o in tree_flatten(trc.output)[0]:
+        if id(o) in made_ids or (grad_mode and id(o) in from_made and id(o) not in from_inputs):
+            raise TracingError(
+                "a value the compiled function returns requires grad through a tensor made inside it "
+                "(requires_grad=True, requires_grad_() or .requires_grad = True on a new tensor): eager would return a tensor that requires "
+                "grad through a leaf only the function sees, which a compiled program cannot hand out. Create that "
+                "tensor outside and pass it in (or register it as a parameter of the module), or return a detached "
+                "value.")

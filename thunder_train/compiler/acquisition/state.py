@@ -39,5 +39,7 @@ class TracerState:
     # (input, (method, args, kwargs)) the epilogue replays on the real input.
     metadata_inputs: dict = dataclasses.field(default_factory=dict)
     metadata_replays: list = dataclasses.field(default_factory=list)
+    # ``t.data = v`` on tensors made inside the function: (t, v, their versions after it) (traced_autograd.py)
+    data_assignments: list = dataclasses.field(default_factory=list)
     # {symbol: its kernel switches when the call began} (acquisition/kernel_switches.py)
     kernel_switches: dict = dataclasses.field(default_factory=dict)

@@ -27,10 +27,17 @@ from __future__ import annotations
 import torch
 
 from .. import prims
+from ..errors import TracingError
 from .distributed import reduce_gradients
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
+
+
+def _install():
+    from ..torchlang import tensor_methods
+
+    tensor_methods.computed_requires_grad = computed_requires_grad
 
 
 class GradState:
@@ -99,7 +106,68 @@ def grad_leaves(st) -> list:
     for p in st.walker.input_proxies():
         if is_float_tensor(p) and p._tt_requires_grad:
             out.append((p, lv.stand_ins(p) if lv is not None else [st.buffers.read(p)]))
-    return out
+    return out + new_leaves(st)
+
+
+def computed_requires_grad(st, a) -> bool:
+    """Eager's ``requires_grad`` of a value computed inside the function: an op's output requires grad when one of
+    its inputs does and grad mode is on (``prims.stop_gradient`` marks what ``no_grad`` computed).  The gradient
+    path is found again only when the trace or a flag changed since the last question."""
+    if type(a) is not TensorProxy or not is_float_tensor(a) or st.walker.leaf_of(a) is not None:
+        return False
+    if not (st.grad_enabled or torch.is_grad_enabled()):
+        return False  # called under no_grad: nothing computed requires grad (as record_backward)
+    changes = getattr(st, "requires_grad_changes", None) or {}
+    key = (len(st.trace.bound_symbols), tuple((k, v[0]._tt_requires_grad) for k, v in changes.items()))
+    cached = getattr(st, "_gradient_path_cache", None)
+    if cached is None or cached[0] != key:
+        cached = st._gradient_path_cache = (key, gradient_path(st))
+    return id(st.buffers.read(a)) in cached[1]
+
+
+def assign_data(st, t, v):
+    """``t.data = v`` on a tensor made inside the function (a projected adversarial perturbation,
+    ``delta.data = delta.clamp(-eps, eps)``): ``t`` holds ``v``'s values from now on, without ``v``'s history, and
+    keeps its flag and ``.grad``.  Eager makes the two share memory; an in-place write to either afterwards would
+    show in both, which the functional trace does not follow: ``check_data_assignments`` refuses that."""
+    if type(t) is not TensorProxy or st.walker.leaf_of(t) is not None or st.buffers.base_of(t) is not None:
+        raise TracingError(
+            "setting Tensor.data on an input of the compiled function (or a view) is not supported inside it: do the "
+            "assignment between calls (thin mode and the guards notice it), or copy the values in place under "
+            "torch.no_grad() (t.copy_(v)).")
+    if type(v) is not TensorProxy:
+        raise TypeError(f"Tensor.data must be a Tensor, not {type(v).__name__}")
+    value = st.buffers.read(v)
+    if (value._tt_shape, value._tt_dtype, value._tt_device, value._tt_strides) != (t._tt_shape, t._tt_dtype, t._tt_device, t._tt_strides):
+        raise TracingError(
+            f"t.data = v inside a compiled function with another shape, dtype, device or layout ({value.type_string()} "
+            f"for {t.type_string()}) is not supported: make the new tensor with the new values instead.")
+    # A new assignment to ``t`` ends its sharing with the last ``v`` (eager: ``t`` points at other memory).
+    st.data_assignments[:] = [a for a in st.data_assignments if a[0] is not t]
+    st.buffers.write(t, prims.stop_gradient(value))
+    st.data_assignments.append((t, v, st.buffers.version(t), st.buffers.version(v)))
+
+
+def check_data_assignments(st):
+    """An in-place write, after ``t.data = v``, to ``t`` or ``v``: eager writes both (shared memory)."""
+    for t, v, vt, vv in st.data_assignments:
+        if st.buffers.version(t) != vt or st.buffers.version(v) != vv:
+            raise TracingError(
+                f"after t.data = v inside the compiled function, {'t' if st.buffers.version(t) != vt else 'v'} was "
+                "written in place: eager's t and v share memory, which the compiled program does not follow. Assign "
+                "a new tensor instead (t.data = v.clone()), or write t itself in place (t.copy_(v) under no_grad).")
+
+
+def new_leaves(st) -> list:
+    """(tensor, [its value]) of every tensor made inside the function and set to require grad
+    (``x.clone().requires_grad_()``: an adversarial example, a gradient penalty's interpolate): a leaf as in eager,
+    whose ``.grad`` a backward inside the function sets."""
+    changes = getattr(st, "requires_grad_changes", None)
+    if not changes:
+        return []
+    walker = st.walker
+    return [(a, [st.buffers.read(a)]) for a, _ in changes.values()
+            if a._tt_requires_grad and is_float_tensor(a) and walker.leaf_of(a) is None]
 
 
 def _wrt_groups(st, tensors) -> list:
@@ -245,3 +313,5 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
         result.append(g)
     return tuple(result)
 
+
+_install()

@@ -321,19 +321,7 @@ def grad_layout_decided(g, param):
 grad_layout_decided.aliases = (0,)
 
 
-def _alike(i, lists) -> bool:
-    p = lists[0][i]
-    if p.is_contiguous():
-        return all(ts[i].is_contiguous() for ts in lists[1:] if i < len(ts))
-    from ..proxies import is_non_overlapping_and_dense
-
-    st = p.stride()
-    return is_non_overlapping_and_dense(p) and all(ts[i].stride() == st for ts in lists[1:] if i < len(ts))
-
-
-def unlike_layouts(lists) -> tuple:
-    """Indices of the parameters whose tensors in ``lists`` do not share one dense layout (``_fused``)."""
-    return tuple(i for i in range(len(lists[0])) if not _alike(i, lists))
+unlike_layouts = ltorch_optim.unlike_layouts  # indices whose tensors do not share one dense layout
 
 
 def _fused(kernel, lists, written, *rest, odd=None, **hyper):

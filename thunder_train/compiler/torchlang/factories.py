@@ -27,8 +27,9 @@ _FORMATS = (None, torch.contiguous_format, torch.preserve_format)
 def _factory(*torch_fns, **kw):
     """``torchsymbol`` for a factory; its options are honoured or refused, never dropped.
 
-    ``requires_grad=True`` (a new leaf inside the compiled program, whose gradient the program would have to
-    hand out) is refused; ``layout``, ``pin_memory`` and ``memory_format`` other than the defaults raise
+    ``requires_grad=True`` makes a new leaf, as ``requires_grad_()`` on the new tensor (a backward inside the
+    function sets its ``.grad``; returning a value that requires grad through it alone is refused:
+    ``acquisition/python_effects.py``); ``layout``, ``pin_memory`` and ``memory_format`` other than the defaults raise
     ``NotImplementedError``, on which the dispatcher runs the call through torch (eager's result).
     """
 
@@ -37,18 +38,17 @@ def _factory(*torch_fns, **kw):
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):
-            if kwargs.get("requires_grad"):
-                raise TracingError(
-                    f"{fn.__name__}(..., requires_grad=True) inside a compiled function is not supported: the new "
-                    "tensor would be a leaf of the compiled program. Create it outside and pass it in (or register it "
-                    "as a parameter of the module)."
-                )
             _check_layout(kwargs.get("layout"))
             if kwargs.get("pin_memory"):
                 raise NotImplementedError(f"{fn.__name__}(pin_memory=True) has no decomposition")
             if kwargs.get("memory_format") not in _FORMATS:
                 raise NotImplementedError(f"{fn.__name__}(memory_format={kwargs['memory_format']}) has no decomposition")
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if kwargs.get("requires_grad"):
+                from .tensor_methods import set_requires_grad
+
+                set_requires_grad(out, True)  # a new leaf, as ``requires_grad_()`` on the new tensor
+            return out
 
         return torchsymbol(*torch_fns, explicit_defaults=True, **kw)(checked)
 

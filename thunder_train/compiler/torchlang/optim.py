@@ -25,6 +25,7 @@ rounding (bitwise on the tests' tensors).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -32,6 +33,49 @@ from .. import clang, dtypes, prims, symbols
 from ..proxies import TensorProxy
 from . import elementwise as ew
 from .registry import torchsymbol
+
+
+def _alike(i, lists) -> bool:
+    p = lists[0][i]
+    if p.is_contiguous():
+        return all(ts[i].is_contiguous() for ts in lists[1:] if i < len(ts))
+    from ..proxies import is_non_overlapping_and_dense
+
+    st = p.stride()
+    return is_non_overlapping_and_dense(p) and all(ts[i].stride() == st for ts in lists[1:] if i < len(ts))
+
+
+def unlike_layouts(lists) -> tuple:
+    """Indices of the parameters whose tensors in ``lists`` (parameters first, then gradients and state) do not
+    share one dense layout.  Torch's fused kernels walk each parameter's tensors as flat arrays of memory."""
+    return tuple(i for i in range(len(lists[0])) if not _alike(i, lists))
+
+
+# Set while a per-op optimizer implementation is routed to torch's fused path (``_routed``): its tensors of unlike
+# layouts are then ours to lay out (``torch_impls._fused`` runs them on row-major copies).  Per thread: two threads
+# may trace at once.
+_ROUTING = threading.local()
+
+
+def _refuse_unlike_layouts(kernel, lists, names):
+    """A user's ``fused=True`` kernel on a parameter whose gradient or state is laid out differently (``p.data``
+    replaced by a transposed or sliced tensor after the state was made): eager's kernel pairs their elements by
+    memory order, an update no formula describes.  Refuse it rather than compute something else than eager."""
+    if getattr(_ROUTING, "on", False) or not lists[0]:
+        return
+    if not all(type(t) is TensorProxy and all(type(n) is int for n in (*t._tt_shape, *t._tt_strides))
+               for ts in lists for t in ts):
+        return
+    odd = unlike_layouts(lists)
+    if odd:
+        i = odd[0]
+        layouts = ", ".join(f"{n} {tuple(ts[i].stride())}" for n, ts in zip(names, lists) if i < len(ts))
+        raise NotImplementedError(
+            f"{kernel.__name__} (an optimizer with fused=True): parameter {i} of its group (shape "
+            f"{tuple(lists[0][i].shape)}) and its gradient and state do not share one dense layout (strides: "
+            f"{layouts}). Torch's fused kernel walks them as flat arrays of memory, so eager would pair unrelated "
+            "elements and compute a wrong update. Give the parameter its state's layout (e.g. assign "
+            "`p.data = new.contiguous()` instead of a transposed or sliced tensor), or use fused=False.")
 
 
 def _lists(*lists):
@@ -102,6 +146,8 @@ def _fused_adam(decoupled):
         _no_grad_scaler(kernel, grad_scale, found_inf)
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = _lists(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+        _refuse_unlike_layouts(kernel, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs),
+                               ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         new = adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=lr, beta1=beta1,
                           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
                           decoupled_weight_decay=decoupled)
@@ -138,6 +184,7 @@ def _sgd_new_values(params, grads, momentum_buffer_list, *, weight_decay, moment
                     is_first_step, grad_scale=None, found_inf=None):
     _no_grad_scaler(torch._fused_sgd_, grad_scale, found_inf)
     params, grads, bufs = _lists(params, grads, momentum_buffer_list)
+    _refuse_unlike_layouts(torch._fused_sgd_, (params, grads, bufs), ("param", "grad", "momentum_buffer"))
     new = sgd_update(params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                      nesterov=nesterov, maximize=maximize, is_first_step=is_first_step)
     return None, _writes((params, bufs), new)
@@ -169,6 +216,7 @@ def _adagrad_new_values(params, grads, state_sums, state_steps, *, lr, lr_decay,
                         grad_scale=None, found_inf=None):
     _no_grad_scaler(torch._fused_adagrad_, grad_scale, found_inf)
     params, grads, sums, steps = _lists(params, grads, state_sums, state_steps)
+    _refuse_unlike_layouts(torch._fused_adagrad_, (params, grads, sums), ("param", "grad", "sum"))
     new = adagrad_update(params, grads, sums, steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                          maximize=maximize)
     return None, _writes((params, sums), new)
@@ -254,7 +302,11 @@ def _routes():
 def _routed(original, fused, fits):
     def route(*args, **kwargs):
         if fits(*args, **kwargs):
-            return fused(*args, **kwargs)
+            outer, _ROUTING.on = getattr(_ROUTING, "on", False), True
+            try:
+                return fused(*args, **kwargs)
+            finally:
+                _ROUTING.on = outer
         return original(*args, **kwargs)
 
     route.__wrapped__ = original

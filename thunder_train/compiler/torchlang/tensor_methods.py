@@ -306,12 +306,19 @@ def _leaf_values(st, a):
     return lv if lv is not None and lv.tracks(a) else None
 
 
+# ``(st, a) -> bool``: whether a value computed inside the function depends on one that requires grad (eager's
+# flag of an op's output), installed by ``acquisition/traced_autograd.py``: the gradient path is found there.
+computed_requires_grad = None
+
+
 def requires_grad_of(st, a):
     """``a.requires_grad`` while tracing (``a``: the user's tensor, not its current value)."""
     lv = _leaf_values(st, a)
     if lv is not None:
         return lv.requires_grad(a)
-    return (st.buffers.read(a) if st is not None and st.buffers is not None else a)._tt_requires_grad
+    if (st.buffers.read(a) if st is not None and st.buffers is not None else a)._tt_requires_grad:
+        return True
+    return st is not None and computed_requires_grad is not None and computed_requires_grad(st, a)
 
 
 def set_requires_grad(a, requires_grad):
@@ -328,6 +335,12 @@ def set_requires_grad(a, requires_grad):
     lv = _leaf_values(st, a)
     if lv is not None:
         lv.set_flag(a, requires_grad)  # raises where eager does (a non-leaf)
+    elif st is not None and computed_requires_grad is not None and computed_requires_grad(st, a):
+        if requires_grad:
+            return  # a computed value that requires grad already: eager's no-op
+        raise RuntimeError(
+            "you can only change requires_grad flags of leaf variables. If you want to use a computed variable in a "
+            "subgraph that doesn't require differentiation use var_no_grad = var.detach().")
     changes = st.requires_grad_changes if st is not None else None
     if changes is not None and id(a) not in changes:
         changes[id(a)] = (a, a._tt_requires_grad)
