@@ -176,6 +176,62 @@ def test_switches_set_outside_are_not_baked_in():
     assert "sdpa_with" not in str(tt.last_traces(f)[-1])
 
 
+def _precision_step(model, opt, x):
+    """A model that asks for TF32 ("high") float32 matmul precision around part of its forward, as some training
+    code does for speed, and restores the caller's."""
+    h = model[0](x)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        h = torch.tanh(model[1](h)) @ h.t()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    loss = h.square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_matmul_precision_set_inside_the_step_is_replayed_on_every_call(thin, monkeypatch):
+    """The matmuls traced under the function's own precision switches set them on every call (on CUDA they would
+    otherwise run in the caller's precision: TF32 or not), and put the caller's back; eager's values here."""
+    from thunder_train.compiler.torchlang import matmul_precision
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    compiled = copy.deepcopy(eager)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    step = tt.compile(_precision_step, thin=thin)
+    for i in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(step(compiled, opts[1], x), _precision_step(eager, opts[0], x))
+        assert torch.get_float32_matmul_precision() == "highest"
+    written = []
+    monkeypatch.setattr(matmul_precision, "_write", lambda sw, w=matmul_precision._write: (written.append(sw), w(sw)))
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(step(compiled, opts[1], x), _precision_step(eager, opts[0], x))  # a call after tracing:
+    # the recorded lines set the switches (the eager call after it writes none: monkeypatched module function)
+    assert [sw[0] for sw in written[:2]] == ["high", "highest"] and torch.get_float32_matmul_precision() == "highest"
+    src = str(tt.last_traces(step)[-1])
+    assert "linear_with_precision_high" in src and "matmul_with_precision_high" in src
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_matmul_precision_set_outside_is_not_baked_in():
+    f = tt.compile(lambda a, b: a @ b)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    torch.set_float32_matmul_precision("high")
+    try:
+        torch.testing.assert_close(f(a, b), a @ b)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    torch.testing.assert_close(f(a, b), a @ b)
+    assert "with_precision" not in str(tt.last_traces(f)[-1])
+
+
 class MaskedAttention(torch.nn.Module):
     """Attention over a padded batch, as transformers' GPT-2 and Llama call it: a key-padding mask (boolean or
     additive, per row or broadcast over the batch) and no ``is_causal``."""

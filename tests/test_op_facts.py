@@ -539,13 +539,23 @@ def test_fusion_forms_compute_the_op():
 
 def test_kernel_switches_are_declared_with_the_op_that_reads_them():
     """SDPA's kernel comes from process-wide backend switches: the reader and the runner that replays a setting
-    hang off its symbol, in its file; no other op declares switches."""
+    hang off its symbol, in its file; the matmul-family ops declare the precision switches; no other op does."""
     sdpa = registry.lookup(F.scaled_dot_product_attention)
     reader, runner = sdpa.kernel_switches()
     assert _file(reader) == _file(runner) == "compiler/torchlang/attention.py"
     assert reader() == reader() and runner(reader()) is runner(reader())  # one runner per setting
-    declared = [s for s in registry.all_symbols.values() if s.kernel_switches is not None]
-    assert declared == [sdpa]
+    from thunder_train.compiler.torchlang import linalg, matmul_precision, nn as ltorch_nn
+
+    # The float32 matmul precision / TF32 switches: one reader and runner factory (matmul_precision.py), declared
+    # next to each op that reads them.
+    precision_ops = {linalg.matmul, linalg.mm, linalg.bmm, linalg.addmm, linalg.baddbmm, linalg.einsum,
+                     ltorch_nn.linear, ltorch_nn.conv1d, ltorch_nn.conv2d}
+    for op in precision_ops:
+        reader, runner = op.kernel_switches()
+        assert reader is matmul_precision._read and runner(reader()) is runner(reader())
+        assert runner(reader()).__name__.startswith(op.name) or op.name in runner(reader()).__name__
+    declared = {s for s in registry.all_symbols.values() if s.kernel_switches is not None}
+    assert declared == {sdpa} | precision_ops
 def test_recompute_in_backward_is_declared_where_the_op_is():
     # Symbol.recompute_in_backward: only FSDP2's gather asks the backward to gather again, and only for units that
     # reshard after their forward (its line's reshard_after_forward).

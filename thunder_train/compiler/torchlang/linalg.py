@@ -8,6 +8,7 @@ import torch
 
 from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
+from .matmul_precision import precision_switches
 from .elementwise import _real
 from ..proxies import is_int
 from ..opaque import meta_rule
@@ -48,6 +49,11 @@ def bmm(input, mat2):
 @torchsymbol(torch.addmm, methods=("addmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     return _scaled_add(input, _matmul(mat1, mat2), beta, alpha)
+
+
+# float32 matmul precision / TF32 switches the function sets around these are replayed (matmul_precision.py)
+for _sym, _fn in ((matmul, torch.matmul), (mm, torch.mm), (bmm, torch.bmm), (addmm, torch.addmm)):
+    _sym.kernel_switches = precision_switches(_fn)
 
 
 def _scaled_add(input, product, beta, alpha):
@@ -137,6 +143,10 @@ def einsum(equation, *operands):
 @torchsymbol(torch.baddbmm, methods=("baddbmm",), autocast={"cpu": LOWER, "cuda": LOWER})
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_add(input, bmm(batch1, batch2), beta, alpha)
+
+
+baddbmm.kernel_switches = precision_switches(torch.baddbmm)
+einsum.kernel_switches = precision_switches(torch.einsum)
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from ..clang import downcast_like, is_tensor
 from ..grad_rules import register_vjp
 from ..prims.core import zeros_like
 from .autocast import LOWER  # autocast policies: see autocast.py
+from .matmul_precision import precision_switches
 from .helpers import ntuple
 from .registry import composed, torchsymbol
 
@@ -97,6 +98,12 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 @torchsymbol(F.conv2d, torch.conv2d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 2)
+
+
+# float32 matmul precision / TF32 switches the function sets around these are replayed (matmul_precision.py)
+linear.kernel_switches = precision_switches(F.linear)
+conv1d.kernel_switches = precision_switches(F.conv1d)
+conv2d.kernel_switches = precision_switches(F.conv2d)
 
 
 @torchsymbol(F.one_hot, tags=("fallible",))
