@@ -1,23 +1,29 @@
 """fully_shard (FSDP2) models in compiled whole steps, against eager FSDP2, on gloo CPU processes
-(tests/_fsdp_whole_step.py runs the ranks)."""
+(tests/_fsdp_whole_step.py runs the ranks: one interpreter for the module, its 2 and then 4 ranks forked from it)."""
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import run_script  # noqa: E402
 
 
-def _run(tmp_path, world):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_fsdp_whole_step.py"), str(tmp_path), str(world)],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """{world: [rank 0's results, rank 1's, ...]} for process groups of 2 and 4 ranks."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    run_script("_fsdp_whole_step.py", out, 2, 4, timeout=900)
+    return {w: [torch.load(out / f"w{w}" / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ranks):
+    return ranks[2]
 
 
 def _check_equal_to_eager(ranks, case, n_thin):
@@ -26,7 +32,7 @@ def _check_equal_to_eager(ranks, case, n_thin):
         eager, compiled = r[case]["eager"], r[case]["compiled"]
         # Each rank's losses, sharded parameters and optimizer state are eager FSDP2's (float32 rounding) ...
         torch.testing.assert_close(torch.stack(compiled["losses"]), torch.stack(eager["losses"]))
-        names = _gpt_param_names() if names_gpt else [""] * len(eager["params"])
+        names = r["gpt_names"] if names_gpt else [""] * len(eager["params"])
         for n, a, b in zip(names, compiled["params"], eager["params"]):
             if not _key_bias(n):
                 torch.testing.assert_close(a, b)
@@ -46,18 +52,6 @@ def _key_bias(name):
     """The attention qkv bias holds the key bias, whose gradient is rounding noise that Adam scales up
     (_models.without_key_bias); its shards split q, k and v differently on each rank, so it is left out whole."""
     return name.endswith("qkv.bias")
-
-
-def _gpt_param_names():
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from _fsdp_whole_step import TinyGPT
-
-    return [n for n, _ in TinyGPT().named_parameters()]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("fsdp2"), 2)
 
 
 @pytest.mark.parametrize("case,n_thin", [("mlp_adamw", 0), ("mlp_adamw_thin", 1), ("mlp_sgd_keep_gathered", 0),
@@ -112,7 +106,9 @@ def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
     for key, words in {"shard_dim1": "sharding on dim 1", "hsdp": "HSDP", "no_sync": "set_requires_gradient_sync(False)",
                        "forward_only": "backward is not in the same function",
                        # a shard read outside its unit's forward and the optimizer: a norm, a matmul with the weight
-                       "clip": "outside its fully_shard unit's forward", "tied_outside": "args[0].0.weight"}.items():
+                       "clip": "outside its fully_shard unit's forward", "tied_outside": "args[0].0.weight",
+                       "offload": "CPU offloading", "grouped": "fully_shard of a list of modules",
+                       "custom_all_gather": "a custom all-gather", "fp16_reduce": "gradients reduced in float16"}.items():
         msg, unchanged = errors[key]
         assert words in msg and "TracingError" in msg, (key, msg)
         assert unchanged, key  # a refused call leaves the parameters as they were
@@ -120,7 +116,18 @@ def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
     torch.testing.assert_close(compiled, eager)
 
 
-def test_fsdp2_step_equals_eager_on_four_ranks(tmp_path):
-    ranks = _run(tmp_path, 4)
+def test_fsdp2_step_equals_eager_on_four_ranks(ranks):
+    ranks = ranks[4]
     # Uneven shards of 33 and 5 rows over 4 ranks: one rank holds no row of the 5-row parameters.
     _check_equal_to_eager(ranks, "mlp_adamw_thin", 1)
+
+
+def test_fsdp2_unit_used_only_under_no_grad(two_ranks):
+    # A frozen fully_shard unit (its parameters require grad, none is in the optimizer) run under no_grad inside
+    # the step: gathered for the forward, no gradient and no reduce-scatter for it, as in eager FSDP2.
+    for r in two_ranks:
+        eager, compiled = r["no_grad_unit"]["eager"], r["no_grad_unit"]["compiled"]
+        torch.testing.assert_close(torch.stack(compiled["losses"]), torch.stack(eager["losses"]))
+        for a, b in zip(compiled["params"] + compiled["frozen"], eager["params"] + eager["frozen"]):
+            torch.testing.assert_close(a, b)
+        assert compiled["frozen_grads"] == eager["frozen_grads"] == [None, None]
