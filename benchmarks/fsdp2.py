@@ -84,11 +84,14 @@ def run(rank, args, port):
             dist.barrier()
             peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
         if rank == 0:
-            e, c = statistics.median(times[0]), statistics.median(times[1])
             diff = max(abs(a - b) for a, b in zip(*losses))
             print(f"world {args.world}, GPT {args.layers} x {args.d}, batch 4 x 64, {args.steps} steps")
-            print(f"first 3 calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
-            print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
+            print(f"first {min(3, args.steps)} calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
+            if times[0]:
+                e, c = statistics.median(times[0]), statistics.median(times[1])
+                print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
+            else:  # every call was one of the first three
+                print("median step: not measured (the first 3 calls trace; run with --steps 4 or more)")
             print(f"largest loss difference: {diff:.2e}")
             print(f"peak memory of a step (rank 0): eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
                   f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f} (reshard_after_forward="

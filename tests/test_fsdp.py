@@ -88,6 +88,37 @@ def test_fsdp2_collectives_are_lines_of_the_trace(two_ranks):
     assert not re.search(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\(.*# \w+: \"cpu bf16", mp)
 
 
+def _plain(trace):
+    return [ln.strip() for ln in trace.splitlines() if ln.strip() and not ln.strip().startswith(("#", "del ", "_"))]
+
+
+def _is_compute(line):
+    return not any(w in line for w in ("_c10d_functional", "wait_collective(", "__getitem__(", "ttex.pad("))
+
+
+def test_fsdp2_next_units_all_gathers_start_before_the_current_units_compute(two_ranks):
+    # Forward: the second linear's all-gathers start before the first linear computes (FSDP2's prefetch), and each
+    # unit's gathers start together, before any of their waits.
+    lines = _plain(two_ranks[0]["mlp_adamw"]["compiled"]["trace"])
+    first_linear = next(i for i, ln in enumerate(lines) if "linear" in ln)
+    gathers = [i for i, ln in enumerate(lines) if "all_gather_into_tensor(arg0_2_" in ln]
+    assert len(gathers) == 3 and gathers[1] < first_linear, lines[:first_linear + 1]
+    first_wait = next(i for i, ln in enumerate(lines) if "wait_collective(" in ln)
+    assert all("all_gather_into_tensor(arg0_0_" in ln for ln in lines[:first_wait] if "all_gather" in ln[:60]) and \
+        sum("all_gather_into_tensor(arg0_0_" in ln for ln in lines[:first_wait]) == 2
+    # Backward (GPT, reshard_after_forward=True): every parameter gathered again but the first starts while the
+    # backward of the one before it computes; the forward's values are unchanged (test above).
+    for key in ("gpt_adamw_thin", "mlp_adamw"):
+        lines = _plain(two_ranks[0][key]["compiled"]["trace"])
+        starts = {ln.split(" = ")[0]: i for i, ln in enumerate(lines) if re.match(r"r\d+ = torch\.ops\._c10d_functional\.all_gather", ln)}
+        waits = {re.search(r"wait_collective\((\w+),", ln).group(1): i for i, ln in enumerate(lines) if "wait_collective(" in ln}
+        order = sorted(starts.values())
+        assert len(order) == {"gpt_adamw_thin": 16, "mlp_adamw": 1}[key]
+        for name, i in starts.items():
+            if i != order[0]:
+                assert any(_is_compute(ln) for ln in lines[i + 1:waits[name]]), (key, name)
+
+
 def test_fsdp2_state_dict_and_dcp_between_compiled_steps(two_ranks):
     for r in two_ranks:
         c = r["checkpoint"]
