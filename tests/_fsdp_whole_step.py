@@ -65,12 +65,19 @@ def snapshot(model, opt):
     return params, state, kinds
 
 
-def train(make, units, data, opt_fn, *, thin=False, compiled=True, **kw):
+def train(make, units, data, opt_fn, *, thin=False, compiled=True, forward_prefetch=None, **kw):
+    """``forward_prefetch``: THUNDER_TRAIN_FORWARD_PREFETCH while compiling (on CPU the forward does not prefetch
+    unless asked, transforms/collectives.py)."""
     torch.manual_seed(0)
     model = shard(make(), units, **kw)
     opt = opt_fn(model.parameters())
     step = tt.compile(train_step, thin=thin) if compiled else train_step
-    losses = [step(model, opt, x, y).detach() for x, y in data]
+    if forward_prefetch is not None:
+        os.environ["THUNDER_TRAIN_FORWARD_PREFETCH"] = "1" if forward_prefetch else "0"
+    try:
+        losses = [step(model, opt, x, y).detach() for x, y in data]
+    finally:
+        os.environ.pop("THUNDER_TRAIN_FORWARD_PREFETCH", None)
     out = {"losses": losses}
     out["params"], out["state"], out["kinds"] = snapshot(model, opt)
     out["param_types"] = [type(p).__name__ for p in model.parameters()]
@@ -91,7 +98,7 @@ def run(rank, world, out_dir):
     blocks = lambda m: list(m.blocks)  # noqa: E731
     result = {"gpt_names": [n for n, _ in TinyGPT().named_parameters()]}
     cases = {
-        "mlp_adamw": (mlp, linears, mlp_data, adamw, {}),
+        "mlp_adamw": (mlp, linears, mlp_data, adamw, {"forward_prefetch": True}),
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
         "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True}),
@@ -105,7 +112,7 @@ def run(rank, world, out_dir):
     t0 = time.perf_counter()
     steps = {}
     for name, (make, units, data, opt_fn, kw) in cases.items():
-        fsdp_kw = {k: v for k, v in kw.items() if k != "thin"}
+        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "forward_prefetch")}
         result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw)}
         t1 = time.perf_counter()
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
