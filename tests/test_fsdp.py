@@ -167,3 +167,19 @@ def test_fsdp2_unit_used_only_under_no_grad(two_ranks):
         for a, b in zip(compiled["params"] + compiled["frozen"], eager["params"] + eager["frozen"]):
             torch.testing.assert_close(a, b)
         assert compiled["frozen_grads"] == eager["frozen_grads"] == [None, None]
+
+
+def test_fsdp2_under_lightning_model_parallel_strategy(tmp_path):
+    # ModelParallelStrategy(data_parallel_size=2) with fully_shard in configure_model, 2 gloo ranks: the plain
+    # Trainer against ThunderCallback(thin=True, fuse_optimizer=True) (one compiled whole-step program).
+    run_script("_fsdp_callback.py", tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert not torch.allclose(ranks[0]["eager"]["losses"], ranks[1]["eager"]["losses"])  # each rank its batches
+    for r in ranks:
+        torch.testing.assert_close(r["fused"]["losses"], r["eager"]["losses"])
+        for a, b in zip(r["fused"]["params"], r["eager"]["params"]):
+            torch.testing.assert_close(a, b)
+        assert r["fused"]["param_types"] == r["eager"]["param_types"] == ["DTensor"]
+        assert r["fused"]["programs"] == ["step"] and r["fused"]["thin_calls"] >= 3
+        # Without fuse_optimizer the backward would run outside the program: refused at setup, clearly.
+        assert "fuse_optimizer=True" in r["split"] and "ModelParallelStrategy" in r["split"], r["split"]
