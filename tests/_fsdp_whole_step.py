@@ -65,19 +65,19 @@ def snapshot(model, opt):
     return params, state, kinds
 
 
-def train(make, units, data, opt_fn, *, thin=False, compiled=True, forward_prefetch=None, **kw):
-    """``forward_prefetch``: THUNDER_TRAIN_FORWARD_PREFETCH while compiling (on CPU the forward does not prefetch
-    unless asked, transforms/collectives.py)."""
+def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, **kw):
+    """``prefetch``: THUNDER_TRAIN_PREFETCH while compiling (on CPU the all-gathers are not prefetched unless asked,
+    transforms/collectives.py)."""
     torch.manual_seed(0)
     model = shard(make(), units, **kw)
     opt = opt_fn(model.parameters())
     step = tt.compile(train_step, thin=thin) if compiled else train_step
-    if forward_prefetch is not None:
-        os.environ["THUNDER_TRAIN_FORWARD_PREFETCH"] = "1" if forward_prefetch else "0"
+    if prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = "1" if prefetch else "0"
     try:
         losses = [step(model, opt, x, y).detach() for x, y in data]
     finally:
-        os.environ.pop("THUNDER_TRAIN_FORWARD_PREFETCH", None)
+        os.environ.pop("THUNDER_TRAIN_PREFETCH", None)
     out = {"losses": losses}
     out["params"], out["state"], out["kinds"] = snapshot(model, opt)
     out["param_types"] = [type(p).__name__ for p in model.parameters()]
@@ -98,10 +98,10 @@ def run(rank, world, out_dir):
     blocks = lambda m: list(m.blocks)  # noqa: E731
     result = {"gpt_names": [n for n, _ in TinyGPT().named_parameters()]}
     cases = {
-        "mlp_adamw": (mlp, linears, mlp_data, adamw, {"forward_prefetch": True}),
+        "mlp_adamw": (mlp, linears, mlp_data, adamw, {"prefetch": True}),
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
-        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True}),
+        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True}),
         # torchtitan's mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32
         "mlp_bf16_params_fp32_reduce": (mlp, linears, mlp_data, adamw, {
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
@@ -112,7 +112,7 @@ def run(rank, world, out_dir):
     t0 = time.perf_counter()
     steps = {}
     for name, (make, units, data, opt_fn, kw) in cases.items():
-        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "forward_prefetch")}
+        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch")}
         result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw)}
         t1 = time.perf_counter()
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)

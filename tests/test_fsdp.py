@@ -97,7 +97,7 @@ def _is_compute(line):
 
 
 def test_fsdp2_next_units_all_gathers_start_before_the_current_units_compute(two_ranks):
-    # Forward (asked for with THUNDER_TRAIN_FORWARD_PREFETCH=1; on CPU it is off by default): the second linear's
+    # Forward (asked for with THUNDER_TRAIN_PREFETCH=1; on CPU it is off by default): the second linear's
     # all-gathers start before the first linear computes (FSDP2's prefetch), and each unit's gathers start
     # together, before any of their waits.
     lines = _plain(two_ranks[0]["mlp_adamw"]["compiled"]["trace"])
@@ -111,8 +111,8 @@ def test_fsdp2_next_units_all_gathers_start_before_the_current_units_compute(two
     lines = _plain(two_ranks[0]["mlp_adamw_thin"]["compiled"]["trace"])
     first_linear = next(i for i, ln in enumerate(lines) if "linear" in ln)
     assert not any("all_gather_into_tensor(arg0_2_" in ln for ln in lines[:first_linear])
-    # Backward (GPT, reshard_after_forward=True): every parameter gathered again but the first starts while the
-    # backward of the one before it computes; the values are eager's (tests above).
+    # Backward (GPT, reshard_after_forward=True, THUNDER_TRAIN_PREFETCH=1): every parameter gathered again but the
+    # first starts while the backward of the one before it computes; the values are eager's (tests above).
     for key in ("gpt_adamw_thin", "mlp_adamw"):
         lines = _plain(two_ranks[0][key]["compiled"]["trace"])
         starts = {ln.split(" = ")[0]: i for i, ln in enumerate(lines) if re.match(r"r\d+ = torch\.ops\._c10d_functional\.all_gather", ln)}

@@ -1,9 +1,9 @@
 """Collectives overlap the work around them: the next unit's all-gathers start early, each ``wait`` moves down.
 
 ``prefetch``: the all-gathers of a fully_shard unit start before the compute of the unit before it (FSDP2's
-prefetch): in the backward, for the parameters it gathers again (``reshard_after_forward=True``; there each is its
-own run, gathered where the backward first reads it, so the next one starts one parameter ahead), and in the
-forward off the CPU (``_forward_prefetch``).  A unit here is a run of all-gather starts with no compute
+prefetch), in the forward and in the backward, for the parameters it gathers again (``reshard_after_forward=True``;
+there each is its own run, gathered where the backward first reads it, so the next one starts one parameter
+ahead).  Off on the CPU unless asked for (``_prefetching``).  A unit here is a run of all-gather starts with no compute
 between them (only their preparation: casts and padding of the shards, and the waits and slices of what they
 gathered); each run but the first moves up, with its preparation, to just after the run before it.  Never above
 the backward's first line (that would keep a gathered parameter from the forward), above a run that gathers the
@@ -71,25 +71,27 @@ def _inputs_read(idx, lines, producer):
     return {id(a) for j in idx for a in lines[j].flat_args() if is_proxy(a) and id(a) not in producer}
 
 
-def _forward_prefetch(start) -> bool:
-    """Whether the forward prefetches: ``THUNDER_TRAIN_FORWARD_PREFETCH`` (1 or 0) if set, else only off the CPU.
-    On CPU ranks (gloo) a forward prefetch raised the measured peak of a step (benchmarks/fsdp2.py, GPT 4 x 64:
-    up to 1.5x eager FSDP2's, varying from call to call) while the program's own memory stayed the same, and
-    eager FSDP2 does not prefetch in the forward there either; the backward's prefetch did not."""
-    flag = os.environ.get("THUNDER_TRAIN_FORWARD_PREFETCH")
+def _prefetching(start) -> bool:
+    """Whether to prefetch: ``THUNDER_TRAIN_PREFETCH`` (1 or 0) if set, else only off the CPU.  On CPU ranks (gloo)
+    prefetching raised the measured peak of a step well above eager FSDP2's (benchmarks/fsdp2.py, GPT 4 x 256:
+    73.6 against 48.2 MiB without it, backward prefetch alone; the forward's varied from call to call), more than
+    the one parameter it keeps early accounts for (not understood yet, see docs/distributed.md)."""
+    flag = os.environ.get("THUNDER_TRAIN_PREFETCH")
     if flag is not None:
         return flag == "1"
     device = getattr(start.flat_args()[0], "_tt_device", None)
     return device is not None and getattr(device, "type", str(device)) != "cpu"
 
 
-def prefetch(trc, header=None, forward=None):
-    """``trc`` with each unit's all-gathers started during the unit before it (see the module's text); ``forward``
-    (None: ``_forward_prefetch``) decides it for the forward's gathers."""
+def prefetch(trc, header=None, enabled=None):
+    """``trc`` with each unit's all-gathers started during the unit before it (see the module's text); ``enabled``
+    (None: ``_prefetching``) decides whether at all."""
     lines = list(trc.bound_symbols)
     producer = {id(o): i for i, b in enumerate(lines) for o in b.flat_outputs() if is_proxy(o)}
     pure = _prep_lines(lines, producer)
     starts = [i for i, b in enumerate(lines) if _kind(b) is prims.all_gather]
+    if not starts:
+        return trc
     chains = {i: _chain(i, lines, producer, pure) for i in starts}
     moving = {j for c in chains.values() if c for j in c}
     # Lines that do not separate two runs: collectives, waits, the moving preparation, and what computes from
@@ -107,6 +109,8 @@ def prefetch(trc, header=None, forward=None):
         if i not in moving and args and all(a in gathered for a in args):
             plumbing.add(i)
             gathered.update(id(o) for o in b.flat_outputs() if is_proxy(o))
+    if not (enabled if enabled is not None else _prefetching(lines[starts[0]])):
+        return trc
     runs = []  # runs of starts with no compute between them
     for i in starts:
         if runs and all(j in plumbing for j in range(runs[-1][-1] + 1, i)):
@@ -138,8 +142,6 @@ def prefetch(trc, header=None, forward=None):
         # just before the previous unit's first compute (its own place, wherever its gathers moved)
         compute = next(j for j in range(prev[-1] + 1, run[0] + 1) if j not in plumbing or j == run[0])
         target = max(j for j in range(prev[-1], compute) if j not in moved or j == prev[-1])
-        if not again(run[0]) and not (forward if forward is not None else _forward_prefetch(lines[run[0]])):
-            continue
         if again(run[0]) and not again(prev[-1]):
             continue  # (a gather of the backward never moves into the forward)
         idx = [j for i in lead for j in chains[i]]
