@@ -1,6 +1,10 @@
 """A fully_shard (FSDP2) GPT training step on CPU ranks (gloo): eager FSDP2 against tt.compile(step, thin=True).
 
 Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
+                                [--prefetch 0|1]
+
+``--prefetch 1`` sets THUNDER_TRAIN_PREFETCH=1: each unit's all-gathers start during the unit before it
+(transforms/collectives.py; off on CPU ranks by default).
 
 Each rank builds the recipe's GPT (recipes/gpt.py), applies fully_shard to every block and to the root (torchtitan's
 layout), and trains two copies of the same weights with AdamW on the same batches: eager FSDP2 and the compiled
@@ -48,6 +52,8 @@ def run(rank, args, port):
     from gpt import GPT, GPTConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = str(args.prefetch)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world))
     try:
@@ -95,7 +101,7 @@ def run(rank, args, port):
             print(f"largest loss difference: {diff:.2e}")
             print(f"peak memory of a step (rank 0): eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
                   f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f} (reshard_after_forward="
-                  f"{bool(args.reshard_after_forward)})")
+                  f"{bool(args.reshard_after_forward)}, prefetch={'default' if args.prefetch is None else args.prefetch})")
     finally:
         dist.destroy_process_group()
 
@@ -107,6 +113,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--reshard-after-forward", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, choices=(0, 1), default=None)
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
