@@ -1,7 +1,12 @@
 """A fully_shard (FSDP2) GPT training step on CPU ranks (gloo): eager FSDP2 against tt.compile(step, thin=True).
 
 Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
-                                [--prefetch 0|1]
+                                [--prefetch 0|1] [--memory]
+
+``--memory`` measures instead, deterministically, the peak memory of one rank of ``--world`` in this process on torch's
+fake process group (collectives move no data): eager FSDP2 against the compiled step, both with reshard_after_forward
+True and False.  On gloo the peak printed by the timing run varies from run to run and overstates: frees done by
+gloo's threads escape the profiler (a step's allocations and frees do not sum to zero there).
 
 ``--prefetch 1`` sets THUNDER_TRAIN_PREFETCH=1: each unit's all-gathers start during the unit before it
 (transforms/collectives.py; off on CPU ranks by default).
@@ -106,6 +111,36 @@ def run(rank, args, port):
         dist.destroy_process_group()
 
 
+def fake_pg_memory(args):
+    """The table of ``--memory`` (see the module's text)."""
+    import thunder_train as tt
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from gpt import GPT, GPTConfig
+
+    os.environ.setdefault("THUNDER_TRAIN_FUSION", "off")  # the torch program: the one whose plan is measured
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    print(f"peak memory of a step, one rank of {args.world} (fake process group), GPT {args.layers} x {args.d}, "
+          "batch 4 x 64, AdamW")
+    for reshard in (True, False):
+        peaks = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            m = GPT(GPTConfig(vocab_size=1024, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.d))
+            for b in m.blocks:
+                fully_shard(b, reshard_after_forward=reshard)
+            fully_shard(m, reshard_after_forward=reshard)
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            x, y = torch.randint(0, 1024, (4, 64)), torch.randint(0, 1024, (4, 64))
+            fn = tt.compile(step, thin=True) if compiled else step
+            for _ in range(3):
+                fn(m, o, x, y)
+            peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), fn if compiled else None))
+        print(f"reshard_after_forward={reshard}: eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
+              f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f}")
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
@@ -114,7 +149,12 @@ def main():
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--reshard-after-forward", type=int, default=1)
     ap.add_argument("--prefetch", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--memory", action="store_true")
     args = ap.parse_args()
+    if args.prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = str(args.prefetch)
+    if args.memory:
+        return fake_pg_memory(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
