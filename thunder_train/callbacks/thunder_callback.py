@@ -214,7 +214,8 @@ class ThunderCallback(Callback):
         if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
             raise MisconfigurationException(
                 f"ThunderCallback does not support {name} yet: it shards parameters and gradients, and the compiled "
-                "step reads whole parameters. Use strategy='ddp' (or a single device), or remove the callback."
+                "step reads whole parameters. Use strategy='ddp' (or a single device), FSDP2 through ModelParallelStrategy "
+                "(fully_shard in configure_model) with ThunderCallback(fuse_optimizer=True), or remove the callback."
             )
         if _is_model_parallel(strategy):
             if strategy._tensor_parallel_size != 1:
