@@ -5,10 +5,12 @@ prefetch), in the forward and in the backward, for the parameters it gathers aga
 there each is its own run, gathered where the backward first reads it, so the next one starts one parameter
 ahead).  Off on the CPU unless asked for (``_prefetching``).  A unit here is a run of all-gather starts with no compute
 between them (only their preparation: casts and padding of the shards, and the waits and slices of what they
-gathered); each run but the first moves up, with its preparation, to just after the run before it.  Never above
-the backward's first line (that would keep a gathered parameter from the forward), above a run that gathers the
-same shards, or above a line that reads or writes those shards otherwise (the optimizer's in-place update).  The
-starts keep their order among themselves, the same on every rank.
+gathered); a unit's starts move up to its first one, and each run but the first moves up, with its preparation,
+to just before the first compute of the run before it.  A gather of the backward (of shards an earlier start
+gathered: the final trace carries no backward marks) never moves into the forward, nor above a run that gathers
+the same shards, nor above a line that reads or writes its shards otherwise (the optimizer's in-place update).
+The starts keep their order among themselves, and every decision reads the lines that are the same on every rank
+(a shard's padding, which differs, is preparation).
 
 ``late_waits``:
 
@@ -73,9 +75,9 @@ def _inputs_read(idx, lines, producer):
 
 def _prefetching(start) -> bool:
     """Whether to prefetch: ``THUNDER_TRAIN_PREFETCH`` (1 or 0) if set, else only off the CPU.  On CPU ranks (gloo)
-    prefetching raised the measured peak of a step well above eager FSDP2's (benchmarks/fsdp2.py, GPT 4 x 256:
-    73.6 against 48.2 MiB without it, backward prefetch alone; the forward's varied from call to call), more than
-    the one parameter it keeps early accounts for (not understood yet, see docs/distributed.md)."""
+    prefetching raised torch.profiler's peak of a step well above eager FSDP2's (benchmarks/fsdp2.py, GPT 4 x 256:
+    73.6 against 48.2 MiB without it); that reading misses frees done by gloo's threads, and on torch's fake process
+    group the peak does not change (docs/distributed.md), but until gloo's own memory is measured it stays off there."""
     flag = os.environ.get("THUNDER_TRAIN_PREFETCH")
     if flag is not None:
         return flag == "1"
@@ -90,7 +92,7 @@ def prefetch(trc, header=None, enabled=None):
     producer = {id(o): i for i, b in enumerate(lines) for o in b.flat_outputs() if is_proxy(o)}
     pure = _prep_lines(lines, producer)
     starts = [i for i, b in enumerate(lines) if _kind(b) is prims.all_gather]
-    if not starts:
+    if not starts or not (enabled if enabled is not None else _prefetching(lines[starts[0]])):
         return trc
     chains = {i: _chain(i, lines, producer, pure) for i in starts}
     moving = {j for c in chains.values() if c for j in c}
@@ -109,8 +111,6 @@ def prefetch(trc, header=None, enabled=None):
         if i not in moving and args and all(a in gathered for a in args):
             plumbing.add(i)
             gathered.update(id(o) for o in b.flat_outputs() if is_proxy(o))
-    if not (enabled if enabled is not None else _prefetching(lines[starts[0]])):
-        return trc
     runs = []  # runs of starts with no compute between them
     for i in starts:
         if runs and all(j in plumbing for j in range(runs[-1][-1] + 1, i)):
