@@ -1,6 +1,15 @@
 """A fully_shard (FSDP2) GPT training step on CPU ranks (gloo): eager FSDP2 against tt.compile(step, thin=True).
 
 Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
+                                [--prefetch 0|1] [--memory]
+
+``--memory`` measures instead, deterministically, the peak memory of one rank of ``--world`` in this process on torch's
+fake process group (collectives move no data): eager FSDP2 against the compiled step, both with reshard_after_forward
+True and False.  On gloo the peak printed by the timing run varies from run to run and overstates: frees done by
+gloo's threads escape the profiler (a step's allocations and frees do not sum to zero there).
+
+``--prefetch 1`` sets THUNDER_TRAIN_PREFETCH=1: each unit's all-gathers start during the unit before it
+(transforms/collectives.py; off on CPU ranks by default).
 
 Each rank builds the recipe's GPT (recipes/gpt.py), applies fully_shard to every block and to the root (torchtitan's
 layout), and trains two copies of the same weights with AdamW on the same batches: eager FSDP2 and the compiled
@@ -48,6 +57,8 @@ def run(rank, args, port):
     from gpt import GPT, GPTConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = str(args.prefetch)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world))
     try:
@@ -84,17 +95,50 @@ def run(rank, args, port):
             dist.barrier()
             peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
         if rank == 0:
-            e, c = statistics.median(times[0]), statistics.median(times[1])
             diff = max(abs(a - b) for a, b in zip(*losses))
             print(f"world {args.world}, GPT {args.layers} x {args.d}, batch 4 x 64, {args.steps} steps")
-            print(f"first 3 calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
-            print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
+            print(f"first {min(3, args.steps)} calls: eager {first[0]:.2f} s, compiled {first[1]:.2f} s")
+            if times[0]:
+                e, c = statistics.median(times[0]), statistics.median(times[1])
+                print(f"median step: eager FSDP2 {e * 1e3:.1f} ms, tt.compile(thin) {c * 1e3:.1f} ms, ratio {e / c:.2f}")
+            else:  # every call was one of the first three
+                print("median step: not measured (the first 3 calls trace; run with --steps 4 or more)")
             print(f"largest loss difference: {diff:.2e}")
             print(f"peak memory of a step (rank 0): eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
                   f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f} (reshard_after_forward="
-                  f"{bool(args.reshard_after_forward)})")
+                  f"{bool(args.reshard_after_forward)}, prefetch={'default' if args.prefetch is None else args.prefetch})")
     finally:
         dist.destroy_process_group()
+
+
+def fake_pg_memory(args):
+    """The table of ``--memory`` (see the module's text)."""
+    import thunder_train as tt
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from gpt import GPT, GPTConfig
+
+    os.environ.setdefault("THUNDER_TRAIN_FUSION", "off")  # the torch program: the one whose plan is measured
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    print(f"peak memory of a step, one rank of {args.world} (fake process group), GPT {args.layers} x {args.d}, "
+          "batch 4 x 64, AdamW")
+    for reshard in (True, False):
+        peaks = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            m = GPT(GPTConfig(vocab_size=1024, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.d))
+            for b in m.blocks:
+                fully_shard(b, reshard_after_forward=reshard)
+            fully_shard(m, reshard_after_forward=reshard)
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            x, y = torch.randint(0, 1024, (4, 64)), torch.randint(0, 1024, (4, 64))
+            fn = tt.compile(step, thin=True) if compiled else step
+            for _ in range(3):
+                fn(m, o, x, y)
+            peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), fn if compiled else None))
+        print(f"reshard_after_forward={reshard}: eager FSDP2 {peaks[0] / 2**20:.2f} MiB, compiled "
+              f"{peaks[1] / 2**20:.2f} MiB, ratio {peaks[1] / peaks[0]:.2f}")
+    dist.destroy_process_group()
 
 
 def main():
@@ -104,7 +148,13 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--reshard-after-forward", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--memory", action="store_true")
     args = ap.parse_args()
+    if args.prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = str(args.prefetch)
+    if args.memory:
+        return fake_pg_memory(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

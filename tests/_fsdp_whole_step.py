@@ -1,9 +1,10 @@
 """Whole training steps of fully_shard (FSDP2) models compiled, against eager FSDP2, on gloo CPU processes.
 
-Run by tests/test_fsdp.py as ``python tests/_fsdp_whole_step.py OUT_DIR WORLD``.  Each rank trains eager FSDP2
-and the same step compiled on its own data, and saves losses, local shards of the parameters and of the
-optimizer state, the types of what the epilogue wrote, the trace's collectives and the refused configurations'
-messages to ``OUT_DIR/rank{r}.pt``.
+Run by tests/test_fsdp.py as ``python tests/_fsdp_whole_step.py OUT_DIR WORLD [WORLD ...]``: one process group of
+each size in turn, its ranks forked from this process (tests/_dist.py).  Each rank trains eager FSDP2 and the same
+step compiled on its own data, and saves losses, local shards of the parameters and of the optimizer state, the
+types of what the epilogue wrote, the trace's collectives and the refused configurations' messages to
+``OUT_DIR/w{WORLD}/rank{r}.pt``.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 from torch.distributed.tensor import DTensor, Shard
 
 import thunder_train as tt
-from _dist import spawn
+from _dist import refused, spawn
 from _models import Block, train_step
 
 
@@ -63,27 +65,27 @@ def snapshot(model, opt):
     return params, state, kinds
 
 
-def train(make, units, data, opt_fn, *, thin=False, compiled=True, **kw):
+def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, **kw):
+    """``prefetch``: THUNDER_TRAIN_PREFETCH while compiling (on CPU the all-gathers are not prefetched unless asked,
+    transforms/collectives.py)."""
     torch.manual_seed(0)
     model = shard(make(), units, **kw)
     opt = opt_fn(model.parameters())
     step = tt.compile(train_step, thin=thin) if compiled else train_step
-    losses = [step(model, opt, x, y).detach() for x, y in data]
+    if prefetch is not None:
+        os.environ["THUNDER_TRAIN_PREFETCH"] = "1" if prefetch else "0"
+    try:
+        losses = [step(model, opt, x, y).detach() for x, y in data]
+    finally:
+        os.environ.pop("THUNDER_TRAIN_PREFETCH", None)
     out = {"losses": losses}
     out["params"], out["state"], out["kinds"] = snapshot(model, opt)
     out["param_types"] = [type(p).__name__ for p in model.parameters()]
     if compiled:
         out["thin_calls"] = tt.compile_stats(step).thin_calls
         out["trace"] = str(tt.last_traces(step)[-1])
+        out["step"] = step
     return out
-
-
-def refused(fn, *args):
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def run(rank, world, out_dir):
@@ -94,43 +96,43 @@ def run(rank, world, out_dir):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
     blocks = lambda m: list(m.blocks)  # noqa: E731
-    result = {}
+    result = {"gpt_names": [n for n, _ in TinyGPT().named_parameters()]}
     cases = {
-        "mlp_adamw": (mlp, linears, mlp_data, adamw, {}),
+        "mlp_adamw": (mlp, linears, mlp_data, adamw, {"prefetch": True}),
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
-        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True}),
+        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True}),
         # torchtitan's mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32
         "mlp_bf16_params_fp32_reduce": (mlp, linears, mlp_data, adamw, {
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
     }
     if world > 2:
-        cases = {k: cases[k] for k in ("mlp_adamw_thin",)}  # (CI time: the GPT runs on 2 ranks)
+        # (CI time: the GPT runs on 2 ranks.)  Prefetched: uneven and empty shards pad differently on each rank,
+        # yet every rank issues its collectives in the same order.
+        cases = {"mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True, "prefetch": True})}
+    steps = {}  # the compiled step of each case
     for name, (make, units, data, opt_fn, kw) in cases.items():
-        fsdp_kw = {k: v for k, v in kw.items() if k != "thin"}
-        result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw),
-                        "compiled": train(make, units, data, opt_fn, **kw)}
+        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch")}
+        result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw)}
+        result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
+        steps[name] = result[name]["compiled"].pop("step")
     if world == 2:
-        result["checkpoint"] = checkpoint_resume(mlp_data)
+        # the uninterrupted run is mlp_adamw's compiled one; its compiled step serves the others (same structure)
+        whole = result["mlp_adamw"]["compiled"]
+        result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
+        result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def checkpoint_resume(data):
+def checkpoint_resume(data, step, whole, params, opt_state):
     """Two compiled steps, a DCP save, a fresh model and optimizer loaded from it, two more compiled steps: the same
-    as four uninterrupted compiled steps (and model.state_dict() holds DTensors between compiled steps)."""
+    as four uninterrupted compiled steps (``whole``, ending with ``params`` and ``opt_state``), and model.state_dict()
+    holds DTensors between compiled steps.  ``step``: the compiled step of the uninterrupted run."""
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
     torch.manual_seed(0)
     model = shard(mlp(), linears)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = tt.compile(train_step)
-    whole = [step(model, opt, x, y) for x, y in data]
-    expected = snapshot(model, opt)[:2]
-
-    torch.manual_seed(0)
-    model = shard(mlp(), linears)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = tt.compile(train_step)
     first = [step(model, opt, x, y) for x, y in data[:2]]
     sd_types = sorted({type(v).__name__ for v in model.state_dict().values()})
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -148,9 +150,8 @@ def checkpoint_resume(data):
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=holder[0])
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    step2 = tt.compile(train_step)
-    second = [step2(model2, opt2, x, y) for x, y in data[2:]]
-    return {"whole": whole, "resumed": first + second, "expected": expected, "got": snapshot(model2, opt2)[:2],
+    second = [step(model2, opt2, x, y) for x, y in data[2:]]
+    return {"whole": whole, "resumed": first + second, "expected": (params, opt_state), "got": snapshot(model2, opt2)[:2],
             "sd_types": sd_types}
 
 
@@ -187,11 +188,52 @@ def errors(batch):
     out["clip"] = attempt(shard(mlp(), linears), clip_step)
     out["tied_outside"] = attempt(shard(mlp(), linears), lambda m, x, y: (m(x) + x @ m[0].weight.t()[:, :5]).sum().backward(),
                                   with_opt=False)
+    # Refused before tracing (fully_shard's configuration): CPU offloading, one unit for two modules, a custom
+    # all-gather, gradients reduced in float16.
+    out["offload"] = attempt(shard(mlp(), linears, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+    grouped = mlp()
+    fully_shard([grouped[0], grouped[2]])
+    out["grouped"] = attempt(fully_shard(grouped))
+    custom = shard(mlp(), linears)
+    custom[0].set_custom_all_gather(LoggedAllGather())
+    out["custom_all_gather"] = attempt(custom)
+    out["fp16_reduce"] = attempt(shard(mlp(), linears, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16)))
     with torch.no_grad():
         m = shard(mlp(), linears)
         out["eval"] = (tt.compile(lambda m, x: m(x))(m, x), m(x))
     return out
 
 
+class LoggedAllGather(DefaultAllGather):
+    """A custom all-gather (set_custom_all_gather): FSDP2 calls it instead of its own."""
+
+
+def frozen_step(model, frozen, opt, x, y):
+    """A fully_shard unit used only under no_grad inside the step (a frozen feature extractor)."""
+    with torch.no_grad():
+        x = frozen(x)
+    return train_step(model, opt, x, y)
+
+
+def no_grad_unit(data):
+    """frozen_step compiled against eager: the same losses and updates; the frozen unit keeps its values, no .grad."""
+    linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
+    out = {}
+    for kind, fn in (("eager", frozen_step), ("compiled", tt.compile(frozen_step))):
+        torch.manual_seed(0)
+        frozen, model = fully_shard(nn.Linear(8, 8)), shard(mlp(), linears)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = [fn(model, frozen, opt, x, y).detach() for x, y in data]
+        frozen.reshard()  # (eager FSDP2 keeps a root unit gathered after a forward without backward)
+        out[kind] = {"losses": losses, "params": [local(p) for p in model.parameters()],
+                     "frozen": [local(p) for p in frozen.parameters()], "frozen_grads": [p.grad for p in frozen.parameters()]}
+    return out
+
+
 if __name__ == "__main__":
-    spawn(run, sys.argv[1], world=int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    import torch._dynamo  # noqa: F401  (FSDP2 imports it at its first forward: once here, not in every forked rank)
+
+    for world in [int(w) for w in sys.argv[2:]] or [2]:
+        out = os.path.join(sys.argv[1], f"w{world}")
+        os.makedirs(out, exist_ok=True)
+        spawn(run, out, world=world)

@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import run_script  # noqa: E402
 
 
 def test_ddp_allreduces_gradients_of_a_compiled_module(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_ddp_compiled.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script("_ddp_compiled.py", tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for r in (r0, r1):
         # Same losses and parameters as eager DDP on each rank ...
@@ -30,9 +28,7 @@ def test_ddp_allreduces_gradients_of_a_compiled_module(tmp_path):
 
 
 def test_ddp_inside_a_compiled_whole_step(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_ddp_whole_step.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_script("_ddp_whole_step.py", tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for case in ("adamw", "sgd", "closure", "accumulate"):
         for r in (r0, r1):

@@ -208,17 +208,25 @@ class ThunderCallback(Callback):
 
     @staticmethod
     def _check_strategy(trainer) -> None:
+        """Single device, DDP, or ModelParallelStrategy with fully_shard only (its whole steps: ``_training_mode``)."""
         strategy = trainer.strategy
         name = type(strategy).__name__
         if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
             raise MisconfigurationException(
                 f"ThunderCallback does not support {name} yet: it shards parameters and gradients, and the compiled "
-                "step reads whole parameters. Use strategy='ddp' (or a single device), or remove the callback."
+                "step reads whole parameters. Use strategy='ddp' (or a single device), FSDP2 through ModelParallelStrategy "
+                "(fully_shard in configure_model) with ThunderCallback(fuse_optimizer=True), or remove the callback."
             )
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if _is_model_parallel(strategy):
+            if strategy._tensor_parallel_size != 1:
+                raise MisconfigurationException(
+                    f"ThunderCallback supports ModelParallelStrategy with data parallelism only (fully_shard, FSDP2); "
+                    f"the Trainer uses tensor_parallel_size={strategy._tensor_parallel_size}. Use "
+                    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), or remove the callback.")
+        elif not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise MisconfigurationException(
-                f"ThunderCallback supports single-device training and DDPStrategy; the Trainer uses {name}. Use "
-                "strategy='ddp' or 'auto' on one device, or remove the callback."
+                f"ThunderCallback supports single-device training, DDPStrategy and ModelParallelStrategy (FSDP2); the "
+                f"Trainer uses {name}. Use strategy='ddp' or 'auto' on one device, or remove the callback."
             )
         device = strategy.root_device
         if device.type not in ("cpu", "cuda"):
@@ -236,6 +244,12 @@ class ThunderCallback(Callback):
     def _training_mode(self, trainer, pl_module) -> str:
         """``"forward"``, ``"fused"`` or ``"manual"``; refuses whole steps where their hooks or DDP cannot work."""
         manual = not pl_module.automatic_optimization
+        if _is_model_parallel(trainer.strategy) and (manual or not self.fuse_optimizer or trainer.accumulate_grad_batches != 1):
+            raise MisconfigurationException(
+                "ThunderCallback under ModelParallelStrategy (FSDP2) compiles whole steps only: automatic optimization "
+                "with ThunderCallback(fuse_optimizer=True) and accumulate_grad_batches=1 (the gradients' "
+                "reduce-scatters are lines of the step's program, so its backward and update must be in it). "
+                "Set fuse_optimizer=True, or remove the callback.")
         if not manual and not self.fuse_optimizer:
             return "forward"
         what = ("manual optimization (the whole training_step is compiled)" if manual
@@ -311,3 +325,9 @@ class ThunderCallback(Callback):
             self._fused = None
         for step in self._steps.values():
             step.unpatch()
+
+
+def _is_model_parallel(strategy) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)

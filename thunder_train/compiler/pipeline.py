@@ -29,7 +29,7 @@ from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
 from .transforms.dce import dce
-from .transforms.collectives import late_waits
+from .transforms.collectives import late_waits, prefetch
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
 from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
@@ -207,10 +207,11 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if written:
         shown.append(trc)
         trc = reinplace(trc, header=f"Final computation (executors: {names}; update chains run in place where safe)")
-    # 7. Collectives (transforms/collectives.py): each wait moves down to the first use of its result.
+    # 7. Collectives (transforms/collectives.py): each unit's all-gathers start during the unit before it, and
+    #    each wait moves down to the first use of its result.
     #    Kept buffers (executors/buffers.py): large CPU intermediates are written into memory the program keeps
     #    between calls; lifetimes (transforms/lifetimes.py): the others are freed after their last use.
-    trc = late_waits(trc)
+    trc = late_waits(prefetch(trc))
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
     trc = decide_layouts(trc)
