@@ -85,6 +85,8 @@ def handle_torch_function(func, types, args, kwargs):
             return dst
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         if top and getattr(sym, "functional", None) is not None:
+            if _complex_gradient(st, args, kwargs, ()):  # the out-of-place form dispatched: through torch's autograd
+                return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
             return inplace(st, sym, orig_args, args, kwargs)
         if top and getattr(sym, "functionalize", None) is not None:
             return functionalize(st, sym, orig_args, args, kwargs)
@@ -118,6 +120,14 @@ def handle_torch_function(func, types, args, kwargs):
                 if st.strict:
                     raise UnsupportedOpError(f"{e} (and strict=True forbids running it through torch)") from None
                 raise e from None  # torch cannot run it on proxies either (t[mask]): the torch language's reason
+            return no_grad_region(st, out)
+        if _complex_gradient(st, args, kwargs, out):
+            # The torch language's gradient rules are written for real tensors (no conjugates): a call that reads or
+            # makes a complex tensor on the gradient path runs through torch, whose autograd differentiates it.
+            del scope[n:]
+            out = call_opaque(func, args, kwargs, strict=st.strict)
+            if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+                record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
@@ -164,6 +174,16 @@ def handle_torch_function(func, types, args, kwargs):
     if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
         record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
     return no_grad_region(st, out)
+
+
+def _complex_gradient(st, args, kwargs, out) -> bool:
+    """Does a call read or make a complex tensor, and can a gradient flow through it?"""
+    if st.walker is None or not torch.is_grad_enabled():
+        return False
+    flat = _flat(args, kwargs)
+    if not any(type(t) is TensorProxy and t._tt_dtype.is_complex for t in flat + _flat(out, {})):
+        return False
+    return bool(opaque_grad.gradient_positions(flat))
 
 
 _ITEM_ACCESS = {getattr(owner, m) for owner in (torch.Tensor, torch._C.TensorBase) for m in ("__getitem__", "__setitem__")}
@@ -227,6 +247,10 @@ def _property(st, prop, get, args, top):
         if setter is None:
             raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
         return setter(a, args[1])
+    if type(a) is TensorProxy and a._tt_dtype.is_complex and prop in _COMPLEX_PROPERTIES:
+        # Of a complex tensor these are views with conjugates or halves: the torch call, dispatched as one.
+        fn = _COMPLEX_PROPERTIES[prop]
+        return handle_torch_function(fn if len(a._tt_shape) == 2 or prop != "H" else torch.conj, (), (a,), {})
     getter = registry.property_getters.get(prop)
     if getter is None:
         raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
@@ -238,6 +262,9 @@ def _property(st, prop, get, args, top):
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)
     return out
+
+
+_COMPLEX_PROPERTIES = {"real": torch.real, "imag": torch.imag, "mH": torch.adjoint, "H": torch.adjoint}
 
 
 def _autograd_backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):

@@ -44,7 +44,8 @@ def _is_tensor(x) -> bool:
 
 
 def is_float_tensor(x) -> bool:
-    return _is_tensor(x) and x._tt_dtype.is_float
+    """A tensor gradients can flow through: floating point or complex (eager differentiates both)."""
+    return _is_tensor(x) and (x._tt_dtype.is_float or x._tt_dtype.is_complex)
 
 
 def requires_grad_inputs(trc) -> list:
@@ -135,6 +136,13 @@ def backward_pass(fwd: Forward, cts: Cotangents):
         if not any(cts.get(o) is not None for o in outs) or not fwd.on_path(bsym):
             continue
         rule = get_rule(bsym)
+        if not bsym.sym.runs_opaquely and any(_is_tensor(t) and t._tt_dtype.is_complex for t in bsym.flat_args() + outs):
+            # Native rules are written for real tensors (no conjugates); the dispatcher runs complex calls on the
+            # gradient path through torch's autograd, so this is a path it did not cover: refuse, never differ.
+            raise NoGradientRuleError(
+                f"cannot compute gradients: {_describe(bsym)} reads or makes a complex tensor on the gradient path, "
+                "and thunder_train differentiates complex tensors only through torch's autograd of out-of-place torch "
+                "calls. Use the out-of-place form of the op, or compute this part under torch.no_grad().")
         if rule is None:
             raise NoGradientRuleError(
                 f"cannot compute gradients: {_describe(bsym)} has no gradient rule "
