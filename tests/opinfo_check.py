@@ -8,8 +8,9 @@ For each OpInfo in ``torch.testing._internal.common_methods_invocations.op_db`` 
   types (``torch.return_types``, tuple vs list), ``requires_grad`` of the outputs, whether an output is the
   input object (in-place identity) and every input tensor after the call (a lost or spurious in-place update).
 * **gradients** (float32, OpInfos that support autograd): the gradients of a weighted sum of the outputs
-  (fixed random weights; a plain ``sum()`` gives zero gradients for softmax-like ops) with respect to every
-  input that requires grad, taken with ``torch.autograd.grad`` through the compiled function.
+  (fixed random weights; a plain ``sum()`` gives zero gradients for softmax-like ops; a complex output enters
+  through its real and imaginary parts) with respect to every input that requires grad, taken with
+  ``torch.autograd.grad`` through the compiled function.
 * **random ops** (eager gives different values for two seeds) compare structure, shapes, dtypes, devices only.
 
 A sample that eager itself rejects is skipped.  Each check ends as ``pass``, ``error`` (the compiled call
@@ -252,11 +253,14 @@ def _grad_one(op, s, opaque):
         ins = [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.manual_seed(0)
         out = s.output_process_fn_grad(call(*a, **k))
-        leaves = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point]
+        leaves = [o for o in tree_flatten(out)[0]
+                  if isinstance(o, torch.Tensor) and o.requires_grad and (o.dtype.is_floating_point or o.dtype.is_complex)]
         if not leaves:
             return out, None
         g = torch.Generator().manual_seed(7)
-        loss = sum((o * torch.rand(o.shape, generator=g, dtype=o.dtype)).sum() for o in leaves)
+        # A complex output enters through its real and imaginary parts (a real loss, as any training uses).
+        parts = [p for o in leaves for p in ((o.real, o.imag) if o.dtype.is_complex else (o,))]
+        loss = sum((p * torch.rand(p.shape, generator=g, dtype=p.dtype)).sum() for p in parts)
         gs = torch.autograd.grad(loss, ins, allow_unused=True)
         return out, [torch.zeros_like(t) if d is None else d for t, d in zip(ins, gs)]
 

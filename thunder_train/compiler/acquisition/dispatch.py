@@ -120,6 +120,9 @@ def handle_torch_function(func, types, args, kwargs):
                 if st.strict:
                     raise UnsupportedOpError(f"{e} (and strict=True forbids running it through torch)") from None
                 raise e from None  # torch cannot run it on proxies either (t[mask]): the torch language's reason
+            if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+                # a view eager returns (torch.real of a complex tensor): updates through it reach its base
+                record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
         if _complex_gradient(st, args, kwargs, out):
             # The torch language's gradient rules are written for real tensors (no conjugates): a call that reads or

@@ -101,6 +101,13 @@ class Buffers:
         from .. import clang, dtypes, prims
 
         base = view.base
+        if base._tt_dtype is not dst._tt_dtype:
+            from ..errors import TracingError
+
+            raise TracingError(
+                f"an in-place update of a {dst._tt_dtype.name} view of a {base._tt_dtype.name} tensor (z.real, z.imag, "
+                "view_as_real, Tensor.view(dtype)) inside a compiled function is not supported: thunder_train writes "
+                "views back by value. Build the new tensor out of place (torch.complex(new_real, z.imag), ...).")
         base_value = self.read(base)
         # Where the view's elements sit in the base: make the view of a tensor of positions.
         positions = clang.reshape(

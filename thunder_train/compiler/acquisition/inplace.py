@@ -163,7 +163,9 @@ class CopyThenInplace:
             copy = [t.clone() for t in dst]
             self.func(copy, *args, **kwargs)
             return copy
-        return self.func(dst.clone(), *args, **kwargs)
+        copy = dst.clone()
+        out = self.func(copy, *args, **kwargs)
+        return copy if out is None else out  # __setitem__ returns nothing: its result is the updated copy
 
 
 class _Named:
