@@ -143,6 +143,7 @@ class CopyThenInplace:
     """
 
     _cache: dict = {}
+    works_on_copy = True  # no input changes: not a side effect (its result can decide a size, DCE may drop it)
 
     def __init__(self, func):
         self.func = func

@@ -22,10 +22,27 @@ from ..symbols import BoundSymbol
 from .registry import composed, direct
 
 
+def _earlier_nonzero(trc, a):
+    """The positions an earlier ``nonzero`` of the same value gave, where still in scope: ``x[mask]`` and
+    ``labels[mask]`` then share one count, as their sizes are equal in eager (a loss may combine them)."""
+    st = context.tracer_state()
+    if st is not None and st.buffers is not None and type(a) is TensorProxy:
+        a = st.buffers.read(a)
+    for scope in reversed(trc._scopes):
+        for b in reversed(scope):
+            if b.sym is prims.nonzero and b.args and b.args[0] is a:
+                return b.output
+    return None
+
+
 def _run_sized(sym, *args):
     """``sym(*args)`` at the top of the program, then the line that reads its data-dependent sizes."""
-    out = direct(sym, *args)
     trc = context.get_trace()
+    if sym is prims.nonzero:
+        earlier = _earlier_nonzero(trc, args[0])
+        if earlier is not None:
+            return earlier
+    out = direct(sym, *args)
     for t in out if isinstance(out, tuple) else (out,):
         if type(t) is TensorProxy and any(is_unbacked(s) for s in t._tt_shape):
             trc.add(BoundSymbol(prims.shape, (t,), {}, tuple(t._tt_shape)))
