@@ -305,3 +305,36 @@ def test_compiled_function_gradients_through_data_dependent_sizes(name, dynamic)
         want.backward()
         torch.testing.assert_close(x.grad, x2.grad)
     assert tt.compile_stats(cf).entries == 1
+
+
+def test_a_loop_over_positions_after_an_inplace_op_run_on_a_copy():
+    """DeepSeek-V3's router: ``mask.scatter_(1, idx, 1)`` (run by torch on a copy of ``mask``) feeds the per-expert
+    loop ``for e in hit.nonzero()``; the copy changes no input, so the loop's decisions are checked by the program
+    and every routing gives eager's result."""
+    def f(x):
+        m = torch.zeros(4, 3)
+        m.scatter_(1, x.topk(1, dim=-1)[1], 1)
+        total = x.sum() * 0
+        for e in (m.sum(0) > 0).nonzero():
+            total = total + (x[:, e[0]] * m[:, e[0]]).sum()
+        return total
+
+    cf = tt.compile(f)
+    for seed in range(4):  # different experts hit on different calls
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(cf(x), f(x))
+
+
+def test_two_selections_by_one_mask_share_their_size():
+    """``hidden[mask]`` and ``labels[mask]`` (ModernBERT's sparse masked-LM head) have equal sizes in eager; the loss
+    combining them differentiates."""
+    def f(h, labels):
+        keep = labels != -100
+        return F.cross_entropy(h[keep], labels[keep])
+
+    h = torch.randn(6, 5, requires_grad=True)
+    labels = torch.tensor([1, -100, 3, -100, 0, 4])
+    a, b = h.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+    tt.compile(f)(a, labels).backward()
+    f(b, labels).backward()
+    torch.testing.assert_close(a.grad, b.grad)
