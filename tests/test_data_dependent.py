@@ -338,3 +338,28 @@ def test_two_selections_by_one_mask_share_their_size():
     tt.compile(f)(a, labels).backward()
     f(b, labels).backward()
     torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_masked_scatter_one_program_for_every_count(thin):
+    """``masked_scatter`` takes source elements by a cumulative count of the mask: static shapes, so every count
+    (none, some, all; a 0-d and a broadcast mask) runs one program with eager's values and gradients."""
+    def f(x, mask, src):
+        return x.masked_scatter(mask, src * 2).sin().sum() + torch.masked_scatter(x, mask, src).pow(2).sum()
+
+    cf = tt.compile(f, thin=thin)
+    gen = torch.Generator().manual_seed(0)
+    x, src = torch.randn(3, 4, generator=gen), torch.randn(20, generator=gen)
+    masks = [torch.rand(3, 4, generator=gen) < p for p in (0.0, 0.3, 0.7, 1.0)]
+    for mask in masks:
+        a = [t.clone().requires_grad_() for t in (x, src)]
+        b = [t.clone().requires_grad_() for t in (x, src)]
+        cf(a[0], mask, a[1]).backward()
+        f(b[0], mask, b[1]).backward()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert tt.compile_stats(cf).cache_misses == 1
+    for mask in (torch.tensor(True), torch.tensor([True, False, True, False])):
+        torch.testing.assert_close(cf(x, mask, src), f(x, mask, src))
+    with pytest.raises(RuntimeError, match="at least as many elements as ones in mask"):
+        cf(x, torch.ones(3, 4, dtype=torch.bool), torch.randn(5))

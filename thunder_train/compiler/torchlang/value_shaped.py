@@ -71,15 +71,6 @@ def _flat_positions(mask):
     return nonzero(mask.reshape(-1))[:, 0]
 
 
-def decided_positions(mask):
-    """Flat positions where ``mask`` is true, their count a decision (a retrace per count; ``masked_scatter``,
-    whose gradient through a data-dependent count is not covered yet): a stable sort brings them first."""
-    flat = mask.reshape(-1)
-    n = int(flat.sum())
-    _, order = torch.sort((~flat).to(torch.int32), stable=True)
-    return order[:n]
-
-
 def masked_select(input, mask):
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
