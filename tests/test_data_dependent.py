@@ -221,6 +221,8 @@ FORWARD = {
     "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
     "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
     "unique_consecutive": lambda x: torch.unique_consecutive((x > 0).long(), return_inverse=True, return_counts=True),
+    "unique_dim": lambda x: torch.unique((x > 0).long(), dim=1, return_inverse=True, return_counts=True),
+    "unique_consecutive_dim": lambda x: torch.unique_consecutive((x[0] > 0).long(), dim=-1, return_counts=True),
     "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),
     "repeat_interleave_index": lambda x: torch.repeat_interleave((x[0, 0] > 0).long() + 1),
     "mask_set_vector": lambda x: x.clone().index_put_((x > 0,), torch.tensor(5.0)),
@@ -363,3 +365,11 @@ def test_masked_scatter_one_program_for_every_count(thin):
         torch.testing.assert_close(cf(x, mask, src), f(x, mask, src))
     with pytest.raises(RuntimeError, match="at least as many elements as ones in mask"):
         cf(x, torch.ones(3, 4, dtype=torch.bool), torch.randn(5))
+
+
+def test_unique_dim_forward_runs_and_backward_raises_eagers_error():
+    x = torch.randn(4, 3, requires_grad=True)
+    out = tt.compile(lambda x: torch.unique(x, dim=0))(x)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="the derivative for 'unique_dim' is not implemented"):
+        out.sum().backward()

@@ -193,7 +193,8 @@ def _declare_layout_rules() -> None:
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
         **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
         # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
-        prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.bincount: _as_created,
+        prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.unique_dim: _as_created,
+        prims.bincount: _as_created,
         prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():

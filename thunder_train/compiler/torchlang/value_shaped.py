@@ -106,10 +106,21 @@ def mask_keys(x, key, probe=False):
     return tuple(out)
 
 
+def _unique_dim(input, dim, consecutive, return_inverse, return_counts):
+    if input.ndim == 0:
+        raise NotImplementedError("unique(dim=...) of a 0-d tensor is run by torch")
+    d = dim + input.ndim if dim < 0 else dim
+    if not 0 <= d < input.ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-input.ndim}, {input.ndim - 1}], "
+                         f"but got {dim})")
+    return _run_sized(prims.unique_dim, input, d, consecutive, return_inverse, return_counts)
+
+
 def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
     if dim is not None:
-        raise NotImplementedError("torch.unique_consecutive(dim=...) is run by torch")
-    values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
+        values, inverse, counts = _unique_dim(input, dim, True, return_inverse, return_counts)
+    else:
+        values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
     out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
     return out[0] if len(out) == 1 else out
 
@@ -131,8 +142,9 @@ def bincount(input, weights=None, minlength=0):
 
 def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=None):
     if dim is not None:
-        raise NotImplementedError("torch.unique(dim=...) is run by torch")
-    values, inverse, counts = _run_sized(prims.unique, input, sorted, return_inverse, return_counts)
+        values, inverse, counts = _unique_dim(input, dim, False, return_inverse, return_counts)
+    else:
+        values, inverse, counts = _run_sized(prims.unique, input, sorted, return_inverse, return_counts)
     out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
     return out[0] if len(out) == 1 else out
 
