@@ -59,6 +59,7 @@ def handle_torch_function(func, types, args, kwargs):
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
     flat = _flat(args, kwargs)
+    complex_in = any(type(a) is TensorProxy and a._tt_dtype.is_complex for a in flat)
     if any(isinstance(a, torch.Generator) for a in flat):
         _refuse_generator(func)
     if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
@@ -85,7 +86,7 @@ def handle_torch_function(func, types, args, kwargs):
             return dst
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         if top and getattr(sym, "functional", None) is not None:
-            if _complex_gradient(st, args, kwargs, ()):  # the out-of-place form dispatched: through torch's autograd
+            if complex_in and _complex_gradient(st, args, kwargs):  # the out-of-place form dispatched: through torch's autograd
                 return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
             return inplace(st, sym, orig_args, args, kwargs)
         if top and getattr(sym, "functionalize", None) is not None:
@@ -124,7 +125,7 @@ def handle_torch_function(func, types, args, kwargs):
                 # a view eager returns (torch.real of a complex tensor): updates through it reach its base
                 record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
-        if _complex_gradient(st, args, kwargs, out):
+        if (complex_in or _has_complex(out)) and _complex_gradient(st, args, kwargs):
             # The torch language's gradient rules are written for real tensors (no conjugates): a call that reads or
             # makes a complex tensor on the gradient path runs through torch, whose autograd differentiates it.
             del scope[n:]
@@ -179,14 +180,19 @@ def handle_torch_function(func, types, args, kwargs):
     return no_grad_region(st, out)
 
 
-def _complex_gradient(st, args, kwargs, out) -> bool:
-    """Does a call read or make a complex tensor, and can a gradient flow through it?"""
+def _has_complex(out) -> bool:
+    if type(out) is TensorProxy:
+        return out._tt_dtype.is_complex
+    if isinstance(out, (tuple, list)):
+        return any(_has_complex(o) for o in out)
+    return False
+
+
+def _complex_gradient(st, args, kwargs) -> bool:
+    """Can a gradient flow through a call that reads or makes a complex tensor?"""
     if st.walker is None or not torch.is_grad_enabled():
         return False
-    flat = _flat(args, kwargs)
-    if not any(type(t) is TensorProxy and t._tt_dtype.is_complex for t in flat + _flat(out, {})):
-        return False
-    return bool(opaque_grad.gradient_positions(flat))
+    return bool(opaque_grad.gradient_positions(_flat(args, kwargs)))
 
 
 _ITEM_ACCESS = {getattr(owner, m) for owner in (torch.Tensor, torch._C.TensorBase) for m in ("__getitem__", "__setitem__")}
