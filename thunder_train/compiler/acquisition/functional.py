@@ -72,6 +72,16 @@ class Buffers:
         self._keep[id(base)] = base
         self._views[id(view)] = View(base, make, self._version.get(id(base), 0))
 
+    def detached_view(self, alias, view) -> None:
+        """``alias`` is ``view`` detached (made under no_grad): a view of the same base, re-derived detached."""
+        v = self._views.get(id(view))
+        if v is None:
+            return
+        from ..transforms.autograd import detach_float_tensors
+
+        self._keep[id(alias)] = alias
+        self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version)
+
     def has_views(self, p) -> bool:
         return any(v.base is p for v in self._views.values())
 

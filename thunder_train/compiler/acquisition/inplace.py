@@ -109,7 +109,13 @@ def no_grad_region(st, out, sym=None):
         return out
     if sym is not None and "inplace" in sym.tags:
         return out
-    return detach_float_tensors(out)
+    detached = detach_float_tensors(out)
+    if st.buffers is not None:
+        # A view made here (x[0], x.diagonal(), ...) stays a view of its base: an update through it reaches the base.
+        for o, d in zip(tree_flatten(out)[0], tree_flatten(detached)[0]):
+            if d is not o:
+                st.buffers.detached_view(d, o)
+    return detached
 
 
 # ---------------------------------------------------------------------------
