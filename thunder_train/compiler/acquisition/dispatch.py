@@ -125,9 +125,10 @@ def handle_torch_function(func, types, args, kwargs):
                 # a view eager returns (torch.real of a complex tensor): updates through it reach its base
                 record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
-        if (complex_in or _has_complex(out)) and _complex_gradient(st, args, kwargs):
+        if not entry and (complex_in or _has_complex(out)) and _complex_gradient(st, args, kwargs):
             # The torch language's gradient rules are written for real tensors (no conjugates): a call that reads or
             # makes a complex tensor on the gradient path runs through torch, whose autograd differentiates it.
+            # (A composed entry's own torch calls came through here one by one.)
             del scope[n:]
             out = call_opaque(func, args, kwargs, strict=st.strict)
             if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
