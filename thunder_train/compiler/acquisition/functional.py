@@ -12,7 +12,8 @@ created), its **current value**:
 * views (``x[0]``, ``x.view(...)``, ``x.t()``, ``x.detach()``) remember their base
   and how they were made: writing into a view writes the corresponding
   elements of the base, and reading a view after its base changed re-derives
-  it from the base's new value;
+  it from the base's new value (a view made under ``no_grad`` is detached and stays a view; a whole
+  ``view_as_real`` of a complex base is written back as ``view_as_complex``);
 * when tracing ends, ``final_writes`` yields one ``(new value, input)`` pair per
   input buffer whose value changed — acquisition turns each into exactly one
   ``prims.copy_`` at the end of the computation.  A value written back into the
