@@ -99,6 +99,56 @@ def mixtral():
     return model
 
 
+def deepseek_v3():
+    """DeepSeek-V3: multi-head latent attention (low-rank q/kv), a dense first layer, then sigmoid routing over
+    expert groups (topk of group scores, ``scatter_``), a shared expert and transformers' default grouped experts
+    (``torch._grouped_mm`` over tokens sorted by expert, ``histc`` counts)."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, max_position_embeddings=64)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def qwen2_moe():
+    """Qwen2-MoE: softmax top-2 routing over 4 experts (grouped experts) plus a sigmoid-gated shared expert."""
+    import transformers
+
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def modernbert_mlm():
+    """ModernBERT masked LM with ``sparse_prediction``: the head runs only on the masked positions
+    (``hidden[labels != -100]``, a data-dependent size), alternating global and sliding-window attention."""
+    import transformers
+
+    cfg = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        sparse_prediction=True, local_attention=4, layer_types=["full_attention", "sliding_attention"])
+    return transformers.ModernBertForMaskedLM(cfg)
+
+
+def mlm_batch(g):
+    """Masked-LM data with padding: about 30% of the real tokens carry labels (-100 elsewhere)."""
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SEQ - 4:] = 0
+    ids[mask == 0] = 0
+    labels = torch.full_like(ids, -100)
+    pick = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & (mask == 1)
+    pick[0, 0] = True  # at least one label per batch
+    labels[pick] = ids[pick]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def gpt2():
     import transformers
 
@@ -262,12 +312,17 @@ CASES = {c.name: c for c in [
     Case("bloom", "BLOOM (ALiBi positions, tied embeddings)", bloom, lm_batch),
     Case("mixtral", "Mixtral sparse mixture-of-experts (top-2 routing, per-expert loop: data-dependent sizes)",
          mixtral, lm_batch),
+    Case("deepseek_v3", "DeepSeek-V3 (latent attention, grouped sigmoid routing, shared expert, grouped_mm experts)",
+         deepseek_v3, lm_batch),
+    Case("qwen2_moe", "Qwen2-MoE (top-2 routing, grouped experts, gated shared expert)", qwen2_moe, lm_batch),
     Case("falcon", "Falcon (multi-query attention, rotary, parallel attention/MLP, weight used as W.T)", falcon, lm_batch),
     Case("llama_padded", "Llama with a left-padding attention mask", _llama, padded_lm_batch),
     # encoders, encoder-decoder, vision
     Case("bert_cls", "BERT sequence classification with a padding mask", bert_cls, lambda g: padded_cls_batch(g, 0)),
     Case("roberta_cls", "RoBERTa sequence classification with a padding mask", roberta_cls,
          lambda g: padded_cls_batch(g, 1, low=3)),
+    Case("modernbert_mlm", "ModernBERT masked LM, sparse prediction head (boolean-mask selection of labelled tokens)",
+         modernbert_mlm, mlm_batch),
     Case("t5", "T5 encoder-decoder with labels (relative position bias)", t5, seq2seq_batch),
     Case("vit", "ViT image classification", vit, image_batch),
     Case("wav2vec2_ctc", "wav2vec2 speech recognition with a CTC head (conv feature encoder, weight norm, ctc_loss)",

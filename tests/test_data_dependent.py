@@ -221,6 +221,8 @@ FORWARD = {
     "unique_counts": lambda x: torch.unique((x > 0).long() + (x > 1).long(), return_counts=True),
     "unique_method": lambda x: (x > 0).long().unique(return_inverse=True),
     "unique_consecutive": lambda x: torch.unique_consecutive((x > 0).long(), return_inverse=True, return_counts=True),
+    "unique_dim": lambda x: torch.unique((x > 0).long(), dim=1, return_inverse=True, return_counts=True),
+    "unique_consecutive_dim": lambda x: torch.unique_consecutive((x[0] > 0).long(), dim=-1, return_counts=True),
     "bincount_weights": lambda x: torch.bincount((x[0, 0] > 0).long() * 3, weights=x[0, 0]),
     "repeat_interleave_index": lambda x: torch.repeat_interleave((x[0, 0] > 0).long() + 1),
     "mask_set_vector": lambda x: x.clone().index_put_((x > 0,), torch.tensor(5.0)),
@@ -305,3 +307,69 @@ def test_compiled_function_gradients_through_data_dependent_sizes(name, dynamic)
         want.backward()
         torch.testing.assert_close(x.grad, x2.grad)
     assert tt.compile_stats(cf).entries == 1
+
+
+def test_a_loop_over_positions_after_an_inplace_op_run_on_a_copy():
+    """DeepSeek-V3's router: ``mask.scatter_(1, idx, 1)`` (run by torch on a copy of ``mask``) feeds the per-expert
+    loop ``for e in hit.nonzero()``; the copy changes no input, so the loop's decisions are checked by the program
+    and every routing gives eager's result."""
+    def f(x):
+        m = torch.zeros(4, 3)
+        m.scatter_(1, x.topk(1, dim=-1)[1], 1)
+        total = x.sum() * 0
+        for e in (m.sum(0) > 0).nonzero():
+            total = total + (x[:, e[0]] * m[:, e[0]]).sum()
+        return total
+
+    cf = tt.compile(f)
+    for seed in range(4):  # different experts hit on different calls
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(cf(x), f(x))
+
+
+def test_two_selections_by_one_mask_share_their_size():
+    """``hidden[mask]`` and ``labels[mask]`` (ModernBERT's sparse masked-LM head) have equal sizes in eager; the loss
+    combining them differentiates."""
+    def f(h, labels):
+        keep = labels != -100
+        return F.cross_entropy(h[keep], labels[keep])
+
+    h = torch.randn(6, 5, requires_grad=True)
+    labels = torch.tensor([1, -100, 3, -100, 0, 4])
+    a, b = h.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+    tt.compile(f)(a, labels).backward()
+    f(b, labels).backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_masked_scatter_one_program_for_every_count(thin):
+    """``masked_scatter`` takes source elements by a cumulative count of the mask: static shapes, so every count
+    (none, some, all; a 0-d and a broadcast mask) runs one program with eager's values and gradients."""
+    def f(x, mask, src):
+        return x.masked_scatter(mask, src * 2).sin().sum() + torch.masked_scatter(x, mask, src).pow(2).sum()
+
+    cf = tt.compile(f, thin=thin)
+    gen = torch.Generator().manual_seed(0)
+    x, src = torch.randn(3, 4, generator=gen), torch.randn(20, generator=gen)
+    masks = [torch.rand(3, 4, generator=gen) < p for p in (0.0, 0.3, 0.7, 1.0)]
+    for mask in masks:
+        a = [t.clone().requires_grad_() for t in (x, src)]
+        b = [t.clone().requires_grad_() for t in (x, src)]
+        cf(a[0], mask, a[1]).backward()
+        f(b[0], mask, b[1]).backward()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert tt.compile_stats(cf).cache_misses == 1
+    for mask in (torch.tensor(True), torch.tensor([True, False, True, False])):
+        torch.testing.assert_close(cf(x, mask, src), f(x, mask, src))
+    with pytest.raises(RuntimeError, match="at least as many elements as ones in mask"):
+        cf(x, torch.ones(3, 4, dtype=torch.bool), torch.randn(5))
+
+
+def test_unique_dim_forward_runs_and_backward_raises_eagers_error():
+    x = torch.randn(4, 3, requires_grad=True)
+    out = tt.compile(lambda x: torch.unique(x, dim=0))(x)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="the derivative for 'unique_dim' is not implemented"):
+        out.sum().backward()

@@ -363,6 +363,9 @@ def _layout_samples(op):
         return [((torch.tensor([3, 1, 3, 2]), True, True, True), {})]
     if op is prims.unique_consecutive:
         return [((torch.tensor([3, 3, 1, 2, 2]), True, True), {})]
+    if op is prims.unique_dim:
+        x = torch.randint(0, 2, (3, 4, 5), generator=torch.Generator().manual_seed(0))
+        return [((x, d, c, True, True), {}) for d in range(3) for c in (False, True)]
     if op is prims.bincount:
         return [((torch.tensor([0, 2, 2]), None, 5), {}), ((torch.tensor([0, 2, 2]), torch.rand(3), 0), {})]
     if op is prims.repeat_index:

@@ -65,10 +65,12 @@ float16 = DType("float16", FLOAT, 2, torch.float16, "f16")
 bfloat16 = DType("bfloat16", FLOAT, 2, torch.bfloat16, "bf16")
 float32 = DType("float32", FLOAT, 4, torch.float32, "f32")
 float64 = DType("float64", FLOAT, 8, torch.float64, "f64")
+complex32 = DType("complex32", COMPLEX, 4, torch.complex32, "c32")  # torch.chalf: few ops, eager's errors apply
 complex64 = DType("complex64", COMPLEX, 8, torch.complex64, "c64")
 complex128 = DType("complex128", COMPLEX, 16, torch.complex128, "c128")
 
-all_dtypes = (bool8, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, bfloat16, float32, float64, complex64, complex128)
+all_dtypes = (bool8, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, bfloat16, float32, float64, complex32, complex64,
+              complex128)
 _from_torch = {d.torch: d for d in all_dtypes}
 
 
@@ -99,7 +101,7 @@ def python_type_category(t: type) -> int:
 
 
 def to_complex(d: DType) -> DType:
-    return complex128 if d is float64 else complex64
+    return complex128 if d is float64 else complex32 if d is float16 else complex64
 
 
 def to_real(d: DType) -> DType:
@@ -107,6 +109,8 @@ def to_real(d: DType) -> DType:
         return float64
     if d is complex64:
         return float32
+    if d is complex32:
+        return float16
     return d
 
 

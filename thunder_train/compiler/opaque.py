@@ -83,7 +83,11 @@ class OpaqueSymbol(Symbol):
 
     @property
     def has_side_effect(self) -> bool:
-        # In-place torch methods (add_, __setitem__, ...) mutate their inputs.
+        # In-place torch methods (add_, __setitem__, ...) mutate their inputs; one applied to a copy
+        # (``works_on_copy``: acquisition/inplace.py's CopyThenInplace, maybe inside an autograd run) does not.
+        impl = self.torch_impl
+        if any(getattr(x, "works_on_copy", False) for x in (impl, getattr(impl, "func", None))):
+            return False
         n = self.name
         return n.endswith("_") and not n.endswith("__") or n.endswith(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"))
 

@@ -59,6 +59,7 @@ def handle_torch_function(func, types, args, kwargs):
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
     flat = _flat(args, kwargs)
+    complex_in = any(type(a) is TensorProxy and a._tt_dtype.is_complex for a in flat)
     if any(isinstance(a, torch.Generator) for a in flat):
         _refuse_generator(func)
     if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in flat):
@@ -85,6 +86,8 @@ def handle_torch_function(func, types, args, kwargs):
             return dst
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         if top and getattr(sym, "functional", None) is not None:
+            if complex_in and _complex_gradient(st, args, kwargs):  # the out-of-place form dispatched: through torch's autograd
+                return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
             return inplace(st, sym, orig_args, args, kwargs)
         if top and getattr(sym, "functionalize", None) is not None:
             return functionalize(st, sym, orig_args, args, kwargs)
@@ -118,6 +121,18 @@ def handle_torch_function(func, types, args, kwargs):
                 if st.strict:
                     raise UnsupportedOpError(f"{e} (and strict=True forbids running it through torch)") from None
                 raise e from None  # torch cannot run it on proxies either (t[mask]): the torch language's reason
+            if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+                # a view eager returns (torch.real of a complex tensor): updates through it reach its base
+                record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
+            return no_grad_region(st, out)
+        if not entry and (complex_in or _has_complex(out)) and _complex_gradient(st, args, kwargs):
+            # The torch language's gradient rules are written for real tensors (no conjugates): a call that reads or
+            # makes a complex tensor on the gradient path runs through torch, whose autograd differentiates it.
+            # (A composed entry's own torch calls came through here one by one.)
+            del scope[n:]
+            out = call_opaque(func, args, kwargs, strict=st.strict)
+            if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+                record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
         if len(scope) > n and scope[-1].sym is sym:
             scope[-1].torch_fn = func
@@ -164,6 +179,21 @@ def handle_torch_function(func, types, args, kwargs):
     if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
         record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
     return no_grad_region(st, out)
+
+
+def _has_complex(out) -> bool:
+    if type(out) is TensorProxy:
+        return out._tt_dtype.is_complex
+    if isinstance(out, (tuple, list)):
+        return any(_has_complex(o) for o in out)
+    return False
+
+
+def _complex_gradient(st, args, kwargs) -> bool:
+    """Can a gradient flow through a call that reads or makes a complex tensor?"""
+    if st.walker is None or not torch.is_grad_enabled():
+        return False
+    return bool(opaque_grad.gradient_positions(_flat(args, kwargs)))
 
 
 _ITEM_ACCESS = {getattr(owner, m) for owner in (torch.Tensor, torch._C.TensorBase) for m in ("__getitem__", "__setitem__")}
@@ -229,6 +259,10 @@ def _property(st, prop, get, args, top):
         if setter is None:
             raise TracingError(f"setting Tensor.{prop} is not supported while tracing with thunder_train")
         return setter(a, args[1])
+    if type(a) is TensorProxy and a._tt_dtype.is_complex and prop in _COMPLEX_PROPERTIES:
+        # Of a complex tensor these are views with conjugates or halves: the torch call, dispatched as one.
+        fn = _COMPLEX_PROPERTIES[prop]
+        return handle_torch_function(fn if len(a._tt_shape) == 2 or prop != "H" else torch.conj, (), (a,), {})
     getter = registry.property_getters.get(prop)
     if getter is None:
         raise TracingError(f"Tensor.{prop} is not supported while tracing with thunder_train")
@@ -240,6 +274,9 @@ def _property(st, prop, get, args, top):
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)
     return out
+
+
+_COMPLEX_PROPERTIES = {"real": torch.real, "imag": torch.imag, "mH": torch.adjoint, "H": torch.adjoint}
 
 
 def _autograd_backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):

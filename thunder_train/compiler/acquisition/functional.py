@@ -12,7 +12,8 @@ created), its **current value**:
 * views (``x[0]``, ``x.view(...)``, ``x.t()``, ``x.detach()``) remember their base
   and how they were made: writing into a view writes the corresponding
   elements of the base, and reading a view after its base changed re-derives
-  it from the base's new value;
+  it from the base's new value (a view made under ``no_grad`` is detached and stays a view; a whole
+  ``view_as_real`` of a complex base is written back as ``view_as_complex``);
 * when tracing ends, ``final_writes`` yields one ``(new value, input)`` pair per
   input buffer whose value changed — acquisition turns each into exactly one
   ``prims.copy_`` at the end of the computation.  A value written back into the
@@ -31,6 +32,9 @@ class View:
     base: TensorProxy  # the buffer the view's elements live in (never itself a view)
     make: Callable  # base value -> view value (records the view ops again)
     version: int  # the base's version the view's current value was derived from
+    # view value -> the base's value holding it, for a view of the whole base in another dtype (view_as_real),
+    # whose elements no position map can write back; None for the others
+    unmake: Callable | None = None
 
 
 class Buffers:
@@ -58,8 +62,9 @@ class Buffers:
         return id(p) in self._current
 
     # ---- views ----
-    def add_view(self, view, source, make_from_source: Callable) -> None:
-        """``view`` was made from ``source`` by ``make_from_source(source_value)``."""
+    def add_view(self, view, source, make_from_source: Callable, unmake: Callable | None = None) -> None:
+        """``view`` was made from ``source`` by ``make_from_source(source_value)`` (and ``unmake(view_value)`` gives
+        ``source``'s value back, for a whole-tensor view in another dtype)."""
         if type(view) is not TensorProxy or view is source:
             return
         outer = self._views.get(id(source))
@@ -68,9 +73,20 @@ class Buffers:
         else:
             base, inner = outer.base, outer.make
             make = lambda b, inner=inner, f=make_from_source: f(inner(b))  # noqa: E731
+            unmake = None
         self._keep[id(view)] = view
         self._keep[id(base)] = base
-        self._views[id(view)] = View(base, make, self._version.get(id(base), 0))
+        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake)
+
+    def detached_view(self, alias, view) -> None:
+        """``alias`` is ``view`` detached (made under no_grad): a view of the same base, re-derived detached."""
+        v = self._views.get(id(view))
+        if v is None:
+            return
+        from ..transforms.autograd import detach_float_tensors
+
+        self._keep[id(alias)] = alias
+        self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake)
 
     def has_views(self, p) -> bool:
         return any(v.base is p for v in self._views.values())
@@ -106,6 +122,20 @@ class Buffers:
         from .. import clang, dtypes, prims
 
         base = view.base
+        if view.unmake is not None:  # the whole base in another dtype: its new value from the view's
+            self._set(base, view.unmake(value))
+            self._current[id(dst)] = value
+            self._keep[id(dst)] = dst
+            view.version = self._version[id(base)]
+            return
+        if base._tt_dtype is not dst._tt_dtype:
+            from ..errors import TracingError
+
+            raise TracingError(
+                f"an in-place update of a {dst._tt_dtype.name} view of a {base._tt_dtype.name} tensor (z.real, z.imag, "
+                "a part of view_as_real(z), Tensor.view(dtype)) inside a compiled function is not supported: "
+                "thunder_train writes views back by value (a whole view_as_real(z) is supported). Build the new tensor "
+                "out of place (torch.complex(new_real, z.imag), ...).")
         base_value = self.read(base)
         # Where the view's elements sit in the base: make the view of a tensor of positions.
         positions = clang.reshape(

@@ -109,7 +109,13 @@ def no_grad_region(st, out, sym=None):
         return out
     if sym is not None and "inplace" in sym.tags:
         return out
-    return detach_float_tensors(out)
+    detached = detach_float_tensors(out)
+    if st.buffers is not None:
+        # A view made here (x[0], x.diagonal(), ...) stays a view of its base: an update through it reaches the base.
+        for o, d in zip(tree_flatten(out)[0], tree_flatten(detached)[0]):
+            if d is not o:
+                st.buffers.detached_view(d, o)
+    return detached
 
 
 # ---------------------------------------------------------------------------
@@ -143,6 +149,7 @@ class CopyThenInplace:
     """
 
     _cache: dict = {}
+    works_on_copy = True  # no input changes: not a side effect (its result can decide a size, DCE may drop it)
 
     def __init__(self, func):
         self.func = func
@@ -163,7 +170,9 @@ class CopyThenInplace:
             copy = [t.clone() for t in dst]
             self.func(copy, *args, **kwargs)
             return copy
-        return self.func(dst.clone(), *args, **kwargs)
+        copy = dst.clone()
+        out = self.func(copy, *args, **kwargs)
+        return copy if out is None else out  # __setitem__ returns nothing: its result is the updated copy
 
 
 class _Named:

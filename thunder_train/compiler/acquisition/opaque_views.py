@@ -62,4 +62,9 @@ def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
                     "out-of-place operations.")
             return tree_flatten(run_opaque(func, (v,) + tuple(args[1:]), kwargs))[0][i]
 
-        st.buffers.add_view(flat[i], source, make)
+        # view_as_real of a complex tensor: the whole tensor as floats, written back as view_as_complex
+        # (complex parameters under torch.optim, which updates them through this view)
+        unmake = None
+        if func is torch.view_as_real and len(flat) == 1:
+            unmake = lambda v: run_opaque(torch.view_as_complex, (v.contiguous(),), {})  # noqa: E731
+        st.buffers.add_view(flat[i], source, make, unmake)

@@ -179,6 +179,19 @@ def _column_major(bsym, tensors, outs) -> bool:
     return True
 
 
+def _dim_outermost(bsym, tensors, outs) -> bool:
+    """``unique(dim=d)``'s values: ``d`` outermost in memory (eager moves ``d`` first, then back), the others
+    row-major."""
+    values, dim = bsym.output[0], bsym.args[1]
+    shape = values._tt_shape
+    strides, step = [0] * len(shape), 1
+    for i in reversed([i for i in range(len(shape)) if i != dim]):
+        strides[i], step = step, step * shape[i]
+    strides[dim] = step
+    values._tt_strides, values._tt_rowmajor, values._tt_storage_offset = tuple(strides), dim == 0, 0
+    return True
+
+
 def _declare_layout_rules() -> None:
     from .. import prims
     from ..torchlang import factories, foreach, linalg, nn, optim
@@ -193,7 +206,8 @@ def _declare_layout_rules() -> None:
                                                   factories.full_like, factories.rand_like, factories.randn_like)},
         **{op: _foreach_of_row_major for op in foreach.OUT_OF_PLACE},
         # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
-        prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.bincount: _as_created,
+        prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.unique_dim: _dim_outermost,
+        prims.bincount: _as_created,
         prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():

@@ -470,6 +470,11 @@ def _(bsym):
     return torch_impls.unique_consecutive, bsym.args, {}
 
 
+@_rule(prims.unique_dim)
+def _(bsym):
+    return torch_impls.unique_dim, bsym.args, {}
+
+
 @_rule(prims.bincount)
 def _(bsym):
     return torch.bincount, bsym.args, {}

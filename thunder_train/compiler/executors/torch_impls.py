@@ -96,6 +96,15 @@ def unique_consecutive(a, return_inverse, return_counts):
     return values, inverse if return_inverse else None, counts if return_counts else None
 
 
+def unique_dim(a, dim, consecutive, return_inverse, return_counts):
+    """``torch.unique(dim=)`` / ``torch.unique_consecutive(dim=)`` with the prim's three results."""
+    if consecutive:
+        values, inverse, counts = torch.unique_consecutive(a, return_inverse=True, return_counts=True, dim=dim)
+    else:
+        values, inverse, counts = torch.unique(a, sorted=True, return_inverse=True, return_counts=True, dim=dim)
+    return values, inverse if return_inverse else None, counts if return_counts else None
+
+
 def pad(a, value, config):
     """Constant pad with (lo, hi, interior) per dim; negative lo/hi crop."""
     if any(interior for _, _, interior in config):

@@ -9,11 +9,13 @@ a mixture-of-experts step routes a different number of tokens to each expert on 
 The sizes' ``value`` is a stand-in (the largest count possible) for layout rules and memory estimates only.
 
 ``nonzero`` and ``repeat_index`` give integer positions, which carry no gradient; ``unique`` and ``bincount``
-have none in eager either (its backward raises), so their rules raise eager's error.
+have none in eager either (its backward raises), so their rules raise eager's error (``NoGradientRuleError``: the
+forward runs, the backward raises it, as eager's).
 """
 from __future__ import annotations
 
 from .. import dtypes
+from ..errors import NoGradientRuleError
 from ..grad_rules import register_vjp
 from ..proxies import TensorProxy, size_value, unbacked_size
 from .core import check, prim
@@ -53,7 +55,7 @@ def unique(a, sorted, return_inverse, return_counts):
 
 @register_vjp(unique)
 def unique_vjp(g, out, /, a, sorted, return_inverse, return_counts):
-    raise RuntimeError("the derivative for '_unique2' is not implemented.")
+    raise NoGradientRuleError("the derivative for '_unique2' is not implemented.")
 
 
 @prim
@@ -64,7 +66,26 @@ def unique_consecutive(a, return_inverse, return_counts):
 
 @register_vjp(unique_consecutive)
 def unique_consecutive_vjp(g, out, /, a, return_inverse, return_counts):
-    raise RuntimeError("the derivative for 'unique_consecutive' is not implemented.")
+    raise NoGradientRuleError("the derivative for 'unique_consecutive' is not implemented.")
+
+
+@prim(tags=("fallible",))  # eager refuses other zero-sized dims at run time
+def unique_dim(a, dim, consecutive, return_inverse, return_counts):
+    """``torch.unique(a, dim=dim)`` (sorted), or ``unique_consecutive`` when ``consecutive``: the distinct slices
+    along ``dim`` (``a``'s shape with ``u`` there), each slice's position among them (``(a.shape[dim],)``) and each
+    distinct slice's count ``(u,)``; the last two only when asked (else None)."""
+    check(0 <= dim < len(a._tt_shape), lambda: f"unique: dim {dim} out of range for a {len(a._tt_shape)}-d tensor")
+    u = _count(a._tt_shape[dim])
+    shape = tuple(u if i == dim else s for i, s in enumerate(a._tt_shape))
+    values = TensorProxy(shape=shape, dtype=a._tt_dtype, device=a._tt_device)
+    inverse = TensorProxy(shape=(a._tt_shape[dim],), dtype=dtypes.int64, device=a._tt_device) if return_inverse else None
+    counts = TensorProxy(shape=(u,), dtype=dtypes.int64, device=a._tt_device) if return_counts else None
+    return values, inverse, counts
+
+
+@register_vjp(unique_dim)
+def unique_dim_vjp(g, out, /, a, dim, consecutive, return_inverse, return_counts):
+    raise NoGradientRuleError(f"the derivative for '{'unique_consecutive' if consecutive else 'unique_dim'}' is not implemented.")
 
 
 @prim(tags=("fallible",))  # a negative value raises at run time
@@ -84,7 +105,7 @@ def bincount(a, weights, minlength):
 
 @register_vjp(bincount)
 def bincount_vjp(g, out, /, a, weights, minlength):
-    raise RuntimeError("derivative for aten::bincount is not implemented")
+    raise NoGradientRuleError("derivative for aten::bincount is not implemented")
 
 
 @prim(tags=("non_differentiable", "fallible"))  # a negative repeat raises at run time

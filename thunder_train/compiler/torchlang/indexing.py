@@ -16,7 +16,6 @@ from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
 from .shapes import select
-from .value_shaped import decided_positions
 
 
 @torchsymbol(torch.index_select, methods=("index_select",), tags=("fallible",))
@@ -326,16 +325,24 @@ composed("put", put, (torch.put,), ("put",))
 
 
 def masked_scatter(input, mask, source):
+    """Each true position takes the next element of ``source``: its index is the count of true positions before it
+    (a cumulative sum), so every shape is static and one program serves every count."""
     if mask.dtype is not torch.bool:
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}")
+    if source.dtype is not input.dtype:
+        raise RuntimeError(f"masked_scatter: expected self and source to have same dtypes but got {input.dtype} and "
+                           f"{source.dtype}")
     shape = torch.broadcast_shapes(input.shape, mask.shape)
-    pos = decided_positions(mask.expand(shape))
-    n = pos.shape[0]
-    if n > source.numel():
+    flat_mask = mask.expand(shape).reshape(-1)
+    flat_src = source.reshape(-1)
+    # A decision that holds on every valid call (eager raises otherwise): checked by the program, never a retrace.
+    if flat_mask.numel() and bool(flat_mask.sum() > flat_src.numel()):
         raise RuntimeError("masked_scatter: expected source to have at least as many elements as ones in mask")
-    out = input.expand(shape).reshape(-1).clone()
-    out[pos] = source.reshape(-1)[:n]
-    return out.reshape(shape)
+    flat_in = input.expand(shape).reshape(-1)
+    if flat_src.numel() == 0:  # then no position is true (checked above)
+        return flat_in.clone().reshape(shape)
+    index = (torch.cumsum(flat_mask, 0) - 1).clamp(min=0)
+    return torch.where(flat_mask, flat_src.index_select(0, index), flat_in).reshape(shape)
 
 
 composed("masked_scatter", masked_scatter, (torch.masked_scatter,), ("masked_scatter",))

@@ -22,10 +22,27 @@ from ..symbols import BoundSymbol
 from .registry import composed, direct
 
 
+def _earlier_nonzero(trc, a):
+    """The positions an earlier ``nonzero`` of the same value gave, where still in scope: ``x[mask]`` and
+    ``labels[mask]`` then share one count, as their sizes are equal in eager (a loss may combine them)."""
+    st = context.tracer_state()
+    if st is not None and st.buffers is not None and type(a) is TensorProxy:
+        a = st.buffers.read(a)
+    for scope in reversed(trc._scopes):
+        for b in reversed(scope):
+            if b.sym is prims.nonzero and b.args and b.args[0] is a:
+                return b.output
+    return None
+
+
 def _run_sized(sym, *args):
     """``sym(*args)`` at the top of the program, then the line that reads its data-dependent sizes."""
-    out = direct(sym, *args)
     trc = context.get_trace()
+    if sym is prims.nonzero:
+        earlier = _earlier_nonzero(trc, args[0])
+        if earlier is not None:
+            return earlier
+    out = direct(sym, *args)
     for t in out if isinstance(out, tuple) else (out,):
         if type(t) is TensorProxy and any(is_unbacked(s) for s in t._tt_shape):
             trc.add(BoundSymbol(prims.shape, (t,), {}, tuple(t._tt_shape)))
@@ -52,15 +69,6 @@ def where_positions(condition):
 def _flat_positions(mask):
     """Flat positions where ``mask`` is true, in order (``(u,)``)."""
     return nonzero(mask.reshape(-1))[:, 0]
-
-
-def decided_positions(mask):
-    """Flat positions where ``mask`` is true, their count a decision (a retrace per count; ``masked_scatter``,
-    whose gradient through a data-dependent count is not covered yet): a stable sort brings them first."""
-    flat = mask.reshape(-1)
-    n = int(flat.sum())
-    _, order = torch.sort((~flat).to(torch.int32), stable=True)
-    return order[:n]
 
 
 def masked_select(input, mask):
@@ -98,10 +106,21 @@ def mask_keys(x, key, probe=False):
     return tuple(out)
 
 
+def _unique_dim(input, dim, consecutive, return_inverse, return_counts):
+    if input.ndim == 0:
+        raise NotImplementedError("unique(dim=...) of a 0-d tensor is run by torch")
+    d = dim + input.ndim if dim < 0 else dim
+    if not 0 <= d < input.ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-input.ndim}, {input.ndim - 1}], "
+                         f"but got {dim})")
+    return _run_sized(prims.unique_dim, input, d, consecutive, return_inverse, return_counts)
+
+
 def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
     if dim is not None:
-        raise NotImplementedError("torch.unique_consecutive(dim=...) is run by torch")
-    values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
+        values, inverse, counts = _unique_dim(input, dim, True, return_inverse, return_counts)
+    else:
+        values, inverse, counts = _run_sized(prims.unique_consecutive, input, return_inverse, return_counts)
     out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
     return out[0] if len(out) == 1 else out
 
@@ -123,8 +142,9 @@ def bincount(input, weights=None, minlength=0):
 
 def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=None):
     if dim is not None:
-        raise NotImplementedError("torch.unique(dim=...) is run by torch")
-    values, inverse, counts = _run_sized(prims.unique, input, sorted, return_inverse, return_counts)
+        values, inverse, counts = _unique_dim(input, dim, False, return_inverse, return_counts)
+    else:
+        values, inverse, counts = _run_sized(prims.unique, input, sorted, return_inverse, return_counts)
     out = (values,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
     return out[0] if len(out) == 1 else out
 

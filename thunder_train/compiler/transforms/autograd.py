@@ -44,7 +44,8 @@ def _is_tensor(x) -> bool:
 
 
 def is_float_tensor(x) -> bool:
-    return _is_tensor(x) and x._tt_dtype.is_float
+    """A tensor gradients can flow through: floating point or complex (eager differentiates both)."""
+    return _is_tensor(x) and (x._tt_dtype.is_float or x._tt_dtype.is_complex)
 
 
 def requires_grad_inputs(trc) -> list:
@@ -135,6 +136,13 @@ def backward_pass(fwd: Forward, cts: Cotangents):
         if not any(cts.get(o) is not None for o in outs) or not fwd.on_path(bsym):
             continue
         rule = get_rule(bsym)
+        if not bsym.sym.runs_opaquely and not _complex_ready(bsym, outs):
+            # Native rules are written for real tensors (no conjugates); the dispatcher runs complex calls on the
+            # gradient path through torch's autograd, so this is a path it did not cover: refuse, never differ.
+            raise NoGradientRuleError(
+                f"cannot compute gradients: {_describe(bsym)} reads or makes a complex tensor on the gradient path, "
+                "and thunder_train differentiates complex tensors only through torch's autograd of out-of-place torch "
+                "calls. Use the out-of-place form of the op, or compute this part under torch.no_grad().")
         if rule is None:
             raise NoGradientRuleError(
                 f"cannot compute gradients: {_describe(bsym)} has no gradient rule "
@@ -158,6 +166,22 @@ def backward_pass(fwd: Forward, cts: Cotangents):
             for v, gv in zip(values, grad_leaves):
                 if _is_tensor(v) and id(v) in fwd.needs_grad and gv is not None:
                     cts.add(v, gv)
+
+
+# Prims whose gradient rules are linear with real coefficients (moves, selections, sums): eager's gradient of
+# complex values too, with no conjugate to take.  (The write-back of an update through an indexed view of a
+# complex tensor records them directly.)
+_COMPLEX_LINEAR = {f"prims.{n}" for n in (
+    "reshape", "squeeze", "broadcast_in_dim", "transpose", "slice", "cat", "pad", "flip", "take", "gather",
+    "scatter_add", "index_put", "add", "sub", "neg", "sum", "where", "convert_element_type", "clone", "grad_layout")}
+
+
+def _complex_ready(bsym, outs) -> bool:
+    """False for a native op on complex values whose rule may lack a conjugate (or mixes real and complex)."""
+    diff = [t for t in bsym.flat_args() + outs if is_float_tensor(t)]
+    if not any(t._tt_dtype.is_complex for t in diff):
+        return True
+    return bsym.sym.id in _COMPLEX_LINEAR and all(t._tt_dtype.is_complex for t in diff)
 
 
 # Composites tagged "fused_backward" (declared with the op) record their gradient as one

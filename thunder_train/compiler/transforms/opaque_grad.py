@@ -137,7 +137,7 @@ def autograd_symbol(func, positions):
 
 def gradient_positions(flat_args) -> tuple:
     """Positions of the float tensors that require grad or depend on an input that does."""
-    floats = [i for i, a in enumerate(flat_args) if type(a) is TensorProxy and a._tt_dtype.is_float]
+    floats = [i for i, a in enumerate(flat_args) if is_float_tensor(a)]
     if not floats:
         return ()
     if all(flat_args[i]._tt_requires_grad for i in floats):
@@ -152,11 +152,6 @@ def gradient_positions(flat_args) -> tuple:
 
 def record(func, args, kwargs, out, positions):
     """Records ``(out, graph) = torch_autograd_<op>(...)``; returns the name compile_stats lists."""
-    if any(type(o) is TensorProxy and o._tt_requires_grad and o._tt_dtype.is_complex for o in tree_flatten(out)[0]):
-        raise opaque.UnsupportedOpError(
-            f"{opaque.callable_name(func)}: gradients through complex outputs are not supported by thunder_train; "
-            "compute this part under torch.no_grad() or outside the compiled function"
-        )
     sym = autograd_symbol(func, positions)
     handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))  # AutogradRun makes it on CPU
     trc = context.get_trace()
