@@ -343,6 +343,8 @@ def _layout_samples(op):
     lists = [torch.rand(3, 4) + 0.5, torch.rand(5) + 0.5]
     if op is prims.copy_:
         return [((torch.rand(4, 3), torch.rand(3, 4).t()), {})]
+    if op is prims.unseen_write:  # the written values' layout
+        return [((torch.rand(3, 4).t(), torch.rand(4, 3)), {}), ((torch.rand(4, 3), torch.rand(3, 4).t()), {})]
     if op is prims.grad_layout:
         return [((torch.rand(4, 3), torch.rand(3, 4).t()), {}), ((torch.rand(4, 3), torch.rand(4, 6)[:, :3]), {})]
     if op.name == "matmul":

@@ -76,10 +76,38 @@ def write(st, sym, dst, value):
         # An in-place op keeps its destination's layout (a channels-last buffer stays channels-last after
         # fill_ / zero_ / copy_), whatever layout the out-of-place form gives its result.
         value = prims.grad_layout(value, dst)
+    kept = _graph_kept(st, dst)
     st.buffers.write(dst, value)
+    if kept is not None:
+        base, old = kept
+        st.buffers.write(base, prims.unseen_write(st.buffers.read(base), old))
     if st.leaf_values is not None:
         base = st.buffers.base_of(dst)
         st.leaf_values.written(dst if base is None else base)
+
+
+def _graph_kept(st, dst):
+    """``(base, its value)`` before a write autograd does not see (under ``no_grad``, or through ``.data``/
+    ``.detach()``: a view whose value no longer carries the base's gradient) into a computed value that requires
+    grad: eager changes the values and keeps the graph, so a later backward still reaches what the old value was
+    computed from.  None for every other write (inputs and new leaves have no graph to keep: leaf_values.py)."""
+    base = st.buffers.base_of(dst)
+    base = dst if base is None else base
+    if type(base) is not TensorProxy or not base._tt_dtype.is_float or st.walker.leaf_of(base) is not None:
+        return None
+    if not (st.grad_enabled or torch.is_grad_enabled()):
+        return None
+    old = st.buffers.read(base)
+    changes = st.requires_grad_changes
+    if id(base) in changes and base._tt_requires_grad:
+        return None  # a leaf made inside the function
+    from .traced_autograd import computed_requires_grad
+
+    if not computed_requires_grad(st, old):
+        return None
+    if not torch.is_grad_enabled() or not computed_requires_grad(st, st.buffers.read(dst)):
+        return base, old
+    return None
 
 
 def converted_to(value, dst):

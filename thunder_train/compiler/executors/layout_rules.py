@@ -161,7 +161,7 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
 
 
 def _like_input(bsym, tensors, outs) -> bool:
-    """``wait`` returns the tensor the collective made."""
+    """``wait`` returns the tensor the collective made; ``unseen_write`` the values written."""
     _like(bsym.output, bsym.args[0])
     return True
 
@@ -201,6 +201,7 @@ def _declare_layout_rules() -> None:
         optim.adam_update: _like_overwritten_lists, optim.sgd_update: _like_overwritten_lists,
         optim.adagrad_update: _like_overwritten_lists,
         prims.all_gather: _as_created, prims.reduce_scatter: _as_created, prims.wait: _like_input,
+        prims.unseen_write: _like_input,
         prims.matmul: _matmul_of_matrices, linalg.matmul: _matmul_of_matrices, nn.linear: _linear_of_row_major,
         **{like: _like_of_row_major for like in (factories.zeros_like, factories.ones_like, factories.empty_like,
                                                   factories.full_like, factories.rand_like, factories.randn_like)},

@@ -244,6 +244,11 @@ def _(bsym):
     return torch_impls.grad_layout, bsym.args, {}
 
 
+@_rule(prims.unseen_write)
+def _(bsym):
+    return torch_impls.unseen_write, bsym.args, {}
+
+
 @_rule(prims.stop_gradient)
 def _(bsym):
     return torch.Tensor.detach, bsym.args, {}

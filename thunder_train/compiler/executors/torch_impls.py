@@ -310,6 +310,13 @@ def grad_layout(g, param):
 
 grad_layout.aliases = (0,)  # g itself, or a copy
 
+def unseen_write(value, old):
+    """``prims.unseen_write``: the values are ``value``'s (the gradient's route is the backward's business)."""
+    return value
+
+
+unseen_write.aliases = (0,)
+
 # Tests set this before compiling: lines whose layout was decided from the traced layouts check it when they run
 # (executors/decided_layouts.py).  Off, they run nothing for it.
 VERIFY_DECIDED_LAYOUTS = False

@@ -372,6 +372,22 @@ def grad_layout_vjp(ct, out, /, g, param):
     return {"g": ct}
 
 
+@prim
+def unseen_write(value, old):
+    """``value``'s values in a tensor that held ``old``, written where autograd does not see it (under
+    ``torch.no_grad()``, or through ``.data``/``.detach()``): eager keeps the tensor's graph, so its gradient
+    goes to ``old`` unchanged."""
+    check(value._tt_shape == old._tt_shape and value._tt_dtype is old._tt_dtype,
+          lambda: f"unseen_write: {value._tt_shape} {value._tt_dtype} written over {old._tt_shape} {old._tt_dtype}")
+    return TensorProxy(shape=value._tt_shape, dtype=value._tt_dtype, device=value._tt_device,
+                       strides=value._tt_strides, storage_offset=value._tt_storage_offset)
+
+
+@register_vjp(unseen_write)
+def unseen_write_vjp(ct, out, /, value, old):
+    return {"old": ct}
+
+
 @prim(tags=("elementwise", "non_differentiable"))
 def stop_gradient(a):
     """The value of ``a``, through which no gradient flows (``Tensor.detach``)."""
