@@ -85,12 +85,13 @@ def _probe_key(probe, args, kwargs):
 def _no_cyclic_gc():
     """Python's cyclic garbage collector off while a program is compiled (on again after, if it was on).
 
-    A trace allocates ~10^6 objects, most of them short-lived but alive across several collections, so the
-    collector scans them over and over and moves them to the oldest generation; once that has grown by a quarter
-    since the last full collection, a full collection runs, scanning every object of the process (0.3-0.9 s with
-    two models and transformers loaded, in the middle of the second trace of benchmarks/dynamic_shapes.py).  With
-    the collector off, what the trace frees is freed by reference counting as before; only what it leaves alive
-    (~2 % of it) counts towards the next collection.  Garbage cycles made while compiling wait for that one."""
+    A trace allocates many objects that are short-lived but alive across several collections, so the collector
+    scans them over and over and moves them to the oldest generation; once that has grown by a quarter since the
+    last full collection, a full collection runs, scanning every object of the process (0.4-0.9 s under load with
+    three copies of a model and transformers loaded, in the middle of the second trace of
+    benchmarks/dynamic_shapes.py).  With the collector off, what the trace frees is freed by reference counting as
+    before; only what it leaves alive (the entry: ~20,000 objects for that Llama step) counts towards the next
+    collection.  Garbage cycles made while compiling wait for that one."""
     if not gc.isenabled():
         yield
         return
