@@ -1,7 +1,7 @@
 """Fine-tuning with dynamic padding: a new sequence length nearly every step (issue 26).
 
 Run: python benchmarks/dynamic_shapes.py [--steps 300] [--models gpt2,llama] [--modes eager,tt,tt_dynamic,torch_compile]
-                                         [--threads 1] [--interleave]
+                                         [--threads 1] [--interleave] [--arena]
 
 The zoo's tiny GPT-2 and Llama (tests/_zoo.py sizes: 2 layers, hidden 32; positions raised to 128), batch 4,
 each row's length drawn from 16-96 and the batch padded to its longest row (attention mask, labels -100 on
@@ -133,6 +133,35 @@ def run_interleaved(model_name, modes, steps, threads):
     return [_row(model_name, mode, runs[mode][2], times[mode], losses[mode]) for mode in modes]
 
 
+def run_arena(model_name, steps, threads, length=96):
+    """What kept buffers for symbolic sizes could save (docs/dynamic_shapes.md): every batch padded to ``length``, the
+    step specialised with its whole arena, specialised without kept buffers, and symbolic (``dynamic=True``: kept
+    buffers only for values of constant size), in turn in this process."""
+    import torch
+    import torch.nn.functional as F
+    import thunder_train as tt
+
+    torch.set_num_threads(threads)
+    configs = {"specialised, kept buffers": dict(dynamic=False, fusion=None),
+               "specialised, no kept buffers": dict(dynamic=False, fusion=None, keep_buffers=False),
+               "symbolic (dynamic=True)": dict(dynamic=True)}
+    runs = {}
+    for label, options in configs.items():
+        torch.manual_seed(0)
+        model = build(model_name)
+        runs[label] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), tt.compile(step, thin=True, **options))
+    times = {label: [] for label in runs}
+    for b in batches(steps):
+        pad = length - b["input_ids"].shape[1]
+        b = {k: F.pad(v, (0, pad), value=-100 if k == "labels" else PAD) for k, v in b.items()}
+        for label, (model, opt, fn) in runs.items():
+            t0 = time.perf_counter()
+            fn(model, opt, b)
+            times[label].append(time.perf_counter() - t0)
+    for label, t in times.items():
+        print(f"{model_name} length {length}: {label}: median step {1e3 * statistics.median(t[steps // 2:]):.2f} ms", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -141,8 +170,16 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadier on a shared machine)")
     ap.add_argument("--interleave", action="store_true",
                     help="run the modes (torch.compile excepted) in one process, step by step in turn: ratios on a shared machine")
+    ap.add_argument("--arena", action="store_true",
+                    help="instead: every batch padded to 96, specialised with and without kept buffers against symbolic")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.arena:
+        sys.path.insert(0, ROOT)
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        for model in a.models.split(","):
+            run_arena(model, a.steps, a.threads)
+        return
     if a.one:
         print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a.steps, a.threads)), flush=True)
         return

@@ -178,3 +178,44 @@ def test_inputs_sliced_from_a_padded_batch_do_not_retrace_per_length():
     st = tt.compile_stats(cf)
     assert st.cache_misses == 3, st.retrace_reasons  # first length; lengths symbolic; the contiguous form
     assert "layout" in st.retrace_reasons[-1] and st.thin_calls >= 10
+
+
+def test_a_reshape_whose_minus_one_is_a_constant_keeps_it_constant():
+    # ``view(B, T, -1, 8)`` of a [B, T, 32] tensor has 4 heads whatever B and T are: (B*T*32) // (B*T*8) is 4.  A trace
+    # with symbolic sizes once kept the heads symbolic, which stopped the attention rewrite (saved_statistics.py)
+    # from taking the flash kernel pair: the backward ran the forward again.
+    def step(x, w, mask):
+        q, k, v = ((x @ w[i]).view(x.shape[0], x.shape[1], -1, 8).transpose(1, 2) for i in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        flat = out.reshape(x.shape[0], -1)  # (B*4*T*8) // B: symbolic (T), stays so
+        loss = flat.sum()
+        loss.backward()
+        return loss.detach(), flat.shape[1]
+
+    w1 = torch.randn(3, 16, 32, requires_grad=True)
+    w2 = w1.detach().clone().requires_grad_()
+    cf = tt.compile(step)  # w's sizes stay constants, B and T become symbolic at the second call
+    for B, T in [(2, 5), (3, 7), (2, 9), (4, 6)]:
+        x = torch.randn(B, T, 16)
+        mask = torch.rand(B, 1, T, T) > 0.3
+        mask[..., 0] = True
+        (got, n), (want, m) = cf(x, w2, mask), step(x, w1, mask)
+        assert n == m
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(w2.grad, w1.grad)
+        w1.grad = w2.grad = None
+    assert tt.compile_stats(cf).cache_misses == 2
+    src = tt.last_traces(cf)[-1].python_source()
+    assert "f32[x_size0, 4, x_size1, 8]" in src  # the heads: a constant
+    assert "sdpa_flash_cpu_bool_masked" in src and "sdpa_flash_cpu_backward" in src
+
+
+def test_a_quotient_of_different_sizes_stays_symbolic():
+    def f(x, y):
+        return x.reshape(-1, y.shape[1]).sum(0)  # (A*B) // C: no simplification, computed on every call
+
+    cf = tt.compile(f, dynamic=True)
+    for (a, b), c in [((4, 6), 3), ((6, 4), 8), ((5, 6), 10)]:
+        x, y = torch.randn(a, b), torch.randn(2, c)
+        torch.testing.assert_close(cf(x, y), f(x, y))
+    assert tt.compile_stats(cf).cache_misses == 1

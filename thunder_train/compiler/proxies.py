@@ -307,7 +307,10 @@ class NumberProxy(Proxy):
         # recorded as nothing, so that a data-dependent size stays the same symbol through shape arithmetic.
         # Only on ints: on floats ``-0.0 + 0`` is ``0.0``, ``x // 1`` floors.
         if self.python_type is not int or type(other) is not int:
-            pass
+            if not reverse and opname == "floor_divide" and self.python_type is int and number_type(other) is int:
+                q = _quotient_of_products(self, other)
+                if q is not None:
+                    return q
         elif (opname == "mul" and other == 1) or (opname in ("add", "sub") and other == 0 and not (reverse and opname == "sub")):
             return self
         elif not reverse and _int_identity(self, opname, other) is not None:
@@ -578,6 +581,41 @@ def _int_identity(x, opname, k):
     if (opname, o[1]) in (("sub", "add"), ("add", "sub")):
         return o[2]
     return None
+
+
+def _positive_product(x):
+    """``(c, factors)`` with ``x == c * prod(factors)``, every factor a symbolic size of an input (≥ 2 on every call:
+    the prologue and the thin check refuse 0 and 1 there), read through products only; None otherwise."""
+    if type(x) is int:
+        return x, []
+    x = _root(x)
+    if type(x) is not SizeProxy or x.unbacked:
+        return None
+    o = getattr(x, "origin", None)
+    if o is not None and o[0] == "dim":
+        return 1, [x]
+    if o is None or o[0] != "op" or o[1] != "mul" or len(o) != 4:
+        return None
+    a, b = _positive_product(o[2]), _positive_product(o[3])
+    if a is None or b is None:
+        return None
+    return a[0] * b[0], a[1] + b[1]
+
+
+def _quotient_of_products(x, y):
+    """``(c1 * F) // (c2 * F)`` is ``c1 // c2`` whatever the sizes in ``F`` are (they are positive): a reshape's
+    ``-1`` (``numel // product of the other sizes``) that comes out a constant (the heads of ``view(B, T, -1, D)``)
+    stays a constant, as in a trace with static sizes.  None when it does not simplify so."""
+    a, b = _positive_product(x), _positive_product(y)
+    if a is None or b is None or a[0] < 0 or b[0] <= 0 or len(a[1]) != len(b[1]) or not a[1]:
+        return None
+    rest = list(b[1])
+    for f in a[1]:
+        j = next((j for j, g in enumerate(rest) if _same_expr(f, g)), None)
+        if j is None:
+            return None
+        rest.pop(j)
+    return a[0] // b[0]
 
 
 def _root(x):

@@ -13,7 +13,9 @@ input and both values).  A program that finds a decision it checks going the oth
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -77,6 +79,27 @@ def _probe_key(probe, args, kwargs):
         return vals, pro.guard_key_fn.fn(*vals)
     except _STRUCTURE_ERRORS:
         return None
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic garbage collector off while a program is compiled (on again after, if it was on).
+
+    A trace allocates many objects that are short-lived but alive across several collections, so the collector
+    scans them over and over and moves them to the oldest generation; once that has grown by a quarter since the
+    last full collection, a full collection runs, scanning every object of the process (0.4-0.9 s under load with
+    three copies of a model and transformers loaded, in the middle of the second trace of
+    benchmarks/dynamic_shapes.py).  With the collector off, what the trace frees is freed by reference counting as
+    before; only what it leaves alive (the entry: ~20,000 objects for that Llama step) counts towards the next
+    collection.  Garbage cycles made while compiling wait for that one."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class FullPath:
@@ -308,6 +331,10 @@ class FullPath:
         return self._dims.key(args, kwargs), f"{reason or 'sizes changed'}; symbolic from now on: {names}"
 
     def _trace(self, args, kwargs, key, forced_decisions):
+        with _no_cyclic_gc():
+            return self._trace_now(args, kwargs, key, forced_decisions)
+
+    def _trace_now(self, args, kwargs, key, forced_decisions):
         dynamic = self._dims.for_trace()
         fusion = self._fusion_mode
         if self._background_wanted and is_symbolic_trace(dynamic):

@@ -248,7 +248,13 @@ def set_layout(bsym) -> None:
         # meta tensors, ~1 µs a call against ~80 µs in the fake mode, which the other ops need (a CPU
         # convolution keeps channels_last).
         tags = bsym.sym.tags
-        mout = _on_meta(fn, args, kwargs) if "view" in tags or "shape_only" in tags else None
+        # Elementwise ops and reductions take their layout from TensorIterator, whose rule is the same for every
+        # device (the meta kernel runs it): plain meta tensors too when the inputs share one device (mixing devices
+        # is an error or a CPU scalar the fake run must judge).  A retrace with symbolic sizes (issue 26) misses
+        # the cache on every line, and its many broadcasting ``mul``s cost ~0.5 ms each in the fake mode.
+        meta = "view" in tags or "shape_only" in tags or (
+            ("elementwise" in tags or "reduction" in tags) and len({t._tt_device for t in tensors}) == 1)
+        mout = _on_meta(fn, args, kwargs) if meta else None
         if mout is None:
             try:
                 with torch._C.DisableTorchFunction(), torch.no_grad(), _mode():
