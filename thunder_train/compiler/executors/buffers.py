@@ -117,7 +117,7 @@ def _declare_out_forms() -> None:
              shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
                      (ew.rsqrt, prims.rsqrt), (ew.sqrt, prims.sqrt), (ew.exp, prims.exp), (ew.log, prims.log),
-                     (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.pow, prims.pow), (ew.le, prims.le),
+                     (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.cos, prims.cos), (ew.sin, prims.sin), (ew.pow, prims.pow), (ew.le, prims.le),
                      (ew.lt, prims.lt), (ew.ge, prims.ge), (ew.gt, prims.gt), (ew.eq, prims.eq), (ew.ne, prims.ne)):
         forms[op] = _function_and_method(prim.name)
         # the prim's torch function, and its mirror's (lt(2, t) runs gt(t, 2): torch_executor.py)
