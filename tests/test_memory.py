@@ -188,7 +188,9 @@ def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monke
     Parameters, optimizer state and losses are bitwise those of the same program updating after the backward (and
     equal eager's); the trace has one in-place update per parameter, most of them before the backward's last line."""
     from thunder_train.compiler import pipeline
+    from thunder_train.compiler.transforms import early_updates
 
+    monkeypatch.setattr(early_updates, "HOLD_BACK_BYTES", 0)  # this model's gradients are all small: move every one
     model, batch = _setup(n_layer=2, d=32, T=16, B=2, V=64)
     make_opt = _optimizers()[opt_name]
     runs = {}
@@ -223,6 +225,46 @@ def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monke
     want = [step(Checkpointed(eager) if ckpt else eager, eager_opt, *batch) for _ in range(3)]
     for got, w in zip(l1, want):
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hold_back", [0, 1 << 20, 6000])
+def test_small_gradients_update_together_after_the_backward(hold_back, monkeypatch):
+    """Updates whose gradients add up to at most HOLD_BACK_BYTES stay after the backward as one multi-tensor line
+    (a kernel call costs more than a small update saves), the others move; every way, the parameters, state and
+    losses are bitwise those of the program updating after the backward."""
+    from thunder_train.compiler import pipeline
+    from thunder_train.compiler.transforms import early_updates
+
+    model, batch = _setup(n_layer=2, d=32, T=16, B=2, V=64)
+    runs = {}
+    for early in (True, False):
+        monkeypatch.setattr(early_updates, "HOLD_BACK_BYTES", hold_back)
+        if not early:
+            monkeypatch.setattr(pipeline, "update_when_final", lambda trc: trc)
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        cf = tt.compile(step, fusion=None)
+        losses = [cf(m, opt, *batch) for _ in range(3)]
+        runs[early] = (m, opt, losses, tt.last_traces(cf)[-1].python_source())
+    (m1, o1, l1, src), (m2, o2, l2, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2))
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert all(torch.equal(v, o2.state[p2][k]) for k, v in o1.state[p1].items())
+    params = list(m1.parameters())
+    lines = [line for line in src.splitlines() if "ttex.adam_update_(" in line]
+    counts = [line.split("ttex.adam_update_([")[1].split("]")[0].count(",") + 1 for line in lines]
+    assert sum(counts) == len(params)
+    sizes = sorted(p.numel() * p.element_size() for p in params)
+    n_held = 0
+    while n_held < len(sizes) and sum(sizes[:n_held + 1]) <= hold_back:
+        n_held += 1
+    if hold_back == 0:
+        assert len(lines) >= len(params) // 2, src
+    elif n_held == len(params):
+        assert counts == [len(params)], src  # every update together: one kernel call
+    else:
+        assert 0 < n_held < len(params) and counts[-1] == n_held and len(lines) > 1, src  # the last line: the held ones
 
 
 def test_early_updates_wait_for_reads_of_the_old_parameters():

@@ -24,6 +24,8 @@ from .executors.fusion import fuse
 from .executors.regions import FusionSymbol
 from .executors.lowering import lower_to_executors
 from .executors.buffers import keep_large_buffers
+from .executors.constants import fold_constants
+from .executors.duplicates import merge_duplicates
 from .executors.decided_layouts import decide_layouts
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
@@ -215,6 +217,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
     trc = decide_layouts(trc)
+    # 7b. A call repeated while its first result is alive reads it (executors/duplicates.py); lines computing
+    #     constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
+    trc = fold_constants(merge_duplicates(trc))
     if keep_buffers:
         trc = keep_large_buffers(trc)
     trc = free_after_last_use(trc, header=trc.header)
@@ -272,7 +277,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
             bw = fuse(bw, kind, notes, "bw_")
         fw = dce(fw, header=f"Final forward (autograd, executors: {names})")
         bw = take_saved_as_list(dce(bw, header=f"Final backward (autograd, executors: {names})"), fb.saved)
-        fw, bw = decide_layouts(fw), decide_layouts(bw)
+        fw, bw = (fold_constants(merge_duplicates(decide_layouts(t))) for t in (fw, bw))
         if keep_buffers:  # ThunderFunction runs both without grad (autograd.Function's forward; once_differentiable)
             fw, bw = keep_large_buffers(fw, grad_disabled=True), keep_large_buffers(bw, grad_disabled=True)
         fw = free_after_last_use(fw)

@@ -117,7 +117,7 @@ def _declare_out_forms() -> None:
              shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
                      (ew.rsqrt, prims.rsqrt), (ew.sqrt, prims.sqrt), (ew.exp, prims.exp), (ew.log, prims.log),
-                     (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.pow, prims.pow), (ew.le, prims.le),
+                     (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.cos, prims.cos), (ew.sin, prims.sin), (ew.pow, prims.pow), (ew.le, prims.le),
                      (ew.lt, prims.lt), (ew.ge, prims.ge), (ew.gt, prims.gt), (ew.eq, prims.eq), (ew.ne, prims.ne)):
         forms[op] = _function_and_method(prim.name)
         # the prim's torch function, and its mirror's (lt(2, t) runs gt(t, 2): torch_executor.py)
@@ -482,6 +482,9 @@ _VIEW_FNS = frozenset({
     torch_impls.broadcast_in_dim, torch.split, _T.split, torch.chunk, _T.chunk, torch.unbind, _T.unbind})
 
 
+_EXPANDS = frozenset({_T.expand, torch_impls.broadcast_in_dim})
+
+
 def _plain(x) -> bool:
     """A constant argument of a view call: numbers, None, Ellipsis, slices of numbers and tuples of those."""
     if isinstance(x, (tuple, list)):
@@ -515,11 +518,15 @@ def _hoisted_view(b, order, metas):
     except Exception:  # noqa: BLE001 - not a call this rule understands: the line stays
         return None
     got = tuple(meta) if isinstance(b.output, (tuple, list)) and isinstance(meta, (tuple, list)) else (meta,)
+    # The view the line makes is the meta call's (the pooled value has its planned layout): its strides are what
+    # the line would give on every call, also where a proxy's traced strides say otherwise (an ``expand`` of a
+    # ``broadcast_in_dim`` is traced row-major; eager's has stride 0 on the expanded dims).
     if len(got) != len(outs) or not all(
             type(m) is torch.Tensor and m._is_view() and m.dtype == o._tt_dtype.torch and tuple(m.shape) == tuple(o._tt_shape)
-            and m.stride() == tuple(o._tt_strides) and m.storage_offset() == o._tt_storage_offset for m, o in zip(got, outs)):
+            and (m.stride() == tuple(o._tt_strides) and m.storage_offset() == o._tt_storage_offset or fn in _EXPANDS)
+            for m, o in zip(got, outs)):
         return None
-    layouts = tuple((tuple(o._tt_shape), tuple(o._tt_strides)) for o in outs)
+    layouts = tuple((tuple(m.shape), tuple(m.stride())) for m in got)
     return id(b.args[0]), got, (fn, rest, dict(kwargs), isinstance(b.output, (tuple, list)), layouts)
 
 

@@ -9,7 +9,12 @@ Three kinds of torch-executor lines looked at their tensors every call:
   parameter's layout with its gradient's and state's (the fused kernels walk them as flat arrays): the indices
   that differ are passed as ``odd=(...)`` and the comparison is gone from the call;
 * ``ttex.foreach_add_(steps, 1)`` (optimizers' step counters) on CPU tensors of one floating dtype becomes
-  ``ttex.foreach_add_same_``, which adds one 0-d tensor instead of wrapping the number for each tensor.
+  ``ttex.foreach_add_same_``, which adds one 0-d tensor instead of wrapping the number for each tensor;
+* ``torch.mul(x, 1.0)`` (rotary embeddings' ``cos() * attention_scaling``) and ``torch.add(i, 0)`` of an integer
+  tensor (position ids) give ``x``'s own values, dtype and layout: such a line is dropped and its readers read
+  ``x``, unless its result is returned or read by a line that may write into it (only pure torch calls read it).
+  ``x * 1.0`` is exact in IEEE arithmetic (``-0.0`` and infinities included); ``x + 0`` is not for floats
+  (``-0.0 + 0 == +0.0``), so only integer additions go.
 
 Why the traced layouts are the ones the program meets: every tensor proxy carries eager's strides (layout
 rules, ``tests/test_layout.py``); the prologue checks the strides of every input tensor, and thin mode's per-call
@@ -68,12 +73,53 @@ def _same_cpu_float(b) -> bool:
                                    for t in tensors)
 
 
+_MUL = frozenset({torch.mul, torch.Tensor.mul})
+_ADD = frozenset({torch.add, torch.Tensor.add})
+
+
+def _identity_arith(b) -> bool:
+    """``mul(x, 1)`` or ``add(i, 0)`` (integer ``i``) whose result has ``x``'s dtype, sizes and strides."""
+    if b.kwargs or len(b.args) != 2 or not _laid_out(b.args[0]) or not _laid_out(b.output):
+        return False
+    x, n, out = b.args[0], b.args[1], b.output
+    try:
+        fn_mul, fn_add = _fn(b) in _MUL, _fn(b) in _ADD
+    except TypeError:  # an unhashable callable
+        return False
+    if type(n) not in (int, float) or out._tt_dtype is not x._tt_dtype:
+        return False
+    if not ((fn_mul and n == 1) or (fn_add and n == 0 and not x._tt_dtype.torch.is_floating_point
+                                    and not x._tt_dtype.torch.is_complex)):
+        return False
+    return (tuple(out._tt_shape) == tuple(x._tt_shape) and tuple(out._tt_strides) == tuple(x._tt_strides)
+            and out._tt_storage_offset == x._tt_storage_offset)
+
+
+def _pure_readers_only(trc) -> set:
+    """ids of values every reader of which is a torch call that writes nothing (no in-place op, no ``out=``, no
+    ttex kernel that may write into an argument) and that are not returned."""
+    from ..pytree import tree_flatten
+
+    unsafe = {id(o) for o in tree_flatten(trc.output)[0] if is_proxy(o)}
+    for b in trc.bound_symbols:
+        fn = _fn(b)
+        name = getattr(fn, "__name__", "") or ""
+        module = getattr(fn, "__module__", None) or getattr(getattr(fn, "__objclass__", None), "__module__", "") or ""
+        pure = (fn is not None and not b.has_side_effect and not (name.endswith("_") and not name.endswith("__"))
+                and module.startswith("torch") and module != torch_impls.__name__ and "out" not in b.kwargs
+                and not b.kwargs.get("inplace", False))
+        if not pure:
+            unsafe.update(id(a) for a in b.flat_args() if is_proxy(a))
+    return unsafe
+
+
 def decide_layouts(trc, header=None):
     """The trace with its layout questions answered from the traced layouts (see the module docstring)."""
     verify = torch_impls.VERIFY_DECIDED_LAYOUTS
     # Lines other than the torch executor's calls (a fused region compiled for its inputs) keep what they read.
     kept = {id(a) for b in trc.bound_symbols if not isinstance(b.sym, ImplSymbol) for a in b.flat_args()}
     mapping: dict = {}  # id(dropped grad_layout output) -> its gradient
+    unsafe = None  # ids of values a line may write or that are returned (_pure_readers_only), when first needed
     new = trc.derive(header or trc.header)
     changed = False
     for b in trc.bound_symbols:
@@ -86,6 +132,12 @@ def decide_layouts(trc, header=None):
             if verify:
                 b = b.replace(sym=impl_symbol(torch_impls.grad_layout_decided))
             else:
+                mapping[id(b.output)] = b.args[0]
+                continue
+        elif fn is not None and not verify and id(b.output) not in kept and _identity_arith(b):
+            unsafe = _pure_readers_only(trc) if unsafe is None else unsafe
+            if id(b.output) not in unsafe and id(b.args[0]) not in unsafe:
+                changed = True
                 mapping[id(b.output)] = b.args[0]
                 continue
         elif fn is torch_impls.foreach_add_ and _same_cpu_float(b):
