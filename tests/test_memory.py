@@ -131,8 +131,9 @@ def test_compiled_module_reports_its_plan():
 def test_gpt_benchmark_step_targets():
     """The issue's GPT step (benchmarks/train_step.py), issue 27's targets: the default at most 0.80x eager's peak
     (measured 0.73x: cross-entropy by blocks of rows, updates as soon as gradients are final); per-block
-    checkpointing no higher than eager's with the same checkpointing (0.30x against eager's 0.39x; the issue's
-    0.20x is below what eager's kernels allow here, docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.32x)."""
+    checkpointing no higher than eager's with the same checkpointing (0.225x against eager's 0.39x: the head by
+    blocks of rows, backward lines sunk to their readers, GELU's gradient in place; the issue's 0.20x is not met,
+    docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.215x)."""
     model, batch = _setup(n_layer=4, d=256, T=128, B=8, V=4096)
     eager = _measure(copy.deepcopy(model), batch, ckpt=False, steps=2)[0]
     eager_ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, steps=2)[0]
@@ -142,8 +143,8 @@ def test_gpt_benchmark_step_targets():
                       steps=2)[0]
     assert default <= 0.75 * eager, (default / eager)
     assert ckpt < 0.5 * default, (ckpt / eager, default / eager)
-    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.31 * eager, (ckpt / eager, eager_ckpt / eager)
-    assert budget <= 0.33 * eager, (budget / eager)
+    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.23 * eager, (ckpt / eager, eager_ckpt / eager)
+    assert budget <= 0.22 * eager, (budget / eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -306,7 +307,10 @@ def test_blocked_head_in_whole_steps(options):
     cf = tt.compile(_grad_step, fusion=None, **{k: v for k, v in options.items() if k != "ckpt"})
     got = cf(Checkpointed(m) if options["ckpt"] else m, x, y)
     blocked = options != {"ckpt": False}
-    assert ("ttex.linear_cross_entropy(" in str(tt.last_traces(cf)[-1])) == blocked
+    text = str(tt.last_traces(cf)[-1])
+    assert ("ttex.linear_cross_entropy(" in text) == blocked
+    assert ("ttex.gelu_vjp_into_grad(" in text) == blocked  # executors/into_dead_grad.py
+    assert any("transforms/sinking.py" in str(t).splitlines()[0] for t in tt.last_traces(cf)) == blocked
     assert torch.equal(got, want)
     for (name, p), q in zip(m.named_parameters(), eager.parameters()):
         if name == "head.weight" and blocked:

@@ -36,6 +36,7 @@ from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
+from .executors.into_dead_grad import gelu_grad_in_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +208,10 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
         # 5a. Where the program asks for memory (checkpoint regions, a budget), a language model's head and its
         #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
+        #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).
         if blocked_head:
             trc = block_the_head(trc, header=f"Final computation (executors: {names}; the head's matmul and cross-entropy by blocks of rows)")
+            trc = gelu_grad_in_place(trc, header=f"Final computation (executors: {names}; GELU's gradient over its dead incoming gradient)")
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:
         shown.append(trc)
