@@ -131,9 +131,9 @@ def test_compiled_module_reports_its_plan():
 def test_gpt_benchmark_step_targets():
     """The issue's GPT step (benchmarks/train_step.py), issue 27's targets: the default at most 0.80x eager's peak
     (measured 0.73x: cross-entropy by blocks of rows, updates as soon as gradients are final); per-block
-    checkpointing no higher than eager's with the same checkpointing (0.225x against eager's 0.39x: the head by
-    blocks of rows, backward lines sunk to their readers, GELU's gradient in place; the issue's 0.20x is not met,
-    docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.215x)."""
+    checkpointing at most 0.20x (0.174x, eager's with it 0.39x, torch.compile's 0.22x: the head by blocks of rows,
+    backward lines sunk to their readers, GELU's gradient in place, the attention recomputed again after the MLP's
+    backward; docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.215x)."""
     model, batch = _setup(n_layer=4, d=256, T=128, B=8, V=4096)
     eager = _measure(copy.deepcopy(model), batch, ckpt=False, steps=2)[0]
     eager_ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, steps=2)[0]
@@ -143,7 +143,7 @@ def test_gpt_benchmark_step_targets():
                       steps=2)[0]
     assert default <= 0.75 * eager, (default / eager)
     assert ckpt < 0.5 * default, (ckpt / eager, default / eager)
-    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.23 * eager, (ckpt / eager, eager_ckpt / eager)
+    assert ckpt <= 0.80 * eager_ckpt and ckpt <= 0.19 * eager, (ckpt / eager, eager_ckpt / eager)
     assert budget <= 0.22 * eager, (budget / eager)
 
 

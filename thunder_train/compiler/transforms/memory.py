@@ -15,6 +15,7 @@ from ..pytree import tree_flatten
 from .remat import BACKWARD, recompute, recompute_checkpointed
 from .remat_policy import Saved, budget_values, cheap_values, is_view, nbytes
 from .sinking import sink
+from .recompute_again import recompute_again
 
 
 @dataclasses.dataclass
@@ -141,6 +142,11 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
         if sunk is not new:
             traces.append(sunk)
             new = sunk
+        # ... and recomputed values held across the planned peak recomputed once more after it.
+        again = recompute_again(new, _is_backward, {id(p) for p in tree_flatten(new.output)[0] if is_proxy(p)})
+        if again is not new:
+            traces.append(again)
+            new = again
     plan.saved_bytes = _saved(new).stored_bytes()
     if memory_budget is not None:
         plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
