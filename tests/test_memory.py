@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_train as tt
-from thunder_train.compiler.executors.buffers import kept_bytes
+from _peak import peak_call_bytes as peak_bytes  # tests/_peak.py, shared with the benchmarks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, CheckpointedBlocks as Checkpointed, GPTConfig  # noqa: E402
@@ -28,18 +28,6 @@ def step(model, opt, x, y):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
-
-
-def peak_bytes(fn, compiled=None) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
-        peak = max(peak, cur)
-    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
 
 
 def _setup(n_layer=2, d=64, T=32, B=4, V=512):
