@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..proxies import TensorProxy
 from ..symbols import may_raise_on_values
-from .remat import BACKWARD
+from .remat import BACKWARD, _reads
 from .remat_policy import is_view
 
 
@@ -33,9 +33,10 @@ def sink(trc, header="Backward lines moved down to their first reader (transform
     root, readers, root_readers = {}, {}, {}
     for i, b in enumerate(bsyms):
         args = [a for a in b.flat_args() if type(a) is TensorProxy]
-        for a in args:
-            readers.setdefault(id(a), []).append(i)
-            root_readers.setdefault(root.get(id(a), id(a)), []).append(i)
+        for a in _reads(b):  # its decomposition's reads too: lowering may run those lines instead
+            if type(a) is TensorProxy:
+                readers.setdefault(id(a), []).append(i)
+                root_readers.setdefault(root.get(id(a), id(a)), []).append(i)
         for o in b.flat_outputs():
             if type(o) is TensorProxy and id(o) not in root:
                 root[id(o)] = root.get(id(args[0]), id(args[0])) if is_view(b) and args else id(o)
@@ -58,7 +59,7 @@ def sink(trc, header="Backward lines moved down to their first reader (transform
             continue
         mine = {root.get(id(o), id(o)) for o in b.flat_outputs()}
         ok = True
-        for a in b.flat_args():
+        for a in _reads(b):
             if type(a) is not TensorProxy:
                 continue
             r = root.get(id(a), id(a))
