@@ -83,6 +83,7 @@ def main(argv=None):
     p.add_argument("--fusion", default="none", choices=["none", "default"])
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--all", action="store_true")
+    p.add_argument("--at", type=int, default=None, help="list what is alive after this line instead of at the peak")
     p.add_argument("--no-keep-buffers", action="store_true", help="keep_buffers=False: every value its own storage")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -105,7 +106,9 @@ def main(argv=None):
         for ln, src, n, _ in rows:
             print(f"{mib(n)} MiB  {ln:5d}  {src.strip()[:110]}")
     ln, src, n, live = max(rows, key=lambda r: r[2])
-    print(f"\npeak between lines: {mib(n)} MiB after line {ln}: {src.strip()[:120]}")
+    if args.at is not None:
+        ln, src, n, live = next(r for r in rows if r[0] == args.at)
+    print(f"\n{'peak' if args.at is None else 'live'} between lines: {mib(n)} MiB after line {ln}: {src.strip()[:120]}")
     for nbytes, name in sorted(live.values(), reverse=True)[: args.top]:
         print(f"  {mib(nbytes)} MiB  {name}")
     plan = tt.compile_stats(cf).memory

@@ -45,7 +45,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from _peak import peak_call_bytes  # noqa: E402  (tests/_peak.py: one way of measuring a call's peak, shared)
 from overhead import elementwise  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
@@ -198,23 +200,6 @@ def measure(modes, samples, per_sample):
                 m.call()
             m.times.append((time.perf_counter() - t0) / per_sample)
             m.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / per_sample)
-
-
-def peak_call_bytes(fn, compiled=None) -> int:
-    """Peak bytes allocated during ``fn()`` above what was live before (torch.profiler's allocator events), plus
-    the buffers the thunder_train function ``compiled`` keeps between calls for its intermediates
-    (executors/buffers.py): they are allocated before the call, and held for it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from thunder_train.compiler.executors.buffers import kept_bytes
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
-        peak = max(peak, cur)
-    return peak + (kept_bytes(tt.last_traces(compiled)[-1]) if compiled is not None else 0)
 
 
 def peak_step_bytes(mode) -> int:

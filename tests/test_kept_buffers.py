@@ -280,15 +280,9 @@ def test_printed_trace_with_kept_buffers_runs_by_hand(every_size):
 # Memory and the option
 # ---------------------------------------------------------------------------
 def _peak_bytes(fn, *args) -> int:
-    from torch.profiler import ProfilerActivity, profile
+    from _peak import peak_call_bytes  # tests/_peak.py, shared with test_memory.py and the benchmarks
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    cur = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
-        peak = max(peak, cur)
-    return peak
+    return peak_call_bytes(lambda: fn(*args))
 
 
 def test_peak_with_kept_buffers_is_not_above_the_peak_without():

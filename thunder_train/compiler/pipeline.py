@@ -37,6 +37,8 @@ from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
+from .executors.blocked_head import block_the_head
+from .executors.into_dead_grad import gelu_grad_in_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
     #    later (step 12).
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
-                               written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers)
+                               written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers,
+                               blocked_head=memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None))
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
@@ -194,7 +197,7 @@ def _decision_note(d) -> str:
     return f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call{why}"
 
 
-def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers):
+def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers, blocked_head=False):
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
@@ -205,6 +208,12 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
+        # 5a. Where the program asks for memory (checkpoint regions, a budget), a language model's head and its
+        #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
+        #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).
+        if blocked_head:
+            trc = block_the_head(trc, header=f"Final computation (executors: {names}; the head's matmul and cross-entropy by blocks of rows)")
+            trc = gelu_grad_in_place(trc, header=f"Final computation (executors: {names}; GELU's gradient over its dead incoming gradient)")
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:
         shown.append(trc)

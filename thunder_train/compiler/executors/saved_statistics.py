@@ -245,9 +245,15 @@ def _vjp_of(bsym):
 
 
 def _same_value(x, y, recomputed_ok) -> bool:
-    """``y`` is ``x``, or (``recomputed_ok``) a copy of ``x`` the backward recomputed (transforms/remat.py: the same
-    ops on the same values)."""
-    return x is y or (recomputed_ok and getattr(y, "_tt_recomputed_of", None) is x)
+    """``y`` is ``x``, or (``recomputed_ok``) a copy of ``x`` the backward recomputed, or both are copies of one
+    forward value (transforms/remat.py, transforms/recompute_again.py: the same ops on the same values).  The pass
+    pairs a backward line with the nearest such forward line."""
+    if x is y:
+        return True
+    if not recomputed_ok:
+        return False
+    ox, oy = getattr(x, "_tt_recomputed_of", None), getattr(y, "_tt_recomputed_of", None)
+    return oy is not None and oy is (x if ox is None else ox)
 
 
 def _same_call(fwd, vjp, recomputed_ok=False) -> bool:

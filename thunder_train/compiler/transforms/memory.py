@@ -14,6 +14,8 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from .remat import BACKWARD, recompute, recompute_checkpointed
 from .remat_policy import Saved, budget_values, cheap_values, is_view, nbytes
+from .sinking import sink
+from .recompute_again import recompute_again
 
 
 @dataclasses.dataclass
@@ -134,6 +136,17 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             traces.append(step)
             new = step
             plan.recomputed += more.lines
+    if plan.checkpoint_regions or memory_budget is not None:
+        # Where the program asks for memory: backward lines as late as their readers allow (transforms/sinking.py).
+        sunk = sink(new)
+        if sunk is not new:
+            traces.append(sunk)
+            new = sunk
+        # ... and recomputed values held across the planned peak recomputed once more after it.
+        again = recompute_again(new, _is_backward, {id(p) for p in tree_flatten(new.output)[0] if is_proxy(p)})
+        if again is not new:
+            traces.append(again)
+            new = again
     plan.saved_bytes = _saved(new).stored_bytes()
     if memory_budget is not None:
         plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
