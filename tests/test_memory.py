@@ -185,7 +185,7 @@ def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monke
     runs = {}
     for early in (True, False):
         if not early:
-            monkeypatch.setattr(pipeline, "update_when_final", lambda trc: trc)
+            monkeypatch.setattr(pipeline, "update_when_final", lambda trc, **_: trc)
         m = copy.deepcopy(model)
         m_run = Checkpointed(m) if ckpt else m
         opt = make_opt(m.parameters())
@@ -229,7 +229,7 @@ def test_small_gradients_update_together_after_the_backward(hold_back, monkeypat
     for early in (True, False):
         monkeypatch.setattr(early_updates, "HOLD_BACK_BYTES", hold_back)
         if not early:
-            monkeypatch.setattr(pipeline, "update_when_final", lambda trc: trc)
+            monkeypatch.setattr(pipeline, "update_when_final", lambda trc, **_: trc)
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         cf = tt.compile(step, fusion=None)

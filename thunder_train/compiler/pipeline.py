@@ -110,7 +110,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     trc = dce(acquired.trace, keep_sizes=True)
     traces.append(trc)
     computed = trc  # what autograd differentiates (step 9)
-    memory = None
+    memory, asks = None, False  # asks: the program asks for memory (checkpoint regions or a budget)
     if has_backward:
         trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
@@ -118,7 +118,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         # transforms/early_updates.py: each parameter updated once its gradient is final.  Not with fusion chosen up
         # front: update lines inside the backward split the regions Inductor would fuse (the zoo's ViT step fused
         # nothing); docs/memory.md, known gaps.
-        updated = update_when_final(trc) if options.fusion in (None, "background") else trc
+        # A program that asks for memory updates every parameter as soon as it can (no small gradients held back).
+        asks = memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None)
+        updated = update_when_final(trc, hold_back_bytes=0 if asks else None) if options.fusion in (None, "background") else trc
         if updated is not trc:
             trc = updated
             traces.append(trc)
@@ -130,7 +132,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     #    later (step 12).
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
                                written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers,
-                               blocked_head=memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None))
+                               blocked_head=asks)
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)

@@ -119,6 +119,9 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(roots)
             fsdp.check_walked(walker)
+            # Module backward hooks where inputs require grad: refused before torch's hook machinery meets proxies
+            # (the end of tracing checks again, with what the function did: a backward inside).
+            refuse_backward_hooks(state)
             with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad):
                 out = fn(*pargs, **pkwargs)

@@ -40,6 +40,12 @@ def _deterministic_set(v):
     torch.use_deterministic_algorithms(v[0], warn_only=v[1])
 
 
+def _matmul_precision():
+    from ..torchlang.matmul_precision import _precision
+
+    return _precision()  # None where torch names none (per-backend settings set apart)
+
+
 # name shown to the user -> (getter, setter)
 _STATE = {
     "torch.is_grad_enabled() (torch.set_grad_enabled as a plain call)": (torch.is_grad_enabled, torch._C._set_grad_enabled),
@@ -48,7 +54,7 @@ _STATE = {
     "torch.are_deterministic_algorithms_enabled() (torch.use_deterministic_algorithms)": (_deterministic_get, _deterministic_set),
     "torch.is_anomaly_enabled() (torch.autograd.set_detect_anomaly as a plain call)": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
     "torch.get_float32_matmul_precision() (torch.set_float32_matmul_precision)": (
-        torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        _matmul_precision, lambda v: v is not None and torch.set_float32_matmul_precision(v)),
     "torch.get_num_threads() (torch.set_num_threads)": (torch.get_num_threads, torch.set_num_threads),
     "torch.backends.cudnn.deterministic": _backend_flag(torch.backends.cudnn, "deterministic"),
     "torch.backends.cudnn.benchmark": _backend_flag(torch.backends.cudnn, "benchmark"),

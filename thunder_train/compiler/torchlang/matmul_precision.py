@@ -13,16 +13,29 @@ import torch
 import torch.nn.functional as F
 
 
+def _precision():
+    """The legacy float32 matmul precision, or None where torch refuses to name one (its per-backend settings were
+    set apart, through the newer ``fp32_precision`` attributes or the TF32 flags)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
 def _read() -> tuple:
-    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32)
+    return _precision(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 
 def _write(switches) -> None:
     precision, matmul_tf32, cudnn_tf32 = switches
-    torch.backends.cuda.matmul.allow_tf32 = matmul_tf32  # sets the precision to "high" or "highest" ...
-    torch.set_float32_matmul_precision(precision)  # ... which this then refines ("medium")
-    torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    # Each switch is set only where it differs, through the setters torch's own ``flags()`` context uses: torch's
+    # test utilities lock the ``torch.backends.cudnn`` attributes (``disable_global_flags``).
+    if torch.backends.cuda.matmul.allow_tf32 != matmul_tf32:
+        torch._C._set_cublas_allow_tf32(matmul_tf32)  # sets the precision to "high" or "highest" ...
+    if precision is not None and _precision() != precision:
+        torch.set_float32_matmul_precision(precision)  # ... which this then refines ("medium")
+    if torch.backends.cudnn.allow_tf32 != cudnn_tf32:
+        torch._C._set_cudnn_allow_tf32(cudnn_tf32)
 
 
 _runners: dict = {}

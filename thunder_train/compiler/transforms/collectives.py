@@ -46,7 +46,7 @@ def _prep_lines(lines, producer):
         if ok:
             for a in b.flat_args():
                 j = producer.get(id(a))
-                if j is not None and not pure[j]:
+                if j is not None and (j >= len(pure) or not pure[j]):  # made here or later: not from inputs
                     ok = False
                     break
         pure.append(ok)
@@ -89,11 +89,15 @@ def prefetch(trc, header=None, enabled=None):
     """``trc`` with each unit's all-gathers started during the unit before it (see the module's text); ``enabled``
     (None: ``_prefetching``) decides whether at all."""
     lines = list(trc.bound_symbols)
-    producer = {id(o): i for i, b in enumerate(lines) for o in b.flat_outputs() if is_proxy(o)}
-    pure = _prep_lines(lines, producer)
     starts = [i for i, b in enumerate(lines) if _kind(b) is prims.all_gather]
     if not starts or not (enabled if enabled is not None else _prefetching(lines[starts[0]])):
         return trc
+    producer: dict = {}
+    for i, b in enumerate(lines):  # the first line that makes a value (a size a later line also names)
+        for o in b.flat_outputs():
+            if is_proxy(o):
+                producer.setdefault(id(o), i)
+    pure = _prep_lines(lines, producer)
     chains = {i: _chain(i, lines, producer, pure) for i in starts}
     moving = {j for c in chains.values() if c for j in c}
     # Lines that do not separate two runs: collectives, waits, the moving preparation, and what computes from

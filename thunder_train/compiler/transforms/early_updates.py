@@ -105,9 +105,12 @@ def split_by_index(b) -> list | None:
     return pieces
 
 
-def update_when_final(trc, header="Optimizer updates run as soon as their gradients are final (transforms/early_updates.py)"):
+def update_when_final(trc, header="Optimizer updates run as soon as their gradients are final (transforms/early_updates.py)",
+                      hold_back_bytes=None):
     """The whole step ``trc`` (backward lines marked ``BACKWARD``) with each per-index line after the backward split
-    and moved up to the last line it needs; ``trc`` itself when nothing moves."""
+    and moved up to the last line it needs; ``trc`` itself when nothing moves.  ``hold_back_bytes`` (None:
+    ``HOLD_BACK_BYTES``): how much of the smallest gradients stay for one update call after the backward (0 where the
+    program asks for memory: checkpoint regions or a budget)."""
     lines = list(trc.bound_symbols)
     last_bw = max((i for i, b in enumerate(lines) if b.region is BACKWARD), default=None)
     if last_bw is None:
@@ -187,7 +190,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
         moved_after.setdefault(at, []).append(line)
         return at
 
-    held = _held_back(targets, inputs)
+    held = _held_back(targets, inputs, HOLD_BACK_BYTES if hold_back_bytes is None else hold_back_bytes)
     origin: dict = {}
     for i, pieces in targets.items():
         for piece in pieces:
@@ -214,7 +217,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
     raise AssertionError("thunder_train internal error: early optimizer updates reordered a line before a value it reads")
 
 
-def _held_back(targets, inputs) -> set:
+def _held_back(targets, inputs, limit) -> set:
     """ids of the pieces that stay after the backward: those reading intermediates (gradients), smallest first,
     while their intermediates add up to at most ``HOLD_BACK_BYTES``.  A piece reading only inputs (a step
     counter's increment) moves, as the updates reading its result may."""
@@ -226,7 +229,7 @@ def _held_back(targets, inputs) -> set:
                 sized.append((sum(nbytes(a) for a in own.values()), id(piece)))
     held, total = set(), 0
     for size, key in sorted(sized, key=lambda x: x[0]):
-        if total + size > HOLD_BACK_BYTES:
+        if total + size > limit:
             break
         total += size
         held.add(key)
