@@ -111,18 +111,32 @@ def grad_leaves(st) -> list:
 
 def computed_requires_grad(st, a) -> bool:
     """Eager's ``requires_grad`` of a value computed inside the function: an op's output requires grad when one of
-    its inputs does and grad mode is on (``prims.stop_gradient`` marks what ``no_grad`` computed).  The gradient
-    path is found again only when the trace or a flag changed since the last question."""
+    its inputs does and grad mode is on (``prims.stop_gradient`` marks what ``no_grad`` computed)."""
     if type(a) is not TensorProxy or not is_float_tensor(a) or st.walker.leaf_of(a) is not None:
         return False
     if not (st.grad_enabled or torch.is_grad_enabled()):
         return False  # called under no_grad: nothing computed requires grad (as record_backward)
-    changes = getattr(st, "requires_grad_changes", None) or {}
-    key = (len(st.trace.bound_symbols), tuple((k, v[0]._tt_requires_grad) for k, v in changes.items()))
+    return id(st.buffers.read(a)) in _gradient_path_now(st)
+
+
+def _gradient_path_now(st) -> set:
+    """``gradient_path(st)``, extended line by line since the last question: the path is a left fold over the
+    trace's lines, so while the lines so far and the values standing for leaves are unchanged only the new lines
+    are added.  (Asked at every write into a computed value: recomputing it each time made first calls quadratic.)"""
+    lines = st.trace.bound_symbols
+    seeds = [v for _, vals in grad_leaves(st) for v in vals]
+    key = (id(lines), tuple(map(id, seeds)))
     cached = getattr(st, "_gradient_path_cache", None)
-    if cached is None or cached[0] != key:
-        cached = st._gradient_path_cache = (key, gradient_path(st))
-    return id(st.buffers.read(a)) in cached[1]
+    if cached is not None:
+        ckey, n, last, fwd = cached
+        if ckey == key and n <= len(lines) and (n == 0 or lines[n - 1] is last):
+            for b in lines[n:]:
+                fwd._add(b)
+            st._gradient_path_cache = (key, len(lines), lines[-1] if lines else None, fwd)
+            return fwd.needs_grad
+    fwd = Forward(list(lines), seeds)
+    st._gradient_path_cache = (key, len(lines), lines[-1] if lines else None, fwd)
+    return fwd.needs_grad
 
 
 def assign_data(st, t, v):
@@ -231,6 +245,7 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     forward: list = []
     emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
     trc.bound_symbols[:n] = forward
+    st._gradient_path_cache = None  # the lines so far were rewritten: the path is found anew
     return [None if v is None else cts.get(v) for v in wrt_values]
 
 
