@@ -30,9 +30,7 @@ background fusion replaces the program, its sets are freed (``release_replaced``
 """
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -408,8 +406,7 @@ class BufferPool:
         self.derived = tuple(derived)
         self._free: list = []
         self.released = False
-        self.key = next(_keys)
-        _pools[self.key] = self
+        self.key = _register(self)
 
     def take(self) -> list:
         try:
@@ -437,18 +434,9 @@ class BufferPool:
         self._free.clear()
 
 
-# Printed programs name their pool by key (``ttex.kept_buffers(3)``), so that a printed trace runs by hand in the
-# process that compiled it; the program's globals hold the pool (``_kept_buffers_3``), the registry does not.
-_pools: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_keys = itertools.count()
-
-
-def kept_buffers(key) -> BufferPool:
-    return _pools[key]
-
-
-kept_buffers.__module__ = torch_impls.__name__  # printed as ttex.kept_buffers
-torch_impls.kept_buffers = kept_buffers
+# Printed programs name their pool by key (``ttex.kept_buffers(3)``); the program's globals hold the pool
+# (``_kept_buffers_3``).
+_register, kept_buffers = torch_impls.numbered_objects("kept_buffers")
 
 
 class _PoolLine(Symbol):

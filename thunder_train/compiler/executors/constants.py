@@ -25,9 +25,6 @@ Values: the same torch calls on the same arguments, so the kept tensors are bitw
 """
 from __future__ import annotations
 
-import itertools
-import weakref
-
 from .. import codegen
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
@@ -155,8 +152,7 @@ class FoldedConstants:
         self.fn = fn
         self.n_lines = n_lines
         self._values = None
-        self.key = next(_keys)
-        _blocks[self.key] = self
+        self.key = _register(self)
 
     def values(self) -> tuple:
         v = self._values
@@ -165,18 +161,8 @@ class FoldedConstants:
         return v
 
 
-# Printed programs name their block by key (``ttex.folded_constants(3)``), so that a printed trace runs by hand in
-# the process that compiled it; the program's globals hold the block, the registry does not.
-_blocks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_keys = itertools.count()
-
-
-def folded_constants(key) -> FoldedConstants:
-    return _blocks[key]
-
-
-folded_constants.__module__ = torch_impls.__name__  # printed as ttex.folded_constants
-torch_impls.folded_constants = folded_constants
+# Printed programs name their block by key: ``ttex.folded_constants(3)``.
+_register, folded_constants = torch_impls.numbered_objects("folded_constants")
 
 
 class _ConstantsLine(Symbol):

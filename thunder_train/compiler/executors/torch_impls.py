@@ -319,6 +319,30 @@ def unseen_write(value, old):
 
 unseen_write.aliases = (0,)
 
+
+def numbered_objects(name):
+    """``(register, lookup)`` for objects a printed program names by number (``ttex.kept_buffers(3)``), so that a
+    printed trace runs by hand in the process that compiled it.  Held weakly: the program's globals hold them.
+    ``lookup`` is this module's ``name`` (printed as ``ttex.<name>``)."""
+    import itertools
+    import weakref
+
+    objects: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    keys = itertools.count()
+
+    def register(obj) -> int:
+        key = next(keys)
+        objects[key] = obj
+        return key
+
+    def lookup(key):
+        return objects[key]
+
+    lookup.__name__ = lookup.__qualname__ = name
+    lookup.__module__ = __name__
+    globals()[name] = lookup
+    return register, lookup
+
 # Tests set this before compiling: lines whose layout was decided from the traced layouts check it when they run
 # (executors/decided_layouts.py).  Off, they run nothing for it.
 VERIFY_DECIDED_LAYOUTS = False
