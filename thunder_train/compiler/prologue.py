@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from .memory_overlap import overlapping_pairs
 from .prims import SCALAR_INFIX
 from .proxies import NumberProxy, SizeProxy, is_checked, size_value
 from .symbolic_layouts import layout_key
@@ -300,17 +301,8 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
 
 
 def _storage_overlaps(written, others) -> tuple:
-    """Pairs (i, j) where the written input ``i`` shares storage with the other input ``j``."""
-    ptrs = {}
-    for i, t in enumerate(written):
-        if t.untyped_storage().nbytes():  # an empty storage (data pointer 0) shares no memory
-            ptrs.setdefault(t.untyped_storage().data_ptr(), i)
-    out = []
-    for j, t in enumerate(others):
-        i = ptrs.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
-        if i is not None and t is not written[i]:
-            out.append((i, j))
-    return tuple(out)
+    """Pairs (i, j) where the written input ``i`` shares memory with the other input ``j`` (memory_overlap.py)."""
+    return overlapping_pairs(written, others)
 
 
 def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=()) -> tuple:
@@ -390,7 +382,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
             label_leaf.append(written[0])
     if len(written) > 1:
         # Inputs updated in place share no storage (aliased ones are refused when tracing); ``p.data = q.data``
-        # after the first call would make two of them one: the full path sees it here (thin mode does not: docs).
+        # after the first call would make two of them one: the full path sees it here (thin mode by data pointer: thin_checks._storage).
         w = "".join(names[i] + ", " for i in written)
         labels.append(Label("inputs updated in place", "storage shared with another updated input"))
         exprs.append(f"_storage_overlaps(({w}), ({w}))")

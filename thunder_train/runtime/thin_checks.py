@@ -122,7 +122,7 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
-        "_stride": _STRIDE, "_values": dict.values, "_chain": itertools.chain.from_iterable,
+        "_stride": _STRIDE, "_data_ptr": _DATA_PTR, "_values": dict.values, "_chain": itertools.chain.from_iterable,
         "_shares_storage": _shares_storage, "_storage_overlaps": _storage_overlaps, "_Changed": _Changed,
         "_Mismatch": _Mismatch, "_slot": entry.slot, "_b": binding_holder, "_changed": handlers["changed"],
         "_mismatch": handlers["mismatch"], "_periodic": handlers["periodic"], "_failed": handlers["failed"],
@@ -424,9 +424,30 @@ def _bulk_checkers(src) -> None:
 
 
 def _storage(src) -> None:
-    """A per-call tensor sharing storage with an input the program updates in place (a batch that is a view of a
-    parameter, or two overlapping views passed together): the full path decides."""
+    """Storage the program's in-place updates assume is their own.
+
+    A per-call tensor sharing storage with an input the program updates in place (a batch that is a view of a
+    parameter, or two overlapping views passed together), or two updated inputs made one storage between calls
+    (``q.data = p.data``, ``p.set_(q)``, ``vector_to_parameters`` into aliased parameters, an optimizer-state tensor
+    given another's storage): the functionalized program would update each from its old value, so the full path
+    decides (it refuses aliased updates, or rebinds when the new storage is not shared).  The bound updated
+    tensors' data pointers are compared with those at binding in one ``map`` (a new storage moves the pointer; their
+    sizes and strides are the metadata check's); the few re-read every call are compared pairwise."""
     written, leaves, names, vals = src.prologue.written, src.leaves, src.names, src.vals
+    bound_w = [i for i in written if i in src.static_idx]
+    ts = tuple(vals[i] for i in bound_w)
+    try:
+        ptrs = list(map(_DATA_PTR, ts))
+    except RuntimeError:  # a tensor without data (a storage resized to 0): compared pairwise every call instead
+        ptrs = None
+    if ts and ptrs is not None:
+        src.static_lines.append(f"    # data pointers of {len(ts)} bound tensor(s) the program updates in place")
+        src.static_conds.append(f"_list(map(_data_ptr, {src.consts(ts)})) != {src.consts(ptrs)}")
+    reread_w = [i for i in written if not src.per_call[i] and (i not in src.static_idx or ptrs is None)]
+    if reread_w:
+        w_all = "".join(f"{src.comp_arg.get(i, names[i])}, " for i in written if not src.per_call[i])
+        w_new = "".join(f"{src.comp_arg.get(i, names[i])}, " for i in reread_w)
+        src.static_conds.append(f"_storage_overlaps(({w_new}), ({w_all}))")
     pc_tensors = [i for i in src.pc_idx if leaves[i].kind == "tensor" and leaves[i].alias_of is None]
     if not (written and pc_tensors):
         return
@@ -620,6 +641,7 @@ def same_state_dicts(live: str, dicts: list, consts) -> str:
 _GRAD = operator.attrgetter("grad")
 _RG = operator.attrgetter("requires_grad")
 _STRIDE = torch.Tensor.stride
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _shares_storage(tensors, ptrs) -> bool:

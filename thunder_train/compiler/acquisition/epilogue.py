@@ -21,6 +21,7 @@ import linecache
 from .. import prims
 from . import fsdp
 from ..proxies import TensorProxy, is_proxy
+from ..memory_overlap import overlapping_pairs
 from ..pytree import tree_map
 
 _counter = itertools.count()
@@ -75,26 +76,20 @@ class _Names:
 
 
 def _reject_aliased_inputs(walker, written):
-    """Two inputs that share storage, one of them updated: the functional program would read stale values."""
+    """Two inputs that share memory, one of them updated: the functional program would read stale values.
+    (Slices of one storage that touch disjoint bytes are independent: memory_overlap.py.)"""
     if not written:
         return
-    by_ptr = {}
-    for leaf in walker.leaves:
-        # (Empty storages have no memory to share: FSDP2's empty shards all have data pointer 0.)
-        if leaf.kind == "tensor" and leaf.alias_of is None and leaf.value.untyped_storage().nbytes():
-            by_ptr.setdefault(leaf.value.untyped_storage().data_ptr(), []).append(leaf)
-    for dst in written:
-        leaf = walker.leaf_of(dst)
-        if not leaf.value.untyped_storage().nbytes():
-            continue
-        group = by_ptr.get(leaf.value.untyped_storage().data_ptr(), [])
-        others = [x for x in group if x is not leaf]
-        if others:
-            raise NotImplementedError(
-                f"{leaf.where} is updated in place and shares its storage with the input {others[0].where} "
-                "(one is a view of the other). thunder_train cannot compile in-place updates of inputs that alias "
-                "each other; pass separate tensors (e.g. .clone() one of them) or update through a single input."
-            )
+    leaves = [leaf for leaf in walker.leaves if leaf.kind == "tensor" and leaf.alias_of is None]
+    dsts = [walker.leaf_of(dst) for dst in written]
+    pairs = overlapping_pairs([leaf.value for leaf in dsts], [leaf.value for leaf in leaves])
+    if pairs:
+        leaf, other = dsts[pairs[0][0]], leaves[pairs[0][1]]
+        raise NotImplementedError(
+            f"{leaf.where} is updated in place and shares its storage with the input {other.where} "
+            "(one is a view of the other). thunder_train cannot compile in-place updates of inputs that alias "
+            "each other; pass separate tensors (e.g. .clone() one of them) or update through a single input."
+        )
 
 
 def finish(st, out, python_effects=None):
