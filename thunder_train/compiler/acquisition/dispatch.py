@@ -273,6 +273,8 @@ def _property(st, prop, get, args, top):
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)
+        if prop == "data":  # eager: .data has a version counter of its own (saved_versions.py)
+            st.buffers.own_counter(out)
     return out
 
 

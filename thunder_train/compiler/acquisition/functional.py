@@ -46,6 +46,10 @@ class Buffers:
         self._views: dict = {}  # id(view proxy) -> View
         self._keep: dict = {}  # id -> proxy: keeps ids stable while tracing
         self._alias_of: dict = {}  # id(alias) -> the value it aliases (acquisition/leaf_values.py)
+        # Eager's version counters (saved_versions.py): a view shares its base's, ``.data`` starts its own.
+        self._group: dict = {}  # id(view) -> the proxy naming its counter (its base, or a ``.data`` view)
+        self._members: dict = {}  # id(counter proxy) -> the views sharing that counter
+        self._own: dict = {}  # id(base) -> its ``.data`` views (same memory, counters of their own)
 
     # ---- reading ----
     def read(self, p):
@@ -77,6 +81,7 @@ class Buffers:
         self._keep[id(view)] = view
         self._keep[id(base)] = base
         self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake)
+        self._join(view, self._group.get(id(source), source))
 
     def detached_view(self, alias, view) -> None:
         """``alias`` is ``view`` detached (made under no_grad): a view of the same base, re-derived detached."""
@@ -87,6 +92,34 @@ class Buffers:
 
         self._keep[id(alias)] = alias
         self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake)
+        self._join(alias, self._group.get(id(view), v.base))
+
+    # ---- version counters (saved_versions.py) ----
+    def _join(self, view, group) -> None:
+        old = self._group.get(id(view))
+        if old is not None:
+            self._members[id(old)] = [m for m in self._members[id(old)] if m is not view]
+        self._group[id(view)] = group
+        self._keep[id(group)] = group
+        self._members.setdefault(id(group), []).append(view)
+
+    def own_counter(self, view) -> None:
+        """``view`` (``t.data``) has a version counter of its own, as have the views made from it."""
+        if id(view) in self._views:
+            self._join(view, view)
+            self._own.setdefault(id(self._views[id(view)].base), []).append(view)
+
+    def memory_values(self, dst) -> list:
+        """The values now held by every tensor sharing ``dst``'s memory, whatever its counter."""
+        base = self.base_of(dst)
+        base = dst if base is None else base
+        return [v for g in [base] + self._own.get(id(base), []) for v in self.counter_values(g)]
+
+    def counter_values(self, dst) -> list:
+        """The values now held by every tensor sharing ``dst``'s version counter (what a write to ``dst`` makes stale)."""
+        group = self._group.get(id(dst), dst)
+        cur = self._current
+        return [cur.get(id(group), group)] + [cur.get(id(v), v) for v in self._members.get(id(group), ()) if v is not group]
 
     def has_views(self, p) -> bool:
         return any(v.base is p for v in self._views.values())

@@ -15,6 +15,7 @@ from ..errors import TracingError
 from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
+from .saved_versions import record_write
 from .metadata_inplace import SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace
 
 
@@ -52,13 +53,30 @@ def record_views(st, sym, source, rest, kwargs, out):
 def inplace(st, sym, orig_args, args, kwargs):
     """An in-place op: record its out-of-place form; the result becomes the destination's value."""
     dst = orig_args[0]
-    new = sym.functional(*args, **kwargs)
-    if isinstance(dst, (list, tuple)):
-        for d, v in zip(dst, new):
-            write(st, sym, d, v)
-    else:
-        write(st, sym, dst, new)
+    with _inplace_op(st):
+        new = sym.functional(*args, **kwargs)
+        if isinstance(dst, (list, tuple)):
+            for d, v in zip(dst, new):
+                write(st, sym, d, v)
+        else:
+            write(st, sym, dst, new)
     return dst
+
+
+class _inplace_op:
+    """Marks where an in-place op's own lines begin: they read the values it overwrites (saved_versions.py)."""
+
+    def __init__(self, st):
+        self.st = st
+
+    def __enter__(self):
+        self.outer = getattr(self.st, "inplace_start", None)
+        if self.outer is None:
+            self.st.inplace_start = len(self.st.trace.bound_symbols)
+
+    def __exit__(self, *exc):
+        if self.outer is None:
+            self.st.inplace_start = None
 
 
 def write(st, sym, dst, value):
@@ -77,6 +95,7 @@ def write(st, sym, dst, value):
         # fill_ / zero_ / copy_), whatever layout the out-of-place form gives its result.
         value = prims.grad_layout(value, dst)
     kept = _graph_kept(st, dst)
+    record_write(st, dst, sym.name)
     st.buffers.write(dst, value)
     if kept is not None:
         base, old = kept
@@ -118,6 +137,11 @@ def converted_to(value, dst):
 
 def functionalize(st, sym, orig_args, args, kwargs):
     """A symbol that returns a result and also updates some arguments (``batch_norm``'s running stats)."""
+    with _inplace_op(st):
+        return _functionalize(st, sym, orig_args, args, kwargs)
+
+
+def _functionalize(st, sym, orig_args, args, kwargs):
     out, writes = sym.functionalize(*args, **kwargs)
     # Writes name the current values they were given; write to the user's objects (also inside lists).
     back = {id(a): o for o, a in zip(tree_flatten(orig_args)[0], tree_flatten(args)[0]) if type(o) is TensorProxy}
@@ -234,18 +258,19 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
     if out_name is not None:
         owner = torch.Tensor if "Tensor" in (getattr(func, "__qualname__", "") or "") or name.startswith("__") else torch
         outplace = getattr(owner, out_name, None)
-    if outplace is not None and registry.lookup(outplace) is not None:
-        value = dispatch(outplace, orig_args, kwargs)
-    else:
-        value = run_opaque(CopyThenInplace.of(func), args, kwargs)
-    op = _Named(name)
-    if isinstance(dst, (list, tuple)):
-        for d, v in zip(dst, value):
-            write(st, op, d, converted_value(v, d))
-    else:
-        if type(value) is not TensorProxy:
-            raise TracingError(f"{name}: its out-of-place form returned {type(value).__name__}, not a tensor")
-        write(st, op, dst, converted_value(value, dst))
+    with _inplace_op(st):
+        if outplace is not None and registry.lookup(outplace) is not None:
+            value = dispatch(outplace, orig_args, kwargs)
+        else:
+            value = run_opaque(CopyThenInplace.of(func), args, kwargs)
+        op = _Named(name)
+        if isinstance(dst, (list, tuple)):
+            for d, v in zip(dst, value):
+                write(st, op, d, converted_value(v, d))
+        else:
+            if type(value) is not TensorProxy:
+                raise TracingError(f"{name}: its out-of-place form returned {type(value).__name__}, not a tensor")
+            write(st, op, dst, converted_value(value, dst))
     return dst
 
 

@@ -29,6 +29,7 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
+from .saved_versions import check_saved
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
@@ -236,6 +237,7 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
         elif type(c) is not TensorProxy or c._tt_shape != o._tt_shape:
             raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
         cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
+    check_saved(st, trc.bound_symbols, fwd.needs_grad, outputs)
     backward_pass(fwd, cts)
     for b in trc.bound_symbols[n:]:
         b.region = BACKWARD  # the memory planner's backward lines (transforms/remat.py)

@@ -1,0 +1,183 @@
+"""Eager's version-counter check on saved values (compiler/acquisition/saved_versions.py, docs/state_audit.md).
+
+Each case runs eagerly and compiled on equal inputs: either both raise "modified by an inplace operation", or
+both run and give the same values and gradients.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import thunder_train as tt
+
+MSG = "modified by an inplace operation"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, generator=g)
+    w = torch.randn(4, 4, generator=g, requires_grad=True)
+    return x, w
+
+
+def _run(fn, args):
+    try:
+        return fn(*args), None
+    except RuntimeError as e:
+        return None, e
+
+
+def _same_as_eager(fn, raises):
+    x, w = _inputs()
+    xe, we = x.clone(), w.detach().clone().requires_grad_()
+    ref, eager_err = _run(fn, (xe, we))
+    out, err = _run(tt.compile(fn), (x, w))
+    assert (eager_err is not None) == (raises is True), eager_err  # the case is what it claims to be
+    if raises == "unsupported":  # eager silently uses the memory written through .data: a clear error here
+        assert eager_err is None and isinstance(err, NotImplementedError) and ".data" in str(err), err
+        return
+    if raises:
+        assert err is not None and MSG in str(err), err
+        assert "clone" in str(err)
+        return
+    assert err is None, err
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w.grad, we.grad)
+
+
+def _tanh_detach(x, w):
+    y = torch.tanh(x @ w)
+    y.detach().mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+def _sigmoid_no_grad(x, w):
+    y = torch.sigmoid(x @ w)
+    with torch.no_grad():
+        y.add_(1)
+    y.sum().backward()
+    return y.detach()
+
+
+def _exp_view(x, w):
+    y = torch.exp(x @ w)
+    with torch.no_grad():
+        y[0].zero_()  # through a view of the saved output
+    y.sum().backward()
+    return y.detach()
+
+
+def _relu_inplace_after_sigmoid(x, w):
+    y = torch.sigmoid(x @ w)
+    y.relu_()
+    y.sum().backward()
+    return y.detach()
+
+
+def _relu_inplace_after_matmul(x, w):
+    h = x @ w  # matmul saves its inputs, not its output
+    h.relu_()
+    h.sum().backward()
+    return h.detach()
+
+
+def _mul_input_written(x, w):
+    h = torch.tanh(x @ w)
+    z = (h * h).sum()  # mul saves both inputs
+    h.detach().add_(1)
+    z.backward()
+    return z.detach()
+
+
+def _data_write(x, w):
+    y = torch.tanh(x @ w)
+    y.data.mul_(2)  # .data has a counter of its own: eager runs on the new values
+    y.sum().backward()
+    return y.detach()
+
+
+def _data_saved_then_base_written(x, w):
+    y = torch.tanh(x @ w)
+    d = y.data
+    z = (d @ w).sum()  # matmul saves d (and w is not written)
+    y.detach().mul_(2)  # y's counter, not d's
+    z.backward()
+    return z.detach()
+
+
+def _leaf_written_before_backward(x, w):
+    loss = (torch.tanh(x @ w) @ w).sum()  # the second matmul saves w (its other input requires grad)
+    with torch.no_grad():
+        w.sub_(0.1 * torch.ones_like(w))  # an optimizer step before the backward
+    loss.backward()
+    return loss.detach()
+
+
+def _leaf_written_not_saved(x, w):
+    loss = (w * 2).sum()  # mul by a number saves nothing of w
+    with torch.no_grad():
+        w.sub_(0.1)
+    loss.backward()
+    return loss.detach()
+
+
+def _write_after_backward(x, w):
+    y = torch.tanh(x @ w)
+    y.sum().backward()
+    y.detach().mul_(2)
+    return y.detach()
+
+
+def _write_after_use_of_new_value(x, w):
+    y = torch.tanh(x @ w)
+    z = y.clone()
+    z.detach().mul_(2)  # z was saved by nothing
+    (z * 3).sum().backward()
+    return z.detach()
+
+
+def _not_on_backward_path(x, w):
+    y = torch.tanh(x @ w)
+    other = (x @ w).sum()
+    y.detach().mul_(2)  # tanh is not on other's backward
+    other.backward()
+    return y.detach()
+
+
+def _data_write_not_saved(x, w):
+    h = x @ w  # matmul saves its inputs only
+    h.data.mul_(2)
+    h.sum().backward()
+    return h.detach()
+
+
+CASES = [(_data_write_not_saved, False),
+    (_tanh_detach, True), (_sigmoid_no_grad, True), (_exp_view, True), (_relu_inplace_after_sigmoid, True),
+    (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, "unsupported"),
+    (_data_saved_then_base_written, "unsupported"), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
+    (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
+]
+
+
+@pytest.mark.parametrize("fn,raises", CASES, ids=[f.__name__.strip("_") for f, _ in CASES])
+def test_backward_inside_matches_eager(fn, raises):
+    _same_as_eager(fn, raises)
+
+
+def test_optimizer_step_before_backward_in_a_training_step():
+    def step(model, opt, x):
+        loss = model(x).tanh().sum()
+        opt.step()  # parameters written in place (version bump) before the backward that needs them
+        loss.backward()
+        return loss
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))  # the second saves its weight
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=MSG):
+        step(m, opt, torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match=MSG):
+        tt.compile(step)(m, opt, torch.randn(2, 4))

@@ -1,0 +1,191 @@
+"""Eager's version-counter check on values autograd saved for the backward.
+
+Eager autograd records, for every tensor an op saves for its backward, the version of the tensor's version
+counter; a backward that finds the counter moved raises "one of the variables needed for gradient computation
+has been modified by an inplace operation".  A base, its views and its ``.detach()`` share one counter; ``.data``
+starts a counter of its own (writes through it are not seen by the base's, and the other way round).
+
+The functional trace keeps old values, so it would compute where eager raises.  This module models the check:
+
+* every in-place write (``inplace.write``) records which values it made stale: the written tensor's counter
+  group (``functional.Buffers.counter_group``) and the values that group held, with the trace length when the
+  in-place op began (lines recorded later read the new values, and the op's own line saves what it needs);
+* a traced backward (``traced_autograd.record_backward``) with stale values on record asks, only for the lines on
+  the path to its outputs that read or produced a stale value before it went stale, what torch itself saves for
+  that op: the op runs once on meta tensors under ``torch.autograd.graph.saved_tensors_hooks`` (cached per op and
+  argument signature).  A stale value among them raises eager's error, naming the op and what to do.
+
+An op whose torch form is unknown here (a prim without a torch function of its name, or one that does not run on
+meta tensors) is not checked: no error is ever raised where eager would not raise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..proxies import TensorProxy, size_value
+from ..pytree import tree_flatten
+
+
+@dataclasses.dataclass
+class StaleValues:
+    ids: frozenset  # ids of the values the write made stale (their version counter moved)
+    shared: frozenset  # ids of values whose memory it changed without moving their counter (``.data``)
+    before: int  # lines with a smaller index read them before the write
+    op: str  # the in-place op
+    target: str  # the tensor written
+
+
+def record_write(st, dst, op_name) -> None:
+    """``dst`` is about to be written in place by ``op_name`` (before ``Buffers.write``)."""
+    buffers = st.buffers
+    stale = buffers.counter_values(dst)
+    ids = frozenset(map(id, stale))
+    shared = frozenset(id(v) for v in buffers.memory_values(dst)) - ids
+    start = getattr(st, "inplace_start", None)
+    before = len(st.trace.bound_symbols) if start is None else start
+    events = getattr(st, "stale_values", None)
+    if events is None:
+        events = st.stale_values = []
+    events.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor")))
+
+
+def check_saved(st, lines, needs_grad, outputs) -> None:
+    """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since."""
+    events = getattr(st, "stale_values", None)
+    if not events:
+        return
+    horizon = max(e.before for e in events)
+    by_id: dict = {}
+    for e in events:
+        for k in e.ids | e.shared:
+            by_id.setdefault(k, []).append(e)
+    candidates = []
+    for i, b in enumerate(lines[:horizon]):
+        ids = {id(a) for a in b.flat_args() if type(a) is TensorProxy} | {id(o) for o in b.flat_outputs()}
+        touched = [e for k in ids & by_id.keys() for e in by_id[k] if i < e.before]
+        if touched and any(type(o) is TensorProxy and id(o) in needs_grad for o in b.flat_outputs()):
+            candidates.append((i, b, touched))
+    if not candidates:
+        return
+    on_path = _on_path(lines, needs_grad, outputs)
+    for i, b, touched in candidates:
+        if i not in on_path:
+            continue
+        saved = _saved_values(b, needs_grad)
+        if saved is None:
+            continue
+        for e in touched:
+            hit = next((v for v in saved if id(v) in e.ids), None)
+            if hit is not None:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"{_which(b, hit)} of {b.sym.name} ({hit.type_string()}), which autograd saved for the backward, "
+                    f"was changed afterwards by {e.op} on {e.target} (eager raises the same error at this backward). "
+                    "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
+                    "change before the op that reads the value.")
+            hit = next((v for v in saved if id(v) in e.shared), None)
+            if hit is not None:
+                raise NotImplementedError(
+                    f"{_which(b, hit)} of {b.sym.name} ({hit.type_string()}), which autograd saved for the backward, "
+                    f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor .data "
+                    "was taken from): eager's backward then silently uses the new values, which the compiled program "
+                    "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
+
+
+def _on_path(lines, needs_grad, outputs) -> set:
+    """Indices of the lines a backward from ``outputs`` goes through (they reach an output and require grad)."""
+    wanted = {id(o) for o in outputs if type(o) is TensorProxy}
+    out = set()
+    for i in range(len(lines) - 1, -1, -1):
+        b = lines[i]
+        if any(id(o) in wanted for o in b.flat_outputs()) and any(id(o) in needs_grad for o in b.flat_outputs()):
+            out.add(i)
+            wanted.update(id(a) for a in b.flat_args() if type(a) is TensorProxy and id(a) in needs_grad)
+    return out
+
+
+def _which(b, v) -> str:
+    args = [a for a in b.flat_args() if type(a) is TensorProxy]
+    for k, a in enumerate(args):
+        if a is v:
+            return f"input {k}"
+    return "the output"
+
+
+# ---- what torch saves, asked on meta tensors ----
+_saved_cache: dict = {}
+
+
+def _torch_form(b):
+    fn = getattr(b.sym, "torch_impl", None)
+    if fn is None and b.sym.is_prim:
+        fn = getattr(torch, b.sym.name, None)
+    return fn if callable(fn) else None
+
+
+def _saved_values(b, needs_grad):
+    """The proxies among ``b``'s arguments and outputs that torch's own autograd saves for this op; None when
+    it cannot be asked (no torch form, or it does not run on meta tensors)."""
+    fn = _torch_form(b)
+    if fn is None:
+        return None
+    try:
+        flat, spec = tree_flatten((b.args, b.kwargs))
+    except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
+        return None
+    sig, metas, proxies = [], [], []
+    for a in flat:
+        if type(a) is TensorProxy:
+            rg = a._tt_dtype.is_float and id(a) in needs_grad
+            sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg))
+            proxies.append(a)
+        elif a is None or isinstance(a, (bool, int, float, str)):
+            sig.append(a)
+        elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
+            sig.append(("dtype", a.torch))
+        else:
+            return None
+    key = (fn, repr(spec), tuple(sig))
+    found = _saved_cache.get(key, ...)
+    if found is ...:
+        found = _saved_cache[key] = _ask_torch(fn, spec, sig)
+    if found is None:
+        return None
+    ins, outs = found
+    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+    return [proxies[k] for k in ins] + [flat_out[k] for k in outs if k < len(flat_out)]
+
+
+def _ask_torch(fn, spec, sig):
+    from ..pytree import tree_unflatten
+
+    try:
+        metas = []
+        flat = []
+        for s in sig:
+            if type(s) is tuple and len(s) == 4 and isinstance(s[2], torch.dtype):
+                m = torch.empty_strided(s[0], s[1], dtype=s[2], device="meta").requires_grad_(s[3])
+                metas.append(m)
+                flat.append(m)
+            elif type(s) is tuple and s and s[0] == "dtype":
+                flat.append(s[1])
+            else:
+                flat.append(s)
+        args, kwargs = tree_unflatten(flat, spec)
+        packed = []
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = fn(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    except Exception:  # noqa: BLE001 - not runnable on meta tensors: not checked
+        return None
+    ins_saved, outs_saved = set(), set()
+    for t in packed:
+        for k, m in enumerate(metas):
+            if t is m or torch._C._is_alias_of(t, m):
+                ins_saved.add(k)
+        for k, o in enumerate(outs):
+            if t is o or torch._C._is_alias_of(t, o):
+                outs_saved.add(k)
+    return tuple(sorted(ins_saved)), tuple(sorted(outs_saved))
