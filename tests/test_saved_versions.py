@@ -181,3 +181,53 @@ def test_optimizer_step_before_backward_in_a_training_step():
         step(m, opt, torch.randn(2, 4))
     with pytest.raises(RuntimeError, match=MSG):
         tt.compile(step)(m, opt, torch.randn(2, 4))
+
+
+class _Net(torch.nn.Module):
+    """``write``: what the forward does to its tanh output before returning it (None: nothing)."""
+
+    def __init__(self, write=None, out="y"):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.write, self.out = write, out
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        h = self.lin(x)
+        if self.write == "detach":
+            y.detach().mul_(2)
+        elif self.write == "data_unsaved":
+            h.data.mul_(2)  # linear saves its inputs, not its output
+        return y if self.out == "y" else (y, h)
+
+
+@pytest.mark.parametrize("write,out,outside,raises", [
+    ("detach", "y", False, True),  # inside the forward
+    (None, "y", True, True),  # after it, on the returned output (the node saved it: torch's own check)
+    (None, "y", False, False),
+    ("data_unsaved", "yh", False, False),
+    ("detach", "yh", False, "h only"),  # backward through the other output only: eager runs
+])
+def test_backward_outside_matches_eager(write, out, outside, raises):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    results = []
+    for make in (lambda m: m, tt.compile):
+        torch.manual_seed(0)
+        net = _Net(write, out)
+        f = make(net)
+        try:
+            res = f(x)
+            y, h = (res, None) if out == "y" else res
+            if outside:
+                y.detach().mul_(2)
+            loss = h.sum() if raises == "h only" else (y.sum() if h is None else y.sum() + h.sum())
+            loss.backward()
+            results.append((None, net.lin.weight.grad.clone()))
+        except RuntimeError as e:
+            results.append((e, None))
+    (e_eager, g_eager), (e_tt, g_tt) = results
+    if raises is True:
+        assert e_eager is not None and e_tt is not None and MSG in str(e_tt), (e_eager, e_tt)
+    else:
+        assert e_eager is None and e_tt is None, (e_eager, e_tt)
+        torch.testing.assert_close(g_tt, g_eager)

@@ -112,7 +112,7 @@ class AutogradProgram:
 class NoBackwardProgram:
     """Forward as compiled; the backward raises the error that prevented building it (eager reports it there too)."""
 
-    def __init__(self, trc, computation, error: NoGradientRuleError):
+    def __init__(self, trc, computation, error: Exception):
         self._computation = computation
         self._error = error
         self._out_leaves, self._out_spec = tree_flatten(trc.output)
@@ -130,7 +130,7 @@ class NoBackwardProgram:
         return tuple(leaves[self._positions[id(o)]] for o in self._outputs), ()
 
     def backward(self, saved, *cotangents):
-        raise NoGradientRuleError(str(self._error))
+        raise type(self._error)(str(self._error))  # NoGradientRuleError, or eager's saved-version error
 
     def __call__(self, *inputs):
         results = ThunderFunction.apply(self, *inputs)

@@ -158,7 +158,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                 "memory_budget= applies to whole training steps (loss.backward() inside the compiled function); "
                 "for tt.compile(model) with PyTorch's backward use activation checkpointing (torch.utils.checkpoint)")
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
-                                    keep_buffers=options.keep_buffers)
+                                    keep_buffers=options.keep_buffers, backward_error=acquired.backward_error)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -259,7 +259,7 @@ def _noting(build_fused, notes):
     return build
 
 
-def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True):
+def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_error=None):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
@@ -269,6 +269,8 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     """
     if not may_need_autograd(trc):
         return None
+    if backward_error is not None:  # eager's backward raises (a saved value written in place): so does this one
+        return NoBackwardProgram(trc, program, backward_error), traces, [], None, [trc], None
     try:
         fb = build_forward_backward(trc)
     except NoGradientRuleError as error:

@@ -38,6 +38,7 @@ from .dispatch import ProxyMode
 from .global_state import global_state_unchanged
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks, refuse_new_leaves_returned
+from . import saved_versions
 from .state import TracerState
 from .module_writes import settle as settle_module_writes
 from .walker import InputWalker
@@ -56,6 +57,8 @@ class Acquired:
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
     mutated_paths: list = dataclasses.field(default_factory=list)  # containers/objects the epilogue changes (containers.py)
     random_before_checks: bool = False  # a random op runs before a decision check (decisions.py): save the RNG state
+    # eager's error for PyTorch's backward of this function (a saved value written in place: saved_versions.py)
+    backward_error: Exception | None = None
 
 
 def arg_names(fn) -> list:
@@ -151,6 +154,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
+            backward_error = None if state.has_backward else saved_versions.error_for_outside_backward(state, trc)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
             _insert_shape_queries(trc, walker.symbolic_inputs)
@@ -162,7 +166,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
-                    random_before_checks=_decisions.random_before_checks(trc))
+                    random_before_checks=_decisions.random_before_checks(trc), backward_error=backward_error)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

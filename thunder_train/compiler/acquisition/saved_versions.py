@@ -94,6 +94,30 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
 
 
+def error_for_outside_backward(st, trc):
+    """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): eager's error that
+    backward would raise, or None.  The compiled region is one autograd node, so the error is only given when every
+    output that carries gradient goes through a stale saved value (a backward through any of them raises in eager)."""
+    if not getattr(st, "stale_values", None):
+        return None
+    from ..pytree import tree_flatten as flatten
+    from ..transforms.autograd import Forward, is_float_tensor
+    from .traced_autograd import grad_leaves
+
+    lines = list(trc.bound_symbols)
+    needs = Forward(lines, [v for _, vals in grad_leaves(st) for v in vals]).needs_grad
+    outs = {id(o): o for o in flatten(trc.output)[0] if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
+    first = None
+    for o in outs.values():
+        try:
+            check_saved(st, lines, needs, [o])
+        except (RuntimeError, NotImplementedError) as e:
+            first = first or e
+        else:
+            return None
+    return first
+
+
 def _on_path(lines, needs_grad, outputs) -> set:
     """Indices of the lines a backward from ``outputs`` goes through (they reach an output and require grad)."""
     wanted = {id(o) for o in outputs if type(o) is TensorProxy}
