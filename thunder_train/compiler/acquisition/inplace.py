@@ -70,7 +70,7 @@ class _inplace_op:
         self.st = st
 
     def __enter__(self):
-        self.outer = getattr(self.st, "inplace_start", None)
+        self.outer = self.st.inplace_start
         if self.outer is None:
             self.st.inplace_start = len(self.st.trace.bound_symbols)
 

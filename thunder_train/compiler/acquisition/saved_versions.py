@@ -35,25 +35,24 @@ class StaleValues:
     before: int  # lines with a smaller index read them before the write
     op: str  # the in-place op
     target: str  # the tensor written
+    keep: tuple = ()  # the values themselves: their ids stay theirs while tracing
 
 
 def record_write(st, dst, op_name) -> None:
     """``dst`` is about to be written in place by ``op_name`` (before ``Buffers.write``)."""
     buffers = st.buffers
     stale = buffers.counter_values(dst)
+    memory = buffers.memory_values(dst)
     ids = frozenset(map(id, stale))
-    shared = frozenset(id(v) for v in buffers.memory_values(dst)) - ids
-    start = getattr(st, "inplace_start", None)
+    shared = frozenset(map(id, memory)) - ids
+    start = st.inplace_start
     before = len(st.trace.bound_symbols) if start is None else start
-    events = getattr(st, "stale_values", None)
-    if events is None:
-        events = st.stale_values = []
-    events.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor")))
+    st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"), tuple(memory)))
 
 
 def check_saved(st, lines, needs_grad, outputs) -> None:
     """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since."""
-    events = getattr(st, "stale_values", None)
+    events = st.stale_values
     if not events:
         return
     horizon = max(e.before for e in events)
@@ -98,7 +97,7 @@ def error_for_outside_backward(st, trc):
     """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): eager's error that
     backward would raise, or None.  The compiled region is one autograd node, so the error is only given when every
     output that carries gradient goes through a stale saved value (a backward through any of them raises in eager)."""
-    if not getattr(st, "stale_values", None):
+    if not st.stale_values:
         return None
     from ..pytree import tree_flatten as flatten
     from ..transforms.autograd import Forward, is_float_tensor

@@ -41,5 +41,9 @@ class TracerState:
     metadata_replays: list = dataclasses.field(default_factory=list)
     # ``t.data = v`` on tensors made inside the function: (t, v, their versions after it) (traced_autograd.py)
     data_assignments: list = dataclasses.field(default_factory=list)
+    # In-place writes and the values each made stale, for eager's check of saved values (saved_versions.py), and
+    # the trace length when the in-place op being traced began (its own lines read the values it overwrites).
+    stale_values: list = dataclasses.field(default_factory=list)
+    inplace_start: int | None = None
     # {symbol: its kernel switches when the call began} (acquisition/kernel_switches.py)
     kernel_switches: dict = dataclasses.field(default_factory=dict)
