@@ -154,7 +154,10 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
-            backward_error = None if state.has_backward else saved_versions.error_for_outside_backward(state, trc)
+            backward_error = None
+            if not state.has_backward and state.stale_values:
+                seeds = [v for _, vals in traced_autograd.grad_leaves(state) for v in vals]
+                backward_error = saved_versions.error_for_outside_backward(state, trc, seeds)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
             _insert_shape_queries(trc, walker.symbolic_inputs)

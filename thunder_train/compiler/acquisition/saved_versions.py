@@ -93,18 +93,17 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
 
 
-def error_for_outside_backward(st, trc):
+def error_for_outside_backward(st, trc, grad_leaves):
     """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): eager's error that
     backward would raise, or None.  The compiled region is one autograd node, so the error is only given when every
-    output that carries gradient goes through a stale saved value (a backward through any of them raises in eager)."""
+    output that carries gradient goes through a stale saved value (a backward through any of them raises in eager).
+    ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``)."""
     if not st.stale_values:
         return None
     from ..pytree import tree_flatten as flatten
     from ..transforms.autograd import Forward, is_float_tensor
-    from .traced_autograd import grad_leaves
-
     lines = list(trc.bound_symbols)
-    needs = Forward(lines, [v for _, vals in grad_leaves(st) for v in vals]).needs_grad
+    needs = Forward(lines, grad_leaves).needs_grad
     outs = {id(o): o for o in flatten(trc.output)[0] if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
     first = None
     for o in outs.values():
