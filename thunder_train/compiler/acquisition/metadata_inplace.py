@@ -7,6 +7,9 @@ not change: no write-back is emitted, and the epilogue replays the same method o
 the computation, so the caller's tensor ends with eager's metadata.  What this cannot express is refused:
 a tensor with views (or that is a view), an input that requires grad, an input whose data is also
 updated in place, ``resize_`` that grows, symbolic sizes.
+
+In-place ops that resize their destination as a side effect of their kernel (``RESIZES_SELF``: ``addbmm_``) are
+here too: the destination takes the result's shape and values, and the epilogue resizes an input and copies in.
 """
 from __future__ import annotations
 
