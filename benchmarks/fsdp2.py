@@ -33,28 +33,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "recipes"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fsdp_gpt import gpt, shard, step  # noqa: E402  (the GPT and step of tests/test_fsdp.py's peak-memory test)
 from train_step import peak_call_bytes  # noqa: E402  (one way of measuring a step's peak, shared by the benchmarks)
 
 
-def step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def run(rank, args, port):
-    from torch.distributed.fsdp import fully_shard
-
     import thunder_train as tt
-    from gpt import GPT, GPTConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.prefetch is not None:
@@ -63,14 +52,10 @@ def run(rank, args, port):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world))
     try:
         torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=1024, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.d)
-        base = GPT(cfg)
+        base = gpt(vocab=1024, block=64, layers=args.layers, d=args.d)
         models = []
         for _ in range(2):
-            m = copy.deepcopy(base)
-            for b in m.blocks:
-                fully_shard(b, reshard_after_forward=bool(args.reshard_after_forward))
-            fully_shard(m, reshard_after_forward=bool(args.reshard_after_forward))
+            m = shard(copy.deepcopy(base), bool(args.reshard_after_forward))
             models.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
         g = torch.Generator().manual_seed(rank)
         batches = [(torch.randint(0, 1024, (4, 64), generator=g), torch.randint(0, 1024, (4, 64), generator=g))
@@ -114,9 +99,7 @@ def run(rank, args, port):
 def fake_pg_memory(args):
     """The table of ``--memory`` (see the module's text)."""
     import thunder_train as tt
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from gpt import GPT, GPTConfig
 
     os.environ.setdefault("THUNDER_TRAIN_FUSION", "off")  # the torch program: the one whose plan is measured
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -126,10 +109,7 @@ def fake_pg_memory(args):
         peaks = []
         for compiled in (False, True):
             torch.manual_seed(0)
-            m = GPT(GPTConfig(vocab_size=1024, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.d))
-            for b in m.blocks:
-                fully_shard(b, reshard_after_forward=reshard)
-            fully_shard(m, reshard_after_forward=reshard)
+            m = shard(gpt(vocab=1024, block=64, layers=args.layers, d=args.d), reshard)
             o = torch.optim.AdamW(m.parameters(), lr=1e-3)
             x, y = torch.randint(0, 1024, (4, 64)), torch.randint(0, 1024, (4, 64))
             fn = tt.compile(step, thin=True) if compiled else step

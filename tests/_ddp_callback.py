@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
 
+from _lightning_fit import fit
 from thunder_train import ThunderCallback
 
 
@@ -36,14 +36,6 @@ class Net(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
-
-
 class GradProbe(L.Callback):
     """Overrides on_after_backward: a fused step splits there; the hook must see averaged gradients."""
 
@@ -55,19 +47,10 @@ class GradProbe(L.Callback):
 
 
 def run(callbacks, accumulate=1):
-    torch.manual_seed(0)
-    model = Net()
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
-    losses = Losses()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=12,
-        callbacks=[*callbacks, losses], enable_progress_bar=False, logger=False, enable_checkpointing=False,
-        enable_model_summary=False, accumulate_grad_batches=accumulate,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=16))
+    trainer, model, losses = fit(Net, DDPStrategy(process_group_backend="gloo"), callbacks, samples=128, batch_size=16,
+                                 max_steps=12, accumulate=accumulate)
     probes = [cb for cb in callbacks if isinstance(cb, GradProbe)]
-    return trainer, {"losses": torch.stack(losses.losses), "params": [p.detach().clone() for p in model.parameters()],
+    return trainer, {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
                      "logged": float(trainer.callback_metrics["train_loss"]),
                      "grads": torch.stack(probes[0].grads) if probes else None}
 

@@ -1,6 +1,6 @@
 """DDP on 2 CPU processes (gloo) around ``tt.compile(model)``: gradients still all-reduced.
 
-Run by tests/test_ddp.py as ``python tests/_ddp_compiled.py OUT_DIR``.  Each rank trains
+Run by tests/test_ddp.py through tests/_ddp_ranks.py (or alone: ``python tests/_ddp_compiled.py OUT_DIR``).  Each rank trains
 eager ``DDP(model)`` and ``DDP(tt.compile(model_copy))`` on its own shard of the data for a
 few steps and saves losses, gradients and parameters to ``OUT_DIR/rank{r}.pt``.
 """

@@ -1,6 +1,6 @@
 """A whole training step with DistributedDataParallel *inside* the compiled function, on 2 CPU processes.
 
-Run by tests/test_ddp.py as ``python tests/_ddp_whole_step.py OUT_DIR``.  Each rank trains eager
+Run by tests/test_ddp.py through tests/_ddp_ranks.py (or alone: ``python tests/_ddp_whole_step.py OUT_DIR``).  Each rank trains eager
 DDP and the same step compiled (thin mode) on its own shard of the data, saves losses, gradients and
 parameters to ``OUT_DIR/rank{r}.pt``, plus the messages of the configurations that must be refused.
 """

@@ -3,8 +3,8 @@
 Run by tests/test_fsdp.py as ``python tests/_fsdp_whole_step.py OUT_DIR WORLD [WORLD ...]``: one process group of
 each size in turn, its ranks forked from this process (tests/_dist.py).  Each rank trains eager FSDP2 and the same
 step compiled on its own data, and saves losses, local shards of the parameters and of the optimizer state, the
-types of what the epilogue wrote, the trace's collectives and the refused configurations' messages to
-``OUT_DIR/w{WORLD}/rank{r}.pt``.
+types of what the epilogue wrote, the trace's collectives, the refused configurations' messages and (2 ranks) the
+Lightning ModelParallelStrategy runs of tests/_fsdp_callback.py to ``OUT_DIR/w{WORLD}/rank{r}.pt``.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, Shard
 
 import thunder_train as tt
+import _fsdp_callback  # imports lightning here, once, before the ranks fork
 from _dist import refused, spawn
 from _models import Block, train_step
 
@@ -111,9 +112,13 @@ def run(rank, world, out_dir):
         # yet every rank issues its collectives in the same order.
         cases = {"mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True, "prefetch": True})}
     steps = {}  # the compiled step of each case
+    eager_runs = {}  # cases that differ only in how they compile (thin, prefetch) share one eager FSDP2 run
     for name, (make, units, data, opt_fn, kw) in cases.items():
         fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch")}
-        result[name] = {"eager": train(make, units, data, opt_fn, compiled=False, **fsdp_kw)}
+        key = (make, units, id(data), opt_fn) if not fsdp_kw else name
+        if key not in eager_runs:
+            eager_runs[key] = train(make, units, data, opt_fn, compiled=False, **fsdp_kw)
+        result[name] = {"eager": eager_runs[key]}
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
         steps[name] = result[name]["compiled"].pop("step")
     if world == 2:
@@ -122,6 +127,7 @@ def run(rank, world, out_dir):
         result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
         result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
+        result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -4,15 +4,23 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import run_script  # noqa: E402
 
 
-def test_ddp_allreduces_gradients_of_a_compiled_module(tmp_path):
-    run_script("_ddp_compiled.py", tmp_path)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """Both scenarios' results, from one interpreter and one pair of ranks (tests/_ddp_ranks.py)."""
+    out = tmp_path_factory.mktemp("ddp")
+    run_script("_ddp_ranks.py", out)
+    return out
+
+
+def test_ddp_allreduces_gradients_of_a_compiled_module(out):
+    r0, r1 = (torch.load(out / "compiled" / f"rank{r}.pt") for r in (0, 1))
     for r in (r0, r1):
         # Same losses and parameters as eager DDP on each rank ...
         torch.testing.assert_close(torch.stack(r["compiled"]), torch.stack(r["eager"]))
@@ -27,9 +35,8 @@ def test_ddp_allreduces_gradients_of_a_compiled_module(tmp_path):
         torch.testing.assert_close(a, b)
 
 
-def test_ddp_inside_a_compiled_whole_step(tmp_path):
-    run_script("_ddp_whole_step.py", tmp_path)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+def test_ddp_inside_a_compiled_whole_step(out):
+    r0, r1 = (torch.load(out / "whole_step" / f"rank{r}.pt") for r in (0, 1))
     for case in ("adamw", "sgd", "closure", "accumulate"):
         for r in (r0, r1):
             # The same losses and parameters as eager DDP on each rank (AdamW: float32 rounding of the fused kernel) ...

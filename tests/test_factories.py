@@ -43,7 +43,6 @@ CASES = {
     "scalar_tensor": lambda x: torch.scalar_tensor(2.5),
     "eye": lambda x: torch.eye(3),
     "zeros_out": lambda x: torch.zeros(3, out=torch.empty(3)),
-    "sparse_layout": lambda x: torch.zeros(2, 2, layout=torch.sparse_coo).to_dense(),
     "shape_is_size": lambda x: (x.shape, x.size(), x.new_zeros(x.shape).shape, x[0].shape),
 }
 

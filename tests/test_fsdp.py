@@ -170,11 +170,11 @@ def test_fsdp2_unit_used_only_under_no_grad(two_ranks):
         assert compiled["frozen_grads"] == eager["frozen_grads"] == [None, None]
 
 
-def test_fsdp2_under_lightning_model_parallel_strategy(tmp_path):
-    # ModelParallelStrategy(data_parallel_size=2) with fully_shard in configure_model, 2 gloo ranks: the plain
-    # Trainer against ThunderCallback(thin=True, fuse_optimizer=True) (one compiled whole-step program).
-    run_script("_fsdp_callback.py", tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
+    # ModelParallelStrategy(data_parallel_size=2) with fully_shard in configure_model, 2 gloo ranks (tests/_fsdp_callback.py,
+    # in the module's forked ranks): the plain Trainer against ThunderCallback(thin=True, fuse_optimizer=True) (one
+    # compiled whole-step program).
+    ranks = [r["lightning"] for r in two_ranks]
     assert not torch.allclose(ranks[0]["eager"]["losses"], ranks[1]["eager"]["losses"])  # each rank its batches
     for r in ranks:
         torch.testing.assert_close(r["fused"]["losses"], r["eager"]["losses"])
@@ -211,21 +211,10 @@ def test_fsdp2_peak_memory_per_rank_is_at_most_eager(monkeypatch, reshard, prefe
     # docs/distributed.md).  The recipe's GPT of width 64, batch 4 x 32 (with 4 layers it measured 1.06x eager's
     # on gloo; here 2 layers, for CI's time).
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import thunder_train as tt
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-    from gpt import GPT, GPTConfig
-
-    def step(model, opt, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    from _fsdp_gpt import gpt, shard, step
 
     monkeypatch.setenv("THUNDER_TRAIN_PREFETCH", prefetch)
     monkeypatch.setenv("THUNDER_TRAIN_FUSION", "off")
@@ -234,10 +223,7 @@ def test_fsdp2_peak_memory_per_rank_is_at_most_eager(monkeypatch, reshard, prefe
         peaks = []
         for compiled in (False, True):
             torch.manual_seed(0)
-            model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
-            for b in model.blocks:
-                fully_shard(b, reshard_after_forward=reshard)
-            fully_shard(model, reshard_after_forward=reshard)
+            model = shard(gpt(vocab=256, block=32, layers=2, d=64), reshard)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             x, y = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
             fn = tt.compile(step, thin=True) if compiled else step

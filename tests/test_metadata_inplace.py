@@ -52,3 +52,39 @@ def test_what_cannot_be_expressed_is_refused(fn, match):
 def test_input_requiring_grad_is_refused():
     with pytest.raises(TracingError, match="requires grad"):
         tt.compile(lambda x: x.t_())(torch.ones(2, 3, requires_grad=True))
+
+
+# addbmm_ writes through its out= kernel with out=self: a self that only broadcasts to the result is resized to
+# it, with values that follow no broadcasting rule for a (5, 1) self (metadata_inplace.RESIZES_SELF).
+@pytest.mark.parametrize("shape,where", [(s, w) for s in ((1,), (10,), (5, 1), (5, 10)) for w in ("input", "intermediate")]
+                         + [((5, 1), "input_then_t_")])  # (t_ after a write that keeps the shape is refused above)
+def test_addbmm_resizes_self_like_eager(shape, where):
+    g = torch.Generator().manual_seed(0)
+    b1, b2 = torch.randn(5, 5, 5, generator=g), torch.randn(5, 5, 10, generator=g)
+    fn = {"input": lambda x: x.addbmm_(b1, b2),
+          "intermediate": lambda x: (x * 2).addbmm_(b1, b2, beta=0.5),
+          "input_then_t_": lambda x: x.addbmm_(b1, b2).t_()}[where]
+    cf = tt.compile(fn)
+    x = torch.randn(shape, generator=g)
+    for _ in range(2):
+        xe, xc = x.clone(), x.clone()
+        e, a = fn(xe), cf(xc)
+        assert (e is xe) == (a is xc)
+        assert a.shape == e.shape and a.stride() == e.stride()
+        torch.testing.assert_close(a, e)
+        assert xc.shape == xe.shape and xc.stride() == xe.stride()
+        torch.testing.assert_close(xc, xe)
+
+
+def test_addbmm_resizing_gradients_like_eager():
+    def step(x, b1, b2):
+        y = x * 2
+        y.addbmm_(b1, b2)
+        return (y * torch.arange(50.0).reshape(5, 10)).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x, b1, b2 = (torch.randn(s, generator=g, requires_grad=True) for s in ((5, 1), (5, 5, 5), (5, 5, 10)))
+    expected = torch.autograd.grad(step(x, b1, b2), (x, b1, b2))
+    actual = torch.autograd.grad(tt.compile(step)(x, b1, b2), (x, b1, b2))
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)

@@ -25,6 +25,7 @@ from ..torchlang import registry, value_shaped
 from ..torchlang.autocast import cast_inputs
 from ..torchlang.tensor_methods import requires_grad_of
 from .opaque_views import record_opaque_views
+from .sparse import refuse_sparse_call
 from .state import TracerState
 from .inplace import (back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view, no_grad_region,
                       opaque_out, read_current, record_views, write)
@@ -50,6 +51,7 @@ def handle_torch_function(func, types, args, kwargs):
         trc = st.trace
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
+    refuse_sparse_call(func, callable_name(func), kwargs)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
     special = _AUTOGRAD_CALLS.get(func)

@@ -166,7 +166,8 @@ def finish(st, out, python_effects=None):
     writes = [(v, dst) for v, dst in buffers.final_writes(walker.input_proxies()) if id(dst) not in st.metadata_inputs]
     for dst, (method, args, kwargs) in st.metadata_replays:
         leaf = walker.leaf_of(dst)
-        call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        # a computed value (the data a resizing in-place op wrote: metadata_inplace.resizing_inplace) comes from extras
+        call = ", ".join([extra(a) if is_proxy(a) else repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
         lines.append(f"  {names(leaf.value, dst._tt_name, leaf)}.{method}({call})")
     _reject_aliased_inputs(walker, [dst for _, dst in writes])
     st.written_inputs = [dst for _, dst in writes]

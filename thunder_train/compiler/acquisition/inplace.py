@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import prims
+from .. import opaque, prims
 from ..clang import maybe_convert
 from ..errors import TracingError
 from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
 from .saved_versions import record_write
-from .metadata_inplace import SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace
+from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
+                               resized_meta, resizing_inplace)
 
 
 def is_view(entry) -> bool:
@@ -227,6 +228,10 @@ class CopyThenInplace:
         return copy if out is None else out  # __setitem__ returns nothing: its result is the updated copy
 
 
+for _name in RESIZES_SELF:  # their meta kernels refuse the resize eager does: the output rule says it
+    opaque.meta_rules[CopyThenInplace.of(getattr(torch.Tensor, _name))] = resized_meta(getattr(torch.Tensor, _name))
+
+
 class _Named:
     tags = frozenset()
 
@@ -248,6 +253,13 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
     dst = orig_args[0]
     if name in METADATA_SUPPORTED and type(dst) is TensorProxy:
         return metadata_inplace(st, func, orig_args, args, kwargs, run_opaque)
+    if name in RESIZES_SELF and type(dst) is TensorProxy:
+        # eager's own kernel on a copy (its values where self is resized follow no broadcasting rule)
+        value = run_opaque(CopyThenInplace.of(func), args, kwargs)
+        if value._tt_shape != dst._tt_shape:
+            return resizing_inplace(st, func, orig_args, value)
+        write(st, _Named(name), dst, value)
+        return dst
     if name in METADATA_INPLACE:
         raise TracingError(
             f"Tensor.{name} changes the shape or metadata of a tensor in place, which thunder_train does not support "

@@ -7,6 +7,9 @@ not change: no write-back is emitted, and the epilogue replays the same method o
 the computation, so the caller's tensor ends with eager's metadata.  What this cannot express is refused:
 a tensor with views (or that is a view), an input that requires grad, an input whose data is also
 updated in place, ``resize_`` that grows, symbolic sizes.
+
+In-place ops that resize their destination as a side effect of their kernel (``RESIZES_SELF``: ``addbmm_``) are
+here too: the destination takes the result's shape and values, and the epilogue resizes an input and copies in.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from ..proxies import TensorProxy, contiguous_strides, is_proxy
 from ..pytree import tree_flatten
 from ..torchlang import registry
 
+# In-place ops whose CPU kernels write through their out= form with ``out=self``, so a ``self`` that only
+# broadcasts to the result is resized to it (``torch.ones(1).addbmm_(b1, b2)`` becomes 5x10, and a (5, 1) self
+# adds its first element everywhere); their meta kernels refuse that.  The values come from eager's kernel run
+# on a copy (inplace.CopyThenInplace), the shape from the out-of-place op (``resized_meta``).
+RESIZES_SELF = {"addbmm_"}
 SUPPORTED = {"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
              "resize_as_"}
 
@@ -71,6 +79,43 @@ def metadata_inplace(st, func, orig_args, args, kwargs, run_opaque):
     if is_input:
         st.metadata_inputs[id(dst)] = dst
         st.metadata_replays.append((dst, replay))
+    return dst
+
+
+def resized_meta(func):
+    """Meta rule of ``func`` (in ``RESIZES_SELF``) run on a copy: its in-place meta result, or, where the meta kernel
+    refuses to resize, the out-of-place result (contiguous, as eager's resized tensor is)."""
+    outplace = getattr(torch, func.__name__[:-1])
+
+    def rule(self, *args, **kwargs):
+        out = outplace(self, *args, **kwargs)
+        if out.shape == self.shape:
+            return func(self.clone(), *args, **kwargs)
+        return out.to(self.dtype)
+
+    return rule
+
+
+def resizing_inplace(st, func, orig_args, value):
+    """``self.X_(...)`` (``X_`` in ``RESIZES_SELF``) whose result does not have ``self``'s shape: ``self`` takes the
+    result's shape and values.  For an input, the epilogue resizes the caller's tensor and copies the value in."""
+    name = func.__name__
+    dst = orig_args[0]
+    walker = st.walker
+    if st.buffers.base_of(dst) is not None or st.buffers.has_views(dst):
+        _refuse(name, "it resizes the tensor, which shares its storage with a view")
+    if walker.is_input(dst):
+        if dst._tt_requires_grad and torch.is_grad_enabled():
+            _refuse(name, "it resizes an input that requires grad")
+        if st.buffers.is_written(dst) and id(dst) not in st.metadata_inputs:
+            _refuse(name, "it resizes an input whose data is also updated in place")
+    if value._tt_dtype != dst._tt_dtype:
+        _refuse(name, f"the result's dtype {value._tt_dtype} is not the tensor's {dst._tt_dtype}")
+    st.buffers.rebind(dst, value)
+    if walker.is_input(dst):
+        st.metadata_inputs[id(dst)] = dst
+        st.metadata_replays.append((dst, ("resize_", (tuple(value._tt_shape),), {})))
+        st.metadata_replays.append((dst, ("copy_", (value,), {})))
     return dst
 
 

@@ -26,6 +26,7 @@ from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
 from .module_writes import ModuleState
 from . import fsdp, library_objects
+from .sparse import refuse_sparse_input
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
@@ -109,6 +110,7 @@ class InputWalker:
     def tensor(self, t, path, hint, requires_grad=None):
         if fsdp.is_dtensor(t):
             return self.dtensor(t, path, hint)
+        refuse_sparse_input(t, path_str(path))
         prev = self.by_id.get(id(t))
         if prev is not None:
             # The same tensor reached twice (tied weights, one tensor passed twice): one proxy.

@@ -12,6 +12,7 @@ import torch
 
 from .. import clang, dtypes, prims
 from ..clang import is_tensor
+from ..errors import TracingError
 from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
@@ -28,6 +29,10 @@ def index_select(input, dim, index):
 
 @torchsymbol(torch.gather, methods=("gather",), tags=("fallible",))
 def gather(input, dim, index, *, sparse_grad=False):
+    if sparse_grad and input._tt_requires_grad and torch.is_grad_enabled():
+        # eager's gradient is a sparse COO tensor; a dense one in its place would differ in type (sparse.py)
+        raise TracingError("gather(sparse_grad=True) on an input that requires grad: sparse gradients are not supported "
+                           "by thunder_train; use sparse_grad=False (a dense gradient, the same values)")
     if 0 in index._tt_shape:  # eager returns an empty result of the index's shape before checking ranks or dtype
         return clang.reshape(clang.slice_in_dim(clang.flatten(input), 0, 0), index._tt_shape)
     if input.ndim_ == 0:  # eager treats a 0-d input as one element along dim 0 (an index of at most 1 dimension)
