@@ -19,6 +19,7 @@ from ..errors import TracingError
 from ..proxies import TensorProxy, contiguous_strides, is_proxy
 from ..pytree import tree_flatten
 from ..torchlang import registry
+from .saved_versions import record_write
 
 # In-place ops whose CPU kernels write through their out= form with ``out=self``, so a ``self`` that only
 # broadcasts to the result is resized to it (``torch.ones(1).addbmm_(b1, b2)`` becomes 5x10, and a (5, 1) self
@@ -111,6 +112,7 @@ def resizing_inplace(st, func, orig_args, value):
             _refuse(name, "it resizes an input whose data is also updated in place")
     if value._tt_dtype != dst._tt_dtype:
         _refuse(name, f"the result's dtype {value._tt_dtype} is not the tensor's {dst._tt_dtype}")
+    record_write(st, dst, name)  # a value saved for the backward is stale now, as after any in-place write
     st.buffers.rebind(dst, value)
     if walker.is_input(dst):
         st.metadata_inputs[id(dst)] = dst
