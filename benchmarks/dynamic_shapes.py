@@ -102,7 +102,7 @@ def _row(model_name, mode, fn, times, losses):
         import thunder_train as tt
 
         stats = tt.compile_stats(fn)
-        row.update(programs=stats.cache_misses, size_programs=len(stats.recurring_sizes), fusion_switches=stats.fusion_switches, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
+        row.update(programs=stats.cache_misses, recurring_sizes=stats.recurring_sizes, fusion_switches=stats.fusion_switches, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
                    thin_fallbacks=stats.thin_fallbacks, retraces=stats.retrace_reasons[:4])
     elif mode == "torch_compile":
         import torch._dynamo.utils as dutils

@@ -141,3 +141,23 @@ def test_peak_with_the_sizes_buffers_is_not_above_the_symbolic_programs():
         other = programs[896 - B]
         assert _held_bytes(cf) == _slot_held(programs[B]) > 0
         assert _slot_held(other) == _slot_held(entry.slot) == 0
+
+
+def test_a_program_no_faster_than_the_symbolic_one_is_released():
+    """The first size's program is timed against the symbolic program at that size: measured slower, it is released
+    and the entry traces no more programs per size; the calls stay right (here the timing is made up)."""
+    cf, ref, models, opts = _run(BUCKETS[:10], thin=False)
+    [entry] = [e for probes in cf._cache.values() for p in probes for e in p.entries.values()]
+    sizes = entry.slot.sizes
+    [k] = list(sizes.trial)  # the first program is on trial
+    released = next(spec for spec, _ in sizes.programs.values())
+    for _ in range(recurring_sizes.JUDGE_CALLS + 1):
+        if k in sizes.trial:
+            sizes._judge(k, sizes.trial[k], 1e6)
+    assert k not in sizes.programs and not sizes.enabled and released.slot.released
+    assert "released; no more programs per size" in tt.compile_stats(cf).recurring_sizes[-1]
+    for i, B in enumerate([8, 12] * 5):  # no more programs per size; values as before
+        x, y = _batch(B, 100 + i)
+        assert torch.equal(cf(models[1], opts[1], x, y), ref(models[2], opts[2], x, y))
+    assert not sizes.programs or k not in sizes.programs
+    assert len([line for line in tt.compile_stats(cf).recurring_sizes if "own program" in line]) == 1

@@ -177,7 +177,10 @@ class ThinPath:
         self.stats.validations += 1
         entry = b.entry
         if isinstance(mismatch, SizeRecurred):  # not a decision: this size gets its program (recurring_sizes.py)
-            return self._specialise_size(args, kwargs, entry, entry.prologue.extract.fn(*args, **kwargs))
+            try:
+                return self._specialise_size(args, kwargs, entry, entry.prologue.extract.fn(*args, **kwargs))
+            except DecisionMismatch as decided:  # the symbolic program ran it (no program for the size) and decided
+                mismatch = decided
         if self._thin_decided_at == self.stats.calls - 1:
             text, expected = entry.checked[mismatch.index]
             self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")

@@ -15,7 +15,9 @@ entry's own trace cost (``price``), and would save a fraction of each call of th
 traced once the calls of that size have spent so much in the symbolic program that the saving would have paid for
 the trace (``ASSUMED_GAIN * seconds spent >= price``), and at least ``MIN_CALLS`` of them ran: whatever follows,
 at most twice the best choice's cost in hindsight.  Dynamic padding (a new length nearly every step) rarely gets
-there; a bucket length that keeps coming back does.  At most ``limit`` programs (the compiled function's
+there; a bucket length that keeps coming back does.  The first program's calls are then timed against the symbolic
+program's at that size (``_judge``): no faster, it is released and the entry traces no more; faster, the gain
+measured replaces the assumed one.  At most ``limit`` programs (the compiled function's
 ``cache_limit``) are kept, the least recently used released with its buffers and fusion build.  Tracing needs the call's arguments, which only the callers have: the dispatch raises ``SizeRecurred``
 before running anything, and ``cache.py``/``binding.py`` trace the program (``add``) and run the call again.
 
@@ -35,7 +37,8 @@ from ..compiler.executors.buffers import drop_kept_sets
 from ..compiler.prologue import is_symbolic
 
 MIN_CALLS = 4  # calls of one size before its program is traced
-ASSUMED_GAIN = 0.1  # the fraction of a call's time a program with fixed sizes is taken to save
+ASSUMED_GAIN = 0.1  # the fraction of a call's time a program with fixed sizes is taken to save, until measured
+JUDGE_CALLS = 8  # timed calls of a size's program (after its first) before it is compared with the symbolic one
 
 
 class SizeRecurred(DecisionMismatch):
@@ -63,6 +66,9 @@ class RecurringSizes:
         self.spent: dict = {}  # key -> seconds they took
         self.programs: collections.OrderedDict = collections.OrderedDict()  # key -> (Entry, argument picker)
         self.tried: set = set()  # keys whose program was traced or refused: never due again
+        self.trial: dict = {}  # key -> [calls, seconds] of its program, until judged
+        self.gain = None  # measured by the first program judged (None: ASSUMED_GAIN)
+        self.enabled = True  # False once a size's program was measured no faster than the symbolic one
         self.held = None  # the traces whose kept buffers the last call left held
 
     @staticmethod
@@ -84,9 +90,16 @@ class RecurringSizes:
                 self.programs.move_to_end(k)
                 spec, pick = found
                 self._hold(spec.slot)
-                return spec.slot.run(*pick(inputs))
+                trial = self.trial.get(k)
+                if trial is None:
+                    return spec.slot.run(*pick(inputs))
+                t0 = time.perf_counter()
+                out = spec.slot.run(*pick(inputs))
+                self._judge(k, trial, time.perf_counter() - t0)
+                return out
             n = self.counts.get(k, 0)
-            if n >= MIN_CALLS and ASSUMED_GAIN * self.spent[k] >= self.price and k not in self.tried:
+            gain = ASSUMED_GAIN if self.gain is None else self.gain
+            if n >= MIN_CALLS and self.enabled and gain * self.spent[k] >= self.price and k not in self.tried:
                 self.tried.add(k)
                 raise SizeRecurred()  # the caller traces this size's program, then runs the call through here
             self._hold(slot)
@@ -97,6 +110,27 @@ class RecurringSizes:
             return out
 
         return dispatch
+
+    def _judge(self, k, trial, seconds) -> None:
+        """Time the first calls of ``k``'s program against the symbolic program's at that size: a program no faster
+        is released, and this entry traces no more (what it saves is measured, not assumed, from then on)."""
+        trial[0] += 1
+        if trial[0] == 1:
+            return  # its first call allocates what later calls keep
+        trial[1] += seconds
+        if trial[0] <= JUDGE_CALLS:
+            return
+        del self.trial[k]
+        own, symbolic = trial[1] / (trial[0] - 1), self.spent[k] / self.counts[k]
+        line = f"sizes {_sizes(k)}: {1e3 * own:.2f} ms a call against {1e3 * symbolic:.2f} ms with the symbolic program"
+        if own < symbolic:
+            self.gain = 1 - own / symbolic
+            self.note(line + ": kept")
+            return
+        self.enabled = False
+        spec, _ = self.programs.pop(k)
+        self._forget(spec)
+        self.note(line + ": released; no more programs per size for this entry")
 
     def _hold(self, slot) -> None:
         """``slot``'s program runs now: the previous program's kept buffers go back to the allocator."""
@@ -120,11 +154,14 @@ class RecurringSizes:
             (lambda inputs, g=itemgetter(*positions): (g(inputs),)) if len(positions) == 1 else itemgetter(*positions))
         k = self.key(inputs)
         self.programs[k] = (spec, pick)
+        if k in self.counts:
+            self.trial[k] = [0, 0.0]
         if self.limit is not None and len(self.programs) > self.limit:
             old_key, (old, _) = self.programs.popitem(last=False)
             self.tried.discard(old_key)
             self.counts.pop(old_key, None)
             self.spent.pop(old_key, None)
+            self.trial.pop(old_key, None)
             self._forget(old)
             self.note(f"recurring sizes: the program for {_sizes(old_key)} released: more than {self.limit} sizes (cache_limit)")
         return None
