@@ -1,7 +1,7 @@
 """Fine-tuning with dynamic padding: a new sequence length nearly every step (issue 26).
 
 Run: python benchmarks/dynamic_shapes.py [--steps 300] [--models gpt2,llama] [--modes eager,tt,tt_dynamic,torch_compile]
-                                         [--threads 1] [--interleave] [--arena]
+                                         [--threads 1] [--interleave] [--arena] [--bucket 16]
 
 The zoo's tiny GPT-2 and Llama (tests/_zoo.py sizes: 2 layers, hidden 32; positions raised to 128), batch 4,
 each row's length drawn from 16-96 and the batch padded to its longest row (attention mask, labels -100 on
@@ -11,7 +11,10 @@ thin=True, dynamic=True)`` and ``torch.compile(step)`` (default), each in a fres
 (``--interleave``: all but torch.compile in this process, step by step in turn, for ratios on a loaded machine).
 Reported per mode: total time of all steps with compiles, compiled programs (thunder_train: cache misses;
 torch.compile: the compiles its counters record), steady step time (median of the second half), and for
-thunder_train the share of thin calls; losses are compared with eager's.  Not a test.
+thunder_train the share of thin calls; losses are compared with eager's.  ``--bucket 16`` pads each batch to a
+multiple of 16 instead (transformers' ``pad_to_multiple_of=16``: 6 lengths, the longest ones most often), and the
+mode ``tt_symbolic`` is the default without programs for recurring sizes (runtime/recurring_sizes.py): every call
+of the symbolic entry runs the symbolic program.  Not a test.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("eager", "tt", "tt_dynamic", "torch_compile")
+MODES = ("eager", "tt", "tt_dynamic", "torch_compile")  # also tt_symbolic (see above)
 PAD = 0
+BUCKET = None  # --bucket: pad every batch to a multiple of this
 
 
 def build(name):
@@ -55,6 +59,8 @@ def batches(n, seed=0, batch=4, low=16, high=96, vocab=64):
     for _ in range(n):
         lengths = torch.randint(low, high + 1, (batch,), generator=g)
         T = int(lengths.max())
+        if BUCKET:
+            T = -(-T // BUCKET) * BUCKET
         ids = torch.randint(1, vocab, (batch, T), generator=g)
         mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
         ids[mask == 0] = PAD
@@ -78,10 +84,12 @@ def _setup(model_name, mode):
     model = build(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fn = step
-    if mode in ("tt", "tt_dynamic"):
+    if mode in ("tt", "tt_dynamic", "tt_symbolic"):
         import thunder_train as tt
 
         fn = tt.compile(step, thin=True, **({"dynamic": True} if mode == "tt_dynamic" else {}))
+        if mode == "tt_symbolic":
+            fn._specialises_sizes = False  # no programs for recurring sizes (runtime/recurring_sizes.py)
     elif mode == "torch_compile":
         fn = torch.compile(step)
     return model, opt, fn
@@ -90,11 +98,11 @@ def _setup(model_name, mode):
 def _row(model_name, mode, fn, times, losses):
     row = {"model": model_name, "mode": mode, "steps": len(times), "total_s": sum(times), "first_s": times[0],
            "steady_ms": 1e3 * statistics.median(times[len(times) // 2:]), "losses": losses}
-    if mode in ("tt", "tt_dynamic"):
+    if mode in ("tt", "tt_dynamic", "tt_symbolic"):
         import thunder_train as tt
 
         stats = tt.compile_stats(fn)
-        row.update(programs=stats.cache_misses, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
+        row.update(programs=stats.cache_misses, recurring_sizes=stats.recurring_sizes, fusion_switches=stats.fusion_switches, thin_share=stats.thin_calls / stats.calls, evictions=stats.evictions,
                    thin_fallbacks=stats.thin_fallbacks, retraces=stats.retrace_reasons[:4])
     elif mode == "torch_compile":
         import torch._dynamo.utils as dutils
@@ -172,8 +180,14 @@ def main():
                     help="run the modes (torch.compile excepted) in one process, step by step in turn: ratios on a shared machine")
     ap.add_argument("--arena", action="store_true",
                     help="instead: every batch padded to 96, specialised with and without kept buffers against symbolic")
+    ap.add_argument("--bucket", type=int, default=None,
+                    help="pad every batch to a multiple of this (pad_to_multiple_of): a few lengths that recur")
+    ap.add_argument("--assumed-gain", type=float, default=None,
+                    help="recurring_sizes.ASSUMED_GAIN (1e9: trace a size's program at its 4th call; --interleave only)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global BUCKET
+    BUCKET = a.bucket
     if a.arena:
         sys.path.insert(0, ROOT)
         os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -188,6 +202,10 @@ def main():
     if a.interleave:
         os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         sys.path.insert(0, ROOT)
+        if a.assumed_gain is not None:
+            from thunder_train.runtime import recurring_sizes
+
+            recurring_sizes.ASSUMED_GAIN = a.assumed_gain
         modes = [m for m in a.modes.split(",") if m != "torch_compile"]
         for model in a.models.split(","):
             got = run_interleaved(model, modes, a.steps, a.threads)
@@ -195,12 +213,15 @@ def main():
             for row in got:
                 if eager is not None and row is not eager:
                     row["max_loss_diff"] = max(abs(x - y) for x, y in zip(row["losses"], eager["losses"]))
+                    row["total_vs_eager"] = round(row["total_s"] / eager["total_s"], 3)
+                    row["steady_vs_eager"] = round(row["steady_ms"] / eager["steady_ms"], 3)
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "losses"}, flush=True)
     for model in a.models.split(",") if not a.interleave else ():
         eager = None
         for mode in a.modes.split(","):
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(a.steps),
+                                *(["--bucket", str(a.bucket)] if a.bucket else []),
                                 "--threads", str(a.threads), "--one", model, mode],
                                capture_output=True, text=True, env=env)
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

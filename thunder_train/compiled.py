@@ -50,6 +50,8 @@ class CompileStats:
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
     fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
     fusion_decisions: list = dataclasses.field(default_factory=list)  # background fusion: at which call a build starts, and why
+    # Symbolic entries: each size that recurred and got its own program, or why not (runtime/recurring_sizes.py)
+    recurring_sizes: list = dataclasses.field(default_factory=list)
     cuda_graph_notes: list = dataclasses.field(default_factory=list)  # cuda_graphs=True: captured, dropped, or why not
     cuda_graph_captures: int = 0
     cuda_graph_replays: int = 0
@@ -112,6 +114,11 @@ class CompiledFunction(FullPath, ThinPath):
         self._background_wanted = fusion_mode(fusion, cuda_graphs=cuda_graphs) == "background"
         self.optimizer_kernels = optimizer_kernels
         self.cuda_graphs = cuda_graphs
+        # A symbolic entry traces a program per size that recurs (runtime/recurring_sizes.py) when such a program
+        # has something the symbolic one lacks (kept buffers for every value, fused regions); with CUDA graphs the
+        # thin binding captures one graph per size instead (runtime/graphs_per_size.py).
+        self._specialises_sizes = dynamic is not False and not cuda_graphs and bool(
+            keep_buffers or self._background_wanted or self._fusion_mode)
         self.executors = [decomposing_torch_executor if decompose else torch_executor]
         self.stats = CompileStats()
         self._init_full_path(dynamic, cache_limit)  # runtime/cache.py: the cache, symbolic sizes, the full path as _call

@@ -20,6 +20,7 @@ from ..compiler.prologue import GLOBAL_LABELS, current_global_state, describe_di
 from . import cuda_graphs as graphs, hook_guard, thin
 from .cache import _STRUCTURE_ERRORS, _per_call_input_differs
 from .graphs_per_size import GraphsPerSize
+from .recurring_sizes import SizeRecurred
 from .thin import ThinBinding
 
 _SWITCH_TRIES = 4  # bindings of other entries a thin call that its binding does not accept tries before the full path
@@ -175,6 +176,11 @@ class ThinPath:
         self.stats.full_calls += 1
         self.stats.validations += 1
         entry = b.entry
+        if isinstance(mismatch, SizeRecurred):  # not a decision: this size gets its program (recurring_sizes.py)
+            try:
+                return self._specialise_size(args, kwargs, entry, entry.prologue.extract.fn(*args, **kwargs))
+            except DecisionMismatch as decided:  # the symbolic program ran it (no program for the size) and decided
+                mismatch = decided
         if self._thin_decided_at == self.stats.calls - 1:
             text, expected = entry.checked[mismatch.index]
             self._unbind(f"{text} was {expected!r}, now {mismatch.value!r} on two calls in a row")
@@ -221,7 +227,7 @@ class ThinPath:
             raise
         self.stats.validations += 1
         try:
-            return b.entry.slot.run(*b.entry.select(vals))
+            return self._run_entry(args, kwargs, b.entry, vals)
         except DecisionMismatch as mismatch:
             return self._redispatch(args, kwargs, self._dims.key(args, kwargs), b.entry, mismatch)
 

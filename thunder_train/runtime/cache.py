@@ -27,7 +27,8 @@ from ..compiler.pipeline import Options, compile_entry
 from ..compiler.prologue import Prologue, count_diffs, describe_diffs
 from . import background, bounded_cache, hook_guard
 from .autocast_region import RegionProbe
-from .cache_keys import struct_diffs
+from .cache_keys import arg_key, struct_diffs, struct_key
+from .recurring_sizes import RecurringSizes, SizeRecurred
 from .slot import Entry, Slot
 from .symbolic_dims import SymbolicDims, is_symbolic_trace, symbolic_fusion_decision
 
@@ -160,12 +161,49 @@ class FullPath:
         if self.thin:
             self._after_validation(entry, vals)
         try:
-            out = entry.slot.run(*entry.select(vals))
+            out = self._run_entry(args, kwargs, entry, vals)
         except DecisionMismatch as mismatch:
             return self._redispatch(args, kwargs, skey, entry, mismatch)
         if hit:
             self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
         return out
+
+    def _run_entry(self, args, kwargs, entry, vals):
+        """Run ``entry`` for this call; a size that recurs gets its program first (recurring_sizes.py)."""
+        try:
+            return entry.slot.run(*entry.select(vals))
+        except SizeRecurred:
+            return self._specialise_size(args, kwargs, entry, vals)
+
+    def _specialise_size(self, args, kwargs, entry, vals):
+        """``entry``'s dispatch found a size that recurs (recurring_sizes.py): trace a program with every size of this
+        call fixed (kept buffers for every value, background fusion), give it to the dispatch, and run the call."""
+        inputs = entry.select(vals)
+        t0 = time.perf_counter()
+        fusion = "background" if self._background_wanted else self._fusion_mode  # fused regions need fixed sizes
+        options = Options(strict=self.strict, decompose=self.decompose, dynamic=False, fusion=fusion,
+                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
+                          memory_budget=self.memory_budget)
+        sizes = entry.slot.sizes
+        what = ", ".join(str(tuple(inputs[p].shape)) for p in sizes.positions)
+        try:
+            with _no_cyclic_gc():
+                compiled, _ = compile_entry(
+                    self.fn, args, kwargs, options, self.executors, struct_key=struct_key(args, kwargs, arg_key),
+                    arg_names=self._arg_names, intern_prologue=lambda p: self._prologues.setdefault(p.structure, p),
+                    fusion_notes=self.stats.fusion_notes)
+        except Exception as e:  # noqa: BLE001 - the symbolic program runs this size, as before
+            why = f"tracing it failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
+        else:
+            spec = Entry(compiled, self._slot(compiled))
+            why = sizes.add(inputs, spec)
+            if why is not None:
+                spec.slot.release()
+        dt = time.perf_counter() - t0
+        self.stats.total_trace_seconds += dt
+        self.stats.recurring_sizes.append(
+            f"sizes {what}: " + (f"own program ({dt:.2f} s to trace)" if why is None else f"the symbolic program stays: {why}"))
+        return entry.slot.run(*inputs)
 
     # ---- decisions the program checks (compiler/acquisition/decisions.py) ----
     def _redispatch(self, args, kwargs, skey, entry, mismatch):
@@ -192,7 +230,7 @@ class FullPath:
             if entry.updates_parameters:
                 self._autocast_region.check()
             try:
-                result = entry.slot.run(*entry.select(vals))
+                result = self._run_entry(args, kwargs, entry, vals)
             except DecisionMismatch as again:
                 mismatch = again
                 continue
@@ -284,6 +322,9 @@ class FullPath:
             self.stats.retrace_reasons.append(f"sizes specialised again: tracing with symbolic sizes failed ({self._dims.gave_up})")
             compiled, opaque_ops = self._trace(args, kwargs, key, forced_decisions)
         entry = Entry(compiled, self._slot(compiled))
+        if self._specialises_sizes and RecurringSizes.usable(entry):
+            entry.slot.specialise_sizes(RecurringSizes(entry, self._lru.limit, self.stats.recurring_sizes.append,
+                                                       price=time.perf_counter() - t0))
         prologue, expected = entry.prologue, entry.key
         self.stats.memory = compiled.memory
         for note in entry.decision_notes:
@@ -394,8 +435,10 @@ class FullPath:
 
     def wait_for_fusion(self, timeout: float | None = None) -> bool:
         """Wait for the fused programs being built, and build the last call's now; False when ``timeout`` ran out."""
-        jobs = [e.fusion_job for probes in self._cache.values() for probe in probes for e in probe.entries.values()
-                if e.fusion_job is not None and (e is self._last or e.fusion_job.state != background.NEW)]
+        entries = [e for probes in self._cache.values() for probe in probes for e in probe.entries.values()]
+        sized = [spec for e in entries if e.slot.sizes is not None for spec, _ in e.slot.sizes.programs.values()]
+        jobs = [e.fusion_job for e in entries + sized
+                if e.fusion_job is not None and (e is self._last or e in sized or e.fusion_job.state != background.NEW)]
         return background.wait(jobs, timeout)
 
     def direct_call_parts(self, *args, **kwargs):

@@ -10,6 +10,7 @@ callables a call reads:
 * ``run``: what a full-path call runs (``entry.slot.run(*entry.select(leaf values))``);
 * ``thin``: what the bound ``thin_call`` runs (``thin.py`` generates ``_slot.thin(...)``).
 
+``specialise_sizes`` puts a symbolic entry's dispatch on recurring sizes in front of both (recurring_sizes.py).
 ``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
 step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
 thin binding, ``release`` frees what an evicted entry holds.
@@ -36,6 +37,7 @@ class Slot:
         self.graphed = None  # cuda_graphs.GraphedProgram of the thin binding
         self._on_swap = on_swap
         self.released = False  # evicted from the cache (bounded_cache.py): a build that finishes frees its program
+        self.sizes = None  # recurring_sizes.RecurringSizes of a symbolic entry: programs for the sizes that recur
         self._lock = threading.Lock()
         self._refresh()
 
@@ -43,6 +45,8 @@ class Slot:
         run = self._wrap(self.program)
         if self._counting:
             run = self.job.counted(run, self.stop_counting)
+        if self.sizes is not None:
+            run = self.sizes.wrap(run, self)
         self.run = run
         if self.graphed is not None:
             self.thin = self._wrap(self.graphed)
@@ -78,6 +82,12 @@ class Slot:
                 self._counting = False
                 self._refresh()
 
+    def specialise_sizes(self, sizes) -> None:
+        """Calls go through ``sizes`` (recurring_sizes.py): a size with its own program runs that one."""
+        with self._lock:
+            self.sizes = sizes
+            self._refresh()
+
     def bind_thin(self, adapt=None, graphed=None) -> None:
         """Thin mode bound this entry: ``thin`` is ``adapt`` of what runs (its argument order), or the CUDA graph."""
         with self._lock:
@@ -103,6 +113,8 @@ class Slot:
             self.released = True
             if self.job is not None:
                 self.job.cancel()
+            if self.sizes is not None:
+                self.sizes.release()
             release_replaced(self.traces + list(self.backward_traces or ()), [])
 
 

@@ -428,6 +428,10 @@ class BufferPool:
         if not self.released:
             self._free.append(views)
 
+    def drop_sets(self) -> None:
+        """Give the kept sets back to the allocator; the next call allocates a new one (recurring_sizes.py)."""
+        self._free.clear()
+
     def release(self) -> None:
         """The program was replaced (background fusion switched): its buffers go back to the allocator."""
         self.released = True
@@ -594,3 +598,11 @@ def release_replaced(old_traces, new_traces) -> None:
             for b in t.bound_symbols:
                 if isinstance(b.sym, _PoolLine) and b.sym.take:
                     b.sym.pool.release()
+
+
+def drop_kept_sets(traces) -> None:
+    """Free the buffers the programs of ``traces`` keep between calls; they are allocated again by their next call."""
+    for t in traces:
+        for b in t.bound_symbols:
+            if isinstance(b.sym, _PoolLine) and b.sym.take:
+                b.sym.pool.drop_sets()
