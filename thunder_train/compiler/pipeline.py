@@ -153,12 +153,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
-        if options.memory_budget is not None:
-            raise NotImplementedError(
-                "memory_budget= applies to whole training steps (loss.backward() inside the compiled function); "
-                "for tt.compile(model) with PyTorch's backward use activation checkpointing (torch.utils.checkpoint)")
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
-                                    keep_buffers=options.keep_buffers)
+                                    keep_buffers=options.keep_buffers, memory_budget=options.memory_budget)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -259,7 +255,7 @@ def _noting(build_fused, notes):
     return build
 
 
-def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True):
+def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, memory_budget=None):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
@@ -270,7 +266,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     if not may_need_autograd(trc):
         return None
     try:
-        fb = build_forward_backward(trc)
+        fb = build_forward_backward(trc, memory_budget)  # transforms/memory.py plans what the forward saves
     except NoGradientRuleError as error:
         return NoBackwardProgram(trc, program, error), traces, [], None, [trc], None
     if fb is None:
@@ -301,7 +297,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     now = fusion if fusion != "background" else None
     run, traces, backward_traces = program(now, [] if notes is None else notes)
     return (run, traces, backward_traces, (lambda notes: program("background", notes)), [fw_lowered, bw_lowered],
-            split_memory_plan(fb, trc))
+            split_memory_plan(fb))
 
 
 def _wrapping(acquired, n_inputs):

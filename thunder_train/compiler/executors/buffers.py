@@ -48,7 +48,7 @@ from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 MIN_BYTES = 0
 _ALIGN = 64
 # The arena may raise the peak by this much (the small results a call allocates while the arena is full).
-PEAK_SLACK = 64 * 1024
+PEAK_SLACK = 0
 
 
 # ---------------------------------------------------------------------------
