@@ -1,7 +1,9 @@
 """Peak memory and step time side by side: eager, torch.compile and thunder_train, with and without activation
 checkpointing, and thunder_train's memory budgets (docs/performance.md).
 
-Run: python benchmarks/memory.py [--workloads gpt,gpt2,llama,vit] [--samples N] [--no-torch-compile]
+Run: python benchmarks/memory.py [--workloads gpt,gpt2,llama,vit] [--samples N] [--no-torch-compile] [--budgets 0.5,0.25]
+
+(``--workloads`` also takes any other model name of tests/_zoo.py.)
 
 Workloads: ``gpt`` = the whole AdamW training step of benchmarks/train_step.py (4-layer GPT, d 256, T 128,
 batch 8); ``gpt2``, ``llama``, ``vit`` = the model zoo's whole steps (tests/_zoo.py; tiny random-init
@@ -134,6 +136,9 @@ def peak_step_bytes(mode) -> int:
 def measure(modes, samples):
     for m in modes:
         m.loss = m.call().detach()
+        m.call()
+        if m.compiled is not None:  # the program that runs from now on (background fusion's, where it fused)
+            tt.wait_for_fusion(m.compiled)
         for _ in range(2):
             m.call()
     peaks = {m.name: peak_step_bytes(m) for m in modes}
@@ -174,7 +179,7 @@ def main(argv=None):
     torch.set_num_threads(max(1, torch.get_num_threads()))
     budgets = tuple(float(b) for b in args.budgets.split(",") if b)
     for key in args.workloads.split(","):
-        label, workload = WORKLOADS[key]
+        label, workload = WORKLOADS.get(key) or (f"zoo {key}", functools.partial(zoo_workload, key))  # any zoo model
         modes = make_modes(workload, not args.no_torch_compile, budgets)
         peaks = measure(modes, args.samples)
         report(label, modes, peaks)

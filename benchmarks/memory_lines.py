@@ -1,8 +1,9 @@
 """Where a compiled step's peak memory comes from: live bytes after every line of the program that runs.
 
-Run: python benchmarks/memory_lines.py [--ckpt] [--budget F] [--fusion none|default] [--top N] [--all]
+Run: python benchmarks/memory_lines.py [--workload gpt|<zoo name>] [--ckpt] [--budget F] [--fusion none|default]
+[--top N] [--all]
 
-Runs the GPT step of benchmarks/memory.py compiled by thunder_train and, while its computation executes, stops
+Runs the GPT step of benchmarks/memory.py (or a zoo model's, tests/_zoo.py) compiled by thunder_train and, while its computation executes, stops
 after every line (``sys.settrace`` on the generated function) to sum the bytes of the distinct tensor storages
 its local variables hold, less those of its inputs (parameters, optimizer state, the batch).  Prints the line
 where that sum is largest, the values alive there (largest first), and, with ``--all``, the sum after every line.
@@ -78,6 +79,7 @@ def live_by_line(call):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="gpt", help="gpt, or a model of tests/_zoo.py (bytes printed in KiB)")
     p.add_argument("--ckpt", action="store_true", help="every block under checkpoint(use_reentrant=False)")
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--fusion", default="none", choices=["none", "default"])
@@ -87,7 +89,8 @@ def main(argv=None):
     p.add_argument("--no-keep-buffers", action="store_true", help="keep_buffers=False: every value its own storage")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    base, make_opt, batches, step, checkpointed = bench.gpt_workload()
+    workload = bench.gpt_workload if args.workload == "gpt" else (lambda: bench.zoo_workload(args.workload))
+    base, make_opt, batches, step, checkpointed = workload()
     model = copy.deepcopy(base)
     opt = make_opt(model.parameters())
     if args.ckpt:
@@ -101,16 +104,17 @@ def main(argv=None):
     for b in batches[:3]:
         cf(model, opt, b)
     rows = live_by_line(lambda: cf(model, opt, batches[3]))
-    mib = lambda n: f"{n / 2**20:8.1f}"  # noqa: E731
+    unit, scale = ("MiB", 2**20) if args.workload == "gpt" else ("KiB", 2**10)
+    mib = lambda n: f"{n / scale:8.1f}"  # noqa: E731
     if args.all:
         for ln, src, n, _ in rows:
-            print(f"{mib(n)} MiB  {ln:5d}  {src.strip()[:110]}")
+            print(f"{mib(n)} {unit}  {ln:5d}  {src.strip()[:110]}")
     ln, src, n, live = max(rows, key=lambda r: r[2])
     if args.at is not None:
         ln, src, n, live = next(r for r in rows if r[0] == args.at)
     print(f"\n{'peak' if args.at is None else 'live'} between lines: {mib(n)} MiB after line {ln}: {src.strip()[:120]}")
     for nbytes, name in sorted(live.values(), reverse=True)[: args.top]:
-        print(f"  {mib(nbytes)} MiB  {name}")
+        print(f"  {mib(nbytes)} {unit}  {name}")
     plan = tt.compile_stats(cf).memory
     if plan is not None:
         print(f"\nplan: {plan.summary()}")

@@ -271,8 +271,8 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     instead of allocating them on every call, never raising the call's peak (docs/performance.md); ``False``
     frees them after each call.
     Memory (docs/memory.md): activation checkpointing (``torch.utils.checkpoint``, every form) is honoured, and
-    cheap values are recomputed in the backward by default; ``memory_budget=f`` (a whole training step) also
-    recomputes what it must so that the bytes saved for the backward are at most ``f`` of the default's.
+    cheap values are recomputed in the backward by default; ``memory_budget=f`` (a whole training step, or the
+    backward program of ``tt.compile(model)``) also recomputes what it must so that the bytes saved for the backward are at most ``f`` of the default's.
     ``compile_stats(cf).memory`` reports the plan.
     """
     options = dict(strict=strict, decompose=decompose, thin=thin, check_every=check_every, dynamic=dynamic, fusion=fusion,

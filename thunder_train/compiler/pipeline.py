@@ -153,12 +153,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
-        if options.memory_budget is not None:
-            raise NotImplementedError(
-                "memory_budget= applies to whole training steps (loss.backward() inside the compiled function); "
-                "for tt.compile(model) with PyTorch's backward use activation checkpointing (torch.utils.checkpoint)")
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
-                                    keep_buffers=options.keep_buffers, backward_error=acquired.backward_error)
+                                    keep_buffers=options.keep_buffers, backward_error=acquired.backward_error,
+                                    memory_budget=options.memory_budget)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -259,7 +256,8 @@ def _noting(build_fused, notes):
     return build
 
 
-def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_error=None):
+def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_error=None,
+                     memory_budget=None):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
@@ -272,7 +270,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     if backward_error is not None:  # eager's backward raises (a saved value written in place): so does this one
         return NoBackwardProgram(trc, program, backward_error), traces, [], None, [trc], None
     try:
-        fb = build_forward_backward(trc)
+        fb = build_forward_backward(trc, memory_budget)  # transforms/memory.py plans what the forward saves
     except NoGradientRuleError as error:
         return NoBackwardProgram(trc, program, error), traces, [], None, [trc], None
     if fb is None:
@@ -303,7 +301,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     now = fusion if fusion != "background" else None
     run, traces, backward_traces = program(now, [] if notes is None else notes)
     return (run, traces, backward_traces, (lambda notes: program("background", notes)), [fw_lowered, bw_lowered],
-            split_memory_plan(fb, trc))
+            split_memory_plan(fb))
 
 
 def _wrapping(acquired, n_inputs):

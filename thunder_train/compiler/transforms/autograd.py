@@ -35,7 +35,7 @@ from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
 from .dce import dce
-from .remat import recompute_split
+from .memory import plan_split
 from ..grad_rules import NoGradientRuleError, bind_arguments, differentiable, get_rule
 
 
@@ -61,7 +61,7 @@ class ForwardBackward:
     differentiable: list  # per output: does it carry gradient?
     saved: list  # proxies the backward reads from the forward
     cotangents: list  # one per differentiable output
-    recomputed: object = None  # transforms/remat.py ``Recomputed``: the forward lines the backward computes again
+    plan: object = None  # transforms/memory.py ``MemoryPlan``: what the backward computes again instead of reading it
 
 
 # ---------------------------------------------------------------------------
@@ -312,8 +312,9 @@ def emit_forward(bsyms, expanded, saved_ids, out):
             out.append(b)
 
 
-def build_forward_backward(trc) -> ForwardBackward | None:
-    """The joint trace and its split; None when no output carries gradient."""
+def build_forward_backward(trc, memory_budget: float | None = None) -> ForwardBackward | None:
+    """The joint trace and its split; None when no output carries gradient.  What the forward saves is planned as
+    in a whole step (transforms/memory.py ``plan_split``: checkpoint regions, cheap values, ``memory_budget``)."""
     fwd = Forward(trc.bound_symbols, requires_grad_inputs(trc))
     flat_out, _ = tree_flatten(trc.output)
     outputs = list({id(o): o for o in flat_out if is_proxy(o)}.values())
@@ -340,8 +341,8 @@ def build_forward_backward(trc) -> ForwardBackward | None:
     fwd_ids = {id(b) for b in fwd.bsyms}
     fwd_part = [b for b in joint.bound_symbols if id(b) in fwd_ids]
     bwd_part = [b for b in joint.bound_symbols if id(b) not in fwd_ids]
-    # Checkpointed values: the backward recomputes them (transforms/remat.py).
-    bwd_part, recomputed = recompute_split(fwd_part, bwd_part, outputs, joint.make_name)
+    # The memory plan: checkpointed values, cheap values and a budget's are recomputed by the backward.
+    bwd_part, plan = plan_split(fwd_part, bwd_part, outputs, {id(a) for a in trc.args}, joint.make_name, memory_budget)
     ct_ids = {id(c) for c in cotangents}
     saved = [p for p in _proxies_read(bwd_part, grads) if id(p) not in ct_ids]
     saved, recompute = _recompute_cheap(saved, fwd_part)
@@ -360,7 +361,7 @@ def build_forward_backward(trc) -> ForwardBackward | None:
     # Not no_grad (the backward runs inside autograd's engine), but the autocast-off decorator of an
     # autocast trace stays: the backward's dtypes are explicit too.
     backward.decorators = [d for d in trc.decorators if "autocast" in d]
-    return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents, recomputed)
+    return ForwardBackward(joint, forward, backward, outputs, differentiable, saved, cotangents, plan)
 
 
 def detach_float_tensors(out):

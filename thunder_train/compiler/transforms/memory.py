@@ -12,7 +12,7 @@ import dataclasses
 
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
-from .remat import BACKWARD, recompute, recompute_checkpointed
+from .remat import BACKWARD, checkpointed_values, in_region, recompute, recompute_checkpointed
 from .remat_policy import Saved, budget_values, cheap_values, is_view, nbytes
 from .sinking import sink
 from .recompute_again import recompute_again
@@ -157,16 +157,41 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
     return new, plan
 
 
-def split_memory_plan(fb, trc) -> MemoryPlan:
-    """The plan of a forward/backward split (``transforms/autograd.py``, ``tt.compile(model)``)."""
-    inputs = {id(a) for a in trc.args}
-    plan = MemoryPlan()
-    plan.saved_bytes = plan.saved_bytes_default = sum(nbytes(p) for p in fb.saved if id(p) not in inputs)
-    rec = fb.recomputed
-    if rec is not None:
-        plan.recomputed = list(rec.lines)
-        plan.checkpoint_regions = rec.regions
-    plan.saved_bytes_without_remat = plan.saved_bytes
-    lines = list(fb.forward.bound_symbols) + list(fb.backward.bound_symbols)
-    plan.planned_peak_bytes = planned_peak(lines)
+def plan_split(fwd_part, bwd_part, outputs, input_ids, make_name, memory_budget: float | None = None):
+    """The plan of a forward/backward split (``transforms/autograd.py``, ``tt.compile(model)``): the same three
+    steps as a whole step's (checkpoint regions, cheap values, ``memory_budget``) over the joint forward and
+    backward, so what the forward saves for the backward is what the planner chose.  Returns (backward lines,
+    MemoryPlan); ``planned_peak_bytes`` is filled in once the split is final (``split_memory_plan``)."""
+    fwd_ids = {id(b) for b in fwd_part}
+    is_backward = lambda b: id(b) not in fwd_ids  # noqa: E731 (recomputed lines are new: backward lines)
+    returned = {id(o) for o in outputs}
+    saved_of = lambda lines: Saved(lines, is_backward, returned, input_ids)  # noqa: E731
+    plan = MemoryPlan(memory_budget=memory_budget)
+    lines = list(fwd_part) + list(bwd_part)
+    plan.saved_bytes_without_remat = saved_of(lines).stored_bytes()
+    plan.checkpoint_regions = len({b.region.region for b in fwd_part if in_region(b)})
+    # The regions' draws are kept here: the forward program is emitted from the computation, not from these lines,
+    # so it could not read the generator's state for a replay (docs/memory.md).
+    steps = (("checkpoint region", lambda s: checkpointed_values(lines, is_backward, returned, draws_again=False)),
+             ("cheap", cheap_values),
+             ("budget", lambda s: budget_values(s, memory_budget * plan.saved_bytes_default)))
+    for reason, choose in steps:
+        saved = saved_of(lines)
+        if reason == "budget":
+            plan.saved_bytes_default = saved.stored_bytes()
+            if memory_budget is None:
+                break
+        chosen = choose(saved)
+        lines, more = recompute(lines, is_backward, chosen, make_name, reasons={k: reason for k in chosen})
+        plan.recomputed += more.lines
+    plan.saved_bytes = saved_of(lines).stored_bytes()
+    if memory_budget is not None:
+        plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
+    return [b for b in lines if is_backward(b)], plan
+
+
+def split_memory_plan(fb) -> MemoryPlan:
+    """The split's plan (``plan_split``) with its planned peak: the forward, then the backward."""
+    plan = fb.plan
+    plan.planned_peak_bytes = planned_peak(list(fb.forward.bound_symbols) + list(fb.backward.bound_symbols))
     return plan

@@ -94,7 +94,7 @@ def _again(lines, v_root, peak_at, root, readers, made, make_name):
             continue
         seen.add(id(a))
         k = made.get(id(a))
-        if k is None or lines[k].comment != COMMENT:
+        if k is None or lines[k].comment != COMMENT or lines[k].draws_random:  # a draw is drawn again only in its replay
             return None
         chain.add(k)
         for x in lines[k].flat_args():

@@ -13,8 +13,13 @@ Which values are recomputed:
   acquisition/checkpoint_regions.py marks them while tracing), as eager's checkpoint does: the region's
   inputs are kept, everything the region computed from them is recomputed.  A value the region hands out
   (read after the region by forward code, or returned) is kept, as eager's next op keeps it;
-* not the outputs of a line a selective-checkpoint policy saves (``Mark.save``), nor of random ops (their
-  draws are kept: a recomputation would draw again), nor of lines with a side effect;
+* not the outputs of a line a selective-checkpoint policy saves (``Mark.save``), nor of lines with a side effect;
+* random draws inside a region (dropout's mask) are drawn again, as eager's ``preserve_rng_state`` does: the
+  forward reads the generator's state right before the region's first draw (a value of the program,
+  prims/generators.py), and the backward sets it, draws the region's random lines again in their order, and sets
+  the generator back to where it was (``_replay``).  The draws are the forward's, the generator ends where eager's
+  does, and the mask is not held from the forward to the backward.  A region with a line that may use the
+  generator otherwise (an op run opaquely, a seeding, draws on two devices) keeps its draws;
 * values picked by ``choose`` (automatic rematerialization, transforms/remat_policy.py).
 
 Recomputed lines carry the comment ``recomputed for the backward``, so every trace shows them.
@@ -23,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import devices, dtypes, prims
+from ..prims.generators import state_size
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
+from ..symbols import BoundSymbol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +52,36 @@ def _is_tensor(x) -> bool:
 
 
 def _random(b) -> bool:
-    return b.sym.draws_random or b.sym.runs_opaquely or any(_random(s) for s in b.subsymbols)
+    """Uses a generator: draws, sets or reads it (a read taken later reads another state), or may (opaque)."""
+    return (b.sym.draws_random or b.sym.runs_opaquely or "reads_generator" in b.sym.tags
+            or any(_random(s) for s in b.subsymbols))
+
+
+def _opaque(b) -> bool:
+    return b.sym.runs_opaquely or any(_opaque(s) for s in b.subsymbols)
+
+
+def _draw_device(b):
+    """The device whose generator the line draws from (its tensor results'), or None: not a plain draw (a line
+    that also sets or reads a generator, runs opaquely, or makes results on two devices)."""
+    outs = b.flat_outputs()
+    if not b.draws_random or b.has_side_effect or _opaque(b) or not outs or not all(_is_tensor(o) for o in outs):
+        return None
+    devs = {o._tt_device for o in outs}
+    return devs.pop() if len(devs) == 1 else None
+
+
+def replayable_regions(lines, is_backward) -> dict:
+    """region number -> device of the regions whose random lines a replay draws again: every line using a
+    generator is a plain draw (``_draw_device``), all from one device's generator."""
+    dev, bad = {}, set()
+    for b in lines:
+        if is_backward(b) or not in_region(b) or not _random(b):
+            continue
+        d, r = _draw_device(b), b.region.region
+        if d is None or dev.setdefault(r, d) != d:
+            bad.add(r)
+    return {r: d for r, d in dev.items() if r not in bad}
 
 
 def recomputable(b) -> bool:
@@ -64,16 +101,32 @@ class Recomputed:
         return [text for text, _ in self.lines]
 
 
-def _in_region(b) -> bool:
+def in_region(b) -> bool:
     return isinstance(b.region, Mark) and b.region is not BACKWARD and b.region.region >= 0
 
 
-def checkpointed_values(lines, is_backward, returned_ids) -> dict:
-    """id -> proxy of the values computed inside checkpoint regions that only their own region reads in the
-    forward (not returned): the values eager's checkpoint recomputes."""
-    region_of, value = {}, {}
+def worth_replaying(lines, is_backward, regions: dict) -> dict:
+    """The regions whose draws hold more bytes than the generator state a replay keeps instead (a CPU state is
+    5 KB: a tiny region's mask is smaller, and kept)."""
+    from .remat_policy import nbytes
+
+    drawn: dict = {}
     for b in lines:
-        if is_backward(b) or not _in_region(b) or b.region.save or not recomputable(b):
+        if not is_backward(b) and in_region(b) and b.region.region in regions and b.draws_random:
+            drawn[b.region.region] = drawn.get(b.region.region, 0) + sum(nbytes(o) for o in b.flat_outputs())
+    return {r: d for r, d in regions.items() if drawn.get(r, 0) > state_size(d)}
+
+
+def checkpointed_values(lines, is_backward, returned_ids, draws_again: bool = True) -> dict:
+    """id -> proxy of the values computed inside checkpoint regions that only their own region reads in the
+    forward (not returned): the values eager's checkpoint recomputes; with ``draws_again``, the draws of the
+    regions ``replayable_regions`` finds too."""
+    region_of, value = {}, {}
+    replayable = worth_replaying(lines, is_backward, replayable_regions(lines, is_backward)) if draws_again else {}
+    for b in lines:
+        if is_backward(b) or not in_region(b) or b.region.save:
+            continue
+        if not recomputable(b) and not (b.region.region in replayable and _draw_device(b) is not None):
             continue
         for o in b.flat_outputs():
             if _is_tensor(o):
@@ -83,7 +136,7 @@ def checkpointed_values(lines, is_backward, returned_ids) -> dict:
     for b in lines:
         if is_backward(b):
             continue
-        here = b.region.region if _in_region(b) else None
+        here = b.region.region if in_region(b) else None
         for a in b.flat_args():
             r = region_of.get(id(a)) if is_proxy(a) else None
             if r is not None and r != here:
@@ -134,7 +187,8 @@ def _reads(b) -> list:
 
 def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | None = None):
     """The lines with each backward read of a ``candidates`` value (id -> proxy) replaced by a recomputed copy,
-    computed right before its first backward reader.  Returns (lines, Recomputed)."""
+    computed right before its first backward reader.  Returns (lines, Recomputed).  A candidate drawn by a random
+    line (only checkpoint regions' draws are candidates) is drawn again by ``_replay``."""
     report = Recomputed()
     if not candidates:
         return list(lines), report
@@ -144,6 +198,7 @@ def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | N
             for o in b.flat_outputs():
                 if id(o) in candidates:
                     producer[id(o)] = b
+    draws = _draws_to_replay(lines, is_backward, producer, make_name)
     mapping: dict = {}
     done: set = set()
     new: list = []
@@ -152,16 +207,30 @@ def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | N
         b = producer[id(v)]
         if id(b) in done:
             return
+        if b.draws_random:
+            _replay(draws[b.region.region], need_arg, clone, done, new)
+            return
         done.add(id(b))
         for a in b.flat_args():
             if is_proxy(a) and id(a) in candidates and id(a) not in mapping:
                 need(a)
+        clone(b, v)
+
+    def need_arg(a):
+        if is_proxy(a) and id(a) in candidates and id(a) not in mapping:
+            need(a)
+
+    def clone(b, v):
         c = _clone(b, mapping, make_name, comment=COMMENT)
         new.append(c)
         report.lines.append((_text(c), (reasons or {}).get(id(v), "checkpoint region")))
 
+    state_before = {id(d.lines[0]): d for d in draws.values()}
     for b in lines:
         if not is_backward(b):
+            d = state_before.get(id(b))
+            if d is not None:  # the generator's state the region's first draw starts from
+                new.append(BoundSymbol(prims.get_rng_state, (d.device,), {}, d.state, comment=_STATE_COMMENT))
             new.append(b)
             continue
         for a in _reads(b):
@@ -169,6 +238,52 @@ def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | N
                 need(a)
         new.append(_substitute(b, mapping) if any(id(a) in mapping for a in _reads(b)) else b)
     return new, report
+
+
+_STATE_COMMENT = "the random state a checkpoint region's draws start from (drawn again in the backward)"
+
+
+@dataclasses.dataclass
+class _Draws:
+    """A checkpoint region's random lines, in the forward's order, up to the last one the backward may need."""
+
+    lines: list
+    device: object
+    state: TensorProxy  # the generator's state before the first of them, read in the forward
+    make_name: object
+
+
+def _draws_to_replay(lines, is_backward, producer, make_name) -> dict:
+    """region -> _Draws of the regions with a candidate drawn by a random line."""
+    wanted = {b.region.region for b in producer.values() if b.draws_random}
+    if not wanted:
+        return {}
+    per_region: dict = {}
+    for b in lines:
+        if not is_backward(b) and in_region(b) and b.region.region in wanted and _random(b):
+            per_region.setdefault(b.region.region, []).append(b)
+    out, producers = {}, {id(b) for b in producer.values()}
+    for r, rl in per_region.items():
+        last = max(i for i, b in enumerate(rl) if id(b) in producers)
+        dev = _draw_device(rl[0])
+        state = TensorProxy(make_name("rng"), shape=(state_size(dev),), dtype=dtypes.uint8, device=devices.cpu)
+        out[r] = _Draws(rl[: last + 1], dev, state, make_name)
+    return out
+
+
+def _replay(d: _Draws, need_arg, clone, done, new) -> None:
+    """The region's draws again, in their order, from the state before its first draw; the generator then set back
+    to where it was, so the backward moves it no more than eager's recomputation (inside ``fork_rng``) does."""
+    for b in d.lines:
+        done.add(id(b))
+    now = TensorProxy(d.make_name("rng"), shape=d.state._tt_shape, dtype=dtypes.uint8, device=devices.cpu)
+    new.append(BoundSymbol(prims.get_rng_state, (d.device,), {}, now, comment=_STATE_COMMENT, region=BACKWARD))
+    new.append(BoundSymbol(prims.set_rng_state, (d.state, d.device), {}, None, region=BACKWARD))
+    for b in d.lines:
+        for a in b.flat_args():
+            need_arg(a)  # recomputed values a draw reads (deterministic: computed here all the same)
+        clone(b, b.flat_outputs()[0])
+    new.append(BoundSymbol(prims.set_rng_state, (now, d.device), {}, None, region=BACKWARD))
 
 
 def _text(b) -> str:
@@ -188,19 +303,7 @@ def recompute_checkpointed(trc, header="Checkpoint regions recomputed in the bac
     new_lines, report = recompute(lines, is_backward, candidates, trc.make_name)
     if not report.lines:
         return trc, report
-    report.regions = len({b.region.region for b in lines if _in_region(b)})
+    report.regions = len({b.region.region for b in lines if in_region(b)})
     new = trc.derive(header)
     new.bound_symbols = new_lines
     return new, report
-
-
-def recompute_split(fwd_part, bwd_part, outputs, make_name):
-    """The backward part of a joint trace (``transforms/autograd.py``) reading recomputed copies of the
-    checkpointed values; returns (backward lines, Recomputed)."""
-    fwd_ids = {id(b) for b in fwd_part}
-    is_backward = lambda b: id(b) not in fwd_ids  # noqa: E731
-    lines = list(fwd_part) + list(bwd_part)
-    candidates = checkpointed_values(lines, is_backward, {id(o) for o in outputs})
-    new_lines, report = recompute(lines, is_backward, candidates, make_name)
-    report.regions = len({b.region.region for b in fwd_part if _in_region(b)})
-    return [b for b in new_lines if id(b) not in fwd_ids], report

@@ -23,7 +23,8 @@ from .remat_policy import is_view
 def _movable(b) -> bool:
     outs = b.flat_outputs()
     return (b.region is BACKWARD and bool(outs) and all(type(o) is TensorProxy for o in outs)
-            and not b.has_side_effect and not b.draws_random and not may_raise_on_values(b))
+            and not b.has_side_effect and not b.draws_random and "reads_generator" not in b.sym.tags
+            and not may_raise_on_values(b))
 
 
 def sink(trc, header="Backward lines moved down to their first reader (transforms/sinking.py)"):
