@@ -64,7 +64,7 @@ class Recomputed:
         return [text for text, _ in self.lines]
 
 
-def _in_region(b) -> bool:
+def in_checkpoint_region(b) -> bool:
     return isinstance(b.region, Mark) and b.region is not BACKWARD and b.region.region >= 0
 
 
@@ -73,7 +73,7 @@ def checkpointed_values(lines, is_backward, returned_ids) -> dict:
     forward (not returned): the values eager's checkpoint recomputes."""
     region_of, value = {}, {}
     for b in lines:
-        if is_backward(b) or not _in_region(b) or b.region.save or not recomputable(b):
+        if is_backward(b) or not in_checkpoint_region(b) or b.region.save or not recomputable(b):
             continue
         for o in b.flat_outputs():
             if _is_tensor(o):
@@ -83,7 +83,7 @@ def checkpointed_values(lines, is_backward, returned_ids) -> dict:
     for b in lines:
         if is_backward(b):
             continue
-        here = b.region.region if _in_region(b) else None
+        here = b.region.region if in_checkpoint_region(b) else None
         for a in b.flat_args():
             r = region_of.get(id(a)) if is_proxy(a) else None
             if r is not None and r != here:
@@ -188,7 +188,7 @@ def recompute_checkpointed(trc, header="Checkpoint regions recomputed in the bac
     new_lines, report = recompute(lines, is_backward, candidates, trc.make_name)
     if not report.lines:
         return trc, report
-    report.regions = len({b.region.region for b in lines if _in_region(b)})
+    report.regions = len({b.region.region for b in lines if in_checkpoint_region(b)})
     new = trc.derive(header)
     new.bound_symbols = new_lines
     return new, report
@@ -202,5 +202,5 @@ def recompute_split(fwd_part, bwd_part, outputs, make_name):
     lines = list(fwd_part) + list(bwd_part)
     candidates = checkpointed_values(lines, is_backward, {id(o) for o in outputs})
     new_lines, report = recompute(lines, is_backward, candidates, make_name)
-    report.regions = len({b.region.region for b in fwd_part if _in_region(b)})
+    report.regions = len({b.region.region for b in fwd_part if in_checkpoint_region(b)})
     return [b for b in new_lines if id(b) not in fwd_ids], report
