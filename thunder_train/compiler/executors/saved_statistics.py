@@ -30,6 +30,7 @@ from .. import dtypes
 from . import torch_impls
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
+from ..symbols import BoundSymbol
 from ..torchlang import attention as ltorch_attention, losses as ltorch_losses, normalization as ltorch_normalization
 from ..pytree import tree_flatten
 
@@ -92,16 +93,19 @@ def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
 
 
-def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask):
-    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's): also returns the mask as the kernel reads it
-    (eager's conversion to an additive mask, a new tensor), which the backward reads as eager's autograd node
-    keeps it, instead of converting it again."""
-    mask = _additive_mask(attn_mask, query.dtype)
+def additive_attn_mask(attn_mask, dtype):
+    """A boolean attention mask as the flash kernel reads it (eager's conversion, a new tensor): its own line, so
+    that a mask built from sizes alone (a causal or sliding-window mask) is converted once (executors/constants.py)."""
+    return _additive_mask(attn_mask, dtype)
+
+
+def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask, mask):
+    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's), given also as the kernel reads it (``mask``:
+    ``additive_attn_mask``), which the backward reads as eager's autograd node keeps it."""
     if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
-        return out, query.new_empty(()), mask
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    return out, lse, mask
+        return out, query.new_empty(())
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None, enable_gqa=False):
@@ -247,7 +251,8 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, sdpa_keeping_graph,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward,
+           sdpa_keeping_graph,
            sdpa_graph_backward, cross_entropy_with_stats,
            cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
@@ -398,9 +403,11 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         masked = (mask,)
     else:
         additive = _new_proxy(trc, "mask", mask._tt_shape, q._tt_dtype, mask._tt_device)
-        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask), kwargs={},
-                              output=(fwd.output, lse, additive),
-                              comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
+        convert = BoundSymbol(impl_symbol(additive_attn_mask), (mask, q._tt_dtype.torch), {}, additive,
+                              comment="the boolean mask as the flash kernel reads it (forward and backward)")
+        new_fwd = (convert, fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask, additive),
+                                        kwargs={}, output=(fwd.output, lse),
+                                        comment="forward also keeps the log-sum-exp its backward reads"))
         masked = (additive,)
     # The backward reads its own q, k, v: the forward's, or copies the backward recomputed (a memory budget).
     bv = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
