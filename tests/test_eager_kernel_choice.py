@@ -308,20 +308,20 @@ def test_grouped_query_attention_takes_eagers_flash_kernels(thin):
     assert "sdpa_flash_cpu(" in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
 
 
-class MultiQueryAttention(torch.nn.Module):
-    """Falcon's attention: four query heads and one key/value head that the call broadcasts (no ``enable_gqa``), a
-    boolean causal mask.  Eager's CPU selector takes the math kernel for it (``_safe_softmax``)."""
+class StridedAttention(torch.nn.Module):
+    """q, k and v viewed from one projection with the head dimension strided (stride = heads) and a boolean causal
+    mask: eager's CPU selector takes the math kernel for them (``_safe_softmax``), not flash."""
 
     def __init__(self, channels=32, heads=4):
         super().__init__()
         self.heads, self.d = heads, channels // heads
-        self.qkv = torch.nn.Linear(channels, channels + 2 * self.d, bias=False)
+        self.qkv = torch.nn.Linear(channels, 3 * channels, bias=False)
         self.out = torch.nn.Linear(channels, channels)
 
     def forward(self, x, checkpointed=False):
         b, n, c = x.shape
-        h = self.qkv(x).view(b, n, self.heads + 2, self.d)
-        q, k, v = h[:, :, :-2].transpose(1, 2), h[:, :, -2:-1].transpose(1, 2), h[:, :, -1:].transpose(1, 2)
+        h = self.qkv(x).view(b, n, 3, self.d, self.heads)
+        q, k, v = (h[:, :, i].permute(0, 3, 1, 2) for i in range(3))  # (b, heads, n, d), d strided
         mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
         attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
         a = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False) if checkpointed else attend(q, k, v)
@@ -339,11 +339,11 @@ class _AtenCounts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
-def test_multi_query_attention_keeps_eagers_graph_and_trains_bitwise_as_eager(checkpointed):
+def test_math_kernel_attention_keeps_eagers_graph_and_trains_bitwise_as_eager(checkpointed):
     # A call eager runs with another kernel than flash: its forward keeps eager's autograd graph and the backward
-    # runs it (eager's kernels: bitwise eager's values), instead of the op-by-op decomposition or a second forward.
+    # runs it (eager's kernels: bitwise eager's values), instead of running the forward a second time for it.
     torch.manual_seed(0)
-    me = MultiQueryAttention()
+    me = StridedAttention()
     mc = copy.deepcopy(me)
     oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
 

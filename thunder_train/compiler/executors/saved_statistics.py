@@ -16,6 +16,10 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 * ``group_norm`` (CPU, row-major input) → ``native_group_norm`` returns the per-group mean
   and reciprocal std that ``native_group_norm_backward`` reads.
 
+Attention eager runs with another kernel (the math one: Falcon's single key/value head broadcast over the query
+heads, q/k/v with a strided last dimension) keeps the autograd graph of eager's own call from the forward line to
+the backward line (``sdpa_keeping_graph``), unless the program asks for memory (checkpoint regions, a budget).
+
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
 after it: less memory, same kernels); the pass only rewrites a forward/vjp pair it fully understands and leaves everything else alone.

@@ -66,8 +66,6 @@ def _sdpa_supported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     hq, hk, hv = (t._tt_shape[-3:-2] for t in (query, key, value))
     if hq == hk == hv:
         return True
-    if hk == hv == (1,):  # one key/value head broadcast over the query heads (multi-query attention, e.g. Falcon)
-        return True
     return bool(enable_gqa) and hk == hv and hq[0] % hk[0] == 0
 
 
