@@ -16,9 +16,10 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 * ``group_norm`` (CPU, row-major input) → ``native_group_norm`` returns the per-group mean
   and reciprocal std that ``native_group_norm_backward`` reads.
 
-Attention eager runs with another kernel (the math one: Falcon's single key/value head broadcast over the query
-heads, q/k/v with a strided last dimension) keeps the autograd graph of eager's own call from the forward line to
-the backward line (``sdpa_keeping_graph``), unless the program asks for memory (checkpoint regions, a budget).
+Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
+graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
+asks for memory (checkpoint regions, a budget).  (Falcon's single key/value head broadcast over the query heads
+takes the decomposition, not this: at its sizes autograd's cost per node made the step 10 % slower.)
 
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
@@ -332,8 +333,8 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
 
 
 def _sdpa_keeps_its_graph(fwd, vjp, positions):
-    """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for Falcon's single
-    key/value head): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
+    """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for q/k/v with a
+    strided last dimension): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
     running the forward again.  The graph holds what eager's holds (the math kernel's attention probabilities), so
     only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
     backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
