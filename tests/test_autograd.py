@@ -175,6 +175,22 @@ def test_embedding_gradient_is_eagers_kernel_bitwise(kwargs):
     assert "ttex.embedding_vjp(" in str(tt.last_backward_traces(cf)[-1])
 
 
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim, dtype", [(-1, None), (1, None), (-1, torch.float32), (-1, torch.float64)])
+def test_softmax_gradient_is_eagers_kernel_bitwise(op, dim, dtype):
+    """Eager's backward kernel on the forward's output (no forward recomputation) where that is what eager's autograd
+    runs; with a ``dtype`` other than the input's, eager differentiates the conversion too (the forward is run again
+    under autograd then)."""
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 5, 7, requires_grad=True), torch.randn(3, 5, 7, dtype=dtype or torch.float32)
+    f = lambda x: getattr(torch, op)(x * 2.0, dim, dtype=dtype)  # noqa: E731
+    cf = tt.compile(f)
+    got = torch.autograd.grad(cf(x), x, g)[0]
+    assert torch.equal(got, torch.autograd.grad(f(x), x, g)[0])
+    direct = f"ttex.{op}_vjp" in str(tt.last_backward_traces(cf)[-1])  # (or its out form)
+    assert direct == (dtype in (None, torch.float32))
+
+
 def test_sparse_embedding_gradient_is_refused_with_what_to_do():
     """A sparse gradient cannot be given; a dense one in its place would be silently different (its type)."""
     emb = nn.Embedding(5, 3, sparse=True)

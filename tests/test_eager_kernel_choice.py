@@ -306,3 +306,66 @@ def test_grouped_query_attention_takes_eagers_flash_kernels(thin):
     cf = _train_both(GroupedQueryAttention, thin=thin)
     src = str(tt.last_traces(cf)[-1])
     assert "sdpa_flash_cpu(" in src and "sdpa_flash_cpu_backward(" in src and "vjp_scaled_dot_product" not in src
+
+
+class StridedAttention(torch.nn.Module):
+    """q, k and v viewed from one projection with the head dimension strided (stride = heads) and a boolean causal
+    mask: eager's CPU selector takes the math kernel for them (``_safe_softmax``), not flash."""
+
+    def __init__(self, channels=32, heads=4):
+        super().__init__()
+        self.heads, self.d = heads, channels // heads
+        self.qkv = torch.nn.Linear(channels, 3 * channels, bias=False)
+        self.out = torch.nn.Linear(channels, channels)
+
+    def forward(self, x, checkpointed=False):
+        b, n, c = x.shape
+        h = self.qkv(x).view(b, n, 3, self.d, self.heads)
+        q, k, v = (h[:, :, i].permute(0, 3, 1, 2) for i in range(3))  # (b, heads, n, d), d strided
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
+        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+        a = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False) if checkpointed else attend(q, k, v)
+        return x + self.out(a.transpose(1, 2).reshape(b, n, c))
+
+
+class _AtenCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] = self.counts.get(func, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_math_kernel_attention_keeps_eagers_graph_and_trains_bitwise_as_eager(checkpointed):
+    # A call eager runs with another kernel than flash: its forward keeps eager's autograd graph and the backward
+    # runs it (eager's kernels: bitwise eager's values), instead of running the forward a second time for it.
+    torch.manual_seed(0)
+    me = StridedAttention()
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x, checkpointed), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step, thin=True)
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
+        assert torch.equal(cf(mc, oc, x, y), step(me, oe, x, y)), i
+        for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            assert torch.equal(pc, pe), (i, name)
+    src = str(tt.last_traces(cf)[-1])
+    if checkpointed:  # the user asked for memory: no graph (attention probabilities) is kept from forward to backward
+        assert "sdpa_keeping_graph(" not in src and "vjp_scaled_dot_product" in src
+        return
+    assert src.count("sdpa_keeping_graph(") == 1 and "sdpa_graph_backward(" in src and "vjp_scaled_dot_product" not in src
+    with _AtenCounts() as seen:
+        cf(mc, oc, x, y)
+    assert seen.counts[torch.ops.aten._safe_softmax.default] == 1  # the forward runs once

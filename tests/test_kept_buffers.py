@@ -89,6 +89,8 @@ OUT_CASES = {
     "mean keepdim": (torch.Tensor.mean, (_x(4, 16, 32), (-1,), True), {}),
     "mean of a transposed input": (torch.mean, (_x(32, 64).t(), (0,)), {}),
     "gelu_vjp": (torch_impls.gelu_vjp, (_x(64, 32), (), _x(64, 32)), {"approximate": "tanh"}),
+    "softmax_vjp": (torch_impls.softmax_vjp, (_x(64, 32), (torch.softmax(_x(64, 32), -1),), _x(64, 32)), {"dim": -1}),
+    "log_softmax_vjp": (torch_impls.log_softmax_vjp, (_x(64, 32), (torch.log_softmax(_x(64, 32), 0),), _x(64, 32)), {"dim": 0}),
 }
 
 

@@ -502,6 +502,17 @@ def test_forward_statistics_are_declared_on_ops_with_a_fused_backward():
     assert declared == {"scaled_dot_product_attention", "cross_entropy", "layer_norm", "batch_norm", "group_norm"}
     assert all("fused_backward" in op.tags and callable(op.torch_saved_statistics)
                for op in _all_symbols() if op.torch_saved_statistics is not None)
+    # The forward that keeps eager's autograd graph for its backward line: attention's math kernel alone.
+    kept = [op.name for op in _all_symbols() if op.torch_kept_graph is not None]
+    assert kept == ["scaled_dot_product_attention"]
+
+
+def test_direct_vjps_that_apply_to_some_calls_say_which():
+    # softmax_vjp runs _softmax_backward_data, the kernel eager's autograd runs for softmax without a dtype conversion.
+    from thunder_train.compiler.torchlang import reductions as tred
+
+    for op in (tred.softmax, tred.log_softmax):
+        assert op.torch_direct_vjp is not None and callable(op.torch_direct_vjp.applies), op.name
 
 
 def test_ops_that_split_by_index_are_list_ops_whose_kernels_update_each_entry_alone():

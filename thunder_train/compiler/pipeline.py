@@ -35,6 +35,7 @@ from .transforms.collectives import late_waits, prefetch
 from .transforms.lifetimes import free_after_last_use, take_saved_as_list
 from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
+from .transforms.remat import in_region
 from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
@@ -110,7 +111,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     trc = dce(acquired.trace, keep_sizes=True)
     traces.append(trc)
     computed = trc  # what autograd differentiates (step 9)
-    memory, asks = None, False  # asks: the program asks for memory (checkpoint regions or a budget)
+    memory, asks, keep_graphs = None, False, True  # asks: the program asks for memory (checkpoint regions or a budget)
     if has_backward:
         trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
@@ -120,6 +121,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         # nothing); docs/memory.md, known gaps.
         # A program that asks for memory updates every parameter as soon as it can (no small gradients held back).
         asks = memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None)
+        # A checkpoint region whose values nothing needed to recompute still asks for memory: no forward keeps its
+        # autograd graph for the backward there (executors/saved_statistics.py ``keep_graphs``).
+        keep_graphs = not asks and not any(in_region(b) for b in trc.bound_symbols)
         updated = update_when_final(trc, hold_back_bytes=0 if asks else None) if options.fusion in (None, "background") else trc
         if updated is not trc:
             trc = updated
@@ -132,7 +136,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     #    later (step 12).
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
                                written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers,
-                               blocked_head=asks)
+                               blocked_head=asks, keep_graphs=keep_graphs)
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
@@ -196,7 +200,8 @@ def _decision_note(d) -> str:
     return f"{d.text}: {d.ops} op(s) recomputed by the prologue on every call{why}"
 
 
-def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers, blocked_head=False):
+def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers, blocked_head=False,
+            keep_graphs=True):
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
@@ -206,7 +211,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     trc = dce(trc, header=f"Final computation (executors: {names})")
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
-        trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)")
+        trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)",
+                                       keep_graphs=keep_graphs)
         # 5a. Where the program asks for memory (checkpoint regions, a budget), a language model's head and its
         #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
         #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).

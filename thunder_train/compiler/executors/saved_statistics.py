@@ -16,6 +16,11 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 * ``group_norm`` (CPU, row-major input) → ``native_group_norm`` returns the per-group mean
   and reciprocal std that ``native_group_norm_backward`` reads.
 
+Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
+graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
+asks for memory (checkpoint regions, a budget).  (Falcon's single key/value head broadcast over the query heads
+takes the decomposition, not this: at its sizes autograd's cost per node made the step 10 % slower.)
+
 These are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
 after it: less memory, same kernels); the pass only rewrites a forward/vjp pair it fully understands and leaves everything else alone.
@@ -30,6 +35,7 @@ from .. import dtypes
 from . import torch_impls
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
+from ..symbols import BoundSymbol
 from ..torchlang import attention as ltorch_attention, losses as ltorch_losses, normalization as ltorch_normalization
 from ..pytree import tree_flatten
 
@@ -92,16 +98,19 @@ def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
 
 
-def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask):
-    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's): also returns the mask as the kernel reads it
-    (eager's conversion to an additive mask, a new tensor), which the backward reads as eager's autograd node
-    keeps it, instead of converting it again."""
-    mask = _additive_mask(attn_mask, query.dtype)
+def additive_attn_mask(attn_mask, dtype):
+    """A boolean attention mask as the flash kernel reads it (eager's conversion, a new tensor): its own line, so
+    that a mask built from sizes alone (a causal or sliding-window mask) is converted once (executors/constants.py)."""
+    return _additive_mask(attn_mask, dtype)
+
+
+def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask, mask):
+    """``sdpa_flash_cpu`` with a boolean mask (a padded batch's), given also as the kernel reads it (``mask``:
+    ``additive_attn_mask``), which the backward reads as eager's autograd node keeps it."""
     if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
-        return out, query.new_empty(()), mask
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    return out, lse, mask
+        return out, query.new_empty(())
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None, enable_gqa=False):
@@ -117,6 +126,27 @@ def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, wh
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, query, key, value, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
     return tuple(grads[i] for i in which)
+
+
+def sdpa_keeping_graph(query, key, value, which, **kwargs):
+    """Eager's ``scaled_dot_product_attention`` call (whatever kernel it picks: the math one for one key/value head
+    broadcast over the query heads, or a mask it does not take to flash), run as eager runs it in training: on
+    ``query``, ``key``, ``value`` (those at the positions ``which`` made to require grad).  The output comes back
+    detached, carrying the autograd graph eager's call recorded, which ``sdpa_graph_backward`` runs: eager's own
+    backward kernels, bitwise eager's gradients, without running the forward a second time."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **kwargs)
+    result = out.detach()
+    result._tt_graph = (out, [leaves[i] for i in which])
+    return result
+
+
+def sdpa_graph_backward(g, out, *reads):
+    """The gradients of the call ``sdpa_keeping_graph`` made for ``g`` (torch's autograd; the graph is freed).
+    ``reads``: the forward's inputs, which the graph saved (listed so that nothing writes over them before this)."""
+    graph, leaves = out.__dict__.pop("_tt_graph")
+    return torch.autograd.grad(graph, leaves, g)
 
 
 def cross_entropy_with_stats(input, target, ignore_index, reduction):
@@ -226,7 +256,9 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
     return tuple(grads[i] for i in which)
 
 
-for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward, cross_entropy_with_stats,
+for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward,
+           sdpa_keeping_graph,
+           sdpa_graph_backward, cross_entropy_with_stats,
            cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
@@ -300,6 +332,33 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
     return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
+def _sdpa_keeps_its_graph(fwd, vjp, positions):
+    """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for q/k/v with a
+    strided last dimension): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
+    running the forward again.  The graph holds what eager's holds (the math kernel's attention probabilities), so
+    only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
+    backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
+    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None or b["dropout_p"] != 0.0 or not _same_call(fwd, vjp):
+        return None
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
+        return None
+    if mask is not None and type(mask) is not TensorProxy:
+        return None
+    which = []
+    for pos in positions:
+        if len(pos) != 1 or pos[0] > 2 or pos[0] >= len(fwd.args) or pos[0] in which:
+            return None
+        which.append(pos[0])
+    kwargs = {n: b[n] for n in ("attn_mask", "is_causal", "scale", "enable_gqa") if b[n] is not _SDPA_DEFAULTS[n]}
+    new_fwd = fwd.replace(sym=impl_symbol(sdpa_keeping_graph), args=(q, k, v, tuple(which)), kwargs=kwargs,
+                          comment="forward keeps eager's autograd graph, which its backward runs")
+    reads = (q, k, v) + ((mask,) if mask is not None else ())
+    new_vjp = vjp.replace(sym=impl_symbol(sdpa_graph_backward), args=(vjp.args[0], fwd.output, *reads), kwargs={})
+    return new_fwd, new_vjp
+
+
 def _rewrite_sdpa(trc, fwd, vjp, positions):
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
     if b is None or b["dropout_p"] != 0.0 or type(b["enable_gqa"]) is not bool:
@@ -349,9 +408,11 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         masked = (mask,)
     else:
         additive = _new_proxy(trc, "mask", mask._tt_shape, q._tt_dtype, mask._tt_device)
-        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask), kwargs={},
-                              output=(fwd.output, lse, additive),
-                              comment="forward also keeps the log-sum-exp and the additive mask its backward reads")
+        convert = BoundSymbol(impl_symbol(additive_attn_mask), (mask, q._tt_dtype.torch), {}, additive,
+                              comment="the boolean mask as the flash kernel reads it (forward and backward)")
+        new_fwd = (convert, fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask, additive),
+                                        kwargs={}, output=(fwd.output, lse),
+                                        comment="forward also keeps the log-sum-exp its backward reads"))
         masked = (additive,)
     # The backward reads its own q, k, v: the forward's, or copies the backward recomputed (a memory budget).
     bv = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
@@ -498,6 +559,8 @@ def _rewrite_group_norm(trc, fwd, vjp, positions):
 # Which forward statistics an op's backward reuses: a fact of the op (``Symbol.torch_saved_statistics``),
 # registered here because the kernels are the torch executor's.
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
+# Where no kernel pair above applies: the forward keeps eager's autograd graph for the backward line.
+ltorch_attention.scaled_dot_product_attention.torch_kept_graph = _sdpa_keeps_its_graph
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy
 ltorch_normalization.layer_norm.torch_saved_statistics = _rewrite_layer_norm
 ltorch_normalization.batch_norm.torch_saved_statistics = _rewrite_batch_norm
@@ -531,7 +594,9 @@ def _overwrite_dead_logits(trc, bsyms) -> list:
     return out
 
 
-def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept"):
+def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept", keep_graphs=True):
+    """``keep_graphs``: a forward no kernel pair covers may keep eager's autograd graph for its backward
+    (``Symbol.torch_kept_graph``); False where the program asks for memory (a checkpoint region, a budget)."""
     bsyms = list(trc.bound_symbols)
     changed = False
     for j, vb in enumerate(bsyms):
@@ -546,6 +611,9 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
                 continue
             if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb, getattr(rewrite, "recomputed_inputs_ok", False)):
                 pair = rewrite(trc, fb, vb, vjp.wanted)
+                kept_graph = getattr(op, "torch_kept_graph", None) if keep_graphs else None
+                if pair is None and kept_graph is not None:
+                    pair = kept_graph(fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
                     changed = True

@@ -569,7 +569,9 @@ class TorchExecutor:
         if sym.module == "vjp" and not self.decompose and bsym.torch_fn is not None and bsym.torch_fn[0] is not None:
             fn, wanted = bsym.torch_fn
             direct = sym.forward_symbol.torch_direct_vjp
-            if direct is not None and wanted == getattr(direct, "wanted", ((0,),)):  # the gradients it computes
+            applies = getattr(direct, "applies", None)  # (its arguments) -> whether it is eager's kernel for them
+            if (direct is not None and wanted == getattr(direct, "wanted", ((0,),))  # the gradients it computes
+                    and (applies is None or applies(*bsym.args[1:], **bsym.kwargs))):
                 return BoundSymbol(impl_symbol(direct), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
             impl = _vjp_impls.get((fn, wanted))
             if impl is None:

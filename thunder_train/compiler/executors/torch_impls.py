@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from .. import codegen
 from ..errors import DecisionMismatch
 from ..torchlang import activations as ltorch_activations, nn as ltorch_nn, normalization as ltorch_normalization, optim as ltorch_optim
+from ..torchlang import reductions as ltorch_reductions
+from ..torchlang.convert import to_dtype
 
 
 def broadcast_in_dim(a, view_shape, shape):
@@ -243,6 +245,37 @@ def embedding_vjp(g, reads, input, weight, padding_idx=None, max_norm=None, norm
 embedding_vjp.wanted = ((1,),)  # the gradient of ``weight`` (positional argument 1) only
 
 
+def softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
+    """(Log-)softmax's gradient from its output (``reads``: the value its rule reads, the forward's output) by eager's
+    backward kernel, without running the forward again under autograd."""
+    return (torch.ops.aten._softmax_backward_data(g, reads[0], dim, input.dtype),)
+
+
+def log_softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
+    return (torch.ops.aten._log_softmax_backward_data(g, reads[0], dim, input.dtype),)
+
+
+def _output_read(reads, input, dim=None, _stacklevel=3, dtype=None) -> bool:
+    """The kernel eager's autograd runs for the call is the one above: an int ``dim``, ``dtype`` absent or the
+    input's (else eager converts first and differentiates the conversion too), and the rule reading one value of
+    the input's metadata (the output)."""
+    if type(dim) is not int or not input._tt_dtype.is_float or (dtype is not None and to_dtype(dtype) is not input._tt_dtype):
+        return False
+    return len(reads) == 1 and reads[0]._tt_dtype is input._tt_dtype and tuple(reads[0]._tt_shape) == tuple(input._tt_shape)
+
+
+def softmax_vjp_out(g, reads, input, dim=None, _stacklevel=3, dtype=None, *, out):
+    return (torch.ops.aten._softmax_backward_data.out(g, reads[0], dim, input.dtype, grad_input=out[0]),)
+
+
+def log_softmax_vjp_out(g, reads, input, dim=None, _stacklevel=3, dtype=None, *, out):
+    return (torch.ops.aten._log_softmax_backward_data.out(g, reads[0], dim, input.dtype, out=out[0]),)
+
+
+softmax_vjp.applies = log_softmax_vjp.applies = _output_read
+softmax_vjp.out, log_softmax_vjp.out = softmax_vjp_out, log_softmax_vjp_out
+
+
 def batch_norm_running_stats(input, running_mean, running_var, momentum):
     """The running statistics' new values, from eager's own training-mode batch norm kernel (bitwise eager's update).
     An empty batch leaves them as they are: eager's batch_norm does not call the kernel for one (it would raise)."""
@@ -278,11 +311,14 @@ def gelu_vjp_out(g, reads, input, approximate="none", *, out):
 
 gelu_vjp.out = gelu_vjp_out
 # The arguments whose memory a function's results may share (executors/buffers.py; undeclared: all of them).
-for _f in (gelu_vjp, silu_vjp, embedding_vjp, convolution, convolution_backward, batch_norm_running_stats):
+for _f in (gelu_vjp, silu_vjp, embedding_vjp, softmax_vjp, log_softmax_vjp, convolution, convolution_backward,
+           batch_norm_running_stats):
     _f.aliases = ()
 ltorch_activations.gelu.torch_direct_vjp = gelu_vjp
 ltorch_activations.silu.torch_direct_vjp = silu_vjp
 ltorch_nn.embedding.torch_direct_vjp = embedding_vjp
+ltorch_reductions.softmax.torch_direct_vjp = softmax_vjp
+ltorch_reductions.log_softmax.torch_direct_vjp = log_softmax_vjp
 
 
 def obeys_layout(g, param) -> bool:
