@@ -78,7 +78,13 @@ def test_recurring_sizes_get_their_own_program(thin):
 
 
 def test_sizes_are_specialised_when_their_calls_paid_for_the_trace(monkeypatch):
-    """The default rule: with a realistic gain, these microsecond steps never pay for a trace of seconds."""
+    """The default rule: with a realistic gain, steps of microseconds never pay for a trace of milliseconds or more.
+    The dispatch's clock is a stub that says each call took 50 µs: a loaded machine's stalls cannot decide it."""
+    import types
+
+    ticks = iter(range(10**6))
+    clock = types.SimpleNamespace(perf_counter=lambda: 50e-6 * next(ticks))  # consecutive reads: 50 µs apart
+    monkeypatch.setattr(recurring_sizes, "time", clock)
     monkeypatch.setattr(recurring_sizes, "ASSUMED_GAIN", 0.1)
     cf, *_ = _run(BUCKETS, thin=True)
     assert tt.compile_stats(cf).recurring_sizes == []
