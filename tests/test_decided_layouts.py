@@ -173,7 +173,8 @@ def test_zoo_steps_with_checked_decisions(verify, name):
         torch.testing.assert_close(cf(compiled, opts[1], b), _zoo.train_step(eager, opts[0], b), rtol=1e-4, atol=1e-5)
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert "made with the buffers" in source(cf)
+    if name != "gpt2":  # GPT-2's tiny step keeps no buffers: each would raise its planned peak (buffers.PEAK_SLACK)
+        assert "made with the buffers" in source(cf)
 
 
 FUSED_OPTIMIZERS = {

@@ -144,8 +144,8 @@ def _why_meta_failed(e) -> str:
         return ("torch has no meta kernel for it, so its output's metadata cannot be learned without running it; this "
                 "is the case for ops whose output shape depends on tensor values (nonzero, boolean masking, unique, "
                 ".item()). Compute this part outside the compiled function, or open an issue asking for the op.")
-    return ("The op rejected these arguments' shapes, dtypes or layouts (eager may accept them, e.g. an in-place op "
-            "that resizes its destination): pass arguments of the result's shape, or call it outside the compiled function.")
+    return ("The op rejected these arguments' shapes, dtypes or layouts on meta tensors (eager may accept them): pass "
+            "arguments of the result's shape, or call it outside the compiled function.")
 
 
 def call_opaque(func, args, kwargs, *, strict: bool):

@@ -30,7 +30,7 @@ import dataclasses
 
 from .. import devices, dtypes, prims
 from ..prims.generators import state_size
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import NumberProxy, TensorProxy, is_proxy
 from ..pytree import tree_map
 from ..symbols import BoundSymbol
 
@@ -101,6 +101,21 @@ class Recomputed:
         return [text for text, _ in self.lines]
 
 
+def traced_size(s) -> int:
+    """A size for the estimate: a symbolic size (dynamic shapes) counts at its traced value.  The plan only
+    decides what is saved or recomputed, never a value, so no call is specialised on it."""
+    return s.value if isinstance(s, NumberProxy) else int(s)
+
+
+def nbytes(p) -> int:
+    if type(p) is not TensorProxy:
+        return 0
+    n = 1
+    for s in p._tt_shape:
+        n *= traced_size(s)
+    return n * p._tt_dtype.torch.itemsize
+
+
 def in_region(b) -> bool:
     return isinstance(b.region, Mark) and b.region is not BACKWARD and b.region.region >= 0
 
@@ -108,8 +123,6 @@ def in_region(b) -> bool:
 def worth_replaying(lines, is_backward, regions: dict) -> dict:
     """The regions whose draws hold more bytes than the generator state a replay keeps instead (a CPU state is
     5 KB: a tiny region's mask is smaller, and kept)."""
-    from .remat_policy import nbytes
-
     drawn: dict = {}
     for b in lines:
         if not is_backward(b) and in_region(b) and b.region.region in regions and b.draws_random:

@@ -11,8 +11,8 @@ first per byte saved, until the bytes kept for the backward are at most the budg
 """
 from __future__ import annotations
 
-from ..proxies import NumberProxy, TensorProxy, is_proxy
-from .remat import recomputable
+from ..proxies import TensorProxy, is_proxy
+from .remat import traced_size, nbytes, recomputable
 
 _CHEAP_PRIM_TAGS = frozenset({"elementwise", "shape_only", "cheap_to_recompute"})
 
@@ -35,21 +35,6 @@ def is_view(b) -> bool:
     if b.sym.is_prim:
         return "shape_only" in b.sym.tags
     return bool(b.subsymbols) and all(is_view(s) for s in b.subsymbols)
-
-
-def _size(s) -> int:
-    """A size for the estimate: a symbolic size (dynamic shapes) counts at its traced value.  The plan only
-    decides what is saved or recomputed, never a value, so no call is specialised on it."""
-    return s.value if isinstance(s, NumberProxy) else int(s)
-
-
-def nbytes(p) -> int:
-    if type(p) is not TensorProxy:
-        return 0
-    n = 1
-    for s in p._tt_shape:
-        n *= _size(s)
-    return n * p._tt_dtype.torch.itemsize
 
 
 def _reads(b) -> list:
@@ -141,7 +126,7 @@ def cost(b) -> int:
         n = sum(nbytes(o) // max(1, o._tt_dtype.torch.itemsize) for o in outs)
         if b.sym.name == "matmul":
             a = next((x for x in b.flat_args() if type(x) is TensorProxy), None)
-            return 2 * n * (_size(a._tt_shape[-1]) if a is not None and a._tt_shape else 1)
+            return 2 * n * (traced_size(a._tt_shape[-1]) if a is not None and a._tt_shape else 1)
         return max(1, n)
     return sum(cost(s) for s in b.subsymbols)
 
