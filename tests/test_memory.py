@@ -99,22 +99,13 @@ def test_memory_report(small_gpt):
     assert "# recomputed for the backward" in text
 
 
-def _module_step(cm, opt, x, y):
-    """A training step around a compiled module: its forward and backward programs, PyTorch's autograd between."""
-    loss = F.cross_entropy(cm(x).flatten(0, -2), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
 def _module_run(model, batch, ckpt, compile_options=None, steps=2):
     """(peak bytes of the last step, losses, compiled module or None): eager or ``tt.compile(model)``."""
     m = Checkpointed(model) if ckpt else model
     run = m if compile_options is None else tt.compile(m, **compile_options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    losses = [_module_step(run, opt, *batch).detach() for _ in range(steps)]
-    peak = peak_bytes(lambda: _module_step(run, opt, *batch))
+    losses = [step(run, opt, *batch).detach() for _ in range(steps)]
+    peak = peak_bytes(lambda: step(run, opt, *batch))
     return peak, losses, (None if compile_options is None else run)
 
 
