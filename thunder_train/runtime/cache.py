@@ -180,18 +180,10 @@ class FullPath:
         call fixed (kept buffers for every value, background fusion), give it to the dispatch, and run the call."""
         inputs = entry.select(vals)
         t0 = time.perf_counter()
-        fusion = "background" if self._background_wanted else self._fusion_mode  # fused regions need fixed sizes
-        options = Options(strict=self.strict, decompose=self.decompose, dynamic=False, fusion=fusion,
-                          optimizer_kernels=self.optimizer_kernels, keep_buffers=self.keep_buffers,
-                          memory_budget=self.memory_budget)
         sizes = entry.slot.sizes
         what = ", ".join(str(tuple(inputs[p].shape)) for p in sizes.positions)
         try:
-            with _no_cyclic_gc():
-                compiled, _ = compile_entry(
-                    self.fn, args, kwargs, options, self.executors, struct_key=struct_key(args, kwargs, arg_key),
-                    arg_names=self._arg_names, intern_prologue=lambda p: self._prologues.setdefault(p.structure, p),
-                    fusion_notes=self.stats.fusion_notes)
+            compiled, _ = self._trace(args, kwargs, struct_key(args, kwargs, arg_key), (), fixed_sizes=True)
         except Exception as e:  # noqa: BLE001 - the symbolic program runs this size, as before
             why = f"tracing it failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
         else:
@@ -371,14 +363,17 @@ class FullPath:
         names = ", ".join(self._dims.describe(self._arg_names))
         return self._dims.key(args, kwargs), f"{reason or 'sizes changed'}; symbolic from now on: {names}"
 
-    def _trace(self, args, kwargs, key, forced_decisions):
+    def _trace(self, args, kwargs, key, forced_decisions, fixed_sizes=False):
         with _no_cyclic_gc():
-            return self._trace_now(args, kwargs, key, forced_decisions)
+            return self._trace_now(args, kwargs, key, forced_decisions, fixed_sizes)
 
-    def _trace_now(self, args, kwargs, key, forced_decisions):
-        dynamic = self._dims.for_trace()
+    def _trace_now(self, args, kwargs, key, forced_decisions, fixed_sizes):
+        """``fixed_sizes``: every size of this call specialised (a recurring size's program, recurring_sizes.py)."""
+        dynamic = False if fixed_sizes else self._dims.for_trace()
         fusion = self._fusion_mode
-        if self._background_wanted and is_symbolic_trace(dynamic):
+        if fixed_sizes and self._background_wanted:
+            fusion = "background"  # fused regions need fixed sizes: this program can have them
+        elif self._background_wanted and is_symbolic_trace(dynamic):
             fusion = None  # symbolic sizes: no region is fusible (docs/fusion.md), so nothing to build
             self.stats.fusion_decisions.append(symbolic_fusion_decision(dynamic, self._arg_names))
         options = Options(strict=self.strict, decompose=self.decompose, dynamic=dynamic, fusion=fusion,
