@@ -373,3 +373,47 @@ def test_unique_dim_forward_runs_and_backward_raises_eagers_error():
     assert out.requires_grad
     with pytest.raises(NotImplementedError, match="the derivative for 'unique_dim' is not implemented"):
         out.sum().backward()
+
+
+def _masked_sum_step(x, w, p):
+    h = torch.nn.functional.dropout(x @ w, p)
+    loss = h[h[:, 0] > 0].sum()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_count_of_one_is_not_a_decision_of_the_backward(mode):
+    # The sum's gradient is broadcast back to the selection's shape; choosing how to run that broadcast compared the
+    # count with 1 (a decision checked on every call: retraced when a count of 1 came, refused after a dropout).
+    cf = tt.compile(_masked_sum_step, **mode)
+    w = torch.randn(5, 3, requires_grad=True)
+    g = torch.Generator().manual_seed(2)
+    for rows, p in [(3, 0.0), (1, 0.0), (0, 0.0), (2, 0.0), (1, 0.0)]:
+        x = torch.randn(4, 5, generator=g)
+        x = x * torch.sign((x @ w)[:, :1]).detach()
+        x[rows:] = -x[rows:]
+        assert int(((x @ w)[:, 0] > 0).sum()) == rows
+        w.grad = None
+        want, want_grad = _masked_sum_step(x, w, p), w.grad.clone()
+        w.grad = None
+        torch.testing.assert_close(cf(x, w, p), want)
+        torch.testing.assert_close(w.grad, want_grad)
+    stats = tt.compile_stats(cf)
+    assert stats.entries == 1 and stats.decision_mismatches == 0, stats.retrace_reasons
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_a_mask_of_dropped_out_values_selects_as_eager(mode):
+    cf = tt.compile(_masked_sum_step, **mode)
+    w1 = torch.randn(5, 3, requires_grad=True)
+    w2 = w1.detach().clone().requires_grad_()
+    for seed in range(3):
+        x = torch.randn(4, 5)
+        torch.manual_seed(seed)
+        want = _masked_sum_step(x, w1, 0.3)
+        eager_state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        torch.testing.assert_close(cf(x, w2, 0.3), want)
+        torch.testing.assert_close(w2.grad, w1.grad)
+        assert torch.equal(torch.get_rng_state(), eager_state)

@@ -157,7 +157,7 @@ def _foreach_of_row_major(bsym, tensors, outs) -> bool:
     if not all(t._tt_rowmajor for t in tensors):
         return False
     first = bsym.args[0] if isinstance(bsym.args[0], (list, tuple)) else ()
-    return len(first) == len(outs) and all(type(a) is TensorProxy and a._tt_shape == o._tt_shape for a, o in zip(first, outs))
+    return len(first) == len(outs) and all(type(a) is TensorProxy and same_shape(a._tt_shape, o._tt_shape) for a, o in zip(first, outs))
 
 
 def _like_input(bsym, tensors, outs) -> bool:

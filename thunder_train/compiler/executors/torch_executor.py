@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes, devices, prims, symbols
 from ..opaque import printable_reference
-from ..proxies import TensorProxy, is_int
+from ..proxies import TensorProxy, is_int, same_shape
 from ..pytree import tree_map
 from ..symbols import Symbol, BoundSymbol
 from . import torch_impls
@@ -311,9 +311,10 @@ def _(bsym):
     view = [1] * len(shape)
     for i, d in enumerate(bdims):
         view[d] = a._tt_shape[i]
-    if tuple(view) == a._tt_shape:
+    # same_shape: a data-dependent size (a boolean mask's count) compares without asking for its value
+    if same_shape(view, a._tt_shape):
         return torch.Tensor.expand, (a, tuple(shape)), {}
-    if tuple(view) == tuple(shape):
+    if same_shape(view, shape):
         return torch.reshape, (a, tuple(shape)), {}
     return torch_impls.broadcast_in_dim, (a, tuple(view), tuple(shape)), {}
 
