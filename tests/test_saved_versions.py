@@ -21,6 +21,7 @@ def _inputs():
 
 
 def _run(fn, args):
+    torch.manual_seed(0)  # the same dropout draws eagerly and compiled
     try:
         return fn(*args), None
     except RuntimeError as e:
@@ -152,7 +153,103 @@ def _data_write_not_saved(x, w):
     return h.detach()
 
 
-CASES = [(_data_write_not_saved, False),
+def _mul_by_itself(x, w):
+    y = x @ w * 2
+    y.mul_(y)  # mul_ saves its other argument, which its own write then changes
+    y.sum().backward()
+    return y.detach()
+
+
+def _mul_by_its_detached_self(x, w):
+    y = x @ w * 2
+    y.mul_(y.detach())  # the same version counter
+    y.sum().backward()
+    return y.detach()
+
+
+def _mul_by_its_clone(x, w):
+    y = x @ w * 2
+    y.mul_(y.clone())
+    y.sum().backward()
+    return y.detach()
+
+
+def _rows_multiplied(x, w):
+    y = x @ w * 2
+    y[0] *= y[1]  # two views of one base: one counter
+    y.sum().backward()
+    return y.detach()
+
+
+def _addcmul_by_itself(x, w):
+    y = x @ w * 2
+    y.addcmul_(y, x)  # saves its first tensor argument when the second requires grad: not here
+    y.addcmul_(y, y)
+    y.sum().backward()
+    return y.detach()
+
+
+def _divided_by_itself(x, w):
+    y = x @ w + 5
+    y.div_(y)
+    y.sum().backward()
+    return y.detach()
+
+
+def _added_to_itself(x, w):
+    y = x @ w * 2
+    y += y  # add_ saves nothing
+    y.sum().backward()
+    return y.detach()
+
+
+def _squared_in_place(x, w):
+    y = x @ w * 2
+    y.pow_(2)  # pow_ saves a copy of the old value, not the tensor
+    y.sum().backward()
+    return y.detach()
+
+
+def _mul_by_itself_under_no_grad(x, w):
+    y = x @ w * 2
+    with torch.no_grad():
+        y.mul_(y)
+    y.sum().backward()
+    return y.detach()
+
+
+def _mul_by_itself_not_on_path(x, w):
+    y = x @ w * 2
+    z = (y * 3).sum()
+    y.mul_(y)
+    z.backward()
+    return z.detach()
+
+
+def _second_backward_after_dropout(x, w):
+    h = x @ w
+    a = torch.nn.functional.dropout(h, 0.5, training=True).sum()  # its first backward expands it into more lines
+    c = torch.tanh(h * 2)
+    c.detach().mul_(2)
+    a.backward(retain_graph=True)
+    c.sum().backward()
+    return c.detach()
+
+
+def _second_backward_after_dropout_unwritten(x, w):
+    h = x @ w
+    a = torch.nn.functional.dropout(h, 0.5, training=True).sum()
+    c = torch.tanh(h * 2)
+    a.backward(retain_graph=True)
+    c.sum().backward()
+    return c.detach()
+
+
+CASES = [(_mul_by_itself, True), (_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
+    (_rows_multiplied, True), (_addcmul_by_itself, True), (_divided_by_itself, True), (_added_to_itself, False),
+    (_squared_in_place, False), (_mul_by_itself_under_no_grad, False), (_mul_by_itself_not_on_path, False),
+    (_second_backward_after_dropout, True), (_second_backward_after_dropout_unwritten, False),
+    (_data_write_not_saved, False),
     (_tanh_detach, True), (_sigmoid_no_grad, True), (_exp_view, True), (_relu_inplace_after_sigmoid, True),
     (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, "unsupported"),
     (_data_saved_then_base_written, "unsupported"), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),

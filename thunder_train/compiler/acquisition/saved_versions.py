@@ -38,6 +38,17 @@ class StaleValues:
     keep: tuple = ()  # the values themselves: their ids stay theirs while tracing
 
 
+@dataclasses.dataclass
+class StaleOwnInput:
+    """An in-place op saved for its own backward an argument sharing the written tensor's version counter
+    (``y.mul_(y)``: ``mul_`` saves ``other``, which its own write then moves): its lines are ``[start, end)``."""
+    start: int
+    end: int
+    op: str
+    target: str
+    position: int  # which tensor argument
+
+
 def record_write(st, dst, op_name) -> None:
     """``dst`` is about to be written in place by ``op_name`` (before ``Buffers.write``)."""
     buffers = st.buffers
@@ -50,9 +61,47 @@ def record_write(st, dst, op_name) -> None:
     st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"), tuple(memory)))
 
 
+def own_saved_input(st, fn, args, kwargs):
+    """Before the in-place op ``fn`` writes ``args[0]`` (current values): the position of a tensor argument after the
+    first that shares its version counter and that torch's ``fn`` saves for its backward, or None."""
+    if fn is None or not torch.is_grad_enabled():
+        return None
+    try:
+        flat, spec = tree_flatten((args, kwargs))
+    except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
+        return None
+    tensors = [a for a in flat if type(a) is TensorProxy]
+    if len(tensors) < 2 or type(args[0]) is not TensorProxy:
+        return None
+    group = {id(v) for v in st.buffers.counter_values(args[0])} | {id(st.buffers.read(args[0]))}
+    shared = [k for k, a in enumerate(tensors) if k and id(a) in group]
+    if not shared:
+        return None
+    from .traced_autograd import _gradient_path_now
+
+    path = _gradient_path_now(st)
+    needs = {id(a) for a in tensors if id(a) in path}
+    if not needs:
+        return None
+    found = _saved_positions(fn, flat, spec, needs, inplace=True)
+    if found is None:
+        return None
+    return next((k for k in shared if k in found[0]), None)
+
+
 def check_saved(st, lines, needs_grad, outputs) -> None:
     """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since."""
-    events = st.stale_values
+    own = [e for e in st.stale_values if type(e) is StaleOwnInput]
+    if own:
+        on_path = _on_path(lines, needs_grad, outputs)
+        for e in own:
+            if any(i in on_path for i in range(e.start, min(e.end, len(lines)))):
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"tensor argument {e.position} of {e.op}, which autograd saved for the backward, shares the version "
+                    f"counter of {e.target}, which {e.op} itself writes (eager raises the same error at this backward). "
+                    f"Pass a copy (e.g. {e.op}(y.clone()) for y.{e.op}(y)) or use the out-of-place form (y = y * y).")
+    events = [e for e in st.stale_values if type(e) is StaleValues]
     if not events:
         return
     horizon = max(e.before for e in events)
@@ -91,6 +140,21 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor .data "
                     "was taken from): eager's backward then silently uses the new values, which the compiled program "
                     "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
+
+
+def lines_rewritten(st, starts, new_n) -> None:
+    """A traced backward replaced the forward's lines (composites expanded): line ``i`` of the old ``len(starts)`` now
+    begins at ``starts[i]``, and there are ``new_n``.  The positions on record move with them."""
+    n = len(starts)
+
+    def at(i):
+        return starts[i] if i < n else i - n + new_n
+
+    for e in st.stale_values:
+        if type(e) is StaleValues:
+            e.before = at(e.before)
+        else:
+            e.start, e.end = at(e.start), at(e.end)
 
 
 def error_for_outside_backward(st, trc, grad_leaves):
@@ -157,30 +221,38 @@ def _saved_values(b, needs_grad):
         flat, spec = tree_flatten((b.args, b.kwargs))
     except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
         return None
-    sig, metas, proxies = [], [], []
+    found = _saved_positions(fn, flat, spec, needs_grad)
+    if found is None:
+        return None
+    proxies = [a for a in flat if type(a) is TensorProxy]
+    ins, outs = found
+    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+    return [proxies[k] for k in ins] + [flat_out[k] for k in outs if k < len(flat_out)]
+
+
+def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
+    """(tensor-argument positions, output positions) that torch's ``fn`` saves, asked on meta tensors and cached per
+    op and argument signature; None when it cannot be asked.  ``inplace``: ``fn`` writes its first argument, which
+    is then a non-leaf (an in-place op on a leaf that requires grad is an error)."""
+    sig = []
     for a in flat:
         if type(a) is TensorProxy:
             rg = a._tt_dtype.is_float and id(a) in needs_grad
             sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg))
-            proxies.append(a)
         elif a is None or isinstance(a, (bool, int, float, str)):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
             sig.append(("dtype", a.torch))
         else:
             return None
-    key = (fn, repr(spec), tuple(sig))
+    key = (fn, repr(spec), tuple(sig), inplace)
     found = _saved_cache.get(key, ...)
     if found is ...:
-        found = _saved_cache[key] = _ask_torch(fn, spec, sig)
-    if found is None:
-        return None
-    ins, outs = found
-    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    return [proxies[k] for k in ins] + [flat_out[k] for k in outs if k < len(flat_out)]
+        found = _saved_cache[key] = _ask_torch(fn, spec, sig, inplace)
+    return found
 
 
-def _ask_torch(fn, spec, sig):
+def _ask_torch(fn, spec, sig, inplace=False):
     from ..pytree import tree_unflatten
 
     try:
@@ -189,6 +261,8 @@ def _ask_torch(fn, spec, sig):
         for s in sig:
             if type(s) is tuple and len(s) == 4 and isinstance(s[2], torch.dtype):
                 m = torch.empty_strided(s[0], s[1], dtype=s[2], device="meta").requires_grad_(s[3])
+                if inplace and not metas and s[3]:
+                    m = m.clone()  # written in place: not a leaf
                 metas.append(m)
                 flat.append(m)
             elif type(s) is tuple and s and s[0] == "dtype":

@@ -29,7 +29,7 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
-from .saved_versions import check_saved
+from .saved_versions import check_saved, lines_rewritten
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
@@ -245,8 +245,12 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     # forward when the backward reads one of its internal values (dropout's mask).
     read = {id(a) for b in trc.bound_symbols[n:] for a in b.flat_args()}
     forward: list = []
-    emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
+    starts = []  # where each forward line's lines begin now: the in-place writes on record move with them
+    for b in trc.bound_symbols[:n]:
+        starts.append(len(forward))
+        emit_forward([b], fwd.expanded, read, forward)
     trc.bound_symbols[:n] = forward
+    lines_rewritten(st, starts, len(forward))
     st._gradient_path_cache = None  # the lines so far were rewritten: the path is found anew
     return [None if v is None else cts.get(v) for v in wrt_values]
 
