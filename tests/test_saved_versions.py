@@ -281,7 +281,7 @@ def test_optimizer_step_before_backward_in_a_training_step():
 
 
 class _Net(torch.nn.Module):
-    """``write``: what the forward does to its tanh output before returning it (None: nothing)."""
+    """``write``: what the forward does before returning ``y = tanh(lin(x))`` (and ``h = lin(x)`` for ``out="yh"``)."""
 
     def __init__(self, write=None, out="y"):
         super().__init__()
@@ -295,17 +295,28 @@ class _Net(torch.nn.Module):
             y.detach().mul_(2)
         elif self.write == "data_unsaved":
             h.data.mul_(2)  # linear saves its inputs, not its output
+        elif self.write == "square":
+            h.mul_(h)  # mul_ saves its other argument: h itself
+        elif self.write == "rows":
+            h[0] *= h[1]
         return y if self.out == "y" else (y, h)
 
 
-@pytest.mark.parametrize("write,out,outside,raises", [
-    ("detach", "y", False, True),  # inside the forward
-    (None, "y", True, True),  # after it, on the returned output (the node saved it: torch's own check)
-    (None, "y", False, False),
-    ("data_unsaved", "yh", False, False),
-    ("detach", "yh", False, "h only"),  # backward through the other output only: eager runs
+@pytest.mark.parametrize("write,out,outside,loss,raises", [
+    ("detach", "y", False, "y", True),  # inside the forward
+    (None, "y", True, "y", True),  # after it, on the returned output (the node saved it: torch's own check)
+    (None, "y", False, "y", False),
+    ("data_unsaved", "yh", False, "y+h", False),
+    ("detach", "yh", False, "h", False),  # backward through the other output only: eager runs
+    ("detach", "yh", False, "y", True),
+    ("detach", "yh", False, "y+h", True),
+    ("detach", "yh", False, "h+0y", True),  # a zero gradient still goes through y
+    ("square", "yh", False, "h", True),
+    ("square", "yh", False, "y", False),
+    ("rows", "yh", False, "y+h", True),
+    ("rows", "yh", False, "y", False),
 ])
-def test_backward_outside_matches_eager(write, out, outside, raises):
+def test_backward_outside_matches_eager(write, out, outside, loss, raises):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     results = []
     for make in (lambda m: m, tt.compile):
@@ -317,14 +328,37 @@ def test_backward_outside_matches_eager(write, out, outside, raises):
             y, h = (res, None) if out == "y" else res
             if outside:
                 y.detach().mul_(2)
-            loss = h.sum() if raises == "h only" else (y.sum() if h is None else y.sum() + h.sum())
-            loss.backward()
+            total = {"y": lambda: y.sum(), "h": lambda: h.sum(), "y+h": lambda: y.sum() + h.sum(),
+                     "h+0y": lambda: h.sum() + 0 * y.sum()}[loss]()
+            total.backward()
             results.append((None, net.lin.weight.grad.clone()))
         except RuntimeError as e:
             results.append((e, None))
     (e_eager, g_eager), (e_tt, g_tt) = results
-    if raises is True:
+    if raises:
         assert e_eager is not None and e_tt is not None and MSG in str(e_tt), (e_eager, e_tt)
     else:
         assert e_eager is None and e_tt is None, (e_eager, e_tt)
         torch.testing.assert_close(g_tt, g_eager)
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_compiled_module_raises_only_for_the_output_whose_backward_raises_on_every_call(thin):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    net = _Net("detach", "yh")
+    torch.manual_seed(0)
+    ref = _Net("detach", "yh")
+    cm = tt.compile(net, thin=thin)
+    for step in range(3):
+        y, h = cm(x)
+        ye, he = ref(x)
+        (h * (step + 1)).sum().backward()
+        (he * (step + 1)).sum().backward()
+        torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+        with pytest.raises(RuntimeError, match=MSG):
+            cm(x)[0].sum().backward()
+        with pytest.raises(RuntimeError, match=MSG):
+            ref(x)[0].sum().backward()
+    stats = tt.compile_stats(cm)
+    assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats

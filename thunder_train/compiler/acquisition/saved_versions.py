@@ -10,6 +10,8 @@ The functional trace keeps old values, so it would compute where eager raises.  
 * every in-place write (``inplace.write``) records which values it made stale: the written tensor's counter
   group (``functional.Buffers.counter_group``) and the values that group held, with the trace length when the
   in-place op began (lines recorded later read the new values, and the op's own line saves what it needs);
+* an in-place op that saves for its own backward an argument sharing its target's counter (``y.mul_(y)``) records
+  its own lines (``own_saved_input``, asked of torch's in-place op on meta tensors);
 * a traced backward (``traced_autograd.record_backward``) with stale values on record asks, only for the lines on
   the path to its outputs that read or produced a stale value before it went stale, what torch itself saves for
   that op: the op runs once on meta tensors under ``torch.autograd.graph.saved_tensors_hooks`` (cached per op and
@@ -157,27 +159,25 @@ def lines_rewritten(st, starts, new_n) -> None:
             e.start, e.end = at(e.start), at(e.end)
 
 
-def error_for_outside_backward(st, trc, grad_leaves):
-    """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): eager's error that
-    backward would raise, or None.  The compiled region is one autograd node, so the error is only given when every
-    output that carries gradient goes through a stale saved value (a backward through any of them raises in eager).
+def errors_for_outside_backward(st, trc, grad_leaves) -> dict:
+    """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): the error eager's
+    backward through each output would raise, by output name (outputs whose backward runs are absent).  The compiled
+    region is one autograd node: it raises when a gradient reaches one of these outputs (``autograd_function.py``).
     ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``)."""
     if not st.stale_values:
-        return None
+        return {}
     from ..pytree import tree_flatten as flatten
     from ..transforms.autograd import Forward, is_float_tensor
     lines = list(trc.bound_symbols)
     needs = Forward(lines, grad_leaves).needs_grad
     outs = {id(o): o for o in flatten(trc.output)[0] if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
-    first = None
+    errors = {}
     for o in outs.values():
         try:
             check_saved(st, lines, needs, [o])
         except (RuntimeError, NotImplementedError) as e:
-            first = first or e
-        else:
-            return None
-    return first
+            errors[o.name] = e
+    return errors
 
 
 def _on_path(lines, needs_grad, outputs) -> set:
