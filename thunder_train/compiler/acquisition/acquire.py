@@ -157,7 +157,9 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             backward_errors = {}
             if not state.has_backward and state.stale_values:
                 seeds = [v for _, vals in traced_autograd.grad_leaves(state) for v in vals]
-                backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds)
+                user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc.output)[0]
+                returned = list(zip(user_out, trc_out)) if len(user_out) == len(trc_out) else []
+                backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds, returned)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
             _insert_shape_queries(trc, walker.symbolic_inputs)

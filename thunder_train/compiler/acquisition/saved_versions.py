@@ -38,6 +38,7 @@ class StaleValues:
     op: str  # the in-place op
     target: str  # the tensor written
     keep: tuple = ()  # the values themselves: their ids stay theirs while tracing
+    holders: dict = dataclasses.field(default_factory=dict)  # id(value in ``shared``) -> a tensor holding it then
 
 
 @dataclasses.dataclass
@@ -54,13 +55,19 @@ class StaleOwnInput:
 def record_write(st, dst, op_name) -> None:
     """``dst`` is about to be written in place by ``op_name`` (before ``Buffers.write``)."""
     buffers = st.buffers
-    stale = buffers.counter_values(dst)
-    memory = buffers.memory_values(dst)
+    counter = buffers.counter_of(dst)
+    # what the counter's tensors hold, and what they held before a write through .data that left it unmoved
+    stale = buffers.counter_values(dst) + st.unmoved.pop(id(counter), [])
+    held = buffers.memory_buffers(dst)
     ids = frozenset(map(id, stale))
-    shared = frozenset(map(id, memory)) - ids
+    shared = frozenset(id(v) for _, v in held) - ids
+    for t, v in held:
+        if id(v) in shared:
+            st.unmoved.setdefault(id(buffers.counter_of(t)), []).append(v)
     start = st.inplace_start
     before = len(st.trace.bound_symbols) if start is None else start
-    st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"), tuple(memory)))
+    st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"),
+                                       tuple(v for _, v in held) + tuple(stale), {id(v): t for t, v in held if id(v) in shared}))
 
 
 def own_saved_input(st, fn, args, kwargs):
@@ -91,8 +98,14 @@ def own_saved_input(st, fn, args, kwargs):
     return next((k for k in shared if k in found[0]), None)
 
 
-def check_saved(st, lines, needs_grad, outputs) -> None:
-    """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since."""
+def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
+    """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since.
+
+    A saved value whose memory was written through ``.data`` (its counter unmoved): eager's backward reads the memory
+    as it is then.  ``follow_memory(tensor)`` gives the value that tensor holds when the backward runs (None: not
+    known); that line of ``lines`` is then replaced by torch's own op whose backward is given that value
+    (``opaque_grad.with_saved_from_memory``), and True is returned (the caller finds the gradient path again).
+    Where it is not known, ``NotImplementedError``."""
     own = [e for e in st.stale_values if type(e) is StaleOwnInput]
     if own:
         on_path = _on_path(lines, needs_grad, outputs)
@@ -105,7 +118,7 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     f"Pass a copy (e.g. {e.op}(y.clone()) for y.{e.op}(y)) or use the out-of-place form (y = y * y).")
     events = [e for e in st.stale_values if type(e) is StaleValues]
     if not events:
-        return
+        return False
     horizon = max(e.before for e in events)
     by_id: dict = {}
     for e in events:
@@ -113,19 +126,24 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
             by_id.setdefault(k, []).append(e)
     candidates = []
     for i, b in enumerate(lines[:horizon]):
+        if getattr(b.sym, "follows_memory", False):
+            continue  # already replaced: what it saved is read from memory
         ids = {id(a) for a in b.flat_args() if type(a) is TensorProxy} | {id(o) for o in b.flat_outputs()}
         touched = [e for k in ids & by_id.keys() for e in by_id[k] if i < e.before]
         if touched and any(type(o) is TensorProxy and id(o) in needs_grad for o in b.flat_outputs()):
             candidates.append((i, b, touched))
     if not candidates:
-        return
+        return False
     on_path = _on_path(lines, needs_grad, outputs)
+    rewrites = []
     for i, b, touched in candidates:
         if i not in on_path:
             continue
-        saved = _saved_values(b, needs_grad)
-        if saved is None:
+        slots = _saved_slots(b, needs_grad)
+        if slots is None:
             continue
+        saved = [v for _, v in slots]
+        from_memory = {}  # tag -> the tensor whose value the backward reads
         for e in touched:
             hit = next((v for v in saved if id(v) in e.ids), None)
             if hit is not None:
@@ -135,13 +153,28 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     f"was changed afterwards by {e.op} on {e.target} (eager raises the same error at this backward). "
                     "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
                     "change before the op that reads the value.")
-            hit = next((v for v in saved if id(v) in e.shared), None)
-            if hit is not None:
-                raise NotImplementedError(
-                    f"{_which(b, hit)} of {b.sym.name} ({hit.type_string()}), which autograd saved for the backward, "
-                    f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor .data "
-                    "was taken from): eager's backward then silently uses the new values, which the compiled program "
-                    "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
+            for tag, v in slots:
+                if id(v) in e.shared and tag not in from_memory:
+                    now = follow_memory(e.holders[id(v)]) if follow_memory else None
+                    if now is None:
+                        raise NotImplementedError(
+                            f"{_which(b, v)} of {b.sym.name} ({v.type_string()}), which autograd saved for the backward, "
+                            f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor "
+                            ".data was taken from): eager's backward then uses the new values, which the compiled "
+                            "program cannot follow here (a backward outside the compiled function through a tensor "
+                            "neither returned nor an input). Write into a copy (y = y.clone()), or make the change "
+                            "before the op.")
+                    from_memory[tag] = now
+        if from_memory:
+            rewrites.append((i, b, from_memory))
+    for i, b, from_memory in rewrites:
+        from ..transforms.opaque_grad import with_saved_from_memory
+        flat = tree_flatten((b.args, b.kwargs))[0]
+        positions = tuple(k for k, a in enumerate(flat) if type(a) is TensorProxy and a._tt_dtype.is_float
+                          and id(a) in needs_grad)
+        tags = tuple(from_memory)
+        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory[t] for t in tags])
+    return bool(rewrites)
 
 
 def lines_rewritten(st, starts, new_n) -> None:
@@ -159,25 +192,38 @@ def lines_rewritten(st, starts, new_n) -> None:
             e.start, e.end = at(e.start), at(e.end)
 
 
-def errors_for_outside_backward(st, trc, grad_leaves) -> dict:
+def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
     """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): the error eager's
     backward through each output would raise, by output name (outputs whose backward runs are absent).  The compiled
     region is one autograd node: it raises when a gradient reaches one of these outputs (``autograd_function.py``).
-    ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``)."""
+    ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``);
+    ``returned``: (user-visible tensor, output value) pairs.  A saved value written through ``.data`` is followed to
+    the value its memory holds at the end (an input's written-back value, or a returned tensor), else refused."""
     if not st.stale_values:
         return {}
     from ..pytree import tree_flatten as flatten
     from ..transforms.autograd import Forward, is_float_tensor
-    lines = list(trc.bound_symbols)
-    needs = Forward(lines, grad_leaves).needs_grad
-    outs = {id(o): o for o in flatten(trc.output)[0] if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
+    lines = trc.bound_symbols  # lines that read memory written through .data are replaced (check_saved)
+    needs = Forward(list(lines), grad_leaves).needs_grad
+    flat_out = flatten(trc.output)[0]
+    outs = {id(o): o for o in flat_out if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
     errors = {}
     for o in outs.values():
         try:
-            check_saved(st, lines, needs, [o])
+            check_saved(st, lines, needs, [o], follow_memory=lambda t: _value_at_the_end(st, trc, t, returned))
         except (RuntimeError, NotImplementedError) as e:
             errors[o.name] = e
     return errors
+
+
+def _value_at_the_end(st, trc, t, returned):
+    """The value tensor ``t`` holds when the function has returned, where the forward program keeps it: what its
+    write-back copies into an input, or a returned tensor; else None.  ``returned``: (user object, value) pairs."""
+    if st.walker.is_input(t):
+        src = next((b.args[0] for b in reversed(trc.bound_symbols) if b.sym.name == "copy_" and len(b.args) == 2
+                    and b.args[1] is t), None)
+        return t if src is None and not st.buffers.is_written(t) else src
+    return next((v for u, v in returned if u is t), None)
 
 
 def _on_path(lines, needs_grad, outputs) -> set:
@@ -214,6 +260,12 @@ def _torch_form(b):
 def _saved_values(b, needs_grad):
     """The proxies among ``b``'s arguments and outputs that torch's own autograd saves for this op; None when
     it cannot be asked (no torch form, or it does not run on meta tensors)."""
+    slots = _saved_slots(b, needs_grad)
+    return None if slots is None else [v for _, v in slots]
+
+
+def _saved_slots(b, needs_grad):
+    """``(("in", flat argument index) or ("out", flat tensor output index), proxy)`` of what torch saves for ``b``."""
     fn = _torch_form(b)
     if fn is None:
         return None
@@ -224,10 +276,10 @@ def _saved_values(b, needs_grad):
     found = _saved_positions(fn, flat, spec, needs_grad)
     if found is None:
         return None
-    proxies = [a for a in flat if type(a) is TensorProxy]
+    at = [k for k, a in enumerate(flat) if type(a) is TensorProxy]
     ins, outs = found
     flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    return [proxies[k] for k in ins] + [flat_out[k] for k in outs if k < len(flat_out)]
+    return [(("in", at[k]), flat[at[k]]) for k in ins] + [(("out", k), flat_out[k]) for k in outs if k < len(flat_out)]
 
 
 def _saved_positions(fn, flat, spec, needs_grad, inplace=False):

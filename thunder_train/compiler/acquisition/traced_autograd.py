@@ -237,7 +237,8 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
         elif type(c) is not TensorProxy or c._tt_shape != o._tt_shape:
             raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
         cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
-    check_saved(st, trc.bound_symbols, fwd.needs_grad, outputs)
+    if check_saved(st, trc.bound_symbols, fwd.needs_grad, outputs, follow_memory=st.buffers.read):
+        fwd = Forward(list(trc.bound_symbols), leaves)  # a line now reads memory written through .data
     backward_pass(fwd, cts)
     for b in trc.bound_symbols[n:]:
         b.region = BACKWARD  # the memory planner's backward lines (transforms/remat.py)
