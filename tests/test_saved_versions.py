@@ -273,7 +273,48 @@ def _second_backward_after_dropout_unwritten(x, w):
     return c.detach()
 
 
-CASES = [(_mul_by_itself, True), (_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
+def _softmax_written(x, w):
+    y = torch.nn.functional.softmax(x @ w, -1)  # saves its output (F.softmax's own arguments: _stacklevel)
+    y.detach().mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+def _log_softmax_with_dtype_written(x, w):
+    y = torch.nn.functional.log_softmax(x @ w, -1, dtype=torch.float32)
+    y.detach().mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+def _slices_of_a_written_matmul(x, w):
+    h = x @ w
+    y = h[:, 1:3] * 2  # slicing and multiplying by a number save nothing of h
+    h.detach().mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+@torch.library.custom_op("tt_saved_versions::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+_triple.register_fake(lambda x: torch.empty_like(x))
+_triple.register_autograd(lambda ctx, g: g * 3 + ctx.saved_tensors[0] * 0,
+                          setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+def _custom_op_input_written(x, w):
+    h = torch.tanh(x @ w)
+    y = _triple(h)  # run opaquely, its gradient by torch's autograd: it saves h
+    h.detach().mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_slices_of_a_written_matmul, False),
+    (_custom_op_input_written, True), (_mul_by_itself, True), (_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
     (_rows_multiplied, True), (_addcmul_by_itself, True), (_divided_by_itself, True), (_added_to_itself, False),
     (_squared_in_place, False), (_mul_by_itself_under_no_grad, False), (_mul_by_itself_not_on_path, False),
     (_second_backward_after_dropout, True), (_second_backward_after_dropout_unwritten, False),

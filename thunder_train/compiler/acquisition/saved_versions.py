@@ -251,7 +251,8 @@ _saved_cache: dict = {}
 
 
 def _torch_form(b):
-    fn = getattr(b.sym, "torch_impl", None)
+    # the callable the user called (F.softmax takes _stacklevel, torch.softmax does not), else the symbol's
+    fn = getattr(b, "torch_fn", None) or getattr(b.sym, "torch_impl", None)
     if fn is None and b.sym.is_prim:
         fn = getattr(torch, b.sym.name, None)
     return fn if callable(fn) else None
@@ -295,6 +296,12 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
             sig.append(("dtype", a.torch))
+        elif a is Ellipsis:
+            sig.append(("ellipsis",))
+        elif type(a) is slice and all(x is None or type(x) is int for x in (a.start, a.stop, a.step)):
+            sig.append(("slice", a.start, a.stop, a.step))
+        elif isinstance(a, torch.dtype):
+            sig.append(("dtype", a))
         else:
             return None
     key = (fn, repr(spec), tuple(sig), inplace)
@@ -319,6 +326,10 @@ def _ask_torch(fn, spec, sig, inplace=False):
                 flat.append(m)
             elif type(s) is tuple and s and s[0] == "dtype":
                 flat.append(s[1])
+            elif type(s) is tuple and s and s[0] == "ellipsis":
+                flat.append(Ellipsis)
+            elif type(s) is tuple and s and s[0] == "slice":
+                flat.append(slice(*s[1:]))
             else:
                 flat.append(s)
         args, kwargs = tree_unflatten(flat, spec)
