@@ -16,6 +16,9 @@ The functional trace keeps old values, so it would compute where eager raises.  
   the path to its outputs that read or produced a stale value before it went stale, what torch itself saves for
   that op: the op runs once on meta tensors under ``torch.autograd.graph.saved_tensors_hooks`` (cached per op and
   argument signature).  A stale value among them raises eager's error, naming the op and what to do.
+* a saved value whose memory changed through ``.data`` (its counter unmoved) is what eager's backward reads then:
+  the line runs with torch's autograd and its backward is given that memory's value
+  (``opaque_grad.with_saved_from_memory``).
 
 An op whose torch form is unknown here (a prim without a torch function of its name, or one that does not run on
 meta tensors) is not checked: no error is ever raised where eager would not raise.
