@@ -195,6 +195,14 @@ def _mul_by_its_detached_self(x, w):
     return y.detach()
 
 
+def _written_then_mul_by_its_detached_self(x, w):
+    y = x @ w * 2
+    y.add_(1)
+    y.mul_(y.detach())
+    y.sum().backward()
+    return y.detach()
+
+
 def _mul_by_its_clone(x, w):
     y = x @ w * 2
     y.mul_(y.clone())
@@ -314,7 +322,7 @@ def _custom_op_input_written(x, w):
 
 
 CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_slices_of_a_written_matmul, False),
-    (_custom_op_input_written, True), (_mul_by_itself, True), (_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
+    (_custom_op_input_written, True), (_mul_by_itself, True), (_mul_by_its_detached_self, True), (_written_then_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
     (_rows_multiplied, True), (_addcmul_by_itself, True), (_divided_by_itself, True), (_added_to_itself, False),
     (_squared_in_place, False), (_mul_by_itself_under_no_grad, False), (_mul_by_itself_not_on_path, False),
     (_second_backward_after_dropout, True), (_second_backward_after_dropout_unwritten, False),

@@ -73,9 +73,10 @@ def record_write(st, dst, op_name) -> None:
                                        tuple(v for _, v in held) + tuple(stale), {id(v): t for t, v in held if id(v) in shared}))
 
 
-def own_saved_input(st, fn, args, kwargs):
-    """Before the in-place op ``fn`` writes ``args[0]`` (current values): the position of a tensor argument after the
-    first that shares its version counter and that torch's ``fn`` saves for its backward, or None."""
+def own_saved_input(st, fn, dst, args, kwargs, requires_grad):
+    """Before the in-place op ``fn`` writes ``dst`` (``args``: current values): the position of a tensor argument after the
+    first that shares its version counter and that torch's ``fn`` saves for its backward, or None.
+    ``requires_grad(value)``: eager's flag of a value (``traced_autograd.computed_requires_grad`` for computed ones)."""
     if fn is None or not torch.is_grad_enabled():
         return None
     try:
@@ -83,16 +84,13 @@ def own_saved_input(st, fn, args, kwargs):
     except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
         return None
     tensors = [a for a in flat if type(a) is TensorProxy]
-    if len(tensors) < 2 or type(args[0]) is not TensorProxy:
+    if len(tensors) < 2 or type(dst) is not TensorProxy:
         return None
-    group = {id(v) for v in st.buffers.counter_values(args[0])} | {id(st.buffers.read(args[0]))}
+    group = {id(v) for v in st.buffers.counter_values(dst)} | {id(st.buffers.read(dst))}
     shared = [k for k, a in enumerate(tensors) if k and id(a) in group]
     if not shared:
         return None
-    from .traced_autograd import _gradient_path_now
-
-    path = _gradient_path_now(st)
-    needs = {id(a) for a in tensors if id(a) in path}
+    needs = {id(a) for a in tensors if a._tt_dtype.is_float and requires_grad(a)}
     if not needs:
         return None
     found = _saved_positions(fn, flat, spec, needs, inplace=True)
