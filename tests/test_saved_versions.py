@@ -135,6 +135,28 @@ def _data_written_then_counter_moved(x, w):
     return y.detach()
 
 
+def _output_data_assigned(x, w):
+    y = torch.tanh(x @ w)
+    y.data = torch.zeros_like(y)  # y keeps its graph; tanh saved its output's old memory
+    y.sum().backward()
+    return y.detach()
+
+
+def _input_data_assigned(x, w):
+    h = torch.tanh(x @ w)
+    z = (h * h).sum()  # mul saves h itself: eager's backward reads the memory h points at then
+    h.data = torch.ones_like(h)
+    z.backward()
+    return z.detach()
+
+
+def _data_assigned_then_used(x, w):
+    h = torch.tanh(x @ w)
+    h.data = torch.full_like(h, 0.5)
+    (h * x).sum().backward()  # the new values, and gradients through h's old graph
+    return h.detach()
+
+
 def _leaf_written_before_backward(x, w):
     loss = (torch.tanh(x @ w) @ w).sum()  # the second matmul saves w (its other input requires grad)
     with torch.no_grad():
@@ -330,7 +352,8 @@ CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_sl
     (_tanh_detach, True), (_sigmoid_no_grad, True), (_exp_view, True), (_relu_inplace_after_sigmoid, True),
     (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, False),
     (_data_saved_then_base_written, False), (_data_row_written, False), (_parameter_data_written, False),
-    (_parameter_data_written_twice, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
+    (_parameter_data_written_twice, False), (_output_data_assigned, False), (_input_data_assigned, False),
+    (_data_assigned_then_used, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
     (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
 ]
 

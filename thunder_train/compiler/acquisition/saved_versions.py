@@ -42,6 +42,7 @@ class StaleValues:
     target: str  # the tensor written
     keep: tuple = ()  # the values themselves: their ids stay theirs while tracing
     holders: dict = dataclasses.field(default_factory=dict)  # id(value in ``shared``) -> a tensor holding it then
+    inputs_only: bool = False  # ``t.data = v``: only ops that saved t as an input see its new memory
 
 
 @dataclasses.dataclass
@@ -71,6 +72,13 @@ def record_write(st, dst, op_name) -> None:
     before = len(st.trace.bound_symbols) if start is None else start
     st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"),
                                        tuple(v for _, v in held) + tuple(stale), {id(v): t for t, v in held if id(v) in shared}))
+
+
+def record_data_assignment(st, t, old) -> None:
+    """``t.data = v``, ``t`` holding ``old``: eager's ops that saved ``t`` as an input save the tensor itself, whose
+    memory is now ``v``'s, and read it at the backward; those that saved it as their output keep the old memory."""
+    st.stale_values.append(StaleValues(frozenset(), frozenset([id(old)]), len(st.trace.bound_symbols), "t.data = v",
+                                       getattr(t, "_tt_name", "a tensor"), (old,), {id(old): t}, inputs_only=True))
 
 
 def own_saved_input(st, fn, dst, args, kwargs, requires_grad):
@@ -155,7 +163,7 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                     "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
                     "change before the op that reads the value.")
             for tag, v in slots:
-                if id(v) in e.shared and tag not in from_memory:
+                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and tag[0] == "out"):
                     now = follow_memory(e.holders[id(v)]) if follow_memory else None
                     if now is None:
                         raise NotImplementedError(

@@ -29,7 +29,7 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
-from .saved_versions import check_saved, lines_rewritten
+from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
@@ -159,7 +159,13 @@ def assign_data(st, t, v):
             f"for {t.type_string()}) is not supported: make the new tensor with the new values instead.")
     # A new assignment to ``t`` ends its sharing with the last ``v`` (eager: ``t`` points at other memory).
     st.data_assignments[:] = [a for a in st.data_assignments if a[0] is not t]
-    st.buffers.write(t, prims.stop_gradient(value))
+    old = st.buffers.read(t)
+    # A computed ``t`` keeps its graph, as in eager: later uses read v's values, gradients reach t's history.
+    keeps_graph = (torch.is_grad_enabled() and not (id(t) in st.requires_grad_changes and t._tt_requires_grad)
+                   and computed_requires_grad(st, old))
+    record_data_assignment(st, t, old)
+    new = prims.stop_gradient(value)
+    st.buffers.write(t, prims.unseen_write(new, old) if keeps_graph else new)
     st.data_assignments.append((t, v, st.buffers.version(t), st.buffers.version(v)))
 
 
