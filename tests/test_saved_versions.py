@@ -516,3 +516,22 @@ def test_training_step_writing_a_saved_weight_through_data_matches_eager(thin):
             torch.testing.assert_close(p, pe)
     stats = tt.compile_stats(cstep)
     assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_compiled_module_weight_written_through_data_over_calls(thin):
+    """The forward saves the weight, then halves it through ``.data``: PyTorch's backward reads the halved weight."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    net = _Net("weight_data")
+    torch.manual_seed(0)
+    ref = _Net("weight_data")
+    cm = tt.compile(net, thin=thin)
+    for _ in range(3):
+        cm(x).sum().backward()
+        ref(x).sum().backward()
+        torch.testing.assert_close(net.lin.weight, ref.lin.weight)
+        torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+        torch.testing.assert_close(net.lin.bias.grad, ref.lin.bias.grad)
+    stats = tt.compile_stats(cm)
+    assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
