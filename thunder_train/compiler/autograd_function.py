@@ -63,6 +63,9 @@ class ThunderFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(
             *[o for o, d in zip(outs, program.differentiable) if isinstance(o, torch.Tensor) and not d]
         )
+        if program.output_errors:  # which outputs a gradient reaches decides whether the backward raises
+            ctx.set_materialize_grads(False)
+            ctx.tt_outs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         return tuple(outs)
 
     @staticmethod
@@ -81,6 +84,12 @@ class ThunderFunction(torch.autograd.Function):
                     f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. "
                     f"(thunder_train: the compiled region saved its input {program.saved_names[i]!r})"
                 )
+        if program.output_errors:
+            for g, error in zip(output_grads, program.output_errors):
+                if g is not None and error is not None:
+                    raise type(error)(str(error))  # eager's backward through this output raises
+            output_grads = [torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m is not None else g
+                            for g, m in zip(output_grads, ctx.tt_outs)]
         if saved and not _keep_graph():
             ctx.tt_saved = None  # the backward below owns the values now and frees them as it goes
         cotangents = [g for g, d in zip(output_grads, program.differentiable) if d]
@@ -95,7 +104,9 @@ class AutogradProgram:
     from ``fb``, the forward/backward split of ``trc``).
     """
 
-    def __init__(self, trc, fb: ag.ForwardBackward, fw, bw):
+    def __init__(self, trc, fb: ag.ForwardBackward, fw, bw, output_errors=()):
+        # per output, the error eager's backward through it raises (a saved value written in place), or None
+        self.output_errors = list(output_errors) if any(output_errors) else None
         self.forward = fw.python_callable()
         self.backward = bw.python_callable()
         self.differentiable = fb.differentiable
@@ -124,6 +135,7 @@ class NoBackwardProgram:
         self._outputs = list({id(x): x for x in self._out_leaves if is_proxy(x)}.values())
         self.differentiable = [ag.is_float_tensor(o) and id(o) in needs for o in self._outputs]
         self.saved_names = []
+        self.output_errors = None
 
     def forward(self, *inputs):
         leaves, _ = tree_flatten(self._computation(*inputs))

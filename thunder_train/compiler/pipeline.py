@@ -158,7 +158,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     to_fuse = [lowered]  # the traces the fused program fuses (the pay-back estimate looks at them)
     if not has_backward and may_need_autograd(computed):
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
-                                    keep_buffers=options.keep_buffers, backward_error=acquired.backward_error,
+                                    keep_buffers=options.keep_buffers, backward_errors=acquired.backward_errors,
                                     memory_budget=options.memory_budget)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
@@ -262,7 +262,7 @@ def _noting(build_fused, notes):
     return build
 
 
-def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_error=None,
+def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_errors=None,
                      memory_budget=None):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
@@ -270,17 +270,21 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     elimination.  None when grad is disabled, no input requires grad, or no output depends on one; else the
     program, traces and backward traces that replace them, the builder of the fused program
     (``fusion="background"``, or None), the traces it fuses and the memory plan (transforms/memory.py).
+    ``backward_errors``: output name -> the error eager's backward through that output raises (a saved value written
+    in place); the node raises it when a gradient reaches that output.
     """
     if not may_need_autograd(trc):
         return None
-    if backward_error is not None:  # eager's backward raises (a saved value written in place): so does this one
-        return NoBackwardProgram(trc, program, backward_error), traces, [], None, [trc], None
     try:
         fb = build_forward_backward(trc, memory_budget)  # transforms/memory.py plans what the forward saves
     except NoGradientRuleError as error:
         return NoBackwardProgram(trc, program, error), traces, [], None, [trc], None
     if fb is None:
         return None
+    errors = [(backward_errors or {}).get(o.name) for o in fb.outputs]
+    if any(errors) and all(e is not None for e, d in zip(errors, fb.differentiable) if d):
+        # every backward through this function raises in eager: so does this one
+        return NoBackwardProgram(trc, program, next(e for e in errors if e)), traces, [], None, [trc], None
     names = ", ".join(ex.name for ex in executors)
     fw_lowered = lower_to_executors(fb.forward, executors, header=f"Forward lowered to executors: {names}")
     bw_lowered = lower_to_executors(fb.backward, executors, header=f"Backward lowered to executors: {names}")
@@ -301,7 +305,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
         bw = free_after_last_use(bw)
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
-        run = AutogradProgram(trc, fb, fw, bw) if kind != "background" or _fused_regions(fw, bw) else None
+        run = AutogradProgram(trc, fb, fw, bw, errors) if kind != "background" or _fused_regions(fw, bw) else None
         return run, before + forward_traces, backward_traces
 
     now = fusion if fusion != "background" else None

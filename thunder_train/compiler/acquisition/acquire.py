@@ -57,8 +57,8 @@ class Acquired:
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision the trace specialised on
     mutated_paths: list = dataclasses.field(default_factory=list)  # containers/objects the epilogue changes (containers.py)
     random_before_checks: bool = False  # a random op runs before a decision check (decisions.py): save the RNG state
-    # eager's error for PyTorch's backward of this function (a saved value written in place: saved_versions.py)
-    backward_error: Exception | None = None
+    # eager's error for PyTorch's backward through each output (a saved value written in place: saved_versions.py)
+    backward_errors: dict = dataclasses.field(default_factory=dict)  # output name -> error
 
 
 def arg_names(fn) -> list:
@@ -154,10 +154,12 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
-            backward_error = None
+            backward_errors = {}
             if not state.has_backward and state.stale_values:
                 seeds = [v for _, vals in traced_autograd.grad_leaves(state) for v in vals]
-                backward_error = saved_versions.error_for_outside_backward(state, trc, seeds)
+                user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc.output)[0]
+                returned = list(zip(user_out, trc_out)) if len(user_out) == len(trc_out) else []
+                backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds, returned)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
             _insert_shape_queries(trc, walker.symbolic_inputs)
@@ -169,7 +171,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
-                    random_before_checks=_decisions.random_before_checks(trc), backward_error=backward_error)
+                    random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

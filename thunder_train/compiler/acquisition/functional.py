@@ -111,9 +111,22 @@ class Buffers:
 
     def memory_values(self, dst) -> list:
         """The values now held by every tensor sharing ``dst``'s memory, whatever its counter."""
+        return [v for _, v in self.memory_buffers(dst)]
+
+    def memory_buffers(self, dst) -> list:
+        """``(tensor, value it holds now)`` for every tensor sharing ``dst``'s memory, whatever its counter."""
         base = self.base_of(dst)
         base = dst if base is None else base
-        return [v for g in [base] + self._own.get(id(base), []) for v in self.counter_values(g)]
+        cur = self._current
+        out = []
+        for g in [base] + self._own.get(id(base), []):
+            group = self._group.get(id(g), g)
+            out += [(t, cur.get(id(t), t)) for t in [group] + [v for v in self._members.get(id(group), ()) if v is not group]]
+        return out
+
+    def counter_of(self, t):
+        """The tensor naming ``t``'s version counter."""
+        return self._group.get(id(t), t)
 
     def counter_values(self, dst) -> list:
         """The values now held by every tensor sharing ``dst``'s version counter (what a write to ``dst`` makes stale)."""

@@ -15,7 +15,7 @@ from ..errors import TracingError
 from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
-from .saved_versions import record_write
+from .saved_versions import StaleOwnInput, own_saved_input, record_write
 from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
                                resized_meta, resizing_inplace)
 
@@ -54,7 +54,7 @@ def record_views(st, sym, source, rest, kwargs, out):
 def inplace(st, sym, orig_args, args, kwargs):
     """An in-place op: record its out-of-place form; the result becomes the destination's value."""
     dst = orig_args[0]
-    with _inplace_op(st):
+    with _inplace_op(st, getattr(sym, "torch_impl", None), dst, args, kwargs):
         new = sym.functional(*args, **kwargs)
         if isinstance(dst, (list, tuple)):
             for d, v in zip(dst, new):
@@ -65,19 +65,30 @@ def inplace(st, sym, orig_args, args, kwargs):
 
 
 class _inplace_op:
-    """Marks where an in-place op's own lines begin: they read the values it overwrites (saved_versions.py)."""
+    """Marks where an in-place op's own lines begin: they read the values it overwrites (saved_versions.py).
+    ``fn(*args, **kwargs)``: the torch in-place op (current values), asked whether it saves for its own backward an
+    argument its write makes stale (``y.mul_(y)``)."""
 
-    def __init__(self, st):
-        self.st = st
+    def __init__(self, st, fn=None, dst=None, args=(), kwargs=None):
+        self.st, self.fn, self.dst, self.args, self.kwargs = st, fn, dst, args, kwargs or {}
 
     def __enter__(self):
         self.outer = self.st.inplace_start
         if self.outer is None:
             self.st.inplace_start = len(self.st.trace.bound_symbols)
+            self.own = own_saved_input(self.st, self.fn, self.dst, self.args, self.kwargs, self._requires_grad)
 
-    def __exit__(self, *exc):
+    def _requires_grad(self, a) -> bool:
+        from .traced_autograd import computed_requires_grad
+
+        return a._tt_requires_grad if self.st.walker.is_input(a) else computed_requires_grad(self.st, a)
+
+    def __exit__(self, exc_type, *exc):
         if self.outer is None:
-            self.st.inplace_start = None
+            start, self.st.inplace_start = self.st.inplace_start, None
+            if self.own is not None and exc_type is None:
+                self.st.stale_values.append(StaleOwnInput(start, len(self.st.trace.bound_symbols), getattr(
+                    self.fn, "__name__", "the in-place op"), getattr(self.dst, "_tt_name", "a tensor"), self.own))
 
 
 def write(st, sym, dst, value):
@@ -270,7 +281,7 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
     if out_name is not None:
         owner = torch.Tensor if "Tensor" in (getattr(func, "__qualname__", "") or "") or name.startswith("__") else torch
         outplace = getattr(owner, out_name, None)
-    with _inplace_op(st):
+    with _inplace_op(st, func, dst, args, kwargs):
         if outplace is not None and registry.lookup(outplace) is not None:
             value = dispatch(outplace, orig_args, kwargs)
         else:

@@ -10,10 +10,15 @@ The functional trace keeps old values, so it would compute where eager raises.  
 * every in-place write (``inplace.write``) records which values it made stale: the written tensor's counter
   group (``functional.Buffers.counter_group``) and the values that group held, with the trace length when the
   in-place op began (lines recorded later read the new values, and the op's own line saves what it needs);
+* an in-place op that saves for its own backward an argument sharing its target's counter (``y.mul_(y)``) records
+  its own lines (``own_saved_input``, asked of torch's in-place op on meta tensors);
 * a traced backward (``traced_autograd.record_backward``) with stale values on record asks, only for the lines on
   the path to its outputs that read or produced a stale value before it went stale, what torch itself saves for
   that op: the op runs once on meta tensors under ``torch.autograd.graph.saved_tensors_hooks`` (cached per op and
   argument signature).  A stale value among them raises eager's error, naming the op and what to do.
+* a saved value whose memory changed through ``.data`` (its counter unmoved) is what eager's backward reads then:
+  the line runs with torch's autograd and its backward is given that memory's value
+  (``opaque_grad.with_saved_from_memory``).
 
 An op whose torch form is unknown here (a prim without a torch function of its name, or one that does not run on
 meta tensors) is not checked: no error is ever raised where eager would not raise.
@@ -36,25 +41,93 @@ class StaleValues:
     op: str  # the in-place op
     target: str  # the tensor written
     keep: tuple = ()  # the values themselves: their ids stay theirs while tracing
+    holders: dict = dataclasses.field(default_factory=dict)  # id(value in ``shared``) -> a tensor holding it then
+    inputs_only: bool = False  # ``t.data = v``: only ops that saved t as an input see its new memory
+
+
+@dataclasses.dataclass
+class StaleOwnInput:
+    """An in-place op saved for its own backward an argument sharing the written tensor's version counter
+    (``y.mul_(y)``: ``mul_`` saves ``other``, which its own write then moves): its lines are ``[start, end)``."""
+    start: int
+    end: int
+    op: str
+    target: str
+    position: int  # which tensor argument
 
 
 def record_write(st, dst, op_name) -> None:
     """``dst`` is about to be written in place by ``op_name`` (before ``Buffers.write``)."""
     buffers = st.buffers
-    stale = buffers.counter_values(dst)
-    memory = buffers.memory_values(dst)
+    counter = buffers.counter_of(dst)
+    # what the counter's tensors hold, and what they held before a write through .data that left it unmoved
+    stale = buffers.counter_values(dst) + st.unmoved.pop(id(counter), [])
+    held = buffers.memory_buffers(dst)
     ids = frozenset(map(id, stale))
-    shared = frozenset(map(id, memory)) - ids
+    shared = frozenset(id(v) for _, v in held) - ids
+    for t, v in held:
+        if id(v) in shared:
+            st.unmoved.setdefault(id(buffers.counter_of(t)), []).append(v)
     start = st.inplace_start
     before = len(st.trace.bound_symbols) if start is None else start
-    st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"), tuple(memory)))
+    st.stale_values.append(StaleValues(ids, shared, before, op_name, getattr(dst, "_tt_name", "a tensor"),
+                                       tuple(v for _, v in held) + tuple(stale), {id(v): t for t, v in held if id(v) in shared}))
 
 
-def check_saved(st, lines, needs_grad, outputs) -> None:
-    """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since."""
-    events = st.stale_values
+def record_data_assignment(st, t, old) -> None:
+    """``t.data = v``, ``t`` holding ``old``: eager's ops that saved ``t`` as an input save the tensor itself, whose
+    memory is now ``v``'s, and read it at the backward; those that saved it as their output keep the old memory."""
+    st.stale_values.append(StaleValues(frozenset(), frozenset([id(old)]), len(st.trace.bound_symbols), "t.data = v",
+                                       getattr(t, "_tt_name", "a tensor"), (old,), {id(old): t}, inputs_only=True))
+
+
+def own_saved_input(st, fn, dst, args, kwargs, requires_grad):
+    """Before the in-place op ``fn`` writes ``dst`` (``args``: current values): the position of a tensor argument after the
+    first that shares its version counter and that torch's ``fn`` saves for its backward, or None.
+    ``requires_grad(value)``: eager's flag of a value (``traced_autograd.computed_requires_grad`` for computed ones)."""
+    if fn is None or not torch.is_grad_enabled():
+        return None
+    try:
+        flat, spec = tree_flatten((args, kwargs))
+    except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
+        return None
+    tensors = [a for a in flat if type(a) is TensorProxy]
+    if len(tensors) < 2 or type(dst) is not TensorProxy:
+        return None
+    group = {id(v) for v in st.buffers.counter_values(dst)} | {id(st.buffers.read(dst))}
+    shared = [k for k, a in enumerate(tensors) if k and id(a) in group]
+    if not shared:
+        return None
+    needs = {id(a) for a in tensors if a._tt_dtype.is_float and requires_grad(a)}
+    if not needs:
+        return None
+    found = _saved_positions(fn, flat, spec, needs, inplace=True)
+    if found is None:
+        return None
+    return next((k for k in shared if k in found[0]), None)
+
+
+def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
+    """Raise eager's error when a line the backward of ``outputs`` goes through saved a value written since.
+
+    A saved value whose memory was written through ``.data`` (its counter unmoved): eager's backward reads the memory
+    as it is then.  ``follow_memory(tensor)`` gives the value that tensor holds when the backward runs (None: not
+    known); that line of ``lines`` is then replaced by torch's own op whose backward is given that value
+    (``opaque_grad.with_saved_from_memory``), and True is returned (the caller finds the gradient path again).
+    Where it is not known, ``NotImplementedError``."""
+    own = [e for e in st.stale_values if type(e) is StaleOwnInput]
+    if own:
+        on_path = _on_path(lines, needs_grad, outputs)
+        for e in own:
+            if any(i in on_path for i in range(e.start, min(e.end, len(lines)))):
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"tensor argument {e.position} of {e.op}, which autograd saved for the backward, shares the version "
+                    f"counter of {e.target}, which {e.op} itself writes (eager raises the same error at this backward). "
+                    f"Pass a copy (e.g. {e.op}(y.clone()) for y.{e.op}(y)) or use the out-of-place form (y = y * y).")
+    events = [e for e in st.stale_values if type(e) is StaleValues]
     if not events:
-        return
+        return False
     horizon = max(e.before for e in events)
     by_id: dict = {}
     for e in events:
@@ -62,19 +135,24 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
             by_id.setdefault(k, []).append(e)
     candidates = []
     for i, b in enumerate(lines[:horizon]):
+        if getattr(b.sym, "follows_memory", False):
+            continue  # already replaced: what it saved is read from memory
         ids = {id(a) for a in b.flat_args() if type(a) is TensorProxy} | {id(o) for o in b.flat_outputs()}
         touched = [e for k in ids & by_id.keys() for e in by_id[k] if i < e.before]
         if touched and any(type(o) is TensorProxy and id(o) in needs_grad for o in b.flat_outputs()):
             candidates.append((i, b, touched))
     if not candidates:
-        return
+        return False
     on_path = _on_path(lines, needs_grad, outputs)
+    rewrites = []
     for i, b, touched in candidates:
         if i not in on_path:
             continue
-        saved = _saved_values(b, needs_grad)
-        if saved is None:
+        slots = _saved_slots(b, needs_grad)
+        if slots is None:
             continue
+        saved = [v for _, v in slots]
+        from_memory = {}  # tag -> the tensor whose value the backward reads
         for e in touched:
             hit = next((v for v in saved if id(v) in e.ids), None)
             if hit is not None:
@@ -84,36 +162,77 @@ def check_saved(st, lines, needs_grad, outputs) -> None:
                     f"was changed afterwards by {e.op} on {e.target} (eager raises the same error at this backward). "
                     "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
                     "change before the op that reads the value.")
-            hit = next((v for v in saved if id(v) in e.shared), None)
-            if hit is not None:
-                raise NotImplementedError(
-                    f"{_which(b, hit)} of {b.sym.name} ({hit.type_string()}), which autograd saved for the backward, "
-                    f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor .data "
-                    "was taken from): eager's backward then silently uses the new values, which the compiled program "
-                    "does not follow. Write into a copy (y = y.clone()), or make the change before the op.")
+            for tag, v in slots:
+                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and tag[0] == "out"):
+                    now = follow_memory(e.holders[id(v)]) if follow_memory else None
+                    if now is None:
+                        raise NotImplementedError(
+                            f"{_which(b, v)} of {b.sym.name} ({v.type_string()}), which autograd saved for the backward, "
+                            f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor "
+                            ".data was taken from): eager's backward then uses the new values, which the compiled "
+                            "program cannot follow here (a backward outside the compiled function through a tensor "
+                            "neither returned nor an input). Write into a copy (y = y.clone()), or make the change "
+                            "before the op.")
+                    from_memory[tag] = now
+        if from_memory:
+            rewrites.append((i, b, from_memory))
+    for i, b, from_memory in rewrites:
+        from ..transforms.opaque_grad import with_saved_from_memory
+        flat = tree_flatten((b.args, b.kwargs))[0]
+        positions = tuple(k for k, a in enumerate(flat) if type(a) is TensorProxy and a._tt_dtype.is_float
+                          and id(a) in needs_grad)
+        tags = tuple(from_memory)
+        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory[t] for t in tags])
+    return bool(rewrites)
 
 
-def error_for_outside_backward(st, trc, grad_leaves):
-    """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): eager's error that
-    backward would raise, or None.  The compiled region is one autograd node, so the error is only given when every
-    output that carries gradient goes through a stale saved value (a backward through any of them raises in eager).
-    ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``)."""
+def lines_rewritten(st, starts, new_n) -> None:
+    """A traced backward replaced the forward's lines (composites expanded): line ``i`` of the old ``len(starts)`` now
+    begins at ``starts[i]``, and there are ``new_n``.  The positions on record move with them."""
+    n = len(starts)
+
+    def at(i):
+        return starts[i] if i < n else i - n + new_n
+
+    for e in st.stale_values:
+        if type(e) is StaleValues:
+            e.before = at(e.before)
+        else:
+            e.start, e.end = at(e.start), at(e.end)
+
+
+def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
+    """For a function whose gradients PyTorch's backward asks for later (``tt.compile(model)``): the error eager's
+    backward through each output would raise, by output name (outputs whose backward runs are absent).  The compiled
+    region is one autograd node: it raises when a gradient reaches one of these outputs (``autograd_function.py``).
+    ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``);
+    ``returned``: (user-visible tensor, output value) pairs.  A saved value written through ``.data`` is followed to
+    the value its memory holds at the end (an input's written-back value, or a returned tensor), else refused."""
     if not st.stale_values:
-        return None
+        return {}
     from ..pytree import tree_flatten as flatten
     from ..transforms.autograd import Forward, is_float_tensor
-    lines = list(trc.bound_symbols)
-    needs = Forward(lines, grad_leaves).needs_grad
-    outs = {id(o): o for o in flatten(trc.output)[0] if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
-    first = None
+    lines = trc.bound_symbols  # lines that read memory written through .data are replaced (check_saved)
+    needs = Forward(list(lines), grad_leaves).needs_grad
+    flat_out = flatten(trc.output)[0]
+    outs = {id(o): o for o in flat_out if type(o) is TensorProxy and is_float_tensor(o) and id(o) in needs}
+    errors = {}
     for o in outs.values():
         try:
-            check_saved(st, lines, needs, [o])
+            check_saved(st, lines, needs, [o], follow_memory=lambda t: _value_at_the_end(st, trc, t, returned))
         except (RuntimeError, NotImplementedError) as e:
-            first = first or e
-        else:
-            return None
-    return first
+            errors[o.name] = e
+    return errors
+
+
+def _value_at_the_end(st, trc, t, returned):
+    """The value tensor ``t`` holds when the function has returned, where the forward program keeps it: what its
+    write-back copies into an input, or a returned tensor; else None.  ``returned``: (user object, value) pairs."""
+    if st.walker.is_input(t):
+        src = next((b.args[0] for b in reversed(trc.bound_symbols) if b.sym.name == "copy_" and len(b.args) == 2
+                    and b.args[1] is t), None)
+        return t if src is None and not st.buffers.is_written(t) else src
+    return next((v for u, v in returned if u is t), None)
 
 
 def _on_path(lines, needs_grad, outputs) -> set:
@@ -141,7 +260,8 @@ _saved_cache: dict = {}
 
 
 def _torch_form(b):
-    fn = getattr(b.sym, "torch_impl", None)
+    # the callable the user called (F.softmax takes _stacklevel, torch.softmax does not), else the symbol's
+    fn = getattr(b, "torch_fn", None) or getattr(b.sym, "torch_impl", None)
     if fn is None and b.sym.is_prim:
         fn = getattr(torch, b.sym.name, None)
     return fn if callable(fn) else None
@@ -150,6 +270,12 @@ def _torch_form(b):
 def _saved_values(b, needs_grad):
     """The proxies among ``b``'s arguments and outputs that torch's own autograd saves for this op; None when
     it cannot be asked (no torch form, or it does not run on meta tensors)."""
+    slots = _saved_slots(b, needs_grad)
+    return None if slots is None else [v for _, v in slots]
+
+
+def _saved_slots(b, needs_grad):
+    """``(("in", flat argument index) or ("out", flat tensor output index), proxy)`` of what torch saves for ``b``."""
     fn = _torch_form(b)
     if fn is None:
         return None
@@ -157,30 +283,44 @@ def _saved_values(b, needs_grad):
         flat, spec = tree_flatten((b.args, b.kwargs))
     except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
         return None
-    sig, metas, proxies = [], [], []
+    found = _saved_positions(fn, flat, spec, needs_grad)
+    if found is None:
+        return None
+    at = [k for k, a in enumerate(flat) if type(a) is TensorProxy]
+    ins, outs = found
+    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+    return [(("in", at[k]), flat[at[k]]) for k in ins] + [(("out", k), flat_out[k]) for k in outs if k < len(flat_out)]
+
+
+def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
+    """(tensor-argument positions, output positions) that torch's ``fn`` saves, asked on meta tensors and cached per
+    op and argument signature; None when it cannot be asked.  ``inplace``: ``fn`` writes its first argument, which
+    is then a non-leaf (an in-place op on a leaf that requires grad is an error)."""
+    sig = []
     for a in flat:
         if type(a) is TensorProxy:
             rg = a._tt_dtype.is_float and id(a) in needs_grad
             sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg))
-            proxies.append(a)
         elif a is None or isinstance(a, (bool, int, float, str)):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
             sig.append(("dtype", a.torch))
+        elif a is Ellipsis:
+            sig.append(("ellipsis",))
+        elif type(a) is slice and all(x is None or type(x) is int for x in (a.start, a.stop, a.step)):
+            sig.append(("slice", a.start, a.stop, a.step))
+        elif isinstance(a, torch.dtype):
+            sig.append(("dtype", a))
         else:
             return None
-    key = (fn, repr(spec), tuple(sig))
+    key = (fn, repr(spec), tuple(sig), inplace)
     found = _saved_cache.get(key, ...)
     if found is ...:
-        found = _saved_cache[key] = _ask_torch(fn, spec, sig)
-    if found is None:
-        return None
-    ins, outs = found
-    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    return [proxies[k] for k in ins] + [flat_out[k] for k in outs if k < len(flat_out)]
+        found = _saved_cache[key] = _ask_torch(fn, spec, sig, inplace)
+    return found
 
 
-def _ask_torch(fn, spec, sig):
+def _ask_torch(fn, spec, sig, inplace=False):
     from ..pytree import tree_unflatten
 
     try:
@@ -189,10 +329,16 @@ def _ask_torch(fn, spec, sig):
         for s in sig:
             if type(s) is tuple and len(s) == 4 and isinstance(s[2], torch.dtype):
                 m = torch.empty_strided(s[0], s[1], dtype=s[2], device="meta").requires_grad_(s[3])
+                if inplace and not metas and s[3]:
+                    m = m.clone()  # written in place: not a leaf
                 metas.append(m)
                 flat.append(m)
             elif type(s) is tuple and s and s[0] == "dtype":
                 flat.append(s[1])
+            elif type(s) is tuple and s and s[0] == "ellipsis":
+                flat.append(Ellipsis)
+            elif type(s) is tuple and s and s[0] == "slice":
+                flat.append(slice(*s[1:]))
             else:
                 flat.append(s)
         args, kwargs = tree_unflatten(flat, spec)

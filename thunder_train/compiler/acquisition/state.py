@@ -45,5 +45,7 @@ class TracerState:
     # the trace length when the in-place op being traced began (its own lines read the values it overwrites).
     stale_values: list = dataclasses.field(default_factory=list)
     inplace_start: int | None = None
+    # id(counter) -> earlier values of tensors with that counter, changed through ``.data`` without moving it
+    unmoved: dict = dataclasses.field(default_factory=dict)
     # {symbol: its kernel switches when the call began} (acquisition/kernel_switches.py)
     kernel_switches: dict = dataclasses.field(default_factory=dict)

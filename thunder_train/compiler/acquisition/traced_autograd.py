@@ -29,7 +29,7 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
-from .saved_versions import check_saved
+from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
@@ -159,7 +159,13 @@ def assign_data(st, t, v):
             f"for {t.type_string()}) is not supported: make the new tensor with the new values instead.")
     # A new assignment to ``t`` ends its sharing with the last ``v`` (eager: ``t`` points at other memory).
     st.data_assignments[:] = [a for a in st.data_assignments if a[0] is not t]
-    st.buffers.write(t, prims.stop_gradient(value))
+    old = st.buffers.read(t)
+    # A computed ``t`` keeps its graph, as in eager: later uses read v's values, gradients reach t's history.
+    keeps_graph = (torch.is_grad_enabled() and not (id(t) in st.requires_grad_changes and t._tt_requires_grad)
+                   and computed_requires_grad(st, old))
+    record_data_assignment(st, t, old)
+    new = prims.stop_gradient(value)
+    st.buffers.write(t, prims.unseen_write(new, old) if keeps_graph else new)
     st.data_assignments.append((t, v, st.buffers.version(t), st.buffers.version(v)))
 
 
@@ -237,7 +243,8 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
         elif type(c) is not TensorProxy or c._tt_shape != o._tt_shape:
             raise RuntimeError(f"Mismatch in shape: grad_output has {getattr(c, 'shape', c)} and output has {o._tt_shape}")
         cts.add(o, c if c._tt_dtype is o._tt_dtype else prims.convert_element_type(c, o._tt_dtype))
-    check_saved(st, trc.bound_symbols, fwd.needs_grad, outputs)
+    if check_saved(st, trc.bound_symbols, fwd.needs_grad, outputs, follow_memory=st.buffers.read):
+        fwd = Forward(list(trc.bound_symbols), leaves)  # a line now reads memory written through .data
     backward_pass(fwd, cts)
     for b in trc.bound_symbols[n:]:
         b.region = BACKWARD  # the memory planner's backward lines (transforms/remat.py)
@@ -245,8 +252,12 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     # forward when the backward reads one of its internal values (dropout's mask).
     read = {id(a) for b in trc.bound_symbols[n:] for a in b.flat_args()}
     forward: list = []
-    emit_forward(trc.bound_symbols[:n], fwd.expanded, read, forward)
+    starts = []  # where each forward line's lines begin now: the in-place writes on record move with them
+    for b in trc.bound_symbols[:n]:
+        starts.append(len(forward))
+        emit_forward([b], fwd.expanded, read, forward)
     trc.bound_symbols[:n] = forward
+    lines_rewritten(st, starts, len(forward))
     st._gradient_path_cache = None  # the lines so far were rewritten: the path is found anew
     return [None if v is None else cts.get(v) for v in wrt_values]
 

@@ -13,6 +13,8 @@ Native gradient rules stay the fast path; this is the path for everything else.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .. import context, devices, dtypes, opaque
@@ -161,3 +163,132 @@ def record(func, args, kwargs, out, positions):
 
 opaque.record_differentiable = record
 opaque.gradient_positions = gradient_positions
+
+
+# ---- saved tensors read from memory written through ``.data`` (acquisition/saved_versions.py) ----
+# Eager's backward uses what a saved tensor's memory holds when it runs; a write through ``.data`` changes it without
+# moving the version counter.  Such an op runs here with torch's autograd, and its backward is given the values the
+# memory holds then in place of the saved tensors at ``tags``: ("in", flat argument index) or ("out", flat output index).
+class _MemoryRun(AutogradRun):
+    """``AutogradRun`` whose saved tensors at ``tags`` can be replaced before the backward (``memory_vjp``)."""
+
+    def __init__(self, func, positions, short, tags):
+        super().__init__(func, positions, short)
+        self.tags = tags
+
+    def __call__(self, *args, **kwargs):
+        records, swap = [], {}
+
+        def pack(t):
+            r = [None, t, None]
+            records.append(r)
+            return r
+
+        def unpack(r):
+            if r[0] is None or r[0] not in swap:
+                return r[1]
+            return _same_view(r[1], r[2], swap[r[0]])
+
+        flat, spec = tree_flatten((args, kwargs))
+        leaves = list(flat)
+        inputs = []
+        for i in self.positions:
+            leaves[i] = flat[i].detach().requires_grad_()
+            inputs.append(leaves[i])
+        a, k = tree_unflatten(leaves, spec)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = self.func(*a, **k)
+        flat_out, out_spec = tree_flatten(out)
+        for r in records:
+            for tag in self.tags:
+                ref = leaves[tag[1]] if tag[0] == "in" else flat_out[tag[1]]
+                if r[1] is ref or torch._C._is_alias_of(r[1], ref):
+                    r[0], r[2] = tag, ref
+        graph_outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None for o in flat_out]
+        handle = torch.empty(0, dtype=torch.uint8)
+        handle._tt_autograd_graph = (inputs, graph_outs)
+        handle._tt_swap = swap
+        result = tree_unflatten([o.detach() if g is not None else o for o, g in zip(flat_out, graph_outs)], out_spec)
+        return result, handle
+
+
+def _same_view(saved, ref, now):
+    """``now`` (the value ``ref``'s memory holds) seen as ``saved`` sees ``ref`` (``linear`` saves ``weight.t()``)."""
+    if saved is ref or (saved.size() == ref.size() and saved.stride() == ref.stride()
+                        and saved.storage_offset() == ref.storage_offset()):
+        return now
+    base = torch.empty_strided(ref.size(), ref.stride(), dtype=now.dtype, device=now.device)
+    base.copy_(now)
+    return base.as_strided(saved.size(), saved.stride(), saved.storage_offset() - ref.storage_offset())
+
+
+def memory_vjp(handle, cotangents, tags, now):
+    """``opaque_vjp`` with the saved tensors at ``tags`` replaced by ``now`` (what their memory holds)."""
+    handle._tt_swap.update(zip(tags, now))
+    try:
+        return opaque_vjp(handle, cotangents)
+    finally:
+        handle._tt_swap.clear()
+
+
+memory_vjp.__qualname__ = "autograd.memory_vjp"
+memory_vjp.__module__ = "thunder_train"
+
+
+class _MemoryVJPSymbol(Symbol):
+    def __init__(self):
+        super().__init__("memory_vjp", _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
+        self.torch_impl = memory_vjp
+        self.id = "grad_rules.memory_vjp"
+
+    @property
+    def print_name(self) -> str:
+        return "memory_vjp"
+
+    def codegen_globals(self) -> dict:
+        return {"memory_vjp": memory_vjp}
+
+
+MEMORY_VJP = _MemoryVJPSymbol()
+_memory_lines = itertools.count()
+
+
+class _MemoryOpaqueSymbol(AutogradOpaqueSymbol):
+    output_grad_flags = False  # it replaces a native line: every float output on the path carries gradient
+    follows_memory = True  # (acquisition/saved_versions.py does not check it again)
+
+    def __init__(self, func, positions, tags):
+        super().__init__(func, positions)
+        short = f"{self.torch_impl.__name__}_memory{next(_memory_lines)}"  # one per line: its rule holds that line's values
+        self.torch_impl = _MemoryRun(func, positions, short, tags)
+        ident = "torch_autograd_" + short
+        self._print_name, self._globals = ident, {ident: self.torch_impl}
+
+
+def _memory_rule(positions, tags, now):
+    def rule(g, output, *, args, kwargs):
+        out, handle = output
+        flat_out = tree_flatten(out)[0]
+        g_out = g[0] if isinstance(g, (tuple, list)) and len(g) == 2 else None
+        flat_ct = tree_flatten(g_out)[0] if g_out is not None else [None] * len(flat_out)
+        cts = tuple(c if type(o) is TensorProxy and type(c) is TensorProxy else None for o, c in zip(flat_out, flat_ct))
+        flat_in = tree_flatten((args, kwargs))[0]
+        grads = tuple(TensorProxy(shape=flat_in[i]._tt_shape, dtype=flat_in[i]._tt_dtype, device=flat_in[i]._tt_device)
+                      for i in positions)
+        context.get_trace().add(BoundSymbol(MEMORY_VJP, (handle, cts, tags, tuple(now)), {}, grads, ()))
+        flat_grads = [None] * len(flat_in)
+        for i, gr in zip(positions, grads):
+            flat_grads[i] = gr
+        n_args = len(tree_flatten(args)[0])
+        return {"args": flat_grads[:n_args], "kwargs": flat_grads[n_args:]}
+
+    return rule
+
+
+def with_saved_from_memory(b, func, positions, tags, now):
+    """Line ``b`` run by torch's ``func`` with autograd (differentiating the flat arguments at ``positions``), whose
+    backward reads ``now`` in place of the saved tensors at ``tags``."""
+    sym = _MemoryOpaqueSymbol(func, positions, tags)
+    register_vjp(sym)(_memory_rule(positions, tags, tuple(now)))
+    handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))
+    return BoundSymbol(sym, b.args, b.kwargs, (b.output, handle), ())
