@@ -1,7 +1,7 @@
 """Whole training steps of fully_shard (FSDP2) models compiled, against eager FSDP2, on gloo CPU processes.
 
-Run by tests/test_fsdp.py as ``python tests/_fsdp_whole_step.py OUT_DIR WORLD [WORLD ...]``: one process group of
-each size in turn, its ranks forked from this process (tests/_dist.py).  Each rank trains eager FSDP2 and the same
+Run by tests/test_fsdp.py as ``main(OUT_DIR, 2, 4)`` (tests/_dist.py: run_ranks; or ``python tests/_fsdp_whole_step.py
+OUT_DIR WORLD [WORLD ...]``): one process group of each size in turn, its ranks forked from the calling process.  Each rank trains eager FSDP2 and the same
 step compiled on its own data, and saves losses, local shards of the parameters and of the optimizer state, the
 types of what the epilogue wrote, the trace's collectives, the refused configurations' messages and (2 ranks) the
 Lightning ModelParallelStrategy runs of tests/_fsdp_callback.py to ``OUT_DIR/w{WORLD}/rank{r}.pt``.
@@ -236,10 +236,15 @@ def no_grad_unit(data):
     return out
 
 
-if __name__ == "__main__":
+def main(out_dir, *worlds):
+    """Each process group size in turn (2 by default), its ranks forked from this process."""
     import torch._dynamo  # noqa: F401  (FSDP2 imports it at its first forward: once here, not in every forked rank)
 
-    for world in [int(w) for w in sys.argv[2:]] or [2]:
-        out = os.path.join(sys.argv[1], f"w{world}")
+    for world in [int(w) for w in worlds] or [2]:
+        out = os.path.join(out_dir, f"w{world}")
         os.makedirs(out, exist_ok=True)
         spawn(run, out, world=world)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,5 +1,5 @@
 """fully_shard (FSDP2) models in compiled whole steps, against eager FSDP2, on gloo CPU processes
-(tests/_fsdp_whole_step.py runs the ranks: one interpreter for the module, its 2 and then 4 ranks forked from it)."""
+(tests/_fsdp_whole_step.py runs the ranks: 2 and then 4, forked from the test process, tests/_dist.py)."""
 from __future__ import annotations
 
 import os
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import run_script  # noqa: E402
+from _dist import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{world: [rank 0's results, rank 1's, ...]} for process groups of 2 and 4 ranks."""
     out = tmp_path_factory.mktemp("fsdp2")
-    run_script("_fsdp_whole_step.py", out, 2, 4, timeout=900)
+    run_ranks("_fsdp_whole_step", out, 2, 4)
     return {w: [torch.load(out / f"w{w}" / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in (2, 4)}
 
 
