@@ -186,6 +186,15 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
         assert "fuse_optimizer=True" in r["split"] and "ModelParallelStrategy" in r["split"], r["split"]
 
 
+def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):
+    # One more step of the GPT case (reshard_after_forward=True, prefetch) on each gloo rank, its peak counted by
+    # c10's allocator across threads (gloo's workers free collective buffers; tests/_peak.py, which also checks that
+    # the count returns to where it was).  Measured 0.67x and 0.76x of eager's on ranks 0 and 1.
+    for r in two_ranks:
+        eager, compiled = r["gpt_adamw_thin"]["eager"]["peak"], r["gpt_adamw_thin"]["compiled"]["peak"]
+        assert 0 < compiled <= eager, (compiled, eager)
+
+
 def _step_peak(fn, compiled, *args):
     """Peak bytes of one call above what was live before (torch.profiler's allocator events), plus the buffers a
     compiled program keeps between calls; the call's net allocation must be zero (no free was missed)."""
