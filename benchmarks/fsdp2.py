@@ -3,10 +3,11 @@
 Run: python benchmarks/fsdp2.py [--world 2] [--steps 20] [--layers 4] [--d 256] [--reshard-after-forward 0|1]
                                 [--prefetch 0|1] [--memory]
 
-``--memory`` measures instead, deterministically, the peak memory of one rank of ``--world`` in this process on torch's
-fake process group (collectives move no data): eager FSDP2 against the compiled step, both with reshard_after_forward
-True and False.  On gloo the peak printed by the timing run varies from run to run and overstates: frees done by
-gloo's threads escape the profiler (a step's allocations and frees do not sum to zero there).
+``--memory`` measures instead the peak memory of one rank of ``--world`` in this process on torch's fake process group
+(collectives move no data): eager FSDP2 against the compiled step, both with reshard_after_forward True and False.
+The timing run prints the peak on its gloo ranks, counted by c10's allocator across threads (tests/_peak.py:
+``peak_call_bytes_all_threads``; gloo's worker threads free collective buffers, which the profiler's own per-thread
+events miss).
 
 ``--prefetch 1`` sets THUNDER_TRAIN_PREFETCH=1: each unit's all-gathers start during the unit before it
 (transforms/collectives.py; off on CPU ranks by default).
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _fsdp_gpt import gpt, shard, step  # noqa: E402  (the GPT and step of tests/test_fsdp.py's peak-memory test)
 from train_step import peak_call_bytes  # noqa: E402  (one way of measuring a step's peak, shared by the benchmarks)
+from _peak import peak_call_bytes_all_threads  # noqa: E402  (the same count across threads: gloo's workers free memory)
 
 
 def run(rank, args, port):
@@ -78,7 +80,7 @@ def run(rank, args, port):
         peaks = []
         for (m, o), fn in zip(models, fns):
             dist.barrier()
-            peaks.append(peak_call_bytes(lambda: fn(m, o, x, y), None if fn is step else fn))
+            peaks.append(peak_call_bytes_all_threads(lambda: fn(m, o, x, y), None if fn is step else fn))
         if rank == 0:
             diff = max(abs(a - b) for a, b in zip(*losses))
             print(f"world {args.world}, GPT {args.layers} x {args.d}, batch 4 x 64, {args.steps} steps")

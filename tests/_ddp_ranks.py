@@ -2,7 +2,8 @@
 ``tt.compile(model)`` inside DDP (tests/_ddp_compiled.py), then DDP inside a compiled whole step
 (tests/_ddp_whole_step.py).  One interpreter start, one import of torch and thunder_train, one rendezvous.
 
-Run by tests/test_ddp.py as ``python tests/_ddp_ranks.py OUT_DIR``: each scenario writes ``OUT_DIR/<name>/rank{r}.pt``.
+Run by tests/test_ddp.py as ``main(OUT_DIR)`` (tests/_dist.py: run_ranks; or ``python tests/_ddp_ranks.py OUT_DIR``):
+each scenario writes ``OUT_DIR/<name>/rank{r}.pt``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ def run(rank, world, out_dir):
         scenario(rank, world, os.path.join(out_dir, name))
 
 
-if __name__ == "__main__":
+def main(out_dir):
     for name in SCENARIOS:
-        os.makedirs(os.path.join(sys.argv[1], name), exist_ok=True)
-    spawn(run, sys.argv[1])
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+    spawn(run, out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,7 +1,7 @@
 """Whole training steps of fully_shard (FSDP2) models compiled, against eager FSDP2, on gloo CPU processes.
 
-Run by tests/test_fsdp.py as ``python tests/_fsdp_whole_step.py OUT_DIR WORLD [WORLD ...]``: one process group of
-each size in turn, its ranks forked from this process (tests/_dist.py).  Each rank trains eager FSDP2 and the same
+Run by tests/test_fsdp.py as ``main(OUT_DIR, 2, 4)`` (tests/_dist.py: run_ranks; or ``python tests/_fsdp_whole_step.py
+OUT_DIR WORLD [WORLD ...]``): one process group of each size in turn, its ranks forked from the calling process.  Each rank trains eager FSDP2 and the same
 step compiled on its own data, and saves losses, local shards of the parameters and of the optimizer state, the
 types of what the epilogue wrote, the trace's collectives, the refused configurations' messages and (2 ranks) the
 Lightning ModelParallelStrategy runs of tests/_fsdp_callback.py to ``OUT_DIR/w{WORLD}/rank{r}.pt``.
@@ -25,6 +25,7 @@ import thunder_train as tt
 import _fsdp_callback  # imports lightning here, once, before the ranks fork
 from _dist import refused, spawn
 from _models import Block, train_step
+from _peak import peak_call_bytes_all_threads
 
 
 class TinyGPT(nn.Module):
@@ -66,9 +67,10 @@ def snapshot(model, opt):
     return params, state, kinds
 
 
-def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, **kw):
+def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, peak=False, **kw):
     """``prefetch``: THUNDER_TRAIN_PREFETCH while compiling (on CPU the all-gathers are not prefetched unless asked,
-    transforms/collectives.py)."""
+    transforms/collectives.py).  ``peak``: after the results are taken, one more step on the last batch, its peak
+    memory counted on this rank (all threads, gloo's included: tests/_peak.py)."""
     torch.manual_seed(0)
     model = shard(make(), units, **kw)
     opt = opt_fn(model.parameters())
@@ -76,16 +78,17 @@ def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None
     if prefetch is not None:
         os.environ["THUNDER_TRAIN_PREFETCH"] = "1" if prefetch else "0"
     try:
-        losses = [step(model, opt, x, y).detach() for x, y in data]
+        out = {"losses": [step(model, opt, x, y).detach() for x, y in data]}
+        out["params"], out["state"], out["kinds"] = snapshot(model, opt)
+        out["param_types"] = [type(p).__name__ for p in model.parameters()]
+        if compiled:
+            out["thin_calls"] = tt.compile_stats(step).thin_calls
+            out["trace"] = str(tt.last_traces(step)[-1])
+            out["step"] = step
+        if peak:
+            out["peak"] = peak_call_bytes_all_threads(lambda: step(model, opt, *data[-1]), step if compiled else None)
     finally:
         os.environ.pop("THUNDER_TRAIN_PREFETCH", None)
-    out = {"losses": losses}
-    out["params"], out["state"], out["kinds"] = snapshot(model, opt)
-    out["param_types"] = [type(p).__name__ for p in model.parameters()]
-    if compiled:
-        out["thin_calls"] = tt.compile_stats(step).thin_calls
-        out["trace"] = str(tt.last_traces(step)[-1])
-        out["step"] = step
     return out
 
 
@@ -102,7 +105,7 @@ def run(rank, world, out_dir):
         "mlp_adamw": (mlp, linears, mlp_data, adamw, {"prefetch": True}),
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
-        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True}),
+        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True, "peak": True}),
         # torchtitan's mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32
         "mlp_bf16_params_fp32_reduce": (mlp, linears, mlp_data, adamw, {
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
@@ -114,10 +117,10 @@ def run(rank, world, out_dir):
     steps = {}  # the compiled step of each case
     eager_runs = {}  # cases that differ only in how they compile (thin, prefetch) share one eager FSDP2 run
     for name, (make, units, data, opt_fn, kw) in cases.items():
-        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch")}
+        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch", "peak")}
         key = (make, units, id(data), opt_fn) if not fsdp_kw else name
         if key not in eager_runs:
-            eager_runs[key] = train(make, units, data, opt_fn, compiled=False, **fsdp_kw)
+            eager_runs[key] = train(make, units, data, opt_fn, compiled=False, peak=kw.get("peak", False), **fsdp_kw)
         result[name] = {"eager": eager_runs[key]}
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
         steps[name] = result[name]["compiled"].pop("step")
@@ -236,10 +239,28 @@ def no_grad_unit(data):
     return out
 
 
-if __name__ == "__main__":
-    import torch._dynamo  # noqa: F401  (FSDP2 imports it at its first forward: once here, not in every forked rank)
+def warm_up():
+    """An eager step and a compiled one of each model, unsharded, in the process the ranks fork from: what a first
+    call initializes (lazy imports, caches) is done once here instead of in every rank.  No process group (a
+    fake one would leave caches keyed by a mesh's shape that the ranks' real meshes would hit); this process's RNG
+    is left as it was."""
+    with torch.random.fork_rng():
+        mlp_batch = (torch.randn(6, 8), torch.randint(0, 5, (6,)))
+        gpt_batch = (torch.randint(0, 13, (2, 5)), torch.randint(0, 13, (2, 5)))
+        for make, batch in ((mlp, mlp_batch), (TinyGPT, gpt_batch)):
+            for step in (train_step, tt.compile(train_step)):
+                model = make()
+                step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *batch)
 
-    for world in [int(w) for w in sys.argv[2:]] or [2]:
-        out = os.path.join(sys.argv[1], f"w{world}")
+
+def main(out_dir, *worlds):
+    """Each process group size in turn (2 by default), its ranks forked from this process."""
+    warm_up()
+    for world in [int(w) for w in worlds] or [2]:
+        out = os.path.join(out_dir, f"w{world}")
         os.makedirs(out, exist_ok=True)
         spawn(run, out, world=world)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,6 +1,7 @@
 """Peak memory of one call on the CPU, as the memory tests and the benchmarks measure it (one copy, imported by
 tests/test_memory.py, tests/test_kept_buffers.py and benchmarks/train_step.py, which hands it to the other
-benchmarks)."""
+benchmarks), and the same count on gloo ranks, whose worker threads free memory too (tests/_fsdp_whole_step.py,
+benchmarks/fsdp2.py)."""
 from __future__ import annotations
 
 
@@ -22,3 +23,55 @@ def peak_call_bytes(fn, compiled=None) -> int:
     from thunder_train.compiler.executors.buffers import kept_bytes
 
     return peak + kept_bytes(tt.last_traces(compiled)[-1])
+
+
+def peak_call_bytes_all_threads(fn, compiled=None) -> int:
+    """``peak_call_bytes`` for a call whose memory other threads free: a gloo rank's collectives release their
+    inputs on gloo's worker threads, which the profiler does not watch (its per-thread events never sum to zero
+    there, and their peak overstates).  c10's CPU allocator keeps a process-wide count of the bytes it allocated
+    while ``caffe2_report_cpu_memory_usage`` is on, whichever thread allocates or frees; the profiler stamps that
+    count on every allocation event of this thread.  The peak is the largest count during the call less the count
+    before it (blocks allocated before the flag was set are not counted, as the profiler's own reading does not
+    count them), plus ``compiled``'s kept buffers; the count after the call must be the one before (checked:
+    nothing leaked)."""
+    import ctypes
+    import os
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.empty(1)  # a probe: the count before the call is stamped on its free
+        fn()
+    counts = _counts(prof)
+    before = counts[1]  # after the probe's allocation and free
+    after = counts[-1]
+    for _ in range(100):  # a worker thread may still be releasing the last collectives' buffers
+        if after == before:
+            break
+        time.sleep(0.01)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as probe:
+            torch.empty(1)
+        after = _counts(probe)[-1]
+    assert after == before, f"{after - before} bytes allocated during the call were not freed"
+    peak = max(counts) - before
+    if compiled is None:
+        return peak
+    import thunder_train as tt
+    from thunder_train.compiler.executors.buffers import kept_bytes
+
+    return peak + kept_bytes(tt.last_traces(compiled)[-1])
+
+
+def _counts(prof) -> list[int]:
+    """c10's count of allocated bytes after each allocation or free the profiler saw, in time order."""
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
+            events.append((e.start_time_ns, e.extra_fields.total_allocated))
+    return [c for _, c in sorted(events)]

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import run_script  # noqa: E402
+from _dist import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
-    """Both scenarios' results, from one interpreter and one pair of ranks (tests/_ddp_ranks.py)."""
+    """Both scenarios' results, from one pair of ranks forked from this process (tests/_ddp_ranks.py)."""
     out = tmp_path_factory.mktemp("ddp")
-    run_script("_ddp_ranks.py", out)
+    run_ranks("_ddp_ranks", out)
     return out
 
 

@@ -1,5 +1,5 @@
 """fully_shard (FSDP2) models in compiled whole steps, against eager FSDP2, on gloo CPU processes
-(tests/_fsdp_whole_step.py runs the ranks: one interpreter for the module, its 2 and then 4 ranks forked from it)."""
+(tests/_fsdp_whole_step.py runs the ranks: 2 and then 4, forked from the test process, tests/_dist.py)."""
 from __future__ import annotations
 
 import os
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import run_script  # noqa: E402
+from _dist import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{world: [rank 0's results, rank 1's, ...]} for process groups of 2 and 4 ranks."""
     out = tmp_path_factory.mktemp("fsdp2")
-    run_script("_fsdp_whole_step.py", out, 2, 4, timeout=900)
+    run_ranks("_fsdp_whole_step", out, 2, 4)
     return {w: [torch.load(out / f"w{w}" / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in (2, 4)}
 
 
@@ -186,6 +186,15 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
         assert "fuse_optimizer=True" in r["split"] and "ModelParallelStrategy" in r["split"], r["split"]
 
 
+def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):
+    # One more step of the GPT case (reshard_after_forward=True, prefetch) on each gloo rank, its peak counted by
+    # c10's allocator across threads (gloo's workers free collective buffers; tests/_peak.py, which also checks that
+    # the count returns to where it was).  Measured 0.67x and 0.76x of eager's on ranks 0 and 1.
+    for r in two_ranks:
+        eager, compiled = r["gpt_adamw_thin"]["eager"]["peak"], r["gpt_adamw_thin"]["compiled"]["peak"]
+        assert 0 < compiled <= eager, (compiled, eager)
+
+
 def _step_peak(fn, compiled, *args):
     """Peak bytes of one call above what was live before (torch.profiler's allocator events), plus the buffers a
     compiled program keeps between calls; the call's net allocation must be zero (no free was missed)."""
@@ -227,7 +236,8 @@ def test_fsdp2_peak_memory_per_rank_is_at_most_eager(monkeypatch, reshard, prefe
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             x, y = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
             fn = tt.compile(step, thin=True) if compiled else step
-            for _ in range(2 if compiled else 1):  # AdamW's state exists (and was traced)
+            step(model, opt, x, y)  # an eager step creates AdamW's state: the compiled step traces once, with it
+            if compiled:
                 fn(model, opt, x, y)
             peaks.append(_step_peak(fn, compiled, model, opt, x, y))
             assert _step_peak(fn, compiled, model, opt, x, y) == peaks[-1]  # deterministic
