@@ -68,3 +68,33 @@ def test_gather_sparse_grad_without_gradient_runs():
     idx = torch.tensor([[0, 1], [2, 3], [1, 1]])
     fn = lambda x, i: torch.gather(x, 1, i, sparse_grad=True) * 2  # noqa: E731
     torch.testing.assert_close(tt.compile(fn)(x, idx), fn(x, idx))
+
+
+def test_sparse_embedding_bag_step_is_refused_and_leaves_the_model_unchanged():
+    """EmbeddingBag(sparse=True) runs opaquely; its gradient (torch's) would be sparse, which no strided proxy, .grad
+    rule or optimizer kernel here takes: refused while tracing, with what to do, nothing changed."""
+    bag = nn.EmbeddingBag(10, 4, sparse=True, mode="sum")
+    opt = torch.optim.SGD(bag.parameters(), lr=0.1)
+    before = bag.weight.detach().clone()
+
+    def step(i, offsets):
+        loss = bag(i, offsets).pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(TracingError, match=r"embedding_bag\(sparse=True\).*use sparse=False"):
+        tt.compile(step)(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
+    assert torch.equal(bag.weight, before) and bag.weight.grad is None and not opt.state
+
+
+def test_sparse_embedding_bag_without_gradient_runs():
+    bag = nn.EmbeddingBag(10, 4, sparse=True, mode="mean")
+    i, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2])
+
+    def look_up(i, offsets):
+        with torch.no_grad():
+            return bag(i, offsets) * 2
+
+    torch.testing.assert_close(tt.compile(look_up)(i, offsets), look_up(i, offsets))

@@ -51,7 +51,7 @@ def handle_torch_function(func, types, args, kwargs):
         trc = st.trace
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
-    refuse_sparse_call(func, callable_name(func), kwargs)
+    refuse_sparse_call(func, callable_name(func), args, kwargs)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
     special = _AUTOGRAD_CALLS.get(func)

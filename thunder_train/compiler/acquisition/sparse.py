@@ -10,6 +10,7 @@ the trace with this module's error (the call is transactional: nothing the funct
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import TracingError
 
@@ -32,8 +33,26 @@ def refuse_sparse_input(t: torch.Tensor, where: str) -> None:
         raise TracingError(f"{where} is a sparse tensor ({t.layout}). {_WHAT_TO_DO}")
 
 
-def refuse_sparse_call(func, name: str, kwargs: dict) -> None:
-    """A call whose result would be sparse: a sparse maker, or a ``layout=`` other than strided."""
+# Ops that run opaquely (their gradient from torch's autograd) and give a sparse gradient when a flag says so:
+# op -> (position of the weight, position and keyword of the flag).  Behind a strided proxy that gradient would
+# reach .grad and the optimizer's kernels (which refuse it, or treat it as dense only by luck).
+_SPARSE_GRAD_FLAGS = {F.embedding_bag: (1, 7, "sparse"), torch.embedding_bag: (0, 5, "sparse")}
+
+
+def refuse_sparse_call(func, name: str, args: tuple, kwargs: dict) -> None:
+    """A call whose result would be sparse (a sparse maker, or a ``layout=`` other than strided), or whose gradient
+    would be (``embedding_bag(sparse=True)`` on a weight that requires grad)."""
     layout = kwargs.get("layout")
     if func in SPARSE_MAKERS or (isinstance(layout, torch.layout) and layout != torch.strided):
         raise TracingError(f"{name} makes a sparse tensor inside the compiled function. {_WHAT_TO_DO}")
+    flag = _SPARSE_GRAD_FLAGS.get(func)
+    if flag is not None:
+        w, pos, key = flag
+        weight = args[w] if len(args) > w else kwargs.get("weight")
+        sparse = args[pos] if len(args) > pos else kwargs.get(key, False)
+        if sparse and getattr(weight, "_tt_requires_grad", False) and torch.is_grad_enabled():
+            raise TracingError(
+                f"{name}(sparse=True) on a weight that requires grad: its gradient is a sparse tensor, which "
+                "thunder_train does not support (.grad, the optimizers' kernels and the backward program are strided); "
+                "use sparse=False (a dense gradient, the same values), or run this embedding outside the compiled "
+                "function. Nothing was changed.")
