@@ -101,6 +101,14 @@ def test_what_a_sparse_value_cannot_do_is_refused_clearly(name):
     assert torch.equal(s.to_dense(), s_before) and torch.equal(w, w_before) and w.grad is None
 
 
+def test_a_sparse_input_that_requires_grad_is_refused_where_a_gradient_would_flow():
+    s, d = _dense().to_sparse().requires_grad_(), torch.randn(5, 3)
+    with pytest.raises(TracingError, match="gradients through sparse tensors"):
+        tt.compile(lambda s, d: torch.sparse.mm(s, d))(s, d)
+    with torch.no_grad():
+        torch.testing.assert_close(tt.compile(lambda s, d: torch.sparse.mm(s, d))(s, d), torch.sparse.mm(s, d))
+
+
 def test_blocked_layouts_and_strict_are_refused():
     with pytest.raises(TracingError, match="sparse_bsr.*not blocked layouts"):
         tt.compile(lambda s: s.to_dense())(_dense()[:4, :4].to_sparse_bsr((2, 2)))

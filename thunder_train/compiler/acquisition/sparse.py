@@ -1,11 +1,15 @@
-"""Sparse tensors (COO, CSR, CSC, BSR, BSC) are refused inside a compiled function, with what to do instead.
+"""Sparse tensors (COO, CSR, CSC) inside a compiled function: opaque values.
 
-A proxy carries a strided tensor's metadata (shape, strides, storage offset: compiler/proxies.py) and every
-rule downstream — guards, layout rules, gradients, ``.grad`` accumulation, the optimizers' kernels — assumes
-one.  A sparse tensor has no strides, its number of stored elements is data-dependent, and torch has no meta
-kernels for most sparse ops, so the compiler cannot follow it; running the ops on a sparse runtime value behind
-a strided proxy would be right only by luck.  So a sparse input, or a call that makes a sparse tensor, stops
-the trace with this module's error (the call is transactional: nothing the function changed stays changed).
+A ``TensorProxy`` carries a strided tensor's metadata (shape, strides, storage offset) and every rule downstream
+(guards, layout rules, gradients, ``.grad``, the optimizers' kernels) assumes one.  A sparse tensor has no
+strides and its number of stored elements is data-dependent, so it gets a proxy kind of its own, ``SparseProxy``
+(compiler/proxies.py: layout, shape, dtype, device), which no native symbol takes: every torch call that reads
+or makes one (``sparse_call``) runs as an opaque line whose outputs' metadata come from torch's fake tensors (a
+sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  A sparse input is
+guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad (prologue.py).  What cannot be
+followed is refused with what to do (``_WHAT_TO_DO``): gradients through a sparse value, in-place updates of one,
+blocked layouts, and strided ops whose gradient would be sparse (``refuse_sparse_gradient``).  A refused call is
+transactional: nothing the function changed stays changed.
 """
 from __future__ import annotations
 
@@ -116,7 +120,7 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     ``grad_flows(flat)``: the positions of the arguments a gradient would flow into (opaque.gradient_positions)."""
     from .. import context
     from ..errors import UnsupportedOpError
-    from ..opaque import OpaqueSymbol, _opaque_symbols
+    from ..opaque import opaque_symbol
     from ..proxies import SparseProxy, TensorProxy, size_value
     from ..pytree import tree_flatten, tree_map, tree_unflatten
     from ..symbols import BoundSymbol
@@ -136,7 +140,7 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
         raise TracingError(f"{name} on a sparse tensor changes it in place (or writes out=), which thunder_train does not "
                            f"support: a sparse tensor runs as an opaque value. Use the out-of-place form. {_WHAT_TO_DO}")
     flat, spec = tree_flatten((args, kwargs))
-    if torch.is_grad_enabled() and grad_flows(flat):
+    if torch.is_grad_enabled() and (grad_flows(flat) or any(type(x) is SparseProxy and x._tt_requires_grad for x in flat)):
         raise TracingError(f"{name}: gradients through sparse tensors are not supported by thunder_train (its backward "
                            "program and .grad are strided); a sparse tensor runs as an opaque value without gradient. Run "
                            f"this part under torch.no_grad() or with inputs that do not require grad. {_WHAT_TO_DO}")
@@ -173,10 +177,7 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     out = tree_map(to_proxy, fout)
     if not any(isinstance(v, torch.Tensor) for v in tree_flatten(out)[0]):
         return out  # metadata only (a size, a bool): no trace line
-    sym = _opaque_symbols.get(func)
-    if sym is None:
-        sym = _opaque_symbols[func] = OpaqueSymbol(func)
-    context.get_trace().add(BoundSymbol(sym, args, kwargs, out, ()))
+    context.get_trace().add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
     st = context.tracer_state()
     if st is not None and name not in st.opaque_ops:
         st.opaque_ops.append(name)
