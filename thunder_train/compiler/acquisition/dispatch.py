@@ -52,7 +52,7 @@ def handle_torch_function(func, types, args, kwargs):
         trc = st.trace
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
-    refuse_sparse_gradient(func, callable_name(func), args, kwargs)
+    refuse_sparse_gradient(func, args, kwargs)
     if touches_sparse(func, args, kwargs):  # a sparse value: an opaque line (acquisition/sparse.py)
         return _sparse(st, func, args, kwargs, top)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":

@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import TracingError
+from .. import context
+from ..errors import TracingError, UnsupportedOpError
+from ..opaque import callable_name, opaque_symbol
+from ..proxies import SparseProxy, TensorProxy, size_value
+from ..pytree import tree_flatten, tree_map, tree_unflatten
+from ..symbols import BoundSymbol
 
 _MAKER_METHODS = ("to_sparse", "to_sparse_coo", "to_sparse_csr", "to_sparse_csc", "to_sparse_bsr", "to_sparse_bsc")
 _MAKER_FUNCTIONS = ("sparse_coo_tensor", "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor",
@@ -38,7 +44,7 @@ _WHAT_TO_DO = ("Inside a compiled function a sparse tensor (COO, CSR or CSC) is 
 _SPARSE_GRAD_FLAGS = {F.embedding_bag: (1, 7, "sparse"), torch.embedding_bag: (0, 5, "sparse")}
 
 
-def refuse_sparse_gradient(func, name: str, args: tuple, kwargs: dict) -> None:
+def refuse_sparse_gradient(func, args: tuple, kwargs: dict) -> None:
     """A strided call whose gradient would be sparse (``embedding_bag(sparse=True)`` on a weight that requires grad)."""
     flag = _SPARSE_GRAD_FLAGS.get(func)
     if flag is not None:
@@ -47,7 +53,7 @@ def refuse_sparse_gradient(func, name: str, args: tuple, kwargs: dict) -> None:
         sparse = args[pos] if len(args) > pos else kwargs.get(key, False)
         if sparse and getattr(weight, "_tt_requires_grad", False) and torch.is_grad_enabled():
             raise TracingError(
-                f"{name}(sparse=True) on a weight that requires grad: its gradient is a sparse tensor, which "
+                f"{callable_name(func)}(sparse=True) on a weight that requires grad: its gradient is a sparse tensor, which "
                 "thunder_train does not support (.grad, the optimizers' kernels and the backward program are strided); "
                 "use sparse=False (a dense gradient, the same values), or run this embedding outside the compiled "
                 "function. Nothing was changed.")
@@ -68,8 +74,6 @@ _PROPERTIES = {"shape": lambda p: torch.Size(p._tt_shape), "dtype": lambda p: p.
 
 def sparse_proxy_of(t: torch.Tensor, where: str, name=None):
     """A ``SparseProxy`` for the sparse tensor (or fake tensor) ``t``; a form it cannot stand for is refused."""
-    from ..proxies import SparseProxy
-
     if t.layout not in SUPPORTED_LAYOUTS:
         raise TracingError(f"{where} is a sparse tensor of layout {t.layout}: thunder_train runs COO, CSR and CSC tensors "
                            f"(as opaque values), not blocked layouts. {_WHAT_TO_DO}")
@@ -104,27 +108,25 @@ _STORED = frozenset(getattr(torch.Tensor, n) for n in (
 
 
 def touches_sparse(func, args, kwargs) -> bool:
-    """Whether this call reads a sparse proxy or makes a sparse tensor."""
-    from ..proxies import SparseProxy
-    from ..pytree import tree_flatten
-
-    layout = kwargs.get("layout")
-    if func in SPARSE_MAKERS or (isinstance(layout, torch.layout) and layout != torch.strided):
+    """Whether this call reads a sparse proxy (an argument, or an item of a list or tuple argument) or makes a sparse
+    tensor.  Asked of every torch call while tracing: a shallow look, no flattening."""
+    if func in SPARSE_MAKERS:
         return True
-    return any(type(a) is SparseProxy for a in tree_flatten((args, kwargs))[0])
+    layout = kwargs.get("layout") if kwargs else None
+    if isinstance(layout, torch.layout) and layout != torch.strided:
+        return True
+    for group in (args, kwargs.values() if kwargs else ()):
+        for a in group:
+            t = type(a)
+            if t is SparseProxy or ((t is list or t is tuple) and any(type(b) is SparseProxy for b in a)):
+                return True
+    return False
 
 
 def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     """Run a call that reads or makes a sparse tensor as an opaque line; its outputs' metadata from fake tensors.
 
     ``grad_flows(flat)``: the positions of the arguments a gradient would flow into (opaque.gradient_positions)."""
-    from .. import context
-    from ..errors import UnsupportedOpError
-    from ..opaque import opaque_symbol
-    from ..proxies import SparseProxy, TensorProxy, size_value
-    from ..pytree import tree_flatten, tree_map, tree_unflatten
-    from ..symbols import BoundSymbol
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     fname = getattr(func, "__name__", "")
     if fname in ("__get__", "__set__"):
