@@ -25,6 +25,7 @@ def default_fusion(monkeypatch):
 def no_kernels(monkeypatch):
     """A process that has compiled no region yet (kernels compiled by other tests do not count)."""
     monkeypatch.setattr(inductor_fusion, "_kernels", {})
+    monkeypatch.setattr(inductor_fusion, "_failed", {})
 
 
 def _lowered(fn, *args):
@@ -94,7 +95,7 @@ def test_one_structure_is_built_once_and_a_compiled_one_costs_nothing(monkeypatc
 def test_a_region_that_failed_before_saves_nothing(monkeypatch, no_kernels):
     traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
     (b, o), = inductor_fusion.plan_regions(traces[0])
-    monkeypatch.setitem(inductor_fusion._kernels, regions.structure(b, o)[0], "RuntimeError: no")
+    monkeypatch.setitem(inductor_fusion._failed, regions.structure(b, o)[0], "RuntimeError: no")
     d = payback.decide(traces, measure=lambda *a: (1.0, 0.0), started=True, warm=lambda key: True)
     assert d.start_at is None and "nothing to fuse" in d.line()
 

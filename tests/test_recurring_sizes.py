@@ -167,3 +167,85 @@ def test_a_program_no_faster_than_the_symbolic_one_is_released():
         assert torch.equal(cf(models[1], opts[1], x, y), ref(models[2], opts[2], x, y))
     assert not sizes.programs or k not in sizes.programs
     assert len([line for line in tt.compile_stats(cf).recurring_sizes if "own program" in line]) == 1
+
+
+class _Gated(torch.nn.Module):
+    """A gate of elementwise ops between two linears: one fusible region in the forward, one in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h) * torch.sigmoid(h) + h / 3.0)
+
+
+def _fused_kernels(slot) -> list:
+    """The Inductor kernels ``slot``'s programs call (what the process-wide kernel cache holds while they live)."""
+    from thunder_train.compiler.executors.regions import FusionSymbol
+
+    last = [slot.traces[-1]] + ([slot.backward_traces[-1]] if slot.backward_traces else [])
+    return list({id(b.sym.owner): b.sym.owner for t in last for b in t.bound_symbols if isinstance(b.sym, FusionSymbol)}.values())
+
+
+def test_each_sizes_program_is_fused_in_the_background_and_eviction_frees_its_kernels(monkeypatch):
+    """The default fusion (background, Inductor on the CPU): each recurring size's program builds its fused program,
+    which runs for that size's calls (sizes alternating) with eager's values within the fused tolerances; a third
+    size beyond ``cache_limit=2`` releases the least recently used size's program, and its kernels leave the
+    process-wide kernel cache with it.  Four regions compile (two per size)."""
+    import gc
+    import weakref
+
+    from _inductor import cxx_available
+    from _steps import assert_same_state
+    from thunder_train.compiler.executors import inductor_fusion
+
+    if not cxx_available():
+        pytest.skip("Inductor's CPU backend needs a C++ compiler (none found)")
+    monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tt.compile's default: background fusion
+    monkeypatch.setattr(recurring_sizes, "JUDGE_CALLS", 10**9)  # no timing on a loaded machine decides what stays
+    torch.manual_seed(0)
+    base = _Gated()
+    models = [copy.deepcopy(base) for _ in range(3)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    cf = tt.compile(_models.train_step, thin=True, cache_limit=2)
+    ref = tt.compile(_models.train_step, thin=True, fusion=None)  # the symbolic program runs every call
+    ref._specialises_sizes = False
+    calls = iter(range(10**6))
+
+    def step(B):
+        x, y = _batch(B, next(calls))
+        eager = _models.train_step(models[0], opts[0], x, y)
+        got, want = cf(models[1], opts[1], x, y), ref(models[2], opts[2], x, y)
+        torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert_same_state((models[0], opts[0]), (models[1], opts[1]))
+
+    for B in [8, 12] * 6:
+        step(B)
+    [entry] = [e for probes in cf._cache.values() for p in probes for e in p.entries.values()]
+    sizes = entry.slot.sizes
+    programs = {k[0][0][0]: spec.slot for k, (spec, _) in sizes.programs.items()}
+    assert sorted(programs) == [8, 12] and not any(_fused_kernels(s) for s in programs.values())
+    assert not _fused_kernels(entry.slot)  # symbolic sizes: never fused
+    assert tt.wait_for_fusion(cf, timeout=600)
+    st = tt.compile_stats(cf)
+    assert st.fusion_switches == 2, st.fusion_notes
+    kernels = {B: _fused_kernels(s) for B, s in programs.items()}
+    assert all(len(k) == 2 for k in kernels.values()), {B: [str(t) for t in s.traces[-1:]] for B, s in programs.items()}
+    for B in [8, 12, 12, 8, 8, 12]:  # each size runs its own fused program
+        step(B)
+    assert [spec.slot for spec, _ in sizes.programs.values()] == [programs[8], programs[12]]  # least recent first
+    alive = {B: [weakref.ref(k) for k in ks] for B, ks in kernels.items()}
+    del kernels
+    for _ in range(5):  # a third size recurs: the program of 8 goes, with its kernels
+        step(16)
+    assert programs[8].released and not programs[12].released
+    assert any("released: more than 2 sizes" in line for line in st.recurring_sizes), st.recurring_sizes
+    del programs  # the test's own reference to the released program
+    gc.collect()
+    assert all(r() is None for r in alive[8])
+    assert all(r() is not None and r() in inductor_fusion._kernels.values() for r in alive[12])
+    for B in [12, 8, 16]:
+        step(B)

@@ -107,6 +107,16 @@ def printable_reference(func, name: str):
 
 
 _opaque_symbols: dict = {}
+
+
+def opaque_symbol(func) -> OpaqueSymbol:
+    """The one symbol of ``func`` run opaquely."""
+    sym = _opaque_symbols.get(func)
+    if sym is None:
+        sym = _opaque_symbols[func] = OpaqueSymbol(func)
+    return sym
+
+
 # Output rules for torch ops that have no meta kernel (``F.ctc_loss``), declared with the op in the torch language
 # (``@meta_rule(func)``): ``rule(*meta_args, **meta_kwargs)`` returns the meta tensors the op would return
 # (``requires_grad`` as eager's), computed from the arguments' metadata alone.
@@ -195,10 +205,7 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     if diff and any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(meta_out)[0]):
         name = record_differentiable(func, args, kwargs, out, diff)
     else:
-        sym = _opaque_symbols.get(func)
-        if sym is None:
-            sym = _opaque_symbols[func] = OpaqueSymbol(func)
-        trc.add(BoundSymbol(sym, args, kwargs, out, ()))
+        trc.add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
     st = context.tracer_state()
     if st is not None and name not in st.opaque_ops:
         st.opaque_ops.append(name)

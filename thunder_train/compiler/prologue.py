@@ -105,6 +105,15 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "tensor":
         if leaf.alias_of is not None:
             return [("identity", f"{var} is {var_of_leaf(leaf.alias_of)}", True)]
+        if v.layout != torch.strided:  # a sparse tensor (an opaque value, acquisition/sparse.py): no strides
+            return [
+                ("layout", f"{var}.layout", v.layout),
+                ("shape", f"{var}.shape", tuple(v.shape)),
+                ("sparse dims", f"({var}.sparse_dim(), {var}.dense_dim())", (v.sparse_dim(), v.dense_dim())),
+                ("dtype", f"{var}.dtype", v.dtype),
+                ("device", f"{var}.device", v.device),
+                ("requires_grad", f"{var}.requires_grad", v.requires_grad),
+            ]
         if is_symbolic(leaf):
             return symbolic_shape_specs(leaf, var) + [
                 # Not the strides: they change with the sizes. Their form (dense in an order, or a slice) does not.

@@ -16,7 +16,7 @@ _T = "tensor"
 
 def arg_key(x, depth=0):
     if isinstance(x, torch.Tensor):
-        return (_T, x.shape, x.dtype, x.device, x.requires_grad)
+        return (_T, x.shape, x.dtype, x.device, x.requires_grad, x.layout)
     t = type(x)
     if t in (int, bool, str, type(None), complex):
         return (t, x)
@@ -32,7 +32,7 @@ def arg_key(x, depth=0):
 def dynamic_arg_key(x, depth=0):
     """``arg_key`` for dynamic=True: sizes ≥ 2 of argument tensors are symbolic, so not part of the key."""
     if isinstance(x, torch.Tensor):
-        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad)
+        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad, x.layout)
     t = type(x)
     if depth < 3 and (t is tuple or t is list):
         return (t, tuple(dynamic_arg_key(v, depth + 1) for v in x))
@@ -45,7 +45,7 @@ def struct_key(args, kwargs, key=arg_key) -> tuple:
     return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in kwargs.items()), current_global_state())
 
 
-_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
+_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad", "layout")
 
 
 def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:

@@ -101,6 +101,10 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     own; ``graphed``: the CUDA graph runs, called in the computation's order).
     """
     prologue, leaves = entry.prologue, entry.leaves
+    sparse = next((leaf for leaf, v in zip(leaves, vals) if leaf.kind == "tensor" and v.layout != torch.strided), None)
+    if sparse is not None:  # its checks read strides and storage: the prologue checks a sparse input instead
+        raise CannotBind(f"{path_str(sparse.path)} is a sparse tensor (its layout, shape, dtype and device are checked by "
+                         "the full path's prologue on every call)")
     src = _ThinSource(entry, vals, prev_vals, _bulk_kinds(entry, vals, prev_vals))
     for i in src.pc_idx:
         into = src.changed if i in src.state else src.mismatch

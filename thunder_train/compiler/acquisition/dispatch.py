@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import context, proxies, symbols
 from ..errors import TracingError, UnsupportedOpError
+from .. import opaque
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
 from .functional import fresh_results
@@ -25,7 +26,7 @@ from ..torchlang import registry, value_shaped
 from ..torchlang.autocast import cast_inputs
 from ..torchlang.tensor_methods import requires_grad_of
 from .opaque_views import record_opaque_views
-from .sparse import refuse_sparse_call
+from .sparse import refuse_sparse_gradient, sparse_call, touches_sparse
 from .state import TracerState
 from .inplace import (back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view, no_grad_region,
                       opaque_out, read_current, record_views, write)
@@ -51,7 +52,9 @@ def handle_torch_function(func, types, args, kwargs):
         trc = st.trace
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
-    refuse_sparse_call(func, callable_name(func), kwargs)
+    refuse_sparse_gradient(func, args, kwargs)
+    if touches_sparse(func, args, kwargs):  # a sparse value: an opaque line (acquisition/sparse.py)
+        return _sparse(st, func, args, kwargs, top)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
     special = _AUTOGRAD_CALLS.get(func)
@@ -306,11 +309,22 @@ def _flat(args, kwargs):
     return tree_flatten((args, kwargs))[0]
 
 
+def _sparse(st, func, args, kwargs, top):
+    """A call that reads or makes a sparse tensor: real tensors captured, dense inputs read at their current value."""
+    if st.walker is not None and any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
+        args, kwargs = _capture_real_tensors(st, args, kwargs)
+    if top and st.buffers is not None:
+        args, kwargs = read_current(st, args, kwargs)
+    grad_flows = opaque.gradient_positions or (lambda flat: ())
+    return sparse_call(func, callable_name(func), args, kwargs, strict=st.strict,
+                       grad_flows=grad_flows)
+
+
 def _capture_real_tensors(st, args, kwargs):
     walker = st.walker
 
     def swap(a):
-        if isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+        if isinstance(a, torch.Tensor) and not proxies.is_proxy(a):
             return walker.captured_tensor(a)
         return a
 

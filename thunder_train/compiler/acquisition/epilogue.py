@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import linecache
 
+import torch
+
 from .. import prims
 from . import fsdp
 from ..proxies import TensorProxy, is_proxy
@@ -80,7 +82,9 @@ def _reject_aliased_inputs(walker, written):
     (Slices of one storage that touch disjoint bytes are independent: memory_overlap.py.)"""
     if not written:
         return
-    leaves = [leaf for leaf in walker.leaves if leaf.kind == "tensor" and leaf.alias_of is None]
+    # A sparse input (an opaque value, sparse.py) is never updated in place and has no strided storage to compare.
+    leaves = [leaf for leaf in walker.leaves if leaf.kind == "tensor" and leaf.alias_of is None
+              and leaf.value.layout == torch.strided]
     dsts = [walker.leaf_of(dst) for dst in written]
     pairs = overlapping_pairs([leaf.value for leaf in dsts], [leaf.value for leaf in leaves])
     if pairs:

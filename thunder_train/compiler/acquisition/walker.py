@@ -26,7 +26,7 @@ from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
 from .module_writes import ModuleState
 from . import fsdp, library_objects
-from .sparse import refuse_sparse_input
+from .sparse import sparse_proxy_of
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
 
@@ -110,8 +110,9 @@ class InputWalker:
     def tensor(self, t, path, hint, requires_grad=None):
         if fsdp.is_dtensor(t):
             return self.dtensor(t, path, hint)
-        refuse_sparse_input(t, path_str(path))
         prev = self.by_id.get(id(t))
+        if t.layout != torch.strided and prev is None:
+            return self.sparse(t, path, hint)
         if prev is not None:
             # The same tensor reached twice (tied weights, one tensor passed twice): one proxy.
             self.leaves.append(Leaf(path, "tensor", t, prev.proxy, alias_of=prev))
@@ -136,6 +137,15 @@ class InputWalker:
                 if type(s) is SizeProxy:
                     s.origin = ("dim", p, i)
             self.symbolic_inputs.append(p)
+        leaf = Leaf(path, "tensor", t, p)
+        self.leaves.append(leaf)
+        self.by_id[id(t)] = leaf
+        self.leaf_of_proxy[id(p)] = leaf
+        return p
+
+    def sparse(self, t, path, hint):
+        """A sparse input: an opaque value (acquisition/sparse.py), guarded by layout, shape, dtype and device."""
+        p = sparse_proxy_of(t, path_str(path), self.trc.unique_name(hint or name_from_path(path)))
         leaf = Leaf(path, "tensor", t, p)
         self.leaves.append(leaf)
         self.by_id[id(t)] = leaf

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 
 import torch
 
@@ -193,7 +194,7 @@ class _State:
         else:
             self.notes.append(f"{name}: fused {len(bsyms)} ops ({ops}) into one Inductor kernel, compiled in {kernel.seconds:.2f} s")
         kernel.uses += 1
-        sym = FusionSymbol(name, kernel.runner)
+        sym = FusionSymbol(name, kernel.runner, owner=kernel)
         out = outputs[0] if len(outputs) == 1 else tuple(outputs)
         comment = f"{name}: {len(bsyms)} ops fused by Inductor ({ops})"
         self.out.append(BoundSymbol(sym, tuple(inputs), {}, out, tuple(bsyms), comment))
@@ -209,18 +210,29 @@ class _Kernel:
         self.uses = 0
 
 
-_kernels: dict = {}  # structural key -> _Kernel, or the reason compiling failed (str)
+# structural key -> _Kernel, while a program calls it: the symbols of the programs' fused lines hold their kernel
+# (``FusionSymbol.owner``), so a kernel leaves with the last program that calls it (an evicted cache entry, a
+# released program per size, runtime/recurring_sizes.py) instead of living as long as the process.  Inductor keeps
+# the generated module registered (its PyCodeCache: loaded code, no tensors); a later region of that structure
+# compiles again from Inductor's on-disk cache.
+_kernels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_failed: dict = {}  # structural key -> why compiling it failed (a region of that structure stays on torch)
 on_compiled: list = []  # hooks called with (structural key, seconds) after a region compiled (payback.py installs one)
 
 
+def known(key):
+    """The live kernel of structure ``key``, why compiling it failed (str), or None."""
+    return _failed.get(key) or _kernels.get(key)
+
+
 def compiled_before(bsyms, outputs) -> bool:
-    """Whether this process already compiled (or failed to compile) a region of this structure."""
-    return structure(bsyms, outputs)[0] in _kernels
+    """Whether a live program holds a kernel of this structure (or compiling it failed)."""
+    return known(structure(bsyms, outputs)[0]) is not None
 
 
 def _kernel_for(bsyms, outputs):
     key, inputs = structure(bsyms, outputs)
-    kernel = _kernels.get(key)
+    kernel = known(key)
     if kernel is None:
         t0 = time.perf_counter()
         try:
@@ -228,8 +240,9 @@ def _kernel_for(bsyms, outputs):
             kernel.seconds = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any failure means: run the region through torch
             first = (str(e).strip().splitlines() or [""])[0][:160]
-            kernel = f"{type(e).__name__}: {first}"
-        _kernels[key] = kernel
+            kernel = _failed[key] = f"{type(e).__name__}: {first}"
+        else:
+            _kernels[key] = kernel
         if not isinstance(kernel, str):
             for hook in on_compiled:
                 hook(key, kernel.seconds)

@@ -91,7 +91,7 @@ def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Dec
     for trc in traces:
         for bsyms, outputs in inductor_fusion.plan_regions(trc):
             key, inputs = regions.structure(bsyms, outputs)
-            if isinstance(inductor_fusion._kernels.get(key), str):  # failed before: it stays on torch
+            if isinstance(inductor_fusion.known(key), str):  # failed before: it stays on torch
                 continue
             count += 1
             fused_ops += len(bsyms)
@@ -100,7 +100,7 @@ def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Dec
                 torch_s, fused_s = measure(bsyms, inputs, outputs) if within else (0.0, 0.0)
                 timed[key] = max(0.0, torch_s - fused_s)
             saving += timed[key]
-            if key in seen or key in inductor_fusion._kernels:
+            if key in seen or inductor_fusion.known(key) is not None:
                 continue
             seen.add(key)
             hit = warm(key)

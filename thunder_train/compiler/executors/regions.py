@@ -118,11 +118,12 @@ def structure(bsyms, outputs):
 # ---------------------------------------------------------------------------
 class FusionSymbol(Symbol):
     """The call of one compiled region; its subsymbols are the region's original lines.  ``into``: the call of
-    the region's out form, printed ``inductor_fusion_3.out(x, out=_b[2])`` (executors/buffers.py)."""
+    the region's out form, printed ``inductor_fusion_3.out(x, out=_b[2])`` (executors/buffers.py).  ``owner``:
+    what the kernel's cache holds weakly (inductor_fusion.py), kept alive by the programs that call it."""
 
-    def __init__(self, name, runner, *, into: bool = False):
+    def __init__(self, name, runner, *, into: bool = False, owner=None):
         super().__init__(name, runner.out if into else runner, module="inductor", is_prim=True)
-        self.runner, self.into = runner, into
+        self.runner, self.into, self.owner = runner, into, owner
 
     @property
     def print_name(self) -> str:
@@ -133,4 +134,4 @@ class FusionSymbol(Symbol):
 
     def out_symbol(self) -> "FusionSymbol | None":
         """The symbol of the region's out form, when the kernel has one."""
-        return FusionSymbol(self.name, self.runner, into=True) if getattr(self.runner, "out", None) else None
+        return FusionSymbol(self.name, self.runner, into=True, owner=self.owner) if getattr(self.runner, "out", None) else None
