@@ -12,6 +12,7 @@ from _inductor import cxx_available
 pytestmark = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 
 from thunder_train.compiler.executors import inductor_fusion  # noqa: E402
+from thunder_train.compiler.proxies import TensorProxy  # noqa: E402
 
 
 def _block(x, y):
@@ -160,3 +161,57 @@ def test_power_operators_are_fused():
     torch.testing.assert_close(cf(x), f(x))
     assert len(_fused_lines(cf)) == 1, tt.compile_stats(cf).fusion_notes
     assert "fused 11 ops" in tt.compile_stats(cf).fusion_notes[0], tt.compile_stats(cf).fusion_notes
+
+
+def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(monkeypatch):
+    """An RMS norm's ``x * rsqrt(...)`` broadcasts the (n, 1) statistic with an ``expand`` inside the ``mul``'s
+    decomposition, which autograd expands; the value has stride 0 on the broadcast dim (eager's), so the fused
+    regions reading it are compiled for that layout and run their kernel: none falls back to its torch ops (which
+    held every intermediate and copied the results on every call)."""
+    fallbacks = []
+    runner = inductor_fusion._runner
+
+    def recording(call, fallback, outputs):
+        def checked(args):
+            try:
+                return call(args)
+            except Exception as e:
+                fallbacks.append(str(e).splitlines()[0])
+                raise
+        return runner(checked, fallback, outputs)
+
+    monkeypatch.setattr(inductor_fusion, "_runner", recording)
+
+    class RMSNormLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(16) + 0.5)
+            self.inp, self.lin = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = self.inp(x)  # on the gradient's path: autograd expands the ``mul`` into its broadcast and product
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.lin(self.weight * h)
+
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    eager = RMSNormLinear()
+    compiled = RMSNormLinear()
+    compiled.load_state_dict(eager.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    cf = tt.compile(step, fusion="inductor")
+    for _ in range(2):
+        x = torch.randn(3, 5, 16)
+        torch.testing.assert_close(cf(compiled, opts[1], x), step(eager, opts[0], x))
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b)
+    broadcast = [a for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor" for a in b.flat_args()
+                 if isinstance(a, TensorProxy) and tuple(a._tt_shape) == (3, 5, 16) and 0 in a._tt_strides]
+    assert broadcast, str(tt.last_traces(cf)[-1])  # the statistic expanded, read by a region with its stride 0
+    assert not fallbacks, fallbacks

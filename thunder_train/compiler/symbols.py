@@ -74,6 +74,18 @@ def checked_tags(tags, owner: str = "a symbol") -> frozenset:
 # executors/layout_rules.py (it needs the torch executor's implementations).
 layout_hook = None
 
+
+def set_inner_layout(sub, composite) -> None:
+    """Eager's layout for the values line ``sub`` of ``composite``'s decomposition computes, when a pass runs the
+    decomposition instead of the composite (autograd expanding it, lowering decomposing it).  Tracing sets layouts
+    on top-level lines only (``claimed_depth``), so these were row-major as created, while the program computes
+    them with the torch calls of ``sub`` (an ``expand`` has stride 0 on its expanded dims), and what reads them (a
+    fused kernel compiled for its inputs' strides, kept buffers) needs the layout they have.  The composite's own
+    outputs keep the layout it set."""
+    outs = {id(o) for o in composite.flat_outputs()}
+    if layout_hook is not None and not any(id(o) in outs for o in sub.flat_outputs()):
+        layout_hook(sub)
+
 # Marks a new top-level bound symbol recorded inside an activation-checkpoint region (its ``region``);
 # installed by acquisition/checkpoint_regions.py.
 region_hook = None

@@ -360,7 +360,13 @@ def plan(trc):
         movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
                          and any(storages[k][0] <= i <= storages[k][1] for i in full))
         if not movable:
-            break
+            # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
+            # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
+            # as much as it adds there; the smallest that covers the excess, else the largest, repacks the rest.
+            movable = sorted((storages[k][2], storages[k][0], k) for k in kept
+                             if any(storages[k][0] <= i <= storages[k][1] for i in full))
+            if not movable:
+                break
         kept.discard(next((m for m in movable if m[0] >= excess), movable[-1])[2])
     return 0, {}
 

@@ -262,6 +262,15 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
     in_ids = [id(p) for p in inputs]
     steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, id(result(b)), result(b) is not b.output) for b in bsyms]
     out_ids = [id(o) for o in outputs]
+    # The values each step reads for the last time: freed after it, as the torch program frees them (a region whose
+    # input is not laid out as compiled runs this on every call; holding every intermediate raised its peak).
+    last: dict = {}
+    for j, b in enumerate(bsyms):
+        for a in b.flat_args():
+            if is_proxy(a):
+                last[id(a)] = j
+    keep = set(out_ids)
+    dead = [[k for k, j2 in last.items() if j2 == j and k not in keep] for j in range(len(bsyms))]
 
     def values(*args):
         env = dict(zip(in_ids, args))
@@ -269,9 +278,11 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
         def value(x):
             return env[id(x)] if is_proxy(x) else x
 
-        for fn, a, kw, out, boxed in steps:
+        for (fn, a, kw, out, boxed), gone in zip(steps, dead):
             r = fn(*tree_map(value, a), **tree_map(value, kw))
             env[out] = r[0] if boxed else r
+            for k in gone:
+                env.pop(k, None)
         return tuple(env[i] for i in out_ids)
 
     if not into:

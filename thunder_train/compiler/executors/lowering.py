@@ -1,6 +1,8 @@
 """Lowering a trace to executors: each bound symbol is claimed or decomposed."""
 from __future__ import annotations
 
+from ..symbols import set_inner_layout
+
 
 class NoExecutorError(NotImplementedError):
     pass
@@ -25,6 +27,7 @@ def _lower(bsym, executors, out):
             names = ", ".join(ex.name for ex in executors)
             raise NoExecutorError(f"no executor ({names}) can run {bsym.sym.id}")
     for sub in bsym.subsymbols:
+        set_inner_layout(sub, bsym)  # the decomposition runs: its values have the layouts its lines give them
         _lower(sub, executors, out)
 
 

@@ -95,6 +95,7 @@ class Forward:
         if on_path and float_outs and bsym.subsymbols and get_rule(bsym) is None:
             self.expanded.add(id(bsym))
             for sub in bsym.subsymbols:
+                symbols.set_inner_layout(sub, bsym)
                 self._add(sub)
             return
         self.bsyms.append(bsym)
