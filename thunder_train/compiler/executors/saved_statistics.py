@@ -187,7 +187,7 @@ def _row_blocks(x):
     n = x.shape[0]
     if x.device.type != "cpu" or n == 0:
         return [(0, n)]
-    rows = max(1, _ROW_BLOCK_BYTES // max(1, x[0].numel() * x.element_size()))
+    rows = max(1, _ROW_BLOCK_BYTES // max(1, math.prod(x.shape[1:]) * x.element_size()))
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
@@ -202,6 +202,10 @@ def cross_entropy_into_logits(input, target, ignore_index, reduction):
     (``_overwrite_dead_logits``): eager's ``_log_softmax`` kernel on blocks of rows, each computed aside and copied
     back."""
     blocks = _row_blocks(input)
+    if len(blocks) == 1:  # one block (small logits): the same kernel and copy, on the whole tensors without slicing
+        input.copy_(torch._log_softmax(input, 1, False))
+        loss, total_weight = torch.ops.aten.nll_loss_forward(input, target, None, reduction, ignore_index)
+        return loss, input, total_weight
     buf = _block_buffer(input, blocks)
     for a, b in blocks:
         torch.ops.aten._log_softmax.out(input[a:b], 1, False, out=buf[: b - a])
@@ -218,6 +222,10 @@ def cross_entropy_backward_into_logp(g, logp, target, total_weight, ignore_index
     it).  ``nll_loss_backward`` zeroes its result and writes ``-g / total_weight`` (or ``-g``) at each row's target
     whatever the block; the second kernel reads each element of its block before it writes it."""
     blocks = _row_blocks(logp)
+    if len(blocks) == 1:  # one block: the same kernels on the whole tensors, without slicing them
+        g_nll = torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+        torch.ops.aten._log_softmax_backward_data.out(g_nll, logp, 1, logp.dtype, out=logp)
+        return (logp,)
     buf = _block_buffer(logp, blocks)
     for a, b in blocks:
         gb = g[a:b] if g.dim() else g  # reduction="none": one incoming gradient per row
