@@ -18,10 +18,12 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 
 Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
 graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
-asks for memory (checkpoint regions, a budget).  (Falcon's single key/value head broadcast over the query heads
-takes the decomposition, not this: at its sizes autograd's cost per node made the step 10 % slower.)
+asks for memory (checkpoint regions, a budget).  Falcon's single key/value head broadcast over the query heads
+(no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
+(``one_kv_head``): kept graphs made its step 10 % slower than the decomposition, the flash pair cuts about forty
+calls a layer; its values round as flash's, not the math kernel's (as the decomposition's did not either).
 
-These are the kernels eager PyTorch runs for the same calls, so values are bitwise
+Except that one, these are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
 after it: less memory, same kernels); the pass only rewrites a forward/vjp pair it fully understands and leaves everything else alone.
 """
