@@ -171,7 +171,7 @@ def test_cross_entropy_by_blocks_of_rows_is_eagers_bitwise(dtype, reduction, mon
 
     red = {"none": 0, "mean": 1, "sum": 2}[reduction]
     g = torch.Generator().manual_seed(0)
-    for n, v, block_bytes in ((1024, 4096, 1 << 20), (37, 301, 1000), (5, 3, 1)):
+    for n, v, block_bytes in ((1024, 4096, 1 << 20), (37, 301, 1000), (5, 3, 1), (6, 5, 1 << 20)):  # last: one block
         monkeypatch.setattr(ss, "_ROW_BLOCK_BYTES", block_bytes)
         x = (torch.randn(n, v, generator=g) * 4).to(dtype)
         y = torch.randint(0, v, (n,), generator=g)

@@ -27,6 +27,7 @@ from .executors.buffers import keep_large_buffers
 from .executors.constants import fold_constants
 from .executors.duplicates import merge_duplicates
 from .executors.decided_layouts import decide_layouts
+from .executors.identity_views import drop_identity_views
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
@@ -236,6 +237,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     trc = fold_constants(merge_duplicates(trc))
     if keep_buffers:
         trc = keep_large_buffers(trc)
+    # 7c. View lines that give back the tensor their chain of views started from are dropped
+    #     (executors/identity_views.py; after the buffers, whose plan counts what the lines allocate).
+    trc = drop_identity_views(trc)
     trc = free_after_last_use(trc, header=trc.header)
     shown.append(trc)
     return trc, shown
@@ -301,8 +305,8 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
         fw, bw = (fold_constants(merge_duplicates(decide_layouts(t))) for t in (fw, bw))
         if keep_buffers:  # ThunderFunction runs both without grad (autograd.Function's forward; once_differentiable)
             fw, bw = keep_large_buffers(fw, grad_disabled=True), keep_large_buffers(bw, grad_disabled=True)
-        fw = free_after_last_use(fw)
-        bw = free_after_last_use(bw)
+        fw = free_after_last_use(drop_identity_views(fw))
+        bw = free_after_last_use(drop_identity_views(bw))
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
         run = AutogradProgram(trc, fb, fw, bw, errors) if kind != "background" or _fused_regions(fw, bw) else None

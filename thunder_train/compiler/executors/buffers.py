@@ -30,6 +30,7 @@ background fusion replaces the program, its sets are freed (``release_replaced``
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -346,12 +347,8 @@ def plan(trc):
     without = _live_bytes(storages, storages.keys(), n)
     natural = max(without)
     while kept:
-        nbytes, assigned = _pack(storages, kept)
         pooled = _live_bytes(storages, kept, n)
         others = [a - b for a, b in zip(without, pooled)]
-        excess = nbytes + max(others) - natural - PEAK_SLACK
-        if excess <= 0:
-            return nbytes, assigned
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
         # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
         t = max(range(n), key=others.__getitem__)
@@ -359,6 +356,16 @@ def plan(trc):
         full = [i for i in range(n) if pooled[i] == fullest]
         movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
                          and any(storages[k][0] <= i <= storages[k][1] for i in full))
+        # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
+        # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
+        # planner's cost on a first call, one packing per value dropped).
+        if movable and fullest + max(others) - natural - PEAK_SLACK > movable[-1][0]:
+            kept.discard(movable[-1][2])
+            continue
+        nbytes, assigned = _pack(storages, kept)
+        excess = nbytes + max(others) - natural - PEAK_SLACK
+        if excess <= 0:
+            return nbytes, assigned
         if not movable:
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
             # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
@@ -389,15 +396,18 @@ def _pack(storages, kept):
     """Offsets in one arena, largest values first, each at the lowest offset free of the values whose
     storage lifetimes overlap its own: close to the peak of the kept values' bytes, and one allocation."""
     items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
-    placed: list = []  # (offset, end, first line, last line)
+    placed: list = []  # (offset, end, first line, last line), kept in order of offset (the planner calls this often)
     assigned: dict = {}
     for nbytes, first, end, key in items:
         offset = 0
-        for lo, hi in sorted((lo, hi) for lo, hi, f, l in placed if f <= end and first <= l):
+        for lo, hi, f, l in placed:
+            if f > end or first > l:
+                continue  # lifetimes apart
             if offset + nbytes <= lo:
                 break
-            offset = max(offset, hi)
-        placed.append((offset, offset + nbytes, first, end))
+            if hi > offset:
+                offset = hi
+        bisect.insort(placed, (offset, offset + nbytes, first, end))
         assigned[key] = (offset, nbytes, storages[key][3])
     return max(hi for _, hi, _, _ in placed), assigned
 
@@ -474,7 +484,7 @@ class _PoolLine(Symbol):
 # the same view of the same memory on every call, so each set of buffers makes it once (``BufferPool.take``) and the
 # line becomes ``t = _b[k]``: one dispatch less per call.  Checked on meta tensors when planned and on the arena when
 # a set is made: a call that copies (``reshape`` of a layout no view has) stays a line.
-_VIEW_FNS = frozenset({
+VIEW_FNS = frozenset({
     torch.permute, _T.permute, torch.transpose, _T.transpose, torch.t, _T.t, _T.view, _T.expand, torch.unsqueeze,
     _T.unsqueeze, torch.squeeze, _T.squeeze, torch.reshape, _T.reshape, _T.__getitem__, torch.narrow, _T.narrow,
     torch.flatten, _T.flatten, _T.unflatten, torch.movedim, _T.movedim, torch.select, _T.select,
@@ -484,12 +494,12 @@ _VIEW_FNS = frozenset({
 _EXPANDS = frozenset({_T.expand, torch_impls.broadcast_in_dim})
 
 
-def _plain(x) -> bool:
+def plain_arg(x) -> bool:
     """A constant argument of a view call: numbers, None, Ellipsis, slices of numbers and tuples of those."""
     if isinstance(x, (tuple, list)):
-        return all(_plain(e) for e in x)
+        return all(plain_arg(e) for e in x)
     if type(x) is slice:
-        return _plain((x.start, x.stop, x.step))
+        return plain_arg((x.start, x.stop, x.step))
     return x is None or x is Ellipsis or type(x) in (int, bool)
 
 
@@ -498,7 +508,7 @@ def _hoisted_view(b, order, metas):
     other arguments are constants, else None."""
     fn = b.sym.fn if isinstance(b.sym, ImplSymbol) else None
     try:
-        if fn not in _VIEW_FNS:
+        if fn not in VIEW_FNS:
             return None
     except TypeError:  # an unhashable callable
         return None
@@ -509,7 +519,7 @@ def _hoisted_view(b, order, metas):
                            for o in outs):
         return None
     rest, kwargs = b.args[1:], b.kwargs
-    if not _plain(rest) or not _plain(tuple(kwargs.values())):
+    if not plain_arg(rest) or not plain_arg(tuple(kwargs.values())):
         return None
     try:
         with torch.no_grad():

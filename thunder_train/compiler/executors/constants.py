@@ -30,7 +30,7 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
-from .buffers import _VIEW_FNS, _aliased_args, out_form
+from .buffers import VIEW_FNS, _aliased_args, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol
 
@@ -60,7 +60,7 @@ def _is_view(b) -> bool:
     if _tags(b) & {"view", "shape_only"}:
         return True
     try:
-        return isinstance(b.sym, ImplSymbol) and b.sym.fn in _VIEW_FNS
+        return isinstance(b.sym, ImplSymbol) and b.sym.fn in VIEW_FNS
     except TypeError:  # an unhashable callable
         return False
 

@@ -18,10 +18,12 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 
 Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
 graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
-asks for memory (checkpoint regions, a budget).  (Falcon's single key/value head broadcast over the query heads
-takes the decomposition, not this: at its sizes autograd's cost per node made the step 10 % slower.)
+asks for memory (checkpoint regions, a budget).  Falcon's single key/value head broadcast over the query heads
+(no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
+(``one_kv_head``): kept graphs made its step 10 % slower than the decomposition, the flash pair cuts about forty
+calls a layer; its values round as flash's, not the math kernel's (as the decomposition's did not either).
 
-These are the kernels eager PyTorch runs for the same calls, so values are bitwise
+Except that one, these are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
 after it: less memory, same kernels); the pass only rewrites a forward/vjp pair it fully understands and leaves everything else alone.
 """
@@ -58,10 +60,14 @@ def _bind(names, defaults, args, kwargs):
 # ---------------------------------------------------------------------------
 # Runtime functions (printed as ttex.<name> in traces)
 # ---------------------------------------------------------------------------
-def _flash_is_eagers(query, key, value, is_causal, scale, attn_mask=None, enable_gqa=False) -> bool:
+def _flash_is_eagers(query, key, value, is_causal, scale, attn_mask=None, enable_gqa=False, one_kv_head=False) -> bool:
+    """``one_kv_head``: the call broadcasts one key/value head over the query heads without ``enable_gqa``, which
+    eager runs with its math kernel; the flash kernel takes that head as one group of all query heads (what
+    eager runs for the same call written with ``enable_gqa=True``), so it is asked as that call."""
     from torch.nn.attention import SDPBackend
 
-    choice = torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    choice = torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                                     enable_gqa=enable_gqa or one_kv_head)
     return choice == SDPBackend.FLASH_ATTENTION.value
 
 
@@ -73,7 +79,7 @@ def _additive_mask(attn_mask, dtype):
     return torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=attn_mask.device))
 
 
-def sdpa_flash_cpu(query, key, value, is_causal, scale, enable_gqa=False):
+def sdpa_flash_cpu(query, key, value, is_causal, scale, enable_gqa=False, one_kv_head=False):
     """Attention output and log-sum-exp (what the backward kernel reads).
 
     Eager's choice is asked again at run time (a few microseconds): the backend switches
@@ -81,19 +87,20 @@ def sdpa_flash_cpu(query, key, value, is_causal, scale, enable_gqa=False):
     symbolic sizes was rewritten for the traced sizes.  Where eager would not run flash, this runs eager's call
     and returns a 0-d log-sum-exp, which tells the backward to differentiate that call instead.  ``enable_gqa``:
     fewer key/value heads than query heads (grouped-query attention), which the CPU flash kernels take as they are
-    (eager calls them so).
+    (eager calls them so); ``one_kv_head``: one key/value head broadcast over the query heads (``_flash_is_eagers``).
     """
-    if not _flash_is_eagers(query, key, value, is_causal, scale, enable_gqa=enable_gqa):
+    if not _flash_is_eagers(query, key, value, is_causal, scale, enable_gqa=enable_gqa, one_kv_head=one_kv_head):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
                                                                enable_gqa=enable_gqa)
         return out, query.new_empty(())
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
 
 
-def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask):
+def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask, enable_gqa=False, one_kv_head=False):
     """``sdpa_flash_cpu`` with an additive mask (of the operands' dtype), as eager passes it to the kernel."""
-    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask, enable_gqa, one_kv_head):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                                               enable_gqa=enable_gqa)
         return out, query.new_empty(())
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
 
@@ -104,16 +111,19 @@ def additive_attn_mask(attn_mask, dtype):
     return _additive_mask(attn_mask, dtype)
 
 
-def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask, mask):
+def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask, mask, enable_gqa=False, one_kv_head=False):
     """``sdpa_flash_cpu`` with a boolean mask (a padded batch's), given also as the kernel reads it (``mask``:
     ``additive_attn_mask``), which the backward reads as eager's autograd node keeps it."""
-    if not _flash_is_eagers(query, key, value, False, scale, attn_mask):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    if not _flash_is_eagers(query, key, value, False, scale, attn_mask, enable_gqa, one_kv_head):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                                               enable_gqa=enable_gqa)
         return out, query.new_empty(())
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None, enable_gqa=False):
+    # One key/value head broadcast over the query heads (``one_kv_head`` forwards): the flash backward kernel takes
+    # it as it is and returns its gradient summed over the query heads.
     # ``attn_mask``: the additive mask ``sdpa_flash_cpu_masked`` returned (the same values as the user's mask).
     if lse.dim() == 0:  # the forward ran eager's call (not flash): its gradients by autograd, as eager's
         with torch.enable_grad():
@@ -179,7 +189,7 @@ def _row_blocks(x):
     n = x.shape[0]
     if x.device.type != "cpu" or n == 0:
         return [(0, n)]
-    rows = max(1, _ROW_BLOCK_BYTES // max(1, x[0].numel() * x.element_size()))
+    rows = max(1, _ROW_BLOCK_BYTES // max(1, math.prod(x.shape[1:]) * x.element_size()))
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
@@ -194,6 +204,10 @@ def cross_entropy_into_logits(input, target, ignore_index, reduction):
     (``_overwrite_dead_logits``): eager's ``_log_softmax`` kernel on blocks of rows, each computed aside and copied
     back."""
     blocks = _row_blocks(input)
+    if len(blocks) == 1:  # one block (small logits): the same kernel and copy, on the whole tensors without slicing
+        input.copy_(torch._log_softmax(input, 1, False))
+        loss, total_weight = torch.ops.aten.nll_loss_forward(input, target, None, reduction, ignore_index)
+        return loss, input, total_weight
     buf = _block_buffer(input, blocks)
     for a, b in blocks:
         torch.ops.aten._log_softmax.out(input[a:b], 1, False, out=buf[: b - a])
@@ -210,6 +224,10 @@ def cross_entropy_backward_into_logp(g, logp, target, total_weight, ignore_index
     it).  ``nll_loss_backward`` zeroes its result and writes ``-g / total_weight`` (or ``-g``) at each row's target
     whatever the block; the second kernel reads each element of its block before it writes it."""
     blocks = _row_blocks(logp)
+    if len(blocks) == 1:  # one block: the same kernels on the whole tensors, without slicing them
+        g_nll = torch.ops.aten.nll_loss_backward(g, logp, target, None, reduction, ignore_index, total_weight)
+        torch.ops.aten._log_softmax_backward_data.out(g_nll, logp, 1, logp.dtype, out=logp)
+        return (logp,)
     buf = _block_buffer(logp, blocks)
     for a, b in blocks:
         gb = g[a:b] if g.dim() else g  # reduction="none": one incoming gradient per row
@@ -365,8 +383,6 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         return None
     gqa = b["enable_gqa"]
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
-    if mask is not None and gqa:
-        return None  # (the masked kernel pair is written for equal head counts)
     if mask is not None:
         # A mask the flash kernel takes as eager passes it: boolean (converted as eager converts it) or additive of
         # the operands' dtype, on the CPU; the vjp line must read the forward's own mask (its gradient is not asked).
@@ -384,7 +400,12 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
     heads, kv_heads = q._tt_shape[1], k._tt_shape[1]
     if v._tt_shape[1] != kv_heads or not all(type(n) is int for n in (heads, kv_heads)):
         return None
-    if kv_heads != heads and not (gqa and kv_heads > 0 and heads % kv_heads == 0):
+    # One key/value head broadcast over the query heads without ``enable_gqa`` (multi-query attention, Falcon's):
+    # eager runs its math kernel; the flash kernels take that head as one group of all query heads, forward and
+    # backward (its gradient summed over the heads), which rounds differently from the math kernel (as the
+    # decomposition did) and costs two calls instead of about forty.
+    one_kv = not gqa and kv_heads == 1 and heads > 1 and q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0]
+    if kv_heads != heads and not one_kv and not (gqa and kv_heads > 0 and heads % kv_heads == 0):
         return None
     which = []
     for pos in positions:
@@ -393,17 +414,18 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         which.append(pos[0])
     if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
-    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa):
+    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa or one_kv):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
     more = {"enable_gqa": True} if gqa else {}  # grouped-query attention (printed only when on)
+    heads_kw = {**more, **({"one_kv_head": True} if one_kv else {})}
     if mask is None:
-        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs=more,
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu), args=(q, k, v, b["is_causal"], b["scale"]), kwargs=heads_kw,
                               output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
         masked = ()
     elif mask._tt_dtype is not dtypes.bool8:
-        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_masked), args=(q, k, v, b["scale"], mask), kwargs={},
+        new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_masked), args=(q, k, v, b["scale"], mask), kwargs=heads_kw,
                               output=(fwd.output, lse), comment="forward also keeps the log-sum-exp its backward reads")
         masked = (mask,)
     else:
@@ -411,7 +433,7 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         convert = BoundSymbol(impl_symbol(additive_attn_mask), (mask, q._tt_dtype.torch), {}, additive,
                               comment="the boolean mask as the flash kernel reads it (forward and backward)")
         new_fwd = (convert, fwd.replace(sym=impl_symbol(sdpa_flash_cpu_bool_masked), args=(q, k, v, b["scale"], mask, additive),
-                                        kwargs={}, output=(fwd.output, lse),
+                                        kwargs=heads_kw, output=(fwd.output, lse),
                                         comment="forward also keeps the log-sum-exp its backward reads"))
         masked = (additive,)
     # The backward reads its own q, k, v: the forward's, or copies the backward recomputed (a memory budget).

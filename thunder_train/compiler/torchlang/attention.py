@@ -60,11 +60,15 @@ def _repeat_heads(x, rep):
 
 
 def _sdpa_supported(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """No dropout (its mask exists only inside the forward: the decomposition, which keeps it, is used then)."""
+    """No dropout (its mask exists only inside the forward: the decomposition, which keeps it, is used then).
+    Heads: equal, grouped (``enable_gqa``), or one key/value head broadcast over the query heads (multi-query
+    attention written without ``enable_gqa``, Falcon's: the same as one group of all heads)."""
     if dropout_p != 0.0 or not query.ndim_ == key.ndim_ == value.ndim_:
         return False
     hq, hk, hv = (t._tt_shape[-3:-2] for t in (query, key, value))
     if hq == hk == hv:
+        return True
+    if hk == hv == (1,) and query.ndim_ >= 3:
         return True
     return bool(enable_gqa) and hk == hv and hq[0] % hk[0] == 0
 

@@ -1,0 +1,95 @@
+"""View lines that give back the tensor their chain of views started from are dropped (executors/identity_views.py),
+and Falcon's multi-query attention runs the flash kernels (executors/saved_statistics.py): values stay eager's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _zoo
+import thunder_train as tt
+from thunder_train.compiler import pipeline
+
+
+def source(cf) -> str:
+    return tt.last_traces(cf)[-1].python_source()
+
+
+def test_transpose_of_a_transpose_and_a_reshape_back_are_dropped_and_values_are_bitwise_the_same(monkeypatch):
+    def f(x, w):
+        wt = w.permute(1, 0)
+        back = wt.permute(1, 0)  # w itself
+        h = torch.matmul(x, back)
+        flat = h.reshape(12, 4).reshape(3, 4, 4)  # h's own layout
+        same = h.reshape(3, 4, 4)  # h's own shape
+        return (flat * 2 + same).sum(), h.transpose(0, 1)
+
+    x, w = torch.randn(3, 4, 5), torch.randn(5, 4)
+    cf = tt.compile(f, thin=True, fusion=None)
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "drop_identity_views", lambda trc: trc)
+        reference = tt.compile(f, thin=True, fusion=None)
+        want = reference(x, w)
+    for _ in range(2):
+        got = cf(x, w)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(a, b) for a, b in zip(got, f(x, w)))
+    src, ref = source(cf), source(reference)
+    n = lambda s: s.count("permute(") + s.count("reshape(")  # noqa: E731
+    assert n(src) < n(ref), src
+    assert "reshape(h" not in src.replace("torch.", "")
+
+
+def test_a_returned_view_stays_a_new_tensor():
+    # The result is returned: the user gets a new tensor object, as eager gives, not the input.
+    def f(x):
+        return x.permute(1, 0).permute(1, 0) * 1, x.reshape(x.shape)
+
+    x = torch.randn(3, 4)
+    cf = tt.compile(f, thin=True, fusion=None)
+    for _ in range(2):
+        a, b = cf(x)
+        assert torch.equal(a, x) and torch.equal(b, x) and b is not x
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_key_value_head_broadcast_over_the_query_heads_runs_the_flash_kernels(masked):
+    # Multi-query attention written without enable_gqa (Falcon's): flash forward and backward, gradients (the key's
+    # and value's summed over the query heads) within the tolerance of eager's math kernel.
+    torch.manual_seed(0)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None].expand(2, 1, 8, 8) if masked else None
+
+    def step(q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
+        loss = (o * o).sum()
+        loss.backward()
+        return loss
+
+    leaves = [torch.randn(2, 4, 8, 8, requires_grad=True), torch.randn(2, 1, 8, 8, requires_grad=True),
+              torch.randn(2, 1, 8, 8, requires_grad=True)]
+    mine = [t.detach().clone().requires_grad_() for t in leaves]
+    cf = tt.compile(step, thin=True, fusion=None)
+    for _ in range(2):
+        for t in (*leaves, *mine):
+            t.grad = None
+        want, got = step(*leaves), cf(*mine)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(mine, leaves):
+            torch.testing.assert_close(a.grad, b.grad)
+    src = source(cf)
+    assert "one_kv_head=True" in src and "sdpa_flash_cpu_backward(" in src and "amax(" not in src
+
+
+def test_falcon_step_runs_flash_and_trains_as_eager():
+    eager = _zoo.build("falcon")
+    model = copy.deepcopy(eager)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
+    cf = tt.compile(_zoo.train_step, thin=True, fusion=None)
+    for b in _zoo.batches("falcon", 3):
+        torch.testing.assert_close(cf(model, opts[1], b), _zoo.train_step(eager, opts[0], b), rtol=1e-4, atol=1e-5)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    src = source(cf)
+    assert src.count("one_kv_head=True") == 2 and src.count("sdpa_flash_cpu_backward(") == 2
