@@ -3,7 +3,7 @@
 A ``TensorProxy`` carries a strided tensor's metadata (shape, strides, storage offset) and every rule downstream
 (guards, layout rules, gradients, ``.grad``, the optimizers' kernels) assumes one.  A sparse tensor has no
 strides and its number of stored elements is data-dependent, so it gets a proxy kind of its own, ``SparseProxy``
-(compiler/proxies.py: layout, shape, dtype, device), which no native symbol takes: every torch call that reads
+(compiler/sparse_proxy.py: layout, shape, dtype, device), which no native symbol takes: every torch call that reads
 or makes one (``sparse_call``) runs as an opaque line whose outputs' metadata come from torch's fake tensors (a
 sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  A sparse input is
 guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad (prologue.py).  What cannot be
@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import context
 from ..errors import TracingError, UnsupportedOpError
 from ..opaque import callable_name, opaque_symbol
-from ..proxies import SparseProxy, TensorProxy, size_value
+from ..proxies import TensorProxy, size_value
+from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_map, tree_unflatten
 from ..symbols import BoundSymbol
 
@@ -60,7 +61,7 @@ def refuse_sparse_gradient(func, args: tuple, kwargs: dict) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Sparse values as opaque values (SparseProxy, compiler/proxies.py)
+# Sparse values as opaque values (SparseProxy, compiler/sparse_proxy.py)
 # ---------------------------------------------------------------------------
 SUPPORTED_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 # Metadata a sparse proxy answers itself (everything else a function reads of one is a torch call, run opaquely).
