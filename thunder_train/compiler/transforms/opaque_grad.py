@@ -91,20 +91,22 @@ def _any_arguments(*args, **kwargs):
 
 
 class _VJPSymbol(Symbol):
-    def __init__(self):
-        super().__init__("opaque_vjp", _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
-        self.torch_impl = opaque_vjp
-        self.id = "grad_rules.opaque_vjp"  # "grad_rules." keeps it out of the "run opaquely" wording
+    """A line that runs PyTorch's backward of an opaque op (``impl``: ``opaque_vjp`` or ``memory_vjp``)."""
+
+    def __init__(self, impl):
+        super().__init__(impl.__name__, _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
+        self.torch_impl = impl
+        self.id = f"grad_rules.{impl.__name__}"  # "grad_rules." keeps it out of the "run opaquely" wording
 
     @property
     def print_name(self) -> str:
-        return "opaque_vjp"
+        return self.torch_impl.__name__
 
     def codegen_globals(self) -> dict:
-        return {"opaque_vjp": opaque_vjp}
+        return {self.torch_impl.__name__: self.torch_impl}
 
 
-OPAQUE_VJP = _VJPSymbol()
+OPAQUE_VJP = _VJPSymbol(opaque_vjp)
 _symbols: dict = {}
 
 
@@ -235,21 +237,7 @@ memory_vjp.__qualname__ = "autograd.memory_vjp"
 memory_vjp.__module__ = "thunder_train"
 
 
-class _MemoryVJPSymbol(Symbol):
-    def __init__(self):
-        super().__init__("memory_vjp", _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
-        self.torch_impl = memory_vjp
-        self.id = "grad_rules.memory_vjp"
-
-    @property
-    def print_name(self) -> str:
-        return "memory_vjp"
-
-    def codegen_globals(self) -> dict:
-        return {"memory_vjp": memory_vjp}
-
-
-MEMORY_VJP = _MemoryVJPSymbol()
+MEMORY_VJP = _VJPSymbol(memory_vjp)
 _memory_lines = itertools.count()
 
 
