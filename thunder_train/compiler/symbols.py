@@ -17,7 +17,7 @@ from typing import Callable
 
 from . import codegen, context
 from .proxies import is_checked, is_proxy
-from .pytree import tree_flatten, tree_leaves
+from .pytree import tree_flatten, tree_leaves, tree_map
 
 # How a symbol runs outside tracing (on real tensors).  The torch executor installs its
 # implementation here when it is imported (it sits in a higher layer).
@@ -264,6 +264,15 @@ class BoundSymbol:
         d = {s: getattr(self, s) for s in self.__slots__}
         d.update(changes)
         return BoundSymbol(**d)
+
+    def renamed(self, mapping: dict, *, inside: bool = False) -> "BoundSymbol":
+        """This line reading ``mapping[id(v)]`` wherever it reads a value ``v`` that ``mapping`` renames (a pass that
+        drops or replaces lines); with ``inside``, its decomposition's lines too."""
+        sub = lambda x: mapping.get(id(x), x) if is_proxy(x) else x  # noqa: E731
+        changes = dict(args=tree_map(sub, self.args), kwargs=tree_map(sub, self.kwargs))
+        if inside:
+            changes["subsymbols"] = tuple(s.renamed(mapping, inside=True) for s in self.subsymbols)
+        return self.replace(**changes)
 
     def flat_args(self):
         return tree_leaves((self.args, self.kwargs))

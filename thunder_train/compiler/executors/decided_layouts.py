@@ -124,8 +124,7 @@ def decide_layouts(trc, header=None):
     changed = False
     for b in trc.bound_symbols:
         if mapping:
-            sub = lambda x: mapping.get(id(x), x) if is_proxy(x) else x  # noqa: E731
-            b = b.replace(args=tree_map(sub, b.args), kwargs=tree_map(sub, b.kwargs))
+            b = b.renamed(mapping)
         fn = _fn(b)
         if fn is torch_impls.grad_layout and id(b.output) not in kept and _identity_grad_layout(b):
             changed = True

@@ -90,6 +90,6 @@ def merge_duplicates(trc, header=None):
     for b in lines:
         if id(b.output) in mapping and type(b.output) is TensorProxy:
             continue
-        new.bound_symbols.append(b.replace(args=tree_map(sub, b.args), kwargs=tree_map(sub, b.kwargs)))
+        new.bound_symbols.append(b.renamed(mapping))
     new.output = tree_map(sub, trc.output)
     return new

@@ -64,8 +64,7 @@ def drop_identity_views(trc, header=None):
     changed = False
     for b in trc.bound_symbols:
         if mapping:
-            sub = lambda x: mapping.get(id(x), x) if is_proxy(x) else x  # noqa: E731
-            b = b.replace(args=tree_map(sub, b.args), kwargs=tree_map(sub, b.kwargs))
+            b = b.renamed(mapping)
         fn = _view_fn(b)
         x, out = (b.args[0] if b.args else None), b.output
         if (fn is None or type(out) is not TensorProxy or not _laid_out(x) or not _laid_out(out)

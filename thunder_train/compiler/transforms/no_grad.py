@@ -14,17 +14,6 @@ from .. import prims
 from ..pytree import tree_map
 
 
-def _substitute(bsym, mapping):
-    def sub(x):
-        return mapping.get(id(x), x)
-
-    return bsym.replace(
-        args=tree_map(sub, bsym.args),
-        kwargs=tree_map(sub, bsym.kwargs),
-        subsymbols=tuple(_substitute(s, mapping) for s in bsym.subsymbols),
-    )
-
-
 def without_autograd(trc, header="Gradients computed in the trace: no PyTorch autograd at runtime"):
     mapping: dict = {}
     new = trc.derive(header)
@@ -33,7 +22,7 @@ def without_autograd(trc, header="Gradients computed in the trace: no PyTorch au
             src = bsym.args[0]
             mapping[id(bsym.output)] = mapping.get(id(src), src)
             continue
-        new.bound_symbols.append(_substitute(bsym, mapping) if mapping else bsym)
+        new.bound_symbols.append(bsym.renamed(mapping, inside=True) if mapping else bsym)
     new.output = tree_map(lambda x: mapping.get(id(x), x), trc.output)
     if "@torch.no_grad()" not in new.decorators:
         new.decorators.append("@torch.no_grad()")

@@ -18,7 +18,7 @@ budget).
 from __future__ import annotations
 
 from ..proxies import TensorProxy, is_proxy
-from .remat import COMMENT, _clone, _substitute
+from .remat import COMMENT, _clone
 from .remat_policy import is_view, nbytes
 
 _TRIES = 48  # candidate rewrites tried (each one counts the whole program once)
@@ -117,7 +117,7 @@ def _again(lines, v_root, peak_at, root, readers, made, make_name):
     for i, b in enumerate(lines):
         if i == j0:
             out.extend(clones)
-        out.append(_substitute(b, mapping) if i >= j0 and any(id(a) in mapping for a in _reads(b)) else b)
+        out.append(b.renamed(mapping, inside=True) if i >= j0 and any(id(a) in mapping for a in _reads(b)) else b)
     return out
 
 

@@ -184,12 +184,6 @@ def _clone(b, mapping, make_name, comment=None):
                      region=BACKWARD if comment is not None else b.region)
 
 
-def _substitute(b, mapping):
-    sub = lambda x: mapping.get(id(x), x) if is_proxy(x) else x  # noqa: E731
-    return b.replace(args=tree_map(sub, b.args), kwargs=tree_map(sub, b.kwargs),
-                     subsymbols=tuple(_substitute(s, mapping) for s in b.subsymbols))
-
-
 def _reads(b) -> list:
     """Proxies a line reads, its decomposition's reads of outside values included."""
     out = [a for a in b.flat_args() if is_proxy(a)]
@@ -249,7 +243,7 @@ def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | N
         for a in _reads(b):
             if id(a) in candidates and id(a) not in mapping:
                 need(a)
-        new.append(_substitute(b, mapping) if any(id(a) in mapping for a in _reads(b)) else b)
+        new.append(b.renamed(mapping, inside=True) if any(id(a) in mapping for a in _reads(b)) else b)
     return new, report
 
 
