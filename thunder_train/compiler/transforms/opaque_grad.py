@@ -110,7 +110,9 @@ OPAQUE_VJP = _VJPSymbol(opaque_vjp)
 _symbols: dict = {}
 
 
-def _make_rule(positions):
+def _make_rule(positions, vjp=OPAQUE_VJP, extra=()):
+    """The gradient rule of an opaque line run with torch's autograd: one ``vjp`` line (``opaque_vjp``, or
+    ``memory_vjp`` with ``extra`` = (tags, now)) giving the gradients of the flat arguments at ``positions``."""
     def rule(g, output, *, args, kwargs):
         out, handle = output
         flat_out = tree_flatten(out)[0]
@@ -120,7 +122,7 @@ def _make_rule(positions):
         flat_in = tree_flatten((args, kwargs))[0]
         ins = [flat_in[i] for i in positions]
         grads = tuple(TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device) for a in ins)
-        context.get_trace().add(BoundSymbol(OPAQUE_VJP, (handle, cts), {}, grads, ()))
+        context.get_trace().add(BoundSymbol(vjp, (handle, cts, *extra), {}, grads, ()))
         flat_grads = [None] * len(flat_in)
         for i, gr in zip(positions, grads):
             flat_grads[i] = gr
@@ -253,30 +255,10 @@ class _MemoryOpaqueSymbol(AutogradOpaqueSymbol):
         self._print_name, self._globals = ident, {ident: self.torch_impl}
 
 
-def _memory_rule(positions, tags, now):
-    def rule(g, output, *, args, kwargs):
-        out, handle = output
-        flat_out = tree_flatten(out)[0]
-        g_out = g[0] if isinstance(g, (tuple, list)) and len(g) == 2 else None
-        flat_ct = tree_flatten(g_out)[0] if g_out is not None else [None] * len(flat_out)
-        cts = tuple(c if type(o) is TensorProxy and type(c) is TensorProxy else None for o, c in zip(flat_out, flat_ct))
-        flat_in = tree_flatten((args, kwargs))[0]
-        grads = tuple(TensorProxy(shape=flat_in[i]._tt_shape, dtype=flat_in[i]._tt_dtype, device=flat_in[i]._tt_device)
-                      for i in positions)
-        context.get_trace().add(BoundSymbol(MEMORY_VJP, (handle, cts, tags, tuple(now)), {}, grads, ()))
-        flat_grads = [None] * len(flat_in)
-        for i, gr in zip(positions, grads):
-            flat_grads[i] = gr
-        n_args = len(tree_flatten(args)[0])
-        return {"args": flat_grads[:n_args], "kwargs": flat_grads[n_args:]}
-
-    return rule
-
-
 def with_saved_from_memory(b, func, positions, tags, now):
     """Line ``b`` run by torch's ``func`` with autograd (differentiating the flat arguments at ``positions``), whose
     backward reads ``now`` in place of the saved tensors at ``tags``."""
     sym = _MemoryOpaqueSymbol(func, positions, tags)
-    register_vjp(sym)(_memory_rule(positions, tags, tuple(now)))
+    register_vjp(sym)(_make_rule(positions, MEMORY_VJP, (tags, tuple(now))))
     handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))
     return BoundSymbol(sym, b.args, b.kwargs, (b.output, handle), ())
