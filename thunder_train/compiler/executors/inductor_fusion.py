@@ -270,7 +270,10 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
             if is_proxy(a):
                 last[id(a)] = j
     keep = set(out_ids)
-    dead = [[k for k, j2 in last.items() if j2 == j and k not in keep] for j in range(len(bsyms))]
+    dead: list = [[] for _ in bsyms]
+    for k, j in last.items():
+        if k not in keep:
+            dead[j].append(k)
 
     def values(*args):
         env = dict(zip(in_ids, args))
