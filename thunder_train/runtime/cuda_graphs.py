@@ -19,8 +19,10 @@ Outputs: a returned tensor that is a bound input (a parameter) is returned as is
 input is that call's tensor, and every other one (the loss) is a clone of the graph's output buffer, so a
 value kept from an earlier step is never overwritten by a later replay.
 
-Everything that drops the thin binding (a new batch shape, the thin-mode hazards, ``revalidate()``) drops
-the graph with it: the next binding captures again.  Where capture is impossible the reason is one line in
+Everything that drops the thin binding (the thin-mode hazards, ``revalidate()``, eviction) drops the graph
+with it: the next binding captures again.  A call of a new size does not drop it: the binding is parked with
+its entry (graph included) while another entry runs, and a symbolic entry keeps a graph per size
+(``graphs_per_size.py``).  Where capture is impossible the reason is one line in
 ``compile_stats(cf).cuda_graph_notes`` and the program runs uncaptured (``obstacle``).
 """
 from __future__ import annotations
