@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import context
 from ..errors import TracingError, UnsupportedOpError
+from .. import opaque
 from ..opaque import callable_name, opaque_symbol
 from ..proxies import TensorProxy, size_value
 from ..sparse_proxy import SparseProxy
@@ -143,10 +144,8 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
         raise TracingError(f"{name} on a sparse tensor changes it in place (or writes out=), which thunder_train does not "
                            f"support: a sparse tensor runs as an opaque value. Use the out-of-place form. {_WHAT_TO_DO}")
     flat, spec = tree_flatten((args, kwargs))
-    if torch.is_grad_enabled() and (grad_flows(flat) or any(type(x) is SparseProxy and x._tt_requires_grad for x in flat)):
-        raise TracingError(f"{name}: gradients through sparse tensors are not supported by thunder_train (its backward "
-                           "program and .grad are strided); a sparse tensor runs as an opaque value without gradient. Run "
-                           f"this part under torch.no_grad() or with inputs that do not require grad. {_WHAT_TO_DO}")
+    # Inputs a gradient flows into (sparse ones included): the line runs with torch's autograd (opaque_grad.py).
+    diff = tuple(grad_flows(flat)) if torch.is_grad_enabled() else ()
 
     if func in _STORED:
         raise TracingError(f"{name} of a sparse tensor reads what it stores (its number of stored elements decides "
@@ -162,8 +161,11 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     try:
         with torch._C.DisableTorchFunction():
             examples = [mode.from_tensor(_empty_sparse(x)) if type(x) is SparseProxy else x for x in flat]
-        with torch._C.DisableTorchFunction(), mode:
-            fargs, fkwargs = tree_unflatten([fake(x) for x in examples], spec)
+        with torch._C.DisableTorchFunction(), mode, torch.enable_grad():
+            fakes = [fake(x) for x in examples]
+            for i in diff:  # the outputs' requires_grad are then eager's
+                fakes[i] = fakes[i].detach().requires_grad_()
+            fargs, fkwargs = tree_unflatten(fakes, spec)
             fout = func(*fargs, **fkwargs)
     except Exception as e:
         raise UnsupportedOpError(f"{name} (a sparse value): learning its output's metadata with fake tensors failed "
@@ -174,13 +176,16 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
             return x
         if x.layout != torch.strided:
             return sparse_proxy_of(x, f"the result of {name}")
-        return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device, requires_grad=False,
+        return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad,
                            strides=x.stride(), storage_offset=x.storage_offset())
 
     out = tree_map(to_proxy, fout)
     if not any(isinstance(v, torch.Tensor) for v in tree_flatten(out)[0]):
         return out  # metadata only (a size, a bool): no trace line
-    context.get_trace().add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
+    if diff and any(getattr(v, "_tt_requires_grad", False) for v in tree_flatten(out)[0]):
+        name = opaque.record_differentiable(func, args, kwargs, out, diff)
+    else:
+        context.get_trace().add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
     st = context.tracer_state()
     if st is not None and name not in st.opaque_ops:
         st.opaque_ops.append(name)

@@ -1,0 +1,40 @@
+"""Gradients of sparse values (COO, CSR, CSC) in the backward program.
+
+A sparse value is opaque (acquisition/sparse.py): every line that reads or makes one runs through torch, with
+torch's autograd when a gradient flows (opaque_grad.py), so its gradient is made and read by opaque lines only.
+That gradient is a ``SparseProxy`` of the value's layout, but its layout at run time is the one torch's autograd
+gives, as in eager: sparse for ``torch.sparse.mm``'s sparse operand, strided where the cotangent was strided
+(``sampled_addmm``'s input).  Two gradients of one sparse value add as eager's engine adds them (``accumulate``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import context
+from ..opaque import opaque_symbol
+from ..sparse_proxy import SparseProxy
+from ..symbols import BoundSymbol
+
+
+def gradient_of(p: SparseProxy, name=None) -> SparseProxy:
+    """The gradient value of the sparse value ``p`` (nominally its layout: torch decides at run time)."""
+    g = SparseProxy(name, shape=p._tt_shape, dtype=p._tt_dtype.torch, device=p._tt_device.torch, layout=p._tt_layout)
+    g._tt_dims = getattr(p, "_tt_dims", (len(p._tt_shape), 0))
+    return g
+
+
+def accumulate_sparse_grads(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two gradients of one value summed as the autograd engine sums them: a strided one takes the other in."""
+    if b.layout == torch.strided and a.layout != torch.strided:
+        a, b = b, a
+    return a + b
+
+
+accumulate_sparse_grads.__module__ = "thunder_train"
+
+
+def accumulate(a, b) -> SparseProxy:
+    """Records ``accumulate_sparse_grads(a, b)``: the sum of two gradients of a sparse value."""
+    out = gradient_of(a)
+    context.get_trace().add(BoundSymbol(opaque_symbol(accumulate_sparse_grads), (a, b), {}, out, ()))
+    return out
