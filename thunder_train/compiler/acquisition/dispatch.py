@@ -20,6 +20,7 @@ from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
 from .functional import fresh_results
 from ..proxies import TensorProxy
+from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_map
 from . import kernel_switches, traced_autograd
 from ..torchlang import registry, value_shaped
@@ -53,13 +54,15 @@ def handle_torch_function(func, types, args, kwargs):
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
     refuse_sparse_gradient(func, args, kwargs)
-    if touches_sparse(func, args, kwargs):  # a sparse value: an opaque line (acquisition/sparse.py)
-        return _sparse(st, func, args, kwargs, top)
+    special = _AUTOGRAD_CALLS.get(func)
+    # A backward of dense outputs may differentiate sparse leaves (autograd.grad(loss, [s, w])); one of a sparse
+    # output is refused by the sparse path.
+    if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
+        return _sparse(st, func, args, kwargs, top)  # a sparse value: an opaque line (acquisition/sparse.py)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
-    special = _AUTOGRAD_CALLS.get(func)
     if special is not None:
-        if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+        if any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
@@ -307,6 +310,10 @@ _AUTOGRAD_CALLS = {
 
 def _flat(args, kwargs):
     return tree_flatten((args, kwargs))[0]
+
+
+def _reads_sparse(args) -> bool:
+    return any(type(a) is SparseProxy for a in _flat(args, {}))
 
 
 def _sparse(st, func, args, kwargs, top):

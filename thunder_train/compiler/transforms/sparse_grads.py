@@ -38,3 +38,19 @@ def accumulate(a, b) -> SparseProxy:
     out = gradient_of(a)
     context.get_trace().add(BoundSymbol(opaque_symbol(accumulate_sparse_grads), (a, b), {}, out, ()))
     return out
+
+
+def sparse_leaf_grad(g: torch.Tensor) -> torch.Tensor:
+    """A new ``.grad`` of a sparse leaf as eager's AccumulateGrad makes it: a sparse gradient as it is (its own
+    tensor: made by the backward for this leaf), a strided one row-major (``clone_obey_contract``)."""
+    return g if g.layout != torch.strided else g.contiguous()
+
+
+sparse_leaf_grad.__module__ = "thunder_train"
+
+
+def new_grad(g: SparseProxy) -> SparseProxy:
+    """Records ``sparse_leaf_grad(g)``: the gradient of a sparse leaf that becomes its new ``.grad``."""
+    out = gradient_of(g)
+    context.get_trace().add(BoundSymbol(opaque_symbol(sparse_leaf_grad), (g,), {}, out, ()))
+    return out
