@@ -57,6 +57,9 @@ def handle_torch_function(func, types, args, kwargs):
     special = _AUTOGRAD_CALLS.get(func)
     # A backward of dense outputs may differentiate sparse leaves (autograd.grad(loss, [s, w])); one of a sparse
     # output is refused by the sparse path.
+    is_property = fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper"
+    if is_property and getattr(func.__self__, "__name__", "") == "grad" and _reads_sparse(args[:1]):
+        return _property(st, "grad", fname == "__get__", args, top)  # a sparse leaf's .grad (GradState)
     if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
         return _sparse(st, func, args, kwargs, top)  # a sparse value: an opaque line (acquisition/sparse.py)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
@@ -251,7 +254,7 @@ def _run_opaque(st):
 
 def _property(st, prop, get, args, top):
     a = args[0]
-    if get and isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+    if get and isinstance(a, torch.Tensor) and not proxies.is_proxy(a):
         # A real tensor the function reads (a library object's own tensor, e.g. a GradScaler's scale): its
         # metadata is eager's, read without this mode.
         with torch._C.DisableTorchFunction():

@@ -1,15 +1,18 @@
 """Sparse tensors (COO, CSR, CSC) inside a compiled function: opaque values.
 
 A ``TensorProxy`` carries a strided tensor's metadata (shape, strides, storage offset) and every rule downstream
-(guards, layout rules, gradients, ``.grad``, the optimizers' kernels) assumes one.  A sparse tensor has no
+(guards, layout rules, native gradients, the optimizers' kernels) assumes one.  A sparse tensor has no
 strides and its number of stored elements is data-dependent, so it gets a proxy kind of its own, ``SparseProxy``
 (compiler/sparse_proxy.py: layout, shape, dtype, device), which no native symbol takes: every torch call that reads
 or makes one (``sparse_call``) runs as an opaque line whose outputs' metadata come from torch's fake tensors (a
-sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  A sparse input is
-guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad (prologue.py).  What cannot be
-followed is refused with what to do (``_WHAT_TO_DO``): gradients through a sparse value, in-place updates of one,
-blocked layouts, and strided ops whose gradient would be sparse (``refuse_sparse_gradient``).  A refused call is
-transactional: nothing the function changed stays changed.
+sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  When a gradient flows
+through such a line it runs with torch's autograd (transforms/opaque_grad.py), and its gradients are made and read
+by opaque lines only (transforms/sparse_grads.py): a sparse leaf's ``.grad`` is the layout torch's autograd gives, as
+in eager.  A sparse input is guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad
+(prologue.py).  What cannot be followed is refused with what to do (``_WHAT_TO_DO``): in-place updates of a sparse
+value (also accumulating into its existing ``.grad``), reading what it stores, blocked layouts, and strided ops
+whose gradient would be sparse (``refuse_sparse_gradient``).  A refused call is transactional: nothing the
+function changed stays changed.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ SPARSE_MAKERS = frozenset([getattr(torch.Tensor, n) for n in _MAKER_METHODS if h
                           + [getattr(torch, n) for n in _MAKER_FUNCTIONS if hasattr(torch, n)])
 
 _WHAT_TO_DO = ("Inside a compiled function a sparse tensor (COO, CSR or CSC) is an opaque value: the ops that take "
-               "it run as torch runs them, without gradients through it. Do this part outside the compiled function "
+               "it run as torch runs them (gradients by torch's autograd), never in place. Do this part outside the compiled function "
                "(pass its dense result in, e.g. torch.sparse.mm(s, x) computed before the call) or use the dense form "
                "(s.to_dense()).")
 

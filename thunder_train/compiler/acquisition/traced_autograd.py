@@ -64,7 +64,11 @@ class GradState:
         return self.current[id(p)]
 
     def set(self, p, value):
-        if value is not None and type(value) is not TensorProxy:
+        if value is not None and (type(value) is SparseProxy or type(p) is SparseProxy):
+            if type(value) is not type(p) or value._tt_layout != p._tt_layout:
+                raise RuntimeError(f"assigned grad has data of a different type: {value.type_string()} for a tensor of "
+                                   f"{p.type_string()}")
+        elif value is not None and type(value) is not TensorProxy:
             raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of type {type(value).__name__}")
         if value is not None and (value._tt_shape != p._tt_shape or value._tt_dtype is not p._tt_dtype):
             raise RuntimeError(
