@@ -171,3 +171,19 @@ def test_an_optimizer_updating_a_sparse_parameter_is_refused_and_changes_nothing
     with pytest.raises(TracingError, match="in place"):
         tt.compile(step)(s, w)
     assert torch.equal(s.detach().to_dense(), before.to_dense()) and s.grad is None and w.grad is None
+
+
+def test_a_sparse_gradient_of_a_strided_tensor_is_refused_while_tracing():
+    """``s * w``: eager's ``w.grad`` is sparse COO; w's proxy and .grad are strided here, so refused, nothing run."""
+    s, w = _dense(0).to_sparse(), _rand(0, 5, 5)
+    w_before = w.detach().clone()
+
+    def step(s, w):
+        (s * w).to_dense().sum().backward()
+
+    with pytest.raises(TracingError, match="sparse gradient.*Nothing was changed"):
+        tt.compile(step)(s, w)
+    assert w.grad is None and torch.equal(w, w_before)
+    e_w = w.detach().clone().requires_grad_()
+    step(s, e_w)
+    assert e_w.grad.layout == torch.sparse_coo  # (what eager gives, which the refusal names)

@@ -128,6 +128,30 @@ def touches_sparse(func, args, kwargs) -> bool:
     return False
 
 
+def _refuse_sparse_gradient_of_strided(name, inputs, fout) -> None:
+    """A line whose gradient for a strided input is sparse (``s * w``: eager's ``w.grad`` is sparse COO) is refused:
+    that input's proxy, the native rules that read its gradient and ``.grad`` are strided.  Learned from torch's
+    backward on the fake tensors, with each sparse output's cotangent sparse and strided (eager's engine may give
+    either); an op whose fake backward fails is left to the check at run time (opaque_grad.opaque_vjp)."""
+    outs = [o for o in tree_flatten(fout)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    strided = [t.layout == torch.strided for t in inputs]
+    if not outs or not any(strided):
+        return
+    for sparse_ct in (True, False):
+        try:
+            cts = [o.detach() if sparse_ct and o.layout != torch.strided else torch.zeros(o.shape, dtype=o.dtype, device=o.device)
+                   for o in outs]
+            grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True, retain_graph=True)
+        except Exception:  # noqa: BLE001 - no fake backward: the run-time check decides
+            return
+        if any(s and g is not None and g.layout != torch.strided for s, g in zip(strided, grads)):
+            raise TracingError(
+                f"{name}: torch's autograd gives a strided operand of this op a sparse gradient (eager keeps it "
+                "sparse, also in .grad), which thunder_train does not follow into a strided tensor (its proxy, gradient rules "
+                f"and .grad are strided). Compute this part under torch.no_grad() or outside the compiled function, or "
+                f"make the operand that requires grad sparse. Nothing was changed.")
+
+
 def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     """Run a call that reads or makes a sparse tensor as an opaque line; its outputs' metadata from fake tensors.
 
@@ -173,6 +197,9 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     except Exception as e:
         raise UnsupportedOpError(f"{name} (a sparse value): learning its output's metadata with fake tensors failed "
                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}). {_WHAT_TO_DO}") from e
+    if diff:
+        with torch._C.DisableTorchFunction(), mode, torch.enable_grad():
+            _refuse_sparse_gradient_of_strided(name, [fakes[i] for i in diff], fout)
 
     def to_proxy(x):
         if not isinstance(x, torch.Tensor):
