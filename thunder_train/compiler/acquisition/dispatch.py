@@ -55,11 +55,6 @@ def handle_torch_function(func, types, args, kwargs):
     fname = getattr(func, "__name__", "")
     refuse_sparse_gradient(func, args, kwargs)
     special = _AUTOGRAD_CALLS.get(func)
-    # A backward of dense outputs may differentiate sparse leaves (autograd.grad(loss, [s, w])); one of a sparse
-    # output is refused by the sparse path.
-    is_property = fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper"
-    if is_property and getattr(func.__self__, "__name__", "") == "grad" and _reads_sparse(args[:1]):
-        return _property(st, "grad", fname == "__get__", args, top)  # a sparse leaf's .grad (GradState)
     if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
         return _sparse(st, func, args, kwargs, top)  # a sparse value: an opaque line (acquisition/sparse.py)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
@@ -320,7 +315,13 @@ def _reads_sparse(args) -> bool:
 
 
 def _sparse(st, func, args, kwargs, top):
-    """A call that reads or makes a sparse tensor: real tensors captured, dense inputs read at their current value."""
+    """A call that reads or makes a sparse tensor: real tensors captured, dense inputs read at their current value.
+    (A backward of dense outputs may differentiate sparse leaves, ``autograd.grad(loss, [s, w])``: not routed here;
+    one of a sparse output is refused here.)"""
+    fname = getattr(func, "__name__", "")
+    if (fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper"
+            and getattr(func.__self__, "__name__", "") == "grad"):
+        return _property(st, "grad", fname == "__get__", args, top)  # a sparse leaf's .grad (GradState)
     if st.walker is not None and any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
     if top and st.buffers is not None:
