@@ -187,3 +187,32 @@ def test_a_sparse_gradient_of_a_strided_tensor_is_refused_while_tracing():
     e_w = w.detach().clone().requires_grad_()
     step(s, e_w)
     assert e_w.grad.layout == torch.sparse_coo  # (what eager gives, which the refusal names)
+
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_a_graph_convolution_training_step_with_a_sparse_adjacency_follows_eager(thin):
+    """The common use: a fixed sparse adjacency, dense parameters trained by Adam, the whole step compiled."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+
+    adj = (_dense(0, (6, 6)).abs() + torch.eye(6)).to_sparse_csr()
+    x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 1, 0, 1, 0])
+    models = [make(), make()]
+    opts = [torch.optim.Adam([p for m in ms for p in m.parameters()], lr=0.05) for ms in models]
+
+    def step_with(ms, opt):
+        def step(adj, x, y):
+            h = torch.relu(torch.sparse.mm(adj, ms[0](x)))
+            loss = torch.nn.functional.cross_entropy(torch.sparse.mm(adj, ms[1](h)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+
+    cf, eager = tt.compile(step_with(models[0], opts[0]), thin=thin), step_with(models[1], opts[1])
+    for _ in range(4):
+        _same(cf(adj, x, y), eager(adj, x, y), "loss")
+    for (a, b) in zip([p for m in models[0] for p in m.parameters()], [p for m in models[1] for p in m.parameters()]):
+        _same(a.detach(), b.detach(), "parameter after 4 steps")
