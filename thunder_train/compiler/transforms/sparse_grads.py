@@ -41,9 +41,15 @@ def accumulate(a, b) -> SparseProxy:
 
 
 def sparse_leaf_grad(g: torch.Tensor) -> torch.Tensor:
-    """A new ``.grad`` of a sparse leaf as eager's AccumulateGrad makes it: a sparse gradient as it is (its own
-    tensor: made by the backward for this leaf), a strided one row-major (``clone_obey_contract``)."""
-    return g if g.layout != torch.strided else g.contiguous()
+    """A new ``.grad`` of a sparse leaf as eager's AccumulateGrad makes it (torch/csrc/autograd/functions/
+    accumulate_grad.h), for a gradient only the backward holds: a COO one with contiguous indices and values is
+    shallow-copied (which drops its coalesced flag, as eager's does), another sparse one cloned, a strided one
+    row-major."""
+    if g.layout == torch.sparse_coo and g._indices().is_contiguous() and g._values().is_contiguous():
+        return torch.sparse_coo_tensor(g._indices(), g._values(), g.shape, check_invariants=False)
+    if g.layout != torch.strided:
+        return g.clone()
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 sparse_leaf_grad.__module__ = "thunder_train"
