@@ -218,3 +218,10 @@ def test_a_graph_convolution_training_step_with_a_sparse_adjacency_follows_eager
         _same(cf(adj, x, y), eager(adj, x, y), "loss")
     for (a, b) in zip([p for m in models[0] for p in m.parameters()], [p for m in models[1] for p in m.parameters()]):
         _same(a.detach(), b.detach(), "parameter after 4 steps")
+
+
+def test_a_backward_from_a_sparse_output_inside_is_refused():
+    x = _rand(0, 4, 4)
+    with pytest.raises(TracingError, match="from a sparse output.*torch.sparse.sum"):
+        tt.compile(lambda x: torch.autograd.grad(x.to_sparse() * 2, [x], torch.ones(4, 4).to_sparse()))(x)
+    assert x.grad is None

@@ -167,7 +167,10 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
                            f"(a sparse tensor runs as an opaque value). {_WHAT_TO_DO}")
     if strict:
         raise UnsupportedOpError(f"{name} with a sparse tensor runs opaquely, which strict=True forbids. {_WHAT_TO_DO}")
-    if kwargs.get("out") is not None or (fname.endswith("_") and not fname.endswith("__")) or fname in ("copy_", "backward"):
+    if fname in ("backward", "grad") or func in (torch.autograd.backward, torch.autograd.grad):
+        raise TracingError(f"{name} from a sparse output inside a compiled function is not supported: reduce it to a "
+                           f"dense value first (torch.sparse.sum(s), s.to_dense().sum()) and differentiate that.")
+    if kwargs.get("out") is not None or (fname.endswith("_") and not fname.endswith("__")) or fname == "copy_":
         raise TracingError(f"{name} on a sparse tensor changes it in place (or writes out=), which thunder_train does not "
                            f"support: a sparse tensor runs as an opaque value. Use the out-of-place form. {_WHAT_TO_DO}")
     flat, spec = tree_flatten((args, kwargs))
