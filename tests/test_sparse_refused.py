@@ -1,7 +1,7 @@
 """Sparse tensors (COO, CSR, CSC) inside a compiled function are opaque values (compiler/acquisition/sparse.py):
 the ops that take or make one run as torch runs them, compared here with eager over calls with new values, a
-changed layout and thin mode.  What they cannot do is refused with what to do, every user object as it was:
-gradients through a sparse value, in-place updates of one, reading what it stores (values(), _nnz()), blocked
+changed layout and thin mode (their gradients: tests/test_sparse_gradients.py).  What they cannot do is refused with
+what to do, every user object as it was: in-place updates of one, reading what it stores (values(), _nnz()), blocked
 layouts, and sparse gradients of strided ops (Embedding/EmbeddingBag(sparse=True), gather(sparse_grad=True))."""
 from __future__ import annotations
 
@@ -83,8 +83,6 @@ def test_a_dense_input_updated_before_a_sparse_op_is_read_current():
 
 
 REFUSED = {
-    "gradient_into_dense": (lambda s, w: torch.sparse.mm(s, w).sum(), TracingError, "gradients through sparse tensors"),
-    "gradient_of_to_sparse": (lambda s, w: torch.sparse.sum(w.to_sparse()), TracingError, "gradients through sparse tensors"),
     "in_place": (lambda s, w: s.mul_(2).to_dense(), TracingError, "in place"),
     "stored_values": (lambda s, w: s.values() * 2, TracingError, "reads what it stores"),
     "stored_count": (lambda s, w: w * s._nnz(), TracingError, "reads what it stores"),
@@ -101,10 +99,34 @@ def test_what_a_sparse_value_cannot_do_is_refused_clearly(name):
     assert torch.equal(s.to_dense(), s_before) and torch.equal(w, w_before) and w.grad is None
 
 
-def test_a_sparse_input_that_requires_grad_is_refused_where_a_gradient_would_flow():
+GRADIENTS = {  # were refused before gradients through sparse values ran; now eager's
+    "gradient_into_dense": lambda s, w: torch.sparse.mm(s, w).sum(),
+    "gradient_of_to_sparse": lambda s, w: torch.sparse.sum(w.to_sparse()),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENTS))
+def test_gradients_that_were_refused_are_eagers(name):
+    fn = GRADIENTS[name]
+    s, w = _dense().to_sparse(), torch.randn(5, 5, requires_grad=True)
+    e_w = w.detach().clone().requires_grad_()
+    out, e_out = tt.compile(fn)(s, w), fn(s, e_w)
+    _same(out, e_out)
+    out.backward()
+    e_out.backward()
+    _same(w.grad, e_w.grad)
+
+
+def test_a_sparse_input_that_requires_grad_gets_eagers_sparse_gradient():
     s, d = _dense().to_sparse().requires_grad_(), torch.randn(5, 3)
-    with pytest.raises(TracingError, match="gradients through sparse tensors"):
-        tt.compile(lambda s, d: torch.sparse.mm(s, d))(s, d)
+    e_s = s.detach().clone().requires_grad_()
+    out = tt.compile(lambda s, d: torch.sparse.mm(s, d))(s, d)
+    e_out = torch.sparse.mm(e_s, d)
+    _same(out, e_out)
+    out.sum().backward()
+    e_out.sum().backward()
+    _same(s.grad, e_s.grad)
+    assert s.grad.layout == torch.sparse_coo
     with torch.no_grad():
         torch.testing.assert_close(tt.compile(lambda s, d: torch.sparse.mm(s, d))(s, d), torch.sparse.mm(s, d))
 

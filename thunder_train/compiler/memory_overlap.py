@@ -7,6 +7,8 @@ when their strides interleave without sharing an element (a conservative answer,
 """
 from __future__ import annotations
 
+import torch
+
 
 def _byte_range(t):
     """``(first, end)`` of the bytes ``t`` can touch, or None when it touches none."""
@@ -17,6 +19,16 @@ def _byte_range(t):
     return start, start + span * t.element_size()
 
 
+def _parts(t) -> tuple:
+    """The strided tensors holding ``t``'s memory: itself, or a sparse tensor's indices and values."""
+    if t.layout == torch.strided:
+        return (t,)
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    return (t.crow_indices() if t.layout == torch.sparse_csr else t.ccol_indices(),
+            t.col_indices() if t.layout == torch.sparse_csr else t.row_indices(), t.values())
+
+
 def overlapping_pairs(written, others) -> tuple:
     """Pairs ``(i, j)``: the tensor ``written[i]`` shares bytes with ``others[j]``, a different object.
 
@@ -24,9 +36,11 @@ def overlapping_pairs(written, others) -> tuple:
     per tensor; a storage held by several tensors is swept in address order."""
     groups: dict = {}
     for side, tensors in ((0, written), (1, others)):
-        for k, t in enumerate(tensors):
-            if t.untyped_storage().nbytes():  # an empty storage (data pointer 0) shares no memory
-                entry = groups.setdefault(t.untyped_storage().data_ptr(), {}).setdefault(id(t), [t, None, None])
+        for k, whole in enumerate(tensors):
+            for t in _parts(whole):
+                if not t.untyped_storage().nbytes():
+                    continue  # an empty storage (data pointer 0) shares no memory
+                entry = groups.setdefault(t.untyped_storage().data_ptr(), {}).setdefault(id(whole), [t, None, None])
                 if entry[1 + side] is None:
                     entry[1 + side] = k
     out = []

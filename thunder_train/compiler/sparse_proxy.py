@@ -12,8 +12,10 @@ class SparseProxy(torch.Tensor, proxies.Proxy):
 
     It has no strides and its number of stored elements is data-dependent, so no native symbol, layout rule or
     gradient rule takes it: every torch call that reads or makes one runs as an opaque line, its output's metadata
-    from torch's fake tensors (compiler/acquisition/sparse.py).  ``type(x) is TensorProxy`` is False for it, which
-    is what keeps it away from the rest of the compiler."""
+    from torch's fake tensors (compiler/acquisition/sparse.py), its gradient by torch's autograd.  The gradient of a
+    sparse value is a ``SparseProxy`` too, standing for whatever layout torch gives it at run time
+    (compiler/transforms/sparse_grads.py).  ``type(x) is TensorProxy`` is False for it, which is what keeps it away
+    from the rest of the compiler."""
 
     @staticmethod
     def __new__(cls, name=None, *, shape, dtype, device, layout, requires_grad=False):

@@ -20,6 +20,7 @@ from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
 from .functional import fresh_results
 from ..proxies import TensorProxy
+from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_map
 from . import kernel_switches, traced_autograd
 from ..torchlang import registry, value_shaped
@@ -53,13 +54,13 @@ def handle_torch_function(func, types, args, kwargs):
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
     refuse_sparse_gradient(func, args, kwargs)
-    if touches_sparse(func, args, kwargs):  # a sparse value: an opaque line (acquisition/sparse.py)
-        return _sparse(st, func, args, kwargs, top)
+    special = _AUTOGRAD_CALLS.get(func)
+    if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
+        return _sparse(st, func, args, kwargs, top)  # a sparse value: an opaque line (acquisition/sparse.py)
     if fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         return _property(st, getattr(func.__self__, "__name__", "?"), fname == "__get__", args, top)
-    special = _AUTOGRAD_CALLS.get(func)
     if special is not None:
-        if any(isinstance(a, torch.Tensor) and type(a) is not TensorProxy for a in _flat(args, kwargs)):
+        if any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
@@ -248,7 +249,7 @@ def _run_opaque(st):
 
 def _property(st, prop, get, args, top):
     a = args[0]
-    if get and isinstance(a, torch.Tensor) and type(a) is not TensorProxy:
+    if get and isinstance(a, torch.Tensor) and not proxies.is_proxy(a):
         # A real tensor the function reads (a library object's own tensor, e.g. a GradScaler's scale): its
         # metadata is eager's, read without this mode.
         with torch._C.DisableTorchFunction():
@@ -309,8 +310,18 @@ def _flat(args, kwargs):
     return tree_flatten((args, kwargs))[0]
 
 
+def _reads_sparse(args) -> bool:
+    return any(type(a) is SparseProxy for a in _flat(args, {}))
+
+
 def _sparse(st, func, args, kwargs, top):
-    """A call that reads or makes a sparse tensor: real tensors captured, dense inputs read at their current value."""
+    """A call that reads or makes a sparse tensor: real tensors captured, dense inputs read at their current value.
+    (A backward of dense outputs may differentiate sparse leaves, ``autograd.grad(loss, [s, w])``: not routed here;
+    one of a sparse output is refused here.)"""
+    fname = getattr(func, "__name__", "")
+    if (fname in ("__get__", "__set__") and type(func).__name__ == "method-wrapper"
+            and getattr(func.__self__, "__name__", "") == "grad"):
+        return _property(st, "grad", fname == "__get__", args, top)  # a sparse leaf's .grad (GradState)
     if st.walker is not None and any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
         args, kwargs = _capture_real_tensors(st, args, kwargs)
     if top and st.buffers is not None:

@@ -1,15 +1,18 @@
 """Sparse tensors (COO, CSR, CSC) inside a compiled function: opaque values.
 
 A ``TensorProxy`` carries a strided tensor's metadata (shape, strides, storage offset) and every rule downstream
-(guards, layout rules, gradients, ``.grad``, the optimizers' kernels) assumes one.  A sparse tensor has no
+(guards, layout rules, native gradients, the optimizers' kernels) assumes one.  A sparse tensor has no
 strides and its number of stored elements is data-dependent, so it gets a proxy kind of its own, ``SparseProxy``
 (compiler/sparse_proxy.py: layout, shape, dtype, device), which no native symbol takes: every torch call that reads
 or makes one (``sparse_call``) runs as an opaque line whose outputs' metadata come from torch's fake tensors (a
-sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  A sparse input is
-guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad (prologue.py).  What cannot be
-followed is refused with what to do (``_WHAT_TO_DO``): gradients through a sparse value, in-place updates of one,
-blocked layouts, and strided ops whose gradient would be sparse (``refuse_sparse_gradient``).  A refused call is
-transactional: nothing the function changed stays changed.
+sparse fake stores nothing, so the calls that read what is stored, ``_STORED``, are refused).  When a gradient flows
+through such a line it runs with torch's autograd (transforms/opaque_grad.py), and its gradients are made and read
+by opaque lines only (transforms/sparse_grads.py): a sparse leaf's ``.grad`` is the layout torch's autograd gives, as
+in eager.  A sparse input is guarded by layout, shape, sparse/dense dims, dtype, device and requires_grad
+(prologue.py).  What cannot be followed is refused with what to do (``_WHAT_TO_DO``): in-place updates of a sparse
+value (also accumulating into its existing ``.grad``), reading what it stores, blocked layouts, and strided ops
+whose gradient would be sparse (``refuse_sparse_gradient``).  A refused call is transactional: nothing the
+function changed stays changed.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import context
 from ..errors import TracingError, UnsupportedOpError
+from .. import opaque
 from ..opaque import callable_name, opaque_symbol
 from ..proxies import TensorProxy, size_value
 from ..sparse_proxy import SparseProxy
@@ -34,7 +38,7 @@ SPARSE_MAKERS = frozenset([getattr(torch.Tensor, n) for n in _MAKER_METHODS if h
                           + [getattr(torch, n) for n in _MAKER_FUNCTIONS if hasattr(torch, n)])
 
 _WHAT_TO_DO = ("Inside a compiled function a sparse tensor (COO, CSR or CSC) is an opaque value: the ops that take "
-               "it run as torch runs them, without gradients through it. Do this part outside the compiled function "
+               "it run as torch runs them (gradients by torch's autograd), never in place. Do this part outside the compiled function "
                "(pass its dense result in, e.g. torch.sparse.mm(s, x) computed before the call) or use the dense form "
                "(s.to_dense()).")
 
@@ -124,6 +128,30 @@ def touches_sparse(func, args, kwargs) -> bool:
     return False
 
 
+def _refuse_sparse_gradient_of_strided(name, inputs, fout) -> None:
+    """A line whose gradient for a strided input is sparse (``s * w``: eager's ``w.grad`` is sparse COO) is refused:
+    that input's proxy, the native rules that read its gradient and ``.grad`` are strided.  Learned from torch's
+    backward on the fake tensors, with each sparse output's cotangent sparse and strided (eager's engine may give
+    either); an op whose fake backward fails is left to the check at run time (opaque_grad.opaque_vjp)."""
+    outs = [o for o in tree_flatten(fout)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    strided = [t.layout == torch.strided for t in inputs]
+    if not outs or not any(strided):
+        return
+    for sparse_ct in (True, False):
+        try:
+            cts = [o.detach() if sparse_ct and o.layout != torch.strided else torch.zeros(o.shape, dtype=o.dtype, device=o.device)
+                   for o in outs]
+            grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True, retain_graph=True)
+        except Exception:  # noqa: BLE001 - no fake backward: the run-time check decides
+            return
+        if any(s and g is not None and g.layout != torch.strided for s, g in zip(strided, grads)):
+            raise TracingError(
+                f"{name}: torch's autograd gives a strided operand of this op a sparse gradient (eager keeps it "
+                "sparse, also in .grad), which thunder_train does not follow into a strided tensor (its proxy, gradient rules "
+                f"and .grad are strided). Compute this part under torch.no_grad() or outside the compiled function, or "
+                f"make the operand that requires grad sparse. Nothing was changed.")
+
+
 def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     """Run a call that reads or makes a sparse tensor as an opaque line; its outputs' metadata from fake tensors.
 
@@ -139,14 +167,15 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
                            f"(a sparse tensor runs as an opaque value). {_WHAT_TO_DO}")
     if strict:
         raise UnsupportedOpError(f"{name} with a sparse tensor runs opaquely, which strict=True forbids. {_WHAT_TO_DO}")
-    if kwargs.get("out") is not None or (fname.endswith("_") and not fname.endswith("__")) or fname in ("copy_", "backward"):
+    if fname in ("backward", "grad") or func in (torch.autograd.backward, torch.autograd.grad):
+        raise TracingError(f"{name} from a sparse output inside a compiled function is not supported: reduce it to a "
+                           f"dense value first (torch.sparse.sum(s), s.to_dense().sum()) and differentiate that.")
+    if kwargs.get("out") is not None or (fname.endswith("_") and not fname.endswith("__")) or fname == "copy_":
         raise TracingError(f"{name} on a sparse tensor changes it in place (or writes out=), which thunder_train does not "
                            f"support: a sparse tensor runs as an opaque value. Use the out-of-place form. {_WHAT_TO_DO}")
     flat, spec = tree_flatten((args, kwargs))
-    if torch.is_grad_enabled() and (grad_flows(flat) or any(type(x) is SparseProxy and x._tt_requires_grad for x in flat)):
-        raise TracingError(f"{name}: gradients through sparse tensors are not supported by thunder_train (its backward "
-                           "program and .grad are strided); a sparse tensor runs as an opaque value without gradient. Run "
-                           f"this part under torch.no_grad() or with inputs that do not require grad. {_WHAT_TO_DO}")
+    # Inputs a gradient flows into (sparse ones included): the line runs with torch's autograd (opaque_grad.py).
+    diff = tuple(grad_flows(flat)) if torch.is_grad_enabled() else ()
 
     if func in _STORED:
         raise TracingError(f"{name} of a sparse tensor reads what it stores (its number of stored elements decides "
@@ -162,25 +191,34 @@ def sparse_call(func, name: str, args, kwargs, *, strict: bool, grad_flows):
     try:
         with torch._C.DisableTorchFunction():
             examples = [mode.from_tensor(_empty_sparse(x)) if type(x) is SparseProxy else x for x in flat]
-        with torch._C.DisableTorchFunction(), mode:
-            fargs, fkwargs = tree_unflatten([fake(x) for x in examples], spec)
+        with torch._C.DisableTorchFunction(), mode, torch.enable_grad():
+            fakes = [fake(x) for x in examples]
+            for i in diff:  # the outputs' requires_grad are then eager's
+                fakes[i] = fakes[i].detach().requires_grad_()
+            fargs, fkwargs = tree_unflatten(fakes, spec)
             fout = func(*fargs, **fkwargs)
     except Exception as e:
         raise UnsupportedOpError(f"{name} (a sparse value): learning its output's metadata with fake tensors failed "
                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}). {_WHAT_TO_DO}") from e
+    if diff:
+        with torch._C.DisableTorchFunction(), mode, torch.enable_grad():
+            _refuse_sparse_gradient_of_strided(name, [fakes[i] for i in diff], fout)
 
     def to_proxy(x):
         if not isinstance(x, torch.Tensor):
             return x
         if x.layout != torch.strided:
             return sparse_proxy_of(x, f"the result of {name}")
-        return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device, requires_grad=False,
+        return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad,
                            strides=x.stride(), storage_offset=x.storage_offset())
 
     out = tree_map(to_proxy, fout)
     if not any(isinstance(v, torch.Tensor) for v in tree_flatten(out)[0]):
         return out  # metadata only (a size, a bool): no trace line
-    context.get_trace().add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
+    if diff and any(getattr(v, "_tt_requires_grad", False) for v in tree_flatten(out)[0]):
+        name = opaque.record_differentiable(func, args, kwargs, out, diff)
+    else:
+        context.get_trace().add(BoundSymbol(opaque_symbol(func), args, kwargs, out, ()))
     st = context.tracer_state()
     if st is not None and name not in st.opaque_ops:
         st.opaque_ops.append(name)

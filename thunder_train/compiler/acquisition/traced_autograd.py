@@ -31,6 +31,8 @@ from ..errors import TracingError
 from .distributed import reduce_gradients
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
+from ..sparse_proxy import SparseProxy
+from ..transforms import sparse_grads
 from ..transforms.autograd import Cotangents, Forward, backward_pass, emit_forward, is_float_tensor
 from ..transforms.remat import BACKWARD
 
@@ -62,7 +64,11 @@ class GradState:
         return self.current[id(p)]
 
     def set(self, p, value):
-        if value is not None and type(value) is not TensorProxy:
+        if value is not None and (type(value) is SparseProxy or type(p) is SparseProxy):
+            if type(value) is not type(p) or value._tt_layout != p._tt_layout:
+                raise RuntimeError(f"assigned grad has data of a different type: {value.type_string()} for a tensor of "
+                                   f"{p.type_string()}")
+        elif value is not None and type(value) is not TensorProxy:
             raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of type {type(value).__name__}")
         if value is not None and (value._tt_shape != p._tt_shape or value._tt_dtype is not p._tt_dtype):
             raise RuntimeError(
@@ -76,6 +82,12 @@ class GradState:
         cur = self.get(p)
         if cur is None:
             self.current[id(p)] = g
+        elif type(p) is SparseProxy or type(cur) is SparseProxy:
+            raise TracingError(
+                f"a backward inside the compiled function accumulates into the existing .grad of the sparse tensor "
+                f"{p._tt_name}: eager adds it in place, which thunder_train does not do for a sparse value (an opaque "
+                "value, never updated in place). Set its .grad to None before the call (optimizer.zero_grad()), or "
+                "run this backward outside the compiled function. Nothing was changed.")
         else:
             buffers = self.st.buffers
             buffers.write(cur, prims.add(buffers.read(cur), g))
@@ -210,7 +222,10 @@ def _summed(groups, grads) -> list:
         total = None
         for g in grads[i:i + len(vals)]:
             if g is not None:
-                total = g if total is None else prims.add(total, g)
+                if total is None:
+                    total = g
+                else:
+                    total = sparse_grads.accumulate(total, g) if type(g) is SparseProxy else prims.add(total, g)
         out.append(total)
         i += len(vals)
     return out
@@ -296,6 +311,12 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
     for (p, _), g in zip(params, grads):
         if g is None:
             continue
+        if type(g) is SparseProxy:  # a sparse leaf's (transforms/sparse_grads.py): read by opaque lines only
+            if create_graph:
+                raise TracingError(f"backward(create_graph=True) through the sparse tensor {p._tt_name} is not supported "
+                                   "inside a compiled function; run it outside. Nothing was changed.")
+            st.grads.accumulate(p, g if st.grads.get(p) is not None else sparse_grads.new_grad(g))
+            continue
         if st.grads.get(p) is None:
             # A new .grad: eager's AccumulateGrad lays it out like the parameter (fused optimizer kernels rely on it).
             g = prims.grad_layout(_fresh(st, g, taken), p)
@@ -322,15 +343,21 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
     for i, v in enumerate(values):
         if type(v) is TensorProxy and not v._tt_requires_grad and on_path is None:
             on_path = gradient_path(st)
+        if type(v) is SparseProxy and v._tt_requires_grad:
+            continue  # a sparse leaf: its gradient from the opaque lines' autograd (transforms/sparse_grads.py)
         if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path and not getattr(ins[i], "_tt_requires_grad", False):
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
     # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
     if not create_graph:
-        grads = [None if g is None else prims.stop_gradient(g) for g in grads]
+        # (a sparse gradient is made by an opaque line no later backward differentiates)
+        grads = [g if g is None or type(g) is SparseProxy else prims.stop_gradient(g) for g in grads]
     result = []
     for i, (v, g) in enumerate(zip(values, grads)):
         if g is None:
+            if materialize_grads and type(v) is SparseProxy:
+                raise TracingError("torch.autograd.grad(materialize_grads=True) for an unused sparse tensor is not "
+                                   "supported inside a compiled function; use allow_unused=True and handle None.")
             if materialize_grads:
                 g = prims.full(v._tt_shape, 0, device=v._tt_device, dtype=v._tt_dtype)
             elif not allow_unused:

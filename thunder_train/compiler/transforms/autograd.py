@@ -31,16 +31,20 @@ import dataclasses
 
 from .. import context, prims, symbols
 from ..proxies import TensorProxy, is_proxy
+from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from ..trace import Trace
+from . import sparse_grads
 from .dce import dce
 from .memory import plan_split
 from ..grad_rules import NoGradientRuleError, bind_arguments, differentiable, get_rule
 
 
 def _is_tensor(x) -> bool:
-    return type(x) is TensorProxy
+    """A value gradients can reach: a strided tensor, or a sparse one (an opaque value whose lines run with torch's
+    autograd, acquisition/sparse.py; its gradient is a ``SparseProxy`` too, read only by opaque lines)."""
+    return type(x) is TensorProxy or type(x) is SparseProxy
 
 
 def is_float_tensor(x) -> bool:
@@ -121,7 +125,20 @@ class Cotangents:
                 f"thunder_train internal error: gradient for {p._tt_name} has {g.type_string()}, expected {p.type_string()}"
             )
         prev = self._ct.get(id(p))
-        self._ct[id(p)] = g if prev is None else prims.add(prev, g)
+        if prev is None:
+            self._ct[id(p)] = g
+        elif type(p) is SparseProxy:
+            self._ct[id(p)] = sparse_grads.accumulate(prev, g)
+        else:
+            self._ct[id(p)] = prims.add(prev, g)
+
+
+def cotangent_like(p, name=None):
+    """A gradient value for ``p``: strided for a strided tensor; for a sparse one a ``SparseProxy`` of its layout,
+    which stands for whatever layout torch's autograd gives it at run time (sparse or strided, as eager's)."""
+    if type(p) is SparseProxy:
+        return sparse_grads.gradient_of(p, name)
+    return TensorProxy(name, shape=p._tt_shape, dtype=p._tt_dtype, device=p._tt_device)
 
 
 def _describe(bsym) -> str:
@@ -330,7 +347,7 @@ def build_forward_backward(trc, memory_budget: float | None = None) -> ForwardBa
     with context.tracing(joint):
         for o, d in zip(outputs, differentiable):
             if d:
-                c = TensorProxy(joint.make_name("ct"), shape=o._tt_shape, dtype=o._tt_dtype, device=o._tt_device)
+                c = cotangent_like(o, joint.make_name("ct"))
                 cotangents.append(c)
                 cts.add(o, c)
         backward_pass(fwd, cts)

@@ -21,7 +21,7 @@ from .. import context, devices, dtypes, opaque
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
-from .autograd import Forward, is_float_tensor
+from .autograd import Forward, _is_tensor, cotangent_like, is_float_tensor
 from ..grad_rules import register_vjp
 
 NOTE = "gradient by torch autograd"
@@ -62,6 +62,13 @@ def opaque_vjp(handle, cotangents):
     inputs, outs = handle._tt_autograd_graph
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
     grads = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True) if pairs else [None] * len(inputs)
+    for i, g in zip(inputs, grads):
+        if g is not None and i.layout == torch.strided and g.layout != torch.strided:
+            # Its proxy is strided, and native code downstream reads it as such: refuse rather than densify it.
+            raise RuntimeError(
+                f"thunder_train: torch's autograd gave a {g.layout} gradient for a strided tensor of an opaque op; "
+                "thunder_train follows sparse gradients only into sparse tensors (eager would keep this one sparse). "
+                "Compute this part outside the compiled function or under torch.no_grad().")
     return tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads))
 
 
@@ -118,10 +125,10 @@ def _make_rule(positions, vjp=OPAQUE_VJP, extra=()):
         flat_out = tree_flatten(out)[0]
         g_out = g[0] if isinstance(g, (tuple, list)) and len(g) == 2 else None
         flat_ct = tree_flatten(g_out)[0] if g_out is not None else [None] * len(flat_out)
-        cts = tuple(c if type(o) is TensorProxy and type(c) is TensorProxy else None for o, c in zip(flat_out, flat_ct))
+        cts = tuple(c if _is_tensor(o) and _is_tensor(c) else None for o, c in zip(flat_out, flat_ct))
         flat_in = tree_flatten((args, kwargs))[0]
         ins = [flat_in[i] for i in positions]
-        grads = tuple(TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device) for a in ins)
+        grads = tuple(cotangent_like(a) for a in ins)
         context.get_trace().add(BoundSymbol(vjp, (handle, cts, *extra), {}, grads, ()))
         flat_grads = [None] * len(flat_in)
         for i, gr in zip(positions, grads):
