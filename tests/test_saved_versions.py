@@ -478,18 +478,25 @@ def test_compiled_module_raises_only_for_the_output_whose_backward_raises_on_eve
     assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
 
 
-def test_compiled_module_refuses_memory_written_through_data_it_does_not_return():
+@pytest.mark.parametrize("thin", [False, True])
+def test_compiled_module_follows_memory_written_through_data_it_does_not_return(thin):
     """Eager's backward reads what a saved, unreturned tensor's memory holds after the forward wrote it through
-    ``.data``; the compiled forward does not keep that value for PyTorch's backward: a clear error there."""
+    ``.data`` (``e = exp(h); e.data.mul_(2)``): the compiled forward keeps that value for PyTorch's backward."""
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     net = _Net("hidden_data")
     torch.manual_seed(0)
-    _Net("hidden_data")(x).sum().backward()  # eager runs
-    y = tt.compile(net)(x)
-    with pytest.raises(NotImplementedError, match=r"exp .*\.data.*clone"):
-        y.sum().backward()
-    assert net.lin.weight.grad is None
+    ref = _Net("hidden_data")
+    cm = tt.compile(net, thin=thin)
+    for step in range(3):
+        y, ye = cm(x), ref(x)
+        torch.testing.assert_close(y, ye)
+        (y * (step + 1)).sum().backward()
+        (ye * (step + 1)).sum().backward()
+        torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+        torch.testing.assert_close(net.lin.bias.grad, ref.lin.bias.grad)
+    stats = tt.compile_stats(cm)
+    assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
 
 
 @pytest.mark.parametrize("thin", [False, True])

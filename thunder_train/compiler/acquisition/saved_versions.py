@@ -170,8 +170,7 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                             f"{_which(b, v)} of {b.sym.name} ({v.type_string()}), which autograd saved for the backward, "
                             f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor "
                             ".data was taken from): eager's backward then uses the new values, which the compiled "
-                            "program cannot follow here (a backward outside the compiled function through a tensor "
-                            "neither returned nor an input). Write into a copy (y = y.clone()), or make the change "
+                            "program cannot follow here (it does not know what that memory holds when the backward runs). Write into a copy (y = y.clone()), or make the change "
                             "before the op.")
                     from_memory[tag] = now
         if from_memory:
@@ -207,7 +206,8 @@ def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
     region is one autograd node: it raises when a gradient reaches one of these outputs (``autograd_function.py``).
     ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``);
     ``returned``: (user-visible tensor, output value) pairs.  A saved value written through ``.data`` is followed to
-    the value its memory holds at the end (an input's written-back value, or a returned tensor), else refused."""
+    the value its memory holds at the end (an input's written-back value, a returned tensor, or an intermediate's last
+    value)."""
     if not st.stale_values:
         return {}
     from ..pytree import tree_flatten as flatten
@@ -226,13 +226,16 @@ def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
 
 
 def _value_at_the_end(st, trc, t, returned):
-    """The value tensor ``t`` holds when the function has returned, where the forward program keeps it: what its
-    write-back copies into an input, or a returned tensor; else None.  ``returned``: (user object, value) pairs."""
+    """The value tensor ``t`` holds when the function has returned: what its write-back copies into an input, a
+    returned tensor, or else the value an unreturned intermediate holds at the end of the forward (the line that
+    saved it reads that value in its backward, so the forward keeps it for PyTorch's backward as any residual).
+    ``returned``: (user object, value) pairs."""
     if st.walker.is_input(t):
         src = next((b.args[0] for b in reversed(trc.bound_symbols) if b.sym.name == "copy_" and len(b.args) == 2
                     and b.args[1] is t), None)
         return t if src is None and not st.buffers.is_written(t) else src
-    return next((v for u, v in returned if u is t), None)
+    found = next((v for u, v in returned if u is t), None)
+    return found if found is not None else st.buffers.read(t)
 
 
 def _on_path(lines, needs_grad, outputs) -> set:
