@@ -16,6 +16,7 @@ from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
 from .saved_versions import StaleOwnInput, own_saved_input, record_write
+from .data_assignment import check_old_memory_write
 from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
                                resized_meta, resizing_inplace)
 
@@ -93,6 +94,7 @@ class _inplace_op:
 
 def write(st, sym, dst, value):
     check_data_write(st, dst)
+    check_old_memory_write(st, dst)
     if torch.is_grad_enabled() and dst._tt_requires_grad and st.walker.is_input(dst):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     bsyms = st.trace.bound_symbols

@@ -79,6 +79,8 @@ def record_data_assignment(st, t, old) -> None:
     memory is now ``v``'s, and read it at the backward; those that saved it as their output keep the old memory."""
     st.stale_values.append(StaleValues(frozenset(), frozenset([id(old)]), len(st.trace.bound_symbols), "t.data = v",
                                        getattr(t, "_tt_name", "a tensor"), (old,), {id(old): t}, inputs_only=True))
+    # t keeps its version counter: what saved the old value goes stale at its next move
+    st.unmoved.setdefault(id(st.buffers.counter_of(t)), []).append(old)
 
 
 def own_saved_input(st, fn, dst, args, kwargs, requires_grad):
@@ -151,7 +153,7 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
         slots = _saved_slots(b, needs_grad)
         if slots is None:
             continue
-        saved = [v for _, v in slots]
+        saved = [v for _, v, _ in slots]
         from_memory = {}  # tag -> the tensor whose value the backward reads
         for e in touched:
             hit = next((v for v in saved if id(v) in e.ids), None)
@@ -162,8 +164,9 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                     f"was changed afterwards by {e.op} on {e.target} (eager raises the same error at this backward). "
                     "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
                     "change before the op that reads the value.")
-            for tag, v in slots:
-                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and tag[0] == "out"):
+            for tag, v, itself in slots:
+                # ``t.data = v``: a saved view of t (or t as an output) keeps t's old memory, t itself reads the new
+                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and not itself):
                     now = follow_memory(e.holders[id(v)]) if follow_memory else None
                     if now is None:
                         raise NotImplementedError(
@@ -270,15 +273,10 @@ def _torch_form(b):
     return fn if callable(fn) else None
 
 
-def _saved_values(b, needs_grad):
-    """The proxies among ``b``'s arguments and outputs that torch's own autograd saves for this op; None when
-    it cannot be asked (no torch form, or it does not run on meta tensors)."""
-    slots = _saved_slots(b, needs_grad)
-    return None if slots is None else [v for _, v in slots]
-
-
 def _saved_slots(b, needs_grad):
-    """``(("in", flat argument index) or ("out", flat tensor output index), proxy)`` of what torch saves for ``b``."""
+    """``(("in", flat argument index) or ("out", flat tensor output index), proxy, saved as the argument itself)`` of
+    what torch saves for ``b`` (an argument saved through a view of it, as ``linear`` saves ``weight.t()``, is not
+    itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors)."""
     fn = _torch_form(b)
     if fn is None:
         return None
@@ -290,9 +288,10 @@ def _saved_slots(b, needs_grad):
     if found is None:
         return None
     at = [k for k, a in enumerate(flat) if type(a) is TensorProxy]
-    ins, outs = found
+    ins, outs, itself = found
     flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    return [(("in", at[k]), flat[at[k]]) for k in ins] + [(("out", k), flat_out[k]) for k in outs if k < len(flat_out)]
+    return ([(("in", at[k]), flat[at[k]], k in itself) for k in ins]
+            + [(("out", k), flat_out[k], False) for k in outs if k < len(flat_out)])
 
 
 def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
@@ -303,7 +302,8 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
     for a in flat:
         if type(a) is TensorProxy:
             rg = a._tt_dtype.is_float and id(a) in needs_grad
-            sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg))
+            sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg,
+                        a._tt_device.type))
         elif a is None or isinstance(a, (bool, int, float, str)):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
@@ -324,14 +324,51 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
 
 
 def _ask_torch(fn, spec, sig, inplace=False):
+    """What ``fn`` saves, asked on meta tensors; for an op without a meta kernel (``ctc_loss``) whose tensors are all
+    on the CPU, on small real CPU tensors of the same sizes, strides and dtypes (what an op saves does not depend
+    on the values; a call that fails or would be large is not asked).  None when neither can be asked."""
+    found = _ask_on(fn, spec, sig, inplace, "meta")
+    if found is None and all(s[4] == "cpu" for s in sig if _is_tensor_sig(s)):
+        numel = sum(_extent(s[0], s[1]) for s in sig if _is_tensor_sig(s))
+        if numel <= _REAL_PROBE_LIMIT:
+            found = _ask_on(fn, spec, sig, inplace, "cpu")
+    return found
+
+
+_REAL_PROBE_LIMIT = 1 << 20  # elements, all tensors together: the real probe allocates them
+
+
+def _is_tensor_sig(s) -> bool:
+    return type(s) is tuple and len(s) == 5 and isinstance(s[2], torch.dtype)
+
+
+def _extent(shape, strides) -> int:
+    """Elements of memory a tensor of these sizes and strides spans."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(shape, strides))
+
+
+def _probe_tensor(s, device):
+    shape, strides, dtype, rg, _ = s
+    t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    if device != "meta":
+        with torch.no_grad():
+            t.fill_(True if dtype is torch.bool else 1 if not (dtype.is_floating_point or dtype.is_complex) else 0.5)
+    return t.requires_grad_(rg)
+
+
+def _ask_on(fn, spec, sig, inplace, device):
+    """``(tensor-argument positions saved, output positions saved, tensor-argument positions saved as the argument
+    itself rather than a view of it)`` of ``fn`` run on tensors of ``sig`` on ``device``; None when it fails."""
     from ..pytree import tree_unflatten
 
     try:
         metas = []
         flat = []
         for s in sig:
-            if type(s) is tuple and len(s) == 4 and isinstance(s[2], torch.dtype):
-                m = torch.empty_strided(s[0], s[1], dtype=s[2], device="meta").requires_grad_(s[3])
+            if _is_tensor_sig(s):
+                m = _probe_tensor(s, device)
                 if inplace and not metas and s[3]:
                     m = m.clone()  # written in place: not a leaf
                 metas.append(m)
@@ -349,14 +386,16 @@ def _ask_torch(fn, spec, sig, inplace=False):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
             out = fn(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-    except Exception:  # noqa: BLE001 - not runnable on meta tensors: not checked
+    except Exception:  # noqa: BLE001 - not runnable here: not checked
         return None
-    ins_saved, outs_saved = set(), set()
+    ins_saved, outs_saved, ins_itself = set(), set(), set()
     for t in packed:
         for k, m in enumerate(metas):
+            if t is m:
+                ins_itself.add(k)
             if t is m or torch._C._is_alias_of(t, m):
                 ins_saved.add(k)
         for k, o in enumerate(outs):
             if t is o or torch._C._is_alias_of(t, o):
                 outs_saved.add(k)
-    return tuple(sorted(ins_saved)), tuple(sorted(outs_saved))
+    return tuple(sorted(ins_saved)), tuple(sorted(outs_saved)), tuple(sorted(ins_itself))

@@ -1,0 +1,196 @@
+"""``p.data = v`` inside a compiled step, ``p`` an input (compiler/acquisition/data_assignment.py).
+
+Each case runs eagerly and compiled on equal copies: the same values, gradients, parameters and optimizer
+state, or both raise; what is refused leaves every user object as it was.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import thunder_train as tt
+
+MSG = "modified by an inplace operation"
+
+
+def _model_and_opt(momentum=0.9):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)
+
+
+def _twins():
+    m, opt = _model_and_opt()
+    me, opte = _model_and_opt()
+    return (m, opt), (me, opte)
+
+
+def _assert_same(m, opt, me, opte):
+    for p, pe in zip(m.parameters(), me.parameters()):
+        torch.testing.assert_close(p, pe)
+        assert p.stride() == pe.stride()
+        assert (p.grad is None) == (pe.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, pe.grad)
+        assert p.requires_grad == pe.requires_grad
+    for p, pe in zip(m.parameters(), me.parameters()):
+        s, se = opt.state.get(p, {}), opte.state.get(pe, {})
+        assert s.keys() == se.keys()
+        for k in s:
+            torch.testing.assert_close(s[k], se[k])
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(2, 4, generator=g), torch.randn(2, 3, generator=g)
+
+
+def _clip_after_step(model, opt, x, y):  # WGAN's weight clipping, written with .data =
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    for p in model.parameters():
+        p.data = p.data.clamp(-0.2, 0.2)
+    return loss
+
+
+def _reinit_before_backward(model, opt, x, y):
+    # the second Linear saved its weight (through a view: weight.t()) and the first its input; eager's backward reads
+    # the old memory through the view
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    model[2].weight.data = torch.full_like(model[2].weight, 0.05)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _saved_itself_then_assigned(model, opt, x, y):
+    w = model[2].weight
+    h = model[0](x).tanh()
+    out = (h @ w.t()) * w.sum()  # mul saves w.sum(); sum saves nothing; w itself is saved by nothing here
+    scaled = h * w[:, :4].sum(0)  # a view of w
+    z = torch.mul(h.sum(0), model[0].bias)  # mul saves the bias itself: eager's backward reads its new memory
+    model[0].bias.data = model[0].bias.data * 3
+    loss = torch.nn.functional.mse_loss(out, y) + scaled.sum() + z.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _assigned_then_step_then_fresh_value_read(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    w = model[0].weight
+    new = w.data * 0.5
+    w.data = new
+    opt.step()  # writes w in place: eager's `new` shares that memory
+    opt.zero_grad()
+    return loss, new * 1
+
+
+def _assigned_twice_and_used(model, opt, x, y):
+    b = model[2].bias
+    b.data = torch.zeros_like(b)
+    first = model(x)  # uses the new bias, whose gradient reaches b as before
+    b.data = b.data + 1
+    loss = torch.nn.functional.mse_loss(first + model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _assigned_then_buffer_written(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    g = model[0].weight.grad
+    g.data = g.data.clamp(-0.01, 0.01)  # a .grad tensor's memory replaced before the optimizer reads it
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+STEPS = [_clip_after_step, _reinit_before_backward, _saved_itself_then_assigned, _assigned_then_step_then_fresh_value_read,
+         _assigned_twice_and_used, _assigned_then_buffer_written]
+
+
+@pytest.mark.parametrize("thin", [False, True])
+@pytest.mark.parametrize("step", STEPS, ids=[s.__name__.strip("_") for s in STEPS])
+def test_training_step_assigning_parameter_data_matches_eager(step, thin):
+    (m, opt), (me, opte) = _twins()
+    cstep = tt.compile(step, thin=thin)
+    ptrs = [p.data_ptr() for p in m.parameters()]
+    for i in range(4):  # the first step makes the momentum buffers: the steady state traces again
+        x, y = _batch(i)
+        torch.testing.assert_close(cstep(m, opt, x, y), step(me, opte, x, y))
+        _assert_same(m, opt, me, opte)
+    assert [p.data_ptr() for p in m.parameters()] == ptrs  # written in place: the binding's storage stays
+    stats = tt.compile_stats(cstep)
+    assert stats.cache_misses <= 2 and (not thin or stats.calls > stats.full_calls), stats
+
+
+def test_assignment_then_backward_after_a_write_raises_as_eager():
+    def step(model, opt, x, y):
+        w = model[2].bias
+        loss = (model(x) * w).sum()  # mul saves the bias itself
+        w.data = w.data * 2  # its counter does not move ...
+        with torch.no_grad():
+            w.add_(1)  # ... until this write: the saved bias is stale
+        loss.backward()
+        return loss
+
+    (m, opt), (me, opte) = _twins()
+    x, y = _batch(0)
+    with pytest.raises(RuntimeError, match=MSG):
+        step(me, opte, x, y)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(RuntimeError, match=MSG):
+        tt.compile(step)(m, opt, x, y)
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert all(p.grad is None for p in m.parameters())
+
+
+def _other_shape(model, opt, x, y):
+    model[2].bias.data = torch.zeros(5)
+    return model(x).sum()
+
+
+def _other_input(model, opt, x, y):
+    model[2].bias.data = model[0].bias.data[:3]
+    return model(x).sum()
+
+
+def _old_view_written(model, opt, x, y):
+    b = model[2].bias
+    row = b.data[:2]
+    b.data = torch.zeros_like(b)
+    row.mul_(2)  # eager writes the old memory
+    return model(x).sum()
+
+
+@pytest.mark.parametrize("step,match", [(_other_shape, "another shape"), (_other_input, "share memory"),
+                                        (_old_view_written, "old memory")])
+def test_refused_assignments_are_clear_and_leave_objects_untouched(step, match):
+    (m, opt), _ = _twins()
+    x, y = _batch(0)
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()  # momentum state exists
+    before = copy.deepcopy((m.state_dict(), opt.state_dict(), [p.grad for p in m.parameters()]))
+    ptrs = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(Exception, match=match):
+        tt.compile(step)(m, opt, x, y)
+    sd, osd, grads = before
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, sd[k], rtol=0, atol=0)
+    for p, g in zip(m.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    for k, st in opt.state_dict()["state"].items():
+        torch.testing.assert_close(st["momentum_buffer"], osd["state"][k]["momentum_buffer"], rtol=0, atol=0)
+    assert [p.data_ptr() for p in m.parameters()] == ptrs

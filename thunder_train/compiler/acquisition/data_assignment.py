@@ -1,0 +1,79 @@
+"""``p.data = v`` inside a compiled function, ``p`` an input (a parameter, a buffer, an optimizer-state tensor, an
+argument): weight clipping written ``p.data = p.data.clamp(-c, c)``, a re-initialisation, an EMA update.
+
+Eager points ``p`` at ``v``'s memory and keeps everything else of ``p``: its identity, ``requires_grad``, ``.grad``,
+its version counter (which does not move).  Modelled here as:
+
+* ``p`` holds ``v``'s values from now on, without ``v``'s history; a gradient through ops after it reaches ``p``
+  as before (the new value stands for the leaf, ``leaf_values.py``), and the write-back copies ``p``'s final value
+  into the caller's tensor, so its storage object stays (thin mode's binding holds);
+* the views of ``p`` made before keep the old memory (``Buffers.pin_views``); an in-place write to one afterwards
+  is refused (``check_old_memory_write``): the other old views would see it, which is not followed;
+* ``v`` shares ``p``'s memory afterwards: when ``v`` is a fresh value (no view, no views of it, no gradient
+  history) it becomes a view of ``p`` with a version counter of its own, so writes through either show in both,
+  as in eager; otherwise a later in-place write to either is refused (``traced_autograd.check_data_assignments``);
+* what autograd saved before: an op that saved ``p`` itself reads the new memory at a backward, one that saved a
+  view of it (``linear``'s ``weight.t()``) the old one, and both go stale at ``p``'s next in-place write
+  (``saved_versions.record_data_assignment``).
+
+Refused, with what to do: another shape, dtype, device or layout (the program's metadata of ``p`` is fixed; do it
+between calls, where the guards see it), and a ``v`` sharing memory with another input (two inputs would share
+memory).
+"""
+from __future__ import annotations
+
+from .. import prims
+from ..errors import TracingError
+from ..proxies import TensorProxy
+from .saved_versions import record_data_assignment
+
+
+def _identity(x):
+    return x
+
+
+def assign_input_data(st, t, v, requires_grad):
+    """``t.data = v``, ``t`` an input that is no view (``requires_grad(value)``: eager's flag of a computed value)."""
+    buffers = st.buffers
+    value = buffers.read(v)
+    if (value._tt_shape, value._tt_dtype, value._tt_device, value._tt_strides) != (t._tt_shape, t._tt_dtype, t._tt_device, t._tt_strides):
+        raise TracingError(
+            f"{t._tt_name}.data = v inside the compiled function with another shape, dtype, device or layout "
+            f"({value.type_string()} for {t.type_string()}) is not supported: the compiled program keeps an input's "
+            "metadata. Make that assignment between calls (the guards see the new metadata and compile for it), or "
+            "keep the metadata (t.data = v.reshape(t.shape).to(t.dtype).contiguous()).")
+    vbase = buffers.base_of(v)
+    vbase = v if vbase is None else vbase
+    if st.walker.leaf_of(vbase) is not None:
+        if vbase is t and (v is t or value is buffers.read(t)):
+            return  # p.data = p.data, p.data = p.detach(): p keeps its memory
+        raise TracingError(
+            f"{t._tt_name}.data = v inside the compiled function, v sharing memory with an input of the function "
+            f"({vbase._tt_name}), is not supported: the two inputs would share memory afterwards. Assign a copy "
+            "(t.data = v.clone()), or make the inputs share memory between calls.")
+    old = buffers.read(t)
+    record_data_assignment(st, t, old)
+    for view in buffers.pin_views(t):
+        st.old_memory_views[id(view)] = view
+    st.data_assignments[:] = [a for a in st.data_assignments if a[0] is not t]
+    buffers.write(t, prims.stop_gradient(value))
+    if st.leaf_values is not None:
+        st.leaf_values.written(t)
+    if v is vbase and not buffers.has_views(v) and not requires_grad(value) and type(v) is TensorProxy:
+        buffers.add_view(v, t, _identity, _identity)  # v's memory is t's now, with its own counter (as t.data's)
+        buffers.own_counter(v)
+    else:
+        st.data_assignments.append((t, v, buffers.version(t), buffers.version(v)))
+
+
+def check_old_memory_write(st, dst):
+    """An in-place write to a view of an input made before ``input.data = v`` (it holds the old memory)."""
+    old = st.old_memory_views
+    if not old:
+        return
+    base = st.buffers.base_of(dst)
+    if id(dst) in old or (base is not None and id(base) in old):
+        raise TracingError(
+            "an in-place write to a view of an input made before that input's .data was assigned inside the compiled "
+            "function: eager writes the old memory, which the compiled program does not follow. Take the view after "
+            "the assignment, or write a copy.")
