@@ -150,6 +150,15 @@ def _input_data_assigned(x, w):
     return z.detach()
 
 
+def _data_assigned_saved_through_a_view(x, w):
+    h = torch.tanh(x @ w)
+    t = w * 2
+    z = torch.nn.functional.linear(h, t).sum()  # linear saves t.t(), a view of t's old memory: eager reads that
+    t.data = torch.ones_like(t)
+    z.backward()
+    return z.detach()
+
+
 def _data_assigned_then_used(x, w):
     h = torch.tanh(x @ w)
     h.data = torch.full_like(h, 0.5)
@@ -352,7 +361,7 @@ CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_sl
     (_tanh_detach, True), (_sigmoid_no_grad, True), (_exp_view, True), (_relu_inplace_after_sigmoid, True),
     (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, False),
     (_data_saved_then_base_written, False), (_data_row_written, False), (_parameter_data_written, False),
-    (_parameter_data_written_twice, False), (_output_data_assigned, False), (_input_data_assigned, False),
+    (_parameter_data_written_twice, False), (_output_data_assigned, False), (_input_data_assigned, False), (_data_assigned_saved_through_a_view, False),
     (_data_assigned_then_used, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
     (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
 ]
