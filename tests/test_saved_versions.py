@@ -159,6 +159,27 @@ def _data_assigned_saved_through_a_view(x, w):
     return z.detach()
 
 
+def _ctc(lp):
+    # ctc_loss has no meta kernel: what it saves is asked on small CPU tensors
+    return torch.nn.functional.ctc_loss(lp, torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]))
+
+
+def _ctc_input_written(x, w):
+    lp = (x @ w).log_softmax(-1).unsqueeze(1) * 1.0  # (T=3, N=1, C=4); multiplying by a number saves nothing
+    loss = _ctc(lp)  # saves its log-probabilities
+    lp.detach().mul_(2)
+    loss.backward()
+    return loss.detach()
+
+
+def _ctc_input_written_after_backward(x, w):
+    lp = (x @ w).log_softmax(-1).unsqueeze(1) * 1.0
+    loss = _ctc(lp)
+    loss.backward()
+    lp.detach().mul_(2)
+    return loss.detach()
+
+
 def _data_assigned_then_used(x, w):
     h = torch.tanh(x @ w)
     h.data = torch.full_like(h, 0.5)
@@ -362,6 +383,7 @@ CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_sl
     (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, False),
     (_data_saved_then_base_written, False), (_data_row_written, False), (_parameter_data_written, False),
     (_parameter_data_written_twice, False), (_output_data_assigned, False), (_input_data_assigned, False), (_data_assigned_saved_through_a_view, False),
+    (_ctc_input_written, True), (_ctc_input_written_after_backward, False),
     (_data_assigned_then_used, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
     (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
 ]

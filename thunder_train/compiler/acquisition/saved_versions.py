@@ -20,8 +20,9 @@ The functional trace keeps old values, so it would compute where eager raises.  
   the line runs with torch's autograd and its backward is given that memory's value
   (``opaque_grad.with_saved_from_memory``).
 
-An op whose torch form is unknown here (a prim without a torch function of its name, or one that does not run on
-meta tensors) is not checked: no error is ever raised where eager would not raise.
+An op without a meta kernel (``ctc_loss``) whose tensors are on the CPU is asked on small real CPU tensors instead.
+An op whose torch form is unknown here (a prim without a torch function of its name, or one that runs neither way)
+is not checked: no error is ever raised where eager would not raise.
 """
 from __future__ import annotations
 
