@@ -180,6 +180,33 @@ def _ctc_input_written_after_backward(x, w):
     return loss.detach()
 
 
+def _data_written_between_backwards(x, w):
+    y = torch.tanh(x @ w)  # saves its output
+    z = y.sum()
+    y.data.mul_(2)
+    z.backward(retain_graph=True)  # reads the doubled memory
+    y.data.mul_(3)
+    z.backward()  # reads the memory as it is now
+    return z.detach()
+
+
+def _counter_moved_between_backwards(x, w):
+    y = torch.tanh(x @ w)
+    z = y.sum()
+    y.data.mul_(2)
+    z.backward(retain_graph=True)
+    y.detach().mul_(3)  # moves y's counter: the saved output is stale for the second backward
+    z.backward()
+    return z.detach()
+
+
+def _custom_op_backward_twice(x, w):
+    y = _triple(torch.tanh(x @ w))  # its gradient by torch's autograd, twice through one graph
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    return y.detach()
+
+
 def _data_assigned_then_used(x, w):
     h = torch.tanh(x @ w)
     h.data = torch.full_like(h, 0.5)
@@ -383,7 +410,8 @@ CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_sl
     (_relu_inplace_after_matmul, False), (_mul_input_written, True), (_data_write, False),
     (_data_saved_then_base_written, False), (_data_row_written, False), (_parameter_data_written, False),
     (_parameter_data_written_twice, False), (_output_data_assigned, False), (_input_data_assigned, False), (_data_assigned_saved_through_a_view, False),
-    (_ctc_input_written, True), (_ctc_input_written_after_backward, False),
+    (_data_written_between_backwards, False), (_counter_moved_between_backwards, True),
+    (_custom_op_backward_twice, False), (_ctc_input_written, True), (_ctc_input_written_after_backward, False),
     (_data_assigned_then_used, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
     (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
 ]

@@ -138,8 +138,6 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
             by_id.setdefault(k, []).append(e)
     candidates = []
     for i, b in enumerate(lines[:horizon]):
-        if getattr(b.sym, "follows_memory", False):
-            continue  # already replaced: what it saved is read from memory
         ids = {id(a) for a in b.flat_args() if type(a) is TensorProxy} | {id(o) for o in b.flat_outputs()}
         touched = [e for k in ids & by_id.keys() for e in by_id[k] if i < e.before]
         if touched and any(type(o) is TensorProxy and id(o) in needs_grad for o in b.flat_outputs()):
@@ -151,7 +149,9 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
     for i, b, touched in candidates:
         if i not in on_path:
             continue
-        slots = _saved_slots(b, needs_grad)
+        # a line replaced at an earlier backward (it follows memory): asked as the line it replaced
+        orig = getattr(b.sym, "original", b)
+        slots = _saved_slots(orig, needs_grad)
         if slots is None:
             continue
         saved = [v for _, v, _ in slots]
@@ -177,15 +177,18 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                             "program cannot follow here (it does not know what that memory holds when the backward runs). Write into a copy (y = y.clone()), or make the change "
                             "before the op.")
                     from_memory[tag] = now
-        if from_memory:
-            rewrites.append((i, b, from_memory))
-    for i, b, from_memory in rewrites:
+        if from_memory and orig is not b:
+            b.sym.follow(from_memory)  # this backward reads what the memory holds now (a .data write since the last)
+        elif from_memory:
+            rewrites.append((i, b, slots, from_memory))
+    for i, b, slots, from_memory in rewrites:
         from ..transforms.opaque_grad import with_saved_from_memory
         flat = tree_flatten((b.args, b.kwargs))[0]
         positions = tuple(k for k, a in enumerate(flat) if type(a) is TensorProxy and a._tt_dtype.is_float
                           and id(a) in needs_grad)
-        tags = tuple(from_memory)
-        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory[t] for t in tags])
+        # every saved tensor can be given another value at a later backward; the unchanged ones their own
+        tags = tuple(tag for tag, _, _ in slots)
+        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory.get(t, v) for t, v, _ in slots])
     return bool(rewrites)
 
 
