@@ -601,3 +601,52 @@ def test_compiled_module_weight_written_through_data_over_calls(thin):
         torch.testing.assert_close(net.lin.bias.grad, ref.lin.bias.grad)
     stats = tt.compile_stats(cm)
     assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
+
+
+def _row_times_itself(y):
+    y.mul_(y[0])  # y[0] partly overlaps y: eager refuses the op itself
+
+
+def _shifted_add(y):
+    y[1:].add_(y[:-1])
+
+
+def _copy_partial(y):
+    y[:, :2].copy_(y[:, 1:3])  # copy_ does not refuse
+
+
+def _disjoint_rows(y):
+    y[0].add_(y[1])
+
+
+def _full_overlap(y):
+    y.add_(y.detach())
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("op,raises", [(_row_times_itself, True), (_shifted_add, True), (_copy_partial, False),
+                                       (_disjoint_rows, False), (_full_overlap, False)],
+                         ids=["row_times_itself", "shifted_add", "copy_partial", "disjoint_rows", "full_overlap"])
+def test_inplace_op_on_a_partly_overlapping_argument_raises_at_the_op_as_eager(op, raises, grad):
+    """Eager raises "refer to a single memory location" at the op, before anything after it: a step that catches it
+    and takes another path computes as eager does, and the error names what to do."""
+    def step(x, w):
+        y = x @ w if grad else x.clone()
+        try:
+            op(y)
+            path = 1
+        except RuntimeError as e:
+            assert "single memory location" in str(e) and "clone()" in str(e)
+            y = y * 2
+            path = 2
+        if grad:
+            y.sum().backward()
+        return y.detach(), path
+
+    x, w = _inputs()
+    we = w.detach().clone().requires_grad_()
+    (ref, path_e), (out, path_c) = step(x, we), tt.compile(step)(x, w)
+    assert path_e == path_c == (2 if raises else 1)
+    torch.testing.assert_close(out, ref)
+    if grad:
+        torch.testing.assert_close(w.grad, we.grad)
