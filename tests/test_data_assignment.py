@@ -115,7 +115,17 @@ def _assigned_then_buffer_written(model, opt, x, y):
     return loss
 
 
-STEPS = [_clip_after_step, _reinit_before_backward, _saved_itself_then_assigned, _assigned_then_step_then_fresh_value_read,
+def _assigned_a_view_then_step(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    model[0].weight.data = (model[0].weight * 0.5).detach()  # a view of a temporary: shares memory with it
+    model[2].weight.data = model[2].weight * 0.5  # carries a gradient history
+    opt.step()  # writes both in place; the temporaries are not read again
+    opt.zero_grad()
+    return loss
+
+
+STEPS = [_assigned_a_view_then_step, _clip_after_step, _reinit_before_backward, _saved_itself_then_assigned, _assigned_then_step_then_fresh_value_read,
          _assigned_twice_and_used, _assigned_then_buffer_written]
 
 
@@ -174,8 +184,17 @@ def _old_view_written(model, opt, x, y):
     return model(x).sum()
 
 
+def _history_read_after_step(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    v = model[2].bias * 2  # carries a gradient history: does not follow the bias
+    model[2].bias.data = v
+    opt.step()  # eager writes v's memory too
+    return v.sum()
+
+
 @pytest.mark.parametrize("step,match", [(_other_shape, "another shape"), (_other_input, "share memory"),
-                                        (_old_view_written, "old memory")])
+                                        (_old_view_written, "old memory"), (_history_read_after_step, "read afterwards")])
 def test_refused_assignments_are_clear_and_leave_objects_untouched(step, match):
     (m, opt), _ = _twins()
     x, y = _batch(0)

@@ -17,6 +17,7 @@ import torch
 
 from .. import context, prims
 from .custom_function import custom_functions_while_tracing
+from .data_assignment import check_input_data_shares
 from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
 from .epilogue import finish
 from ..errors import TracingError
@@ -162,6 +163,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds, returned)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
+            check_input_data_shares(state, trc.output)
             _insert_shape_queries(trc, walker.symbolic_inputs)
         except BaseException:
             library_objects.rollback(walker.library_objects)

@@ -11,7 +11,8 @@ its version counter (which does not move).  Modelled here as:
   is refused (``check_old_memory_write``): the other old views would see it, which is not followed;
 * ``v`` shares ``p``'s memory afterwards: when ``v`` is a fresh value (no view, no views of it, no gradient
   history) it becomes a view of ``p`` with a version counter of its own, so writes through either show in both,
-  as in eager; otherwise a later in-place write to either is refused (``traced_autograd.check_data_assignments``);
+  as in eager; otherwise an in-place write to ``v`` afterwards, or to ``p`` with ``v``'s memory read after it, is
+  refused (``check_input_data_shares``);
 * what autograd saved before: an op that saved ``p`` itself reads the new memory at a backward, one that saved a
   view of it (``linear``'s ``weight.t()``) the old one, and both go stale at ``p``'s next in-place write
   (``saved_versions.record_data_assignment``).
@@ -21,6 +22,8 @@ between calls, where the guards see it), and a ``v`` sharing memory with another
 memory).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from .. import prims
 from ..errors import TracingError
@@ -59,11 +62,48 @@ def assign_input_data(st, t, v, requires_grad):
     buffers.write(t, prims.stop_gradient(value))
     if st.leaf_values is not None:
         st.leaf_values.written(t)
+    st.input_data_shares[:] = [a for a in st.input_data_shares if a.t is not t]
     if v is vbase and not buffers.has_views(v) and not requires_grad(value) and type(v) is TensorProxy:
         buffers.add_view(v, t, _identity, _identity)  # v's memory is t's now, with its own counter (as t.data's)
         buffers.own_counter(v)
     else:
-        st.data_assignments.append((t, v, buffers.version(t), buffers.version(v)))
+        st.input_data_shares.append(_Shared(t, v, buffers.version(t), buffers.version(v), len(st.trace.bound_symbols),
+                                            frozenset(map(id, buffers.memory_values(v)))))
+
+
+@dataclasses.dataclass
+class _Shared:
+    """``t.data = v`` where ``v`` does not follow ``t`` (a view, viewed, or with a gradient history): ``v``'s memory
+    as it was (``values``) is stale once ``t`` is written, and ``t`` is stale once ``v`` is."""
+    t: TensorProxy
+    v: TensorProxy
+    t_version: int
+    v_version: int
+    after: int  # lines from here on were recorded after the assignment
+    values: frozenset  # ids of the values v's memory held
+
+
+def check_input_data_shares(st, output) -> None:
+    """At the end of tracing: refuse where ``t.data = v`` (``v`` not following ``t``) then an in-place write to
+    ``v``, or to ``t`` with ``v``'s memory read afterwards (a later line or the function's result), would differ."""
+    from ..pytree import tree_flatten
+
+    buffers = st.buffers
+    for a in st.input_data_shares:
+        if buffers.version(a.v) != a.v_version:
+            side = "v"
+        elif buffers.version(a.t) != a.t_version:
+            read = any(id(x) in a.values for b in st.trace.bound_symbols[a.after:] for x in b.flat_args())
+            if not read and not any(id(x) in a.values for x in tree_flatten(output)[0]):
+                continue
+            side = "t"
+        else:
+            continue
+        raise TracingError(
+            f"after {a.t._tt_name}.data = v inside the compiled function, {side} was written in place and v is read "
+            "afterwards (or returned): eager's t and v share memory, which the compiled program does not follow when v "
+            "is a view, has views or carries a gradient history. Assign a fresh tensor without history (t.data = "
+            "v.detach().clone()), or write t itself in place (t.copy_(v) under no_grad).")
 
 
 def check_old_memory_write(st, dst):
