@@ -213,3 +213,44 @@ def test_refused_assignments_are_clear_and_leave_objects_untouched(step, match):
     for k, st in opt.state_dict()["state"].items():
         torch.testing.assert_close(st["momentum_buffer"], osd["state"][k]["momentum_buffer"], rtol=0, atol=0)
     assert [p.data_ptr() for p in m.parameters()] == ptrs
+
+
+class _UpdatesItsWeight(torch.nn.Module):
+    """A forward that uses its weight, changes it without autograd seeing (``how``), and uses it again: eager's
+    backward reaches the weight through both uses."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x):
+        y = self.lin(x) * self.lin.weight.sum()
+        w = self.lin.weight
+        if self.how == "data":
+            w.data = w.data.clamp(-0.1, 0.1)
+        else:
+            with torch.no_grad():
+                w.mul_(0.5)
+        return torch.tanh(self.lin(x)) + y
+
+
+@pytest.mark.parametrize("thin", [False, True])
+@pytest.mark.parametrize("how", ["data", "no_grad"])
+def test_compiled_module_updating_its_weight_in_forward_matches_eager(how, thin):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    net = _UpdatesItsWeight(how)
+    torch.manual_seed(0)
+    ref = _UpdatesItsWeight(how)
+    cm = tt.compile(net, thin=thin)
+    for i in range(3):
+        out, want = cm(x), ref(x)
+        torch.testing.assert_close(out, want)
+        (out * (i + 1)).sum().backward()
+        (want * (i + 1)).sum().backward()
+        for p, pe in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, pe)
+            torch.testing.assert_close(p.grad, pe.grad)
+    stats = tt.compile_stats(cm)
+    assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats

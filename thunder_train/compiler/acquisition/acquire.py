@@ -60,6 +60,9 @@ class Acquired:
     random_before_checks: bool = False  # a random op runs before a decision check (decisions.py): save the RNG state
     # eager's error for PyTorch's backward through each output (a saved value written in place: saved_versions.py)
     backward_errors: dict = dataclasses.field(default_factory=dict)  # output name -> error
+    # (input, [values]): the values besides the input itself that stand for it in PyTorch's backward (an update under
+    # no_grad or through ``.data`` inside a forward, ops after it reading the new value: leaf_values.py)
+    grad_stand_ins: list = dataclasses.field(default_factory=list)
 
 
 def arg_names(fn) -> list:
@@ -155,7 +158,10 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
-            backward_errors = {}
+            backward_errors, stand_ins = {}, []
+            if not state.has_backward:
+                stand_ins = [(p, [v for v in vals if v is not p]) for p, vals in traced_autograd.grad_leaves(state)
+                             if walker.is_input(p) and any(v is not p for v in vals)]
             if not state.has_backward and state.stale_values:
                 seeds = [v for _, vals in traced_autograd.grad_leaves(state) for v in vals]
                 user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc.output)[0]
@@ -173,7 +179,8 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
-                    random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors)
+                    random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors,
+                    grad_stand_ins=stand_ins)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):
