@@ -623,10 +623,30 @@ def _full_overlap(y):
     y.add_(y.detach())
 
 
+def _where_out(y):
+    with torch.no_grad():  # (with grad, eager refuses out= for a tensor that requires grad first)
+        torch.where(y > 0, y[0], y, out=y)
+
+
+def _lerp_to_a_row(y):
+    y.lerp_(y[0], 0.5)
+
+
+def _shifted_setitem(y):
+    y[1:] = y[:-1]
+
+
+def _masked_fill(y):
+    y.masked_fill_(y > 0, 0.0)
+
+
+OVERLAPS = [(_row_times_itself, True), (_shifted_add, True), (_copy_partial, False), (_disjoint_rows, False),
+            (_full_overlap, False), (_where_out, True), (_lerp_to_a_row, True), (_shifted_setitem, True),
+            (_masked_fill, False)]
+
+
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("op,raises", [(_row_times_itself, True), (_shifted_add, True), (_copy_partial, False),
-                                       (_disjoint_rows, False), (_full_overlap, False)],
-                         ids=["row_times_itself", "shifted_add", "copy_partial", "disjoint_rows", "full_overlap"])
+@pytest.mark.parametrize("op,raises", OVERLAPS, ids=[f.__name__.strip("_") for f, _ in OVERLAPS])
 def test_inplace_op_on_a_partly_overlapping_argument_raises_at_the_op_as_eager(op, raises, grad):
     """Eager raises "refer to a single memory location" at the op, before anything after it: a step that catches it
     and takes another path computes as eager does, and the error names what to do."""

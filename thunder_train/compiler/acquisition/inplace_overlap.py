@@ -57,10 +57,11 @@ def _partial(a, b) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def check_partial_overlap(st, fn, orig_args, kwargs) -> None:
+def check_partial_overlap(st, fn, orig_args, kwargs, dst=None) -> None:
     """Before the in-place op ``fn(*orig_args, **kwargs)`` (the user's tensors) is traced: eager's error where an
-    argument partly overlaps the destination, ``orig_args[0]``."""
-    dst = orig_args[0] if orig_args else None
+    argument partly overlaps the destination, ``orig_args[0]`` (or ``dst``: the ``out=`` tensor)."""
+    if dst is None:
+        dst = orig_args[0] if orig_args else None
     if fn is None or type(dst) is not TensorProxy:
         return
     buffers = st.buffers
@@ -70,7 +71,7 @@ def check_partial_overlap(st, fn, orig_args, kwargs) -> None:
         return t if base is None else base
 
     flat, spec = tree_flatten((tuple(orig_args), dict(kwargs)))
-    sharing = [a for a in flat[1:] if type(a) is TensorProxy and a is not dst and memory(a) is memory(dst)]
+    sharing = [a for a in flat if type(a) is TensorProxy and a is not dst and memory(a) is memory(dst)]
     if not any(_partial(dst, a) for a in sharing):
         return
     if dst._tt_device.type not in ("cpu", "cuda") or any(a._tt_dtype is not dst._tt_dtype for a in sharing):
