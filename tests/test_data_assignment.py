@@ -254,3 +254,31 @@ def test_compiled_module_updating_its_weight_in_forward_matches_eager(how, thin)
             torch.testing.assert_close(p.grad, pe.grad)
     stats = tt.compile_stats(cm)
     assert stats.cache_misses == 1 and (not thin or stats.calls > stats.full_calls), stats
+
+
+def _to_double(buf, x):
+    buf.data = buf.data.double() * 2
+    return x * buf.float().sum()
+
+
+def _transposed_rows(buf, x):
+    buf.data = buf.data.t().contiguous()[:2]
+    return x * buf.sum(), buf.shape
+
+
+def _transposed_view(buf, x):
+    buf.data = (buf.data * 1).t()  # eager's tensor ends column-major
+    return x * buf[0].sum(), buf.stride()
+
+
+@pytest.mark.parametrize("thin", [False, True])
+@pytest.mark.parametrize("step", [_to_double, _transposed_rows, _transposed_view], ids=["dtype", "shape", "strides"])
+def test_assigning_other_metadata_to_a_tensor_without_grad_matches_eager(step, thin):
+    """A buffer (no grad) given another dtype, shape or layout through ``.data``: the caller's tensor ends as eager's."""
+    buf, bufe = torch.arange(6.).reshape(2, 3), torch.arange(6.).reshape(2, 3)
+    cstep = tt.compile(step, thin=thin)
+    for i in range(3):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(cstep(buf, x), step(bufe, x))
+        assert (buf.dtype, buf.shape, buf.stride()) == (bufe.dtype, bufe.shape, bufe.stride())
+        torch.testing.assert_close(buf, bufe)

@@ -17,9 +17,11 @@ its version counter (which does not move).  Modelled here as:
   view of it (``linear``'s ``weight.t()``) the old one, and both go stale at ``p``'s next in-place write
   (``saved_versions.record_data_assignment``).
 
-Refused, with what to do: another shape, dtype, device or layout (the program's metadata of ``p`` is fixed; do it
-between calls, where the guards see it), and a ``v`` sharing memory with another input (two inputs would share
-memory).
+Another shape, dtype or layout, ``p`` not requiring grad (a buffer, optimizer state, an argument): ``p`` names the
+new value from then on and the epilogue points the caller's tensor at the program's result (``p.data = result``),
+so it ends with eager's metadata (``_assign_other_metadata``).  Refused, with what to do: that for a tensor that
+requires grad, was updated in place before, or was read by an op autograd recorded; another device; a ``v``
+sharing memory with another input (two inputs would share memory).
 """
 from __future__ import annotations
 
@@ -39,12 +41,8 @@ def assign_input_data(st, t, v, requires_grad):
     """``t.data = v``, ``t`` an input that is no view (``requires_grad(value)``: eager's flag of a computed value)."""
     buffers = st.buffers
     value = buffers.read(v)
-    if (value._tt_shape, value._tt_dtype, value._tt_device, value._tt_strides) != (t._tt_shape, t._tt_dtype, t._tt_device, t._tt_strides):
-        raise TracingError(
-            f"{t._tt_name}.data = v inside the compiled function with another shape, dtype, device or layout "
-            f"({value.type_string()} for {t.type_string()}) is not supported: the compiled program keeps an input's "
-            "metadata. Make that assignment between calls (the guards see the new metadata and compile for it), or "
-            "keep the metadata (t.data = v.reshape(t.shape).to(t.dtype).contiguous()).")
+    if value._tt_device != t._tt_device:
+        _refuse_other_metadata(t, value, "it moves the tensor to another device")
     vbase = buffers.base_of(v)
     vbase = v if vbase is None else vbase
     if st.walker.leaf_of(vbase) is not None:
@@ -54,6 +52,9 @@ def assign_input_data(st, t, v, requires_grad):
             f"{t._tt_name}.data = v inside the compiled function, v sharing memory with an input of the function "
             f"({vbase._tt_name}), is not supported: the two inputs would share memory afterwards. Assign a copy "
             "(t.data = v.clone()), or make the inputs share memory between calls.")
+    if ((value._tt_shape, value._tt_dtype, value._tt_strides) != (t._tt_shape, t._tt_dtype, t._tt_strides)
+            or id(t) in st.metadata_inputs):
+        return _assign_other_metadata(st, t, v, value, requires_grad)
     old = buffers.read(t)
     record_data_assignment(st, t, old)
     for view in buffers.pin_views(t):
@@ -69,6 +70,38 @@ def assign_input_data(st, t, v, requires_grad):
     else:
         st.input_data_shares.append(_Shared(t, v, buffers.version(t), buffers.version(v), len(st.trace.bound_symbols),
                                             frozenset(map(id, buffers.memory_values(v)))))
+
+
+def _refuse_other_metadata(t, value, why):
+    raise TracingError(
+        f"{t._tt_name}.data = v inside the compiled function with another shape, dtype, device or layout "
+        f"({value.type_string()} for {t.type_string()}) is not supported here: {why}. Make that assignment between "
+        "calls (the guards see the new metadata and compile for it), or keep the metadata "
+        "(t.data = v.reshape(t.shape).to(t.dtype).contiguous()).")
+
+
+def _assign_other_metadata(st, t, v, value, requires_grad):
+    """``t.data = v`` with another shape, dtype or layout, ``t`` an input that does not require grad (a buffer,
+    optimizer state, an argument): ``t`` names the new value from here on (its shape and strides are read from it),
+    and the epilogue points the caller's tensor at the program's result, as eager's assignment does."""
+    buffers = st.buffers
+    if t._tt_requires_grad:
+        _refuse_other_metadata(t, value, "the tensor requires grad (its gradient keeps the old metadata)")
+    if buffers.is_written(t) and id(t) not in st.metadata_inputs:
+        _refuse_other_metadata(t, value, "the tensor was updated in place before, in its old memory")
+    if any(any(a is t for a in b.flat_args()) and any(type(o) is TensorProxy and requires_grad(o) for o in b.flat_outputs())
+           for b in st.trace.bound_symbols):
+        _refuse_other_metadata(t, value, "autograd recorded an op that read the tensor before")
+    for view in buffers.pin_views(t):
+        st.old_memory_views[id(view)] = view
+    new = prims.stop_gradient(value)
+    buffers.rebind(t, new)
+    st.metadata_inputs[id(t)] = t  # updating it in place afterwards is refused (metadata_inplace.check_data_write)
+    st.metadata_replays[:] = [r for r in st.metadata_replays if not (r[0] is t and r[1][0] == "data=")]
+    st.metadata_replays.append((t, ("data=", (new,), {})))
+    st.input_data_shares[:] = [a for a in st.input_data_shares if a.t is not t]
+    st.input_data_shares.append(_Shared(t, v, buffers.version(t), buffers.version(v), len(st.trace.bound_symbols),
+                                        frozenset(map(id, buffers.memory_values(v)))))
 
 
 @dataclasses.dataclass
