@@ -18,7 +18,9 @@ The functional trace keeps old values, so it would compute where eager raises.  
   argument signature).  A stale value among them raises eager's error, naming the op and what to do.
 * a saved value whose memory changed through ``.data`` (its counter unmoved) is what eager's backward reads then:
   the line runs with torch's autograd and its backward is given that memory's value
-  (``opaque_grad.with_saved_from_memory``).
+  (``opaque_grad.with_saved_from_memory``).  At a later backward that line is asked again as the line it replaced:
+  a counter moved since raises, and a ``.data`` write since is followed (``follow``: each backward reads the memory
+  as it is when that backward runs).
 
 An op without a meta kernel (``ctc_loss``) whose tensors are on the CPU is asked on small real CPU tensors instead.
 An op whose torch form is unknown here (a prim without a torch function of its name, or one that runs neither way)

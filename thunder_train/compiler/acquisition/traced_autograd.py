@@ -144,10 +144,15 @@ def assign_data(st, t, v):
     """``t.data = v`` on a tensor made inside the function (a projected adversarial perturbation,
     ``delta.data = delta.clamp(-eps, eps)``): ``t`` holds ``v``'s values from now on, without ``v``'s history, and
     keeps its flag and ``.grad``.  Eager makes the two share memory; an in-place write to either afterwards would
-    show in both, which the functional trace does not follow: ``check_data_assignments`` refuses that."""
+    show in both, which the functional trace does not follow: ``check_data_assignments`` refuses that.  An input
+    ``t`` (a parameter, a buffer): ``data_assignment.py``."""
     if type(v) is not TensorProxy:
         raise TypeError(f"Tensor.data must be a Tensor, not {type(v).__name__}")
-    if type(t) is not TensorProxy or st.buffers.base_of(t) is not None:
+    if type(t) is not TensorProxy:
+        raise TracingError(
+            "setting Tensor.data inside the compiled function on a tensor it does not trace (a library object's own "
+            "tensor) is not supported: do the assignment outside the compiled function.")
+    if st.buffers.base_of(t) is not None:
         raise TracingError(
             "setting Tensor.data on a view inside the compiled function is not supported (eager changes only the "
             "view object): assign to the tensor itself, or write the view in place under torch.no_grad() "
