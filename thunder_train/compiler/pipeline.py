@@ -160,7 +160,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     if not has_backward and may_need_autograd(computed):
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers, backward_errors=acquired.backward_errors,
-                                    memory_budget=options.memory_budget)
+                                    memory_budget=options.memory_budget, stand_ins=acquired.grad_stand_ins)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -267,7 +267,7 @@ def _noting(build_fused, notes):
 
 
 def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_errors=None,
-                     memory_budget=None):
+                     memory_budget=None, stand_ins=()):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
@@ -275,12 +275,13 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     program, traces and backward traces that replace them, the builder of the fused program
     (``fusion="background"``, or None), the traces it fuses and the memory plan (transforms/memory.py).
     ``backward_errors``: output name -> the error eager's backward through that output raises (a saved value written
-    in place); the node raises it when a gradient reaches that output.
+    in place); the node raises it when a gradient reaches that output.  ``stand_ins``: (input, [values]) whose
+    gradients are the input's too (``build_forward_backward``).
     """
     if not may_need_autograd(trc):
         return None
     try:
-        fb = build_forward_backward(trc, memory_budget)  # transforms/memory.py plans what the forward saves
+        fb = build_forward_backward(trc, memory_budget, stand_ins)  # transforms/memory.py plans what the forward saves
     except NoGradientRuleError as error:
         return NoBackwardProgram(trc, program, error), traces, [], None, [trc], None
     if fb is None:

@@ -17,6 +17,7 @@ import torch
 
 from .. import context, prims
 from .custom_function import custom_functions_while_tracing
+from .data_assignment import check_input_data_shares
 from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
 from .epilogue import finish
 from ..errors import TracingError
@@ -59,6 +60,9 @@ class Acquired:
     random_before_checks: bool = False  # a random op runs before a decision check (decisions.py): save the RNG state
     # eager's error for PyTorch's backward through each output (a saved value written in place: saved_versions.py)
     backward_errors: dict = dataclasses.field(default_factory=dict)  # output name -> error
+    # (input, [values]): the values besides the input itself that stand for it in PyTorch's backward (an update under
+    # no_grad or through ``.data`` inside a forward, ops after it reading the new value: leaf_values.py)
+    grad_stand_ins: list = dataclasses.field(default_factory=list)
 
 
 def arg_names(fn) -> list:
@@ -154,7 +158,10 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 return replay_lines(changed, names, extra, walker.copy_leaf)
 
             trc.output, epilogue = finish(state, out, python_effects)
-            backward_errors = {}
+            backward_errors, stand_ins = {}, []
+            if not state.has_backward:
+                stand_ins = [(p, [v for v in vals if v is not p]) for p, vals in traced_autograd.grad_leaves(state)
+                             if walker.is_input(p) and any(v is not p for v in vals)]
             if not state.has_backward and state.stale_values:
                 seeds = [v for _, vals in traced_autograd.grad_leaves(state) for v in vals]
                 user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc.output)[0]
@@ -162,6 +169,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds, returned)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
+            check_input_data_shares(state, trc.output)
             _insert_shape_queries(trc, walker.symbolic_inputs)
         except BaseException:
             library_objects.rollback(walker.library_objects)
@@ -171,7 +179,8 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     written = {id(dst) for dst in state.written_inputs}
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
-                    random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors)
+                    random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors,
+                    grad_stand_ins=stand_ins)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

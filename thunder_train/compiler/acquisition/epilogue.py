@@ -172,6 +172,9 @@ def finish(st, out, python_effects=None):
         leaf = walker.leaf_of(dst)
         # a computed value (the data a resizing in-place op wrote: metadata_inplace.resizing_inplace) comes from extras
         call = ", ".join([extra(a) if is_proxy(a) else repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        if method == "data=":  # ``t.data = v`` with other metadata (data_assignment.py): t points at the result
+            lines.append(f"  {names(leaf.value, dst._tt_name, leaf)}.data = {call}")
+            continue
         lines.append(f"  {names(leaf.value, dst._tt_name, leaf)}.{method}({call})")
     _reject_aliased_inputs(walker, [dst for _, dst in writes])
     st.written_inputs = [dst for _, dst in writes]

@@ -94,6 +94,20 @@ class Buffers:
         self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake)
         self._join(alias, self._group.get(id(view), v.base))
 
+    def pin_views(self, base) -> list:
+        """``base`` now names other memory (``base.data = v``): the views made of it so far keep the values they hold
+        and are its views no more, as eager's keep the old storage (they still share its version counter).  Returns
+        them."""
+        pinned = []
+        for k, view in list(self._views.items()):
+            if view.base is base:
+                v = self._keep[k]
+                self._current[k] = self.read(v)
+                del self._views[k]
+                pinned.append(v)
+        self._own.pop(id(base), None)
+        return pinned
+
     # ---- version counters (saved_versions.py) ----
     def _join(self, view, group) -> None:
         old = self._group.get(id(view))

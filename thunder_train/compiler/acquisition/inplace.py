@@ -16,6 +16,8 @@ from ..proxies import TensorProxy, is_non_overlapping_and_dense
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
 from .saved_versions import StaleOwnInput, own_saved_input, record_write
+from .data_assignment import check_old_memory_write
+from .inplace_overlap import check_partial_overlap
 from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
                                resized_meta, resizing_inplace)
 
@@ -54,7 +56,7 @@ def record_views(st, sym, source, rest, kwargs, out):
 def inplace(st, sym, orig_args, args, kwargs):
     """An in-place op: record its out-of-place form; the result becomes the destination's value."""
     dst = orig_args[0]
-    with _inplace_op(st, getattr(sym, "torch_impl", None), dst, args, kwargs):
+    with _inplace_op(st, getattr(sym, "torch_impl", None), dst, args, kwargs, orig_args):
         new = sym.functional(*args, **kwargs)
         if isinstance(dst, (list, tuple)):
             for d, v in zip(dst, new):
@@ -69,12 +71,16 @@ class _inplace_op:
     ``fn(*args, **kwargs)``: the torch in-place op (current values), asked whether it saves for its own backward an
     argument its write makes stale (``y.mul_(y)``)."""
 
-    def __init__(self, st, fn=None, dst=None, args=(), kwargs=None):
+    def __init__(self, st, fn=None, dst=None, args=(), kwargs=None, orig_args=None):
         self.st, self.fn, self.dst, self.args, self.kwargs = st, fn, dst, args, kwargs or {}
+        self.orig_args = orig_args
 
     def __enter__(self):
         self.outer = self.st.inplace_start
         if self.outer is None:
+            if self.orig_args is not None and not (torch.is_grad_enabled() and getattr(self.dst, "_tt_requires_grad", False)
+                                                   and self.st.walker.is_input(self.dst)):  # (eager's leaf error first)
+                check_partial_overlap(self.st, self.fn, self.orig_args, self.kwargs)
             self.st.inplace_start = len(self.st.trace.bound_symbols)
             self.own = own_saved_input(self.st, self.fn, self.dst, self.args, self.kwargs, self._requires_grad)
 
@@ -93,6 +99,7 @@ class _inplace_op:
 
 def write(st, sym, dst, value):
     check_data_write(st, dst)
+    check_old_memory_write(st, dst)
     if torch.is_grad_enabled() and dst._tt_requires_grad and st.walker.is_input(dst):
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     bsyms = st.trace.bound_symbols
@@ -281,7 +288,7 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
     if out_name is not None:
         owner = torch.Tensor if "Tensor" in (getattr(func, "__qualname__", "") or "") or name.startswith("__") else torch
         outplace = getattr(owner, out_name, None)
-    with _inplace_op(st, func, dst, args, kwargs):
+    with _inplace_op(st, func, dst, args, kwargs, orig_args):
         if outplace is not None and registry.lookup(outplace) is not None:
             value = dispatch(outplace, orig_args, kwargs)
         else:

@@ -18,10 +18,13 @@ The functional trace keeps old values, so it would compute where eager raises.  
   argument signature).  A stale value among them raises eager's error, naming the op and what to do.
 * a saved value whose memory changed through ``.data`` (its counter unmoved) is what eager's backward reads then:
   the line runs with torch's autograd and its backward is given that memory's value
-  (``opaque_grad.with_saved_from_memory``).
+  (``opaque_grad.with_saved_from_memory``).  At a later backward that line is asked again as the line it replaced:
+  a counter moved since raises, and a ``.data`` write since is followed (``follow``: each backward reads the memory
+  as it is when that backward runs).
 
-An op whose torch form is unknown here (a prim without a torch function of its name, or one that does not run on
-meta tensors) is not checked: no error is ever raised where eager would not raise.
+An op without a meta kernel (``ctc_loss``) whose tensors are on the CPU is asked on small real CPU tensors instead.
+An op whose torch form is unknown here (a prim without a torch function of its name, or one that runs neither way)
+is not checked: no error is ever raised where eager would not raise.
 """
 from __future__ import annotations
 
@@ -79,6 +82,8 @@ def record_data_assignment(st, t, old) -> None:
     memory is now ``v``'s, and read it at the backward; those that saved it as their output keep the old memory."""
     st.stale_values.append(StaleValues(frozenset(), frozenset([id(old)]), len(st.trace.bound_symbols), "t.data = v",
                                        getattr(t, "_tt_name", "a tensor"), (old,), {id(old): t}, inputs_only=True))
+    # t keeps its version counter: what saved the old value goes stale at its next move
+    st.unmoved.setdefault(id(st.buffers.counter_of(t)), []).append(old)
 
 
 def own_saved_input(st, fn, dst, args, kwargs, requires_grad):
@@ -135,8 +140,6 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
             by_id.setdefault(k, []).append(e)
     candidates = []
     for i, b in enumerate(lines[:horizon]):
-        if getattr(b.sym, "follows_memory", False):
-            continue  # already replaced: what it saved is read from memory
         ids = {id(a) for a in b.flat_args() if type(a) is TensorProxy} | {id(o) for o in b.flat_outputs()}
         touched = [e for k in ids & by_id.keys() for e in by_id[k] if i < e.before]
         if touched and any(type(o) is TensorProxy and id(o) in needs_grad for o in b.flat_outputs()):
@@ -148,10 +151,12 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
     for i, b, touched in candidates:
         if i not in on_path:
             continue
-        slots = _saved_slots(b, needs_grad)
+        # a line replaced at an earlier backward (it follows memory): asked as the line it replaced
+        orig = getattr(b.sym, "original", b)
+        slots = _saved_slots(orig, needs_grad)
         if slots is None:
             continue
-        saved = [v for _, v in slots]
+        saved = [v for _, v, _ in slots]
         from_memory = {}  # tag -> the tensor whose value the backward reads
         for e in touched:
             hit = next((v for v in saved if id(v) in e.ids), None)
@@ -162,27 +167,30 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                     f"was changed afterwards by {e.op} on {e.target} (eager raises the same error at this backward). "
                     "Write into a copy instead (e.g. y = y.clone() before the in-place op), or make the in-place "
                     "change before the op that reads the value.")
-            for tag, v in slots:
-                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and tag[0] == "out"):
+            for tag, v, itself in slots:
+                # ``t.data = v``: a saved view of t (or t as an output) keeps t's old memory, t itself reads the new
+                if id(v) in e.shared and tag not in from_memory and not (e.inputs_only and not itself):
                     now = follow_memory(e.holders[id(v)]) if follow_memory else None
                     if now is None:
                         raise NotImplementedError(
                             f"{_which(b, v)} of {b.sym.name} ({v.type_string()}), which autograd saved for the backward, "
                             f"shares memory with {e.target}, written afterwards by {e.op} through .data (or the tensor "
                             ".data was taken from): eager's backward then uses the new values, which the compiled "
-                            "program cannot follow here (a backward outside the compiled function through a tensor "
-                            "neither returned nor an input). Write into a copy (y = y.clone()), or make the change "
+                            "program cannot follow here (it does not know what that memory holds when the backward runs). Write into a copy (y = y.clone()), or make the change "
                             "before the op.")
                     from_memory[tag] = now
-        if from_memory:
-            rewrites.append((i, b, from_memory))
-    for i, b, from_memory in rewrites:
+        if from_memory and orig is not b:
+            b.sym.follow(from_memory)  # this backward reads what the memory holds now (a .data write since the last)
+        elif from_memory:
+            rewrites.append((i, b, slots, from_memory))
+    for i, b, slots, from_memory in rewrites:
         from ..transforms.opaque_grad import with_saved_from_memory
         flat = tree_flatten((b.args, b.kwargs))[0]
         positions = tuple(k for k, a in enumerate(flat) if type(a) is TensorProxy and a._tt_dtype.is_float
                           and id(a) in needs_grad)
-        tags = tuple(from_memory)
-        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory[t] for t in tags])
+        # every saved tensor can be given another value at a later backward; the unchanged ones their own
+        tags = tuple(tag for tag, _, _ in slots)
+        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory.get(t, v) for t, v, _ in slots])
     return bool(rewrites)
 
 
@@ -207,7 +215,8 @@ def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
     region is one autograd node: it raises when a gradient reaches one of these outputs (``autograd_function.py``).
     ``grad_leaves``: the values standing for the tensors that require grad (``traced_autograd.grad_leaves``);
     ``returned``: (user-visible tensor, output value) pairs.  A saved value written through ``.data`` is followed to
-    the value its memory holds at the end (an input's written-back value, or a returned tensor), else refused."""
+    the value its memory holds at the end (an input's written-back value, a returned tensor, or an intermediate's last
+    value)."""
     if not st.stale_values:
         return {}
     from ..pytree import tree_flatten as flatten
@@ -226,13 +235,16 @@ def errors_for_outside_backward(st, trc, grad_leaves, returned=()) -> dict:
 
 
 def _value_at_the_end(st, trc, t, returned):
-    """The value tensor ``t`` holds when the function has returned, where the forward program keeps it: what its
-    write-back copies into an input, or a returned tensor; else None.  ``returned``: (user object, value) pairs."""
+    """The value tensor ``t`` holds when the function has returned: what its write-back copies into an input, a
+    returned tensor, or else the value an unreturned intermediate holds at the end of the forward (the line that
+    saved it reads that value in its backward, so the forward keeps it for PyTorch's backward as any residual).
+    ``returned``: (user object, value) pairs."""
     if st.walker.is_input(t):
         src = next((b.args[0] for b in reversed(trc.bound_symbols) if b.sym.name == "copy_" and len(b.args) == 2
                     and b.args[1] is t), None)
         return t if src is None and not st.buffers.is_written(t) else src
-    return next((v for u, v in returned if u is t), None)
+    found = next((v for u, v in returned if u is t), None)
+    return found if found is not None else st.buffers.read(t)
 
 
 def _on_path(lines, needs_grad, outputs) -> set:
@@ -267,15 +279,10 @@ def _torch_form(b):
     return fn if callable(fn) else None
 
 
-def _saved_values(b, needs_grad):
-    """The proxies among ``b``'s arguments and outputs that torch's own autograd saves for this op; None when
-    it cannot be asked (no torch form, or it does not run on meta tensors)."""
-    slots = _saved_slots(b, needs_grad)
-    return None if slots is None else [v for _, v in slots]
-
-
 def _saved_slots(b, needs_grad):
-    """``(("in", flat argument index) or ("out", flat tensor output index), proxy)`` of what torch saves for ``b``."""
+    """``(("in", flat argument index) or ("out", flat tensor output index), proxy, saved as the argument itself)`` of
+    what torch saves for ``b`` (an argument saved through a view of it, as ``linear`` saves ``weight.t()``, is not
+    itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors)."""
     fn = _torch_form(b)
     if fn is None:
         return None
@@ -287,9 +294,10 @@ def _saved_slots(b, needs_grad):
     if found is None:
         return None
     at = [k for k, a in enumerate(flat) if type(a) is TensorProxy]
-    ins, outs = found
+    ins, outs, itself = found
     flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    return [(("in", at[k]), flat[at[k]]) for k in ins] + [(("out", k), flat_out[k]) for k in outs if k < len(flat_out)]
+    return ([(("in", at[k]), flat[at[k]], k in itself) for k in ins]
+            + [(("out", k), flat_out[k], False) for k in outs if k < len(flat_out)])
 
 
 def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
@@ -300,7 +308,8 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
     for a in flat:
         if type(a) is TensorProxy:
             rg = a._tt_dtype.is_float and id(a) in needs_grad
-            sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg))
+            sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg,
+                        a._tt_device.type))
         elif a is None or isinstance(a, (bool, int, float, str)):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
@@ -321,14 +330,51 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
 
 
 def _ask_torch(fn, spec, sig, inplace=False):
+    """What ``fn`` saves, asked on meta tensors; for an op without a meta kernel (``ctc_loss``) whose tensors are all
+    on the CPU, on small real CPU tensors of the same sizes, strides and dtypes (what an op saves does not depend
+    on the values; a call that fails or would be large is not asked).  None when neither can be asked."""
+    found = _ask_on(fn, spec, sig, inplace, "meta")
+    if found is None and all(s[4] == "cpu" for s in sig if _is_tensor_sig(s)):
+        numel = sum(_extent(s[0], s[1]) for s in sig if _is_tensor_sig(s))
+        if numel <= _REAL_PROBE_LIMIT:
+            found = _ask_on(fn, spec, sig, inplace, "cpu")
+    return found
+
+
+_REAL_PROBE_LIMIT = 1 << 20  # elements, all tensors together: the real probe allocates them
+
+
+def _is_tensor_sig(s) -> bool:
+    return type(s) is tuple and len(s) == 5 and isinstance(s[2], torch.dtype)
+
+
+def _extent(shape, strides) -> int:
+    """Elements of memory a tensor of these sizes and strides spans."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(shape, strides))
+
+
+def _probe_tensor(s, device):
+    shape, strides, dtype, rg, _ = s
+    t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    if device != "meta":
+        with torch.no_grad():
+            t.fill_(True if dtype is torch.bool else 1 if not (dtype.is_floating_point or dtype.is_complex) else 0.5)
+    return t.requires_grad_(rg)
+
+
+def _ask_on(fn, spec, sig, inplace, device):
+    """``(tensor-argument positions saved, output positions saved, tensor-argument positions saved as the argument
+    itself rather than a view of it)`` of ``fn`` run on tensors of ``sig`` on ``device``; None when it fails."""
     from ..pytree import tree_unflatten
 
     try:
         metas = []
         flat = []
         for s in sig:
-            if type(s) is tuple and len(s) == 4 and isinstance(s[2], torch.dtype):
-                m = torch.empty_strided(s[0], s[1], dtype=s[2], device="meta").requires_grad_(s[3])
+            if _is_tensor_sig(s):
+                m = _probe_tensor(s, device)
                 if inplace and not metas and s[3]:
                     m = m.clone()  # written in place: not a leaf
                 metas.append(m)
@@ -346,14 +392,16 @@ def _ask_torch(fn, spec, sig, inplace=False):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
             out = fn(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-    except Exception:  # noqa: BLE001 - not runnable on meta tensors: not checked
+    except Exception:  # noqa: BLE001 - not runnable here: not checked
         return None
-    ins_saved, outs_saved = set(), set()
+    ins_saved, outs_saved, ins_itself = set(), set(), set()
     for t in packed:
         for k, m in enumerate(metas):
+            if t is m:
+                ins_itself.add(k)
             if t is m or torch._C._is_alias_of(t, m):
                 ins_saved.add(k)
         for k, o in enumerate(outs):
             if t is o or torch._C._is_alias_of(t, o):
                 outs_saved.add(k)
-    return tuple(sorted(ins_saved)), tuple(sorted(outs_saved))
+    return tuple(sorted(ins_saved)), tuple(sorted(outs_saved)), tuple(sorted(ins_itself))

@@ -41,6 +41,9 @@ class TracerState:
     metadata_replays: list = dataclasses.field(default_factory=list)
     # ``t.data = v`` on tensors made inside the function: (t, v, their versions after it) (traced_autograd.py)
     data_assignments: list = dataclasses.field(default_factory=list)
+    # ``p.data = v`` on an input: id -> the views of p made before it, which keep p's old memory (data_assignment.py)
+    old_memory_views: dict = dataclasses.field(default_factory=dict)
+    input_data_shares: list = dataclasses.field(default_factory=list)  # data_assignment._Shared
     # In-place writes and the values each made stale, for eager's check of saved values (saved_versions.py), and
     # the trace length when the in-place op being traced began (its own lines read the values it overwrites).
     stale_values: list = dataclasses.field(default_factory=list)

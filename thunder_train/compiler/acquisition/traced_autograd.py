@@ -156,14 +156,23 @@ def assign_data(st, t, v):
     """``t.data = v`` on a tensor made inside the function (a projected adversarial perturbation,
     ``delta.data = delta.clamp(-eps, eps)``): ``t`` holds ``v``'s values from now on, without ``v``'s history, and
     keeps its flag and ``.grad``.  Eager makes the two share memory; an in-place write to either afterwards would
-    show in both, which the functional trace does not follow: ``check_data_assignments`` refuses that."""
-    if type(t) is not TensorProxy or st.walker.leaf_of(t) is not None or st.buffers.base_of(t) is not None:
-        raise TracingError(
-            "setting Tensor.data on an input of the compiled function (or a view) is not supported inside it: do the "
-            "assignment between calls (thin mode and the guards notice it), or copy the values in place under "
-            "torch.no_grad() (t.copy_(v)).")
+    show in both, which the functional trace does not follow: ``check_data_assignments`` refuses that.  An input
+    ``t`` (a parameter, a buffer): ``data_assignment.py``."""
     if type(v) is not TensorProxy:
         raise TypeError(f"Tensor.data must be a Tensor, not {type(v).__name__}")
+    if type(t) is not TensorProxy:
+        raise TracingError(
+            "setting Tensor.data inside the compiled function on a tensor it does not trace (a library object's own "
+            "tensor) is not supported: do the assignment outside the compiled function.")
+    if st.buffers.base_of(t) is not None:
+        raise TracingError(
+            "setting Tensor.data on a view inside the compiled function is not supported (eager changes only the "
+            "view object): assign to the tensor itself, or write the view in place under torch.no_grad() "
+            "(view.copy_(v)).")
+    if st.walker.leaf_of(t) is not None:
+        from .data_assignment import assign_input_data
+
+        return assign_input_data(st, t, v, lambda value: computed_requires_grad(st, value))
     value = st.buffers.read(v)
     if (value._tt_shape, value._tt_dtype, value._tt_device, value._tt_strides) != (t._tt_shape, t._tt_dtype, t._tt_device, t._tt_strides):
         raise TracingError(

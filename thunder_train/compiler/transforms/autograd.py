@@ -68,6 +68,15 @@ class ForwardBackward:
     plan: object = None  # transforms/memory.py ``MemoryPlan``: what the backward computes again instead of reading it
 
 
+def _summed(grads):
+    """The sum of the gradients that are not None (None if none is)."""
+    total = None
+    for g in grads:
+        if g is not None:
+            total = g if total is None else prims.add(total, g)
+    return total
+
+
 # ---------------------------------------------------------------------------
 # Forward: which values need gradients, which composites are decomposed
 # ---------------------------------------------------------------------------
@@ -330,10 +339,13 @@ def emit_forward(bsyms, expanded, saved_ids, out):
             out.append(b)
 
 
-def build_forward_backward(trc, memory_budget: float | None = None) -> ForwardBackward | None:
+def build_forward_backward(trc, memory_budget: float | None = None, stand_ins=()) -> ForwardBackward | None:
     """The joint trace and its split; None when no output carries gradient.  What the forward saves is planned as
-    in a whole step (transforms/memory.py ``plan_split``: checkpoint regions, cheap values, ``memory_budget``)."""
-    fwd = Forward(trc.bound_symbols, requires_grad_inputs(trc))
+    in a whole step (transforms/memory.py ``plan_split``: checkpoint regions, cheap values, ``memory_budget``).
+    ``stand_ins``: (input, [values]) whose gradients add to the input's, as eager's graph reaches the leaf from ops
+    after an update it does not record (``with torch.no_grad(): w.mul_(2)``, ``w.data = v``; leaf_values.py)."""
+    extra = {id(a): [v for v in vals if v is not a] for a, vals in stand_ins}
+    fwd = Forward(trc.bound_symbols, requires_grad_inputs(trc) + [v for vals in extra.values() for v in vals])
     flat_out, _ = tree_flatten(trc.output)
     outputs = list({id(o): o for o in flat_out if is_proxy(o)}.values())
     differentiable = [is_float_tensor(o) and id(o) in fwd.needs_grad for o in outputs]
@@ -351,7 +363,8 @@ def build_forward_backward(trc, memory_budget: float | None = None) -> ForwardBa
                 cotangents.append(c)
                 cts.add(o, c)
         backward_pass(fwd, cts)
-    grads = tuple(cts.get(a) if is_float_tensor(a) and a._tt_requires_grad else None for a in trc.args)
+        grads = tuple(_summed([cts.get(a)] + [cts.get(v) for v in extra.get(id(a), ())])
+                      if is_float_tensor(a) and a._tt_requires_grad else None for a in trc.args)
     joint.args = list(trc.args) + cotangents
     joint.output = (trc.output, grads)
     joint = dce(joint, header="Joint forward and backward (autograd), after dead code elimination")

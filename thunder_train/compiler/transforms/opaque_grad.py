@@ -61,7 +61,10 @@ def opaque_vjp(handle, cotangents):
     """Gradients of the inputs the forward differentiated, from its saved autograd graph."""
     inputs, outs = handle._tt_autograd_graph
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
-    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True) if pairs else [None] * len(inputs)
+    # The graph is kept for a second backward through it (``retain_graph=True`` in the function); it goes with the
+    # handle, which the program frees after its last use.
+    grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True, retain_graph=True)
+             if pairs else [None] * len(inputs))
     for i, g in zip(inputs, grads):
         if g is not None and i.layout == torch.strided and g.layout != torch.strided:
             # Its proxy is strided, and native code downstream reads it as such: refuse rather than densify it.
@@ -254,18 +257,26 @@ class _MemoryOpaqueSymbol(AutogradOpaqueSymbol):
     output_grad_flags = False  # it replaces a native line: every float output on the path carries gradient
     follows_memory = True  # (acquisition/saved_versions.py does not check it again)
 
-    def __init__(self, func, positions, tags):
+    def __init__(self, func, positions, tags, original, now):
         super().__init__(func, positions)
         short = f"{self.torch_impl.__name__}_memory{next(_memory_lines)}"  # one per line: its rule holds that line's values
         self.torch_impl = _MemoryRun(func, positions, short, tags)
         ident = "torch_autograd_" + short
         self._print_name, self._globals = ident, {ident: self.torch_impl}
+        self.original = original  # the line it replaces (saved_versions asks what that saved)
+        self.vjp_positions, self.saved_tags, self.now = positions, tags, dict(zip(tags, now))
+        self.follow({})
+
+    def follow(self, now: dict) -> None:
+        """Backwards recorded from now on read ``now[tag]`` in place of the saved tensor at ``tag`` (the values before
+        for the other tags); those recorded already keep theirs."""
+        self.now.update(now)
+        register_vjp(self)(_make_rule(self.vjp_positions, MEMORY_VJP, (self.saved_tags, tuple(self.now[t] for t in self.saved_tags))))
 
 
 def with_saved_from_memory(b, func, positions, tags, now):
     """Line ``b`` run by torch's ``func`` with autograd (differentiating the flat arguments at ``positions``), whose
-    backward reads ``now`` in place of the saved tensors at ``tags``."""
-    sym = _MemoryOpaqueSymbol(func, positions, tags)
-    register_vjp(sym)(_make_rule(positions, MEMORY_VJP, (tags, tuple(now))))
+    backward reads ``now`` in place of the saved tensors at ``tags`` (``follow`` changes them for later backwards)."""
+    sym = _MemoryOpaqueSymbol(func, positions, tags, b, now)
     handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))
     return BoundSymbol(sym, b.args, b.kwargs, (b.output, handle), ())

@@ -1,0 +1,117 @@
+"""Eager's refusal of an in-place op whose input partly overlaps the tensor it writes (``y.mul_(y[0])``,
+``y[1:].add_(y[:-1])``): "unsupported operation: some elements of the input tensor and the written-to tensor refer
+to a single memory location".
+
+Eager raises at the op itself, before it writes anything.  The functional trace would compute a value (every read
+sees the old memory), so the op is checked where it is traced, before its lines: torch's rule
+(``at::get_overlap_status``) on the proxies' layouts (sizes, strides, storage offsets, all eager's) says whether an
+argument sharing the destination's memory overlaps it partly; only then is the op asked on small real CPU tensors
+laid out the same in one storage (not every in-place kernel checks; copy_ does not), and eager's error is raised
+where torch raises it.  No error where eager has none; a case the layouts cannot tell (symbolic sizes, tensors
+that overlap themselves) is not checked.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_unflatten
+
+_MESSAGE = "refer to a single memory location"
+_PROBE_LIMIT = 1 << 20  # elements of the probe's storage
+
+
+def _layout(p):
+    """``(sizes, strides, offset)`` of a proxy with concrete sizes, else None."""
+    shape, strides, offset = p._tt_shape, p._tt_strides, p._tt_storage_offset
+    if not all(type(x) is int for x in (*shape, *strides, offset)):
+        return None
+    return shape, strides, offset
+
+
+def _dense(shape, strides) -> bool:
+    if math.prod(shape) < 2:
+        return True
+    expected = 1
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda d: d[1]):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _partial(a, b) -> bool:
+    """torch's ``get_overlap_status(a, b) == PARTIAL`` for two tensors of one memory, from their layouts."""
+    la, lb = _layout(a), _layout(b)
+    if la is None or lb is None or not math.prod(la[0]) or not math.prod(lb[0]):
+        return False
+    if not (_dense(*la[:2]) and _dense(*lb[:2])):
+        return False  # TOO_HARD: torch does not refuse
+    ia, ib = a._tt_dtype.torch.itemsize, b._tt_dtype.torch.itemsize
+    a0, b0 = la[2] * ia, lb[2] * ib
+    a1, b1 = a0 + math.prod(la[0]) * ia, b0 + math.prod(lb[0]) * ib
+    if (a0, a1) == (b0, b1):
+        return la[1] != lb[1] or ia != ib
+    return a0 < b1 and b0 < a1
+
+
+def check_partial_overlap(st, fn, orig_args, kwargs, dst=None) -> None:
+    """Before the in-place op ``fn(*orig_args, **kwargs)`` (the user's tensors) is traced: eager's error where an
+    argument partly overlaps the destination, ``orig_args[0]`` (or ``dst``: the ``out=`` tensor)."""
+    if dst is None:
+        dst = orig_args[0] if orig_args else None
+    if fn is None or type(dst) is not TensorProxy:
+        return
+    buffers = st.buffers
+
+    def memory(t):
+        base = buffers.base_of(t)
+        return t if base is None else base
+
+    flat, spec = tree_flatten((tuple(orig_args), dict(kwargs)))
+    sharing = [a for a in flat if type(a) is TensorProxy and a is not dst and memory(a) is memory(dst)]
+    if not any(_partial(dst, a) for a in sharing):
+        return
+    if dst._tt_device.type not in ("cpu", "cuda") or any(a._tt_dtype is not dst._tt_dtype for a in sharing):
+        return
+    try:
+        probe = _probe(fn, flat, spec, [dst] + sharing)
+    except Exception:  # noqa: BLE001 - not askable: not checked
+        return
+    if probe is not None:
+        raise RuntimeError(probe)
+
+
+def _probe(fn, flat, spec, shared):
+    """Eager's error message of ``fn`` on real CPU tensors, ``shared`` laid out in one storage as the proxies are."""
+    layouts = [_layout(p) for p in shared]
+    if any(x is None for x in layouts):
+        return None
+    extent = max(off + 1 + sum((n - 1) * s for n, s in zip(shape, strides)) for shape, strides, off in layouts)
+    if extent > _PROBE_LIMIT:
+        return None
+    dtype = shared[0]._tt_dtype.torch
+    storage = torch.ones(extent, dtype=dtype)
+    real = {id(p): storage.as_strided(shape, strides, off) for p, (shape, strides, off) in zip(shared, layouts)}
+    args = []
+    for a in flat:
+        if type(a) is TensorProxy:
+            if id(a) not in real:
+                if _layout(a) is None:
+                    return None
+                shape = _layout(a)[0]
+                real[id(a)] = torch.ones(shape, dtype=a._tt_dtype.torch) if math.prod(shape) <= _PROBE_LIMIT else None
+                if real[id(a)] is None:
+                    return None
+            args.append(real[id(a)])
+        else:
+            args.append(a)
+    a, k = tree_unflatten(args, spec)
+    try:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            fn(*a, **k)
+    except RuntimeError as e:
+        return str(e) if _MESSAGE in str(e) else None
+    return None
