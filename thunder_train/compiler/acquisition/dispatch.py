@@ -152,6 +152,29 @@ def handle_torch_function(func, types, args, kwargs):
             if is_view(sym) and orig_args and type(orig_args[0]) is TensorProxy:
                 record_views(st, sym, orig_args[0], args[1:], kwargs, out)
         return no_grad_region(st, out, sym)
+    _refuse_unsupported_calls(func, fname, args, kwargs, top)
+    if top and _is_inplace(func) and not orig_args:
+        # torch.nn.init.uniform_(tensor=w): the destination as the first positional argument
+        key = next((k for k in ("tensor", "input", "self") if type(kwargs.get(k)) is TensorProxy), None)
+        if key is not None:
+            orig_args, args = (orig_kwargs[key],), (kwargs[key],)
+            orig_kwargs = {k: v for k, v in orig_kwargs.items() if k != key}
+            kwargs = {k: v for k, v in kwargs.items() if k != key}
+    if top and _is_inplace(func) and any(type(a) is TensorProxy for a in _flat(orig_args[:1], {})):
+        # Functionalized: the out-of-place form (native where known, else the op on a copy), one write-back.
+        return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
+    if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
+        if type(orig_kwargs["out"]) is TensorProxy:
+            check_partial_overlap(st, func, orig_args, orig_kwargs, orig_kwargs["out"])
+        return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
+    out = call_opaque(func, args, kwargs, strict=st.strict)
+    if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
+        record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
+    return no_grad_region(st, out)
+
+
+def _refuse_unsupported_calls(func, fname, args, kwargs, top) -> None:
+    """Calls on proxies that thunder_train cannot run as eager does, refused with what to do instead."""
     if fname in ("register_hook", "register_post_accumulate_grad_hook") and any(type(a) is TensorProxy for a in _flat(args, kwargs)):
         raise TracingError(
             f"Tensor.{fname} inside a compiled function: thunder_train computes gradients with its own backward and "
@@ -171,24 +194,6 @@ def handle_torch_function(func, types, args, kwargs):
                     "skipped when gradients overflow, a decision on tensor values). Train with bf16 autocast, which "
                     "needs no scaler, or keep the scaler's unscale_/step/update outside the compiled function."
                 )
-    if top and _is_inplace(func) and not orig_args:
-        # torch.nn.init.uniform_(tensor=w): the destination as the first positional argument
-        key = next((k for k in ("tensor", "input", "self") if type(kwargs.get(k)) is TensorProxy), None)
-        if key is not None:
-            orig_args, args = (orig_kwargs[key],), (kwargs[key],)
-            orig_kwargs = {k: v for k, v in orig_kwargs.items() if k != key}
-            kwargs = {k: v for k, v in kwargs.items() if k != key}
-    if top and _is_inplace(func) and any(type(a) is TensorProxy for a in _flat(orig_args[:1], {})):
-        # Functionalized: the out-of-place form (native where known, else the op on a copy), one write-back.
-        return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
-    if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
-        if type(orig_kwargs["out"]) is TensorProxy:
-            check_partial_overlap(st, func, orig_args, orig_kwargs, orig_kwargs["out"])
-        return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
-    out = call_opaque(func, args, kwargs, strict=st.strict)
-    if top and orig_args and type(orig_args[0]) is TensorProxy and st.buffers is not None:
-        record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
-    return no_grad_region(st, out)
 
 
 def _has_complex(out) -> bool:
