@@ -2,9 +2,10 @@
 fuse_optimizer=True (the program averages the gradients), split at on_after_backward, and with gradient
 accumulation.
 
-Run by tests/test_callback.py::test_ddp_two_cpu_processes as ``python tests/_ddp_callback.py OUT_DIR``.
-Lightning's launcher starts rank 1 by running this script again; each rank writes
-``OUT_DIR/rank{r}.pt`` with the losses and final parameters of both runs.
+Run by tests/test_callback.py::test_ddp_two_cpu_processes as ``main(OUT_DIR)`` (tests/_dist.py: run_ranks; or
+``python tests/_ddp_callback.py OUT_DIR``): two gloo ranks forked from the calling process, in which Lightning
+launches no process and takes the existing group (tests/_lightning_fit.py: in_rank).  Each rank writes
+``OUT_DIR/rank{r}.pt`` with the losses and final parameters of every run.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 
-from _lightning_fit import fit
+from _dist import spawn
+from _lightning_fit import fit, in_rank
 from thunder_train import ThunderCallback
 
 
@@ -55,18 +57,25 @@ def run(callbacks, accumulate=1):
                      "grads": torch.stack(probes[0].grads) if probes else None}
 
 
-def main(out_dir):
+def run_rank(rank, world, out_dir):
     results = {}
-    for name, callbacks, accumulate in (("eager", [GradProbe()], 1), ("thunder", [ThunderCallback(thin=True)], 1),
-                                        ("fused_split", [ThunderCallback(thin=True, fuse_optimizer=True), GradProbe()], 1),
-                                        ("fused", [ThunderCallback(thin=True, fuse_optimizer=True)], 1),
-                                        ("eager_acc", [], 2), ("fused_acc", [ThunderCallback(thin=True, fuse_optimizer=True)], 2)):
-        trainer, results[name] = run(callbacks, accumulate)
-        if callbacks and isinstance(callbacks[0], ThunderCallback):
-            results[name]["thin_calls"] = callbacks[0].compiled().stats.thin_calls
-            results[name]["thin_invalidations"] = callbacks[0].compiled().stats.thin_invalidations[:6]
-            results[name]["programs"] = sorted(callbacks[0].steps["training_step"].programs)
-    torch.save(results, os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))
+    with in_rank(rank, world):
+        for name, callbacks, accumulate in (
+                ("eager", [GradProbe()], 1), ("thunder", [ThunderCallback(thin=True)], 1),
+                ("fused_split", [ThunderCallback(thin=True, fuse_optimizer=True), GradProbe()], 1),
+                ("fused", [ThunderCallback(thin=True, fuse_optimizer=True)], 1),
+                ("eager_acc", [], 2), ("fused_acc", [ThunderCallback(thin=True, fuse_optimizer=True)], 2)):
+            trainer, results[name] = run(callbacks, accumulate)
+            assert trainer.global_rank == rank and trainer.world_size == world
+            if callbacks and isinstance(callbacks[0], ThunderCallback):
+                results[name]["thin_calls"] = callbacks[0].compiled().stats.thin_calls
+                results[name]["thin_invalidations"] = callbacks[0].compiled().stats.thin_invalidations[:6]
+                results[name]["programs"] = sorted(callbacks[0].steps["training_step"].programs)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def main(out_dir):
+    spawn(run_rank, out_dir)
 
 
 if __name__ == "__main__":

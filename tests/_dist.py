@@ -12,6 +12,7 @@ it inherit it), the module runs in a fresh interpreter instead (``python tests/<
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import socket
@@ -49,9 +50,15 @@ def spawn(run, out_dir, world: int = 2, timeout: float = 600):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Held while forking: no other thread of this process is half-way through a trace the children would inherit.
+    # Frozen: the ranks' garbage collector skips the objects they inherit (the test process's modules, some 400k
+    # objects), which each full collection would otherwise walk and, by touching them, copy page by page.
     with TRACING_LOCK:
-        ranks = mp.start_processes(_init_and_run, args=(world, out_dir, port, run), nprocs=world, join=False,
-                                   start_method="fork")
+        gc.freeze()
+        try:
+            ranks = mp.start_processes(_init_and_run, args=(world, out_dir, port, run), nprocs=world, join=False,
+                                       start_method="fork")
+        finally:
+            gc.unfreeze()
     deadline = time.monotonic() + timeout
     while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:

@@ -4,12 +4,10 @@ backward with its reduce-scatters, AdamW) and against ``ThunderCallback(thin=Tru
 backward outside the program: refused with a clear error).
 
 ``run(rank, world)`` runs in a rank forked by tests/_fsdp_whole_step.py (tests/_dist.py), after its other FSDP2
-scenarios: with ``LOCAL_RANK`` set Lightning launches no process and takes the gloo group that exists, so the
-scenario costs no interpreter start, no second import of lightning and no rendezvous of its own.
+scenarios: Lightning launches no process and takes the gloo group that exists (tests/_lightning_fit.py: in_rank),
+so the scenario costs no interpreter start, no second import of lightning and no rendezvous of its own.
 """
 from __future__ import annotations
-
-import os
 
 import lightning as L
 import torch
@@ -19,7 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from _lightning_fit import fit
+from _lightning_fit import fit, in_rank
 from thunder_train import ThunderCallback
 
 
@@ -53,9 +51,7 @@ def train(callbacks):
 
 def run(rank, world):
     """The results of this rank (``rank`` of ``world`` in the current gloo process group)."""
-    env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)}
-    os.environ.update(env)
-    try:
+    with in_rank(rank, world):
         results = {"eager": train([])}
         cb = ThunderCallback(thin=True, fuse_optimizer=True)
         results["fused"] = train([cb])
@@ -67,6 +63,3 @@ def run(rank, world):
         except Exception as e:  # noqa: BLE001 - the message is what the test checks
             results["split"] = f"{type(e).__name__}: {e}"
         return results
-    finally:
-        for k in env:
-            os.environ.pop(k, None)

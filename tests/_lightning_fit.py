@@ -1,13 +1,32 @@
-"""One Lightning ``Trainer.fit`` on 2 CPU ranks (gloo), as the distributed callback scripts run it
+"""One Lightning ``Trainer.fit`` on 2 CPU ranks (gloo), as the distributed callback scenarios run it
 (tests/_ddp_callback.py: DDPStrategy, tests/_fsdp_callback.py: ModelParallelStrategy): a seeded model, the same
-seeded data on every rank (the sampler gives each rank its part), each step's loss recorded, nothing else on."""
+seeded data on every rank (the sampler gives each rank its part), each step's loss recorded, nothing else on.
+
+Both run inside ranks forked by tests/_dist.py: ``in_rank(rank, world)`` sets what Lightning reads to find itself
+launched (``LOCAL_RANK`` and friends), so it starts no process and takes the gloo group that exists."""
 from __future__ import annotations
+
+import contextlib
+import os
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from _lightning_losses import Losses
+
+
+@contextlib.contextmanager
+def in_rank(rank: int, world: int):
+    """Lightning's view of this process: rank ``rank`` of ``world``, launched externally (the variables are
+    removed afterwards)."""
+    env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
 
 
 def fit(make_model, strategy, callbacks, *, samples, batch_size, max_steps, accumulate=1):

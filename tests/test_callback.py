@@ -4,9 +4,6 @@ Every test runs the same tiny fit twice, without and with the callback, and comp
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")
+from _dist import run_ranks  # noqa: E402
 from _lightning_losses import Losses  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -22,8 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import thunder_train as tt  # noqa: E402
 from thunder_train.callbacks import ThunderCallback  # noqa: E402
 from thunder_train.callbacks.compiled_step import BATCH_IDX, StepError  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Lightning's advice about dataloader workers, logging intervals etc. is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:lightning", "ignore::DeprecationWarning",
@@ -262,9 +258,8 @@ def test_resume_from_checkpoint(tmp_path):
 # DDP: 2 CPU processes, gloo
 # ---------------------------------------------------------------------------
 def test_ddp_two_cpu_processes(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_ddp_callback.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-4000:]
+    # Two gloo ranks forked from this process (tests/_dist.py), Lightning in each (tests/_ddp_callback.py).
+    run_ranks("_ddp_callback", tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     # The ranks saw different batches...
     assert not torch.allclose(r0["eager"]["losses"], r1["eager"]["losses"])

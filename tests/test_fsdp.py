@@ -196,20 +196,14 @@ def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):
 
 
 def _step_peak(fn, compiled, *args):
-    """Peak bytes of one call above what was live before (torch.profiler's allocator events), plus the buffers a
-    compiled program keeps between calls; the call's net allocation must be zero (no free was missed)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Peak bytes of one call above what was live before (torch.profiler's allocator events, tests/_peak.py), plus
+    the buffers a compiled program keeps between calls; the call's net allocation must be zero (no free was missed)."""
     import thunder_train as tt
+    from _peak import peak_and_net_call_bytes
     from thunder_train.compiler.executors.buffers import kept_bytes
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    cur = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        cur += e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
-        peak = max(peak, cur)
-    assert cur == 0, cur
+    peak, net = peak_and_net_call_bytes(lambda: fn(*args))
+    assert net == 0, net
     return peak + (kept_bytes(tt.last_traces(fn)[-1]) if compiled else 0)
 
 
