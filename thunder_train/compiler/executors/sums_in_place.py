@@ -1,16 +1,21 @@
-"""A sum whose first operand dies there is written into that operand: ``t = add(a, b)`` becomes ``a.add_(b)``.
+"""A sum whose first operand dies there is written into that operand: ``t = add(a, b)`` becomes ``a.add_(b)``,
+``t = scatter_add(a, d, i, s)`` becomes ``a.scatter_add_(d, i, s)``.
 
 The backward sums the gradient contributions of a value read by several lines (``Cotangents.add`` in
 transforms/autograd.py: ``add(prev, g)``).  Each sum is a new array while the partial sum it replaces and the new
 contribution are still alive: three arrays of the value's size at once.  Eager's autograd adds a contribution into
 its buffer in place (two).  In a mixture-of-experts layer whose experts are one stacked weight
 (``experts.gate_up_proj[e]``) every expert's contribution is the whole stacked weight's size, so the sum is the
-step's peak (Mixtral in the zoo).  The same holds for any ``add`` whose first operand is a dead intermediate.
+step's peak (Mixtral in the zoo).  Each contribution is itself a ``scatter_add`` into zeros of that size (the
+gradient of ``weight[e]``, transforms' ``take`` rule): out of place it is a second array beside the zeros, where
+eager's ``select_backward`` writes into its zeros.  The same holds for any such line whose first operand is a dead
+intermediate.
 
-``add_`` is the same elementwise kernel as ``add``, so the values are the same.  Only where ``a`` is an
+``add_`` and ``scatter_add_`` are the kernels ``add`` and ``scatter_add`` run after copying their first operand,
+so the values are the same.  Only where ``a`` is an
 intermediate of the program (not an input, not returned, not handed to an op that may keep a reference), no later
 line reads it or a value that may share its memory, the result has ``a``'s shape, dtype and row-major layout,
-``b`` has ``a``'s dtype and shares no memory with it.  Whole steps with their backward (pipeline.py step 5).
+the other tensor arguments share no memory with it and the floating ones have its dtype.  Whole steps with their backward (pipeline.py step 5).
 """
 from __future__ import annotations
 
@@ -21,17 +26,23 @@ from ..pytree import tree_flatten
 from . import torch_impls
 from .torch_executor import impl_symbol
 
-_ADDS = (torch.add, torch.Tensor.add)
-
 
 def add_into_first(a, b):
     """``torch.add(a, b)`` written into ``a``."""
     return a.add_(b)
 
 
-add_into_first.__module__ = torch_impls.__name__  # printed as ttex.<name>
-setattr(torch_impls, add_into_first.__name__, add_into_first)
-add_into_first.aliases = (0,)  # the result is ``a``'s memory (executors/buffers.py)
+def scatter_add_into_first(a, dim, index, src):
+    """``torch.scatter_add(a, dim, index, src)`` written into ``a``."""
+    return a.scatter_add_(dim, index, src)
+
+
+_INTO_FIRST = {torch.add: add_into_first, torch.Tensor.add: add_into_first,
+               torch.scatter_add: scatter_add_into_first, torch.Tensor.scatter_add: scatter_add_into_first}
+for _fn in (add_into_first, scatter_add_into_first):
+    _fn.__module__ = torch_impls.__name__  # printed as ttex.<name>
+    setattr(torch_impls, _fn.__name__, _fn)
+    _fn.aliases = (0,)  # the result is the first argument's memory (executors/buffers.py)
 
 
 def sums_in_place(trc, header="Final computation (sums written into their dead first operand)"):
@@ -41,32 +52,45 @@ def sums_in_place(trc, header="Final computation (sums written into their dead f
     may_alias, escaped = storage_sets(bsyms, trc.args)
     inputs = {id(a) for a in trc.args}
     kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
-    last_read: dict = {}  # storage id -> last line reading a value that may share it
+    made_at = {id(o): i for i, b in enumerate(bsyms) for o in b.flat_outputs() if type(o) is TensorProxy}
+    reads: dict = {}  # storage id -> [(line, line that made the value it reads)] for the values that may share it
     for i, b in enumerate(bsyms):
         for a in b.flat_args():
             if type(a) is TensorProxy:
                 for s in may_alias.get(id(a), ()):
-                    last_read[s] = i
+                    reads.setdefault(s, []).append((i, made_at.get(id(a), -1)))
     changed = False
     for i, b in enumerate(bsyms):
-        if getattr(b.sym, "fn", None) not in _ADDS or len(b.args) != 2 or b.kwargs:
+        into = _into_first(b)
+        if into is None:
             continue
-        a, other, out = b.args[0], b.args[1], b.output
-        if not all(type(v) is TensorProxy for v in (a, other, out)) or id(a) in inputs:
+        a, out = b.args[0], b.output
+        others = [v for v in b.args[1:] if type(v) is TensorProxy]
+        if type(a) is not TensorProxy or type(out) is not TensorProxy or id(a) in inputs:
             continue
         if tuple(out._tt_shape) != tuple(a._tt_shape) or not (a._tt_rowmajor and out._tt_rowmajor):
             continue
-        if not (a._tt_dtype is out._tt_dtype is other._tt_dtype):
+        if a._tt_dtype is not out._tt_dtype or any(v._tt_dtype.is_float and v._tt_dtype is not a._tt_dtype for v in others):
             continue
         mine = may_alias.get(id(a), set())
-        if not mine or mine & (inputs | escaped | kept | may_alias.get(id(other), set())):
+        if not mine or mine & (inputs | escaped | kept) or any(mine & may_alias.get(id(v), set()) for v in others):
             continue
-        if any(last_read.get(s, -1) > i for s in mine):
+        # the old value is read later through a value made before this line (one made from its result is the result)
+        if any(j > i and made < i for s in mine for j, made in reads.get(s, ())):
             continue
-        bsyms[i] = b.replace(sym=impl_symbol(add_into_first), comment="the sum written into its dead first operand")
+        bsyms[i] = b.replace(sym=impl_symbol(into), comment="written into its dead first operand")
         changed = True
     if not changed:
         return trc
     new = trc.derive(header)
     new.bound_symbols = bsyms
     return new
+
+
+def _into_first(b):
+    """The kernel writing the line's result into its first argument, for a call without keywords, or None."""
+    try:
+        into = _INTO_FIRST.get(getattr(b.sym, "fn", None))
+    except TypeError:  # an unhashable callable
+        return None
+    return into if into is not None and not b.kwargs and len(b.args) >= 2 else None
