@@ -48,7 +48,7 @@ for _fn in (add_into_first, scatter_add_into_first):
 def sums_in_place(trc, header="Final computation (sums written into their dead first operand)"):
     from .buffers import storage_sets  # a sibling pass's alias facts
 
-    bsyms = list(trc.bound_symbols)
+    bsyms = _scatters_into_sums(list(trc.bound_symbols))
     may_alias, escaped = storage_sets(bsyms, trc.args)
     inputs = {id(a) for a in trc.args}
     kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
@@ -59,7 +59,7 @@ def sums_in_place(trc, header="Final computation (sums written into their dead f
             if type(a) is TensorProxy:
                 for s in may_alias.get(id(a), ()):
                     reads.setdefault(s, []).append((i, made_at.get(id(a), -1)))
-    changed = False
+    changed = len(bsyms) != len(trc.bound_symbols)
     for i, b in enumerate(bsyms):
         into = _into_first(b)
         if into is None:
@@ -94,3 +94,47 @@ def _into_first(b):
     except TypeError:  # an unhashable callable
         return None
     return into if into is not None and not b.kwargs and len(b.args) >= 2 else None
+
+
+def _is_zeros(b) -> bool:
+    return getattr(b.sym, "fn", None) is torch.full and len(b.args) == 2 and b.args[1] == 0 and type(b.args[1]) in (int, float)
+
+
+def _scatters_into_sums(bsyms):
+    """``z = full(0); x = scatter_add(z, d, i, s); t = add(acc, x)`` becomes ``t = scatter_add(acc, d, i, s)`` when
+    ``z`` and ``x`` are read there only, ``i`` has size 1 along ``d`` (each element of the result receives at most one
+    element of ``s``: ``acc + (0 + s)`` is ``acc + s``, as eager's accumulation of ``select_backward``'s result) and
+    the shapes and dtypes agree.  The zeros of the gradient of ``weight[e]`` are then never made: each expert's
+    contribution is scattered into the running sum.  Whether ``acc`` may be overwritten is decided after."""
+    producer = {id(o): i for i, b in enumerate(bsyms) for o in b.flat_outputs() if type(o) is TensorProxy}
+    n_reads: dict = {}
+    for b in bsyms:
+        for a in b.flat_args():
+            if type(a) is TensorProxy:
+                n_reads[id(a)] = n_reads.get(id(a), 0) + 1
+    drop, new = set(), {}
+    for i, b in enumerate(bsyms):
+        if getattr(b.sym, "fn", None) not in (torch.add, torch.Tensor.add) or len(b.args) != 2 or b.kwargs:
+            continue
+        acc, x = b.args
+        k = producer.get(id(x))
+        if type(acc) is not TensorProxy or type(x) is not TensorProxy or k is None or n_reads.get(id(x)) != 1:
+            continue
+        sc = bsyms[k]
+        if getattr(sc.sym, "fn", None) not in (torch.scatter_add, torch.Tensor.scatter_add) or len(sc.args) != 4 or sc.kwargs:
+            continue
+        z, d, index, src = sc.args
+        kz = producer.get(id(z))
+        if kz is None or not _is_zeros(bsyms[kz]) or n_reads.get(id(z)) != 1 or type(d) is not int:
+            continue
+        if type(index) is not TensorProxy or index._tt_shape[d] != 1:
+            continue
+        if not (tuple(acc._tt_shape) == tuple(x._tt_shape) == tuple(b.output._tt_shape)):
+            continue
+        if not (acc._tt_dtype is x._tt_dtype is b.output._tt_dtype is src._tt_dtype):
+            continue
+        new[i] = sc.replace(args=(acc, d, index, src), output=b.output, comment="scattered into the sum it was added to")
+        drop.update((k, kz))
+    if not new:
+        return bsyms
+    return [new.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
