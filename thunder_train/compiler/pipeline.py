@@ -41,7 +41,7 @@ from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
 from .executors.into_dead_grad import gelu_grad_in_place
-from .executors.sums_in_place import sums_in_place
+from .executors.sums_in_place import scatters_into_sums, sums_in_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +207,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
+    if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
+        trc = scatters_into_sums(trc)
     if fusion is not None:
         trc = fuse(trc, fusion, notes)  # executors/fusion.py
         shown.append(trc)

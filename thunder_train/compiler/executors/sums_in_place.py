@@ -1,21 +1,21 @@
-"""A sum whose first operand dies there is written into that operand: ``t = add(a, b)`` becomes ``a.add_(b)``,
-``t = scatter_add(a, d, i, s)`` becomes ``a.scatter_add_(d, i, s)``.
+"""Gradient sums without extra arrays: a sum whose first operand dies there is written into it (``t = add(a, b)``
+becomes ``a.add_(b)``, ``scatter_add`` likewise), and a gradient scattered into zeros and then added to a sum is
+scattered into the sum.
 
 The backward sums the gradient contributions of a value read by several lines (``Cotangents.add`` in
-transforms/autograd.py: ``add(prev, g)``).  Each sum is a new array while the partial sum it replaces and the new
-contribution are still alive: three arrays of the value's size at once.  Eager's autograd adds a contribution into
-its buffer in place (two).  In a mixture-of-experts layer whose experts are one stacked weight
-(``experts.gate_up_proj[e]``) every expert's contribution is the whole stacked weight's size, so the sum is the
-step's peak (Mixtral in the zoo).  Each contribution is itself a ``scatter_add`` into zeros of that size (the
-gradient of ``weight[e]``, transforms' ``take`` rule): out of place it is a second array beside the zeros, where
-eager's ``select_backward`` writes into its zeros.  The same holds for any such line whose first operand is a dead
-intermediate.
+transforms/autograd.py: ``add(prev, g)``).  Out of place, each sum is a new array while the partial sum and the new
+contribution are still alive: three arrays of the value's size at once, where eager's autograd adds a contribution
+into its buffer in place.  In a mixture-of-experts layer whose experts are one stacked weight
+(``experts.gate_up_proj[e]``, Mixtral in the zoo) every expert's contribution is the stacked weight's size (the
+gradient of ``weight[e]``: zeros with ``g`` scattered in), so these sums were the step's peak.
 
-``add_`` and ``scatter_add_`` are the kernels ``add`` and ``scatter_add`` run after copying their first operand,
-so the values are the same.  Only where ``a`` is an
+``sums_in_place`` (after fusion, on the final lines): ``add_`` and ``scatter_add_`` are the kernels of ``add`` and
+``scatter_add`` without the copy of their first operand, so the values are the same.  Only where ``a`` is an
 intermediate of the program (not an input, not returned, not handed to an op that may keep a reference), no later
-line reads it or a value that may share its memory, the result has ``a``'s shape, dtype and row-major layout,
-the other tensor arguments share no memory with it and the floating ones have its dtype.  Whole steps with their backward (pipeline.py step 5).
+line reads its old value (itself or a value made before the line that may share its memory), the result has
+``a``'s shape, dtype and row-major layout, and the other tensor arguments share no memory with it and (floating)
+have its dtype.  ``scatters_into_sums`` (before fusion, functional): see its docstring.  Both run on whole steps
+with their backward (pipeline.py step 4).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ for _fn in (add_into_first, scatter_add_into_first):
 def sums_in_place(trc, header="Final computation (sums written into their dead first operand)"):
     from .buffers import storage_sets  # a sibling pass's alias facts
 
-    bsyms = _scatters_into_sums(list(trc.bound_symbols))
+    bsyms = list(trc.bound_symbols)
     may_alias, escaped = storage_sets(bsyms, trc.args)
     inputs = {id(a) for a in trc.args}
     kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
@@ -59,7 +59,7 @@ def sums_in_place(trc, header="Final computation (sums written into their dead f
             if type(a) is TensorProxy:
                 for s in may_alias.get(id(a), ()):
                     reads.setdefault(s, []).append((i, made_at.get(id(a), -1)))
-    changed = len(bsyms) != len(trc.bound_symbols)
+    changed = False
     for i, b in enumerate(bsyms):
         into = _into_first(b)
         if into is None:
@@ -100,12 +100,14 @@ def _is_zeros(b) -> bool:
     return getattr(b.sym, "fn", None) is torch.full and len(b.args) == 2 and b.args[1] == 0 and type(b.args[1]) in (int, float)
 
 
-def _scatters_into_sums(bsyms):
+def scatters_into_sums(trc, header="Gradients scattered into zeros and added to a sum: scattered into the sum"):
     """``z = full(0); x = scatter_add(z, d, i, s); t = add(acc, x)`` becomes ``t = scatter_add(acc, d, i, s)`` when
     ``z`` and ``x`` are read there only, ``i`` has size 1 along ``d`` (each element of the result receives at most one
     element of ``s``: ``acc + (0 + s)`` is ``acc + s``, as eager's accumulation of ``select_backward``'s result) and
     the shapes and dtypes agree.  The zeros of the gradient of ``weight[e]`` are then never made: each expert's
-    contribution is scattered into the running sum.  Whether ``acc`` may be overwritten is decided after."""
+    contribution is scattered into the running sum.  Functional (``sums_in_place`` decides later whether ``acc`` may
+    be overwritten), so it runs before fusion, which would otherwise take the ``add`` into a region."""
+    bsyms = trc.bound_symbols
     producer = {id(o): i for i, b in enumerate(bsyms) for o in b.flat_outputs() if type(o) is TensorProxy}
     n_reads: dict = {}
     for b in bsyms:
@@ -136,5 +138,7 @@ def _scatters_into_sums(bsyms):
         new[i] = sc.replace(args=(acc, d, index, src), output=b.output, comment="scattered into the sum it was added to")
         drop.update((k, kz))
     if not new:
-        return bsyms
-    return [new.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
+        return trc
+    out = trc.derive(header)
+    out.bound_symbols = [new.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
+    return out
