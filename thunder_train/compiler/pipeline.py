@@ -217,9 +217,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)",
                                        keep_graphs=keep_graphs)
-        # A sum whose first operand dies there (the backward's gradient sums) is written into it
+        # A scatter_add whose first operand dies there (gradient sums of weight[e]) is written into it
         # (executors/sums_in_place.py).
-        trc = sums_in_place(trc, header=f"Final computation (executors: {names}; sums written into their dead first operand)")
+        trc = sums_in_place(trc, header=f"Final computation (executors: {names}; scatter_add written into its dead first operand)")
         # 5a. Where the program asks for memory (checkpoint regions, a budget), a language model's head and its
         #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
         #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).

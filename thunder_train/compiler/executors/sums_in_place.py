@@ -1,21 +1,21 @@
-"""Gradient sums without extra arrays: a sum whose first operand dies there is written into it (``t = add(a, b)``
-becomes ``a.add_(b)``, ``scatter_add`` likewise), and a gradient scattered into zeros and then added to a sum is
-scattered into the sum.
+"""Gradient sums of scattered gradients without extra arrays: a gradient scattered into zeros and then added to a
+sum is scattered into the sum, and a ``scatter_add`` whose first operand dies there is written into it.
 
 The backward sums the gradient contributions of a value read by several lines (``Cotangents.add`` in
-transforms/autograd.py: ``add(prev, g)``).  Out of place, each sum is a new array while the partial sum and the new
-contribution are still alive: three arrays of the value's size at once, where eager's autograd adds a contribution
-into its buffer in place.  In a mixture-of-experts layer whose experts are one stacked weight
-(``experts.gate_up_proj[e]``, Mixtral in the zoo) every expert's contribution is the stacked weight's size (the
-gradient of ``weight[e]``: zeros with ``g`` scattered in), so these sums were the step's peak.
+transforms/autograd.py: ``add(prev, g)``).  In a mixture-of-experts layer whose experts are one stacked weight
+(``experts.gate_up_proj[e]``, Mixtral in the zoo) every expert's contribution is the gradient of ``weight[e]``:
+zeros of the stacked weight's size with ``g`` scattered in.  Out of place that is the zeros, the scattered copy, the
+partial sum and the new sum alive together, where eager's ``select_backward`` writes into its zeros and autograd
+adds them into one buffer: these sums were the step's peak.
 
-``sums_in_place`` (after fusion, on the final lines): ``add_`` and ``scatter_add_`` are the kernels of ``add`` and
-``scatter_add`` without the copy of their first operand, so the values are the same.  Only where ``a`` is an
-intermediate of the program (not an input, not returned, not handed to an op that may keep a reference), no later
-line reads its old value (itself or a value made before the line that may share its memory), the result has
-``a``'s shape, dtype and row-major layout, and the other tensor arguments share no memory with it and (floating)
-have its dtype.  ``scatters_into_sums`` (before fusion, functional): see its docstring.  Both run on whole steps
-with their backward (pipeline.py step 4).
+``scatters_into_sums`` (before fusion, functional): see its docstring.  ``sums_in_place`` (after fusion, on the
+final lines): ``scatter_add_`` is ``scatter_add``'s kernel without the copy of its first operand, so the values are
+the same.  Only where the operand ``a`` is an intermediate of the program (not an input, not returned, not handed to
+an op that may keep a reference), no later line reads its old value (itself or a value made before the line that
+may share its memory), the result has ``a``'s shape, dtype and row-major layout, and the other tensor arguments
+share no memory with it and (floating) have its dtype.  Plain ``add`` lines are left out of place: written into
+their operand they lengthen the lives of the kept buffers' slots (executors/buffers.py), which raised BLOOM's and
+Qwen2's zoo peaks.  Both run on whole steps with their backward (pipeline.py step 4).
 """
 from __future__ import annotations
 
@@ -27,25 +27,19 @@ from . import torch_impls
 from .torch_executor import impl_symbol
 
 
-def add_into_first(a, b):
-    """``torch.add(a, b)`` written into ``a``."""
-    return a.add_(b)
-
-
 def scatter_add_into_first(a, dim, index, src):
     """``torch.scatter_add(a, dim, index, src)`` written into ``a``."""
     return a.scatter_add_(dim, index, src)
 
 
-_INTO_FIRST = {torch.add: add_into_first, torch.Tensor.add: add_into_first,
-               torch.scatter_add: scatter_add_into_first, torch.Tensor.scatter_add: scatter_add_into_first}
-for _fn in (add_into_first, scatter_add_into_first):
+_INTO_FIRST = {torch.scatter_add: scatter_add_into_first, torch.Tensor.scatter_add: scatter_add_into_first}
+for _fn in (scatter_add_into_first,):
     _fn.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _fn.__name__, _fn)
     _fn.aliases = (0,)  # the result is the first argument's memory (executors/buffers.py)
 
 
-def sums_in_place(trc, header="Final computation (sums written into their dead first operand)"):
+def sums_in_place(trc, header="Final computation (scatter_add written into its dead first operand)"):
     from .buffers import storage_sets  # a sibling pass's alias facts
 
     bsyms = list(trc.bound_symbols)
