@@ -393,7 +393,70 @@ def test_blocked_head_bad_target_raises_like_eager():
 
 # At or below eager's once the final (fused) program runs; the others are above it (docs/memory.md, known gaps).
 # Each case builds its fused program (tens of seconds on a loaded 2-core machine; Inductor's disk cache helps).
-ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2")
+def _moe_step(w, x, route, opt):
+    """A mixture-of-experts layer as transformers writes Mixtral's: one stacked weight, ``w[e]`` per expert hit."""
+    out = torch.zeros_like(x)
+    for e in route.unique():
+        rows = (route == e).nonzero()[:, 0]
+        out = out.index_add(0, rows, F.linear(x[rows], w[e]))
+    loss = (out * out).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_expert_weights_are_views_and_their_gradient_sums_in_place():
+    """``w[e]`` with a 0-d index tensor stays eager's select (a view: no weight copy saved for the backward), each
+    expert's gradient is scattered into the running sum, written in place (executors/sums_in_place.py): values and
+    updates equal eager's, and the peak is at most eager's."""
+    torch.manual_seed(0)
+    w0, x = torch.randn(4, 32, 32), torch.randn(16, 32)
+    route = torch.tensor([0, 2, 3, 2, 0, 0, 3, 2, 2, 3, 0, 2, 3, 3, 0, 2])
+    peaks, losses, weights = {}, {}, {}
+    for mode in ("eager", "tt"):
+        w = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.SGD([w], lr=0.1)
+        fn = _moe_step if mode == "eager" else tt.compile(_moe_step)
+        losses[mode] = [fn(w, x, route, opt) for _ in range(2)]
+        peaks[mode] = peak_bytes(lambda: fn(w, x, route, opt), None if mode == "eager" else fn)
+        weights[mode] = w.detach().clone()
+        if mode == "tt":
+            src = str(tt.last_traces(fn)[-1])
+            assert "index_select" not in src and "ttex.scatter_add_into_first" in src, src
+    torch.testing.assert_close(losses["tt"], losses["eager"])
+    torch.testing.assert_close(weights["tt"], weights["eager"])
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
+def test_writes_to_a_band_are_cats_without_positions():
+    """``a[..., i:j] = v`` and a copy into such a view (DeepSeek-V3's attention) are traced as a ``cat`` of the parts
+    around the band (clang.with_band), not an index_put over int64 positions: values and gradients are eager's."""
+
+    def f(x, v):
+        a = x.new_empty(3, 6)
+        a[..., :2].copy_(v[:, :2])
+        a[..., 2:].copy_(x[:, 2:] * 3)
+        b = torch.zeros(4, 3, 6)
+        b[1:3] = torch.stack([a, a])
+        b[:, :, -1:] = 0.5
+        return (a * b).sum()
+
+    def step(x, v):
+        loss = f(x, v)
+        loss.backward()
+        return loss
+
+    x, v = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)
+    x2, v2 = (t.detach().clone().requires_grad_() for t in (x, v))
+    expected = step(x, v)
+    cf = tt.compile(step)
+    torch.testing.assert_close(cf(x2, v2), expected, rtol=0, atol=0)
+    torch.testing.assert_close((x2.grad, v2.grad), (x.grad, v.grad), rtol=0, atol=0)
+    assert "index_put" not in str(tt.last_traces(cf)[-1])
+
+
+ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)

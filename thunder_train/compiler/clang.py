@@ -179,6 +179,14 @@ def cat(tensors, dim=0):
     return prims.cat(tuple(tensors), dim)
 
 
+def with_band(a, value, dim, start, stop):
+    """``a`` with its band ``start:stop`` of ``dim`` replaced by ``value`` (that band's shape, ``a``'s dtype): a ``cat``
+    of the parts around it.  How a write to a band (``a[..., :8] = v``, a copy into such a view) is traced: an
+    index_put over int64 positions would compute them in the forward and keep them for its backward."""
+    parts = [slice_in_dim(a, 0, start, 1, dim), value, slice_in_dim(a, stop, a._tt_shape[dim], 1, dim)]
+    return prims.cat(tuple(p for p in parts if p._tt_shape[dim] != 0), dim)
+
+
 def stack(tensors, dim=0):
     check(len(tensors) > 0, "stack: expected a non-empty list of tensors")
     dim = canonicalize_dim(tensors[0].ndim_ + 1, dim)

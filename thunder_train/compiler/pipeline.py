@@ -41,6 +41,7 @@ from .transforms.no_grad import without_autograd
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
 from .executors.into_dead_grad import gelu_grad_in_place
+from .executors.sums_in_place import scatters_into_sums, sums_in_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +207,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
+    if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
+        trc = scatters_into_sums(trc)
     if fusion is not None:
         trc = fuse(trc, fusion, notes)  # executors/fusion.py
         shown.append(trc)
@@ -214,6 +217,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)",
                                        keep_graphs=keep_graphs)
+        # A scatter_add whose first operand dies there (gradient sums of weight[e]) is written into it
+        # (executors/sums_in_place.py).
+        trc = sums_in_place(trc, header=f"Final computation (executors: {names}; scatter_add written into its dead first operand)")
         # 5a. Where the program asks for memory (checkpoint regions, a budget), a language model's head and its
         #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
         #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).

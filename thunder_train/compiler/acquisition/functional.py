@@ -197,6 +197,13 @@ class Buffers:
                 "thunder_train writes views back by value (a whole view_as_real(z) is supported). Build the new tensor "
                 "out of place (torch.complex(new_real, z.imag), ...).")
         base_value = self.read(base)
+        band = _band_of(dst, base)
+        if band is not None:  # a band of one dim (DeepSeek-V3's q[..., :8].copy_(q_pass)): no positions
+            self._set(base, clang.with_band(base_value, value, *band))
+            self._current[id(dst)] = value
+            self._keep[id(dst)] = dst
+            view.version = self._version[id(base)]
+            return
         # Where the view's elements sit in the base: make the view of a tensor of positions.
         positions = clang.reshape(
             prims.iota(base.numel_(), start=0, step=1, device=base._tt_device, dtype=dtypes.int64), base._tt_shape
@@ -225,6 +232,23 @@ class Buffers:
                 if v is not p:
                     out.append((v, p))
         return out
+
+
+def _band_of(view, base):
+    """``(dim, start, stop)`` when ``view``'s layout makes it the band ``start:stop`` of one dim of a row-major ``base``
+    (the same strides, the same sizes but along ``dim``), else None."""
+    sizes = (*view._tt_shape, *base._tt_shape, view._tt_storage_offset, base._tt_storage_offset)
+    if not all(type(n) is int for n in sizes) or not base._tt_rowmajor or base._tt_storage_offset != 0:
+        return None
+    if view.ndim_ != base.ndim_ or tuple(view._tt_strides) != tuple(base._tt_strides):
+        return None
+    dims = [d for d, (m, n) in enumerate(zip(view._tt_shape, base._tt_shape)) if m != n]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    start, rem = divmod(view._tt_storage_offset, base._tt_strides[d])
+    stop = start + view._tt_shape[d]
+    return (d, start, stop) if rem == 0 and 0 < view._tt_shape[d] and stop <= base._tt_shape[d] else None
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from .. import clang, dtypes, prims
 from ..clang import is_tensor
 from ..errors import TracingError
+from ..grad_rules import register_vjp
 from ..proxies import NumberProxy, SizeProxy, is_int, number_type
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from .registry import composed, torchsymbol
@@ -163,6 +164,29 @@ def getitem(input, key):
     flat = _wrap_negative(clang.reshape(idx, (-1,)), n)  # negative indices wrap, like eager
     taken = prims.take(x, flat, dim)
     return clang.reshape(taken, x._tt_shape[:dim] + idx._tt_shape + x._tt_shape[dim + 1 :])
+
+
+def _selects_at_a_tensor(input, key):
+    """``x[i]`` or ``x[i, :, ...]`` with ``i`` a 0-d integer tensor and ``x`` row-major: eager reads ``int(i)`` and
+    returns a select, a view of ``x`` with the row-major strides the decomposition's copy has."""
+    key = key if isinstance(key, tuple) else (key,)
+    i, rest = key[0], key[1:]
+    return (is_tensor(i) and i.ndim_ == 0 and i._tt_dtype.category == dtypes.INT and i._tt_dtype.torch is not torch.uint8
+            and input.ndim_ >= 1 and input._tt_rowmajor
+            and builtins.all(k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in rest))
+
+
+@register_vjp(getitem, supports=_selects_at_a_tensor)
+def _select_at_a_tensor_vjp(g, out, /, input, key):
+    """A direct rule so that the forward stays one ``__getitem__`` call, which eager runs as a select (a view of the
+    input: a mixture-of-experts layer's ``experts.weight[expert_idx]`` copies no weight and saves none for the
+    backward).  Its gradient is the decomposition's: ``g`` scattered into zeros at the (wrapped) index."""
+    i = key[0] if isinstance(key, tuple) else key
+    index = _wrap_negative(clang.reshape(i, (1,)), input._tt_shape[0])
+    g = prims.broadcast_in_dim(g, (1, *g._tt_shape), tuple(range(1, g.ndim_ + 1)))
+    full_index = prims.broadcast_in_dim(index, g._tt_shape, (0,))
+    zeros = prims.full(input._tt_shape, 0.0, device=input._tt_device, dtype=input._tt_dtype)
+    return {"input": prims.scatter_add(zeros, full_index, g, 0)}
 
 
 def _slice_indices(k, n):

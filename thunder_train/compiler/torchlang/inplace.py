@@ -9,6 +9,8 @@ when a printed trace calls it on real tensors.
 """
 from __future__ import annotations
 
+import builtins
+
 import torch
 
 from .. import clang, dtypes, prims
@@ -137,6 +139,13 @@ def setitem(a, key, value):
 
 
 def _setitem_value(a, key, value):
+    band = _one_band(a, key)
+    if band is not None:  # a[..., i:j] = v: the parts of a before and after the band around v, no index tensors
+        dim, start, stop = band
+        value = clang.expand(clang.maybe_convert(value, a._tt_dtype) if type(value) is TensorProxy else
+                             prims.full((), value, device=a._tt_device, dtype=a._tt_dtype),
+                             tuple(stop - start if d == dim else n for d, n in enumerate(a._tt_shape)))
+        return clang.with_band(a, value, dim, start, stop)
     positions = prims.iota(a.numel_(), start=0, step=1, device=a._tt_device, dtype=dtypes.int64)
     positions = indexing.getitem(clang.reshape(positions, a._tt_shape), key)
     if type(value) is not TensorProxy:
@@ -144,6 +153,32 @@ def _setitem_value(a, key, value):
     value = clang.expand(clang.maybe_convert(value, a._tt_dtype), positions._tt_shape)
     flat = prims.index_put(clang.reshape(a, (-1,)), (clang.reshape(positions, (-1,)),), clang.reshape(value, (-1,)), False)
     return clang.reshape(flat, a._tt_shape)
+
+
+def _one_band(a, key):
+    """``(dim, start, stop)`` when ``a[key]`` is one band ``start:stop`` (step 1, not empty, not all of it) of one dim
+    of ``a`` with every other dim whole (``a[..., :8]``, ``a[:, 2:5]``), written by ``clang.with_band``; else None."""
+    if type(a) is not TensorProxy or not builtins.all(type(n) is int for n in a._tt_shape):
+        return None
+    key = key if isinstance(key, tuple) else (key,)
+    if builtins.any(k is not Ellipsis and not isinstance(k, slice) for k in key) or builtins.sum(k is Ellipsis for k in key) > 1:
+        return None
+    n_real = builtins.sum(1 for k in key if k is not Ellipsis)
+    if n_real > a.ndim_:
+        return None
+    i = next((j for j, k in enumerate(key) if k is Ellipsis), len(key))
+    key = key[:i] + (slice(None),) * (a.ndim_ - n_real) + key[i + 1:]
+    bands = []
+    for d, k in enumerate(key):
+        if builtins.any(v is not None and type(v) is not int for v in (k.start, k.stop, k.step)):
+            return None
+        start, stop, step = k.indices(a._tt_shape[d])
+        if (start, stop, step) != (0, a._tt_shape[d], 1):
+            bands.append((d, start, stop, step))
+    if len(bands) != 1 or bands[0][3] != 1 or bands[0][2] <= bands[0][1]:
+        return None
+    d, start, stop, _ = bands[0]
+    return d, start, stop
 
 
 _functional(setitem, _setitem_value)
