@@ -346,8 +346,17 @@ def plan(trc):
     n = len(bsyms)
     without = _live_bytes(storages, storages.keys(), n)
     natural = max(without)
+    # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime
+    # (updated in place, not summed again over every kept value: Llama's planning made the first call quadratic).
+    pooled = _live_bytes(storages, kept, n)
+
+    def drop(k):
+        kept.discard(k)
+        first, last, nbytes, _ = storages[k]
+        for i in range(first, last + 1):
+            pooled[i] -= nbytes
+
     while kept:
-        pooled = _live_bytes(storages, kept, n)
         others = [a - b for a, b in zip(without, pooled)]
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
         # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
@@ -355,12 +364,12 @@ def plan(trc):
         fullest = max(pooled)
         full = [i for i in range(n) if pooled[i] == fullest]
         movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
-                         and any(storages[k][0] <= i <= storages[k][1] for i in full))
+                         and _alive_at_any(storages[k], full))
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
         # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
         # planner's cost on a first call, one packing per value dropped).
         if movable and fullest + max(others) - natural - PEAK_SLACK > movable[-1][0]:
-            kept.discard(movable[-1][2])
+            drop(movable[-1][2])
             continue
         nbytes, assigned = _pack(storages, kept)
         excess = nbytes + max(others) - natural - PEAK_SLACK
@@ -370,12 +379,17 @@ def plan(trc):
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
             # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
             # as much as it adds there; the smallest that covers the excess, else the largest, repacks the rest.
-            movable = sorted((storages[k][2], storages[k][0], k) for k in kept
-                             if any(storages[k][0] <= i <= storages[k][1] for i in full))
+            movable = sorted((storages[k][2], storages[k][0], k) for k in kept if _alive_at_any(storages[k], full))
             if not movable:
                 break
-        kept.discard(next((m for m in movable if m[0] >= excess), movable[-1])[2])
+        drop(next((m for m in movable if m[0] >= excess), movable[-1])[2])
     return 0, {}
+
+
+def _alive_at_any(storage, lines) -> bool:
+    """Whether the storage (``[first line, last line, ...]``) is alive at one of ``lines`` (sorted)."""
+    j = bisect.bisect_left(lines, storage[0])
+    return j < len(lines) and lines[j] <= storage[1]
 
 
 def _live_bytes(storages, keys, n) -> list:
