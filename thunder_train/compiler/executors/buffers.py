@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codegen import Name, format_call
-from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
+from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
@@ -261,7 +261,7 @@ def _storage_bytes(p) -> int | None:
     if not all(type(n) is int for n in shape) or not all(type(s) is int for s in strides) or p._tt_storage_offset != 0:
         return None
     numel = math.prod(shape)
-    if numel == 0 or not is_non_overlapping_and_dense(meta_tensor(p)):
+    if numel == 0 or not dense_layout(shape, strides):
         return None
     return -(-numel * p._tt_dtype.torch.itemsize // _ALIGN) * _ALIGN
 
@@ -344,35 +344,36 @@ def plan(trc):
     if not kept:
         return 0, {}
     n = len(bsyms)
-    without = _live_bytes(storages, storages.keys(), n)
-    natural = max(without)
-    # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime
-    # (updated in place, not summed again over every kept value: Llama's planning made the first call quadratic).
-    pooled = _live_bytes(storages, kept, n)
+    # Bytes alive at each line as int64 tensors: each round below reads every line (a Llama step: ~150 rounds over
+    # ~450 lines), in Python lists the planner's bulk on a first call.
+    without = torch.tensor(_live_bytes(storages, storages.keys(), n), dtype=torch.int64)
+    natural = int(without.max())
+    # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime.
+    pooled = torch.tensor(_live_bytes(storages, kept, n), dtype=torch.int64)
 
     def drop(k):
         kept.discard(k)
         first, last, nbytes, _ = storages[k]
-        for i in range(first, last + 1):
-            pooled[i] -= nbytes
+        pooled[first:last + 1] -= nbytes
 
     while kept:
-        others = [a - b for a, b in zip(without, pooled)]
+        others = without - pooled
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
         # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
-        t = max(range(n), key=others.__getitem__)
-        fullest = max(pooled)
-        full = [i for i in range(n) if pooled[i] == fullest]
+        t = int(others.argmax())  # the first line where the others peak
+        most_others = int(others[t])
+        fullest = int(pooled.max())
+        full = (pooled == fullest).nonzero().flatten().tolist()
         movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
                          and _alive_at_any(storages[k], full))
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
         # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
         # planner's cost on a first call, one packing per value dropped).
-        if movable and fullest + max(others) - natural - PEAK_SLACK > movable[-1][0]:
+        if movable and fullest + most_others - natural - PEAK_SLACK > movable[-1][0]:
             drop(movable[-1][2])
             continue
         nbytes, assigned = _pack(storages, kept)
-        excess = nbytes + max(others) - natural - PEAK_SLACK
+        excess = nbytes + most_others - natural - PEAK_SLACK
         if excess <= 0:
             return nbytes, assigned
         if not movable:
