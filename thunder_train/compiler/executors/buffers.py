@@ -351,10 +351,22 @@ def plan(trc):
     # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime.
     pooled = torch.tensor(_live_bytes(storages, kept, n), dtype=torch.int64)
 
+    # The candidates as columns (first line, last line), for the rounds' questions about all of them at once.
+    keys = sorted(kept, key=lambda k: storages[k][:2])
+    firsts = torch.tensor([storages[k][0] for k in keys], dtype=torch.int64)
+    lasts = torch.tensor([storages[k][1] for k in keys], dtype=torch.int64)
+    still = torch.ones(len(keys), dtype=torch.bool)  # which of them are still kept
+    column = {k: j for j, k in enumerate(keys)}
+
     def drop(k):
         kept.discard(k)
+        still[column[k]] = False
         first, last, nbytes, _ = storages[k]
         pooled[first:last + 1] -= nbytes
+
+    def by_size(mask):
+        """(bytes, first line, key) of the kept values the mask selects."""
+        return [(storages[keys[j]][2], storages[keys[j]][0], keys[j]) for j in mask.nonzero().flatten().tolist()]
 
     while kept:
         others = without - pooled
@@ -363,14 +375,15 @@ def plan(trc):
         t = int(others.argmax())  # the first line where the others peak
         most_others = int(others[t])
         fullest = int(pooled.max())
-        full = (pooled == fullest).nonzero().flatten().tolist()
-        movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
-                         and _alive_at_any(storages[k], full))
+        # alive at a line where the arena is fullest: a full line between its first and last line
+        full_before = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(pooled == fullest, 0)])
+        at_full = still & (full_before[lasts + 1] > full_before[firsts])
+        movable = by_size(at_full & ~((firsts <= t) & (t <= lasts)))
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
         # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
         # planner's cost on a first call, one packing per value dropped).
-        if movable and fullest + most_others - natural - PEAK_SLACK > movable[-1][0]:
-            drop(movable[-1][2])
+        if movable and fullest + most_others - natural - PEAK_SLACK > max(movable)[0]:
+            drop(max(movable)[2])
             continue
         nbytes, assigned = _pack(storages, kept)
         excess = nbytes + most_others - natural - PEAK_SLACK
@@ -380,17 +393,12 @@ def plan(trc):
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
             # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
             # as much as it adds there; the smallest that covers the excess, else the largest, repacks the rest.
-            movable = sorted((storages[k][2], storages[k][0], k) for k in kept if _alive_at_any(storages[k], full))
+            movable = by_size(at_full)
             if not movable:
                 break
-        drop(next((m for m in movable if m[0] >= excess), movable[-1])[2])
+        covering = [m for m in movable if m[0] >= excess]
+        drop((min(covering) if covering else max(movable))[2])
     return 0, {}
-
-
-def _alive_at_any(storage, lines) -> bool:
-    """Whether the storage (``[first line, last line, ...]``) is alive at one of ``lines`` (sorted)."""
-    j = bisect.bisect_left(lines, storage[0])
-    return j < len(lines) and lines[j] <= storage[1]
 
 
 def _live_bytes(storages, keys, n) -> list:
