@@ -41,6 +41,18 @@ LAYOUT_FUNCS = {
     "foreach_add_row_major": lambda x: torch._foreach_add([x, x[0]], 1.0)[1],
     "foreach_add_transposed": lambda x: torch._foreach_add([x.transpose(0, 2), x], 1.0)[0],
     "zeros_like_row_major": lambda x: torch.zeros_like(x[1:]),
+    # ops tagged "layout_on_meta" (their layout found on meta tensors) on inputs laid out otherwise
+    "cat_transposed": lambda x: torch.cat([x.transpose(0, 2), x.transpose(0, 2) + 1], 1),
+    "cat_channels_last": lambda x: torch.cat([x.unsqueeze(0).contiguous(memory_format=torch.channels_last)] * 2, 1),
+    "pad_transposed": lambda x: torch.nn.functional.pad(x.transpose(1, 2), (1, 2)),
+    "embedding_transposed_weight": lambda x: torch.nn.functional.embedding(torch.tensor([[0, 2], [1, 3]]), x[0].t()),
+    "bmm_transposed": lambda x: torch.bmm(x.transpose(1, 2), x),
+    "baddbmm_expanded": lambda x: torch.baddbmm(x[:, :1, :1].expand(-1, 4, 4), x.transpose(1, 2), x),
+    "addmm_transposed": lambda x: torch.addmm(x[0, 0], x[0].t(), x[1]),
+    "mm_sliced": lambda x: x[0, :, ::2].mm(x[1, :2]),
+    "matmul_3d_by_transposed_2d": lambda x: x @ x[0, :4].t(),
+    "matmul_broadcast_batch": lambda x: x[:1] @ x.transpose(1, 2),
+    "clone_expanded": lambda x: x[:, :1].expand(-1, 5, -1).clone() * 1,
 }
 
 
@@ -289,3 +301,48 @@ def test_layouts_found_once_are_reused_only_for_inputs_laid_out_alike():
     assert len(layout_rules._layouts) > before
     # A key names every input's layout and every other argument: not a tensor object it would keep alive.
     assert layout_rules._key(torch.add, (torch.ones(2), 1), {}) is None
+
+
+def _slice_gradients(x):  # the backward of slices pads their gradients (prims.pad)
+    x = x.detach().requires_grad_()
+    (x.transpose(1, 2)[:, 1:3] * 2).sum().backward()
+    return x.grad
+
+
+LAYOUT_FUNCS_ON_META = {**LAYOUT_FUNCS, "slice_gradients": _slice_gradients}
+
+
+@pytest.mark.parametrize("name", ["cat_transposed", "cat_channels_last", "slice_gradients", "embedding_transposed_weight",
+                                  "bmm_transposed", "baddbmm_expanded", "addmm_transposed", "mm_sliced",
+                                  "matmul_3d_by_transposed_2d", "matmul_broadcast_batch", "clone_expanded"])
+def test_ops_whose_layout_is_found_on_meta_tensors_give_the_fake_runs_layout(name):
+    """An op tagged "layout_on_meta" gets its layout from meta tensors (no fake run of the device): on the CPU,
+    every line of these functions gets the same strides either way."""
+    from thunder_train.compiler import symbols
+    from thunder_train.compiler.executors import layout_rules
+
+    tagged, seen = [], []
+    real_set_layout = layout_rules.set_layout
+
+    def both_ways(bsym):
+        real_set_layout(bsym)
+        if "layout_on_meta" not in bsym.sym.tags:
+            return
+        tagged.append(bsym.sym.id)
+        c = layout_rules._callable(bsym)
+        with torch._C.DisableTorchFunction(), torch.no_grad(), layout_rules._mode():
+            args, kwargs = layout_rules.tree_map(layout_rules._to_fake, (tuple(c[1]), dict(c[2])))
+            fake = c[0](*args, **kwargs)
+        meta = layout_rules._on_meta(*c)
+        with torch._C.DisableTorchFunction():
+            seen.append(([(m.shape, m.stride()) for m in layout_rules.tree_flatten(meta)[0]],
+                         [(f.shape, f.stride()) for f in layout_rules.tree_flatten(fake)[0]]))
+
+    symbols.layout_hook = both_ways
+    try:
+        tt.compile(LAYOUT_FUNCS_ON_META[name])(torch.randn(3, 5, 4))
+    finally:
+        symbols.layout_hook = real_set_layout
+    assert tagged, "no line of the function carries the tag"
+    for meta, fake in seen:
+        assert meta == fake

@@ -144,7 +144,11 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     first call or, through ``ttex.grad_layout``, in the middle of a step (tests/test_first_call.py)."""
     if t.is_sparse:
         return False
-    sizes, strides = tuple(t.shape), t.stride()
+    return dense_layout(tuple(t.shape), t.stride())
+
+
+def dense_layout(sizes, strides) -> bool:
+    """``is_non_overlapping_and_dense`` of a strided tensor with these int sizes and strides (no tensor made)."""
     if math.prod(sizes) < 2:
         return True
     if len(sizes) == 1:

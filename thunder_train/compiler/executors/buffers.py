@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codegen import Name, format_call
-from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
+from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
@@ -261,7 +261,7 @@ def _storage_bytes(p) -> int | None:
     if not all(type(n) is int for n in shape) or not all(type(s) is int for s in strides) or p._tt_storage_offset != 0:
         return None
     numel = math.prod(shape)
-    if numel == 0 or not is_non_overlapping_and_dense(meta_tensor(p)):
+    if numel == 0 or not dense_layout(shape, strides):
         return None
     return -(-numel * p._tt_dtype.torch.itemsize // _ALIGN) * _ALIGN
 
@@ -344,37 +344,60 @@ def plan(trc):
     if not kept:
         return 0, {}
     n = len(bsyms)
-    without = _live_bytes(storages, storages.keys(), n)
-    natural = max(without)
+    # Bytes alive at each line as int64 tensors: each round below reads every line (a Llama step: ~150 rounds over
+    # ~450 lines), in Python lists the planner's bulk on a first call.
+    without = torch.tensor(_live_bytes(storages, storages.keys(), n), dtype=torch.int64)
+    natural = int(without.max())
+    # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime.
+    pooled = torch.tensor(_live_bytes(storages, kept, n), dtype=torch.int64)
+
+    # The candidates as columns (first line, last line), for the rounds' questions about all of them at once.
+    keys = sorted(kept, key=lambda k: storages[k][:2])
+    firsts = torch.tensor([storages[k][0] for k in keys], dtype=torch.int64)
+    lasts = torch.tensor([storages[k][1] for k in keys], dtype=torch.int64)
+    still = torch.ones(len(keys), dtype=torch.bool)  # which of them are still kept
+    column = {k: j for j, k in enumerate(keys)}
+
+    def drop(k):
+        kept.discard(k)
+        still[column[k]] = False
+        first, last, nbytes, _ = storages[k]
+        pooled[first:last + 1] -= nbytes
+
+    def by_size(mask):
+        """(bytes, first line, key) of the kept values the mask selects."""
+        return [(storages[keys[j]][2], storages[keys[j]][0], keys[j]) for j in mask.nonzero().flatten().tolist()]
+
     while kept:
-        pooled = _live_bytes(storages, kept, n)
-        others = [a - b for a, b in zip(without, pooled)]
+        others = without - pooled
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
         # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
-        t = max(range(n), key=others.__getitem__)
-        fullest = max(pooled)
-        full = [i for i in range(n) if pooled[i] == fullest]
-        movable = sorted((storages[k][2], storages[k][0], k) for k in kept if not storages[k][0] <= t <= storages[k][1]
-                         and any(storages[k][0] <= i <= storages[k][1] for i in full))
+        t = int(others.argmax())  # the first line where the others peak
+        most_others = int(others[t])
+        fullest = int(pooled.max())
+        # alive at a line where the arena is fullest: a full line between its first and last line
+        full_before = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(pooled == fullest, 0)])
+        at_full = still & (full_before[lasts + 1] > full_before[firsts])
+        movable = by_size(at_full & ~((firsts <= t) & (t <= lasts)))
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
         # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
         # planner's cost on a first call, one packing per value dropped).
-        if movable and fullest + max(others) - natural - PEAK_SLACK > movable[-1][0]:
-            kept.discard(movable[-1][2])
+        if movable and fullest + most_others - natural - PEAK_SLACK > max(movable)[0]:
+            drop(max(movable)[2])
             continue
         nbytes, assigned = _pack(storages, kept)
-        excess = nbytes + max(others) - natural - PEAK_SLACK
+        excess = nbytes + most_others - natural - PEAK_SLACK
         if excess <= 0:
             return nbytes, assigned
         if not movable:
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
             # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
             # as much as it adds there; the smallest that covers the excess, else the largest, repacks the rest.
-            movable = sorted((storages[k][2], storages[k][0], k) for k in kept
-                             if any(storages[k][0] <= i <= storages[k][1] for i in full))
+            movable = by_size(at_full)
             if not movable:
                 break
-        kept.discard(next((m for m in movable if m[0] >= excess), movable[-1])[2])
+        covering = [m for m in movable if m[0] >= excess]
+        drop((min(covering) if covering else max(movable))[2])
     return 0, {}
 
 

@@ -253,7 +253,8 @@ def set_layout(bsym) -> None:
         # is an error or a CPU scalar the fake run must judge).  A retrace with symbolic sizes (issue 26) misses
         # the cache on every line, and its many broadcasting ``mul``s cost ~0.5 ms each in the fake mode.
         meta = "view" in tags or "shape_only" in tags or (
-            ("elementwise" in tags or "reduction" in tags) and len({t._tt_device for t in tensors}) == 1)
+            ("elementwise" in tags or "reduction" in tags or "layout_on_meta" in tags)
+            and len({t._tt_device for t in tensors}) == 1)
         mout = _on_meta(fn, args, kwargs) if meta else None
         if mout is None:
             try:

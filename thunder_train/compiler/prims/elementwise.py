@@ -348,7 +348,7 @@ def convert_element_type_vjp(g, out, /, a, dtype):
     return {"a": prims.convert_element_type(g, a._tt_dtype) if is_float(a) else None}
 
 
-@prim
+@prim(tags=("layout_on_meta",))
 def clone(a, memory_format=None):
     """A fresh copy of ``a`` (never aliases it), laid out in ``memory_format`` (default: like ``a``)."""
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

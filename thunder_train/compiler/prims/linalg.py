@@ -30,7 +30,7 @@ def _matmul_shape(sa, sb):
     return out
 
 
-@prim
+@prim(tags=("layout_on_meta",))
 def matmul(a, b):
     """``torch.matmul`` semantics (batched, 1-D promotion); equal dtypes."""
     check(a._tt_dtype is b._tt_dtype, lambda: f"matmul: dtypes differ: {a._tt_dtype} and {b._tt_dtype}")

@@ -106,7 +106,7 @@ def slice_vjp(g, out, /, a, start_indices, end_indices, strides):
     return {"a": prims.pad(g, 0.0, tuple(config))}
 
 
-@prim
+@prim(tags=("layout_on_meta",))
 def cat(tensors, dim):
     """Concatenate along ``dim``; tensors share dtype and other sizes."""
     check(len(tensors) > 0, "cat: expected at least one tensor")
@@ -131,7 +131,7 @@ def cat_vjp(g, out, /, tensors, dim):
     return {"tensors": grads}
 
 
-@prim
+@prim(tags=("layout_on_meta",))
 def pad(a, padding_value, padding_config):
     """Pad with ``(lo, hi, interior)`` per dim (negative lo/hi crop)."""
     check(len(padding_config) == len(a._tt_shape), "pad: one (lo, hi, interior) per dim")

@@ -22,31 +22,31 @@ def _matmul(a, b):
     return prims.matmul(a, b)
 
 
-@torchsymbol(torch.matmul, methods=("matmul", "__matmul__"), autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(torch.matmul, methods=("matmul", "__matmul__"), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def matmul(input, other):
     return _matmul(input, other)
 
 
-@torchsymbol(methods=("__rmatmul__",), name="rmatmul", autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(methods=("__rmatmul__",), name="rmatmul", tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def rmatmul(input, other):
     return _matmul(other, input)
 
 
-@torchsymbol(torch.mm, methods=("mm",), autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(torch.mm, methods=("mm",), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def mm(input, mat2):
     if input.ndim_ != 2 or mat2.ndim_ != 2:
         raise ValueError(f"mm: expected 2-D tensors, got {input.ndim_}-D and {mat2.ndim_}-D")
     return _matmul(input, mat2)
 
 
-@torchsymbol(torch.bmm, methods=("bmm",), autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(torch.bmm, methods=("bmm",), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def bmm(input, mat2):
     if input.ndim_ != 3 or mat2.ndim_ != 3:
         raise ValueError(f"bmm: expected 3-D tensors, got {input.ndim_}-D and {mat2.ndim_}-D")
     return _matmul(input, mat2)
 
 
-@torchsymbol(torch.addmm, methods=("addmm",), autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(torch.addmm, methods=("addmm",), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     return _scaled_add(input, _matmul(mat1, mat2), beta, alpha)
 
@@ -140,7 +140,7 @@ def einsum(equation, *operands):
     return clang.permute(r, [cur.index(c) for c in out])
 
 
-@torchsymbol(torch.baddbmm, methods=("baddbmm",), autocast={"cpu": LOWER, "cuda": LOWER})
+@torchsymbol(torch.baddbmm, methods=("baddbmm",), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_add(input, bmm(batch1, batch2), beta, alpha)
 

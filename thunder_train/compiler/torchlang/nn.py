@@ -39,7 +39,7 @@ def _linear_vjp(g, out, /, input, weight, bias=None):
     return grads
 
 
-@torchsymbol(F.embedding, tags=("fused_backward", "fallible"))
+@torchsymbol(F.embedding, tags=("fused_backward", "fallible", "layout_on_meta"))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")

@@ -124,7 +124,7 @@ def broadcast_tensors(*tensors):
     return tuple(clang.maybe_broadcast(*tensors))
 
 
-@torchsymbol(torch.cat, torch.concat, torch.concatenate, autocast={"cpu": PROMOTE})
+@torchsymbol(torch.cat, torch.concat, torch.concatenate, tags=("layout_on_meta",), autocast={"cpu": PROMOTE})
 def cat(tensors, dim=0):
     return clang.cat(list(tensors), dim)
 
