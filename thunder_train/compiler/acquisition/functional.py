@@ -35,6 +35,9 @@ class View:
     # view value -> the base's value holding it, for a view of the whole base in another dtype (view_as_real),
     # whose elements no position map can write back; None for the others
     unmake: Callable | None = None
+    # The traced view's layout is not eager's (``w[e]`` at a 0-d integer tensor: a view whose offset is a value):
+    # writes go back by positions only, never by the layout (``_band_of``)
+    by_positions: bool = False
 
 
 class Buffers:
@@ -66,9 +69,10 @@ class Buffers:
         return id(p) in self._current
 
     # ---- views ----
-    def add_view(self, view, source, make_from_source: Callable, unmake: Callable | None = None) -> None:
+    def add_view(self, view, source, make_from_source: Callable, unmake: Callable | None = None,
+                 by_positions: bool = False) -> None:
         """``view`` was made from ``source`` by ``make_from_source(source_value)`` (and ``unmake(view_value)`` gives
-        ``source``'s value back, for a whole-tensor view in another dtype)."""
+        ``source``'s value back, for a whole-tensor view in another dtype).  ``by_positions``: see ``View``."""
         if type(view) is not TensorProxy or view is source:
             return
         outer = self._views.get(id(source))
@@ -78,9 +82,10 @@ class Buffers:
             base, inner = outer.base, outer.make
             make = lambda b, inner=inner, f=make_from_source: f(inner(b))  # noqa: E731
             unmake = None
+            by_positions = by_positions or outer.by_positions
         self._keep[id(view)] = view
         self._keep[id(base)] = base
-        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake)
+        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions)
         self._join(view, self._group.get(id(source), source))
 
     def detached_view(self, alias, view) -> None:
@@ -91,7 +96,8 @@ class Buffers:
         from ..transforms.autograd import detach_float_tensors
 
         self._keep[id(alias)] = alias
-        self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake)
+        self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake,
+                                      v.by_positions)
         self._join(alias, self._group.get(id(view), v.base))
 
     def pin_views(self, base) -> list:
@@ -197,7 +203,7 @@ class Buffers:
                 "thunder_train writes views back by value (a whole view_as_real(z) is supported). Build the new tensor "
                 "out of place (torch.complex(new_real, z.imag), ...).")
         base_value = self.read(base)
-        band = _band_of(dst, base)
+        band = None if view.by_positions else _band_of(dst, base)
         if band is not None:  # a band of one dim (DeepSeek-V3's q[..., :8].copy_(q_pass)): no positions
             self._set(base, clang.with_band(base_value, value, *band))
             self._current[id(dst)] = value

@@ -44,10 +44,15 @@ def back_to_buffers(orig_args, args, out):
 
 
 def record_views(st, sym, source, rest, kwargs, out):
-    if sym.name == "getitem" and any(isinstance(k, torch.Tensor) for k in tree_flatten(rest)[0]):
-        return  # advanced indexing copies
+    by_positions = False
+    if sym.name == "getitem":
+        keys = [k for k in tree_flatten(rest)[0] if isinstance(k, torch.Tensor)]
+        if any(k.ndim != 0 or k.dtype.is_floating_point or k.dtype.is_complex or k.dtype == torch.bool for k in keys):
+            return  # advanced indexing copies
+        # A 0-d integer tensor indexes as an int does (eager's w[e] is a view of w), at a position known at run time
+        by_positions = bool(keys)
     if type(out) is TensorProxy:
-        st.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs))
+        st.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs), by_positions=by_positions)
     elif isinstance(out, (tuple, list)):
         for i, o in enumerate(out):
             st.buffers.add_view(o, source, lambda v, i=i: sym(v, *rest, **kwargs)[i])

@@ -172,7 +172,8 @@ def _option(saved, members, r, kept, chosen):
             if type(a) is not TensorProxy or id(a) in saved.inputs:
                 continue
             ra = saved.root.get(id(a))
-            if ra is None or ra == r or ra in chosen or ra in kept:
+            # (a view of a program input, such as an expert's weight ``w[e]``, lives on the input's memory: free)
+            if ra is None or ra == r or ra in chosen or ra in kept or ra not in saved.producer:
                 continue
             new_kept.add(ra)
     freed = nbytes(saved.value[r]) - sum(nbytes(saved.value[x]) for x in new_kept)
