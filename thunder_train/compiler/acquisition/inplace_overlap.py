@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, dense_layout
 from ..pytree import tree_flatten, tree_unflatten
 
 _MESSAGE = "refer to a single memory location"
@@ -31,23 +31,12 @@ def _layout(p):
     return shape, strides, offset
 
 
-def _dense(shape, strides) -> bool:
-    if math.prod(shape) < 2:
-        return True
-    expected = 1
-    for n, s in sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda d: d[1]):
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
 def _partial(a, b) -> bool:
     """torch's ``get_overlap_status(a, b) == PARTIAL`` for two tensors of one memory, from their layouts."""
     la, lb = _layout(a), _layout(b)
     if la is None or lb is None or not math.prod(la[0]) or not math.prod(lb[0]):
         return False
-    if not (_dense(*la[:2]) and _dense(*lb[:2])):
+    if not (dense_layout(*la[:2]) and dense_layout(*lb[:2])):
         return False  # TOO_HARD: torch does not refuse
     ia, ib = a._tt_dtype.torch.itemsize, b._tt_dtype.torch.itemsize
     a0, b0 = la[2] * ia, lb[2] * ib

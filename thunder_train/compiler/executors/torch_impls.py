@@ -518,6 +518,9 @@ def wait_collective(result, source):
     return torch.ops._c10d_functional.wait_tensor(result)
 
 
+wait_collective.aliases = (0,)  # the result itself (``source`` is read only to keep it alive)
+
+
 def check_finite(a, message):
     if not bool(torch.isfinite(a).all()):
         raise RuntimeError(message)
