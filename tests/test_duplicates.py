@@ -23,7 +23,7 @@ def test_a_repeated_product_is_computed_once():
     a, b = torch.randn(4, 5), torch.randn(4, 5)
     for _ in range(2):
         assert torch.equal(cf(a, b), fn(a, b))
-    assert lines(cf, "torch.mul(") == 2  # a * b once, and (x + y) * z
+    assert lines(cf, "mul(") == 2  # a * b once, and (x + y) * z (torch.mul or Tensor.mul: kept buffers choose)
 
 
 def test_returned_and_written_results_are_not_shared():

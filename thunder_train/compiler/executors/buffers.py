@@ -151,10 +151,7 @@ def _declare_fresh() -> None:
              **{op: {getattr(torch, op.name)} for op in (factories.full, factories.zeros, factories.ones,
                                                          factories.empty, factories.arange)},
              prims.sum: {torch.sum}, prims.amax: {torch.amax}, prims.amin: {torch.amin}, prims.where: {torch.where},
-             prims.full: {torch.full}, prims.empty: {torch.empty},
-             # a collective's result is a new tensor (its input stays alive until the wait, which reads it)
-             prims.all_gather: {torch.ops._c10d_functional.all_gather_into_tensor},
-             prims.reduce_scatter: {torch.ops._c10d_functional.reduce_scatter_tensor}}
+             prims.full: {torch.full}, prims.empty: {torch.empty}}
     for op, fns in fresh.items():
         op.torch_fresh = frozenset(fns)
 
