@@ -301,6 +301,15 @@ def storage_sets(bsyms, inputs=()):
     return may_alias, escaped
 
 
+def overwritable(trc, bsyms=None):
+    """``(may_alias, off_limits)`` for a pass that writes a line's result over the memory of a value it reads:
+    ``may_alias`` as ``storage_sets`` gives it for ``bsyms`` (default: the trace's lines), and the storages no line
+    may overwrite: the program's inputs', its returned values' and those handed to a line that may keep a reference."""
+    bsyms = trc.bound_symbols if bsyms is None else bsyms
+    may_alias, escaped = storage_sets(bsyms, trc.args)
+    returned = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
+    return may_alias, {id(a) for a in trc.args} | escaped | returned
+
 def _eligible(trc) -> bool:
     """``out=`` refuses tensors that need grad under grad mode: the program runs without grad, or no value needs it."""
     if "@torch.no_grad()" in trc.decorators:

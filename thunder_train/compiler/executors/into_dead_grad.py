@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ..proxies import TensorProxy
-from ..pytree import tree_flatten
 from . import torch_impls
 from .torch_executor import impl_symbol
 
@@ -30,12 +29,10 @@ gelu_vjp_into_grad.aliases = (0,)  # the result is ``g``'s memory (executors/buf
 
 
 def gelu_grad_in_place(trc, header="Final computation (GELU's gradient written over its dead incoming gradient)"):
-    from .buffers import storage_sets  # a sibling pass's alias facts
+    from .buffers import overwritable  # a sibling pass's alias facts
 
     bsyms = list(trc.bound_symbols)
-    may_alias, escaped = storage_sets(bsyms, trc.args)
-    inputs = {id(a) for a in trc.args}
-    kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
+    may_alias, off_limits = overwritable(trc, bsyms)
     last_read: dict = {}  # storage id -> last line reading a value that may share it
     for i, b in enumerate(bsyms):
         for a in b.flat_args():
@@ -47,14 +44,14 @@ def gelu_grad_in_place(trc, header="Final computation (GELU's gradient written o
         if getattr(b.sym, "fn", None) is not torch_impls.gelu_vjp or len(b.args) < 3:
             continue
         g, out = b.args[0], b.output[0] if isinstance(b.output, (tuple, list)) and len(b.output) == 1 else None
-        if type(g) is not TensorProxy or type(out) is not TensorProxy or id(g) in inputs:
+        if type(g) is not TensorProxy or type(out) is not TensorProxy or id(g) in off_limits:
             continue
         if g._tt_device.type != "cpu" or not (g._tt_rowmajor and out._tt_rowmajor) or tuple(g._tt_shape) != tuple(out._tt_shape):
             continue
         if g._tt_dtype is not out._tt_dtype or b.args[2] is g:
             continue
         mine = may_alias.get(id(g), set())
-        if not mine or mine & (inputs | escaped | kept) or any(last_read.get(s, -1) > i for s in mine):
+        if not mine or mine & off_limits or any(last_read.get(s, -1) > i for s in mine):
             continue
         bsyms[i] = b.replace(sym=impl_symbol(gelu_vjp_into_grad), comment="GELU's gradient, written over its incoming gradient")
         changed = True

@@ -594,20 +594,18 @@ def _overwrite_dead_logits(trc, bsyms) -> list:
     (``cross_entropy_into_logits``): one logits-sized array less at the end of the forward.  Only for a CPU
     row-major intermediate of the program: not an input, not returned, not handed to an op that may keep a
     reference, and no value that may share its memory read by a later line."""
-    from .buffers import storage_sets  # a sibling pass's alias facts
+    from .buffers import overwritable  # a sibling pass's alias facts
 
-    may_alias, escaped = storage_sets(bsyms, trc.args)
-    inputs = {id(a) for a in trc.args}
-    kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
+    may_alias, off_limits = overwritable(trc, bsyms)
     out = list(bsyms)
     for i, b in enumerate(bsyms):
         if getattr(b.sym, "fn", None) is not cross_entropy_with_stats:
             continue
         x = b.args[0]
-        if type(x) is not TensorProxy or x._tt_device.type != "cpu" or not x._tt_rowmajor or id(x) in inputs:
+        if type(x) is not TensorProxy or x._tt_device.type != "cpu" or not x._tt_rowmajor or id(x) in off_limits:
             continue
         mine = may_alias.get(id(x), set())
-        if not mine or mine & (inputs | escaped | kept):
+        if not mine or mine & off_limits:
             continue
         if any(may_alias.get(id(a), set()) & mine for later in bsyms[i + 1:] for a in later.flat_args() if type(a) is TensorProxy):
             continue

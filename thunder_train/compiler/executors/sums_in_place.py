@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from ..proxies import TensorProxy
-from ..pytree import tree_flatten
 from . import torch_impls
 from .torch_executor import impl_symbol
 
@@ -40,12 +39,10 @@ for _fn in (scatter_add_into_first,):
 
 
 def sums_in_place(trc, header="Final computation (scatter_add written into its dead first operand)"):
-    from .buffers import storage_sets  # a sibling pass's alias facts
+    from .buffers import overwritable  # a sibling pass's alias facts
 
     bsyms = list(trc.bound_symbols)
-    may_alias, escaped = storage_sets(bsyms, trc.args)
-    inputs = {id(a) for a in trc.args}
-    kept = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
+    may_alias, off_limits = overwritable(trc, bsyms)
     made_at = {id(o): i for i, b in enumerate(bsyms) for o in b.flat_outputs() if type(o) is TensorProxy}
     reads: dict = {}  # storage id -> [(line, line that made the value it reads)] for the values that may share it
     for i, b in enumerate(bsyms):
@@ -60,14 +57,14 @@ def sums_in_place(trc, header="Final computation (scatter_add written into its d
             continue
         a, out = b.args[0], b.output
         others = [v for v in b.args[1:] if type(v) is TensorProxy]
-        if type(a) is not TensorProxy or type(out) is not TensorProxy or id(a) in inputs:
+        if type(a) is not TensorProxy or type(out) is not TensorProxy or id(a) in off_limits:
             continue
         if tuple(out._tt_shape) != tuple(a._tt_shape) or not (a._tt_rowmajor and out._tt_rowmajor):
             continue
         if a._tt_dtype is not out._tt_dtype or any(v._tt_dtype.is_float and v._tt_dtype is not a._tt_dtype for v in others):
             continue
         mine = may_alias.get(id(a), set())
-        if not mine or mine & (inputs | escaped | kept) or any(mine & may_alias.get(id(v), set()) for v in others):
+        if not mine or mine & off_limits or any(mine & may_alias.get(id(v), set()) for v in others):
             continue
         # the old value is read later through a value made before this line (one made from its result is the result)
         if any(j > i and made < i for s in mine for j, made in reads.get(s, ())):
