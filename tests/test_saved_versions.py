@@ -670,3 +670,30 @@ def test_inplace_op_on_a_partly_overlapping_argument_raises_at_the_op_as_eager(o
     torch.testing.assert_close(out, ref)
     if grad:
         torch.testing.assert_close(w.grad, we.grad)
+
+
+def test_a_kernel_reading_what_it_wrote_is_refused_and_the_generator_kept():
+    """``y.bernoulli_(y[0])``: torch runs it (no overlap check) and its later rows read the probabilities it already
+    wrote; a compiled program reads the old ones.  Refused with what to do, nothing changed; the probe that learns
+    this draws nothing from the CPU generator.  With ``y[0].clone()`` both compute the same."""
+    def overlapping(y):
+        y.bernoulli_(y[0])
+        return y * 1
+
+    def cloned(y):
+        y.bernoulli_(y[0].clone())
+        return y * 1
+
+    torch.manual_seed(0)
+    y = torch.rand(3, 4)
+    before, state = y.clone(), torch.get_rng_state()
+    with pytest.raises(RuntimeError, match=r"partly overlaps.*Clone the argument first"):
+        tt.compile(overlapping)(y)
+    assert torch.equal(y, before) and torch.equal(torch.get_rng_state(), state)
+    results = []
+    for fn in (cloned, tt.compile(cloned)):
+        torch.manual_seed(0)
+        y = torch.rand(3, 4)
+        results.append((fn(y), y.clone(), torch.get_rng_state()))
+    (a, ya, sa), (b, yb, sb) = results
+    assert torch.equal(a, b) and torch.equal(ya, yb) and torch.equal(sa, sb)

@@ -153,6 +153,18 @@ def _rng_state():
     return torch.get_rng_state(), torch.initial_seed()
 
 
+@contextlib.contextmanager
+def cpu_generator_kept():
+    """Work on real CPU tensors while tracing (a probe that runs an op to learn what eager does) leaves the default
+    CPU generator as it was, should the op draw (``bernoulli_``).  Through the generator's own methods: while this
+    thread traces, ``torch.get_rng_state`` and ``fork_rng`` are lines of the program (``_TRACED``)."""
+    state = torch.default_generator.get_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
+
+
 def _other_threads() -> bool:
     """Whether a thread other than this one and thunder_train's fusion worker (which draws nothing) runs: its
     draws would move the generator while this thread traces."""

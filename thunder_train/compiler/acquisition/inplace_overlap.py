@@ -18,6 +18,7 @@ import torch
 
 from ..proxies import TensorProxy, dense_layout
 from ..pytree import tree_flatten, tree_unflatten
+from .global_state import cpu_generator_kept
 
 _MESSAGE = "refer to a single memory location"
 _PROBE_LIMIT = 1 << 20  # elements of the probe's storage
@@ -74,17 +75,21 @@ def check_partial_overlap(st, fn, orig_args, kwargs, dst=None) -> None:
 
 
 def _probe(fn, flat, spec, shared):
-    """Eager's error message of ``fn`` on real CPU tensors, ``shared`` laid out in one storage as the proxies are."""
+    """Eager's error message of ``fn`` on real CPU tensors, ``shared`` (the destination first) laid out in one storage
+    as the proxies are; or, where torch runs it, ours when its result differs from the one computed from every
+    argument's old values (what the compiled program computes): a kernel that reads what it already wrote."""
     layouts = [_layout(p) for p in shared]
     if any(x is None for x in layouts):
         return None
     extent = max(off + 1 + sum((n - 1) * s for n, s in zip(shape, strides)) for shape, strides, off in layouts)
     if extent > _PROBE_LIMIT:
         return None
-    dtype = shared[0]._tt_dtype.torch
-    storage = torch.ones(extent, dtype=dtype)
+    initial = _distinct_values(extent, shared[0]._tt_dtype.torch)
+    storage = initial.clone()
     real = {id(p): storage.as_strided(shape, strides, off) for p, (shape, strides, off) in zip(shared, layouts)}
-    args = []
+    # the compiled program's reading: each shared argument its own memory, holding the old values
+    apart = {id(p): initial.clone().as_strided(shape, strides, off) for p, (shape, strides, off) in zip(shared, layouts)}
+    args, separate = [], []
     for a in flat:
         if type(a) is TensorProxy:
             if id(a) not in real:
@@ -95,12 +100,32 @@ def _probe(fn, flat, spec, shared):
                 if real[id(a)] is None:
                     return None
             args.append(real[id(a)])
+            separate.append(apart.get(id(a), real[id(a)]))
         else:
             args.append(a)
-    a, k = tree_unflatten(args, spec)
-    try:
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+            separate.append(a)
+    with torch.no_grad(), torch._C.DisableTorchFunction(), cpu_generator_kept():
+        state = torch.default_generator.get_state()
+        try:
+            a, k = tree_unflatten(args, spec)
             fn(*a, **k)
-    except RuntimeError as e:
-        return str(e) if _MESSAGE in str(e) else None
-    return None
+        except RuntimeError as e:
+            return str(e) if _MESSAGE in str(e) else None
+        torch.default_generator.set_state(state)  # the same draws for the second run (bernoulli_)
+        a, k = tree_unflatten(separate, spec)
+        fn(*a, **k)
+    if torch.equal(real[id(shared[0])], apart[id(shared[0])]):
+        return None
+    return (f"thunder_train: {getattr(fn, '__name__', 'an in-place op')} writes a tensor while reading an argument "
+            "that partly overlaps it; torch runs it without an error, but its result depends on the order in which "
+            "its kernel writes, and differs from the one computed from the argument's old values (what a compiled "
+            "program computes). Clone the argument first (y.bernoulli_(y[0].clone())).")
+
+
+def _distinct_values(n, dtype):
+    """``n`` values that differ from their neighbours, so that a kernel reading what it wrote shows in its result."""
+    if dtype == torch.bool:
+        return torch.arange(n) % 2 == 0
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.linspace(0.05, 0.95, n).to(dtype)
+    return (torch.arange(n) % 5 + 1).to(dtype)

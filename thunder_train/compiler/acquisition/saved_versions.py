@@ -34,6 +34,7 @@ import torch
 
 from ..proxies import TensorProxy, size_value
 from ..pytree import tree_flatten
+from .global_state import cpu_generator_kept
 
 
 @dataclasses.dataclass
@@ -337,7 +338,8 @@ def _ask_torch(fn, spec, sig, inplace=False):
     if found is None and all(s[4] == "cpu" for s in sig if _is_tensor_sig(s)):
         numel = sum(_extent(s[0], s[1]) for s in sig if _is_tensor_sig(s))
         if numel <= _REAL_PROBE_LIMIT:
-            found = _ask_on(fn, spec, sig, inplace, "cpu")
+            with cpu_generator_kept():
+                found = _ask_on(fn, spec, sig, inplace, "cpu")
     return found
 
 
