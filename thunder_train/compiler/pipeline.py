@@ -17,6 +17,7 @@ import torch
 from .autograd_function import AutogradProgram, NoBackwardProgram, may_need_autograd
 from .prologue import Prologue, build_prologue
 from . import acquisition
+from .acquisition import output_aliases
 from .errors import DecisionMismatch, NoGradientRuleError
 from .executors import layout_rules  # noqa: F401  (installs the eager-layout hook into Symbol.__call__)
 from .executors import payback
@@ -360,11 +361,21 @@ def _with_epilogue(computation, epilogue, n_inputs, target_names):
     objects), which are bound to the epilogue's names before it runs.
     """
     fn, g = epilogue.fn, epilogue.globals
+    if epilogue.returns:  # results sharing an input's memory, rebuilt from the real input (output_aliases.py)
+        effects, replace = fn, output_aliases.replace_results
+
+        def fn(extras, result):
+            return replace(result, effects(extras))
+    else:
+        effects = fn
+
+        def fn(extras, result):
+            effects(extras)
+            return result
     if not target_names:
         def run(*inputs):
             result, extras = computation(*inputs)
-            fn(extras)
-            return result
+            return fn(extras, result)
 
         return run
     names = tuple(target_names)
@@ -372,8 +383,7 @@ def _with_epilogue(computation, epilogue, n_inputs, target_names):
     def run(*inputs):
         result, extras = computation(*inputs[:n_inputs])
         g.update(zip(names, inputs[n_inputs:]))
-        fn(extras)
-        return result
+        return fn(extras, result)
 
     return run
 

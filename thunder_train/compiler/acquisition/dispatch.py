@@ -285,6 +285,12 @@ def _property(st, prop, get, args, top):
         return getter(a)
     if prop == "requires_grad":
         return requires_grad_of(st, a)
+    if prop == "is_leaf":  # eager's: False for a computed value that requires grad (the getter answers for inputs)
+        from ..torchlang import tensor_methods
+
+        if st.walker is None or st.walker.is_input(a) or tensor_methods.computed_requires_grad is None:
+            return getter(a)
+        return not tensor_methods.computed_requires_grad(st, a) or any(t is a for t, _ in traced_autograd.new_leaves(st))
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)
@@ -308,10 +314,31 @@ def _autograd_grad(st, *args, **kwargs):
     return traced_autograd.grad(st, *args, **kwargs)
 
 
+def _retain_grad(st, self):
+    """``t.retain_grad()``: eager's error without grad, a no-op on a leaf; refused on a computed value (its ``.grad``
+    would stay None: the program keeps no gradient of intermediate values)."""
+    if type(self) is not TensorProxy:
+        return torch.Tensor.retain_grad(self)
+    if not requires_grad_of(st, self):
+        raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+    if st.walker is not None and st.walker.is_input(self):
+        return None
+    from ..torchlang import tensor_methods
+
+    if tensor_methods.computed_requires_grad is not None and tensor_methods.computed_requires_grad(st, self):
+        raise TracingError(
+            "Tensor.retain_grad() on a value computed inside the compiled function is not supported: its .grad would "
+            "stay None (the compiled backward keeps no gradient of intermediate values). Return the value and call "
+            "retain_grad() on it outside, with backward() outside the compiled function, or compute its gradient "
+            "with torch.autograd.grad(loss, value, retain_graph=True) inside.")
+    return None
+
+
 _AUTOGRAD_CALLS = {
     torch.Tensor.backward: _tensor_backward,
     torch.autograd.backward: _autograd_backward,
     torch.autograd.grad: _autograd_grad,
+    torch.Tensor.retain_grad: _retain_grad,
 }
 
 

@@ -6,8 +6,10 @@ Three kinds of effect outlive a traced call:
    ``.grad += g``): exactly one ``prims.copy_(new_value, input)`` per input
    whose value changed, at the end of the computation (``functional.py``).
 2. **Returned values** keep eager semantics: a returned input buffer (the result
-   of ``x.add_(1)``) is the input object itself; any other returned tensor is a
-   fresh value, never an alias of an input.
+   of ``x.add_(1)``) is the input object itself; a view of an input the program
+   writes (``x[0]`` after ``x.add_(1)``, ``v`` after ``p.data = v``) is rebuilt on
+   the input's memory by the epilogue (``output_aliases.py``); any other returned
+   tensor is a fresh value.
 3. **Python side effects** the computation cannot perform — a new ``.grad``
    tensor, ``p.grad = None``, new ``optimizer.state`` entries — are replayed by
    the **epilogue**, generated Python that runs after the computation with the
@@ -21,7 +23,7 @@ import linecache
 import torch
 
 from .. import prims
-from . import fsdp
+from . import fsdp, output_aliases
 from ..proxies import TensorProxy, is_proxy
 from ..memory_overlap import overlapping_pairs
 from ..pytree import tree_map
@@ -30,14 +32,17 @@ _counter = itertools.count()
 
 
 class Epilogue:
-    """``epilogue(extras)``: assigns what the computation returned to Python objects."""
+    """``epilogue(extras)``: assigns what the computation returned to Python objects; returns None, or a dict of
+    results to replace (flat index -> the real tensor: ``output_aliases.py``)."""
 
-    def __init__(self, lines: list, globals_: dict, targets: dict | None = None):
+    def __init__(self, lines: list, globals_: dict, targets: dict | None = None, returns: list = ()):
         # Globals naming an input of the call (a parameter whose .grad is set, the key of an optimizer-state
         # entry): name -> its Leaf. The caller rebinds them to this call's objects before every run
         # (compiler/pipeline.py), so a later call with other tensor objects writes to those, never to the
         # objects of the traced call.
         self.targets = dict(targets or {})
+        self.returns = bool(returns)
+        lines = list(lines) + ([f"  return {{{', '.join(f'{i}: {e}' for i, e in returns)}}}"] if returns else [])
         self.source = "\n".join(["# Epilogue: Python side effects of the traced call, replayed after the computation",
                                  "def epilogue(extras):"] + (lines or ["  pass"])) + "\n"
         filename = f"<thunder_train epilogue {next(_counter)}>"
@@ -185,6 +190,8 @@ def finish(st, out, python_effects=None):
         trc.bound_symbols[-1].comment = f"write-back: {dst._tt_name} updated in place"
 
     result = tree_map(final_value, out)
-    if not lines:
+    # Results sharing an input's memory in eager are rebuilt from the real input after the write-backs.
+    returns = output_aliases.rebuild_lines(st, out, names)
+    if not lines and not returns:
         return result, None
-    return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets)
+    return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets, returns)

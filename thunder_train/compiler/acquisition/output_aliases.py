@@ -1,0 +1,78 @@
+"""Returned tensors that share memory with an input, as eager's do.
+
+The program is functional: ``x.add_(1); return x[0]`` computes the new ``x`` as a fresh value, returns a row of
+it, and copies the new value into ``x`` at the end.  Eager's row is a view of ``x``: a later
+``row.add_(100)`` by the caller changes ``x``, and the compiled row did not (a silently different result).  The
+same holds for ``p.detach()`` or ``p.data.t()`` after an update of ``p``, and for ``v`` after ``p.data = v``
+(``data_assignment.py``: ``v`` is ``p``'s memory afterwards).  And an input returned as it is must be that
+object: through the autograd node a returned parameter came back as a view of it.
+
+Here each such result is rebuilt by the epilogue from the real input after the write-backs:
+
+* an input returned itself: the input object;
+* a view of an input the program writes (its base, in ``Buffers``), not requiring grad: ``base.as_strided`` with
+  the traced layout (the offset taken relative to the base's own), or, for a tensor with a version counter of its
+  own (``t.data``, ``v`` after ``t.data = v``), a tensor set to the base's storage at that layout.
+
+A view that requires grad, one in another dtype, or with symbolic sizes is left as the program's value; a view
+of an input the program does not write is already a view of it (the program computes it from the input).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten, tree_unflatten
+from .python_effects import needs_grad
+
+
+def rebuild_lines(st, out, names) -> list:
+    """``(flat index, expression)`` for each result of ``out`` (the traced function's result) that is an input or
+    a view sharing the memory of an input the program writes; ``names(obj, hint, leaf)`` names a call's object."""
+    buffers, walker = st.buffers, st.walker
+    written = {id(dst) for _, dst in buffers.final_writes(walker.input_proxies())}
+    exprs = []
+    for i, o in enumerate(tree_flatten(out)[0]):
+        if type(o) is not TensorProxy:
+            continue
+        leaf = walker.leaf_of(o)
+        if leaf is not None:
+            if leaf.kind == "tensor":
+                exprs.append((i, names(leaf.value, o._tt_name, leaf)))
+            continue
+        base = buffers.base_of(o)
+        if base is None or id(base) not in written or id(base) in st.metadata_inputs or needs_grad(st, [o])[0]:
+            continue
+        bleaf = walker.leaf_of(base)
+        layout = (*o._tt_shape, *o._tt_strides, o._tt_storage_offset, base._tt_storage_offset)
+        if bleaf is None or bleaf.kind != "tensor" or o._tt_dtype is not base._tt_dtype \
+                or not all(type(n) is int for n in layout):
+            continue
+        own = buffers.counter_of(o) is o  # t.data, or v after t.data = v: eager's has a version counter of its own
+        fn = names(_same_memory if own else _view, "same_memory" if own else "view_of")
+        exprs.append((i, f"{fn}({names(bleaf.value, base._tt_name, bleaf)}, {tuple(o._tt_shape)!r}, "
+                         f"{tuple(o._tt_strides)!r}, {o._tt_storage_offset - base._tt_storage_offset})"))
+    return exprs
+
+
+def _view(base, shape, strides, offset):
+    """A view of ``base`` that does not require grad (sharing its version counter, as eager's views and
+    ``detach()`` do)."""
+    if offset == 0 and shape == base.shape and strides == base.stride():
+        return base.detach()  # the whole tensor: eager's detach() is no view (``_is_view()``) either
+    return base.detach().as_strided(shape, strides, base.storage_offset() + offset)
+
+
+def _same_memory(base, shape, strides, offset):
+    """A tensor on ``base``'s memory with a version counter of its own (eager's ``t.data``)."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+            base.untyped_storage(), base.storage_offset() + offset, shape, strides)
+
+
+def replace_results(result, replacements: dict):
+    """``result`` with its flat items at the keys of ``replacements`` replaced by the values."""
+    leaves, spec = tree_flatten(result)
+    for i, v in replacements.items():
+        leaves[i] = v
+    return tree_unflatten(leaves, spec)
