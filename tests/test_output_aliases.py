@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import thunder_train as tt
+from thunder_train.compiler.errors import TracingError
 
 
 def _no_grad(f):
@@ -94,3 +95,48 @@ def test_data_assigned_result_keeps_a_version_counter_of_its_own():
     with torch.no_grad():
         v.add_(1)
     assert m.weight._version == before
+
+
+def _row_and_flat(x):
+    x.add_(1)
+    return x[:, 0], x.view(-1)
+
+
+def _calls_with_sizes(step):
+    sums = []
+    for n in [2, 3, 4]:
+        x = torch.zeros(n, 3)
+        a, b = step(x)
+        a.add_(10)
+        b[-1] += 100
+        sums.append(x.sum().item())
+    return sums
+
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_views_of_a_written_input_with_varying_sizes_match_eager(thin):
+    """Automatic dynamic sizes: the symbolic retrace refuses the views, the sizes are specialised again."""
+    assert _calls_with_sizes(tt.compile(_row_and_flat, thin=thin)) == _calls_with_sizes(_row_and_flat)
+
+
+def test_views_of_a_written_input_with_symbolic_sizes_are_refused_leaving_it_untouched():
+    x = torch.zeros(3, 3)
+    with pytest.raises(TracingError, match="returns a view of args"):
+        tt.compile(_row_and_flat, dynamic=True)(x)
+    assert x.sum().item() == 0
+
+
+def _detached(x):
+    x.mul_(2)
+    return x.detach()
+
+
+def test_whole_input_view_with_symbolic_sizes_shares_memory_as_in_eager():
+    step = tt.compile(_detached, dynamic=True)
+    for n in [2, 3, 4]:
+        x, xe = torch.ones(n, 3), torch.ones(n, 3)
+        out, oute = step(x), _detached(xe)
+        out.add_(1)
+        oute.add_(1)
+        torch.testing.assert_close(x, xe)
+        assert out._version == x._version

@@ -14,14 +14,16 @@ Here each such result is rebuilt by the epilogue from the real input after the w
   the traced layout (the offset taken relative to the base's own), or, for a tensor with a version counter of its
   own (``t.data``, ``v`` after ``t.data = v``), a tensor set to the base's storage at that layout.
 
-A view that requires grad, one in another dtype, or with symbolic sizes is left as the program's value; a view
-of an input the program does not write is already a view of it (the program computes it from the input).
+A view that requires grad is left as the program's value (it comes out of the autograd node); a view in another
+dtype or with sizes that vary between calls (``dynamic``), other than the whole input, is refused with what to do.
+A view of an input the program does not write is already a view of it (the program computes it from the input).
 """
 from __future__ import annotations
 
 import torch
 
 from ..proxies import TensorProxy
+from ..errors import TracingError
 from ..pytree import tree_flatten, tree_unflatten
 from .python_effects import needs_grad
 
@@ -44,27 +46,41 @@ def rebuild_lines(st, out, names) -> list:
         if base is None or id(base) not in written or id(base) in st.metadata_inputs or needs_grad(st, [o])[0]:
             continue
         bleaf = walker.leaf_of(base)
-        layout = (*o._tt_shape, *o._tt_strides, o._tt_storage_offset, base._tt_storage_offset)
-        if bleaf is None or bleaf.kind != "tensor" or o._tt_dtype is not base._tt_dtype \
-                or not all(type(n) is int for n in layout):
+        if bleaf is None or bleaf.kind != "tensor":
             continue
         own = buffers.counter_of(o) is o  # t.data, or v after t.data = v: eager's has a version counter of its own
         fn = names(_same_memory if own else _view, "same_memory" if own else "view_of")
-        exprs.append((i, f"{fn}({names(bleaf.value, base._tt_name, bleaf)}, {tuple(o._tt_shape)!r}, "
-                         f"{tuple(o._tt_strides)!r}, {o._tt_storage_offset - base._tt_storage_offset})"))
+        real = names(bleaf.value, base._tt_name, bleaf)
+        whole = (o._tt_dtype is base._tt_dtype and tuple(o._tt_shape) == tuple(base._tt_shape)
+                 and tuple(o._tt_strides) == tuple(base._tt_strides) and o._tt_storage_offset == base._tt_storage_offset)
+        if whole:  # the whole input (detach(), .data, v after t.data = v): its layout read when the call runs
+            exprs.append((i, f"{fn}({real}, None, None, 0)"))
+            continue
+        layout = (*o._tt_shape, *o._tt_strides, o._tt_storage_offset, base._tt_storage_offset)
+        if o._tt_dtype is not base._tt_dtype or not all(type(n) is int for n in layout):
+            raise TracingError(
+                f"the compiled function returns a view of {bleaf.where} (in another dtype, or with sizes that vary "
+                f"between calls) after updating {bleaf.where} in place: eager's result shares {bleaf.where}'s memory, "
+                "so a later in-place write to it changes the input, which the compiled result would not follow. Return "
+                "a copy (.clone()), or compile with dynamic=False.")
+        exprs.append((i, f"{fn}({real}, {tuple(o._tt_shape)!r}, {tuple(o._tt_strides)!r}, "
+                         f"{o._tt_storage_offset - base._tt_storage_offset})"))
     return exprs
 
 
 def _view(base, shape, strides, offset):
     """A view of ``base`` that does not require grad (sharing its version counter, as eager's views and
-    ``detach()`` do)."""
-    if offset == 0 and shape == base.shape and strides == base.stride():
-        return base.detach()  # the whole tensor: eager's detach() is no view (``_is_view()``) either
+    ``detach()`` do); ``shape`` None: the whole of it."""
+    if shape is None:
+        return base.detach()  # eager's detach() is no view (``_is_view()``) either
     return base.detach().as_strided(shape, strides, base.storage_offset() + offset)
 
 
 def _same_memory(base, shape, strides, offset):
-    """A tensor on ``base``'s memory with a version counter of its own (eager's ``t.data``)."""
+    """A tensor on ``base``'s memory with a version counter of its own (eager's ``t.data``); ``shape`` None: the
+    whole of it."""
+    if shape is None:
+        shape, strides = base.shape, base.stride()
     with torch.no_grad():
         return torch.empty(0, dtype=base.dtype, device=base.device).set_(
             base.untyped_storage(), base.storage_offset() + offset, shape, strides)
