@@ -54,6 +54,12 @@ def handle_torch_function(func, types, args, kwargs):
         trc = st.trace
         top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
     fname = getattr(func, "__name__", "")
+    if top and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise TracingError(
+            f"a torch.func transform (grad, vmap, jacrev, jvp, functional autograd) around {callable_name(func)} inside a "
+            "compiled function is not supported: the compiled program would hold the transform's traced tensors. "
+            "Compute gradients with torch.autograd.grad or loss.backward() inside the function, or apply the transform "
+            "outside the compiled function.")
     refuse_sparse_gradient(func, args, kwargs)
     special = _AUTOGRAD_CALLS.get(func)
     if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
