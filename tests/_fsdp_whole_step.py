@@ -85,6 +85,7 @@ def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None
             out["thin_calls"] = tt.compile_stats(step).thin_calls
             out["trace"] = str(tt.last_traces(step)[-1])
             out["step"] = step
+            out["objects"] = (model, opt)
         if peak:
             out["peak"] = peak_call_bytes_all_threads(lambda: step(model, opt, *data[-1]), step if compiled else None)
     finally:
@@ -115,6 +116,7 @@ def run(rank, world, out_dir):
         # yet every rank issues its collectives in the same order.
         cases = {"mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True, "prefetch": True})}
     steps = {}  # the compiled step of each case
+    objects = {}  # the model and optimizer it trained
     eager_runs = {}  # cases that differ only in how they compile (thin, prefetch) share one eager FSDP2 run
     for name, (make, units, data, opt_fn, kw) in cases.items():
         fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch", "peak")}
@@ -124,12 +126,14 @@ def run(rank, world, out_dir):
         result[name] = {"eager": eager_runs[key]}
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
         steps[name] = result[name]["compiled"].pop("step")
+        objects[name] = result[name]["compiled"].pop("objects")
     if world == 2:
         # the uninterrupted run is mlp_adamw's compiled one; its compiled step serves the others (same structure)
         whole = result["mlp_adamw"]["compiled"]
         result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
         result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
+        result["switched"] = switched_after_compiling(steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"], mlp_data[0])
         result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -210,6 +214,32 @@ def errors(batch):
     with torch.no_grad():
         m = shard(mlp(), linears)
         out["eval"] = (tt.compile(lambda m, x: m(x))(m, x), m(x))
+    return out
+
+
+def switched_after_compiling(step, model, opt, batch):
+    """FSDP2's switches flipped on a model whose thin step is bound: each call is refused (eager FSDP2 would
+    accumulate without reducing, or divide by another factor) with the model left as it was, and switched back
+    the same program runs again (no new trace)."""
+    out = {}
+    entries = tt.compile_stats(step).entries
+    for name, switch, back in (("no_sync", lambda: model.set_requires_gradient_sync(False),
+                                lambda: model.set_requires_gradient_sync(True)),
+                               ("layer_no_sync", lambda: model[0].set_requires_gradient_sync(False, recurse=False),
+                                lambda: model[0].set_requires_gradient_sync(True, recurse=False)),
+                               ("divide_factor", lambda: model[2].set_gradient_divide_factor(4.0),
+                                lambda: model[2].set_gradient_divide_factor(None))):
+        switch()
+        before = snapshot(model, opt)[:2]
+        msg = refused(step, model, opt, *batch)
+        after = snapshot(model, opt)[:2]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and \
+            all(torch.equal(a[k], b[k]) for a, b in zip(before[1], after[1]) for k in a)
+        back()
+        out[name] = (msg, unchanged)
+    thin = tt.compile_stats(step).thin_calls
+    step(model, opt, *batch)
+    out["rerun"] = (tt.compile_stats(step).entries - entries, tt.compile_stats(step).thin_calls - thin)
     return out
 
 

@@ -152,6 +152,21 @@ def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
     torch.testing.assert_close(compiled, eager)
 
 
+def test_fsdp2_switches_flipped_after_compiling_are_refused(two_ranks):
+    # set_requires_gradient_sync(False) (on the root, or on one unit only) and a gradient divide factor set after
+    # the thin step was bound: each is part of the guard, so the call retraces and is refused, leaving parameters and
+    # optimizer state as they were (before, the bound program ran and reduce-scattered and stepped silently, where
+    # eager FSDP2 accumulates without reducing and leaves the parameters alone).  Switched back: the same program.
+    for r in two_ranks:
+        s = r["switched"]
+        for key, words in (("no_sync", "set_requires_gradient_sync(False)"), ("layer_no_sync", "set_requires_gradient_sync(False)"),
+                           ("divide_factor", "a gradient divide factor")):
+            msg, unchanged = s[key]
+            assert "TracingError" in msg and words in msg, (key, msg)
+            assert unchanged, key
+        assert s["rerun"][0] == 0, s["rerun"]  # no new entry
+
+
 def test_fsdp2_step_equals_eager_on_four_ranks(ranks):
     ranks = ranks[4]
     # Uneven shards of 33 and 5 rows over 4 ranks: one rank holds no row of the 5-row parameters (prefetch on:

@@ -103,6 +103,18 @@ def unsupported(state) -> list:
     return sorted(set(problems))
 
 
+def config_key(m) -> tuple:
+    """What of fully_shard unit ``m``'s configuration a traced program depends on, comparable: the switches FSDP2's
+    ``set_*`` methods change after ``fully_shard`` (gradient sync, resharding, divide factors, hooks, custom
+    collectives).  The runtime guards it (runtime/hook_guard.py), so a switch flipped after compiling retraces, and
+    the retrace refuses what ``unsupported`` names, instead of running the program traced before."""
+    groups = m._get_fsdp_state()._fsdp_param_groups
+    return ("fully_shard",) + tuple(
+        (pg.reduce_grads, pg.all_reduce_grads, pg.reshard_after_backward, pg.post_forward_mesh_info is not None,
+         pg.gradient_divide_factor, pg.force_sum_reduction_for_comms, pg._all_reduce_hook,
+         type(pg._all_gather_comm), type(pg._reduce_scatter_comm)) for pg in groups)
+
+
 class _TracedUnit:
     """Stands in for one fully_shard unit's forward hooks while tracing (restored by the walker afterwards)."""
 
