@@ -177,6 +177,12 @@ def clip_step(model, opt, x, y):
     return loss
 
 
+def evaluate(model, x):
+    """An evaluation step called with grad enabled: no_grad inside (so no backward is needed)."""
+    with torch.no_grad():
+        return model(x)
+
+
 def errors(batch):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -214,6 +220,9 @@ def errors(batch):
     with torch.no_grad():
         m = shard(mlp(), linears)
         out["eval"] = (tt.compile(lambda m, x: m(x))(m, x), m(x))
+    m, fn = shard(mlp(), linears), tt.compile(evaluate)
+    msg = refused(fn, m, x)
+    out["eval_inside"] = (msg, fn(m, x) if msg == "no error" else None, evaluate(m, x))
     return out
 
 

@@ -150,6 +150,11 @@ def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
         assert unchanged, key  # a refused call leaves the parameters as they were
     compiled, eager = errors["eval"]  # evaluation under no_grad needs no backward
     torch.testing.assert_close(compiled, eager)
+    # ... also where no_grad is inside the function, called with grad enabled (was refused as a forward without
+    # its backward: grad mode was read where the function was called, not where the units ran)
+    msg, compiled, eager = errors["eval_inside"]
+    assert msg == "no error", msg
+    torch.testing.assert_close(compiled, eager)
 
 
 def test_fsdp2_switches_flipped_after_compiling_are_refused(two_ranks):

@@ -125,6 +125,7 @@ class _TracedUnit:
         self.reshard = any(pg.post_forward_mesh_info is not None for pg in state._fsdp_param_groups)
         mp = state._mp_policy
         self.input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self.ran_with_grad = False  # a forward of this unit ran with grad enabled (check_finished)
 
     def _shard(self, fp):
         leaf = self.walker.by_id.get(id(fp.sharded_param))
@@ -137,6 +138,7 @@ class _TracedUnit:
         from ..torchlang.distributed import fsdp_all_gather
 
         st = context.tracer_state()
+        self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
         for fp in self.params:
             shard = st.buffers.read(self._shard(fp))
             mi = fp.mesh_info
@@ -267,9 +269,11 @@ def check_shard_uses(st):
 
 
 def check_finished(st):
-    """At the end of tracing: a fully_shard forward with grad enabled had its backward in the function."""
+    """At the end of tracing: a fully_shard forward with grad enabled had its backward in the function.  Grad mode
+    is read where each unit ran: an evaluation step that runs the model under ``torch.no_grad()`` inside the
+    function needs no backward, whatever the mode it was called in."""
     walker = st.walker
-    if walker.fsdp_units and not st.has_backward and st.grad_enabled and any(
+    if not st.has_backward and any(u.ran_with_grad for u in walker.fsdp_units) and any(
             leaf.kind == "dtensor" and leaf.value.requires_grad for leaf in walker.leaves):
         raise TracingError(
             "a fully_shard (FSDP2) model inside a compiled function ran its forward with grad enabled, but the "
