@@ -204,6 +204,9 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
         assert r["fused"]["programs"] == ["step"] and r["fused"]["thin_calls"] >= 3
         # Without fuse_optimizer the backward would run outside the program: refused at setup, clearly.
         assert "fuse_optimizer=True" in r["split"] and "ModelParallelStrategy" in r["split"], r["split"]
+        # Clipping by norm would read every rank's gradient shards: refused at setup (it was refused by the first
+        # step's trace, whose advice to clip outside the compiled step does not apply under the callback).
+        assert "MisconfigurationException" in r["clip_norm"] and "gradient_clip_algorithm='value'" in r["clip_norm"], r["clip_norm"]
 
 
 def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):
