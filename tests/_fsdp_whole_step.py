@@ -133,6 +133,7 @@ def run(rank, world, out_dir):
         result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
         result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
+        result["clip_between"] = clip_between(mlp_data[:3])
         result["switched"] = switched_after_compiling(steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"], mlp_data[0])
         result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -181,6 +182,36 @@ def evaluate(model, x):
     """An evaluation step called with grad enabled: no_grad inside (so no backward is needed)."""
     with torch.no_grad():
         return model(x)
+
+
+def forward_backward(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def update(model, opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def clip_between(data):
+    """What the refusal of clip_step advises: forward and backward compiled, clip_grad_norm_ eagerly on the DTensor
+    gradients, the update compiled; against the same three eagerly."""
+    linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
+    out = {}
+    for kind, (fb, upd) in (("eager", (forward_backward, update)),
+                            ("compiled", (tt.compile(forward_backward, thin=True), tt.compile(update, thin=True)))):
+        torch.manual_seed(0)
+        model = shard(mlp(), linears)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        values = []
+        for x, y in data:
+            values.append(fb(model, x, y).detach())
+            values.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor())
+            upd(model, opt)
+        out[kind] = {"values": values, "params": [local(p) for p in model.parameters()]}
+    return out
 
 
 def errors(batch):

@@ -264,8 +264,10 @@ def check_shard_uses(st):
         raise TracingError(
             f"{b.sym.id} reads {what} outside its fully_shard unit's forward and the "
             "optimizer's update: inside a compiled step that value is this rank's shard, so the result would be "
-            "computed on part of the tensor (eager computes on the whole DTensor). Not supported yet: do this outside "
-            "the compiled step (e.g. gradient clipping by total norm), or run the step eagerly.")
+            "computed on part of the tensor (eager computes on the whole DTensor). Not supported yet: do this between "
+            "two compiled functions, eagerly on the DTensors; e.g. for gradient clipping by total norm compile "
+            "forward and loss.backward() as one function, the optimizer's step and zero_grad as another (given the "
+            "model and the optimizer), and call clip_grad_norm_ between them. Or run the step eagerly.")
 
 
 def check_finished(st):
