@@ -196,8 +196,9 @@ def update(model, opt):
 
 
 def clip_between(data):
-    """What the refusal of clip_step advises: forward and backward compiled, clip_grad_norm_ eagerly on the DTensor
-    gradients, the update compiled; against the same three eagerly."""
+    """What the refusal of clip_step advises: forward and backward compiled (twice per step: gradient accumulation
+    that reduces each micro-batch), clip_grad_norm_ eagerly on the DTensor gradients, the update compiled; against
+    the same three eagerly."""
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
     out = {}
     for kind, (fb, upd) in (("eager", (forward_backward, update)),
@@ -208,6 +209,7 @@ def clip_between(data):
         values = []
         for x, y in data:
             values.append(fb(model, x, y).detach())
+            values.append(fb(model, x[:3], y[:3]).detach())  # gradient accumulation: adds to the DTensor .grad
             values.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor())
             upd(model, opt)
         out[kind] = {"values": values, "params": [local(p) for p in model.parameters()]}
