@@ -130,19 +130,23 @@ def run(rank, world, out_dir):
     if world == 2:
         # the uninterrupted run is mlp_adamw's compiled one; its compiled step serves the others (same structure)
         whole = result["mlp_adamw"]["compiled"]
-        result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
         result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
         result["clip_between"] = clip_between(mlp_data[:3])
         result["switched"] = switched_after_compiling(steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"], mlp_data[0])
+        # (after the switches: the thin step's model and optimizer are loaded from the checkpoint)
+        result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"],
+                                                 steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"])
         result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def checkpoint_resume(data, step, whole, params, opt_state):
+def checkpoint_resume(data, step, whole, params, opt_state, thin_step, thin_model, thin_opt):
     """Two compiled steps, a DCP save, a fresh model and optimizer loaded from it, two more compiled steps: the same
     as four uninterrupted compiled steps (``whole``, ending with ``params`` and ``opt_state``), and model.state_dict()
-    holds DTensors between compiled steps.  ``step``: the compiled step of the uninterrupted run."""
+    holds DTensors between compiled steps.  ``step``: the compiled step of the uninterrupted run.  Then the same
+    checkpoint loaded into a model and optimizer that a bound thin step has trained further (``thin_step``,
+    ``thin_model``, ``thin_opt``: set_state_dict in place, the step reused), two more steps: the same again."""
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
     torch.manual_seed(0)
     model = shard(mlp(), linears)
@@ -165,8 +169,15 @@ def checkpoint_resume(data, step, whole, params, opt_state):
     dcp.load(state, checkpoint_id=holder[0])
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     second = [step(model2, opt2, x, y) for x, y in data[2:]]
-    return {"whole": whole, "resumed": first + second, "expected": (params, opt_state), "got": snapshot(model2, opt2)[:2],
-            "sd_types": sd_types}
+    out = {"whole": whole, "resumed": first + second, "expected": (params, opt_state), "got": snapshot(model2, opt2)[:2],
+           "sd_types": sd_types}
+    msd3, osd3 = get_state_dict(thin_model, thin_opt)
+    state = {"model": msd3, "optim": osd3}
+    dcp.load(state, checkpoint_id=holder[0])
+    set_state_dict(thin_model, thin_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["resumed_in_place"] = first + [thin_step(thin_model, thin_opt, x, y) for x, y in data[2:]]
+    out["got_in_place"] = snapshot(thin_model, thin_opt)[:2]
+    return out
 
 
 def clip_step(model, opt, x, y):
