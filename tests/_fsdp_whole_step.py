@@ -85,6 +85,7 @@ def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None
             out["thin_calls"] = tt.compile_stats(step).thin_calls
             out["trace"] = str(tt.last_traces(step)[-1])
             out["step"] = step
+            out["objects"] = (model, opt)
         if peak:
             out["peak"] = peak_call_bytes_all_threads(lambda: step(model, opt, *data[-1]), step if compiled else None)
     finally:
@@ -115,6 +116,7 @@ def run(rank, world, out_dir):
         # yet every rank issues its collectives in the same order.
         cases = {"mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True, "prefetch": True})}
     steps = {}  # the compiled step of each case
+    objects = {}  # the model and optimizer it trained
     eager_runs = {}  # cases that differ only in how they compile (thin, prefetch) share one eager FSDP2 run
     for name, (make, units, data, opt_fn, kw) in cases.items():
         fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch", "peak")}
@@ -124,20 +126,27 @@ def run(rank, world, out_dir):
         result[name] = {"eager": eager_runs[key]}
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
         steps[name] = result[name]["compiled"].pop("step")
+        objects[name] = result[name]["compiled"].pop("objects")
     if world == 2:
         # the uninterrupted run is mlp_adamw's compiled one; its compiled step serves the others (same structure)
         whole = result["mlp_adamw"]["compiled"]
-        result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"])
         result["errors"] = errors(mlp_data[0])
         result["no_grad_unit"] = no_grad_unit(mlp_data[:3])
+        result["clip_between"] = clip_between(mlp_data[:3])
+        result["switched"] = switched_after_compiling(steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"], mlp_data[0])
+        # (after the switches: the thin step's model and optimizer are loaded from the checkpoint)
+        result["checkpoint"] = checkpoint_resume(mlp_data, steps["mlp_adamw"], whole["losses"], whole["params"], whole["state"],
+                                                 steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"])
         result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def checkpoint_resume(data, step, whole, params, opt_state):
+def checkpoint_resume(data, step, whole, params, opt_state, thin_step, thin_model, thin_opt):
     """Two compiled steps, a DCP save, a fresh model and optimizer loaded from it, two more compiled steps: the same
     as four uninterrupted compiled steps (``whole``, ending with ``params`` and ``opt_state``), and model.state_dict()
-    holds DTensors between compiled steps.  ``step``: the compiled step of the uninterrupted run."""
+    holds DTensors between compiled steps.  ``step``: the compiled step of the uninterrupted run.  Then the same
+    checkpoint loaded into a model and optimizer that a bound thin step has trained further (``thin_step``,
+    ``thin_model``, ``thin_opt``: set_state_dict in place, the step reused), two more steps: the same again."""
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
     torch.manual_seed(0)
     model = shard(mlp(), linears)
@@ -160,8 +169,15 @@ def checkpoint_resume(data, step, whole, params, opt_state):
     dcp.load(state, checkpoint_id=holder[0])
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     second = [step(model2, opt2, x, y) for x, y in data[2:]]
-    return {"whole": whole, "resumed": first + second, "expected": (params, opt_state), "got": snapshot(model2, opt2)[:2],
-            "sd_types": sd_types}
+    out = {"whole": whole, "resumed": first + second, "expected": (params, opt_state), "got": snapshot(model2, opt2)[:2],
+           "sd_types": sd_types}
+    msd3, osd3 = get_state_dict(thin_model, thin_opt)
+    state = {"model": msd3, "optim": osd3}
+    dcp.load(state, checkpoint_id=holder[0])
+    set_state_dict(thin_model, thin_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["resumed_in_place"] = first + [thin_step(thin_model, thin_opt, x, y) for x, y in data[2:]]
+    out["got_in_place"] = snapshot(thin_model, thin_opt)[:2]
+    return out
 
 
 def clip_step(model, opt, x, y):
@@ -171,6 +187,44 @@ def clip_step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+def evaluate(model, x):
+    """An evaluation step called with grad enabled: no_grad inside (so no backward is needed)."""
+    with torch.no_grad():
+        return model(x)
+
+
+def forward_backward(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def update(model, opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def clip_between(data):
+    """What the refusal of clip_step advises: forward and backward compiled (twice per step: gradient accumulation
+    that reduces each micro-batch), clip_grad_norm_ eagerly on the DTensor gradients, the update compiled; against
+    the same three eagerly."""
+    linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
+    out = {}
+    for kind, (fb, upd) in (("eager", (forward_backward, update)),
+                            ("compiled", (tt.compile(forward_backward, thin=True), tt.compile(update, thin=True)))):
+        torch.manual_seed(0)
+        model = shard(mlp(), linears)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        values = []
+        for x, y in data:
+            values.append(fb(model, x, y).detach())
+            values.append(fb(model, x[:3], y[:3]).detach())  # gradient accumulation: adds to the DTensor .grad
+            values.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor())
+            upd(model, opt)
+        out[kind] = {"values": values, "params": [local(p) for p in model.parameters()]}
+    return out
 
 
 def errors(batch):
@@ -210,6 +264,35 @@ def errors(batch):
     with torch.no_grad():
         m = shard(mlp(), linears)
         out["eval"] = (tt.compile(lambda m, x: m(x))(m, x), m(x))
+    m, fn = shard(mlp(), linears), tt.compile(evaluate)
+    msg = refused(fn, m, x)
+    out["eval_inside"] = (msg, fn(m, x) if msg == "no error" else None, evaluate(m, x))
+    return out
+
+
+def switched_after_compiling(step, model, opt, batch):
+    """FSDP2's switches flipped on a model whose thin step is bound: each call is refused (eager FSDP2 would
+    accumulate without reducing, or divide by another factor) with the model left as it was, and switched back
+    the same program runs again (no new trace)."""
+    out = {}
+    entries = tt.compile_stats(step).entries
+    for name, switch, back in (("no_sync", lambda: model.set_requires_gradient_sync(False),
+                                lambda: model.set_requires_gradient_sync(True)),
+                               ("layer_no_sync", lambda: model[0].set_requires_gradient_sync(False, recurse=False),
+                                lambda: model[0].set_requires_gradient_sync(True, recurse=False)),
+                               ("divide_factor", lambda: model[2].set_gradient_divide_factor(4.0),
+                                lambda: model[2].set_gradient_divide_factor(None))):
+        switch()
+        before = snapshot(model, opt)[:2]
+        msg = refused(step, model, opt, *batch)
+        after = snapshot(model, opt)[:2]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and \
+            all(torch.equal(a[k], b[k]) for a, b in zip(before[1], after[1]) for k in a)
+        back()
+        out[name] = (msg, unchanged)
+    thin = tt.compile_stats(step).thin_calls
+    step(model, opt, *batch)
+    out["rerun"] = (tt.compile_stats(step).entries - entries, tt.compile_stats(step).thin_calls - thin)
     return out
 
 

@@ -29,9 +29,9 @@ def in_rank(rank: int, world: int):
             os.environ.pop(k, None)
 
 
-def fit(make_model, strategy, callbacks, *, samples, batch_size, max_steps, accumulate=1):
+def fit(make_model, strategy, callbacks, *, samples, batch_size, max_steps, accumulate=1, **trainer_kw):
     """``(trainer, model, losses)`` after ``max_steps`` steps of ``make_model()`` (seeded) on 8 random features and
-    4 classes per sample."""
+    4 classes per sample; ``trainer_kw``: more arguments of the Trainer."""
     torch.manual_seed(0)
     model = make_model()
     g = torch.Generator().manual_seed(1)
@@ -40,6 +40,6 @@ def fit(make_model, strategy, callbacks, *, samples, batch_size, max_steps, accu
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, callbacks=[*callbacks, losses],
         enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
-        accumulate_grad_batches=accumulate)
+        accumulate_grad_batches=accumulate, **trainer_kw)
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
     return trainer, model, torch.stack(losses.losses)

@@ -130,11 +130,16 @@ def test_fsdp2_state_dict_and_dcp_between_compiled_steps(two_ranks):
         assert c["sd_types"] == ["DTensor"]
         # Saved after two compiled steps, loaded into a fresh model and optimizer, two more: the uninterrupted run.
         torch.testing.assert_close(torch.stack(c["resumed"]), torch.stack(c["whole"]))
-        for a, b in zip(c["got"][0], c["expected"][0]):
-            torch.testing.assert_close(a, b)
-        for sa, sb in zip(c["got"][1], c["expected"][1]):
-            for k in sa:
-                torch.testing.assert_close(sa[k], sb[k])
+        # ... and so does one loaded in place into the model and optimizer of a bound thin step, trained two steps
+        # further (and switched by the test above), that step reused.
+        for got in ("got", "got_in_place"):
+            for a, b in zip(c[got][0], c["expected"][0]):
+                torch.testing.assert_close(a, b)
+            for sa, sb in zip(c[got][1], c["expected"][1]):
+                assert sa.keys() == sb.keys()
+                for k in sa:
+                    torch.testing.assert_close(sa[k], sb[k])
+        torch.testing.assert_close(torch.stack(c["resumed_in_place"]), torch.stack(c["whole"]))
 
 
 def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
@@ -150,6 +155,39 @@ def test_fsdp2_unsupported_configurations_are_refused(two_ranks):
         assert unchanged, key  # a refused call leaves the parameters as they were
     compiled, eager = errors["eval"]  # evaluation under no_grad needs no backward
     torch.testing.assert_close(compiled, eager)
+    # ... also where no_grad is inside the function, called with grad enabled (was refused as a forward without
+    # its backward: grad mode was read where the function was called, not where the units ran)
+    msg, compiled, eager = errors["eval_inside"]
+    assert msg == "no error", msg
+    torch.testing.assert_close(compiled, eager)
+
+
+def test_fsdp2_switches_flipped_after_compiling_are_refused(two_ranks):
+    # set_requires_gradient_sync(False) (on the root, or on one unit only) and a gradient divide factor set after
+    # the thin step was bound: each is part of the guard, so the call retraces and is refused, leaving parameters and
+    # optimizer state as they were (before, the bound program ran and reduce-scattered and stepped silently, where
+    # eager FSDP2 accumulates without reducing and leaves the parameters alone).  Switched back: the same program.
+    for r in two_ranks:
+        s = r["switched"]
+        for key, words in (("no_sync", "set_requires_gradient_sync(False)"), ("layer_no_sync", "set_requires_gradient_sync(False)"),
+                           ("divide_factor", "a gradient divide factor")):
+            msg, unchanged = s[key]
+            assert "TracingError" in msg and words in msg, (key, msg)
+            assert unchanged, key
+        assert s["rerun"][0] == 0, s["rerun"]  # no new entry
+
+
+def test_fsdp2_gradient_clipping_between_compiled_backward_and_update(two_ranks):
+    # Clipping by total norm inside a compiled step is refused (above); what its message advises instead: forward and
+    # backward compiled (twice per step, the second adding to the DTensor .grad: gradient accumulation that reduces
+    # each micro-batch), clip_grad_norm_ eagerly on the DTensor gradients, the update compiled.  Losses, norms and
+    # parameters equal the same three eagerly.
+    for r in two_ranks:
+        eager, compiled = r["clip_between"]["eager"], r["clip_between"]["compiled"]
+        torch.testing.assert_close(torch.stack(compiled["values"]), torch.stack(eager["values"]))
+        assert (torch.stack(eager["values"][2::3]) > 0.5).all()  # each step clipped
+        for a, b in zip(compiled["params"], eager["params"]):
+            torch.testing.assert_close(a, b)
 
 
 def test_fsdp2_step_equals_eager_on_four_ranks(ranks):
@@ -184,6 +222,9 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
         assert r["fused"]["programs"] == ["step"] and r["fused"]["thin_calls"] >= 3
         # Without fuse_optimizer the backward would run outside the program: refused at setup, clearly.
         assert "fuse_optimizer=True" in r["split"] and "ModelParallelStrategy" in r["split"], r["split"]
+        # Clipping by norm would read every rank's gradient shards: refused at setup (it was refused by the first
+        # step's trace, whose advice to clip outside the compiled step does not apply under the callback).
+        assert "MisconfigurationException" in r["clip_norm"] and "gradient_clip_algorithm='value'" in r["clip_norm"], r["clip_norm"]
 
 
 def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):

@@ -250,6 +250,13 @@ class ThunderCallback(Callback):
                 "with ThunderCallback(fuse_optimizer=True) and accumulate_grad_batches=1 (the gradients' "
                 "reduce-scatters are lines of the step's program, so its backward and update must be in it). "
                 "Set fuse_optimizer=True, or remove the callback.")
+        if _is_model_parallel(trainer.strategy) and trainer.gradient_clip_val and \
+                (trainer.gradient_clip_algorithm or "norm") == "norm":  # (an str enum: compared by value)
+            raise MisconfigurationException(
+                "ThunderCallback under ModelParallelStrategy (FSDP2): gradient clipping by norm (gradient_clip_val with "
+                "gradient_clip_algorithm='norm') is not supported yet: inside the compiled step each rank holds its "
+                "shard of every gradient, and the total norm would need all of them. Use "
+                "gradient_clip_algorithm='value', or no clipping, or remove the callback.")
         if not manual and not self.fuse_optimizer:
             return "forward"
         what = ("manual optimization (the whole training_step is compiled)" if manual

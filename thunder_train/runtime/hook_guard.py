@@ -16,6 +16,11 @@ removed later would otherwise go unseen, so every hook registry a program depend
 
 Editing a hook dict directly (``m._forward_hooks.clear()``) bypasses the handles: the full path still sees
 it (the signature), a thin binding does not until ``revalidate()``.
+
+A fully_shard (FSDP2) unit's configuration is guarded the same way: its ``set_*`` switches
+(``set_requires_gradient_sync(False)``, ``set_reshard_after_forward``, a divide factor, ...) decide what the traced
+program does, so each unit's ``fsdp.config_key`` is part of the signature, and ``FSDPModule``'s setters bump the
+version when they change a key (wrapped when the first entry holding a unit is made).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from torch.optim import optimizer as _optim_mod
 from torch.utils import hooks as _torch_hooks
 
 from ..compiler import context
-from ..compiler.acquisition.fsdp import fsdp_hook_ids
+from ..compiler.acquisition.fsdp import config_key, fsdp_hook_ids, is_fsdp_module
 from . import module_epoch
 
 _MODULE_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -76,6 +81,39 @@ def _install() -> None:
 _install()
 
 
+def _fsdp_keys(m) -> tuple:
+    return tuple(config_key(u) for u in m.modules() if is_fsdp_module(u))
+
+
+_fsdp_installed = False
+
+
+def _install_fsdp_setters() -> None:
+    """Wrap every ``FSDPModule.set_*``: a call that changes some unit's ``config_key`` bumps the version (and drops
+    thin bindings), like a hook registered or removed."""
+    global _fsdp_installed
+    if _fsdp_installed:
+        return
+    _fsdp_installed = True
+    from torch.distributed.fsdp import FSDPModule
+
+    def wrap(orig):
+        def counting_setter(self, *args, **kwargs):
+            before = _fsdp_keys(self)
+            out = orig(self, *args, **kwargs)
+            if _fsdp_keys(self) != before:
+                _changed()
+            return out
+
+        counting_setter.__wrapped__ = orig
+        counting_setter.__doc__ = orig.__doc__
+        counting_setter.__name__ = orig.__name__
+        return counting_setter
+
+    for name in [n for n in vars(FSDPModule) if n.startswith("set_") and callable(vars(FSDPModule)[n])]:
+        setattr(FSDPModule, name, wrap(vars(FSDPModule)[name]))
+
+
 def _dict_sig(d):
     if not d:
         return None if d is None else 0
@@ -90,6 +128,9 @@ def signature(leaves, vals) -> tuple:
             _TENSOR_DICTS if isinstance(v, torch.Tensor) else ()
         for name in names:
             sig.append(_dict_sig(getattr(v, name, None)))
+        if leaf.kind == "module" and is_fsdp_module(v):
+            _install_fsdp_setters()
+            sig.append(config_key(v))
     return tuple(sig)
 
 
@@ -99,6 +140,8 @@ def describe(before: tuple, after: tuple) -> str:
         if a != b:
             if i < n_global:
                 return f"the global hooks {_GLOBAL_DICTS[i][1]} changed"
+            if isinstance(a, tuple) and a[:1] == ("fully_shard",):
+                return "the configuration of a fully_shard unit changed (one of FSDPModule's set_* switches)"
             return "a hook of a module, tensor or optimizer the function uses was registered or removed"
     return "the hooks changed"
 

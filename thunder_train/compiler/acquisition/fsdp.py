@@ -103,6 +103,18 @@ def unsupported(state) -> list:
     return sorted(set(problems))
 
 
+def config_key(m) -> tuple:
+    """What of fully_shard unit ``m``'s configuration a traced program depends on, comparable: the switches FSDP2's
+    ``set_*`` methods change after ``fully_shard`` (gradient sync, resharding, divide factors, hooks, custom
+    collectives).  The runtime guards it (runtime/hook_guard.py), so a switch flipped after compiling retraces, and
+    the retrace refuses what ``unsupported`` names, instead of running the program traced before."""
+    groups = m._get_fsdp_state()._fsdp_param_groups
+    return ("fully_shard",) + tuple(
+        (pg.reduce_grads, pg.all_reduce_grads, pg.reshard_after_backward, pg.post_forward_mesh_info is not None,
+         pg.gradient_divide_factor, pg.force_sum_reduction_for_comms, pg._all_reduce_hook,
+         type(pg._all_gather_comm), type(pg._reduce_scatter_comm)) for pg in groups)
+
+
 class _TracedUnit:
     """Stands in for one fully_shard unit's forward hooks while tracing (restored by the walker afterwards)."""
 
@@ -113,6 +125,7 @@ class _TracedUnit:
         self.reshard = any(pg.post_forward_mesh_info is not None for pg in state._fsdp_param_groups)
         mp = state._mp_policy
         self.input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self.ran_with_grad = False  # a forward of this unit ran with grad enabled (check_finished)
 
     def _shard(self, fp):
         leaf = self.walker.by_id.get(id(fp.sharded_param))
@@ -125,6 +138,7 @@ class _TracedUnit:
         from ..torchlang.distributed import fsdp_all_gather
 
         st = context.tracer_state()
+        self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
         for fp in self.params:
             shard = st.buffers.read(self._shard(fp))
             mi = fp.mesh_info
@@ -250,14 +264,18 @@ def check_shard_uses(st):
         raise TracingError(
             f"{b.sym.id} reads {what} outside its fully_shard unit's forward and the "
             "optimizer's update: inside a compiled step that value is this rank's shard, so the result would be "
-            "computed on part of the tensor (eager computes on the whole DTensor). Not supported yet: do this outside "
-            "the compiled step (e.g. gradient clipping by total norm), or run the step eagerly.")
+            "computed on part of the tensor (eager computes on the whole DTensor). Not supported yet: do this between "
+            "two compiled functions, eagerly on the DTensors; e.g. for gradient clipping by total norm compile "
+            "forward and loss.backward() as one function, the optimizer's step and zero_grad as another (given the "
+            "model and the optimizer), and call clip_grad_norm_ between them. Or run the step eagerly.")
 
 
 def check_finished(st):
-    """At the end of tracing: a fully_shard forward with grad enabled had its backward in the function."""
+    """At the end of tracing: a fully_shard forward with grad enabled had its backward in the function.  Grad mode
+    is read where each unit ran: an evaluation step that runs the model under ``torch.no_grad()`` inside the
+    function needs no backward, whatever the mode it was called in."""
     walker = st.walker
-    if walker.fsdp_units and not st.has_backward and st.grad_enabled and any(
+    if not st.has_backward and any(u.ran_with_grad for u in walker.fsdp_units) and any(
             leaf.kind == "dtensor" and leaf.value.requires_grad for leaf in walker.leaves):
         raise TracingError(
             "a fully_shard (FSDP2) model inside a compiled function ran its forward with grad enabled, but the "
