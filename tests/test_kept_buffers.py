@@ -9,6 +9,7 @@ they can.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 import pytest
@@ -128,6 +129,50 @@ def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_s
         torch.testing.assert_close(cf(c, x), f(c, x))
     src = source(cf)
     assert "0.0, out=" not in src and "torch.where(c, t0, x, out=_b[" in src.replace("  ", " "), src
+
+
+@pytest.mark.parametrize("form", sorted(buffers._TAKES_TENSORS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
+def test_elementwise_out_forms_take_every_call_of_tensors_as_torch_says(form):
+    # _accepts_out answers yes for these forms' calls of tensors alone without asking torch (a dispatch through a
+    # Python mode, most of a small program's first call): torch's own answer must be yes for every such call the
+    # functional form takes (each arity, dtype, rank, 0-d operands that the parser could read as numbers).
+    kinds = [(torch.float32, ()), (torch.float32, (3, 4)), (torch.float64, (4,)), (torch.bfloat16, (1, 4)),
+             (torch.int64, ()), (torch.int64, (3, 4)), (torch.bool, (4,)), (torch.complex64, (3, 1))]
+    asked = 0
+    for arity in (1, 2):
+        for combo in itertools.product(kinds, repeat=arity):
+            real = [torch.ones(shape, dtype=dt) for dt, shape in combo]
+            try:
+                want = form(*real)
+            except (TypeError, RuntimeError):
+                continue  # not a call the functional form takes (arity, dtypes)
+            metas = [t.to("meta") for t in real]
+            assert buffers.reaches_dispatcher(form, metas, {}, want.to("meta")), (form, combo)
+            asked += 1
+    assert asked >= len(kinds) // 2
+
+
+def test_the_out_form_question_is_asked_only_of_values_that_could_be_kept(every_size, monkeypatch):
+    # The returned value and one an opaque op receives can never be kept: asking whether their out form takes the
+    # call (a dispatch through a Python mode, a small program's first call) is skipped; the plan is the same.
+    asked = []
+    ask = buffers._accepts_out
+    monkeypatch.setattr(buffers, "_accepts_out", lambda b, form: asked.append(b) or ask(b, form))
+
+    def f(x, y):
+        a = x * y
+        b = torch.sin(a) + 1.0
+        return (b * 2.0) - a
+
+    cf = tt.compile(f, thin=True)
+    x, y = torch.randn(16), torch.randn(16)
+    with torch.no_grad():
+        assert torch.equal(cf(x, y), f(x, y))
+    src = source(cf)
+    returned = tt.last_traces(cf)[-1].output
+    assert asked and all(b.output is not returned for b in asked)
+    assert src.count("out=_b[") == 4, src  # a, sin(a), b, b * 2 kept; the result allocated
+    assert "out=_b" not in [line for line in src.splitlines() if line.strip().startswith(f"{returned._tt_name} =")][0]
 
 
 def test_cross_entropy_out_forms_are_bitwise_eager_kernels():

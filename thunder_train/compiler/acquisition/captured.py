@@ -70,9 +70,15 @@ class Root:
             raise AssertionError(f"cannot rebind {kind}")  # "self": walked in place (a module or plain object)
 
 
-def _code_names(code, loads: set, stores: set, module_attrs: set) -> None:
+def _code_names(code, loads: set, stores: set, module_attrs: set, free_stores: set | None = None) -> None:
+    """The global names ``code`` and the functions defined in it read and write, the attributes of globals they read,
+    and (``free_stores``) the names among ``code.co_freevars`` it assigns (``nonlocal x; x = ...``): one pass over
+    its instructions."""
     prev = None
+    free = set(code.co_freevars) if free_stores is not None else ()
     for ins in dis.get_instructions(code):
+        if ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in free:
+            free_stores.add(ins.argval)
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             loads.add(ins.argval)
         elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
@@ -89,12 +95,6 @@ def _user_module(m) -> bool:
     """A Python module of the user's own code (``import utils``): its attributes the function reads are captured."""
     f = getattr(m, "__file__", None)
     return bool(f) and _user_file(f) and not (m.__name__ + ".").startswith(_INTERNAL)
-
-
-def _free_stores(code) -> set:
-    """Names among ``code.co_freevars`` the function assigns (``nonlocal x; x = ...``)."""
-    free = set(code.co_freevars)
-    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in free}
 
 
 def _function_of(fn):
@@ -192,9 +192,9 @@ def captured_roots(fn) -> list:
         elif f.__module__ != home[0] and not _user_code(f):
             return
         name = None if owner is None else f.__qualname__
-        loads, stores, module_attrs = set(), set(), set()
-        _code_names(code, loads, stores, module_attrs)
-        for what, names in (("global", sorted(stores & set(f.__globals__))), ("nonlocal", sorted(_free_stores(code)))):
+        loads, stores, module_attrs, free_stores = set(), set(), set(), set()
+        _code_names(code, loads, stores, module_attrs, free_stores)
+        for what, names in (("global", sorted(stores & set(f.__globals__))), ("nonlocal", sorted(free_stores))):
             if names:
                 raise TracingError(
                     f"{f.__qualname__} assigns the {what} {names[0]!r}: a compiled function runs its Python code once, "

@@ -31,7 +31,9 @@ background fusion replaces the program, its sets are freed (``release_replaced``
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,6 +112,11 @@ def _function_and_method(*names) -> dict:
     return {f: getattr(torch, n) for n in names for f in (getattr(torch, n), getattr(_T, n))}
 
 
+# Out forms whose ``out=`` overloads take any call whose arguments are all tensors (``_accepts_out`` asks torch about
+# the others; tests/test_kept_buffers.py checks torch says yes for every form here).
+_TAKES_TENSORS: set = set()
+
+
 def _declare_out_forms() -> None:
     from .. import prims
     from ..torchlang import activations, elementwise as ew, linalg, nn, reductions as red, shapes
@@ -131,6 +138,11 @@ def _declare_out_forms() -> None:
         forms[prim] = {f: f for f in fns}
     for op, declared in forms.items():
         op.torch_out_forms = declared
+    # The elementwise forms (TensorIterator kernels): their ``out=`` overloads take every call of tensors alone.
+    elementwise = [f for op, declared in forms.items() if op not in (red.sum, red.mean, prims.sum, nn.linear, linalg.addmm,
+                                                                     activations.gelu, linalg.matmul, prims.matmul,
+                                                                     shapes.cat, prims.cat) for f in declared.values()]
+    _TAKES_TENSORS.update(elementwise)
 
 
 def _declare_fresh() -> None:
@@ -231,21 +243,30 @@ def _accepts_out(bsym, form) -> bool:
     remembered (the caller's state could have caused it)."""
     if isinstance(bsym.sym, FusionSymbol):
         return True  # compiled for these very layouts; any other buffer fails its check and runs the region's torch ops
+    if form in _TAKES_TENSORS and not bsym.kwargs and _tensor(bsym.output) and all(map(_tensor, bsym.args)):
+        return True  # what the check below answers, without a first dispatch of each op (a small program's first call)
     key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
     if key in _accepted:
         return True
+    if not reaches_dispatcher(form, bsym.args, bsym.kwargs, bsym.output):
+        return False
+    _accepted.add(key)
+    return True
+
+
+def reaches_dispatcher(form, args, kwargs, out) -> bool:
+    """Whether ``form(*args, **kwargs, out=out)`` gets past its argument checks to torch's dispatcher, called on meta
+    tensors (proxies are replaced by theirs) with autocast and grad mode off as when the program runs."""
     try:
         with torch.autocast("cpu", enabled=False), torch.no_grad():
-            args, kwargs, out = tree_map(_meta, bsym.args), tree_map(_meta, bsym.kwargs), tree_map(_meta, bsym.output)
+            args, kwargs, out = tree_map(_meta, args), tree_map(_meta, kwargs), tree_map(_meta, out)
             with _ArgumentCheck():
                 form(*args, **kwargs, out=out)
         return False  # it returned without dispatching anything: not a call this check understands
     except _Dispatched:
-        pass
+        return True
     except Exception:
         return False
-    _accepted.add(key)
-    return True
 
 
 def _keeps_no_reference(bsym) -> bool:
@@ -329,7 +350,7 @@ def plan(trc):
     bsyms = trc.bound_symbols
     may_alias: dict = {}  # id(value) -> ids of the storages it may share
     storages: dict = {}  # id(value) -> [first line, last line, bytes, value] of a storage a line created
-    candidates: set = set()
+    candidates: dict = {}  # id(value) -> (line, out form) of a value a kept buffer could hold
     escaped: set = set()
     for i, b in enumerate(bsyms):
         reached = _reached(b.flat_args(), may_alias)
@@ -339,7 +360,6 @@ def plan(trc):
             escaped |= reached
         form = out_form(b)
         aliased = () if form is not None else _aliased_args(b)
-        into = form is not None and _accepts_out(b, form)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if not _tensor(o):
@@ -350,51 +370,52 @@ def plan(trc):
             may_alias[id(o)] = {id(o)}
             nbytes = _storage_bytes(o)  # None: a layout no arena view can have
             storages[id(o)] = [i, i, nbytes or 0, o]
-            if into and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1):
-                candidates.add(id(o))
+            if form is not None and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1):
+                candidates[id(o)] = (b, form)
     for p in tree_flatten(trc.output)[0]:
         if is_proxy(p):
             escaped |= may_alias.get(id(p), set())
-    kept = candidates - escaped
+    # Whether the line's out form takes its call is asked only for values that could be kept (the first call of a
+    # small program is mostly these questions).
+    accepts = {}  # id(line) -> answer
+    kept = set()
+    for k, (b, form) in candidates.items():
+        if k not in escaped:
+            if id(b) not in accepts:
+                accepts[id(b)] = _accepts_out(b, form)
+            if accepts[id(b)]:
+                kept.add(k)
     if not kept:
         return 0, {}
     n = len(bsyms)
-    # Bytes alive at each line as int64 tensors: each round below reads every line (a Llama step: ~150 rounds over
-    # ~450 lines), in Python lists the planner's bulk on a first call.
-    without = torch.tensor(_live_bytes(storages, storages.keys(), n), dtype=torch.int64)
-    natural = int(without.max())
+    without = _live_bytes(storages, storages.keys(), n)  # bytes alive at each line
+    natural = max(without)
     slack = _slack(natural)
     # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime.
-    pooled = torch.tensor(_live_bytes(storages, kept, n), dtype=torch.int64)
-
-    # The candidates as columns (first line, last line), for the rounds' questions about all of them at once.
-    keys = sorted(kept, key=lambda k: storages[k][:2])
-    firsts = torch.tensor([storages[k][0] for k in keys], dtype=torch.int64)
-    lasts = torch.tensor([storages[k][1] for k in keys], dtype=torch.int64)
-    still = torch.ones(len(keys), dtype=torch.bool)  # which of them are still kept
-    column = {k: j for j, k in enumerate(keys)}
+    # Python lists, not tensors: a round reads every line once (a Llama step: ~150 rounds over ~450 lines), about as
+    # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
+    pooled = _live_bytes(storages, kept, n)
+    # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
+    columns = sorted(((*storages[k][:3], k) for k in kept), key=lambda c: c[:2])
 
     def drop(k):
+        nonlocal columns
         kept.discard(k)
-        still[column[k]] = False
+        columns = [c for c in columns if c[3] != k]
         first, last, nbytes, _ = storages[k]
-        pooled[first:last + 1] -= nbytes
-
-    def by_size(mask):
-        """(bytes, first line, key) of the kept values the mask selects."""
-        return [(storages[keys[j]][2], storages[keys[j]][0], keys[j]) for j in mask.nonzero().flatten().tolist()]
+        pooled[first:last + 1] = [p - nbytes for p in pooled[first:last + 1]]
 
     while kept:
-        others = without - pooled
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
         # shrinks the arena and leaves that peak as it is: the smallest one that covers the excess, else the largest.
-        t = int(others.argmax())  # the first line where the others peak
-        most_others = int(others[t])
-        fullest = int(pooled.max())
+        others = list(map(operator.sub, without, pooled))
+        most_others = max(others)
+        t = others.index(most_others)  # the first line where the others peak
+        fullest = max(pooled)
         # alive at a line where the arena is fullest: a full line between its first and last line
-        full_before = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(pooled == fullest, 0)])
-        at_full = still & (full_before[lasts + 1] > full_before[firsts])
-        movable = by_size(at_full & ~((firsts <= t) & (t <= lasts)))
+        full_before = list(itertools.accumulate((p == fullest for p in pooled), initial=0))
+        at_full = [(nbytes, first, k, last) for first, last, nbytes, k in columns if full_before[last + 1] > full_before[first]]
+        movable = [(nbytes, first, k) for nbytes, first, k, last in at_full if not first <= t <= last]
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
         # larger than every movable value, the largest goes whatever the packing (no packing needed: it is the
         # planner's cost on a first call, one packing per value dropped).
@@ -409,7 +430,7 @@ def plan(trc):
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
             # (the arena above the kept bytes alive at once).  Allocating one of them again shrinks the arena at most
             # as much as it adds there; the smallest that covers the excess, else the largest, repacks the rest.
-            movable = by_size(at_full)
+            movable = [(nbytes, first, k) for nbytes, first, k, _ in at_full]
             if not movable:
                 break
         covering = [m for m in movable if m[0] >= excess]
