@@ -51,7 +51,15 @@ def peak_and_net_call_bytes(fn) -> tuple[int, int]:
 
 
 def peak_call_bytes_all_threads(fn, compiled=None) -> int:
-    """``peak_call_bytes`` for a call whose memory other threads free: a gloo rank's collectives release their
+    """The peak of ``fn()``'s CPU allocations in the order the allocator saw them, plus ``compiled``'s kept buffers.
+
+    ``peak_call_bytes`` counts each allocation and free at the start of the op it happens in.  Where memory is freed
+    inside an op that runs Python or other ops, that moves the free before allocations that happened earlier: eager's
+    custom autograd functions (BLOOM's ``GeLUFunction``, whose forward and backward are Python arithmetic) free their
+    temporaries inside the function's op, and autograd releases each node's saved tensors inside its
+    ``evaluate_function``, so eager's peak read so is lower than the memory eager held (BLOOM's step: 136 KiB read
+    so, 196 KiB allocated at once).  It also hides a kernel's own temporaries (allocated and freed inside one op).
+    This count sees both, on every thread: a gloo rank's collectives release their
     inputs on gloo's worker threads, which the profiler does not watch (its per-thread events never sum to zero
     there, and their peak overstates).  c10's CPU allocator keeps a process-wide count of the bytes it allocated
     while ``caffe2_report_cpu_memory_usage`` is on, whichever thread allocates or frees; the profiler stamps that

@@ -456,16 +456,52 @@ def test_writes_to_a_band_are_cats_without_positions():
     assert "index_put" not in str(tt.last_traces(cf)[-1])
 
 
-ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral")
+class _TemporariesInside(torch.autograd.Function):
+    """An autograd function whose forward frees temporaries inside its own op, as BLOOM's ``GeLUFunction`` does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        a = x * 2
+        b = a * 3
+        del a
+        c = b + 1
+        del b
+        return c
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 6
+
+
+def test_peak_in_allocator_order_sees_frees_inside_an_op():
+    """Two of the function's three results are alive at once (``a`` and ``b``, then ``b`` and ``c``): the count in
+    the allocator's order says so; the op-by-op reading (frees counted at the start of their op) says one."""
+    from _peak import peak_call_bytes_all_threads
+
+    x = torch.randn(64, 1024)
+    one = x.nbytes
+    in_order = peak_call_bytes_all_threads(lambda: _TemporariesInside.apply(x))
+    assert 2 * one <= in_order < 3 * one, in_order
+    assert peak_bytes(lambda: _TemporariesInside.apply(x)) < 2 * one  # why the zoo's peaks are read in order
+
+
+ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "llama_padded", "bert_cls", "roberta_cls",
+                   "modernbert_mlm", "t5")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)
 def test_zoo_compiled_step_peak_is_not_above_eagers(name):
     """The default compiled whole step (background fusion, kept buffers) of zoo models, measured once its final
     program runs: its peak (kept buffers included) is at most eager's.  (Any zoo model's is measured by
-    benchmarks/memory.py --workloads <name>; docs/memory.md lists the ones above eager's.)"""
+    benchmarks/memory.py --workloads <name>; docs/memory.md lists the ones above eager's.)
+
+    Measured in the allocator's order (``peak_call_bytes_all_threads``), not op by op: the op-by-op reading moves
+    the frees inside eager's Python autograd functions and autograd's release of saved tensors to the start of
+    their op, so it read BLOOM's eager step as 136 KiB when eager held 196 KiB at once, and it hid kernels'
+    own temporaries (test_peak_in_allocator_order_sees_frees_inside_an_op)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _zoo
+    from _peak import peak_call_bytes_all_threads
 
     base, bs = _zoo.build(name), _zoo.batches(name, 3)
     peaks = {}
@@ -478,7 +514,7 @@ def test_zoo_compiled_step_peak_is_not_above_eagers(name):
         if mode == "tt":
             tt.wait_for_fusion(fn)
             fn(model, opt, bs[0])
-        peaks[mode] = peak_bytes(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
+        peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
     assert 0 < peaks["tt"] <= peaks["eager"], peaks
 
 

@@ -164,8 +164,20 @@ def _declare_fresh() -> None:
                                                          factories.empty, factories.arange)},
              prims.sum: {torch.sum}, prims.amax: {torch.amax}, prims.amin: {torch.amin}, prims.where: {torch.where},
              prims.full: {torch.full}, prims.empty: {torch.empty}}
+    # Results the plan had taken for their arguments' memory, so it counted none of their bytes, although they are
+    # always new: the arena then grew past the peak it was allowed (BLOOM's torch program held 35 KiB more with kept
+    # buffers than without: its GELU backward's ``__rsub__``, the attention's ``baddbmm``/``bmm`` and matmuls).
+    from ..torchlang import linalg, padding, tensor_methods
+
+    fresh |= {ew.rsub: {torch.rsub, _T.__rsub__}, linalg.matmul: both("matmul"), linalg.bmm: both("bmm"),
+              linalg.baddbmm: both("baddbmm"), padding.pad: {_F.pad}, prims.clone: both("clone"),
+              tensor_methods.clone: both("clone"), prims.take: both("index_select"),
+              **{op: {getattr(torch, op.name)} for op in (factories.zeros_like, factories.ones_like,
+                                                          factories.empty_like, factories.full_like)}}
     for op, fns in fresh.items():
         op.torch_fresh = frozenset(fns)
+    for fn in (torch_impls.pad, torch_impls.rsub, torch_impls.rdiv):  # the torch executor's own calls: new tensors
+        fn.aliases = ()
 
 
 def _linear_for_line(b):
@@ -269,6 +281,31 @@ def reaches_dispatcher(form, args, kwargs, out) -> bool:
         return False
 
 
+_RESHAPES = {torch.reshape, _T.reshape, torch.flatten, _T.flatten}
+
+
+def _reshape_copies(bsym) -> bool:
+    """A ``reshape``/``flatten`` line whose input's layout no view of the result's shape has: it copies (a new
+    storage the plan counts).  Decided as torch decides it: ``view`` of a meta tensor with the input's layout."""
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
+    try:
+        if fn not in _RESHAPES:
+            return False
+    except TypeError:
+        return False
+    a, o = bsym.args[0] if bsym.args else None, bsym.output
+    if not (_tensor(a) and _tensor(o)):
+        return False
+    sizes = (*a._tt_shape, *a._tt_strides, *o._tt_shape)
+    if not all(type(n) is int for n in sizes):
+        return False
+    try:
+        torch.empty_strided(a._tt_shape, a._tt_strides, dtype=a._tt_dtype.torch, device="meta").view(o._tt_shape)
+    except RuntimeError:
+        return True
+    return False
+
+
 def _keeps_no_reference(bsym) -> bool:
     """Lines known to keep no reference to their inputs once they return: the torch executor's calls of the ops
     it knows, and fused regions.  An op run opaquely (any torch or user function) may keep one."""
@@ -359,7 +396,7 @@ def plan(trc):
         if not _keeps_no_reference(b):
             escaped |= reached
         form = out_form(b)
-        aliased = () if form is not None else _aliased_args(b)
+        aliased = () if form is not None or _reshape_copies(b) else _aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if not _tensor(o):

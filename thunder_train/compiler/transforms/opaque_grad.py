@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .. import context, devices, dtypes, opaque
 from ..proxies import TensorProxy
@@ -52,7 +53,11 @@ class AutogradRun:
         flat_out, out_spec = tree_flatten(out)
         graph_outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None for o in flat_out]
         handle = torch.empty(0, dtype=torch.uint8)
-        handle._tt_autograd_graph = (inputs, graph_outs)
+        # The graph is held by its outputs' edges (node, output number), not by the outputs: an output tensor held here
+        # kept its memory to the backward after the program's last read of it (eager frees it then, unless the op's
+        # node saved it, which the graph then holds as eager's does): DeepSeek-V3's two ``_grouped_mm`` outputs.
+        edges = [None if o is None else get_gradient_edge(o) for o in graph_outs]
+        handle._tt_autograd_graph = (inputs, edges)
         result = tree_unflatten([o.detach() if g is not None else o for o, g in zip(flat_out, graph_outs)], out_spec)
         return result, handle
 
