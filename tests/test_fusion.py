@@ -215,3 +215,36 @@ def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(
                  if isinstance(a, TensorProxy) and tuple(a._tt_shape) == (3, 5, 16) and 0 in a._tt_strides]
     assert broadcast, str(tt.last_traces(cf)[-1])  # the statistic expanded, read by a region with its stride 0
     assert not fallbacks, fallbacks
+
+
+def _attention_step(x, wq, wk, wv, cos, sin):
+    # Llama's shape of attention: heads from a (batch, seq, heads, dim) view, rotary products around sdpa.  The CPU
+    # flash backward gives q's and k's gradients laid out as (batch, seq, heads, dim); the rotary backward's
+    # region reads them.
+    b, t, _ = x.shape
+    q = (x @ wq).view(b, t, 4, 8).transpose(1, 2)
+    k = (x @ wk).view(b, t, 2, 8).transpose(1, 2)
+    v = (x @ wv).view(b, t, 2, 8).transpose(1, 2)
+    q = q * cos + q.flip(-1) * sin
+    k = k * cos + k.flip(-1) * sin
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    loss = o.square().mean()
+    loss.backward()
+    return loss
+
+
+def test_regions_reading_flash_attention_gradients_run_their_kernel():
+    """The fused backward's gradients carry the layout torch's kernel gives them: a region compiled for a wrong
+    (row-major) layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 32)
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+    ws = [torch.randn(32, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True), torch.randn(32, 16, requires_grad=True)]
+    mine = [w.detach().clone().requires_grad_() for w in ws]
+    cf = tt.compile(_attention_step, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, *mine, cos, sin), _attention_step(x, *ws, cos, sin), rtol=1e-4, atol=1e-5)
+        for a, b in zip(mine, ws):  # fused sums round differently
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    assert any("= inductor_" in ln for ln in str(tt.last_traces(cf)[-1]).splitlines())
+    assert tt.compile_stats(cf).fusion_fallback_calls == 0

@@ -373,11 +373,13 @@ def _runner(call, fallback, outputs):
     when that check (or anything else) fails, the region's torch ops run instead and their values are copied."""
     single = len(outputs) == 1
     allocate = [_allocator(o) for o in outputs]
+    missed = _Fallbacks()
 
     def into(args, buffers):
         try:
             call([*args, *buffers])
         except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
+            missed.calls += 1
             for b, v in zip(buffers, fallback(*args)):
                 b.copy_(v)
 
@@ -395,6 +397,7 @@ def _runner(call, fallback, outputs):
             try:
                 call([*args, b])
             except Exception:  # noqa: BLE001
+                missed.calls += 1
                 b.copy_(fallback(*args)[0])
             return b
     else:
@@ -404,4 +407,23 @@ def _runner(call, fallback, outputs):
             return tuple(buffers)
 
     run.out, run.aliases = run_into, ()  # the outputs are new tensors
+    run.fallbacks = missed
     return run
+
+
+class _Fallbacks:
+    """How often a kernel's call ran the region's torch ops instead (an input or buffer not laid out as compiled:
+    a wrong traced layout costs the kernel on every call).  ``compile_stats(cf).fusion_fallback_calls``."""
+
+    calls = 0
+
+
+def fallback_calls(traces) -> int:
+    """The fallbacks of the kernels these traces call (each kernel once: regions of one structure share it)."""
+    seen = {}
+    for trc in traces:
+        for b in trc.bound_symbols:
+            count = getattr(getattr(b.sym, "runner", None), "fallbacks", None)
+            if isinstance(count, _Fallbacks):
+                seen[id(count)] = count.calls
+    return sum(seen.values())
