@@ -248,3 +248,30 @@ def test_regions_reading_flash_attention_gradients_run_their_kernel():
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
     assert any("= inductor_" in ln for ln in str(tt.last_traces(cf)[-1]).splitlines())
     assert tt.compile_stats(cf).fusion_fallback_calls == 0
+
+
+def _norm_and_rotary_step(x, w, cos, sin):
+    # Llama's RMSNorm and rotary embedding: expands, slices and a cat between the elementwise ops.
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    r = torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
+    loss = (h * cos + r * sin).square().mean()
+    loss.backward()
+    return loss
+
+
+def test_views_and_cat_join_a_region():
+    """RMSNorm and rotary embedding fuse into one kernel with the slices and the cat between their ops (they split
+    it into kernels too small to fuse)."""
+    torch.manual_seed(0)
+    x, cos, sin = torch.randn(2, 6, 8), torch.randn(6, 8), torch.randn(6, 8)
+    w = torch.randn(8, requires_grad=True)
+    mine = w.detach().clone().requires_grad_()
+    cf = tt.compile(_norm_and_rotary_step, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, mine, cos, sin), _norm_and_rotary_step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.grad, w.grad, rtol=1e-4, atol=1e-4)
+    notes = tt.compile_stats(cf).fusion_notes
+    assert not any("failed" in n for n in notes), notes
+    regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
+    assert any("rsqrt" in r and "torch.cat" in r and "__getitem__" in r for r in regions), regions
+    assert tt.compile_stats(cf).fusion_fallback_calls == 0

@@ -138,6 +138,11 @@ def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, wh
     return tuple(grads[i] for i in which)
 
 
+def laid_out_as(x, strides):
+    """A copy of ``x`` with these strides (a gradient laid out as the trace recorded it, for a kernel compiled so)."""
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+
+
 def sdpa_keeping_graph(query, key, value, which, **kwargs):
     """Eager's ``scaled_dot_product_attention`` call (whatever kernel it picks: the math one for one key/value head
     broadcast over the query heads, or a mask it does not take to flash), run as eager runs it in training: on
@@ -275,6 +280,7 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
 
 
 for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward,
+           laid_out_as,
            sdpa_keeping_graph,
            sdpa_graph_backward, cross_entropy_with_stats,
            cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
@@ -442,7 +448,51 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
                           args=(vjp.args[0], bv["query"], bv["key"], bv["value"], fwd.output, lse, b["is_causal"], b["scale"],
                                 tuple(which), *masked),
                           kwargs=more)
-    return new_fwd, new_vjp
+    return new_fwd, _gradients_as_traced(trc, new_vjp, b["is_causal"], b["scale"], masked)
+
+
+def _flash_gradient_layouts(vjp, is_causal, scale, masked):
+    """The strides of the CPU flash backward kernel's gradients of ``vjp``'s operands (its meta kernel's answer)."""
+    from ..proxies import meta_tensor
+
+    g, q, k, v, out, lse = (vjp.args[0], *vjp.args[1:6])
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            metas = [meta_tensor(t) for t in (g, q, k, v, out)]
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *metas, torch.empty(tuple(lse._tt_shape), dtype=lse._tt_dtype.torch, device="meta"), 0.0, is_causal,
+                attn_mask=meta_tensor(masked[0]) if masked else None, scale=scale)
+            return [tuple(grads[i].stride()) for i in vjp.args[8]]
+    except Exception:  # noqa: BLE001 - symbolic sizes or no meta kernel: the traced layouts stand
+        return None
+
+
+def _gradients_as_traced(trc, vjp, is_causal, scale, masked):
+    """The flash backward line, or it and a copy: where the gradients the trace recorded (eager's kernel's, the
+    math one's row-major ones for one key/value head) are laid out otherwise than the flash kernel gives them, a
+    fused region compiled for the recorded layout reads the gradient (its stride check would fail on every call and
+    run its torch ops): the kernel's gradient is copied into the recorded layout first.  Torch calls elsewhere take
+    the kernel's layout as it comes (their own layouts follow at run time, as before)."""
+    layouts = _flash_gradient_layouts(vjp, is_causal, scale, masked)
+    if layouts is None or len(layouts) != len(vjp.output):
+        return vjp
+    fused_reads = {id(a) for b in trc.bound_symbols if getattr(b.sym, "module", None) in ("inductor", "nvfuser")
+                   for a in b.flat_args() if type(a) is TensorProxy}
+    outs, copies = [], []
+    for grad, strides in zip(vjp.output, layouts):
+        if strides == tuple(grad._tt_strides) or grad._tt_storage_offset != 0:
+            outs.append(grad)
+        elif id(grad) in fused_reads:
+            raw = TensorProxy(trc.make_name("flash_grad"), shape=grad._tt_shape, dtype=grad._tt_dtype, device=grad._tt_device,
+                              strides=strides)
+            outs.append(raw)
+            copies.append(BoundSymbol(impl_symbol(laid_out_as), (raw, tuple(grad._tt_strides)), {}, grad,
+                                      comment="the gradient laid out as traced, which a fused kernel reads"))
+        else:
+            outs.append(grad)
+    if not copies:
+        return vjp
+    return (vjp.replace(output=tuple(outs)), *copies)
 
 
 # The backward kernel reads the op's inputs and the forward's results: inputs the backward recomputed do as well.
