@@ -220,26 +220,30 @@ def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(
 def _attention_step(x, wq, wk, wv, cos, sin):
     # Llama's shape of attention: heads from a (batch, seq, heads, dim) view, rotary products around sdpa.  The CPU
     # flash backward gives q's and k's gradients laid out as (batch, seq, heads, dim); the rotary backward's
-    # region reads them.
+    # region reads them.  One key/value head (Falcon's multi-query attention): eager's math kernel, whose
+    # gradients are laid out otherwise, and the program's flash kernels.
     b, t, _ = x.shape
+    kv = wk.shape[1] // 8
     q = (x @ wq).view(b, t, 4, 8).transpose(1, 2)
-    k = (x @ wk).view(b, t, 2, 8).transpose(1, 2)
-    v = (x @ wv).view(b, t, 2, 8).transpose(1, 2)
+    k = (x @ wk).view(b, t, kv, 8).transpose(1, 2)
+    v = (x @ wv).view(b, t, kv, 8).transpose(1, 2)
     q = q * cos + q.flip(-1) * sin
     k = k * cos + k.flip(-1) * sin
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv > 1)
     loss = o.square().mean()
     loss.backward()
     return loss
 
 
-def test_regions_reading_flash_attention_gradients_run_their_kernel():
-    """The fused backward's gradients carry the layout torch's kernel gives them: a region compiled for a wrong
-    (row-major) layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_regions_reading_flash_attention_gradients_run_their_kernel(kv_heads):
+    """The fused backward's gradients carry the layout torch's kernel gives them (or, where the program runs another
+    kernel than eager, are copied into the traced layout for a region that reads them): a region compiled for a wrong
+    layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 32)
     cos, sin = torch.randn(6, 8), torch.randn(6, 8)
-    ws = [torch.randn(32, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True), torch.randn(32, 16, requires_grad=True)]
+    ws = [torch.randn(32, 32, requires_grad=True)] + [torch.randn(32, 8 * kv_heads, requires_grad=True) for _ in range(2)]
     mine = [w.detach().clone().requires_grad_() for w in ws]
     cf = tt.compile(_attention_step, fusion="inductor")
     for _ in range(2):
