@@ -215,3 +215,67 @@ def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(
                  if isinstance(a, TensorProxy) and tuple(a._tt_shape) == (3, 5, 16) and 0 in a._tt_strides]
     assert broadcast, str(tt.last_traces(cf)[-1])  # the statistic expanded, read by a region with its stride 0
     assert not fallbacks, fallbacks
+
+
+def _attention_step(x, wq, wk, wv, cos, sin):
+    # Llama's shape of attention: heads from a (batch, seq, heads, dim) view, rotary products around sdpa.  The CPU
+    # flash backward gives q's and k's gradients laid out as (batch, seq, heads, dim); the rotary backward's
+    # region reads them.  One key/value head (Falcon's multi-query attention): eager's math kernel, whose
+    # gradients are laid out otherwise, and the program's flash kernels.
+    b, t, _ = x.shape
+    kv = wk.shape[1] // 8
+    q = (x @ wq).view(b, t, 4, 8).transpose(1, 2)
+    k = (x @ wk).view(b, t, kv, 8).transpose(1, 2)
+    v = (x @ wv).view(b, t, kv, 8).transpose(1, 2)
+    q = q * cos + q.flip(-1) * sin
+    k = k * cos + k.flip(-1) * sin
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv > 1)
+    loss = o.square().mean()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_regions_reading_flash_attention_gradients_run_their_kernel(kv_heads):
+    """The fused backward's gradients carry the layout torch's kernel gives them (or, where the program runs another
+    kernel than eager, are copied into the traced layout for a region that reads them): a region compiled for a wrong
+    layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 32)
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+    ws = [torch.randn(32, 32, requires_grad=True)] + [torch.randn(32, 8 * kv_heads, requires_grad=True) for _ in range(2)]
+    mine = [w.detach().clone().requires_grad_() for w in ws]
+    cf = tt.compile(_attention_step, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, *mine, cos, sin), _attention_step(x, *ws, cos, sin), rtol=1e-4, atol=1e-5)
+        for a, b in zip(mine, ws):  # fused sums round differently
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    assert any("= inductor_" in ln for ln in str(tt.last_traces(cf)[-1]).splitlines())
+    assert tt.compile_stats(cf).fusion_fallback_calls == 0
+
+
+def _norm_and_rotary_step(x, w, cos, sin):
+    # Llama's RMSNorm and rotary embedding: expands, slices and a cat between the elementwise ops.
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    r = torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
+    loss = (h * cos + r * sin).square().mean()
+    loss.backward()
+    return loss
+
+
+def test_views_and_cat_join_a_region():
+    """RMSNorm and rotary embedding fuse into one kernel with the slices and the cat between their ops (they split
+    it into kernels too small to fuse)."""
+    torch.manual_seed(0)
+    x, cos, sin = torch.randn(2, 6, 8), torch.randn(6, 8), torch.randn(6, 8)
+    w = torch.randn(8, requires_grad=True)
+    mine = w.detach().clone().requires_grad_()
+    cf = tt.compile(_norm_and_rotary_step, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, mine, cos, sin), _norm_and_rotary_step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.grad, w.grad, rtol=1e-4, atol=1e-4)
+    notes = tt.compile_stats(cf).fusion_notes
+    assert not any("failed" in n for n in notes), notes
+    regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
+    assert any("rsqrt" in r and "torch.cat" in r and "__getitem__" in r for r in regions), regions
+    assert tt.compile_stats(cf).fusion_fallback_calls == 0

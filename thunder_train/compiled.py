@@ -49,6 +49,10 @@ class CompileStats:
     total_trace_seconds: float = 0.0
     fusion_notes: list = dataclasses.field(default_factory=list)  # fusion=...: one line per region, fused or why not
     fusion_switches: int = 0  # entries whose torch program a background-built fused program replaced
+    # Calls of the last entry's fused kernels that ran the region's torch ops instead, because an input or buffer
+    # was not laid out as the kernel was compiled for (a wrong traced layout: the kernel never runs).  Counted per
+    # kernel (regions of one structure share one, also across compiled functions); read when compile_stats is called.
+    fusion_fallback_calls: int = 0
     fusion_decisions: list = dataclasses.field(default_factory=list)  # background fusion: at which call a build starts, and why
     # Symbolic entries: each size that recurred and got its own program, or why not (runtime/recurring_sizes.py)
     recurring_sizes: list = dataclasses.field(default_factory=list)
@@ -363,7 +367,12 @@ def wait_for_fusion(cf, timeout: float | None = None) -> bool:
 
 def compile_stats(cf) -> CompileStats:
     """Calls, validations, thin calls, cache hits and misses, retrace reasons and ops run opaquely."""
-    return _compiled(cf).stats
+    from .compiler.executors.inductor_fusion import fallback_calls
+
+    c = _compiled(cf)
+    if c._last is not None:
+        c.stats.fusion_fallback_calls = fallback_calls([*c._last.traces, *(c._last.backward_traces or [])])
+    return c.stats
 
 
 

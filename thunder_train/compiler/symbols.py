@@ -53,6 +53,9 @@ TAGS = {
                 "writes no input before it (executors/reinplace.py), so a failed call changes nothing",
     "fused_backward": "its gradient is recorded as one ``<name>_vjp`` line whose subsymbols are the rule's prims; "
                       "the torch executor runs PyTorch's own fused backward for it (transforms/autograd.py)",
+    "vjp_layout_from_kernel": "its ``<name>_vjp`` line's gradients are laid out as PyTorch's backward kernel lays "
+                              "them out (found by a fake run, executors/layout_rules.py), not row-major: the CPU "
+                              "flash attention backward's are (batch, seq, heads, dim), and fused kernels check it",
     "opaque": "an op the compiler does not know, run as the user called it (opaque.py): it may raise, and may "
               "keep references to its arguments (re-inplacing and kept buffers treat it so)",
 }

@@ -41,7 +41,8 @@ import torch
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
 from ..symbols import BoundSymbol
-from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, region_outputs, result, structure, uses
+from .torch_executor import NOT_A_KERNEL
+from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, structure, uses
 
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
@@ -85,6 +86,25 @@ def _classify(bsym) -> tuple[str | None, str | None]:
     return name, None
 
 
+def _view_in_region(bsym) -> bool:
+    """A view or reshape of one tensor (``expand``, ``unsqueeze``, ``x[..., :4]``, ``view``): it may join a region that
+    produces its tensor (the kernel reads through it: RMSNorm's ``rsqrt(...).expand(...)``, rotary embedding's
+    halves).  Its result never leaves the kernel: one read after the region is made there from a region output
+    (``_split_views``)."""
+    src = bsym.source
+    if bsym.sym.module != "torch_executor" or src is None or bsym.has_side_effect:
+        return False
+    if "view" not in src.tags and getattr(bsym.sym, "fn", None) not in NOT_A_KERNEL:  # expand: a broadcast_in_dim
+        return False
+    r = result(bsym)
+    if r is None or r is bsym.output and isinstance(bsym.output, (tuple, list)):
+        return False
+    tensors = [a for a in bsym.flat_args() if is_proxy(a)]
+    if len(tensors) != 1 or tensors[0] is not bsym.args[0]:
+        return False  # tensor indices (gather), sizes given as values
+    return _static_tensor(r) is None and _static_tensor(tensors[0]) is None and _device_of(bsym) is not None
+
+
 def _is_barrier(bsym) -> bool:
     return bsym.has_side_effect or getattr(bsym.sym, "fn", None) is torch.Tensor.item
 
@@ -118,8 +138,9 @@ def plan_regions(trc) -> list:
     found = []
 
     def flush(region, hoisted):
+        _, region = _overlapping_results(region, readers, returned)
         if _worth_fusing([b for _, b in region]):
-            outputs = region_outputs(region, readers, returned)
+            _, outputs = _split_views(region, readers, returned)
             if outputs:
                 found.append(([b for _, b in region], outputs))
 
@@ -128,8 +149,34 @@ def plan_regions(trc) -> list:
 
 
 def _worth_fusing(bsyms) -> bool:
-    """At least ``MIN_OPS`` ops, or one whose fusion form is faster compiled than its torch call."""
-    return len(bsyms) >= MIN_OPS or any(fusion_form(b) is not None for b in bsyms)
+    """At least ``MIN_OPS`` ops (views not counted), or one whose fusion form is faster compiled than its torch call."""
+    return len([b for b in bsyms if fusible_name(b) is not None]) >= MIN_OPS or any(fusion_form(b) is not None for b in bsyms)
+
+
+def _split_views(region, readers, returned):
+    """``(after, outputs)``: the region's views whose results are read after it (or returned), in order, to run after
+    its kernel from its outputs (a kernel writes new buffers: a view's result is no kernel output; one that region
+    lines read as well stays in the kernel too), and the values the kernel returns: those read after the region, by
+    the moved views included."""
+    inside = {i for i, _ in region}
+    after = {i: b for i, b in region if fusible_name(b) is None
+             and (id(result(b)) in returned or readers.get(id(result(b)), set()) - inside)}
+    made = {id(result(b)): i for i, b in region}
+    needed: set = set()
+    todo = list(after.values())
+    while todo:  # a moved view reads a view: that one runs after the kernel too
+        for x in todo.pop().flat_args():
+            j = made.get(id(x))
+            if j is None or id(x) in needed:
+                continue
+            needed.add(id(x))
+            v = dict(region)[j]
+            if fusible_name(v) is None and j not in after:
+                after[j] = v
+                todo.append(v)
+    outputs = [result(b) for _, b in region if fusible_name(b) is not None and (
+        id(result(b)) in returned or readers.get(id(result(b)), set()) - inside or id(result(b)) in needed)]
+    return [after[i] for i in sorted(after)], outputs
 
 
 def _walk(trc, flush, emit, skipped: dict) -> None:
@@ -152,6 +199,10 @@ def _walk(trc, flush, emit, skipped: dict) -> None:
             continue
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
+        if region and id(b.args[0] if b.args else None) in produced and _view_in_region(b) and _device_of(b) == device:
+            region.append((i, b))
+            produced.add(id(result(b)))
+            continue
         if region and not _is_barrier(b) and not any(id(a) in produced for a in b.flat_args() if is_proxy(a)):
             hoisted.append(b)
             continue
@@ -172,13 +223,15 @@ class _State:
 
     def flush(self, region, hoisted):
         self.out.extend(hoisted)
+        whole = [b for _, b in region]  # in the trace's order: what runs where the region is not fused
+        ahead, region = _overlapping_results(region, self.readers, self.returned)
         if not _worth_fusing([b for _, b in region]):
-            self.out.extend(b for _, b in region)
+            self.out.extend(whole)
             return
-        outputs = region_outputs(region, self.readers, self.returned)
+        after, outputs = _split_views(region, self.readers, self.returned)
         bsyms = [b for _, b in region]
         if not outputs:  # dead code: the final DCE drops it
-            self.out.extend(bsyms)
+            self.out.extend(whole)
             return
         name = f"{self.prefix}_{self.count + self.failed}"
         ops = op_names(bsyms)
@@ -186,7 +239,7 @@ class _State:
         if isinstance(kernel, str):
             self.failed += 1
             self.notes.append(f"{name}: {len(bsyms)} ops ({ops}) left to torch: Inductor failed: {kernel}")
-            self.out.extend(bsyms)
+            self.out.extend(whole)
             return
         self.count += 1
         if kernel.uses > 0:
@@ -197,7 +250,35 @@ class _State:
         sym = FusionSymbol(name, kernel.runner, owner=kernel)
         out = outputs[0] if len(outputs) == 1 else tuple(outputs)
         comment = f"{name}: {len(bsyms)} ops fused by Inductor ({ops})"
+        self.out.extend(ahead)
         self.out.append(BoundSymbol(sym, tuple(inputs), {}, out, tuple(bsyms), comment))
+        self.out.extend(after)
+
+
+
+def _overlapping_results(region, readers, returned):
+    """``(ahead, region)``: the region's lines that read only its inputs and whose result, read after the region, has
+    elements that share memory (``broadcast_in_dim`` of RMSNorm's weight, which the backward reads too), and the
+    rest.  No kernel can write such a result into a buffer (Inductor refused the whole region): they run ahead of
+    the kernel on torch and it reads their results."""
+    inside = {i for i, _ in region}
+    made = {id(result(b)) for _, b in region}
+    ahead, keep = [], []
+    for i, b in region:
+        r = result(b)
+        escapes = id(r) in returned or bool(readers.get(id(r), set()) - inside)
+        if escapes and not any(id(a) in made for a in b.flat_args() if is_proxy(a)) and not _dense(r):
+            ahead.append(b)
+            made.discard(id(r))
+        else:
+            keep.append((i, b))
+    return ahead, keep
+
+
+def _dense(p) -> bool:
+    from ..proxies import is_non_overlapping_and_dense, meta_tensor
+
+    return is_non_overlapping_and_dense(meta_tensor(p))
 
 
 # ---------------------------------------------------------------------------
@@ -373,11 +454,13 @@ def _runner(call, fallback, outputs):
     when that check (or anything else) fails, the region's torch ops run instead and their values are copied."""
     single = len(outputs) == 1
     allocate = [_allocator(o) for o in outputs]
+    missed = _Fallbacks()
 
     def into(args, buffers):
         try:
             call([*args, *buffers])
         except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
+            missed.calls += 1
             for b, v in zip(buffers, fallback(*args)):
                 b.copy_(v)
 
@@ -395,6 +478,7 @@ def _runner(call, fallback, outputs):
             try:
                 call([*args, b])
             except Exception:  # noqa: BLE001
+                missed.calls += 1
                 b.copy_(fallback(*args)[0])
             return b
     else:
@@ -404,4 +488,23 @@ def _runner(call, fallback, outputs):
             return tuple(buffers)
 
     run.out, run.aliases = run_into, ()  # the outputs are new tensors
+    run.fallbacks = missed
     return run
+
+
+class _Fallbacks:
+    """How often a kernel's call ran the region's torch ops instead (an input or buffer not laid out as compiled:
+    a wrong traced layout costs the kernel on every call).  ``compile_stats(cf).fusion_fallback_calls``."""
+
+    calls = 0
+
+
+def fallback_calls(traces) -> int:
+    """The fallbacks of the kernels these traces call (each kernel once: regions of one structure share it)."""
+    seen = {}
+    for trc in traces:
+        for b in trc.bound_symbols:
+            count = getattr(getattr(b.sym, "runner", None), "fallbacks", None)
+            if isinstance(count, _Fallbacks):
+                seen[id(count)] = count.calls
+    return sum(seen.values())

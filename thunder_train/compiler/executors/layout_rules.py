@@ -54,7 +54,27 @@ def _callable(bsym):
     if sym.module == "ltorch":
         fn = bsym.torch_fn if bsym.torch_fn is not None else getattr(sym, "torch_impl", None)
         return None if fn is None else (fn, bsym.args, bsym.kwargs)
+    if sym.module == "vjp" and bsym.torch_fn is not None and bsym.torch_fn[0] is not None \
+            and "vjp_layout_from_kernel" in sym.forward_symbol.tags:
+        # A fused backward (``<op>_vjp``) runs torch's own backward kernel, whose gradients need not be row-major
+        # (the CPU flash attention backward lays them out as (batch, seq, heads, dim)): what eager's autograd gives.
+        # Only for the ops that declare it: other backwards keep their row-major proxies (giving every one its
+        # kernel's layout changed wav2vec2's kept-buffer program's convolution gradients: not yet understood).
+        return (_torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
     return None
+
+
+def _torch_vjp(fn, wanted):
+    """One ``TorchVJP`` per (function, wanted): the layout cache's key names the callable."""
+    from .torch_impls import TorchVJP
+
+    vjp = _vjps.get((fn, wanted))
+    if vjp is None:
+        vjp = _vjps[(fn, wanted)] = TorchVJP(fn, wanted)
+    return vjp
+
+
+_vjps: dict = {}
 
 
 def _to_meta(x):

@@ -80,13 +80,15 @@ def op_names(bsyms, limit: int = 8) -> str:
     """The region's op names, for comments and notes."""
     names = []
     for b in bsyms:
-        n = fusible_name(b)
+        n = fusible_name(b) or b.source.name  # a view inside a region (inductor_fusion._view_in_region)
         if n not in names:
             names.append(n)
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _const_key(x):
+    if type(x) is slice:  # an index of a view in a region; not hashable before Python 3.12
+        return (slice, (x.start, x.stop, x.step))
     return (type(x), repr(x)) if type(x) is float else (type(x), x)
 
 

@@ -138,6 +138,11 @@ def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, wh
     return tuple(grads[i] for i in which)
 
 
+def laid_out_as(x, strides):
+    """A copy of ``x`` with these strides (a gradient laid out as the trace recorded it, for a kernel compiled so)."""
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+
+
 def sdpa_keeping_graph(query, key, value, which, **kwargs):
     """Eager's ``scaled_dot_product_attention`` call (whatever kernel it picks: the math one for one key/value head
     broadcast over the query heads, or a mask it does not take to flash), run as eager runs it in training: on
@@ -275,6 +280,7 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
 
 
 for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward,
+           laid_out_as,
            sdpa_keeping_graph,
            sdpa_graph_backward, cross_entropy_with_stats,
            cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
@@ -442,7 +448,56 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
                           args=(vjp.args[0], bv["query"], bv["key"], bv["value"], fwd.output, lse, b["is_causal"], b["scale"],
                                 tuple(which), *masked),
                           kwargs=more)
-    return new_fwd, new_vjp
+    fwd_layouts, vjp_layouts = _flash_layouts(trc, fwd, new_vjp, b["is_causal"], b["scale"], masked)
+    *convert, new_fwd = new_fwd if isinstance(new_fwd, tuple) else (new_fwd,)
+    fwd_lines = _as_traced(trc, new_fwd, fwd_layouts)
+    raw_out = fwd_lines[0].output[0]
+    if raw_out is not fwd.output:  # the backward kernel reads its forward's own result, not the copy
+        new_vjp = new_vjp.replace(args=tuple(raw_out if a is fwd.output else a for a in new_vjp.args))
+    return (*convert, *fwd_lines), _as_traced(trc, new_vjp, vjp_layouts)
+
+
+def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
+    """The CPU flash kernels' output layouts for this pair: ``(forward's, backward's)`` strides per output (the
+    log-sum-exp: None), from their meta kernels; ``(None, None)`` where they cannot tell (symbolic sizes)."""
+    from ..proxies import meta_tensor
+
+    g, q, k, v, out, lse = (vjp.args[0], *vjp.args[1:6])
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            mask = meta_tensor(masked[0]) if masked else None
+            fq, fk, fv = (meta_tensor(t) for t in fwd.args[:3])
+            fo = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(fq, fk, fv, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *(meta_tensor(t) for t in (g, q, k, v, out)),
+                torch.empty(tuple(lse._tt_shape), dtype=lse._tt_dtype.torch, device="meta"), 0.0, is_causal,
+                attn_mask=mask, scale=scale)
+            return [tuple(fo.stride()), None], [tuple(grads[i].stride()) for i in vjp.args[8]]
+    except Exception:  # noqa: BLE001 - symbolic sizes or no meta kernel: the traced layouts stand
+        return None, None
+
+
+def _as_traced(trc, line, layouts):
+    """``line``, or it and copies: where an output the trace recorded (eager's kernel's layout: for one key/value
+    head the math kernel's) is laid out otherwise than the flash kernel gives it and a fused region compiled for the
+    recorded layout reads it (its stride check would fail on every call and run its torch ops), the kernel's result
+    is copied into the recorded layout first.  Torch calls elsewhere take the kernel's layout as it comes (their own
+    layouts follow at run time, as before)."""
+    outs = list(line.output)
+    if layouts is None or len(layouts) != len(outs):
+        return (line,)
+    fused_reads = {id(a) for b in trc.bound_symbols if getattr(b.sym, "module", None) in ("inductor", "nvfuser")
+                   for a in b.flat_args() if type(a) is TensorProxy}
+    copies = []
+    for i, (value, strides) in enumerate(zip(outs, layouts)):
+        if strides is None or strides == tuple(value._tt_strides) or id(value) not in fused_reads or value._tt_storage_offset != 0:
+            continue
+        raw = TensorProxy(trc.make_name("flash_out"), shape=value._tt_shape, dtype=value._tt_dtype, device=value._tt_device,
+                          strides=strides)
+        outs[i] = raw
+        copies.append(BoundSymbol(impl_symbol(laid_out_as), (raw, tuple(value._tt_strides)), {}, value,
+                                  comment="laid out as traced, as a fused kernel reads it"))
+    return (line.replace(output=tuple(outs)), *copies) if copies else (line,)
 
 
 # The backward kernel reads the op's inputs and the forward's results: inputs the backward recomputed do as well.

@@ -20,7 +20,9 @@ from .registry import torchsymbol
 _mul, _add, _sub = prims.mul, prims.add, prims.sub
 
 
-@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward",), autocast={"cpu": LOWER, "cuda": LOWER})
+# "vjp_layout_from_kernel": its backward kernel's gradients are not row-major (the CPU flash kernel's are laid out as
+# (batch, seq, heads, dim)); the <name>_vjp line's layout comes from a fake run of it (executors/layout_rules.py).
+@torchsymbol(F.scaled_dot_product_attention, tags=("fused_backward", "vjp_layout_from_kernel"), autocast={"cpu": LOWER, "cuda": LOWER})
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, with causal masking and grouped-query attention."""
     q, dt = upcast_and_dtype(query)

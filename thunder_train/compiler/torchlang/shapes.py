@@ -124,7 +124,8 @@ def broadcast_tensors(*tensors):
     return tuple(clang.maybe_broadcast(*tensors))
 
 
-@torchsymbol(torch.cat, torch.concat, torch.concatenate, tags=("layout_on_meta",), autocast={"cpu": PROMOTE})
+# "fusible": a kernel writes the pieces where they go (rotary embedding's rotate_half joins its region).
+@torchsymbol(torch.cat, torch.concat, torch.concatenate, tags=("layout_on_meta", "fusible"), autocast={"cpu": PROMOTE})
 def cat(tensors, dim=0):
     return clang.cat(list(tensors), dim)
 

@@ -273,6 +273,8 @@ def _as_vjp_symbol(bsym, rule, g, args, needs_grad):
     reads = tuple(p for p in _proxies_read(subs) if id(p) not in in_args)
     vb = BoundSymbol(vsym, (g, reads) + tuple(bsym.args), dict(bsym.kwargs), tuple(outs), tuple(subs))
     vb.torch_fn = (bsym.torch_fn or getattr(bsym.sym, "torch_impl", None), tuple(wanted))
+    if symbols.layout_hook is not None and not trc.claimed_depth:
+        symbols.layout_hook(vb)  # the gradients as torch's backward lays them out (not always row-major)
     trc.add(vb)
     return grads
 
