@@ -485,8 +485,8 @@ def test_peak_in_allocator_order_sees_frees_inside_an_op():
     assert peak_bytes(lambda: _TemporariesInside.apply(x)) < 2 * one  # why the zoo's peaks are read in order
 
 
-ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "llama_padded", "bert_cls", "roberta_cls",
-                   "modernbert_mlm", "t5")
+# llama_padded and roberta_cls are left out for CI time: the same models as llama and bert_cls (0.81x and 0.93x).
+ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)
