@@ -140,3 +140,16 @@ def test_whole_input_view_with_symbolic_sizes_shares_memory_as_in_eager():
         oute.add_(1)
         torch.testing.assert_close(x, xe)
         assert out._version == x._version
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_a_view_whose_traced_layout_is_not_eagers_keeps_eagers_values(thin):
+    """``x.t().diagonal(1)`` runs opaquely on the computed ``x.t()``: its traced offset (1) is not eager's view of
+    ``x`` (4), so the result must not be rebuilt from that layout (it read x[0, 1:] instead of the diagonal)."""
+    fn = lambda x: x.t().diagonal(1).fill_(5)  # noqa: E731
+    cf = tt.compile(fn, thin=thin)
+    for _ in range(2):
+        xe, xc = torch.arange(16.0).reshape(4, 4), torch.arange(16.0).reshape(4, 4)
+        e, a = fn(xe), cf(xc)
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+        torch.testing.assert_close(xc, xe, rtol=0, atol=0)

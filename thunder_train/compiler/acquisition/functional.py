@@ -174,6 +174,11 @@ class Buffers:
         base = self.base_of(p)
         return self._version.get(id(base if base is not None else p), 0)
 
+    def layout_is_traced(self, p) -> bool:
+        """Whether the view ``p``'s traced layout is eager's view of its base (not one written back by positions)."""
+        view = self._views.get(id(p))
+        return view is not None and not view.by_positions
+
     def base_of(self, p):
         view = self._views.get(id(p))
         return None if view is None else view.base

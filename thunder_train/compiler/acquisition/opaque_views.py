@@ -25,7 +25,8 @@ def _meta(x):
 
 
 def view_outputs(func, args, kwargs) -> list:
-    """Positions (in the flattened output) of the results that are views of ``args[0]``."""
+    """``(position, meta result)`` (in the flattened output) of the results that are views of ``args[0]``: the meta
+    result has eager's layout relative to ``args[0]``'s memory (storage offset relative to its own)."""
     try:
         margs, mkwargs = tree_map(_meta, (args, kwargs))
         rng = torch.default_generator.get_state()
@@ -39,7 +40,7 @@ def view_outputs(func, args, kwargs) -> list:
     except Exception:  # noqa: BLE001 - no meta answer: treated as a fresh result (the op ran opaquely anyway)
         return []
     base = margs[0]
-    return [i for i, o in enumerate(tree_flatten(out)[0])
+    return [(i, o) for i, o in enumerate(tree_flatten(out)[0])
             if isinstance(o, torch.Tensor) and o._is_view() and (o._base is base or o._base is base._base and base._base is not None)]
 
 
@@ -53,7 +54,7 @@ def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
     name = getattr(func, "__name__", "op")
     storage = name in _STORAGE_VIEWS and not args[0]._tt_rowmajor
     flat = tree_flatten(out)[0]
-    for i in positions:
+    for i, meta in positions:
         def make(v, i=i):
             if storage:
                 raise TracingError(
@@ -67,4 +68,18 @@ def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
         unmake = None
         if func is torch.view_as_real and len(flat) == 1:
             unmake = lambda v: run_opaque(torch.view_as_complex, (v.contiguous(),), {})  # noqa: E731
-        st.buffers.add_view(flat[i], source, make, unmake)
+        # The traced result's layout comes from the op run on the value the program holds (x.t() computed, not
+        # x's memory seen through it), so it can differ from eager's view of the input (x.t().diagonal(1): offset 1
+        # against eager's 4): such a view is written back by positions, and never rebuilt from its traced layout
+        # (output_aliases), which would address other elements.
+        st.buffers.add_view(flat[i], source, make, unmake, by_positions=not _layout_is_eagers(flat[i], source, meta))
+
+
+def _layout_is_eagers(view, source, meta) -> bool:
+    if type(view) is not TensorProxy:
+        return False
+    layout = (*view._tt_strides, view._tt_storage_offset, source._tt_storage_offset)
+    if not all(type(n) is int for n in layout):
+        return False
+    return (tuple(view._tt_strides) == tuple(meta.stride())
+            and view._tt_storage_offset - source._tt_storage_offset == meta.storage_offset())

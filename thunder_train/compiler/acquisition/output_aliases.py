@@ -17,6 +17,10 @@ Here each such result is rebuilt by the epilogue from the real input after the w
 A view that requires grad is left as the program's value (it comes out of the autograd node); a view in another
 dtype or with sizes that vary between calls (``dynamic``), other than the whole input, is refused with what to do.
 A view of an input the program does not write is already a view of it (the program computes it from the input).
+A view whose traced layout is not eager's view of the input (``w[e]`` at a 0-d index, an opaque op's view such as
+``x.t().diagonal(1)``, whose layout is read from the computed ``x.t()``) is left as the program's value: its values
+are eager's, but it does not share the input's memory (rebuilt from the traced layout it would address other
+elements).
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ def rebuild_lines(st, out, names) -> list:
             continue
         base = buffers.base_of(o)
         if base is None or id(base) not in written or id(base) in st.metadata_inputs or needs_grad(st, [o])[0]:
+            continue
+        if not buffers.layout_is_traced(o):  # traced layout not eager's: see the module docstring
             continue
         bleaf = walker.leaf_of(base)
         if bleaf is None or bleaf.kind != "tensor":
