@@ -290,7 +290,8 @@ def _runs(op, fn) -> bool:
     function the torch executor runs for the prim (or its mirror's, with swapped operands)."""
     if op.is_prim:
         return fn in {torch_executor._ELEMENTWISE_TORCH.get(p) for p in (op, op.mirrored)} or \
-            fn in {torch.true_divide, torch.matmul, torch.cat, torch.sum, torch.amax, torch.amin, torch.where, torch.full, torch.empty}
+            fn in {torch.true_divide, torch.matmul, torch.cat, torch.sum, torch.amax, torch.amin, torch.where, torch.full, torch.empty,
+                   torch.clone, torch.index_select}
     return registry.lookup(fn) is op or op.torch_impl is fn
 
 
@@ -310,6 +311,9 @@ _FRESH_SAMPLES = {
     "scaled_dot_product_attention": (torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3)),
     "cross_entropy": (_X, torch.tensor([0, 2, 1, 1])), "full": ((2, 3), 1.5), "zeros": ((2, 3),), "ones": ((2, 3),),
     "empty": ((2, 3),), "arange": (5,), "softmax": (_X, 1), "log_softmax": (_X, 1),
+    "index_select": (_X, 0, torch.tensor([1, 0])), "full_like": (_X, 2.0), "rsub": (_X, 2.0), "__rsub__": (_X, 2.0),
+    "matmul": (_X, _X.t()), "bmm": (_X[None], _X.t()[None]), "baddbmm": (_X[None], _X[None], _X.t()[None] @ _X[None]),
+    "pad": (_X, (1, 1)),
 }
 
 

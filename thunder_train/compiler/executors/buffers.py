@@ -170,8 +170,8 @@ def _declare_fresh() -> None:
     from ..torchlang import linalg, padding, tensor_methods
 
     fresh |= {ew.rsub: {torch.rsub, _T.__rsub__}, linalg.matmul: both("matmul"), linalg.bmm: both("bmm"),
-              linalg.baddbmm: both("baddbmm"), padding.pad: {_F.pad}, prims.clone: both("clone"),
-              tensor_methods.clone: both("clone"), prims.take: both("index_select"),
+              linalg.baddbmm: both("baddbmm"), padding.pad: {_F.pad}, prims.clone: {torch.clone},
+              tensor_methods.clone: both("clone"), prims.take: {torch.index_select},
               **{op: {getattr(torch, op.name)} for op in (factories.zeros_like, factories.ones_like,
                                                           factories.empty_like, factories.full_like)}}
     for op, fns in fresh.items():
