@@ -146,6 +146,9 @@ class Symbol:
     # Lists in, lists out, result ``i`` computed from the ``i``-th entries alone (the other arguments shared): a line
     # may run as one line per index with the same values (transforms/early_updates.py: optimizer updates per parameter)
     splits_by_index = False
+    # ``(bsym, is_read) -> bsym``: the line computing only the results ``is_read(result)`` says someone reads, the
+    # others None, for an op whose kernel can skip results (transforms/dce.py; prims.convolution_backward)
+    narrowed = None
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name
