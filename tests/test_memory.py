@@ -521,8 +521,30 @@ def test_first_convolutions_backward_computes_no_gradient_for_the_batch():
     assert 0 < peaks["tt"] <= peaks["eager"], peaks
 
 
+def test_kept_buffers_add_nothing_where_a_convolutions_backward_peaks():
+    """The CPU convolution backward's kernel allocates scratch memory the plan cannot size (oneDNN's: tens of times its
+    activations), so a call may peak inside it; the kept arena is held for the whole call, so there it may hold at
+    most the slack beyond the kept values alive at that line (``Symbol.torch_unknown_scratch``, executors/buffers.py).
+    Here the arena's values are dead at the first convolution's backward: 1.03x eager's peak with them, 0.95x now."""
+    from _peak import peak_call_bytes_all_threads
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Conv2d(16, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1))
+    x = torch.randn(8, 16, 16, 16)
+    peaks = {}
+    for mode in ("eager", "tt"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = _conv_step if mode == "eager" else tt.compile(_conv_step, fusion=None)
+        for _ in range(2):
+            fn(model, opt, x)
+        peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, x), None if mode == "eager" else fn)
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
 # llama_padded and roberta_cls are left out for CI time: the same models as llama and bert_cls (0.81x and 0.93x).
-ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5")
+ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5",
+                   "vit", "wav2vec2_ctc")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)

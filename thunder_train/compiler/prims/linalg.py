@@ -95,6 +95,7 @@ def _convolution_backward_of_read(bsym, is_read):
 
 
 convolution_backward.narrowed = _convolution_backward_of_read
+convolution_backward.torch_unknown_scratch = True  # oneDNN's reorders and scratchpads, tens of times its activations
 
 
 @register_vjp(convolution)
