@@ -485,8 +485,66 @@ def test_peak_in_allocator_order_sees_frees_inside_an_op():
     assert peak_bytes(lambda: _TemporariesInside.apply(x)) < 2 * one  # why the zoo's peaks are read in order
 
 
+def _conv_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_first_convolutions_backward_computes_no_gradient_for_the_batch():
+    """A network's first convolution reads the batch, which needs no gradient: its backward computes the weight's
+    gradient alone (``output_mask`` (False, True): dead-code elimination narrows the line, ``Symbol.narrowed``), as
+    eager's autograd asks the kernel.  Computing the batch's gradient too was a batch-sized temporary no one read
+    (ResNet's compiled step: 2.5x eager's peak, ViT's 1.46x).  Values, parameters and the peak in the allocator's order against
+    eager's; a second convolution, whose input needs a gradient, computes both."""
+    from _peak import peak_call_bytes_all_threads
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Conv2d(16, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1))
+    x = torch.randn(8, 16, 8, 8)  # 0.86x eager's peak; 1.10x computing the batch's gradient
+    peaks, models = {}, {}
+    for mode in ("eager", "tt"):
+        model = models[mode] = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = _conv_step if mode == "eager" else tt.compile(_conv_step, fusion=None)
+        losses = [fn(model, opt, x) for _ in range(2)]
+        peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, x), None if mode == "eager" else fn)
+        models[mode] = (model, losses)
+    torch.testing.assert_close(models["tt"][1], models["eager"][1])
+    for p, q in zip(models["tt"][0].parameters(), models["eager"][0].parameters()):
+        torch.testing.assert_close(p, q)
+    masks = [ln.split("convolution_backward(")[1].rsplit(")", 1)[0].rsplit(", (", 1)[1]
+             for ln in str(tt.last_traces(fn)[-1]).splitlines() if "convolution_backward(" in ln and "#" not in ln.split("=")[0]]
+    #XX
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
+def test_kept_buffers_add_nothing_where_a_convolutions_backward_peaks():
+    """The CPU convolution backward's kernel allocates scratch memory the plan cannot size (oneDNN's: tens of times its
+    activations), so a call may peak inside it; the kept arena is held for the whole call, so there it may hold at
+    most the slack beyond the kept values alive at that line (``Symbol.torch_unknown_scratch``, executors/buffers.py).
+    Here the arena's values are dead at the first convolution's backward: 1.03x eager's peak with them, 0.95x now."""
+    from _peak import peak_call_bytes_all_threads
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Conv2d(16, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1))
+    x = torch.randn(8, 16, 16, 16)
+    peaks = {}
+    for mode in ("eager", "tt"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = _conv_step if mode == "eager" else tt.compile(_conv_step, fusion=None)
+        for _ in range(2):
+            fn(model, opt, x)
+        peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, x), None if mode == "eager" else fn)
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
 # llama_padded and roberta_cls are left out for CI time: the same models as llama and bert_cls (0.81x and 0.93x).
-ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5")
+ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5",
+                   "vit", "wav2vec2_ctc")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)

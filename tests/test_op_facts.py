@@ -108,10 +108,14 @@ def test_prims_run_outside_tracing_through_their_torch_implementation():
     w = torch.randn(2, 3, 3, 3)
     g = torch.randn(1, 2, 2, 2)
     a = torch.randn(1, 3, 4, 4)
-    gi, gw = prims.convolution_backward(g, a, w, (1, 1), (0, 0), (1, 1), 1)
+    gi, gw = prims.convolution_backward(g, a, w, (1, 1), (0, 0), (1, 1), 1, (True, True))
     a.requires_grad_(), w.requires_grad_()
     ea, ew = torch.autograd.grad(F.conv2d(a, w), (a, w), g)
     torch.testing.assert_close(gi, ea), torch.testing.assert_close(gw, ew)
+    # ``output_mask``: the gradients asked for, the other None
+    none, gw = prims.convolution_backward(g, a.detach(), w.detach(), (1, 1), (0, 0), (1, 1), 1, (False, True))
+    assert none is None
+    torch.testing.assert_close(gw, ew)
 
 
 def test_each_torch_language_gradient_rule_is_declared_next_to_its_op():
@@ -588,6 +592,33 @@ def test_recompute_in_backward_is_declared_where_the_op_is():
     assert tdist.fsdp_all_gather.recompute_in_backward(line(True)) is True
     assert tdist.fsdp_all_gather.recompute_in_backward(line(False)) is False
 
+
+
+def test_narrowed_lines_compute_only_the_results_read():
+    # Symbol.narrowed: dead-code elimination keeps the convolution's backward for the weight's gradient alone when
+    # nobody reads the input's; both unread: the line goes.
+    from thunder_train.compiler import devices, dtypes
+    from thunder_train.compiler.transforms.dce import dce
+
+    assert [s for s in PRIMS.values() if s.narrowed is not None] == [prims.convolution_backward]
+    # (its kernel's scratch memory, which kept buffers plan around: tests/test_memory.py)
+    assert [s for s in PRIMS.values() if s.torch_unknown_scratch] == [prims.convolution_backward]
+    g, a, w = (TensorProxy(shape=s, dtype=dtypes.float32, device=devices.Device("cpu")) for s in ((1, 2, 2, 2), (1, 3, 4, 4), (2, 3, 3, 3)))
+    ga, gw = (TensorProxy(shape=t._tt_shape, dtype=dtypes.float32, device=devices.Device("cpu")) for t in (a, w))
+    line = BoundSymbol(prims.convolution_backward, (g, a, w, (1, 1), (0, 0), (1, 1), 1, (True, True)), {}, (ga, gw))
+
+    class Trace:
+        def __init__(self, output):
+            self.bound_symbols, self.output = [line], output
+
+        def derive(self, header):
+            return Trace(self.output)
+
+    (kept,) = dce(Trace((gw,))).bound_symbols
+    assert kept.args[-1] == (False, True) and kept.output == (None, gw)
+    (kept,) = dce(Trace((ga, gw))).bound_symbols
+    assert kept is line
+    assert dce(Trace(())).bound_symbols == []
 
 
 def test_every_fact_slot_of_symbol_is_checked_here():

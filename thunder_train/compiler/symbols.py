@@ -146,6 +146,13 @@ class Symbol:
     # Lists in, lists out, result ``i`` computed from the ``i``-th entries alone (the other arguments shared): a line
     # may run as one line per index with the same values (transforms/early_updates.py: optimizer updates per parameter)
     splits_by_index = False
+    # ``(bsym, is_read) -> bsym``: the line computing only the results ``is_read(result)`` says someone reads, the
+    # others None, for an op whose kernel can skip results (transforms/dce.py; prims.convolution_backward)
+    narrowed = None
+    # torch executor (executors/buffers.py): its torch kernel allocates scratch memory of a size no rule here knows
+    # (the CPU convolution backward's oneDNN buffers: 14 KiB on ResNet's 1 KiB activations), so a call may peak at
+    # one of its lines: kept buffers must not raise that line's memory
+    torch_unknown_scratch = False
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

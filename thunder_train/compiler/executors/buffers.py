@@ -21,7 +21,9 @@ tensors (``aliases`` declared with the function, or its op's ``Symbol.torch_fres
 tensor arguments.  Each value is a view of the arena with the shape and strides its proxy has (eager's layout), so
 the kernels, the values and every later view are the same as without the buffers (``tests/test_kept_buffers.py``
 checks the zoo's steps bitwise).  The arena is held for the whole call, so the plan keeps the arena plus what
-the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).
+the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).  At a line whose kernel
+allocates scratch memory of unknown size (``Symbol.torch_unknown_scratch``: the CPU convolution backward) the call
+may peak inside the kernel, so there the arena holds at most that slack beyond the kept values alive at the line.
 
 The program takes one set of views when it starts (``_pool = ttex.kept_buffers(k)``, ``_b = _pool.take()``)
 and gives it back before it returns.  A call running at the same time (another thread, or reentrant) takes
@@ -432,6 +434,7 @@ def plan(trc):
     # Python lists, not tensors: a round reads every line once (a Llama step: ~150 rounds over ~450 lines), about as
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
+    scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
     columns = sorted(((*storages[k][:3], k) for k in kept), key=lambda c: c[:2])
 
@@ -461,6 +464,18 @@ def plan(trc):
             continue
         nbytes, assigned = _pack(storages, kept)
         excess = nbytes + most_others - natural - slack
+        if scratch:
+            # A line whose kernel's scratch memory is unknown may be where the call peaks: the arena may hold at most
+            # ``slack`` bytes there beyond the kept values alive at it.  The smallest value not alive there that
+            # covers the excess goes, else the largest.
+            s = min(scratch, key=pooled.__getitem__)
+            over = nbytes - pooled[s] - slack
+            if over > 0:
+                away = [(nb, first, k) for first, last, nb, k in columns if not first <= s <= last]
+                away = away or [(nb, first, k) for first, last, nb, k in columns]
+                covering = [m for m in away if m[0] >= over]
+                drop((min(covering) if covering else max(away))[2])
+                continue
         if excess <= 0:
             return nbytes, assigned
         if not movable:

@@ -177,10 +177,12 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
     return torch.convolution(a, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
-def convolution_backward(g, a, weight, stride, padding, dilation, groups):
-    """``prims.convolution_backward``: the input's and the weight's gradients, by PyTorch's kernel."""
+def convolution_backward(g, a, weight, stride, padding, dilation, groups, output_mask):
+    """``prims.convolution_backward``: the input's and the weight's gradients (those ``output_mask`` asks for, the
+    other None), by PyTorch's kernel."""
     gi, gw, _ = torch.ops.aten.convolution_backward(
-        g, a, weight, None, list(stride), list(padding), list(dilation), False, [0] * len(stride), groups, [True, True, False]
+        g, a, weight, None, list(stride), list(padding), list(dilation), False, [0] * len(stride), groups,
+        [*output_mask, False]
     )
     return gi, gw
 

@@ -73,18 +73,34 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
 
 
 @prim
-def convolution_backward(g, a, weight, stride, padding, dilation, groups):
+def convolution_backward(g, a, weight, stride, padding, dilation, groups, output_mask):
     """The gradients of ``convolution``'s input and weight for its output cotangent ``g`` (only backward traces
-    use it).  It has no gradient rule of its own: a second derivative through a convolution raises."""
+    use it).  ``output_mask``: (input's, weight's), which of the two it computes; the other is None.  The gradient
+    rule asks for both, and dead-code elimination clears the entry of one nobody reads (``narrowed`` below): the
+    gradient of a network's first convolution's input, the batch, is as large as the batch and no one reads it.
+    It has no gradient rule of its own: a second derivative through a convolution raises."""
+    wanted_input, wanted_weight = output_mask
     return (
-        TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device),
-        TensorProxy(shape=weight._tt_shape, dtype=weight._tt_dtype, device=weight._tt_device),
+        TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device) if wanted_input else None,
+        TensorProxy(shape=weight._tt_shape, dtype=weight._tt_dtype, device=weight._tt_device) if wanted_weight else None,
     )
+
+
+def _convolution_backward_of_read(bsym, is_read):
+    """The line computing only the gradients read (``Symbol.narrowed``): eager's autograd asks the kernel so."""
+    *head, _ = bsym.args
+    ga, gw = bsym.output
+    ga, gw = (o if o is not None and is_read(o) else None for o in (ga, gw))
+    return bsym.replace(args=(*head, (ga is not None, gw is not None)), output=(ga, gw))
+
+
+convolution_backward.narrowed = _convolution_backward_of_read
+convolution_backward.torch_unknown_scratch = True  # oneDNN's reorders and scratchpads, tens of times its activations
 
 
 @register_vjp(convolution)
 def convolution_vjp(g, out, /, a, weight, bias, stride, padding, dilation, groups):
-    ga, gw = prims.convolution_backward(g, a, weight, tuple(stride), tuple(padding), tuple(dilation), groups)
+    ga, gw = prims.convolution_backward(g, a, weight, tuple(stride), tuple(padding), tuple(dilation), groups, (True, True))
     grads = {"a": ga, "weight": gw}
     if is_tensor(bias):
         grads["bias"] = prims.sum(g, tuple(d for d in range(g.ndim_) if d != 1))

@@ -1,4 +1,5 @@
-"""Dead code elimination: drop bound symbols whose outputs nobody reads."""
+"""Dead code elimination: drop bound symbols whose outputs nobody reads, and narrow a kept line to the results
+someone reads where its op can skip the others (``Symbol.narrowed``)."""
 from __future__ import annotations
 
 from ..proxies import is_proxy
@@ -20,6 +21,8 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
         outs = [o for o in bsym.flat_outputs() if is_proxy(o)]
         # A random op runs although nobody reads it: eager's draw advances the generator all the same.
         if bsym.has_side_effect or bsym.draws_random or any(id(o) in needed for o in outs):
+            if bsym.sym.narrowed is not None and not all(id(o) in needed for o in outs):
+                bsym = bsym.sym.narrowed(bsym, lambda o: id(o) in needed)  # its kernel skips the unread results
             kept.append(bsym)
             for a in bsym.flat_args():
                 if is_proxy(a):
