@@ -178,6 +178,29 @@ def test_kernels_that_ignore_outs_layout_are_not_declared_to_write_any_layout():
         assert wrong, fn
 
 
+def _column_major(a):
+    if isinstance(a, (tuple, list)):
+        return type(a)(_column_major(x) for x in a)
+    return a.transpose(-1, -2).contiguous().transpose(-1, -2) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a
+
+
+@pytest.mark.parametrize("case", list(OUT_CASES))
+def test_every_out_form_writes_a_row_major_out_right_whatever_its_inputs_layouts(case):
+    # Every other form is given row-major buffers only: right even where the kernel would lay its result out otherwise
+    # (a recorded layout that is not the kernel's, such as a <op>_vjp's row-major proxy of a transposed gradient).
+    fn, args, kwargs = OUT_CASES[case]
+    form = _form_of(fn)
+    for inputs in (args, _column_major(args)):
+        want = fn(*inputs, **kwargs)
+        several = isinstance(want, tuple)
+        first = want[0] if several else want
+        buf = garbage_like(torch.empty(first.shape, dtype=first.dtype))
+        got = form(*inputs, out=(buf,) if several else buf, **kwargs)
+        got = got[0] if several else got
+        assert got is buf
+        torch.testing.assert_close(got, first, rtol=1e-6, atol=1e-6)
+
+
 def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_size, monkeypatch):
     # torch.where's out= overload takes no Python number for `other`: were it an out form, the line would raise.
     where = registry.lookup(torch.where)
