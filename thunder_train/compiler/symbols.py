@@ -55,7 +55,8 @@ TAGS = {
                       "the torch executor runs PyTorch's own fused backward for it (transforms/autograd.py)",
     "vjp_layout_from_kernel": "its ``<name>_vjp`` line's gradients are laid out as PyTorch's backward kernel lays "
                               "them out (found by a fake run, executors/layout_rules.py), not row-major: the CPU "
-                              "flash attention backward's are (batch, seq, heads, dim), and fused kernels check it",
+                              "flash attention backward's are (batch, seq, heads, dim), GELU's the incoming gradient's, and fused kernels "
+                              "check it; only where the fake run's layout is the kernel's (not log-softmax's)",
     "opaque": "an op the compiler does not know, run as the user called it (opaque.py): it may raise, and may "
               "keep references to its arguments (re-inplacing and kept buffers treat it so)",
 }

@@ -117,6 +117,16 @@ def _function_and_method(*names) -> dict:
 # Out forms whose ``out=`` overloads take any call whose arguments are all tensors (``_accepts_out`` asks torch about
 # the others; tests/test_kept_buffers.py checks torch says yes for every form here).
 _TAKES_TENSORS: set = set()
+# Out forms that write the right values into an ``out`` of any dense layout (TensorIterator kernels and the structured
+# kernels that copy through a buffer of their own layout when ``out``'s differs).  The other forms get a kept buffer
+# only for a row-major value (the layout every out form writes correctly): some kernels write row-major whatever
+# ``out``'s strides (``_log_softmax_backward_data.out``, ``_softmax_backward_data.out``) or write nothing into a
+# non-contiguous ``out`` (CPU ``gelu`` of a contiguous input, through oneDNN) or raise (``matmul`` of a 3-d and a 2-d
+# tensor, ``linear_out``), and a recorded layout is not always the
+# one the kernel gives (a fake run's layout of log-softmax's backward is its incoming gradient's, the CPU kernel's is
+# row-major): such a buffer got the values in the wrong places, silently (issue #25).
+# tests/test_kept_buffers.py checks each form here against its functional call into outs of every dim order.
+ANY_LAYOUT: set = set()
 
 
 def _declare_out_forms() -> None:
@@ -145,6 +155,7 @@ def _declare_out_forms() -> None:
                                                                      activations.gelu, linalg.matmul, prims.matmul,
                                                                      shapes.cat, prims.cat) for f in declared.values()]
     _TAKES_TENSORS.update(elementwise)
+    ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out))
 
 
 def _declare_fresh() -> None:
@@ -308,6 +319,17 @@ def _reshape_copies(bsym) -> bool:
     return False
 
 
+def _writes_any_layout(bsym, form) -> bool:
+    """Whether the line's out form writes its values right into a buffer laid out as its proxy says, whatever that
+    layout (``ANY_LAYOUT``); a fused region checks the layouts it was compiled for and runs its torch ops otherwise."""
+    if isinstance(bsym.sym, FusionSymbol):
+        return True
+    try:
+        return form in ANY_LAYOUT
+    except TypeError:  # an unhashable callable
+        return False
+
+
 def _keeps_no_reference(bsym) -> bool:
     """Lines known to keep no reference to their inputs once they return: the torch executor's calls of the ops
     it knows, and fused regions.  An op run opaquely (any torch or user function) may keep one."""
@@ -409,7 +431,8 @@ def plan(trc):
             may_alias[id(o)] = {id(o)}
             nbytes = _storage_bytes(o)  # None: a layout no arena view can have
             storages[id(o)] = [i, i, nbytes or 0, o]
-            if form is not None and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1):
+            if form is not None and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1) \
+                    and (o._tt_rowmajor or _writes_any_layout(b, form)):
                 candidates[id(o)] = (b, form)
     for p in tree_flatten(trc.output)[0]:
         if is_proxy(p):

@@ -58,8 +58,10 @@ def _callable(bsym):
             and "vjp_layout_from_kernel" in sym.forward_symbol.tags:
         # A fused backward (``<op>_vjp``) runs torch's own backward kernel, whose gradients need not be row-major
         # (the CPU flash attention backward lays them out as (batch, seq, heads, dim)): what eager's autograd gives.
-        # Only for the ops that declare it: other backwards keep their row-major proxies (giving every one its
-        # kernel's layout changed wav2vec2's kept-buffer program's convolution gradients: not yet understood).
+        # Only for the ops that declare it: other backwards keep their row-major proxies.  A fake run is not every
+        # kernel's truth: torch's meta of ``_log_softmax_backward_data`` lays the gradient out as the incoming one, the
+        # CPU (and CUDA) kernel row-major; given every backward, wav2vec2's CTC head recorded (12, 24, 1) where the
+        # kernel writes (468, 12, 1).  (Its kept buffer got wrong values then, since fixed in buffers.ANY_LAYOUT.)
         return (_torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
     return None
 

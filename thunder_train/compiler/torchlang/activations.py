@@ -55,7 +55,11 @@ def leaky_relu(input, negative_slope=0.01, inplace=False):
     return clang.where(clang.elementwise_binary(prims.gt, input, 0, Promotion.ALWAYS_BOOL, upcast=False), input, clang.mul(input, negative_slope))
 
 
-@torchsymbol(F.gelu, tags=("fusible", "fused_backward",))
+# "vjp_layout_from_kernel": eager's gelu_backward is a TensorIterator kernel, its gradient laid out as the incoming
+# gradient (channels_last, a transpose); row-major proxies made kept buffers (and fused regions) use another layout
+# than the plain program's kernel, ULPs apart.  The fake run's layout is the kernel's here (not for every backward:
+# log-softmax's, executors/layout_rules.py).
+@torchsymbol(F.gelu, tags=("fusible", "fused_backward", "vjp_layout_from_kernel"))
 def gelu(input, approximate="none"):
     """GELU, exact (erf) or tanh approximation; computed in float32 for low precision."""
     x, dt = upcast_and_dtype(input)
