@@ -392,6 +392,7 @@ def overwritable(trc, bsyms=None):
     returned = set().union(*(may_alias.get(id(p), set()) for p in tree_flatten(trc.output)[0] if type(p) is TensorProxy))
     return may_alias, {id(a) for a in trc.args} | escaped | returned
 
+
 def _eligible(trc) -> bool:
     """``out=`` refuses tensors that need grad under grad mode: the program runs without grad, or no value needs it."""
     if "@torch.no_grad()" in trc.decorators:

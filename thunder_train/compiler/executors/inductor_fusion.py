@@ -162,6 +162,7 @@ def _split_views(region, readers, returned):
     after = {i: b for i, b in region if fusible_name(b) is None
              and (id(result(b)) in returned or readers.get(id(result(b)), set()) - inside)}
     made = {id(result(b)): i for i, b in region}
+    line = dict(region)
     needed: set = set()
     todo = list(after.values())
     while todo:  # a moved view reads a view: that one runs after the kernel too
@@ -170,7 +171,7 @@ def _split_views(region, readers, returned):
             if j is None or id(x) in needed:
                 continue
             needed.add(id(x))
-            v = dict(region)[j]
+            v = line[j]
             if fusible_name(v) is None and j not in after:
                 after[j] = v
                 todo.append(v)
@@ -253,7 +254,6 @@ class _State:
         self.out.extend(ahead)
         self.out.append(BoundSymbol(sym, tuple(inputs), {}, out, tuple(bsyms), comment))
         self.out.extend(after)
-
 
 
 def _overlapping_results(region, readers, returned):
