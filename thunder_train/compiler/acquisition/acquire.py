@@ -172,7 +172,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             check_input_data_shares(state, trc.output)
             _insert_shape_queries(trc, walker.symbolic_inputs)
         except BaseException:
-            library_objects.rollback(walker.library_objects)
+            library_objects.rollback(walker.library_objects + walker.walked_objects)
             raise
         finally:
             walker.restore()

@@ -14,6 +14,10 @@ Where the lazy initialisation is known and depends on no traced value, it is don
 (``initialise``): ``GradScaler``'s scale tensor, which eager's first ``scaler.scale(loss)`` creates on the scaler's
 device.  A failed trace puts it back too.
 
+Walked modules and optimizers are snapshotted too (``InputWalker.walked_objects``), for the rollback only: what the
+function or library code set on them (``self.calls += 1``, an LR scheduler's ``_opt_called``) is put back when
+tracing fails; on success module writes are settled by ``module_writes.py``.
+
 Containers the object holds (a dict of per-optimizer states, a list of learning rates), and the containers
 inside those, down to ``_DEPTH`` levels, are snapshotted the same way: a key added to a ``defaultdict`` or a
 traced tensor stored in a nested dict is rolled back or refused as well.  Objects nested inside are not
@@ -99,6 +103,8 @@ def initialise(obj) -> None:
 def rollback(objects) -> None:
     """After a failed trace: every attribute and container entry changed on these objects is put back."""
     for _, _, snap in objects:
+        if snap is None:
+            continue
         for container, before, keys in snap.changed():
             _put_back(container, before, keys)
 

@@ -71,6 +71,10 @@ class InputWalker:
         # (path, object, its __dict__ when walked): objects the function runs on as they are (library objects);
         # what library code sets on them while tracing is rolled back or refused (library_objects.py).
         self.library_objects: list = []
+        # (path, object, its __dict__ when walked) of every walked module and optimizer: what the function or library
+        # code sets on them (``self.calls += 1``, ``_opt_called`` from an LR scheduler's wrapper of ``step``) is put
+        # back when tracing fails (library_objects.rollback); on success module writes are settled (module_writes.py).
+        self.walked_objects: list = []
         # FSDP2 (fsdp.py): id(sharded DTensor parameter) -> its FSDPParam, the units whose hooks are replaced, and
         # id(shard proxy) -> the leaf of the DTensor it is the shard of.
         self.fsdp_params: dict = {}
@@ -383,6 +387,7 @@ class InputWalker:
             return
         if fsdp.is_fsdp_module(m):  # before its parameters are swapped (FSDP2's lazy init reads them)
             fsdp.prepare_module(self, m, path_str(path))
+        self.walked_objects.append((path, m, library_objects.snapshot(m)))
         leaf = Leaf(path, "module", m, snapshot=module_snapshot(m))
         self.by_id[id(m)] = leaf
         self.leaves.append(leaf)
@@ -424,6 +429,7 @@ class InputWalker:
         """
         if id(opt) in self.by_id:
             return
+        self.walked_objects.append((path, opt, library_objects.snapshot(opt)))
         leaf = Leaf(path, "optimizer", opt)
         self.by_id[id(opt)] = leaf
         self.leaves.append(leaf)
