@@ -23,18 +23,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .errors import NoGradientRuleError
+from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
 from .proxies import is_proxy
 from .pytree import tree_flatten, tree_unflatten
 from .transforms import autograd as ag
-
-SECOND_BACKWARD_MESSAGE = (
-    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
-    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
-    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
-    "if you need to access saved tensors after calling backward."
-)
-
 
 def _keep_graph() -> bool:
     """Whether the running backward was asked to retain the graph (``retain_graph=True``).

@@ -74,3 +74,13 @@ class ThinModeError(GuardFailure):
     def __init__(self, path, what, expected, actual, message=None, kind="per_call_input"):
         super().__init__(path, what, expected, actual, message)
         self.kind = kind
+
+
+# PyTorch's message for a backward through a graph an earlier backward freed (compiler/autograd_function.py,
+# acquisition/returned_graph.py raise it where eager does).
+SECOND_BACKWARD_MESSAGE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+    "if you need to access saved tensors after calling backward."
+)

@@ -23,7 +23,7 @@ import linecache
 import torch
 
 from .. import prims
-from . import fsdp, output_aliases
+from . import fsdp, output_aliases, returned_graph
 from ..proxies import TensorProxy, is_proxy
 from ..memory_overlap import overlapping_pairs
 from ..pytree import tree_map
@@ -192,6 +192,10 @@ def finish(st, out, python_effects=None):
     result = tree_map(final_value, out)
     # Results sharing an input's memory in eager are rebuilt from the real input after the write-backs.
     returns = output_aliases.rebuild_lines(st, out, names)
+    if st.has_backward:  # eager's grad_fn on what the function returns (returned_graph.py)
+        more_lines, more = returned_graph.rebuild(st, out, names, extra, {i for i, _ in returns})
+        lines += more_lines
+        returns += more
     if not lines and not returns:
         return result, None
     return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets, returns)

@@ -29,6 +29,7 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
+from .returned_graph import record_roots
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
 from ..sparse_proxy import SparseProxy
@@ -316,6 +317,7 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
     groups = [vals for _, vals in params]
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
+    record_roots(st, outs, retain_graph or create_graph)
     taken: set = set()
     for (p, _), g in zip(params, grads):
         if g is None:
@@ -357,6 +359,7 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
         if type(v) is not TensorProxy or not v._tt_requires_grad and id(v) not in on_path and not getattr(ins[i], "_tt_requires_grad", False):
             raise RuntimeError(f"One of the differentiated Tensors (input {i}) does not require grad")
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
+    record_roots(st, outs, retain_graph or create_graph)
     # Without create_graph the returned gradients are constants to any later backward (eager: no grad_fn).
     if not create_graph:
         # (a sparse gradient is made by an opaque line no later backward differentiates)

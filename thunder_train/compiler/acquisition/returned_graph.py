@@ -1,0 +1,135 @@
+"""What a function that calls ``backward()`` inside returns carries eager's autograd flags.
+
+After ``loss.backward()`` inside the function its gradients are values of the program, which runs without PyTorch
+autograd (``transforms/no_grad.py``), so its results come back without a graph.  Eager's ``loss`` still requires
+grad and has a ``grad_fn`` (user code branches on ``loss.requires_grad``, Lightning checks it), and a second
+``loss.backward()`` raises eager's error for a freed graph.  Here every returned tensor that eager's would give a
+``grad_fn`` gets one (``computed_requires_grad``: on the gradient path, not computed under ``no_grad``):
+
+* a view of an input that requires grad (``m.weight[0]``, ``p.t()``) is made again from the real input with
+  ``as_strided`` at the traced layout, with grad enabled: as eager's, it requires grad, is a view of the parameter
+  (an in-place write to it raises eager's error for a view of a leaf), and a backward through it reaches the
+  parameter's ``.grad``;
+* any other such value goes through ``FreedGraph``, one autograd node whose backward raises: eager's own message for
+  a graph freed by a backward (values the backward inside went through without ``retain_graph``), or says that the
+  compiled program kept no graph (values computed after that backward, or with ``retain_graph=True``, which eager
+  could still differentiate).  A view of a computed value comes out as a tensor of its own on the same memory and
+  version counter, so an in-place write to it works as in eager (a backward through it raises either way).
+
+Values that eager's would not give a ``grad_fn`` (a detached value, one computed under ``no_grad``, gradients,
+returned parameters) are left as they are.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import prims
+from ..errors import SECOND_BACKWARD_MESSAGE
+from ..proxies import TensorProxy
+from ..pytree import tree_flatten
+
+NOT_KEPT_MESSAGE = (
+    "thunder_train: this tensor was returned by a compiled function that calls backward() inside it; the compiled "
+    "program computes its gradients itself and keeps no autograd graph for its results, so a backward through this "
+    "tensor after the call (which eager would run) is not supported. Compute the value outside the compiled "
+    "function, or do this backward inside it.")
+
+
+def record_roots(st, outputs, retain_graph) -> None:
+    """A backward inside the function from ``outputs`` (current values); ``retain_graph``: eager keeps the graph."""
+    roots = getattr(st, "backward_roots", None)
+    if roots is None:
+        roots = st.backward_roots = []
+    roots.append(([o for o in outputs if type(o) is TensorProxy], bool(retain_graph)))
+
+
+def _freed_by_backward(st) -> set:
+    """Ids of values whose graph a backward inside freed in eager: the values it went through without
+    ``retain_graph`` (inputs aside: a leaf's node keeps nothing) and every value computed from one of them."""
+    reached = {id(o) for outs, retain in getattr(st, "backward_roots", ()) if not retain for o in outs}
+    if not reached:
+        return reached
+    lines = st.trace.bound_symbols
+    for b in reversed(lines):
+        if b.sym is prims.stop_gradient or not any(id(o) in reached for o in b.flat_outputs()):
+            continue
+        reached.update(id(a) for a in b.flat_args() if type(a) is TensorProxy)
+    reached -= {id(p) for p in st.walker.input_proxies()}
+    for b in lines:  # forward: what was computed from a freed value has it in its graph
+        if b.sym is not prims.stop_gradient and any(id(a) in reached for a in b.flat_args()):
+            reached.update(id(o) for o in b.flat_outputs() if type(o) is TensorProxy)
+    return reached
+
+
+def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
+    """Epilogue lines and ``(flat index, expression)`` results for the returned tensors eager's would give a
+    ``grad_fn`` (``taken``: flat indices already rebuilt by ``output_aliases``)."""
+    from .traced_autograd import computed_requires_grad
+
+    buffers, walker = st.buffers, st.walker
+    freed, rows, exprs = None, [], []
+    for i, o in enumerate(tree_flatten(out)[0]):
+        if i in taken or type(o) is not TensorProxy or walker.leaf_of(o) is not None or not computed_requires_grad(st, o):
+            continue
+        base = buffers.base_of(o)
+        bleaf = walker.leaf_of(base) if base is not None else None
+        if (bleaf is not None and bleaf.kind == "tensor" and base._tt_requires_grad and buffers.layout_is_traced(o)
+                and o._tt_dtype is base._tt_dtype
+                and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides, o._tt_storage_offset))):
+            layout = (tuple(o._tt_shape), tuple(o._tt_strides), o._tt_storage_offset - base._tt_storage_offset)
+            exprs.append((i, f"{names(view_with_grad, 'view_with_grad')}({names(bleaf.value, base._tt_name, bleaf)}, "
+                             f"{layout[0]!r}, {layout[1]!r}, {layout[2]})"))
+            continue
+        if freed is None:
+            freed = _freed_by_backward(st)
+        rows.append((i, extra(o), SECOND_BACKWARD_MESSAGE if id(buffers.read(o)) in freed or id(o) in freed
+                     else NOT_KEPT_MESSAGE))
+    if not rows:
+        return [], exprs
+    values = ", ".join(e for _, e, _ in rows)
+    messages = names(tuple(m for _, _, m in rows), "backward_messages")
+    lines = [f"  with_graph = {names(freed_graph, 'freed_graph')}(({values},), {messages})"]
+    return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _) in enumerate(rows)]
+
+
+def view_with_grad(base, shape, strides, offset):
+    """A view of the input ``base`` at the traced layout, recorded by autograd (eager's view of a parameter)."""
+    with torch.enable_grad():
+        return base.as_strided(shape, strides, base.storage_offset() + offset)
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # the node's input: its outputs require grad (no gradient reaches it)
+
+
+class FreedGraph(torch.autograd.Function):
+    """One node for a call's results whose graph eager would have: its backward raises (``apply(messages, values)``)."""
+
+    @staticmethod
+    def forward(ctx, anchor, messages, values):
+        ctx.messages = messages
+        ctx.set_materialize_grads(False)
+        # A view of another tensor is given as a tensor of its own on the same memory and version counter: a custom
+        # Function's view outputs refuse in-place writes, which eager allows on a view of a computed value.
+        return tuple(v.detach() if v._base is not None else v for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for g, message in zip(grads, ctx.messages):
+            if g is not None:
+                raise RuntimeError(message)
+        raise RuntimeError(ctx.messages[0])
+
+
+def freed_graph(values: tuple, messages: tuple) -> tuple:
+    """``values`` requiring grad through a node whose backward raises ``messages[k]`` for ``values[k]``; the same
+    tensor given twice comes back as one object, as eager returns it."""
+    first: dict = {}
+    unique, unique_messages = [], []
+    for v, m in zip(values, messages):
+        if id(v) not in first:
+            first[id(v)] = len(unique)
+            unique.append(v)
+            unique_messages.append(m)
+    with torch.enable_grad():  # the trace found these values require grad (grad mode is part of the guard key)
+        out = FreedGraph.apply(_ANCHOR, tuple(unique_messages), tuple(unique))
+    return tuple(out[first[id(v)]] for v in values)
