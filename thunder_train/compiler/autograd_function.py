@@ -44,6 +44,7 @@ class ThunderFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, *inputs):
         outs, saved = program.forward(*inputs)
+        outs, saved = _own_views(outs, saved, inputs, program.differentiable)
         ctx.program = program
         out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
@@ -89,6 +90,45 @@ class ThunderFunction(torch.autograd.Function):
         return (None, *grads)
 
 
+def _own_views(outs, saved, inputs, differentiable):
+    """Differentiable outputs that are views of a value computed inside (``h[0]``, ``h.t()``), where no other output
+    shares that value's memory, come out as tensors of their own on the same memory and version counter.  A custom
+    Function's view outputs refuse in-place writes, which eager allows on a view of a computed value; here nothing
+    else sees the memory, so autograd loses nothing.  Views of inputs or outputs are made again outside
+    (``_views_made_outside``);
+    views sharing a base with another output stay views (an in-place write to one is refused, not silently wrong)."""
+    viewed = [o._base for o, d in zip(outs, differentiable) if d and isinstance(o, torch.Tensor) and o._base is not None]
+    if not viewed:
+        return outs, saved
+    taken = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
+    taken |= {id(x._base) for x in inputs if isinstance(x, torch.Tensor) and x._base is not None}
+    taken |= {id(o) for o in outs if isinstance(o, torch.Tensor)}
+    count: dict = {}
+    for b in viewed:
+        count[id(b)] = count.get(id(b), 0) + 1
+    own = {}
+    for o, d in zip(outs, differentiable):
+        if d and isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in taken and count[id(o._base)] == 1:
+            own[id(o)] = o.detach()
+    if not own:
+        return outs, saved
+    return [own.get(id(o), o) for o in outs], [own.get(id(s), s) for s in saved]
+
+
+def _views_made_outside(results, inputs):
+    """Results that are views of an input of the node or of another of its results, made again from that tensor
+    outside the node (``as_strided`` at the same layout).  As eager's view of a parameter (``m.weight[0]``) or of a
+    returned value (``h, h[0]``) it is a view of that tensor, an in-place write to it gets eager's answer (allowed,
+    or eager's error for a view of a leaf), and its gradient goes to that tensor (the node's output gets none)."""
+    if not any(isinstance(r, torch.Tensor) and r._base is not None for r in results):
+        return results
+    bases = {id(x) for x in (*inputs, *results) if isinstance(x, torch.Tensor)}
+    return tuple(r._base.as_strided(r.size(), r.stride(), r.storage_offset())
+                 if isinstance(r, torch.Tensor) and r.requires_grad and r._base is not None and id(r._base) in bases
+                 and r.dtype == r._base.dtype
+                 else r for r in results)
+
+
 class AutogradProgram:
     """A cache entry's computation when gradients are needed: calls ``ThunderFunction``.
 
@@ -107,7 +147,7 @@ class AutogradProgram:
         self._out_leaves, self._out_spec = tree_flatten(trc.output)
 
     def __call__(self, *inputs):
-        results = ThunderFunction.apply(self, *inputs)
+        results = _views_made_outside(ThunderFunction.apply(self, *inputs), inputs)
         by_id = {id(p): r for p, r in zip(self._outputs, results)}
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
@@ -137,7 +177,7 @@ class NoBackwardProgram:
         raise type(self._error)(str(self._error))  # NoGradientRuleError, or eager's saved-version error
 
     def __call__(self, *inputs):
-        results = ThunderFunction.apply(self, *inputs)
+        results = _views_made_outside(ThunderFunction.apply(self, *inputs), inputs)
         by_id = {id(p): r for p, r in zip(self._outputs, results)}
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
