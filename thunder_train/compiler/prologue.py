@@ -114,6 +114,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 ("device", f"{var}.device", v.device),
                 ("requires_grad", f"{var}.requires_grad", v.requires_grad),
             ]
+        # The function read ``is_leaf`` or ``grad_fn`` of the input (acquisition/traced_grad_fn.py).
+        leafness = [("is_leaf", f"{var}.is_leaf", v.is_leaf)] if leaf.snapshot == "is_leaf" else []
         if is_symbolic(leaf):
             return symbolic_shape_specs(leaf, var) + [
                 # Not the strides: they change with the sizes. Their form (dense in an order, or a slice) does not.
@@ -121,7 +123,7 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 ("dtype", f"{var}.dtype", v.dtype),
                 ("device", f"{var}.device", v.device),
                 ("requires_grad", f"{var}.requires_grad", v.requires_grad),
-            ]
+            ] + leafness
         return [
             ("shape", f"{var}.shape", tuple(v.shape)),
             # The trace assumed this memory layout (stride() answers, view legality, gradient layouts).
@@ -129,7 +131,7 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             ("dtype", f"{var}.dtype", v.dtype),
             ("device", f"{var}.device", v.device),
             ("requires_grad", f"{var}.requires_grad", v.requires_grad),
-        ]
+        ] + leafness
     if k == "dtensor":
         # A DTensor read through its shard (the next leaf): its global shape, layout and requires_grad.
         shape, placements, rg = leaf.snapshot

@@ -22,7 +22,7 @@ from .functional import fresh_results
 from ..proxies import TensorProxy
 from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_map
-from . import kernel_switches, traced_autograd
+from . import kernel_switches, traced_autograd, traced_grad_fn
 from ..torchlang import registry, value_shaped
 from ..torchlang.autocast import cast_inputs
 from ..torchlang.tensor_methods import requires_grad_of
@@ -291,12 +291,10 @@ def _property(st, prop, get, args, top):
         return getter(a)
     if prop == "requires_grad":
         return requires_grad_of(st, a)
-    if prop == "is_leaf":  # eager's: False for a computed value that requires grad (the getter answers for inputs)
+    if prop in ("is_leaf", "grad_fn"):  # eager's answers (traced_grad_fn.py)
         from ..torchlang import tensor_methods
 
-        if st.walker is None or st.walker.is_input(a) or tensor_methods.computed_requires_grad is None:
-            return getter(a)
-        return not tensor_methods.computed_requires_grad(st, a) or any(t is a for t, _ in traced_autograd.new_leaves(st))
+        return traced_grad_fn.answer(st, a, prop, getter, tensor_methods.computed_requires_grad, traced_autograd.new_leaves)
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter)
