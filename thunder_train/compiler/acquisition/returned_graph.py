@@ -27,6 +27,7 @@ from .. import prims
 from ..errors import SECOND_BACKWARD_MESSAGE
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten
+from .traced_autograd import computed_requires_grad
 
 NOT_KEPT_MESSAGE = (
     "thunder_train: this tensor was returned by a compiled function that calls backward() inside it; the compiled "
@@ -35,18 +36,11 @@ NOT_KEPT_MESSAGE = (
     "function, or do this backward inside it.")
 
 
-def record_roots(st, outputs, retain_graph) -> None:
-    """A backward inside the function from ``outputs`` (current values); ``retain_graph``: eager keeps the graph."""
-    roots = getattr(st, "backward_roots", None)
-    if roots is None:
-        roots = st.backward_roots = []
-    roots.append(([o for o in outputs if type(o) is TensorProxy], bool(retain_graph)))
-
-
 def _freed_by_backward(st) -> set:
     """Ids of values whose graph a backward inside freed in eager: the values it went through without
-    ``retain_graph`` (inputs aside: a leaf's node keeps nothing) and every value computed from one of them."""
-    reached = {id(o) for outs, retain in getattr(st, "backward_roots", ()) if not retain for o in outs}
+    ``retain_graph`` (inputs aside: a leaf's node keeps nothing) and every value computed from one of them.
+    (``st.backward_roots``: ``traced_autograd.record_roots``.)"""
+    reached = {id(o) for outs, retain in st.backward_roots if not retain for o in outs}
     if not reached:
         return reached
     lines = st.trace.bound_symbols
@@ -64,8 +58,6 @@ def _freed_by_backward(st) -> set:
 def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
     """Epilogue lines and ``(flat index, expression)`` results for the returned tensors eager's would give a
     ``grad_fn`` (``taken``: flat indices already rebuilt by ``output_aliases``)."""
-    from .traced_autograd import computed_requires_grad
-
     buffers, walker = st.buffers, st.walker
     freed, rows, exprs = None, [], []
     for i, o in enumerate(tree_flatten(out)[0]):

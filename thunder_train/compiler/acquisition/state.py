@@ -29,6 +29,8 @@ class TracerState:
     size_checks: list = dataclasses.field(default_factory=list)
     requires_grad_changes: dict = dataclasses.field(default_factory=dict)  # id(proxy) -> (proxy, flag before)
     has_backward: bool = False  # the function called backward()/autograd.grad
+    # (values a backward inside started from, whether it retained the graph) (traced_autograd.record_roots)
+    backward_roots: list = dataclasses.field(default_factory=list)
     ddp_pending: list = dataclasses.field(default_factory=list)  # (module, ignored names): DDP forwards awaiting a backward
     written_inputs: list = dataclasses.field(default_factory=list)  # input proxies updated in place (set by the epilogue)
     decisions: list = dataclasses.field(default_factory=list)  # decisions.Decision: Python values computed from inputs

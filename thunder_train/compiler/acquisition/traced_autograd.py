@@ -29,7 +29,6 @@ import torch
 from .. import prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
-from .returned_graph import record_roots
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
 from ..sparse_proxy import SparseProxy
@@ -285,6 +284,12 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     lines_rewritten(st, starts, len(forward))
     st._gradient_path_cache = None  # the lines so far were rewritten: the path is found anew
     return [None if v is None else cts.get(v) for v in wrt_values]
+
+
+def record_roots(st, outputs, retain_graph) -> None:
+    """A backward inside the function from ``outputs`` (current values); ``retain_graph``: eager keeps the graph
+    (what it freed decides the error a later backward through a returned value raises: returned_graph.py)."""
+    st.backward_roots.append(([o for o in outputs if type(o) is TensorProxy], bool(retain_graph)))
 
 
 def _as_list(x):
