@@ -29,6 +29,8 @@ class Views(nn.Module):
             return h.t(), h.sum()
         if self.which == "base_and_row":
             return h, h[0]
+        if self.which == "two_rows":  # two views of one value that is not returned
+            return h[0], h[2:]
         return h.view(-1), self.lin.weight.t()
 
 
@@ -48,7 +50,7 @@ def writes_then_grads(m, f, x):
 
 
 @pytest.mark.parametrize("opts", MODES)
-@pytest.mark.parametrize("which", ["row_and_weight_row", "transposed", "base_and_row", "flat_and_weight_t"])
+@pytest.mark.parametrize("which", ["row_and_weight_row", "transposed", "base_and_row", "two_rows", "flat_and_weight_t"])
 def test_in_place_writes_into_returned_views_as_eager(which, opts):
     x = torch.randn(5, 4)
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
+from .memory_overlap import overlapping_pairs
 from .proxies import is_proxy
 from .pytree import tree_flatten, tree_unflatten
 from .transforms import autograd as ag
@@ -45,6 +46,7 @@ class ThunderFunction(torch.autograd.Function):
     def forward(ctx, program, *inputs):
         outs, saved = program.forward(*inputs)
         outs, saved = _own_views(outs, saved, inputs, program.differentiable)
+        ctx.tt_groups, bases = _shared_views(outs, inputs, program.differentiable)
         ctx.program = program
         out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
@@ -59,7 +61,7 @@ class ThunderFunction(torch.autograd.Function):
         if program.output_errors:  # which outputs a gradient reaches decides whether the backward raises
             ctx.set_materialize_grads(False)
             ctx.tt_outs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
-        return tuple(outs)
+        return (*outs, *bases)
 
     @staticmethod
     @once_differentiable
@@ -77,6 +79,8 @@ class ThunderFunction(torch.autograd.Function):
                     f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. "
                     f"(thunder_train: the compiled region saved its input {program.saved_names[i]!r})"
                 )
+        if ctx.tt_groups:
+            output_grads = _view_cotangents(list(output_grads), ctx.tt_groups)
         if program.output_errors:
             for g, error in zip(output_grads, program.output_errors):
                 if g is not None and error is not None:
@@ -113,6 +117,46 @@ def _own_views(outs, saved, inputs, differentiable):
     if not own:
         return outs, saved
     return [own.get(id(o), o) for o in outs], [own.get(id(s), s) for s in saved]
+
+
+def _shared_views(outs, inputs, differentiable):
+    """Differentiable outputs that are views of one value computed inside, two or more per value (``h[0], h[1]``),
+    the value neither an input nor an output: the value becomes an extra output of the node, the views are made
+    again from it outside (``_views_made_outside``) and its gradient is handed to the views' slots in the backward
+    (``_view_cotangents``).  Only where the views touch disjoint bytes (each element's gradient then belongs to one
+    view); others stay views of the node's output (an in-place write to one is PyTorch's error)."""
+    groups: dict = {}
+    for k, (o, d) in enumerate(zip(outs, differentiable)):
+        if d and isinstance(o, torch.Tensor) and o._base is not None:
+            groups.setdefault(id(o._base), (o._base, []))[1].append(k)
+    if not groups:
+        return (), ()
+    taken = {id(x) for x in (*inputs, *outs) if isinstance(x, torch.Tensor)}
+    taken |= {id(x._base) for x in inputs if isinstance(x, torch.Tensor) and x._base is not None}
+    found, bases = [], []
+    for base, ks in groups.values():
+        views = [outs[k] for k in ks]
+        if (len(ks) < 2 or id(base) in taken or any(v.dtype != base.dtype for v in views)
+                or overlapping_pairs(views, views) or any(0 in v.stride() for v in views)):
+            continue
+        layouts = [(k, outs[k].size(), outs[k].stride(), outs[k].storage_offset() - base.storage_offset()) for k in ks]
+        found.append((len(outs) + len(bases), base.size(), base.stride(), layouts))
+        bases.append(base)
+    return tuple(found), tuple(bases)
+
+
+def _view_cotangents(output_grads, groups):
+    """The gradient of each extra output (a value several returned views share) handed to the views' slots."""
+    for slot, size, stride, layouts in groups:
+        g = output_grads[slot]
+        if g is None:
+            continue
+        laid = torch.empty_strided(size, stride, dtype=g.dtype, device=g.device)
+        laid.copy_(g)
+        for k, vsize, vstride, offset in layouts:
+            view = laid.as_strided(vsize, vstride, laid.storage_offset() + offset)
+            output_grads[k] = view if output_grads[k] is None else output_grads[k] + view
+    return output_grads[:len(output_grads) - len(groups)]
 
 
 def _views_made_outside(results, inputs):
