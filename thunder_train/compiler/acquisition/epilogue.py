@@ -191,7 +191,7 @@ def finish(st, out, python_effects=None):
 
     result = tree_map(final_value, out)
     # Results sharing an input's memory in eager are rebuilt from the real input after the write-backs.
-    returns = output_aliases.rebuild_lines(st, out, names)
+    returns = output_aliases.rebuild_lines(st, out, names, extra)
     if not lines and not returns:
         return result, None
     return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets, returns)
