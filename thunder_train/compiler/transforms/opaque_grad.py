@@ -77,7 +77,18 @@ def opaque_vjp(handle, cotangents):
                 f"thunder_train: torch's autograd gave a {g.layout} gradient for a strided tensor of an opaque op; "
                 "thunder_train follows sparse gradients only into sparse tensors (eager would keep this one sparse). "
                 "Compute this part outside the compiled function or under torch.no_grad().")
-    return tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads))
+    return tuple(_row_major(i, g) for i, g in zip(inputs, grads))
+
+
+def _row_major(i, g):
+    """``i``'s gradient laid out as its proxy records it (``autograd.cotangent_like``: row-major, whatever torch's
+    autograd gave: LSTM's input gradient comes time-major; ``zeros_like`` would follow ``i``'s layout).  Eager's
+    layout of an intermediate gradient is invisible, and a leaf's ``.grad`` takes the leaf's layout anyway."""
+    if i.layout != torch.strided:
+        return torch.zeros_like(i) if g is None else g
+    if g is None:
+        return torch.zeros(i.shape, dtype=i.dtype, device=i.device)
+    return g.contiguous()
 
 
 opaque_vjp.__qualname__ = "autograd.vjp"
