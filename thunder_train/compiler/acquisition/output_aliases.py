@@ -126,13 +126,19 @@ class ViewReplay:
 
     def __init__(self, steps, own):
         self.steps, self.own = steps, own
+        self._plain = not any(type(a) is _Value for _, rest, kw in steps for a in tree_flatten((rest, kw))[0])
 
     def __call__(self, base, *values):
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad()'s switch without its context objects (a few µs a call)
+        try:
             v = base
             for f, rest, kw in self.steps:
-                rest, kw = tree_map(lambda a: values[a.i] if type(a) is _Value else a, (rest, kw))
+                if not self._plain:
+                    rest, kw = tree_map(lambda a: values[a.i] if type(a) is _Value else a, (rest, kw))
                 v = f(v, *rest, **kw)
+        finally:
+            torch._C._set_grad_enabled(grad)
         if self.own:
             return _same_memory(base, v.shape, v.stride(), v.storage_offset() - base.storage_offset())
         return v
