@@ -209,3 +209,22 @@ def test_write_through_a_reshape_that_copies_stays_in_the_copy(mode):
     y, yc = _write_through_reshape(x), tt.compile(_write_through_reshape, **MODES[mode])(xc)
     torch.testing.assert_close(yc, y, rtol=0, atol=0)
     torch.testing.assert_close(xc, x, rtol=0, atol=0)
+
+
+def _rows_at(x, e):
+    x.add_(1)
+    return x[e], x[:, e]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_views_at_an_index_argument_follow_each_calls_index(mode):
+    """``w[e]``'s position is a value of the call: each call's view sits where that call's ``e`` says."""
+    step = tt.compile(_rows_at, **MODES[mode])
+    for i in [0, 2, 1, 2]:
+        e = torch.tensor(i)
+        x, xc = torch.arange(16.0).reshape(4, 4) + 0, torch.arange(16.0).reshape(4, 4) + 0
+        outs, outsc = _rows_at(x, e), step(xc, e)
+        assert [_facts(o, x) for o in outs] == [_facts(o, xc) for o in outsc]
+        for o in (*outs, *outsc):
+            _caller_write(o)
+        torch.testing.assert_close(xc, x, rtol=0, atol=0)
