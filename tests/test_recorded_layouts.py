@@ -63,6 +63,16 @@ def test_compiled_module_forward_and_backward_values_have_their_recorded_strides
     assert not audit, audit
 
 
+def test_channels_last_module_backward_values_have_their_recorded_strides(audit):
+    """Batch and group norm's backward kernels give a channels_last input's gradient channels_last (recorded
+    row-major before)."""
+    model = tt.compile(_zoo.build("resnet").to(memory_format=torch.channels_last))
+    for b in _zoo.batches("resnet", 2):
+        b["pixel_values"] = b["pixel_values"].to(memory_format=torch.channels_last)
+        model(**b).loss.backward()
+    assert not audit, audit
+
+
 def test_the_audit_sees_a_wrong_record(audit, monkeypatch):
     """The check can fail: a line recorded row-major whose kernel gives another layout."""
     from thunder_train.compiler.executors import saved_statistics
