@@ -156,7 +156,25 @@ def format_bsym(bsym, g, *, indent: str = "", with_subsymbols: bool = True, comm
     return lines
 
 
-def trace_source(trc, *, with_subsymbols: bool = True) -> tuple[str, dict]:
+# A debugging hook, off by default: ``layout_audit(name, tensor, shape, strides)``, called by programs compiled while
+# it is set after every line, with each tensor the line made and the shape and strides the trace recorded for it
+# (tests/test_recorded_layouts.py compares them with the real tensor's).  Programs compiled while it is None have no
+# such lines.
+layout_audit = None
+
+
+def _audit_line(bsym, g, indent: str) -> str | None:
+    from .pytree import tree_flatten
+
+    checks = []
+    for o in tree_flatten(bsym.output)[0]:
+        if type(o) is TensorProxy and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides)):
+            checks.append(f"{indent}_tt_layout_audit({o._tt_name!r}, {format_value(o, g)}, {tuple(o._tt_shape)!r}, "
+                          f"{tuple(o._tt_strides)!r})")
+    return "\n".join(checks) if checks else None
+
+
+def trace_source(trc, *, with_subsymbols: bool = True, audit: bool = False) -> tuple[str, dict]:
     g = _Globals()
     lines = []
     for h in (trc.header or "").splitlines():
@@ -173,6 +191,11 @@ def trace_source(trc, *, with_subsymbols: bool = True) -> tuple[str, dict]:
             lines.append(f"  # {c}")
     for bsym in trc.bound_symbols:
         lines.extend(format_bsym(bsym, g, indent="  ", with_subsymbols=with_subsymbols))
+        check = _audit_line(bsym, g, "  ") if audit else None
+        if check:
+            lines.append(check)
+    if audit:
+        g.d["_tt_layout_audit"] = layout_audit
     lines.append(f"  return {format_value(trc.output, g)}")
     return "\n".join(lines) + "\n", g.d
 
@@ -211,7 +234,7 @@ def _inline_no_grad(src: str, fn_name: str) -> str:
 
 def compile_trace(trc):
     """Compile a trace to a Python function; its source is registered for tracebacks."""
-    src, gdict = trace_source(trc, with_subsymbols=False)
+    src, gdict = trace_source(trc, with_subsymbols=False, audit=layout_audit is not None)
     if _NO_GRAD in trc.decorators:
         src = _inline_no_grad(src, trc.fn_name)
         gdict = {**gdict, "_tt_is_grad_enabled": torch.is_grad_enabled, "_tt_set_grad_enabled": torch._C._set_grad_enabled}

@@ -65,7 +65,7 @@ def assign_input_data(st, t, v, requires_grad):
         st.leaf_values.written(t)
     st.input_data_shares[:] = [a for a in st.input_data_shares if a.t is not t]
     if v is vbase and not buffers.has_views(v) and not requires_grad(value) and type(v) is TensorProxy:
-        buffers.add_view(v, t, _identity, _identity)  # v's memory is t's now, with its own counter (as t.data's)
+        buffers.add_view(v, t, _identity, _identity, steps=())  # v's memory is t's now, with its own counter (as t.data's)
         buffers.own_counter(v)
     else:
         st.input_data_shares.append(_Shared(t, v, buffers.version(t), buffers.version(v), len(st.trace.bound_symbols),

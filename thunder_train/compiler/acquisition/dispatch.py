@@ -10,6 +10,8 @@ ops the compiler does not know (refused: the update would be lost).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -156,7 +158,7 @@ def handle_torch_function(func, types, args, kwargs):
             out = fresh_results(func, args, kwargs, out)
             out = back_to_buffers(orig_args, args, out)
             if is_view(sym) and orig_args and type(orig_args[0]) is TensorProxy:
-                record_views(st, sym, orig_args[0], args[1:], kwargs, out)
+                record_views(st, sym, orig_args[0], args[1:], kwargs, out, func)
         return no_grad_region(st, out, sym)
     _refuse_unsupported_calls(func, fname, args, kwargs, top)
     if top and _is_inplace(func) and not orig_args:
@@ -297,7 +299,7 @@ def _property(st, prop, get, args, top):
         return traced_grad_fn.answer(st, a, prop, getter, tensor_methods.computed_requires_grad, traced_autograd.new_leaves)
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
-        st.buffers.add_view(out, a, getter)
+        st.buffers.add_view(out, a, getter, steps=((operator.attrgetter(prop), (), {}),))
         if prop == "data":  # eager: .data has a version counter of its own (saved_versions.py)
             st.buffers.own_counter(out)
     return out

@@ -191,7 +191,7 @@ def finish(st, out, python_effects=None):
 
     result = tree_map(final_value, out)
     # Results sharing an input's memory in eager are rebuilt from the real input after the write-backs.
-    returns = output_aliases.rebuild_lines(st, out, names)
+    returns = output_aliases.rebuild_lines(st, out, names, extra)
     if st.has_backward:  # eager's grad_fn on what the function returns (returned_graph.py)
         more_lines, more = returned_graph.rebuild(st, out, names, extra, {i for i, _ in returns})
         lines += more_lines

@@ -38,6 +38,9 @@ class View:
     # The traced view's layout is not eager's (``w[e]`` at a 0-d integer tensor: a view whose offset is a value):
     # writes go back by positions only, never by the layout (``_band_of``)
     by_positions: bool = False
+    # The eager calls that make the view of the real base: ``(torch function, other args, kwargs)`` applied in turn
+    # (proxies in the arguments are values of the program); None where a call is not known (output_aliases.py)
+    steps: tuple | None = None
 
 
 class Buffers:
@@ -70,9 +73,10 @@ class Buffers:
 
     # ---- views ----
     def add_view(self, view, source, make_from_source: Callable, unmake: Callable | None = None,
-                 by_positions: bool = False) -> None:
+                 by_positions: bool = False, steps: tuple | None = None) -> None:
         """``view`` was made from ``source`` by ``make_from_source(source_value)`` (and ``unmake(view_value)`` gives
-        ``source``'s value back, for a whole-tensor view in another dtype).  ``by_positions``: see ``View``."""
+        ``source``'s value back, for a whole-tensor view in another dtype).  ``by_positions``: see ``View``;
+        ``steps``: the eager calls ``(func, other args, kwargs)`` that made it from ``source`` (``View.steps``)."""
         if type(view) is not TensorProxy or view is source:
             return
         outer = self._views.get(id(source))
@@ -83,9 +87,10 @@ class Buffers:
             make = lambda b, inner=inner, f=make_from_source: f(inner(b))  # noqa: E731
             unmake = None
             by_positions = by_positions or outer.by_positions
+            steps = None if steps is None or outer.steps is None else outer.steps + steps
         self._keep[id(view)] = view
         self._keep[id(base)] = base
-        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions)
+        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions, steps)
         self._join(view, self._group.get(id(source), source))
 
     def detached_view(self, alias, view) -> None:
@@ -97,7 +102,7 @@ class Buffers:
 
         self._keep[id(alias)] = alias
         self._views[id(alias)] = View(v.base, lambda b, make=v.make: detach_float_tensors(make(b)), v.version, v.unmake,
-                                      v.by_positions)
+                                      v.by_positions, v.steps)
         self._join(alias, self._group.get(id(view), v.base))
 
     def pin_views(self, base) -> list:
@@ -178,6 +183,11 @@ class Buffers:
         """Whether the view ``p``'s traced layout is eager's view of its base (not one written back by positions)."""
         view = self._views.get(id(p))
         return view is not None and not view.by_positions
+
+    def view_steps(self, p):
+        """The eager calls making the view ``p`` of its base (``View.steps``), or None where not known."""
+        view = self._views.get(id(p))
+        return None if view is None else view.steps
 
     def base_of(self, p):
         view = self._views.get(id(p))

@@ -7,6 +7,8 @@ base.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import opaque, prims
@@ -18,6 +20,7 @@ from ..transforms.autograd import detach_float_tensors
 from .saved_versions import StaleOwnInput, own_saved_input, record_write
 from .data_assignment import check_old_memory_write
 from .inplace_overlap import check_partial_overlap
+from .opaque_views import eager_view_outputs
 from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
                                resized_meta, resizing_inplace)
 
@@ -43,7 +46,8 @@ def back_to_buffers(orig_args, args, out):
     return out
 
 
-def record_views(st, sym, source, rest, kwargs, out):
+def record_views(st, sym, source, rest, kwargs, out, func=None):
+    """``out`` (``sym(source, *rest, **kwargs)``, eager's ``func``) is a view of ``source``."""
     by_positions = False
     if sym.name == "getitem":
         keys = [k for k in tree_flatten(rest)[0] if isinstance(k, torch.Tensor)]
@@ -51,11 +55,29 @@ def record_views(st, sym, source, rest, kwargs, out):
             return  # advanced indexing copies
         # A 0-d integer tensor indexes as an int does (eager's w[e] is a view of w), at a position known at run time
         by_positions = bool(keys)
+    if sym.name in _MAY_COPY and func is not None and not _eager_views(st, func, source, rest, kwargs):
+        return  # eager's reshape of this layout copies: a value of its own, which later writes to source miss
+    step = None if func is None else (func, tuple(rest), dict(kwargs))
     if type(out) is TensorProxy:
-        st.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs), by_positions=by_positions)
+        st.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs), by_positions=by_positions,
+                            steps=None if step is None else (step,))
     elif isinstance(out, (tuple, list)):
         for i, o in enumerate(out):
-            st.buffers.add_view(o, source, lambda v, i=i: sym(v, *rest, **kwargs)[i])
+            st.buffers.add_view(o, source, lambda v, i=i: sym(v, *rest, **kwargs)[i],
+                                steps=None if step is None else (step, (operator.itemgetter(i), (), {})))
+
+
+# View ops whose eager result is a copy where the layout does not allow a view (x.t().reshape(-1))
+_MAY_COPY = {"reshape", "reshape_as", "flatten"}
+
+
+def _eager_views(st, func, source, rest, kwargs) -> bool:
+    """Whether eager's ``func(source, ...)`` is a view, asked of torch's meta rule on ``source``'s layout (a view
+    whose traced layout is not eager's, or no meta answer: taken as a view, as before)."""
+    if source._tt_rowmajor or st.buffers.base_of(source) is not None and not st.buffers.layout_is_traced(source):
+        return True
+    answer = eager_view_outputs(func, (source,) + tuple(rest), kwargs)
+    return answer is None or bool(answer)
 
 
 def inplace(st, sym, orig_args, args, kwargs):

@@ -27,6 +27,11 @@ def _meta(x):
 def view_outputs(func, args, kwargs) -> list:
     """``(position, meta result)`` (in the flattened output) of the results that are views of ``args[0]``: the meta
     result has eager's layout relative to ``args[0]``'s memory (storage offset relative to its own)."""
+    return eager_view_outputs(func, args, kwargs) or []
+
+
+def eager_view_outputs(func, args, kwargs) -> list | None:
+    """``view_outputs``, or None where torch's meta rule gives no answer."""
     try:
         margs, mkwargs = tree_map(_meta, (args, kwargs))
         rng = torch.default_generator.get_state()
@@ -37,11 +42,18 @@ def view_outputs(func, args, kwargs) -> list:
             # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
             if not torch.equal(torch.default_generator.get_state(), rng):
                 torch.default_generator.set_state(rng)
-    except Exception:  # noqa: BLE001 - no meta answer: treated as a fresh result (the op ran opaquely anyway)
-        return []
+    except Exception:  # noqa: BLE001 - no meta answer (an opaque op's result is then taken as fresh)
+        return None
     base = margs[0]
-    return [(i, o) for i, o in enumerate(tree_flatten(out)[0])
-            if isinstance(o, torch.Tensor) and o._is_view() and (o._base is base or o._base is base._base and base._base is not None)]
+    return [(i, o) for i, o in enumerate(tree_flatten(out)[0]) if isinstance(o, torch.Tensor) and _is_view_of(o, base)]
+
+
+def _is_view_of(o, base) -> bool:
+    """Whether eager's ``o`` shares ``base``'s memory: a view (``_base``), or a tensor on the same storage that torch
+    does not mark as a view (``x.view(torch.int32)``)."""
+    if o._is_view() and (o._base is base or o._base is base._base and base._base is not None):
+        return True
+    return o is not base and o.untyped_storage()._cdata == base.untyped_storage()._cdata
 
 
 def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
@@ -70,9 +82,11 @@ def record_opaque_views(st, func, orig_args, args, kwargs, out, run_opaque):
             unmake = lambda v: run_opaque(torch.view_as_complex, (v.contiguous(),), {})  # noqa: E731
         # The traced result's layout comes from the op run on the value the program holds (x.t() computed, not
         # x's memory seen through it), so it can differ from eager's view of the input (x.t().diagonal(1): offset 1
-        # against eager's 4): such a view is written back by positions, and never rebuilt from its traced layout
-        # (output_aliases), which would address other elements.
-        st.buffers.add_view(flat[i], source, make, unmake, by_positions=not _layout_is_eagers(flat[i], source, meta))
+        # against eager's 4): such a view is written back by positions, and returned as eager's calls replayed on
+        # the input (output_aliases), never from its traced layout, which would address other elements.
+        steps = ((func, tuple(args[1:]), dict(kwargs)),) + (() if isinstance(out, torch.Tensor) else ((flat_item, (i,), {}),))
+        st.buffers.add_view(flat[i], source, make, unmake, by_positions=not _layout_is_eagers(flat[i], source, meta),
+                            steps=steps)
 
 
 def _layout_is_eagers(view, source, meta) -> bool:
@@ -83,3 +97,8 @@ def _layout_is_eagers(view, source, meta) -> bool:
         return False
     return (tuple(view._tt_strides) == tuple(meta.stride())
             and view._tt_storage_offset - source._tt_storage_offset == meta.storage_offset())
+
+
+def flat_item(out, i):
+    """The ``i``-th tensor of an op's result (flattened)."""
+    return tree_flatten(out)[0][i]

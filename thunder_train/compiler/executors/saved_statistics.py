@@ -324,8 +324,22 @@ def _as_call(vjp):
     return vjp.replace(args=vjp.args[2:])
 
 
-def _new_proxy(trc, prefix, shape, dtype, device):
-    return TensorProxy(trc.make_name(prefix), shape=shape, dtype=dtype, device=device)
+def _new_proxy(trc, prefix, shape, dtype, device, strides=None):
+    return TensorProxy(trc.make_name(prefix), shape=shape, dtype=dtype, device=device, strides=strides)
+
+
+def _flash_lse_strides(q, k, v, is_causal, scale):
+    """The strides of the CPU flash kernel's log-sum-exp (heads innermost: ``(B*H*L, 1, H)`` for ``(B, H, L)``),
+    from its meta kernel; None where it cannot tell (symbolic sizes)."""
+    from ..proxies import meta_tensor
+
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *(meta_tensor(t) for t in (q, k, v)), 0.0, is_causal, scale=scale)[1]
+    except Exception:  # noqa: BLE001 - symbolic sizes or no meta kernel: recorded row-major
+        return None
+    return tuple(lse.stride())
 
 
 def _empty_like_proxy(t):
@@ -423,7 +437,8 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
     if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa or one_kv):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
-    lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device)
+    lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device,
+                     strides=_flash_lse_strides(q, k, v, b["is_causal"], b["scale"]))
     more = {"enable_gqa": True} if gqa else {}  # grouped-query attention (printed only when on)
     heads_kw = {**more, **({"one_kv_head": True} if one_kv else {})}
     if mask is None:
@@ -470,7 +485,7 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
             fo = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(fq, fk, fv, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 *(meta_tensor(t) for t in (g, q, k, v, out)),
-                torch.empty(tuple(lse._tt_shape), dtype=lse._tt_dtype.torch, device="meta"), 0.0, is_causal,
+                meta_tensor(lse), 0.0, is_causal,
                 attn_mask=mask, scale=scale)
             return [tuple(fo.stride()), None], [tuple(grads[i].stride()) for i in vjp.args[8]]
     except Exception:  # noqa: BLE001 - symbolic sizes or no meta kernel: the traced layouts stand

@@ -111,7 +111,9 @@ def _rms_norm_vjp(g, out, /, input, normalized_shape, weight=None, eps=None):
     return {"input": downcast_like(gx, input), **_affine_grads(gy, xhat, weight, None, dims)}
 
 
-@torchsymbol(F.batch_norm, tags=("fused_backward",))
+# "vjp_layout_from_kernel": the CPU batch/group norm backward kernels lay the input's gradient out as the input
+# (channels_last for a channels_last input), which their fake run gives (tests/test_recorded_layouts.py)
+@torchsymbol(F.batch_norm, tags=("fused_backward", "vjp_layout_from_kernel"))
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Batch norm; in training mode the running statistics are updated in place (copy_)."""
     x, dt = upcast_and_dtype(input)
@@ -184,7 +186,7 @@ def _batch_norm_functionalize(input, running_mean, running_var, weight=None, bia
 batch_norm.functionalize = _batch_norm_functionalize
 
 
-@torchsymbol(F.group_norm, tags=("fused_backward",), autocast={"cuda": FP32})
+@torchsymbol(F.group_norm, tags=("fused_backward", "vjp_layout_from_kernel"), autocast={"cuda": FP32})
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Normalise over (C / num_groups, *spatial) per sample and group, then a per-channel affine."""
     x, dt = upcast_and_dtype(input)

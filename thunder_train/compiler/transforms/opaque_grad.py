@@ -19,7 +19,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import context, devices, dtypes, opaque
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, contiguous_strides, dense_layout
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from .autograd import Forward, _is_tensor, cotangent_like, is_float_tensor
@@ -77,7 +77,38 @@ def opaque_vjp(handle, cotangents):
                 f"thunder_train: torch's autograd gave a {g.layout} gradient for a strided tensor of an opaque op; "
                 "thunder_train follows sparse gradients only into sparse tensors (eager would keep this one sparse). "
                 "Compute this part outside the compiled function or under torch.no_grad().")
-    return tuple(torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads))
+    return tuple(_laid_out(i, g) for i, g in zip(inputs, grads))
+
+
+def _gradient_strides(sizes, strides):
+    """The strides an opaque op's input gradient is recorded with (``_cotangent``) and given (``_laid_out``): the
+    input's where they are dense (AccumulateGrad's rule for a leaf's ``.grad``; a transposed expert weight's gradient
+    comes so from ``_grouped_mm``), else row-major."""
+    return tuple(strides) if dense_layout(tuple(sizes), tuple(strides)) else contiguous_strides(tuple(sizes))
+
+
+def _cotangent(a):
+    """``autograd.cotangent_like`` with the strides of ``_gradient_strides`` (known sizes and strides)."""
+    ct = cotangent_like(a)
+    if type(ct) is not TensorProxy or not all(type(n) is int for n in (*a._tt_shape, *a._tt_strides)):
+        return ct
+    strides = _gradient_strides(a._tt_shape, a._tt_strides)
+    if strides == tuple(ct._tt_strides):
+        return ct
+    return TensorProxy(ct._tt_name, shape=ct._tt_shape, dtype=ct._tt_dtype, device=ct._tt_device, strides=strides)
+
+
+def _laid_out(i, g):
+    """``i``'s gradient laid out as its proxy records it (``_cotangent``), whatever torch's autograd gave (LSTM's
+    input gradient comes time-major); a missing one zeros.  Eager's layout of an intermediate gradient is invisible,
+    and a leaf's ``.grad`` takes the leaf's layout anyway."""
+    if i.layout != torch.strided:
+        return torch.zeros_like(i) if g is None else g
+    strides = _gradient_strides(i.shape, i.stride())
+    if g is not None and all(a == b for n, a, b in zip(g.shape, g.stride(), strides) if n != 1):
+        return g  # (a dimension of size one addresses nothing)
+    out = torch.empty_strided(i.shape, strides, dtype=i.dtype if g is None else g.dtype, device=i.device)
+    return out.zero_() if g is None else out.copy_(g)
 
 
 opaque_vjp.__qualname__ = "autograd.vjp"
@@ -136,7 +167,7 @@ def _make_rule(positions, vjp=OPAQUE_VJP, extra=()):
         cts = tuple(c if _is_tensor(o) and _is_tensor(c) else None for o, c in zip(flat_out, flat_ct))
         flat_in = tree_flatten((args, kwargs))[0]
         ins = [flat_in[i] for i in positions]
-        grads = tuple(cotangent_like(a) for a in ins)
+        grads = tuple(_cotangent(a) for a in ins)
         context.get_trace().add(BoundSymbol(vjp, (handle, cts, *extra), {}, grads, ()))
         flat_grads = [None] * len(flat_in)
         for i, gr in zip(positions, grads):
