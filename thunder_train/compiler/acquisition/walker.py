@@ -132,6 +132,8 @@ class InputWalker:
         p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device,
                         requires_grad=t.requires_grad if requires_grad is None else requires_grad,
                         strides=t.stride(), storage_offset=t.storage_offset())
+        if isinstance(t, torch.nn.Parameter):
+            p._is_param = True  # isinstance(proxy, nn.Parameter), as eager: ``m.weight -= d`` assigns it back
         if symbolic:
             for i, s in enumerate(p._tt_shape):
                 if type(s) is SizeProxy:
