@@ -116,3 +116,22 @@ def test_rebinding_a_parameter_to_another_is_still_refused():
     with pytest.raises(Exception, match="replaces, adds or removes the parameter"):
         tt.compile(step)(torch.randn(2, 4))
     assert a.weight is w and a._parameters["weight"] is w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_and_plain_tensor_arguments_get_their_own_programs(mode):
+    """A call passing a plain tensor where the program was traced for an ``nn.Parameter`` (same shape, dtype and
+    flag) retraces: the Python type is part of the call's key (runtime/cache_keys.py), as the branch may differ."""
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(4, 4)), torch.randn(4, 4, requires_grad=True)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+
+    def step(x, t):
+        scale = 2.0 if isinstance(t, nn.Parameter) else 3.0
+        return (x @ t).square().mean() * scale
+
+    cf = tt.compile(step, **MODES[mode])
+    for i, x in enumerate(xs):
+        t = w if i % 2 == 0 else v
+        torch.testing.assert_close(cf(x, t), step(x, t))
+    assert any("type: Parameter → Tensor" in r for r in tt.compile_stats(cf).retrace_reasons)
