@@ -225,7 +225,7 @@ class Symbol:
             if not subs and _returns_an_input(out, args, kwargs):
                 # A no-op at trace level (contiguous(), to(same dtype), ...): nothing to record.
                 return out
-            bsym = BoundSymbol(self, args, kwargs, out, tuple(subs))
+            bsym = BoundSymbol(self, args, kwargs, _without_inputs(out, args, kwargs), tuple(subs))
         if layout_hook is not None and not trc.claimed_depth:
             layout_hook(bsym)
         if region_hook is not None:
@@ -245,6 +245,17 @@ def _returns_an_input(out, args, kwargs) -> bool:
         return True
     ins = {id(x) for x in tree_flatten((args, kwargs))[0]}
     return all(id(o) in ins for o in outs)
+
+
+def _without_inputs(out, args, kwargs):
+    """``out`` with the entries that are the op's own inputs as None (printed ``_``): ``broadcast_tensors(x, b)``
+    returns ``x`` itself where it has the broadcast shape, as eager does; the line computes only the others, so
+    every value keeps the one line that computes it."""
+    ins = {id(x) for x in tree_flatten((args, kwargs))[0] if is_proxy(x)}
+    if not ins or not isinstance(out, (tuple, list)) or not any(is_proxy(o) and id(o) in ins for o in out):
+        return out
+    vals = [None if is_proxy(o) and id(o) in ins else o for o in out]
+    return out._make(vals) if hasattr(out, "_make") else type(out)(vals)  # named tuples, torch.return_types
 
 
 def run_eagerly(sym, *args, **kwargs):

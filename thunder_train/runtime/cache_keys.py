@@ -1,7 +1,8 @@
 """The cheap structural key of a call, and what differs between two keys (the retrace reasons).
 
-A call's key holds each argument's type and, for tensors, shape, dtype, device and requires_grad (sizes of
-2 or more are left out with ``dynamic=True``), plain values, containers to depth 3 and the global state
+A call's key holds each argument's type and, for tensors, shape, dtype, device, requires_grad and Python type
+(an ``nn.Parameter`` passes ``isinstance(_, nn.Parameter)`` while tracing, as in eager; sizes of 2 or more are left
+out with ``dynamic=True``), plain values, containers to depth 3 and the global state
 (grad mode, autocast, default dtype, ...).  A key no cache entry has means a retrace without running any
 prologue; ``struct_diffs`` words the difference from the nearest key for ``compile_stats().retrace_reasons``.
 """
@@ -16,7 +17,7 @@ _T = "tensor"
 
 def arg_key(x, depth=0):
     if isinstance(x, torch.Tensor):
-        return (_T, x.shape, x.dtype, x.device, x.requires_grad, x.layout)
+        return (_T, x.shape, x.dtype, x.device, x.requires_grad, x.layout, type(x))
     t = type(x)
     if t in (int, bool, str, type(None), complex):
         return (t, x)
@@ -32,7 +33,7 @@ def arg_key(x, depth=0):
 def dynamic_arg_key(x, depth=0):
     """``arg_key`` for dynamic=True: sizes ≥ 2 of argument tensors are symbolic, so not part of the key."""
     if isinstance(x, torch.Tensor):
-        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad, x.layout)
+        return (_T, tuple(s if s < 2 else -1 for s in x.shape), x.dtype, x.device, x.requires_grad, x.layout, type(x))
     t = type(x)
     if depth < 3 and (t is tuple or t is list):
         return (t, tuple(dynamic_arg_key(v, depth + 1) for v in x))
@@ -45,7 +46,7 @@ def struct_key(args, kwargs, key=arg_key) -> tuple:
     return (tuple(key(a) for a in args), tuple((k, key(v)) for k, v in kwargs.items()), current_global_state())
 
 
-_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad", "layout")
+_TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad", "layout", "type")
 
 
 def _key_diffs(a, b, path: str, out: list, limit: int = 3) -> None:

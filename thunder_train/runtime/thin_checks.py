@@ -187,8 +187,10 @@ def _tensor_cond(src, var, v, leaf=None) -> str:
     else:
         # The program assumed this memory layout (stride() answers, view legality, kernels' layouts).
         shape_cond = f"{var}.shape != {consts(tuple(v.shape))} or {var}.stride() != {consts(v.stride())}"
+    # The Python type too: a parameter's proxy passes isinstance(_, nn.Parameter) while tracing, as in eager.
     return (f"{shape_cond} or {var}.dtype is not {consts(v.dtype)} "
-            f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad}")
+            f"or {var}.device != {consts(v.device)} or {var}.requires_grad is not {v.requires_grad} "
+            f"or type({var}) is not {consts(type(v))}")
 
 
 def _value_cond(src, var, leaf, v) -> str | None:

@@ -46,8 +46,8 @@ def assign_input_data(st, t, v, requires_grad):
     vbase = buffers.base_of(v)
     vbase = v if vbase is None else vbase
     if st.walker.leaf_of(vbase) is not None:
-        if vbase is t and (v is t or value is buffers.read(t)):
-            return  # p.data = p.data, p.data = p.detach(): p keeps its memory
+        if vbase is t and (v is t or value is buffers.read(t) or _whole_view(st, v, t)):
+            return  # p.data = p.data, p.data = p.detach(), p.data -= d: p keeps its memory
         raise TracingError(
             f"{t._tt_name}.data = v inside the compiled function, v sharing memory with an input of the function "
             f"({vbase._tt_name}), is not supported: the two inputs would share memory afterwards. Assign a copy "
@@ -70,6 +70,13 @@ def assign_input_data(st, t, v, requires_grad):
     else:
         st.input_data_shares.append(_Shared(t, v, buffers.version(t), buffers.version(v), len(st.trace.bound_symbols),
                                             frozenset(map(id, buffers.memory_values(v)))))
+
+
+def _whole_view(st, v, t) -> bool:
+    """``v`` (a view of the input ``t``) covers ``t``'s memory exactly as ``t`` does: ``p.data``, ``p.detach()``,
+    also after writes through it (``p.data -= lr * p.grad`` assigns ``p.data`` back to ``p``)."""
+    meta = lambda x: (x._tt_shape, x._tt_strides, x._tt_storage_offset, x._tt_dtype)  # noqa: E731
+    return id(t) not in st.metadata_inputs and type(v) is TensorProxy and meta(v) == meta(t)
 
 
 def _refuse_other_metadata(t, value, why):

@@ -86,8 +86,24 @@ def _refuse(what: str, where: str, why: str):
     raise DataDependentError(
         f"{what} at {where} needs the value of a tensor, which does not exist while thunder_train traces the function, "
         f"and {why}. Python control flow on such values cannot be compiled: use torch.where (or masking arithmetic), "
-        "or move the branch outside the compiled function and pass its result in."
+        "or move the branch outside the compiled function and pass its result in." + _validation_hint()
     )
+
+
+_DISTRIBUTIONS = os.path.join(_TORCH, "distributions") + os.sep
+
+
+def _validation_hint() -> str:
+    """What to do when the decision is torch.distributions checking its arguments or a sample (``validate_args``,
+    on by default: ``if not valid.all(): raise ValueError``), the usual one in a policy-gradient step."""
+    f = sys._getframe(2)
+    while f is not None:
+        if os.path.abspath(f.f_code.co_filename).startswith(_DISTRIBUTIONS):
+            return (f" Here it is torch.distributions validating a value ({f.f_code.co_name} in "
+                    f"{os.path.basename(f.f_code.co_filename)}): create the distribution with validate_args=False, or "
+                    "call torch.distributions.Distribution.set_default_validate_args(False) once.")
+        f = f.f_back
+    return ""
 
 
 def _random(b) -> bool:

@@ -136,6 +136,8 @@ class InputWalker:
         p = TensorProxy(name, shape=shape, dtype=t.dtype, device=t.device,
                         requires_grad=t.requires_grad if requires_grad is None else requires_grad,
                         strides=t.stride(), storage_offset=t.storage_offset())
+        if isinstance(t, torch.nn.Parameter):
+            p._is_param = True  # isinstance(proxy, nn.Parameter), as eager: ``m.weight -= d`` assigns it back
         if symbolic:
             for i, s in enumerate(p._tt_shape):
                 if type(s) is SizeProxy:
@@ -473,10 +475,31 @@ class InputWalker:
         self.optimizers.append(TracedOptimizer(opt, groups, state, initial, {id(groups[gi]["params"][pi]): param for gi, g in enumerate(opt.param_groups) for pi, param in enumerate(g["params"])},
                                                [dict(g) for g in groups]))
         d = opt.__dict__
+        self._swap_params_aliases(opt, groups, path)
         self.swapped.append((d, "param_groups", d["param_groups"]))
         self.swapped.append((d, "state", d["state"]))
         d["param_groups"] = groups
         d["state"] = state
+
+    def _swap_params_aliases(self, opt, groups, path):
+        """An optimizer attribute that is a group's ``params`` list itself (LBFGS's ``self._params``) sees the traced
+        list while tracing, as ``param_groups`` does; another attribute holding the parameters would read the real
+        ones (their stale ``.grad``), so it is refused."""
+        d = opt.__dict__
+        params = {id(p) for g in opt.param_groups for p in g["params"]}
+        for k, v in list(d.items()):
+            if k in ("param_groups", "state", "defaults") or not isinstance(v, (list, tuple)):
+                continue
+            same = next((gi for gi, g in enumerate(opt.param_groups) if v is g["params"]), None)
+            if same is not None:
+                self.swapped.append((d, k, v))
+                d[k] = groups[same]["params"]
+            elif any(id(x) in params for x in v):
+                raise TracingError(
+                    f"{path_str(path)}.{k} holds the optimizer's parameters apart from param_groups: while tracing its "
+                    f"step would read the real parameters, not the traced ones. Keep the parameters in param_groups "
+                    f"only (or let {k} be a group's params list itself), or run this optimizer's step outside the "
+                    "compiled function.")
 
     def _refuse_step_hooks(self, opt, path):
         """Step hooks are Python code the program cannot replay: stepping with them is an error, not a silent skip."""
