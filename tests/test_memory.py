@@ -544,7 +544,7 @@ def test_kept_buffers_add_nothing_where_a_convolutions_backward_peaks():
 
 # llama_padded and roberta_cls are left out for CI time: the same models as llama and bert_cls (0.81x and 0.93x).
 ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5",
-                   "vit", "wav2vec2_ctc")
+                   "vit", "wav2vec2_ctc", "transformer_encoder", "gru")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)
@@ -557,6 +557,12 @@ def test_zoo_compiled_step_peak_is_not_above_eagers(name):
     the frees inside eager's Python autograd functions and autograd's release of saved tensors to the start of
     their op, so it read BLOOM's eager step as 136 KiB when eager held 196 KiB at once, and it hid kernels'
     own temporaries (test_peak_in_allocator_order_sees_frees_inside_an_op)."""
+    peaks = _zoo_peaks(name)
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
+def _zoo_peaks(name) -> dict:
+    """{"eager": peak, "tt": peak} of a zoo model's whole step (the compiled one's kept buffers included)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _zoo
     from _peak import peak_call_bytes_all_threads
@@ -573,7 +579,19 @@ def test_zoo_compiled_step_peak_is_not_above_eagers(name):
             tt.wait_for_fusion(fn)
             fn(model, opt, bs[0])
         peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
-    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+    return peaks
+
+
+def test_kept_buffers_add_at_most_their_slack_where_an_opaque_ops_backward_peaks():
+    """An opaque op's backward (torch's autograd, transforms/opaque_grad.py) allocates its temporaries and gradients
+    inside its line, sizes the kept-buffer plan does not know, so a call may peak there (``Symbol.torch_unknown_scratch``
+    on its vjp line): the arena may hold at most its slack (``PEAK_SLACK``) beyond the kept values alive there.
+    DeepSeek-V3's step peaks in its routed experts' ``GroupedMmBackward0``: the arena held 7 KiB of dead values there
+    (1.036x eager's peak; 1.002x now, within the slack)."""
+    from thunder_train.compiler.executors.buffers import PEAK_SLACK
+
+    peaks = _zoo_peaks("deepseek_v3")
+    assert 0 < peaks["tt"] <= peaks["eager"] + PEAK_SLACK, peaks
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])

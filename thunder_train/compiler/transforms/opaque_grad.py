@@ -120,6 +120,10 @@ def _any_arguments(*args, **kwargs):
 class _VJPSymbol(Symbol):
     """A line that runs PyTorch's backward of an opaque op (``impl``: ``opaque_vjp`` or ``memory_vjp``)."""
 
+    # torch's autograd allocates the backward's temporaries and gradients inside the line, sizes no rule here knows:
+    # a call may peak there (DeepSeek-V3's routed experts' ``GroupedMmBackward0``), and kept buffers must not raise it
+    torch_unknown_scratch = True
+
     def __init__(self, impl):
         super().__init__(impl.__name__, _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
         self.torch_impl = impl
