@@ -22,8 +22,9 @@ switch to their in-place forms the same way, all of a line's write-backs or none
 A call must stay transactional: when it raises, its inputs are as they were. So an input is
 only written in place after the last op that can raise on the values it reads (tag ``"fallible"``:
 class indices out of range, ``clip_grad_norm_(error_if_nonfinite=True)``'s check, an op run
-opaquely, ...); a BatchNorm's running statistics, updated in the forward, keep their write-back
-at the end of the program.
+opaquely, ...).  A write-back that stays a copy (a BatchNorm's running statistics, computed in the forward) runs
+right after that line, its value's line and the last read of the input's old value, not at the end of the program:
+its value is freed there (``_early_write_backs``).
 
 Only used for programs not connected to PyTorch autograd (saved tensors must not change).
 """
