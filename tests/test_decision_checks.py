@@ -262,6 +262,30 @@ def test_an_abandoned_call_changes_nothing_parameters_optimizer_state_grads_and_
     assert writes and min(writes) > at, "a write comes before the decision's check"
 
 
+@pytest.mark.parametrize("decides", [False, True], ids=["no_check", "checked"])
+def test_the_rng_state_is_saved_for_a_call_only_when_a_check_can_abandon_it(decides, monkeypatch):
+    """A program whose check can abandon the call after a random op saves the generator's state first (to put it
+    back); one that checks nothing did too (5 KiB held for every call: a GRU step's peak, and a read each call)."""
+    def fn(x):
+        h = F.dropout(x, 0.5, training=True)
+        if decides and (x @ x.T).sum() > 0:  # checked by the program, after the dropout
+            h = h * 2
+        return h * 3
+
+    cf = tt.compile(fn)
+    x = torch.randn(4, 6).abs()
+    cf(x), cf(x)
+    reads = []
+    read = torch.random.get_rng_state
+    monkeypatch.setattr(torch.random, "get_rng_state", lambda: reads.append(1) or read())
+    torch.manual_seed(0)
+    got = cf(x)
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    _assert_same(got, fn(x))
+    assert len(reads) == decides, reads
+
+
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_a_dropout_before_the_decision_draws_what_eager_draws_after_a_flip(mode):
     probe, up, down = _gate_batches()

@@ -414,9 +414,9 @@ def test_printed_trace_with_kept_buffers_runs_by_hand(every_size):
 # Memory and the option
 # ---------------------------------------------------------------------------
 def _peak_bytes(fn, *args) -> int:
-    from _peak import peak_call_bytes  # tests/_peak.py, shared with test_memory.py and the benchmarks
+    from _peak import peak_call_bytes_all_threads  # tests/_peak.py, shared with test_memory.py and the benchmarks
 
-    return peak_call_bytes(lambda: fn(*args))
+    return peak_call_bytes_all_threads(lambda: fn(*args))  # in the allocator's order
 
 
 def test_peak_with_kept_buffers_is_not_above_the_peak_without():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import thunder_train as tt
-from _peak import peak_call_bytes as peak_bytes  # tests/_peak.py, shared with the benchmarks
+# tests/_peak.py, shared with the benchmarks: peaks in the allocator's order (test_peak_in_allocator_order_sees_frees_inside_an_op)
+from _peak import peak_call_bytes, peak_call_bytes_all_threads as peak_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, CheckpointedBlocks as Checkpointed, GPTConfig  # noqa: E402
@@ -105,7 +107,9 @@ def _module_run(model, batch, ckpt, compile_options=None, steps=2):
     run = m if compile_options is None else tt.compile(m, **compile_options)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     losses = [step(run, opt, *batch).detach() for _ in range(steps)]
-    peak = peak_bytes(lambda: step(run, opt, *batch))
+    # Op by op: in the allocator's order the compiled module with checkpointing is 1.14x eager's with it on this
+    # tiny GPT (1.22 MiB against 1.07 MiB; docs/memory.md, known gaps).
+    peak = peak_call_bytes(lambda: step(run, opt, *batch))
     return peak, losses, (None if compile_options is None else run)
 
 
@@ -144,10 +148,11 @@ def test_compiled_module_reports_its_plan():
 
 def test_gpt_benchmark_step_targets():
     """The issue's GPT step (benchmarks/train_step.py), issue 27's targets: the default at most 0.80x eager's peak
-    (measured 0.73x: cross-entropy by blocks of rows, updates as soon as gradients are final); per-block
-    checkpointing at most 0.20x (0.174x, eager's with it 0.39x, torch.compile's 0.22x: the head by blocks of rows,
-    backward lines sunk to their readers, GELU's gradient in place, the attention recomputed again after the MLP's
-    backward; docs/memory.md); ``memory_budget=0.25`` at most 0.35x (0.215x)."""
+    (measured 0.62x in the allocator's order, 0.73x op by op: cross-entropy by blocks of rows, updates as soon as
+    gradients are final); per-block checkpointing at most 0.20x (0.149x, 0.174x op by op; eager's with it 0.47x,
+    0.39x op by op: the head by blocks of rows, backward lines sunk to their readers, GELU's gradient in place, the
+    attention recomputed again after the MLP's backward; docs/memory.md); ``memory_budget=0.25`` at most 0.35x
+    (0.176x, 0.205x op by op)."""
     model, batch = _setup(n_layer=4, d=256, T=128, B=8, V=4096)
     eager = _measure(copy.deepcopy(model), batch, ckpt=False, steps=2)[0]
     eager_ckpt = _measure(copy.deepcopy(model), batch, ckpt=True, steps=2)[0]
@@ -482,7 +487,7 @@ def test_peak_in_allocator_order_sees_frees_inside_an_op():
     one = x.nbytes
     in_order = peak_call_bytes_all_threads(lambda: _TemporariesInside.apply(x))
     assert 2 * one <= in_order < 3 * one, in_order
-    assert peak_bytes(lambda: _TemporariesInside.apply(x)) < 2 * one  # why the zoo's peaks are read in order
+    assert peak_call_bytes(lambda: _TemporariesInside.apply(x)) < 2 * one  # why peaks are read in order
 
 
 def _conv_step(model, opt, x):
@@ -515,9 +520,9 @@ def test_first_convolutions_backward_computes_no_gradient_for_the_batch():
     torch.testing.assert_close(models["tt"][1], models["eager"][1])
     for p, q in zip(models["tt"][0].parameters(), models["eager"][0].parameters()):
         torch.testing.assert_close(p, q)
-    masks = [ln.split("convolution_backward(")[1].rsplit(")", 1)[0].rsplit(", (", 1)[1]
-             for ln in str(tt.last_traces(fn)[-1]).splitlines() if "convolution_backward(" in ln and "#" not in ln.split("=")[0]]
-    #XX
+    # the second convolution's backward (its input needs a gradient), then the first's (the batch needs none)
+    masks = re.findall(r"convolution_backward\(.*, \((True|False), (True|False)\)\)", str(tt.last_traces(fn)[-1]))
+    assert masks == [("True", "True"), ("False", "True")], masks
     assert 0 < peaks["tt"] <= peaks["eager"], peaks
 
 
@@ -544,7 +549,7 @@ def test_kept_buffers_add_nothing_where_a_convolutions_backward_peaks():
 
 # llama_padded and roberta_cls are left out for CI time: the same models as llama and bert_cls (0.81x and 0.93x).
 ZOO_PEAK_MODELS = ("gpt2", "mistral", "llama", "qwen2", "mixtral", "qwen2_moe", "falcon", "bert_cls", "modernbert_mlm", "t5",
-                   "vit", "wav2vec2_ctc")
+                   "vit", "wav2vec2_ctc", "transformer_encoder", "gru")
 
 
 @pytest.mark.parametrize("name", ZOO_PEAK_MODELS)
@@ -557,6 +562,12 @@ def test_zoo_compiled_step_peak_is_not_above_eagers(name):
     the frees inside eager's Python autograd functions and autograd's release of saved tensors to the start of
     their op, so it read BLOOM's eager step as 136 KiB when eager held 196 KiB at once, and it hid kernels'
     own temporaries (test_peak_in_allocator_order_sees_frees_inside_an_op)."""
+    peaks = _zoo_peaks(name)
+    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+
+
+def _zoo_peaks(name) -> dict:
+    """{"eager": peak, "tt": peak} of a zoo model's whole step (the compiled one's kept buffers included)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _zoo
     from _peak import peak_call_bytes_all_threads
@@ -573,7 +584,19 @@ def test_zoo_compiled_step_peak_is_not_above_eagers(name):
             tt.wait_for_fusion(fn)
             fn(model, opt, bs[0])
         peaks[mode] = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
-    assert 0 < peaks["tt"] <= peaks["eager"], peaks
+    return peaks
+
+
+def test_kept_buffers_add_at_most_their_slack_where_an_opaque_ops_backward_peaks():
+    """An opaque op's backward (torch's autograd, transforms/opaque_grad.py) allocates its temporaries and gradients
+    inside its line, sizes the kept-buffer plan does not know, so a call may peak there (``Symbol.torch_unknown_scratch``
+    on its vjp line): the arena may hold at most its slack (``PEAK_SLACK``) beyond the kept values alive there.
+    DeepSeek-V3's step peaks in its routed experts' ``GroupedMmBackward0``: the arena held 7 KiB of dead values there
+    (1.036x eager's peak; 1.002x now, within the slack)."""
+    from thunder_train.compiler.executors.buffers import PEAK_SLACK
+
+    peaks = _zoo_peaks("deepseek_v3")
+    assert 0 < peaks["tt"] <= peaks["eager"] + PEAK_SLACK, peaks
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])

@@ -468,6 +468,25 @@ def test_batchnorm_running_stats_match_eager():
     assert sum("running_mean" in n for n in written) == 1 and sum("running_var" in n for n in written) == 1
 
 
+
+@pytest.mark.parametrize("thin", [False, True], ids=["full", "thin"])
+def test_batchnorm_running_stats_are_written_back_before_the_backward(thin):
+    """Eager updates the running statistics in the forward; the program computes the new values aside and writes them
+    back after the last line that may raise (the cross-entropy's class check), not at the end: the new values are
+    freed before the backward (they were held to the end of the step).  A call that raises still changes nothing
+    (tests/test_thin_transactional.py)."""
+    eager, compiled = twin(ConvBN, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    step = tt.compile(train_step, thin=thin)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(4, 2, 5, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach(), rtol=0, atol=0)
+    assert_same_state(eager, compiled)
+    lines = [b.sym.name for b in tt.last_traces(step)[-1].bound_symbols]
+    backward = next(i for i, n in enumerate(lines) if "cross_entropy_backward" in n)
+    written = [i for i, n in enumerate(lines) if n.endswith("copy_")]
+    assert len(written) == 3 and max(written) < backward, (written, backward)
+
 def test_checkpoint_round_trip_matches_eager(tmp_path):
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     eager, compiled = twin(mlp, make_opt)

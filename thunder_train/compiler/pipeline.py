@@ -39,6 +39,7 @@ from .transforms.early_updates import update_when_final
 from .transforms.memory import plan_memory, split_memory_plan
 from .transforms.remat import in_region
 from .transforms.no_grad import without_autograd
+from .transforms.opaque_grad import free_graphs_at_last_vjp
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
 from .executors.into_dead_grad import gelu_grad_in_place
@@ -247,7 +248,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 7c. View lines that give back the tensor their chain of views started from are dropped
     #     (executors/identity_views.py; after the buffers, whose plan counts what the lines allocate).
     trc = drop_identity_views(trc)
-    trc = free_after_last_use(trc, header=trc.header)
+    # 7d. The last backward through an opaque op's autograd graph frees its saved tensors as it goes
+    #     (transforms/opaque_grad.py); every trace then frees each value after its last use (transforms/lifetimes.py).
+    trc = free_after_last_use(free_graphs_at_last_vjp(trc), header=trc.header)
     shown.append(trc)
     return trc, shown
 
@@ -314,7 +317,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
         if keep_buffers:  # ThunderFunction runs both without grad (autograd.Function's forward; once_differentiable)
             fw, bw = keep_large_buffers(fw, grad_disabled=True), keep_large_buffers(bw, grad_disabled=True)
         fw = free_after_last_use(drop_identity_views(fw))
-        bw = free_after_last_use(drop_identity_views(bw))
+        bw = free_after_last_use(free_graphs_at_last_vjp(drop_identity_views(bw)))
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
         run = AutogradProgram(trc, fb, fw, bw, errors) if kind != "background" or _fused_regions(fw, bw) else None

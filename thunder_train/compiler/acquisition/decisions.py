@@ -297,5 +297,5 @@ def _from_key(v):
 
 def random_before_checks(trc) -> bool:
     """Whether a random op runs before a check of the program: an abandoned call must put the RNG state back."""
-    last = max((i for i, b in enumerate(trc.bound_symbols) if b.sym is prims.check_decision), default=-1)
-    return any(_random(b) for b in trc.bound_symbols[:last])
+    last = max((i for i, b in enumerate(trc.bound_symbols) if b.sym is prims.check_decision), default=0)
+    return any(_random(b) for b in trc.bound_symbols[:last])  # none when the program checks nothing

@@ -22,8 +22,9 @@ switch to their in-place forms the same way, all of a line's write-backs or none
 A call must stay transactional: when it raises, its inputs are as they were. So an input is
 only written in place after the last op that can raise on the values it reads (tag ``"fallible"``:
 class indices out of range, ``clip_grad_norm_(error_if_nonfinite=True)``'s check, an op run
-opaquely, ...); a BatchNorm's running statistics, updated in the forward, keep their write-back
-at the end of the program.
+opaquely, ...).  A write-back that stays a copy (a BatchNorm's running statistics, computed in the forward) runs
+right after that line, its value's line and the last read of the input's old value, not at the end of the program:
+its value is freed there (``_early_write_backs``).
 
 Only used for programs not connected to PyTorch autograd (saved tensors must not change).
 """
@@ -36,6 +37,7 @@ from ..pytree import tree_flatten
 from . import torch_impls
 from ..symbols import may_raise_on_values
 from .torch_executor import impl_symbol, prim_inplace_form
+from .buffers import _aliased_args
 
 
 # Whether a line may raise on its run-time values (compiler/symbols.py ``may_raise_on_values``).
@@ -119,17 +121,61 @@ def reinplace(trc, header="Write-backs run in place where nothing reads the old 
         if copies:
             rewrite[i] = plan[0]
             drop.update(copies)
-    if not drop:
+    after = _early_write_backs(bsyms, drop, last_fallible, producer, reads)
+    if not drop and not after:
         return trc
     new = trc.derive(header)
+    moved = {ci: [] for ci in after}
+    for ci, at in after.items():
+        moved.setdefault(at, []).append(ci)
     for i, b in enumerate(bsyms):
-        if i in drop:
-            continue
         if i in rewrite:
             note = f"{b.comment} (in place)" if b.comment else "in place"
             b = b.replace(sym=impl_symbol(rewrite[i], side_effect=True), comment=note)
-        new.bound_symbols.append(b)
+        if i not in drop and i not in after:
+            new.bound_symbols.append(b)
+        new.bound_symbols.extend(bsyms[ci] for ci in sorted(moved.get(i, ())))
     return new
+
+
+def _early_write_backs(bsyms, drop, last_fallible, producer, reads) -> dict:
+    """{index of a write-back ``copy_(value, inp)`` that stays: the line it runs right after}, for those that can run
+    earlier: after the last line that may raise (a call that raises leaves its inputs as they were), the line
+    computing ``value`` and the last read of ``inp``'s old value, or of a value that may share its memory.  Its value
+    is then freed there, not held to the end (a BatchNorm's new running statistics, computed in the forward)."""
+    out = {}
+    for ci, b in enumerate(bsyms):
+        if ci in drop or _fn(b) is not torch_impls.copy_ or type(b.args[1]) is not TensorProxy:
+            continue
+        value, inp = b.args
+        at = max(last_fallible, producer.get(id(value), -1))
+        for r in _alias_reads(inp, bsyms, reads):
+            if r != ci:
+                at = max(at, r)
+        if at < ci - 1:
+            out[ci] = at
+    return out
+
+
+def _alias_reads(inp, bsyms, reads):
+    """Indices of the lines reading ``inp`` or a value that may share its memory (a view of it, a result whose
+    memory is not declared new: executors/buffers.py ``_aliased_args``)."""
+    seen, todo, out = {id(inp)}, [inp], set()
+    while todo:
+        x = todo.pop()
+        for r in reads.get(id(x), ()):
+            out.add(r)
+            b = bsyms[r]
+            aliased = _aliased_args(b)
+            if _fn(b) is torch_impls.copy_ or aliased == ():
+                continue
+            if aliased is not None and not any(b.args[k] is x for k in aliased if k < len(b.args)):
+                continue
+            for o in b.flat_outputs():
+                if type(o) is TensorProxy and id(o) not in seen:
+                    seen.add(id(o))
+                    todo.append(o)
+    return out
 
 
 def _chain(value, inp, bsyms, producer):

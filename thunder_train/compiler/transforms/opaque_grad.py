@@ -62,13 +62,16 @@ class AutogradRun:
         return result, handle
 
 
-def opaque_vjp(handle, cotangents):
-    """Gradients of the inputs the forward differentiated, from its saved autograd graph."""
+def opaque_vjp(handle, cotangents, last=False):
+    """Gradients of the inputs the forward differentiated, from its saved autograd graph.
+
+    ``last``: no later line of the program runs a backward through this graph (``free_graphs_at_last_vjp``): torch's
+    autograd frees each node's saved tensors as it goes, as eager's backward does (a GRU's per-step activations).
+    Otherwise, or where the backward that runs this program was asked to retain its graph, the graph is kept."""
     inputs, outs = handle._tt_autograd_graph
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
-    # The graph is kept for a second backward through it (``retain_graph=True`` in the function); it goes with the
-    # handle, which the program frees after its last use.
-    grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True, retain_graph=True)
+    grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True,
+                                 retain_graph=not last or _keep_graph())
              if pairs else [None] * len(inputs))
     for i, g in zip(inputs, grads):
         if g is not None and i.layout == torch.strided and g.layout != torch.strided:
@@ -115,6 +118,15 @@ opaque_vjp.__qualname__ = "autograd.vjp"
 opaque_vjp.__module__ = "thunder_train"
 
 
+def _keep_graph() -> bool:
+    """Whether this runs inside a backward asked to retain its graph: the backward trace of ``tt.compile(module)``
+    (compiler/autograd_function.py) runs again at a second ``backward(retain_graph=True)``."""
+    if torch._C._current_graph_task_id() == -1:  # not inside a backward: the whole step's own program
+        return False
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
 class AutogradOpaqueSymbol(opaque.OpaqueSymbol):
     """An opaque op whose inputs require grad: also returns its autograd graph for the backward."""
 
@@ -138,6 +150,10 @@ def _any_arguments(*args, **kwargs):
 
 class _VJPSymbol(Symbol):
     """A line that runs PyTorch's backward of an opaque op (``impl``: ``opaque_vjp`` or ``memory_vjp``)."""
+
+    # torch's autograd allocates the backward's temporaries and gradients inside the line, sizes no rule here knows:
+    # a call may peak there (DeepSeek-V3's routed experts' ``GroupedMmBackward0``), and kept buffers must not raise it
+    torch_unknown_scratch = True
 
     def __init__(self, impl):
         super().__init__(impl.__name__, _any_arguments, module="opaque", is_prim=True, tags=("opaque",))
@@ -272,11 +288,11 @@ def _same_view(saved, ref, now):
     return base.as_strided(saved.size(), saved.stride(), saved.storage_offset() - ref.storage_offset())
 
 
-def memory_vjp(handle, cotangents, tags, now):
+def memory_vjp(handle, cotangents, tags, now, last=False):
     """``opaque_vjp`` with the saved tensors at ``tags`` replaced by ``now`` (what their memory holds)."""
     handle._tt_swap.update(zip(tags, now))
     try:
-        return opaque_vjp(handle, cotangents)
+        return opaque_vjp(handle, cotangents, last)
     finally:
         handle._tt_swap.clear()
 
@@ -316,3 +332,19 @@ def with_saved_from_memory(b, func, positions, tags, now):
     sym = _MemoryOpaqueSymbol(func, positions, tags, b, now)
     handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))
     return BoundSymbol(sym, b.args, b.kwargs, (b.output, handle), ())
+
+
+def free_graphs_at_last_vjp(trc):
+    """The last line of ``trc`` that runs a backward through each opaque op's graph frees the graph's saved tensors
+    as it goes (``last=True``), as eager's backward does; earlier ones (``retain_graph=True`` in the function) keep it."""
+    last = {}
+    for i, b in enumerate(trc.bound_symbols):
+        if getattr(b.sym, "fn", None) in (opaque_vjp, memory_vjp):  # the line as the torch executor runs it
+            last[id(b.args[0])] = i
+    if not last:
+        return trc
+    new = trc.derive(trc.header)
+    at = set(last.values())
+    new.bound_symbols = [b.replace(kwargs={**b.kwargs, "last": True}) if i in at else b
+                         for i, b in enumerate(trc.bound_symbols)]
+    return new
