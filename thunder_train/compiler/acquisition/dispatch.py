@@ -258,6 +258,8 @@ def _refuse_generator(func):
 def _inplace_flag(sym, args, kwargs):
     """``(args, kwargs)`` without the flag when the call passes ``inplace=True`` (by keyword or position) to an op
     whose signature has that flag (the ``torch.nn.functional`` activations, dropout), else None."""
+    if kwargs.get("inplace") is not True and not any(a is True for a in args):
+        return None  # (most calls: no signature read)
     try:
         params = list(_signature(sym.fn).parameters)
     except (TypeError, ValueError):
