@@ -237,9 +237,9 @@ def _attention_step(x, wq, wk, wv, cos, sin):
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_regions_reading_flash_attention_gradients_run_their_kernel(kv_heads):
-    """The fused backward's gradients carry the layout torch's kernel gives them (or, where the program runs another
-    kernel than eager, are copied into the traced layout for a region that reads them): a region compiled for a wrong
-    layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
+    """The fused backward's gradients carry the layout the program's kernel gives them (for one key/value head the
+    flash kernel's, where eager runs its math kernel: recorded so at trace time, no copy into another layout): a region
+    compiled for a wrong layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 32)
     cos, sin = torch.randn(6, 8), torch.randn(6, 8)
@@ -252,6 +252,7 @@ def test_regions_reading_flash_attention_gradients_run_their_kernel(kv_heads):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
     assert any("= inductor_" in ln for ln in str(tt.last_traces(cf)[-1]).splitlines())
     assert tt.compile_stats(cf).fusion_fallback_calls == 0
+    assert "ttex.laid_out_as(" not in str(tt.last_traces(cf)[-1])
 
 
 def _norm_and_rotary_step(x, w, cos, sin):
