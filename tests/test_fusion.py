@@ -237,9 +237,9 @@ def _attention_step(x, wq, wk, wv, cos, sin):
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_regions_reading_flash_attention_gradients_run_their_kernel(kv_heads):
-    """The fused backward's gradients carry the layout torch's kernel gives them (or, where the program runs another
-    kernel than eager, are copied into the traced layout for a region that reads them): a region compiled for a wrong
-    layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
+    """The fused backward's gradients carry the layout the program's kernel gives them (for one key/value head the
+    flash kernel's, where eager runs its math kernel: recorded so at trace time, no copy into another layout): a region
+    compiled for a wrong layout failed its stride check and ran its torch ops on every call (fusion_fallback_calls)."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 32)
     cos, sin = torch.randn(6, 8), torch.randn(6, 8)
@@ -279,3 +279,52 @@ def test_views_and_cat_join_a_region():
     regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
     assert any("rsqrt" in r and "torch.cat" in r and "__getitem__" in r for r in regions), regions
     assert tt.compile_stats(cf).fusion_fallback_calls == 0
+
+
+def _unfused_calls(cf) -> list:
+    """The names of the torch calls the fused program makes outside its kernels."""
+    return [getattr(b.sym, "name", "") for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "torch_executor"]
+
+
+def test_slice_gradients_and_clones_join_a_region():
+    """The gradient of a slice (a constant pad: rotary embedding's halves in the backward) and a clone of a region's
+    value (Falcon's key, concatenated to an empty cache) are written by the kernel with their neighbours; they ran
+    on torch between two kernels."""
+    def step(x, w, cos, sin):
+        h = x * w
+        r = torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
+        k = (h * cos + r * sin).clone()
+        loss = (k * k.sigmoid()).sum()
+        loss.backward()
+        return loss
+
+    torch.manual_seed(0)
+    x, cos, sin = torch.randn(2, 6, 8), torch.randn(6, 8), torch.randn(6, 8)
+    w = torch.randn(8, requires_grad=True)
+    mine = w.detach().clone().requires_grad_()
+    cf = tt.compile(step, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x, mine, cos, sin), step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.grad, w.grad, rtol=1e-4, atol=1e-4)
+    regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
+    assert any("ttex.pad" in r for r in regions) and any(".clone(" in r for r in regions), regions
+    assert not {"pad", "clone"} & set(_unfused_calls(cf)), _unfused_calls(cf)
+    assert tt.compile_stats(cf).fusion_fallback_calls == 0
+
+
+def test_constants_are_computed_once_not_fused():
+    """A mask built from sizes alone is computed at the first call (executors/constants.py), not in a kernel with
+    the ops that read the inputs: Falcon's first region computed its causal mask on every call."""
+    def fn(x):
+        i = torch.arange(x.shape[-1])
+        mask = (i[None, :] <= i[:, None]).float() * 2.0 - 1.0
+        return torch.sin(x) * mask + 1.0
+
+    x = torch.randn(6, 6)
+    cf = tt.compile(fn, fusion="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(cf(x), fn(x))
+    trace = tt.last_traces(cf)[-1]
+    regions = [" ".join(str(s) for s in b.subsymbols) for b in trace.bound_symbols if b.sym.module == "inductor"]
+    assert len(regions) == 1 and "sin" in regions[0] and " le(" not in regions[0] and ".le(" not in regions[0], regions
+    assert "ttex.folded_constants" in str(trace)

@@ -64,6 +64,10 @@ OUT_CASES = {
     "matmul batched": (torch.matmul, (_x(4, 16, 32), _x(4, 32, 8)), {}),
     "gelu": (F.gelu, (_x(64, 32),), {}),
     "gelu tanh": (F.gelu, (_x(64, 32),), {"approximate": "tanh"}),
+    "relu": (F.relu, (_x(64, 32),), {}),
+    "relu inplace=False": (F.relu, (_x(64, 32),), {"inplace": False}),
+    "torch.relu": (torch.relu, (_x(64, 32),), {}),
+    "Tensor.relu of a transposed input": (torch.Tensor.relu, (_x(32, 64).t(),), {}),
     "add alpha": (torch.Tensor.add, (_x(64, 32), _x(32)), {"alpha": 0.5}),
     "sub scalar": (torch.Tensor.sub, (_x(64, 32), 3.0), {}),
     "mul": (torch.mul, (_x(64, 32), _x(64, 1)), {}),
@@ -592,3 +596,29 @@ def test_a_step_of_non_row_major_values_with_kept_buffers_is_eagers(fmt, vjp_lay
         # with truthful layouts each kept value is written by its kernel as it lays it out: bitwise the program without
         # buffers (a row-major proxy of GELU's transposed or channels_last gradient was ULPs apart)
         assert vjp_layouts or torch.equal(a, b), k
+
+
+def test_relu_is_written_into_a_kept_buffer_unless_in_place(every_size):
+    """``relu`` has an out form (``clamp_min(..., out=)``, the kernel aten's relu runs): its result is written into a
+    kept buffer, bitwise eager's.  An ``inplace=True`` relu writes its input and returns it: it gets no out form (a
+    buffer there would leave the input unwritten)."""
+    def f(x, w):
+        h = torch.matmul(x, w)
+        a = F.relu(h)
+        b = torch.matmul(a, w)
+        F.relu(b, inplace=True)
+        return (torch.matmul(b, w) * 2).sum(), h.relu().sum()
+
+    cf = tt.compile(f, thin=True)
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    for _ in range(3):
+        got, want = cf(x, w), f(x, w)
+        assert all(torch.equal(g, e) for g, e in zip(got, want))
+    src = source(cf)
+    assert "ttex.relu_out(" in src, src
+    assert not any("relu_out(" in ln and "inplace=True" in ln for ln in src.splitlines()), src
+    # The in-place call is functionalized while tracing (tests/test_inplace_flag.py); a line that still says
+    # ``inplace=True`` gets no out form.
+    lines = [b for t in tt.last_traces(cf) for b in t.bound_symbols if getattr(b.sym, "fn", None) is F.relu]
+    assert lines and all(buffers.out_form(b) is not None for b in lines)
+    assert all(buffers.out_form(b.replace(kwargs={**b.kwargs, "inplace": True})) is None for b in lines)

@@ -208,3 +208,15 @@ def test_step_fused(name):
     if name == "llama":  # RMSNorm's weight broadcast, read by the backward too, made Inductor refuse its region
         assert not any("failed" in n for n in notes), notes
 
+
+def test_falcon_step_fused_reads_flash_gradients_without_copies():
+    # Falcon's one key/value head runs the flash kernels where eager runs its math kernel: its gradients are traced in
+    # the flash kernel's layout, so the rotary backward's kernels read them without copies (4 a step before), and its
+    # masks are computed once (executors/constants.py), not in a kernel on every step.
+    step = check_steps("falcon", thin=True, closure=False, fusion="inductor")
+    assert tt.compile_stats(step).fusion_fallback_calls == 0
+    trace = tt.last_traces(step)[-1]
+    assert "ttex.laid_out_as(" not in str(trace)
+    regions = [" ".join(str(s) for s in b.subsymbols) for b in trace.bound_symbols if b.sym.module == "inductor"]
+    assert regions and not any(".le(" in r for r in regions), regions
+

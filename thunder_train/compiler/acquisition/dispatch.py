@@ -32,8 +32,8 @@ from .opaque_views import record_opaque_views
 from .sparse import refuse_sparse_gradient, sparse_call, touches_sparse
 from .state import TracerState
 from .inplace_overlap import check_partial_overlap
-from .inplace import (back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view, no_grad_region,
-                      opaque_out, read_current, record_views, write)
+from .inplace import (_inplace_op, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view,
+                      no_grad_region, opaque_out, read_current, record_views, write)
 
 
 # ---------------------------------------------------------------------------
@@ -101,6 +101,15 @@ def handle_torch_function(func, types, args, kwargs):
             write(st, sym, dst, converted_to(sym(*args, **kwargs), dst))
             return dst
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        flagged = _inplace_flag(sym, args, kwargs) if top and orig_args and type(orig_args[0]) is TensorProxy else None
+        if flagged is not None:
+            # ``F.relu(x, inplace=True)``: eager writes the result into ``x`` and returns ``x``.  The op computes
+            # out of place and the result becomes ``x``'s new value (functionalized like ``x.relu_()``); a call
+            # whose result was dropped (``F.relu(b, inplace=True)`` alone on its line) still changes ``b``.
+            dst = orig_args[0]
+            with _inplace_op(st, func, dst, args, kwargs, orig_args):  # eager's checks of an in-place op
+                write(st, sym, dst, converted_to(sym(*flagged[0], **flagged[1]), dst))
+            return dst
         if top and getattr(sym, "functional", None) is not None:
             if complex_in and _complex_gradient(st, args, kwargs):  # the out-of-place form dispatched: through torch's autograd
                 return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
@@ -246,6 +255,37 @@ def _refuse_generator(func):
         "state lives outside the traced program, so later calls would not draw what eager draws. Draw the random "
         "tensor outside the compiled function and pass it in, or use the default generator (seeded outside)."
     )
+
+
+def _inplace_flag(sym, args, kwargs):
+    """``(args, kwargs)`` without the flag when the call passes ``inplace=True`` (by keyword or position) to an op
+    whose signature has that flag (the ``torch.nn.functional`` activations, dropout), else None."""
+    if kwargs.get("inplace") is not True and not any(a is True for a in args):
+        return None  # (most calls: no signature read)
+    try:
+        params = list(_signature(sym.fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "inplace" not in params:
+        return None
+    if kwargs.get("inplace") is True:
+        return args, {k: v for k, v in kwargs.items() if k != "inplace"}
+    k = params.index("inplace")
+    if k < len(args) and args[k] is True:
+        return args[:k], {**dict(zip(params[k + 1:], args[k + 1:])), **kwargs}
+    return None
+
+
+_signatures: dict = {}
+
+
+def _signature(fn):
+    sig = _signatures.get(fn)
+    if sig is None:
+        import inspect
+
+        sig = _signatures[fn] = inspect.signature(fn)
+    return sig
 
 
 def _is_inplace(func) -> bool:

@@ -76,6 +76,8 @@ def out_form(bsym):
     op = bsym.source
     if not isinstance(bsym.sym, ImplSymbol) or (op is not None and op.runs_opaquely):
         return None
+    if bsym.kwargs.get("inplace") is True:  # ``F.relu(x, inplace=True)``: the result is ``x``, written in place
+        return None
     fn = bsym.sym.fn
     form = getattr(fn, "out", None)
     if form is not None and fn.__module__ != "torch":
@@ -139,7 +141,8 @@ def _declare_out_forms() -> None:
              ew.div: _function_and_method("div", "true_divide"), prims.div: {torch.true_divide: torch.true_divide},
              nn.linear: {_F.linear: torch_impls.linear_out}, linalg.addmm: _function_and_method("addmm"), activations.gelu: {_F.gelu: torch._C._nn.gelu},
              linalg.matmul: {torch.matmul: torch.matmul}, prims.matmul: {torch.matmul: torch.matmul},
-             shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat}}
+             shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat},
+             activations.relu: {f: torch_impls.relu_out for f in (torch.relu, _F.relu, _T.relu)}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
                      (ew.rsqrt, prims.rsqrt), (ew.sqrt, prims.sqrt), (ew.exp, prims.exp), (ew.log, prims.log),
                      (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.cos, prims.cos), (ew.sin, prims.sin), (ew.pow, prims.pow), (ew.le, prims.le),
@@ -153,9 +156,10 @@ def _declare_out_forms() -> None:
     # The elementwise forms (TensorIterator kernels): their ``out=`` overloads take every call of tensors alone.
     elementwise = [f for op, declared in forms.items() if op not in (red.sum, red.mean, prims.sum, nn.linear, linalg.addmm,
                                                                      activations.gelu, linalg.matmul, prims.matmul,
-                                                                     shapes.cat, prims.cat) for f in declared.values()]
+                                                                     shapes.cat, prims.cat, activations.relu)
+                   for f in declared.values()]
     _TAKES_TENSORS.update(elementwise)
-    ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out))
+    ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out, torch_impls.relu_out))
 
 
 def _declare_fresh() -> None:

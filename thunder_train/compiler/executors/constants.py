@@ -184,15 +184,18 @@ class _ConstantsLine(Symbol):
         return {"ttex": torch_impls, f"_folded_constants_{self.block.key}": self.block}
 
 
-def fold_constants(trc, header=None):
-    """The trace with its constant lines computed once (see the module docstring); ``trc`` when there are none."""
+def _folded(trc, readers_checked: bool = True):
+    """``(found, const, kept, first_reader)``: the indices of the lines ``fold_constants`` computes once, the ids of
+    their results, the constant values later lines read (id -> proxy, in order) and the first such reader; None when
+    nothing is folded.  ``readers_checked=False``: without refusing the values a line may write or that are
+    returned (a guess made before the later passes, for fusion)."""
     lines = trc.bound_symbols
     refused: set = set()
     while True:
         found, const = _constant_lines(lines, refused)
         if not found:
-            return trc
-        bad = _unsafe_readers(lines, found, const, trc.output)
+            return None
+        bad = _unsafe_readers(lines, found, const, trc.output) if readers_checked else set()
         if not bad:
             break
         refused.update(i for i in found if any(id(o) in bad for o in lines[i].flat_outputs()))
@@ -206,7 +209,29 @@ def fold_constants(trc, header=None):
                 kept[id(a)] = a
                 first_reader = i if first_reader is None else first_reader
     if not kept or sum(_nbytes(o) for o in kept.values()) > FOLD_MAX_BYTES:
+        return None
+    return found, const, kept, first_reader
+
+
+def constant_line_ids(trc) -> set:
+    """ids of the lines of ``trc`` that ``fold_constants`` will likely compute once, once later passes made the final
+    program.  Fusion (inductor_fusion.py) leaves them out of its regions: a kernel mixing a mask built from sizes with
+    values computed from inputs ran the mask's ops on every call (Falcon's first region), and a region of constants
+    alone was no constant line.  Their readers are not checked: before the backward kernels are chosen
+    (saved_statistics.py) an attention's mask is read by its ``<op>_vjp`` line, which this pass cannot vouch for;
+    a value the final pass refuses after all runs on torch (values unchanged)."""
+    folded = _folded(trc, readers_checked=False)
+    return set() if folded is None else {id(trc.bound_symbols[i]) for i in folded[0]}
+
+
+def fold_constants(trc, header=None):
+    """The trace with its constant lines computed once (see the module docstring); ``trc`` when there are none."""
+    lines = trc.bound_symbols
+    folded = _folded(trc)
+    if folded is None:
         return trc
+    found, const, kept, first_reader = folded
+    constant_lines = set(found)
     sub = trc.derive("Constants of the program, computed at its first call (executors/constants.py)")
     sub.fn_name = "constants"
     sub.args = []

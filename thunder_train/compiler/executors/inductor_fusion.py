@@ -118,7 +118,7 @@ def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: s
     ``notes`` receives one line per decision (``compile_stats(cf).fusion_notes``)."""
     readers, returned = uses(trc)
     state = _State(trc, readers, returned, notes, prefix)
-    _walk(trc, state.flush, state.out.append, state.skipped)
+    _walk(trc, state.flush, state.out.append, state.skipped, _constants(trc))
     fused = state.count
     if state.reused:
         names = ", ".join(state.reused[:6]) + (", ..." if len(state.reused) > 6 else "")
@@ -144,8 +144,15 @@ def plan_regions(trc) -> list:
             if outputs:
                 found.append(([b for _, b in region], outputs))
 
-    _walk(trc, flush, lambda b: None, {})
+    _walk(trc, flush, lambda b: None, {}, _constants(trc))
     return found
+
+
+def _constants(trc) -> set:
+    """ids of the lines computed once, at the program's first call (executors/constants.py): not fused."""
+    from .constants import constant_line_ids
+
+    return constant_line_ids(trc)
 
 
 def _worth_fusing(bsyms) -> bool:
@@ -180,16 +187,17 @@ def _split_views(region, readers, returned):
     return [after[i] for i in sorted(after)], outputs
 
 
-def _walk(trc, flush, emit, skipped: dict) -> None:
+def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None:
     """The one forward walk that forms regions: ``flush(region, hoisted)`` at each region's end (region =
     (index, bsym) pairs, hoisted = the lines moved ahead of it), ``emit(bsym)`` for every other line;
-    ``skipped`` counts the candidates that could not join, by reason."""
+    ``skipped`` counts the candidates that could not join, by reason; the lines in ``constants`` (ids) join none
+    (they read no region's value, so they move ahead of the open one)."""
     region: list = []  # (index, bsym)
     produced: set = set()
     hoisted: list = []
     device = None  # of the open region: one kernel runs on one device
     for i, b in enumerate(trc.bound_symbols):
-        name, why = _classify(b)
+        name, why = _classify(b) if id(b) not in constants else (None, None)
         if name is not None:
             if region and _device_of(b) != device:
                 flush(region, hoisted)

@@ -62,7 +62,10 @@ def _callable(bsym):
         # kernel's truth: torch's meta of ``_log_softmax_backward_data`` lays the gradient out as the incoming one, the
         # CPU (and CUDA) kernel row-major; given every backward, wav2vec2's CTC head recorded (12, 24, 1) where the
         # kernel writes (468, 12, 1).  (Its kept buffer got wrong values then, since fixed in buffers.ANY_LAYOUT.)
-        return (_torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
+        from .saved_statistics import one_kv_head_flash_vjp
+
+        flash = one_kv_head_flash_vjp(bsym)  # the kernels the program runs where eager runs another (Falcon's)
+        return (flash or _torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
     return None
 
 

@@ -492,6 +492,51 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
         return None, None
 
 
+def one_kv_head_flash_vjp(vjp):
+    """For the ``scaled_dot_product_attention_vjp`` line of one key/value head broadcast over the query heads that
+    ``_rewrite_sdpa`` runs on the CPU flash kernels (eager runs its math kernel): a function of the line's arguments
+    that runs those kernels, for its fake run to give the gradients the layout the program's kernel gives them
+    (executors/layout_rules.py; the math kernel's layout made a fused region that reads them need copies,
+    ``_as_traced``).  None for any other line."""
+    if getattr(vjp.sym, "forward_symbol", None) is not ltorch_attention.scaled_dot_product_attention:
+        return None
+    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
+    if b is None or any(n not in b for n in ("query", "key", "value")) or b["dropout_p"] != 0.0 \
+            or b["enable_gqa"] is not False or type(b["is_causal"]) is not bool:
+        return None
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
+        return None
+    if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
+        return None
+    heads, kv_heads = q._tt_shape[1], k._tt_shape[1]
+    if not (kv_heads == 1 == v._tt_shape[1] and type(heads) is int and heads > 1 and q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0]):
+        return None
+    if mask is not None and (type(mask) is not TensorProxy or mask._tt_device.type != "cpu" or b["is_causal"]
+                             or mask._tt_dtype not in (dtypes.bool8, q._tt_dtype)):
+        return None
+    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, True):
+        return None
+    wanted = vjp.torch_fn[1] if vjp.torch_fn else None
+    if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 or p[0] > 2 for p in wanted):
+        return None
+    fn = _flash_vjps.get(wanted)
+    if fn is None:  # one per ``wanted``: the layout cache is keyed by the callable
+        def fn(g, reads, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            additive = _additive_mask(attn_mask, query.dtype)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, is_causal, attn_mask=additive, scale=scale)[:2]
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, query, key, value, out, lse, 0.0, is_causal, attn_mask=additive, scale=scale)
+            return tuple(grads[p[0]] for p in wanted)
+
+        _flash_vjps[wanted] = fn
+    return fn
+
+
+_flash_vjps: dict = {}
+
+
 def _as_traced(trc, line, layouts):
     """``line``, or it and copies: where an output the trace recorded (eager's kernel's layout: for one key/value
     head the math kernel's) is laid out otherwise than the flash kernel gives it and a fused region compiled for the

@@ -291,6 +291,14 @@ ltorch_normalization.batch_norm_running_stats.torch_impl = batch_norm_running_st
 
 
 # Out forms (executors/buffers.py): the same kernels as the functions they stand for, writing into ``out``.
+def relu_out(input, inplace=False, *, out):
+    """``relu`` into ``out``: aten's ``relu`` is ``clamp_min(input, 0)`` (its CPU and CUDA kernels), whose out
+    overload writes the same values.  Never for ``inplace=True`` (that call writes ``input``: buffers.out_form)."""
+    if inplace:
+        raise ValueError("relu_out: an inplace relu has no out form")
+    return torch.clamp_min(input, 0, out=out)
+
+
 def linear_out(input, weight, bias=None, *, out):
     """``F.linear`` into ``out`` by the kernels functional ``linear`` picks, so the values are bitwise the same:
     ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), else ``matmul`` then ``add_``.

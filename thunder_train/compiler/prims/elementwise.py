@@ -348,7 +348,9 @@ def convert_element_type_vjp(g, out, /, a, dtype):
     return {"a": prims.convert_element_type(g, a._tt_dtype) if is_float(a) else None}
 
 
-@prim(tags=("layout_on_meta",))
+# "fusible": a copy a fused kernel writes with its neighbours (Falcon's key: ``torch.cat`` of an empty cache and the
+# rotary embedding's result, a clone of a region's value).
+@prim(tags=("layout_on_meta", "fusible"))
 def clone(a, memory_format=None):
     """A fresh copy of ``a`` (never aliases it), laid out in ``memory_format`` (default: like ``a``)."""
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

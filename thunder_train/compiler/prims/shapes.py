@@ -131,7 +131,9 @@ def cat_vjp(g, out, /, tensors, dim):
     return {"tensors": grads}
 
 
-@prim(tags=("layout_on_meta",))
+# "fusible": a constant pad is a kernel that writes the value around its input (the gradient of a slice: rotary
+# embedding's halves in the backward), which a fused kernel writes with its neighbours.
+@prim(tags=("layout_on_meta", "fusible"))
 def pad(a, padding_value, padding_config):
     """Pad with ``(lo, hi, interior)`` per dim (negative lo/hi crop)."""
     check(len(padding_config) == len(a._tt_shape), "pad: one (lo, hi, interior) per dim")

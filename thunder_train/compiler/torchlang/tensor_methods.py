@@ -469,7 +469,7 @@ def cuda(a, device=None, non_blocking=False, memory_format=None):
     return to(a, device if device is not None else "cuda")
 
 
-@torchsymbol(torch.clone, methods=("clone",), tags=("layout_on_meta",))
+@torchsymbol(torch.clone, methods=("clone",), tags=("layout_on_meta", "fusible"))  # fusible: as prims.clone
 def clone(a, *, memory_format=torch.preserve_format):
     return prims.clone(a) if memory_format is torch.preserve_format else prims.clone(a, memory_format)
 
