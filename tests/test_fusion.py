@@ -263,17 +263,23 @@ def _norm_and_rotary_step(x, w, cos, sin):
     return loss
 
 
-def test_views_and_cat_join_a_region():
-    """RMSNorm and rotary embedding fuse into one kernel with the slices and the cat between their ops (they split
-    it into kernels too small to fuse)."""
+def _fused_like_eager(step):
+    """``step`` compiled with Inductor fusion, checked against eager over two calls (loss and gradient)."""
     torch.manual_seed(0)
     x, cos, sin = torch.randn(2, 6, 8), torch.randn(6, 8), torch.randn(6, 8)
     w = torch.randn(8, requires_grad=True)
     mine = w.detach().clone().requires_grad_()
-    cf = tt.compile(_norm_and_rotary_step, fusion="inductor")
+    cf = tt.compile(step, fusion="inductor")
     for _ in range(2):
-        torch.testing.assert_close(cf(x, mine, cos, sin), _norm_and_rotary_step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cf(x, mine, cos, sin), step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(mine.grad, w.grad, rtol=1e-4, atol=1e-4)
+    return cf
+
+
+def test_views_and_cat_join_a_region():
+    """RMSNorm and rotary embedding fuse into one kernel with the slices and the cat between their ops (they split
+    it into kernels too small to fuse)."""
+    cf = _fused_like_eager(_norm_and_rotary_step)
     notes = tt.compile_stats(cf).fusion_notes
     assert not any("failed" in n for n in notes), notes
     regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
@@ -298,14 +304,7 @@ def test_slice_gradients_and_clones_join_a_region():
         loss.backward()
         return loss
 
-    torch.manual_seed(0)
-    x, cos, sin = torch.randn(2, 6, 8), torch.randn(6, 8), torch.randn(6, 8)
-    w = torch.randn(8, requires_grad=True)
-    mine = w.detach().clone().requires_grad_()
-    cf = tt.compile(step, fusion="inductor")
-    for _ in range(2):
-        torch.testing.assert_close(cf(x, mine, cos, sin), step(x, w, cos, sin), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(mine.grad, w.grad, rtol=1e-4, atol=1e-4)
+    cf = _fused_like_eager(step)
     regions = [" ".join(str(s) for s in b.subsymbols) for b in tt.last_traces(cf)[-1].bound_symbols if b.sym.module == "inductor"]
     assert any("ttex.pad" in r for r in regions) and any(".clone(" in r for r in regions), regions
     assert not {"pad", "clone"} & set(_unfused_calls(cf)), _unfused_calls(cf)
