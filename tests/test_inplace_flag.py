@@ -62,3 +62,22 @@ def test_inplace_activation_of_a_leaf_that_requires_grad_raises_as_eager():
         F.relu(w, inplace=True)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         tt.compile(lambda w: F.relu(w, inplace=True).sum())(w)
+
+
+@pytest.mark.parametrize("kw", [{}, {"thin": True}, {"fusion": None}], ids=["full", "thin", "torch"])
+def test_random_ops_torch_computes_write_their_input(kw):
+    """rrelu and alpha dropout in training are computed by torch (no torch-language rule for their draws); with
+    ``inplace=True`` their values still become the input's, with eager's draws and generator state."""
+    def f(x):
+        b = x * 2
+        F.rrelu(b, training=True, inplace=True)
+        F.alpha_dropout(b, 0.5, training=True, inplace=True)
+        return b.sum(), b
+
+    x = torch.randn(64)
+    torch.manual_seed(0)
+    expected, rng = f(x), torch.get_rng_state()
+    torch.manual_seed(0)
+    got = tt.compile(f, **kw)(x)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -108,7 +108,16 @@ def handle_torch_function(func, types, args, kwargs):
             # whose result was dropped (``F.relu(b, inplace=True)`` alone on its line) still changes ``b``.
             dst = orig_args[0]
             with _inplace_op(st, func, dst, args, kwargs, orig_args):  # eager's checks of an in-place op
-                write(st, sym, dst, converted_to(sym(*flagged[0], **flagged[1]), dst))
+                scope = trc._scopes[-1]
+                n = len(scope)
+                try:
+                    value = sym(*flagged[0], **flagged[1])
+                except NotImplementedError as e:  # rrelu or alpha dropout in training: torch computes the value
+                    if isinstance(e, UnsupportedOpError) or st.walker is None:
+                        raise
+                    del scope[n:]
+                    value = call_opaque(func, flagged[0], flagged[1], strict=st.strict)
+                write(st, sym, dst, converted_to(value, dst))
             return dst
         if top and getattr(sym, "functional", None) is not None:
             if complex_in and _complex_gradient(st, args, kwargs):  # the out-of-place form dispatched: through torch's autograd
