@@ -380,7 +380,7 @@ def _with_epilogue(computation, epilogue, n_inputs, target_names):
             result, extras = computation(*inputs)
             return fn(extras, result)
 
-        return run
+        return _passing_inputs(run, computation, lambda c: _with_epilogue(c, epilogue, n_inputs, target_names))
     names = tuple(target_names)
 
     def run(*inputs):
@@ -415,6 +415,14 @@ def _rebuilding(computation, spec):
     def run(*inputs):
         return rebuild(computation(*inputs))
 
+    return _passing_inputs(run, computation, lambda c: _rebuilding(c, spec))
+
+
+def _passing_inputs(run, computation, rewrap):
+    """Mark ``run`` as a wrapper that passes its inputs to ``computation`` unchanged: thin mode then reorders the
+    generated computation inside it and wraps that again (``runtime/thin_args.py``), keeping its bound inputs as
+    defaults behind an epilogue or an output rebuild."""
+    run.inner, run.rewrap = computation, rewrap
     return run
 
 

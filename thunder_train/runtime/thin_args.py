@@ -10,8 +10,9 @@ When the computation is a generated function (``compiler/codegen.py``: positiona
 decorator), the binding compiles its source once more with the per-call parameters first and the bound
 ones last, and gives the bound ones as the function's defaults: the call passes only the per-call values
 (``f(lr, ..., x, y)``) and CPython fills in the rest from the defaults, as it fills in positional
-arguments.  Any other callable (an epilogue or output wrapper, a captured CUDA graph) is called the
-interleaved way.
+arguments.  An epilogue or output wrapper that passes its inputs on unchanged is made again around the reordered
+computation; any other callable (a wrapper with epilogue targets, a captured CUDA graph) is called the interleaved
+way.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _reordered_code(fn, is_bound: tuple, cache: dict):
     return cache[key]
 
 
-def computation_call(fn, names: list, bound: dict, cache: dict):
+def _generated_call(fn, names: list, bound: dict, cache: dict):
     """``(callable, argument names)`` for ``thin_call`` to call ``callable(*names)``, or None (interleaved call).
 
     ``names`` are the computation's arguments in order: names in ``bound`` are constants of the binding."""
@@ -68,6 +69,17 @@ def computation_call(fn, names: list, bound: dict, cache: dict):
     new = types.FunctionType(code, fn.__globals__, fn.__name__, tuple(bound[n] for n, b in zip(names, is_bound) if b))
     new.__thunder_source__ = src
     return new, [n for n, b in zip(names, is_bound) if not b]
+
+
+def computation_call(fn, names: list, bound: dict, cache: dict):
+    """``_generated_call`` of ``fn``, or, where ``fn`` wraps a computation passing it its inputs unchanged (an
+    epilogue, an output rebuild: ``inner`` and ``rewrap``, compiler/pipeline.py), the same wrapper around the
+    reordered computation."""
+    inner = getattr(fn, "inner", None)
+    if inner is None:
+        return _generated_call(fn, names, bound, cache)
+    made = computation_call(inner, names, bound, cache)
+    return None if made is None else (fn.rewrap(made[0]), made[1])
 
 
 def adapter(names: list, bound: dict, cache: dict, packed_args):

@@ -17,6 +17,8 @@ Three kinds of effect outlive a traced call:
 """
 from __future__ import annotations
 
+import re
+
 import itertools
 import linecache
 
@@ -198,4 +200,8 @@ def finish(st, out, python_effects=None):
         returns += more
     if not lines and not returns:
         return result, None
-    return (result, tuple(extras)), Epilogue(lines, names.globals, names.targets, returns)
+    # Only the objects its lines name are passed to the epilogue: an epilogue with none lets thin mode keep the
+    # bound inputs as the computation's defaults (runtime/thin_args.py).
+    used = set(re.findall(r"\w+", "\n".join(lines + [e for _, e in returns])))
+    targets = {k: v for k, v in names.targets.items() if k in used}
+    return (result, tuple(extras)), Epilogue(lines, names.globals, targets, returns)
