@@ -176,7 +176,9 @@ def test_zoo_steps_with_checked_decisions(verify, name):
         torch.testing.assert_close(cf(compiled, opts[1], b), _zoo.train_step(eager, opts[0], b), rtol=1e-4, atol=1e-5)
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    if name != "gpt2":  # GPT-2's tiny step keeps no buffers: each would raise its planned peak (buffers.PEAK_SLACK)
+    # GPT-2's tiny step keeps no buffers: each would raise its planned peak (buffers.PEAK_SLACK); nor does ResNet's
+    # since its batch norms' running statistics are written back before the backward (reinplace._early_write_backs)
+    if name not in ("gpt2", "resnet"):
         assert "made with the buffers" in source(cf)
 
 
