@@ -108,16 +108,7 @@ def handle_torch_function(func, types, args, kwargs):
             # whose result was dropped (``F.relu(b, inplace=True)`` alone on its line) still changes ``b``.
             dst = orig_args[0]
             with _inplace_op(st, func, dst, args, kwargs, orig_args):  # eager's checks of an in-place op
-                scope = trc._scopes[-1]
-                n = len(scope)
-                try:
-                    value = sym(*flagged[0], **flagged[1])
-                except NotImplementedError as e:  # rrelu or alpha dropout in training: torch computes the value
-                    if isinstance(e, UnsupportedOpError) or st.walker is None:
-                        raise
-                    del scope[n:]
-                    value = call_opaque(func, flagged[0], flagged[1], strict=st.strict)
-                write(st, sym, dst, converted_to(value, dst))
+                write(st, sym, dst, converted_to(_flagged_value(st, trc, sym, func, *flagged), dst))
             return dst
         if top and getattr(sym, "functional", None) is not None:
             if complex_in and _complex_gradient(st, args, kwargs):  # the out-of-place form dispatched: through torch's autograd
@@ -283,6 +274,20 @@ def _inplace_flag(sym, args, kwargs):
     if k < len(args) and args[k] is True:
         return args[:k], {**dict(zip(params[k + 1:], args[k + 1:])), **kwargs}
     return None
+
+
+def _flagged_value(st, trc, sym, func, args, kwargs):
+    """The value of an ``inplace=True`` call computed out of place: by the torch language, or by torch where the
+    torch language does not cover it (rrelu, alpha dropout in training)."""
+    scope = trc._scopes[-1]
+    n = len(scope)
+    try:
+        return sym(*args, **kwargs)
+    except NotImplementedError as e:
+        if isinstance(e, UnsupportedOpError) or st.walker is None:
+            raise
+        del scope[n:]
+        return call_opaque(func, args, kwargs, strict=st.strict)
 
 
 _signatures: dict = {}
