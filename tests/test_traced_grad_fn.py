@@ -64,3 +64,83 @@ def test_an_input_read_as_leaf_then_passed_as_non_leaf_retraces():
     non_leaf = leaf * 1
     torch.testing.assert_close(cf(non_leaf), f(non_leaf))
     torch.testing.assert_close(cf(leaf), f(leaf))
+
+
+# ---- thin mode checks the flags the trace read (issue 25, trust10 item 1) ----
+LEAFNESS_MODES = [dict(), dict(thin=True), dict(thin=True, fusion=None), dict(fusion=None)]
+BRANCHES = {
+    "is_leaf": lambda x: 2.0 if x.is_leaf else 5.0,
+    "grad_fn is None": lambda x: 2.0 if x.grad_fn is None else 5.0,
+    # the node's kind, as library code logs or branches on it: read from a real non-leaf input
+    "type(grad_fn)": lambda x: {"NoneType": 2.0, "MulBackward0": 5.0}.get(type(x.grad_fn).__name__, 7.0),
+    "grad_fn.name()": lambda x: 2.0 if x.grad_fn is None else (5.0 if x.grad_fn.name() == "MulBackward0" else 7.0),
+}
+
+
+def _inputs():
+    w = torch.randn(3, requires_grad=True)
+    return {"leaf": w, "mul": w * 2, "add": w + 1, "leaf2": torch.randn(3, requires_grad=True)}
+
+
+@pytest.mark.parametrize("opts", LEAFNESS_MODES, ids=str)
+@pytest.mark.parametrize("branch", list(BRANCHES))
+def test_a_read_leafness_is_checked_on_every_call(opts, branch):
+    """Called (thin: bound) with a leaf, then with non-leaf tensors of two kinds and back: every call takes eager's
+    branch.  Before, thin mode kept the traced branch (no check of ``is_leaf`` once bound)."""
+    decide = BRANCHES[branch]
+
+    def f(x):
+        return (x * decide(x)).sum()
+
+    torch.manual_seed(0)
+    xs = _inputs()
+    cf = tt.compile(f, **opts)
+    order = ["leaf"] * 3 + ["mul", "mul", "mul", "leaf", "leaf2", "add", "add", "mul", "leaf"]
+    for k in order:
+        x = xs[k]
+        torch.testing.assert_close(cf(x), f(x), msg=f"{branch}, input {k}")
+        gx, = torch.autograd.grad(cf(x), x)
+        ex, = torch.autograd.grad(f(x), x)
+        torch.testing.assert_close(gx, ex, msg=f"{branch}, grad, input {k}")
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_a_compiled_module_reading_its_input_leafness_takes_eagers_branch(thin):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * (1.0 if x.grad_fn is None else -1.0)
+
+    torch.manual_seed(0)
+    m = M()
+    cm = tt.compile(m, thin=thin)
+    xs = _inputs()
+    for k in ["leaf"] * 3 + ["mul"] * 3 + ["leaf"] * 2:
+        x = xs[k]
+        got, exp = cm(x), m(x)
+        torch.testing.assert_close(got, exp, msg=k)
+        g = torch.autograd.grad(got.sum(), [x, m.lin.weight])
+        e = torch.autograd.grad(exp.sum(), [x, m.lin.weight])
+        torch.testing.assert_close(g, e, msg=k)
+
+
+def test_a_bound_tensor_whose_node_changed_between_calls_rebinds():
+    """A static (module-held) non-leaf whose ``grad_fn`` the step read, changed in place between calls (its node
+    changes, its metadata does not)."""
+    torch.manual_seed(0)
+    holder = nn.Module()
+    w = torch.randn(3, requires_grad=True)
+    holder.register_buffer("h", w * 2)  # a non-leaf the step reads
+
+    def f(holder, x):
+        return (x * (2.0 if type(holder.h.grad_fn).__name__ == "MulBackward0" else 5.0)).sum()
+
+    cf = tt.compile(f, thin=True)
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(cf(holder, x), f(holder, x))
+    holder.h.add_(1)  # now AddBackward0, same object, same metadata
+    torch.testing.assert_close(cf(holder, x), f(holder, x))

@@ -98,6 +98,16 @@ def _float_key(v):
     return "nan" if v != v else v
 
 
+def leafness_spec(leaf, var: str) -> list:
+    """The guard on an input tensor's ``is_leaf`` (or its node's type) where the function read ``is_leaf`` or
+    ``grad_fn`` (``leaf.snapshot``, set by acquisition/traced_grad_fn.py); thin mode checks the same expression."""
+    if leaf.snapshot == "grad_fn":
+        return [("grad_fn", f"type({var}.grad_fn)", type(leaf.value.grad_fn))]
+    if leaf.snapshot == "is_leaf":
+        return [("is_leaf", f"{var}.is_leaf", leaf.value.is_leaf)]
+    return []
+
+
 def guard_specs(leaf, var: str, var_of_leaf) -> list:
     """``(what, expression, expected)`` for every property of one leaf the trace depends on."""
     v = leaf.value
@@ -115,7 +125,7 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 ("requires_grad", f"{var}.requires_grad", v.requires_grad),
             ]
         # The function read ``is_leaf`` or ``grad_fn`` of the input (acquisition/traced_grad_fn.py).
-        leafness = [("is_leaf", f"{var}.is_leaf", v.is_leaf)] if leaf.snapshot == "is_leaf" else []
+        leafness = leafness_spec(leaf, var)
         if is_symbolic(leaf):
             return symbolic_shape_specs(leaf, var) + [
                 # Not the strides: they change with the sizes. Their form (dense in an order, or a slice) does not.

@@ -31,7 +31,7 @@ from ..compiler.acquisition.distributed import is_ddp
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from ..compiler.errors import DecisionMismatch
 from ..compiler.prologue import (Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines, is_symbolic,
-                                 per_call_mask)
+                                 leafness_spec, per_call_mask)
 from ..compiler.prologue_state import autocast_state
 from ..compiler.proxies import SizeProxy
 from ..compiler.symbolic_layouts import layout_key
@@ -229,10 +229,18 @@ def _value_cond(src, var, leaf, v) -> str | None:
     return None
 
 
+def _leafness_cond(src, var, leaf) -> list:
+    """``is_leaf`` (or the node's type) of a tensor whose ``is_leaf`` or ``grad_fn`` the function read: a leaf and
+    a non-leaf have the same metadata, so neither the C++ check nor ``_tensor_cond`` sees it."""
+    return [f"{expr} is not {src.consts(expected)}" for _, expr, expected in leafness_spec(leaf, var)]
+
+
 def _per_call_tensor(src, i, into) -> None:
     # Per-call tensors (the batch): one C++ metadata check of all of them (bulk.py); only when it fails are the
     # Python conditions evaluated, which decide as before (the C++ check is stricter: it also compares dispatch keys).
     leaf, var = src.leaves[i], src.names[i]
+    if leaf.alias_of is None:
+        into += _leafness_cond(src, var, leaf)
     if leaf.alias_of is None and into is src.mismatch and "meta" in src.fast and not is_symbolic(leaf):
         src.pc_batch.append((var, leaf.value, _tensor_cond(src, var, leaf.value, leaf)))
     elif leaf.alias_of is None:
@@ -330,6 +338,8 @@ def _static_input(src, i) -> None:
     if vals[i] is prev[i] and leaves[i].kind != "number":
         src.comp_arg[i] = src.bind(i)
         src.static_idx.append(i)
+        if leaves[i].kind == "tensor" and leaves[i].alias_of is None:  # (an in-place op between calls changes it)
+            src.static_conds += _leafness_cond(src, src.comp_arg[i], leaves[i])
         return
     leaf = leaves[i]
     depth = len(leaf.path) - 1
@@ -352,6 +362,7 @@ def _static_input(src, i) -> None:
         src.static_conds.append(f"type({src.names[i]}) is not {src.consts(type(leaf.value))}")
     else:
         src.static_conds.append(_tensor_cond(src, src.names[i], leaf.value))
+        src.static_conds += _leafness_cond(src, src.names[i], leaf)
     src.comp_arg[i] = src.names[i]
 
 

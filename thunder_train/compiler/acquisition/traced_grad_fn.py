@@ -5,8 +5,10 @@ computed inside the function that eager's autograd would record (``computed_requ
 ``TracedGradFn``: not None, like eager's node, but the program records no PyTorch node, so reading anything from it
 (``name()``, ``next_functions``, ``register_hook``) raises an error saying so.  An input answers with the real
 tensor's own ``grad_fn`` (a non-leaf passed in) while the function has not written it; a value that does not require
-grad, or a leaf, answers None.  The full prologue then guards the input's ``is_leaf``; thin mode's per-call checks
-do not (a non-leaf tensor passed where the traced call passed a leaf, or the reverse, keeps the traced answer).
+grad, or a leaf, answers None.  An input whose ``is_leaf`` or ``grad_fn`` the function read is guarded on it: its
+``is_leaf`` (``leaf.snapshot = "is_leaf"``), or, where the function was handed the real node of a non-leaf input, the
+node's type (``"grad_fn"``: ``type(x.grad_fn).__name__`` and ``x.grad_fn.name()`` answer from it), by the full
+prologue (compiler/prologue.py, ``leafness_spec``) and by thin mode's per-call checks (runtime/thin_checks.py).
 """
 from __future__ import annotations
 
@@ -49,14 +51,15 @@ def answer(st, a, prop, getter, computed_requires_grad, new_leaves):
         return getter(a)
     leaf = walker.leaf_of(a) if walker.is_input(a) else None
     if leaf is not None and leaf.kind == "tensor":
-        if leaf.alias_of is None:
-            leaf.snapshot = "is_leaf"  # the prologue guards it (compiler/prologue.py); thin mode does not check it
         real = leaf.value
-        if getattr(real, "is_leaf", True):
-            return True if prop == "is_leaf" else None
+        node = None if getattr(real, "is_leaf", True) or prop == "is_leaf" else (
+            real.grad_fn if st.buffers.read(a) is a else TracedGradFn(a._tt_name))
+        if leaf.alias_of is None and leaf.snapshot != "grad_fn":
+            # Guarded from now on (prologue.leafness_spec, thin_checks): a real node handed out, by its type.
+            leaf.snapshot = "grad_fn" if node is not None and not isinstance(node, TracedGradFn) else "is_leaf"
         if prop == "is_leaf":
-            return False
-        return real.grad_fn if st.buffers.read(a) is a else TracedGradFn(a._tt_name)
+            return bool(getattr(real, "is_leaf", True))
+        return node
     if walker.is_input(a):
         return getter(a)
     is_leaf = not computed_requires_grad(st, a) or any(t is a for t, _ in new_leaves(st))
