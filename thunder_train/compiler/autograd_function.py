@@ -45,8 +45,8 @@ class ThunderFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, *inputs):
         outs, saved = program.forward(*inputs)
-        outs, saved = _own_views(outs, saved, inputs, program.differentiable)
-        ctx.tt_groups, bases = _shared_views(outs, inputs, program.differentiable)
+        outs, saved = _own_views(outs, saved, inputs, program.differentiable, program.pieces)
+        ctx.tt_groups, bases = _shared_views(outs, inputs, program.differentiable, program.pieces)
         ctx.program = program
         out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
@@ -94,13 +94,13 @@ class ThunderFunction(torch.autograd.Function):
         return (None, *grads)
 
 
-def _own_views(outs, saved, inputs, differentiable):
+def _own_views(outs, saved, inputs, differentiable, pieces=None):
     """Differentiable outputs that are views of a value computed inside (``h[0]``, ``h.t()``), where no other output
     shares that value's memory, come out as tensors of their own on the same memory and version counter.  A custom
     Function's view outputs refuse in-place writes, which eager allows on a view of a computed value; here nothing
     else sees the memory, so autograd loses nothing.  Views of inputs or outputs are made again outside
-    (``_views_made_outside``);
-    views sharing a base with another output stay views (an in-place write to one is refused, not silently wrong)."""
+    (``_views_made_outside``), and so are views sharing a base with another output and pieces of ``split``/``unbind``
+    (``pieces``: eager refuses a write to them), from the base made an output (``_shared_views``)."""
     viewed = [o._base for o, d in zip(outs, differentiable) if d and isinstance(o, torch.Tensor) and o._base is not None]
     if not viewed:
         return outs, saved
@@ -111,20 +111,23 @@ def _own_views(outs, saved, inputs, differentiable):
     for b in viewed:
         count[id(b)] = count.get(id(b), 0) + 1
     own = {}
-    for o, d in zip(outs, differentiable):
-        if d and isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in taken and count[id(o._base)] == 1:
+    for k, (o, d) in enumerate(zip(outs, differentiable)):
+        if (d and isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in taken
+                and count[id(o._base)] == 1 and not (pieces and pieces[k])):
             own[id(o)] = o.detach()
     if not own:
         return outs, saved
     return [own.get(id(o), o) for o in outs], [own.get(id(s), s) for s in saved]
 
 
-def _shared_views(outs, inputs, differentiable):
-    """Differentiable outputs that are views of one value computed inside, two or more per value (``h[0], h[1]``),
-    the value neither an input nor an output: the value becomes an extra output of the node, the views are made
-    again from it outside (``_views_made_outside``) and its gradient is handed to the views' slots in the backward
-    (``_view_cotangents``).  Only where the views touch disjoint bytes (each element's gradient then belongs to one
-    view); others stay views of the node's output (an in-place write to one is PyTorch's error)."""
+def _shared_views(outs, inputs, differentiable, pieces=None):
+    """Differentiable outputs that are views of one value computed inside, two or more per value (``h[0], h[1]``,
+    ``h[0], h.t()``), or a piece of ``split``/``unbind`` (``pieces``), the value neither an input nor an output: the
+    value becomes an extra output of the node, the views are made again from it outside (``_views_made_outside``)
+    and its gradient is handed to the views' slots in the backward (``_view_cotangents``: where views may share
+    elements, each element's gradient to the first view holding it, so the program's backward counts it once).
+    Views in another dtype or with a zero stride stay views of the node's output (an in-place write to one is
+    PyTorch's error)."""
     groups: dict = {}
     for k, (o, d) in enumerate(zip(outs, differentiable)):
         if d and isinstance(o, torch.Tensor) and o._base is not None:
@@ -136,41 +139,62 @@ def _shared_views(outs, inputs, differentiable):
     found, bases = [], []
     for base, ks in groups.values():
         views = [outs[k] for k in ks]
-        if (len(ks) < 2 or id(base) in taken or any(v.dtype != base.dtype for v in views)
-                or overlapping_pairs(views, views) or any(0 in v.stride() for v in views)):
+        if ((len(ks) < 2 and not (pieces and pieces[ks[0]])) or id(base) in taken
+                or any(v.dtype != base.dtype for v in views) or any(0 in v.stride() for v in views)):
             continue
         layouts = [(k, outs[k].size(), outs[k].stride(), outs[k].storage_offset() - base.storage_offset()) for k in ks]
-        found.append((len(outs) + len(bases), base.size(), base.stride(), layouts))
+        found.append((len(outs) + len(bases), base.size(), base.stride(), layouts, bool(overlapping_pairs(views, views))))
         bases.append(base)
     return tuple(found), tuple(bases)
 
 
 def _view_cotangents(output_grads, groups):
     """The gradient of each extra output (a value several returned views share) handed to the views' slots."""
-    for slot, size, stride, layouts in groups:
+    for slot, size, stride, layouts, overlap in groups:
         g = output_grads[slot]
         if g is None:
             continue
         laid = torch.empty_strided(size, stride, dtype=g.dtype, device=g.device)
         laid.copy_(g)
+        # Views that may share elements (h[0] and h.t()): each element's gradient goes to the first view holding it.
+        claimed = torch.empty_strided(size, stride, dtype=torch.bool, device=g.device).zero_() if overlap else None
         for k, vsize, vstride, offset in layouts:
             view = laid.as_strided(vsize, vstride, laid.storage_offset() + offset)
+            if claimed is not None:
+                mask = claimed.as_strided(vsize, vstride, claimed.storage_offset() + offset)
+                view = view.masked_fill(mask, 0)
+                mask.fill_(True)
             output_grads[k] = view if output_grads[k] is None else output_grads[k] + view
     return output_grads[:len(output_grads) - len(groups)]
 
 
-def _views_made_outside(results, inputs):
+def _views_made_outside(results, inputs, pieces=None):
     """Results that are views of an input of the node or of another of its results, made again from that tensor
-    outside the node (``as_strided`` at the same layout).  As eager's view of a parameter (``m.weight[0]``) or of a
+    outside the node (``as_strided`` at the same layout; a piece of ``split``/``unbind``/``chunk`` by eager's own calls,
+    ``pieces``, which torch marks as one of several views).  As eager's view of a parameter (``m.weight[0]``) or of a
     returned value (``h, h[0]``) it is a view of that tensor, an in-place write to it gets eager's answer (allowed,
-    or eager's error for a view of a leaf), and its gradient goes to that tensor (the node's output gets none)."""
+    or eager's error for a view of a leaf or a piece of a multi-view call), and its gradient goes to that tensor (the
+    node's output gets none)."""
     if not any(isinstance(r, torch.Tensor) and r._base is not None for r in results):
         return results
     bases = {id(x) for x in (*inputs, *results) if isinstance(x, torch.Tensor)}
-    return tuple(r._base.as_strided(r.size(), r.stride(), r.storage_offset())
+    return tuple(_made_again(r, pieces[k] if pieces and k < len(pieces) else None)
                  if isinstance(r, torch.Tensor) and r.requires_grad and r._base is not None and id(r._base) in bases
                  and r.dtype == r._base.dtype
-                 else r for r in results)
+                 else r for k, r in enumerate(results))
+
+
+def _made_again(r, steps):
+    """The view ``r`` of ``r._base`` made again from it: by eager's calls where known and they give ``r``'s layout."""
+    if steps is not None:
+        with torch.enable_grad():
+            v = r._base
+            for f, args, kwargs in steps:
+                v = f(v, *args, **kwargs)
+        if (isinstance(v, torch.Tensor) and v.size() == r.size() and v.stride() == r.stride()
+                and v.storage_offset() == r.storage_offset()):
+            return v
+    return r._base.as_strided(r.size(), r.stride(), r.storage_offset())
 
 
 class AutogradProgram:
@@ -180,9 +204,11 @@ class AutogradProgram:
     from ``fb``, the forward/backward split of ``trc``).
     """
 
-    def __init__(self, trc, fb: ag.ForwardBackward, fw, bw, output_errors=()):
+    def __init__(self, trc, fb: ag.ForwardBackward, fw, bw, output_errors=(), pieces=()):
         # per output, the error eager's backward through it raises (a saved value written in place), or None
         self.output_errors = list(output_errors) if any(output_errors) else None
+        # per output, eager's view calls where it is a piece of split/unbind/chunk (made again outside), or None
+        self.pieces = list(pieces) if any(pieces) else None
         self.forward = fw.python_callable()
         self.backward = bw.python_callable()
         self.differentiable = fb.differentiable
@@ -191,7 +217,7 @@ class AutogradProgram:
         self._out_leaves, self._out_spec = tree_flatten(trc.output)
 
     def __call__(self, *inputs):
-        results = _views_made_outside(ThunderFunction.apply(self, *inputs), inputs)
+        results = _views_made_outside(ThunderFunction.apply(self, *inputs), inputs, self.pieces)
         by_id = {id(p): r for p, r in zip(self._outputs, results)}
         return tree_unflatten([by_id[id(x)] if is_proxy(x) else x for x in self._out_leaves], self._out_spec)
 
@@ -212,6 +238,7 @@ class NoBackwardProgram:
         self.differentiable = [ag.is_float_tensor(o) and id(o) in needs for o in self._outputs]
         self.saved_names = []
         self.output_errors = None
+        self.pieces = None
 
     def forward(self, *inputs):
         leaves, _ = tree_flatten(self._computation(*inputs))

@@ -163,7 +163,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     if not has_backward and may_need_autograd(computed):
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers, backward_errors=acquired.backward_errors,
-                                    memory_budget=options.memory_budget, stand_ins=acquired.grad_stand_ins)
+                                    memory_budget=options.memory_budget, stand_ins=acquired.grad_stand_ins,
+                                    pieces=acquired.multi_output_pieces)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -277,7 +278,7 @@ def _noting(build_fused, notes):
 
 
 def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None, keep_buffers=True, backward_errors=None,
-                     memory_budget=None, stand_ins=()):
+                     memory_budget=None, stand_ins=(), pieces=None):
     """Route the entry through ``ThunderFunction`` when this call needs gradients.
 
     ``program`` and ``traces`` are the entry's program and traces so far, ``trc`` the computation after dead code
@@ -286,7 +287,9 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     (``fusion="background"``, or None), the traces it fuses and the memory plan (transforms/memory.py).
     ``backward_errors``: output name -> the error eager's backward through that output raises (a saved value written
     in place); the node raises it when a gradient reaches that output.  ``stand_ins``: (input, [values]) whose
-    gradients are the input's too (``build_forward_backward``).
+    gradients are the input's too (``build_forward_backward``).  ``pieces``: output name -> eager's view calls of a
+    returned piece of ``split``/``unbind``/``chunk`` (``returned_graph.multi_output_pieces``), made again outside the
+    node so that an in-place write to it gets eager's error.
     """
     if not may_need_autograd(trc):
         return None
@@ -297,6 +300,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     if fb is None:
         return None
     errors = [(backward_errors or {}).get(o.name) for o in fb.outputs]
+    pieces_of = [(pieces or {}).get(o.name) for o in fb.outputs]
     if any(errors) and all(e is not None for e, d in zip(errors, fb.differentiable) if d):
         # every backward through this function raises in eager: so does this one
         return NoBackwardProgram(trc, program, next(e for e in errors if e)), traces, [], None, [trc], None
@@ -320,7 +324,7 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
         bw = free_after_last_use(free_graphs_at_last_vjp(drop_identity_views(bw)))
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
-        run = AutogradProgram(trc, fb, fw, bw, errors) if kind != "background" or _fused_regions(fw, bw) else None
+        run = AutogradProgram(trc, fb, fw, bw, errors, pieces_of) if kind != "background" or _fused_regions(fw, bw) else None
         return run, before + forward_traces, backward_traces
 
     now = fusion if fusion != "background" else None

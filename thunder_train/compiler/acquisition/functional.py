@@ -21,6 +21,8 @@ created), its **current value**:
 """
 from __future__ import annotations
 
+import operator
+
 import dataclasses
 from typing import Callable
 
@@ -188,6 +190,17 @@ class Buffers:
         """The eager calls making the view ``p`` of its base (``View.steps``), or None where not known."""
         view = self._views.get(id(p))
         return None if view is None else view.steps
+
+    def call_was(self, p, func) -> None:
+        """The last eager call making the view ``p`` was ``func`` (same arguments): a composed op that records its torch
+        calls, as ``unsafe_split`` records ``split``, names the call eager made (``View.steps``)."""
+        view = self._views.get(id(p))
+        if view is None or not view.steps:
+            return
+        steps = list(view.steps)
+        last = max(i for i, (f, _, _) in enumerate(steps) if f.__class__ is not operator.itemgetter)
+        steps[last] = (func,) + tuple(steps[last][1:])
+        view.steps = tuple(steps)
 
     def base_of(self, p):
         view = self._views.get(id(p))

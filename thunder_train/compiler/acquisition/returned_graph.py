@@ -18,14 +18,20 @@ grad and has a ``grad_fn`` (user code branches on ``loss.requires_grad``, Lightn
 
 Values that eager's would not give a ``grad_fn`` (a detached value, one computed under ``no_grad``, gradients,
 returned parameters) are left as they are.
+
+``multi_output_pieces`` names the returned pieces of ``split``/``unbind``/``chunk`` (and views of them) that eager's
+autograd marks as outputs of a function returning several views, which refuse an in-place write: the node that
+connects a call to PyTorch autograd makes them again with eager's own calls (compiler/autograd_function.py).
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from .. import prims
 from ..errors import SECOND_BACKWARD_MESSAGE
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from .traced_autograd import computed_requires_grad
 
@@ -82,6 +88,27 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
     messages = names(tuple(m for _, _, m in rows), "backward_messages")
     lines = [f"  with_graph = {names(freed_graph, 'freed_graph')}(({values},), {messages})"]
     return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _) in enumerate(rows)]
+
+
+def multi_output_pieces(st, out, trc_output) -> dict:
+    """Output name -> eager's view calls from the value's base (``functional.View.steps``), for each returned tensor
+    that eager makes by a call returning several views (a step taking one result of a tuple: ``split``, ``unbind``,
+    ``chunk``, ``tensor_split``, ...; ``unsafe_split``'s too: made again by it, eager's are not views) and that requires
+    grad; only where every call's arguments are plain values."""
+    user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc_output)[0]
+    if len(user_out) != len(trc_out):
+        return {}
+    found = {}
+    for u, t in zip(user_out, trc_out):
+        if type(u) is not TensorProxy or type(t) is not TensorProxy or not computed_requires_grad(st, u):
+            continue
+        steps = st.buffers.view_steps(u)
+        if not steps or not any(f.__class__ is operator.itemgetter for f, _, _ in steps):
+            continue
+        if any(is_proxy(a) for _, args, kwargs in steps for a in tree_flatten((args, kwargs))[0]):
+            continue
+        found[t._tt_name] = steps
+    return found
 
 
 def view_with_grad(base, shape, strides, offset):

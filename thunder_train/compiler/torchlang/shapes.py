@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import clang, dtypes, prims
+from .. import clang, context, dtypes, prims
 from ..proxies import is_int
 from .convert import size_args
 from .autocast import PROMOTE  # autocast policies: see autocast.py
@@ -403,15 +403,25 @@ def split_with_sizes(input, split_sizes, dim=0):
 composed("split_with_sizes", split_with_sizes, (torch.split_with_sizes,), ("split_with_sizes",))
 
 
+def _unsafe(pieces, func):
+    """The pieces of ``unsafe_split``/``unsafe_chunk``: ``split``'s, made by ``func`` in eager (whose autograd marks no
+    view: a write into a piece is allowed; acquisition/returned_graph.py makes returned pieces again by it)."""
+    st = context.tracer_state()
+    if st is not None and st.buffers is not None:
+        for p in pieces:
+            st.buffers.call_was(p, func)
+    return pieces
+
+
 def unsafe_split(input, split_size, dim=0):
-    return torch.split(input, split_size, dim)
+    return _unsafe(torch.split(input, split_size, dim), torch.Tensor.unsafe_split)
 
 
 composed("unsafe_split", unsafe_split, (torch.unsafe_split,), ("unsafe_split",))
 
 
 def unsafe_chunk(input, chunks, dim=0):
-    return torch.chunk(input, chunks, dim)
+    return _unsafe(torch.chunk(input, chunks, dim), torch.Tensor.unsafe_chunk)
 
 
 composed("unsafe_chunk", unsafe_chunk, (torch.unsafe_chunk,), ("unsafe_chunk",))
