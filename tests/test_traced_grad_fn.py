@@ -47,10 +47,118 @@ def test_reading_the_stand_in_node_is_a_clear_error():
 
     def f(x):
         h = m(x)
-        return h.sum() if h.grad_fn.name() else h
+        return h.sum() if h.grad_fn.next_functions else h
 
     with pytest.raises(tt.TracingError, match="records no PyTorch autograd node"):
         tt.compile(f)(torch.randn(2, 4))
+
+
+# ---- the stand-in node is named as eager's (issue 25, trust10 item 3) ----
+def _values(lin, x):
+    """Values of the kinds whose node code logs or branches on; each (name, make)."""
+    def written(op):
+        def make():
+            h = lin(x)
+            op(h)
+            return h
+        return make
+
+    def under_no_grad():
+        h = lin(x)
+        with torch.no_grad():
+            h.mul_(2)
+        return h
+
+    def view_then_base_written():
+        h = lin(x)
+        r = h[0:2]
+        h.add_(1)
+        return h.t()  # a view made after the write: its own op's node
+
+    idx = torch.tensor([0, 2])
+    return {
+        "linear": lambda: lin(x),
+        "linear_3d": lambda: lin(x.unsqueeze(0)),
+        "row": lambda: lin(x)[0],
+        "t": lambda: lin(x).t(),
+        "view": lambda: lin(x).view(-1),
+        "relu": lambda: torch.relu(lin(x)),
+        "softmax": lambda: lin(x).softmax(-1),
+        "sum": lambda: lin(x).sum(),
+        "mean_dim": lambda: lin(x).mean(0),
+        "piece": lambda: lin(x).split(1)[1],
+        "cat": lambda: torch.cat([lin(x), lin(x)]),
+        "to_double": lambda: lin(x).double(),
+        "mul_": written(lambda h: h.mul_(2)),
+        "relu_": written(torch.relu_),
+        "setitem": written(lambda h: h.__setitem__(1, 0.0)),
+        "setitem_index_tensor": written(lambda h: h.__setitem__(idx, 0.0)),
+        "copy_": written(lambda h: h.copy_(x[:, :3])),
+        "zero_": written(lambda h: h.zero_()),
+        "masked_fill_": written(lambda h: h.masked_fill_(h > 0, 0.0)),
+        "view_written": written(lambda h: h[0].mul_(2)),
+        "data_written": written(lambda h: h.data.mul_(2)),
+        "no_grad_written": under_no_grad,
+        "view_after_write": view_then_base_written,
+    }
+
+
+def _names(lin, x, which):
+    t = _values(lin, x)[which]()
+    return type(t.grad_fn).__name__, t.grad_fn.name(), str(t.grad_fn is None)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(thin=True), dict(fusion=None)], ids=str)
+@pytest.mark.parametrize("which", list(_values(None, None)))
+def test_the_node_of_a_computed_value_is_named_as_eager(which, opts):
+    """``type(t.grad_fn).__name__`` and ``t.grad_fn.name()`` of a value computed inside, as eager's: a branch on the
+    name takes eager's path (before, ``name()`` raised and the type was ``TracedGradFn``)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    x = torch.randn(3, 4)
+    expected = _names(lin, x, which)
+
+    def f(x):
+        names = _names(lin, x, which)
+        return lin(x).sum() * (2.0 if names == expected else 3.0), names
+
+    cf = tt.compile(f, **opts)
+    for _ in range(3):
+        loss, names = cf(x)
+        assert names == expected
+        torch.testing.assert_close(loss, f(x)[0])
+
+
+def test_the_node_of_a_view_of_memory_written_since_is_a_clear_error():
+    """Eager makes such a view's node again from its base's (``AsStridedBackward0``): not answered, said so."""
+    lin = nn.Linear(4, 3)
+
+    def f(x):
+        h = lin(x)
+        row = h[0]
+        h.mul_(2)
+        return h.sum() * (2.0 if type(row.grad_fn).__name__ == "AsStridedBackward0" else 3.0)
+
+    with pytest.raises(tt.TracingError, match="written since it was made"):
+        tt.compile(f)(torch.randn(2, 4))
+
+
+def test_a_module_forward_branching_on_its_nodes_name_takes_eagers_path():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * (2.0 if h.grad_fn.name() == "AddmmBackward0" else 3.0)
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(2, 4)
+    got, exp = tt.compile(m)(x), m(x)
+    torch.testing.assert_close(got, exp)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), m.lin.weight), torch.autograd.grad(exp.sum(), m.lin.weight))
 
 
 def test_an_input_read_as_leaf_then_passed_as_non_leaf_retraces():

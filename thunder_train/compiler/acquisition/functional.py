@@ -43,6 +43,9 @@ class View:
     # The eager calls that make the view of the real base: ``(torch function, other args, kwargs)`` applied in turn
     # (proxies in the arguments are values of the program); None where a call is not known (output_aliases.py)
     steps: tuple | None = None
+    # The base's version when the view was made (None: not known): a write since then makes eager's autograd make the
+    # view's node again from the base's (``node_source``)
+    made_at: int | None = None
 
 
 class Buffers:
@@ -58,6 +61,8 @@ class Buffers:
         self._group: dict = {}  # id(view) -> the proxy naming its counter (its base, or a ``.data`` view)
         self._members: dict = {}  # id(counter proxy) -> the views sharing that counter
         self._own: dict = {}  # id(base) -> its ``.data`` views (same memory, counters of their own)
+        self._through_view: dict = {}  # id(value) -> value: a base's value made by a write through one of its views
+        self._by_call: dict = {}  # id(value) -> (value, (in-place torch call, args, kwargs)) that wrote it directly
 
     # ---- reading ----
     def read(self, p):
@@ -92,7 +97,8 @@ class Buffers:
             steps = None if steps is None or outer.steps is None else outer.steps + steps
         self._keep[id(view)] = view
         self._keep[id(base)] = base
-        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions, steps)
+        self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions, steps,
+                                     self._version.get(id(base), 0))
         self._join(view, self._group.get(id(source), source))
 
     def detached_view(self, alias, view) -> None:
@@ -202,6 +208,26 @@ class Buffers:
         steps[last] = (func,) + tuple(steps[last][1:])
         view.steps = tuple(steps)
 
+    def node_made_again(self, p) -> bool:
+        """Whether ``p`` is a view of memory written since the view was made (or not known when it was made): eager's
+        autograd then makes the view's node again from the base's (traced_grad_fn.py)."""
+        view = self._views.get(id(p))
+        return view is not None and (view.made_at is None or view.made_at != self._version.get(id(view.base), 0))
+
+    def written_through_view(self, value) -> bool:
+        return id(value) in self._through_view
+
+    def made_by_call(self, dst, call) -> None:
+        """``dst`` (not a view) was just written directly by ``call``: eager's in-place ``(func, args, kwargs)``."""
+        if id(dst) not in self._views:
+            value = self.read(dst)
+            self._by_call[id(value)] = (value, call)
+
+    def call_of(self, value):
+        """The in-place call that made ``value`` (``made_by_call``), or None."""
+        found = self._by_call.get(id(value))
+        return None if found is None else found[1]
+
     def base_of(self, p):
         view = self._views.get(id(p))
         return None if view is None else view.base
@@ -234,6 +260,7 @@ class Buffers:
         band = None if view.by_positions else _band_of(dst, base)
         if band is not None:  # a band of one dim (DeepSeek-V3's q[..., :8].copy_(q_pass)): no positions
             self._set(base, clang.with_band(base_value, value, *band))
+            self._through_view[id(self._current[id(base)])] = self._current[id(base)]
             self._current[id(dst)] = value
             self._keep[id(dst)] = dst
             view.version = self._version[id(base)]
@@ -245,6 +272,7 @@ class Buffers:
         positions = view.make(positions)
         flat = prims.index_put(clang.reshape(base_value, (-1,)), (clang.reshape(positions, (-1,)),), clang.reshape(value, (-1,)), False)
         self._set(base, clang.reshape(flat, base._tt_shape))
+        self._through_view[id(self._current[id(base)])] = self._current[id(base)]
         self._current[id(dst)] = value
         self._keep[id(dst)] = dst
         view.version = self._version[id(base)]

@@ -117,6 +117,9 @@ class _inplace_op:
         return a._tt_requires_grad if self.st.walker.is_input(a) else computed_requires_grad(self.st, a)
 
     def __exit__(self, exc_type, *exc):
+        if self.outer is None and exc_type is None and self.fn is not None and type(self.dst) is TensorProxy:
+            # eager's grad_fn of the written tensor is the in-place call's node (traced_grad_fn.py)
+            self.st.buffers.made_by_call(self.dst, (self.fn, self.args, self.kwargs))
         if self.outer is None:
             start, self.st.inplace_start = self.st.inplace_start, None
             if self.own is not None and exc_type is None:

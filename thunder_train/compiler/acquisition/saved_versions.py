@@ -191,7 +191,7 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
                           and id(a) in needs_grad)
         # every saved tensor can be given another value at a later backward; the unchanged ones their own
         tags = tuple(tag for tag, _, _ in slots)
-        lines[i] = with_saved_from_memory(b, _torch_form(b), positions, tags, [from_memory.get(t, v) for t, v, _ in slots])
+        lines[i] = with_saved_from_memory(b, torch_form(b), positions, tags, [from_memory.get(t, v) for t, v, _ in slots])
     return bool(rewrites)
 
 
@@ -272,7 +272,7 @@ def _which(b, v) -> str:
 _saved_cache: dict = {}
 
 
-def _torch_form(b):
+def torch_form(b):
     # the callable the user called (F.softmax takes _stacklevel, torch.softmax does not), else the symbol's
     fn = getattr(b, "torch_fn", None) or getattr(b.sym, "torch_impl", None)
     if fn is None and b.sym.is_prim:
@@ -284,7 +284,7 @@ def _saved_slots(b, needs_grad):
     """``(("in", flat argument index) or ("out", flat tensor output index), proxy, saved as the argument itself)`` of
     what torch saves for ``b`` (an argument saved through a view of it, as ``linear`` saves ``weight.t()``, is not
     itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors)."""
-    fn = _torch_form(b)
+    fn = torch_form(b)
     if fn is None:
         return None
     try:
@@ -301,10 +301,9 @@ def _saved_slots(b, needs_grad):
             + [(("out", k), flat_out[k], False) for k in outs if k < len(flat_out)])
 
 
-def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
-    """(tensor-argument positions, output positions) that torch's ``fn`` saves, asked on meta tensors and cached per
-    op and argument signature; None when it cannot be asked.  ``inplace``: ``fn`` writes its first argument, which
-    is then a non-leaf (an in-place op on a leaf that requires grad is an error)."""
+def probe_signature(flat, needs_grad):
+    """The probe's description of a line's flattened arguments (sizes, strides, dtype, requires_grad and device of
+    each tensor; plain values as they are), or None where an argument cannot be described."""
     sig = []
     for a in flat:
         if type(a) is TensorProxy:
@@ -323,7 +322,17 @@ def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
             sig.append(("dtype", a))
         else:
             return None
-    key = (fn, repr(spec), tuple(sig), inplace)
+    return tuple(sig)
+
+
+def _saved_positions(fn, flat, spec, needs_grad, inplace=False):
+    """(tensor-argument positions, output positions) that torch's ``fn`` saves, asked on meta tensors and cached per
+    op and argument signature; None when it cannot be asked.  ``inplace``: ``fn`` writes its first argument, which
+    is then a non-leaf (an in-place op on a leaf that requires grad is an error)."""
+    sig = probe_signature(flat, needs_grad)
+    if sig is None:
+        return None
+    key = (fn, repr(spec), sig, inplace)
     found = _saved_cache.get(key, ...)
     if found is ...:
         found = _saved_cache[key] = _ask_torch(fn, spec, sig, inplace)
@@ -366,30 +375,35 @@ def _probe_tensor(s, device):
     return t.requires_grad_(rg)
 
 
+def probe_args(spec, sig, inplace, device):
+    """``(tensors, args, kwargs)`` of a probe call on ``device`` made from ``sig`` (``_signature``)."""
+    from ..pytree import tree_unflatten
+
+    metas, flat = [], []
+    for s in sig:
+        if _is_tensor_sig(s):
+            m = _probe_tensor(s, device)
+            if inplace and not metas and s[3]:
+                m = m.clone()  # written in place: not a leaf
+            metas.append(m)
+            flat.append(m)
+        elif type(s) is tuple and s and s[0] == "dtype":
+            flat.append(s[1])
+        elif type(s) is tuple and s and s[0] == "ellipsis":
+            flat.append(Ellipsis)
+        elif type(s) is tuple and s and s[0] == "slice":
+            flat.append(slice(*s[1:]))
+        else:
+            flat.append(s)
+    args, kwargs = tree_unflatten(flat, spec)
+    return metas, args, kwargs
+
+
 def _ask_on(fn, spec, sig, inplace, device):
     """``(tensor-argument positions saved, output positions saved, tensor-argument positions saved as the argument
     itself rather than a view of it)`` of ``fn`` run on tensors of ``sig`` on ``device``; None when it fails."""
-    from ..pytree import tree_unflatten
-
     try:
-        metas = []
-        flat = []
-        for s in sig:
-            if _is_tensor_sig(s):
-                m = _probe_tensor(s, device)
-                if inplace and not metas and s[3]:
-                    m = m.clone()  # written in place: not a leaf
-                metas.append(m)
-                flat.append(m)
-            elif type(s) is tuple and s and s[0] == "dtype":
-                flat.append(s[1])
-            elif type(s) is tuple and s and s[0] == "ellipsis":
-                flat.append(Ellipsis)
-            elif type(s) is tuple and s and s[0] == "slice":
-                flat.append(slice(*s[1:]))
-            else:
-                flat.append(s)
-        args, kwargs = tree_unflatten(flat, spec)
+        metas, args, kwargs = probe_args(spec, sig, inplace, device)
         packed = []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
             out = fn(*args, **kwargs)
