@@ -252,3 +252,41 @@ def test_a_bound_tensor_whose_node_changed_between_calls_rebinds():
         torch.testing.assert_close(cf(holder, x), f(holder, x))
     holder.h.add_(1)  # now AddBackward0, same object, same metadata
     torch.testing.assert_close(cf(holder, x), f(holder, x))
+
+
+def _returned_names(outs):
+    return [(type(t.grad_fn).__name__, t.grad_fn.name()) if t.grad_fn is not None else None for t in outs]
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(thin=True), dict(fusion=None)], ids=str)
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_returned_nodes_are_named_as_eager(backward_inside, opts):
+    """Returned values carry eager's node names: views made again outside the compiled node (``h[0]``, ``m.weight[1]``,
+    a piece: before ``AsStridedBackward0``) and, for a step that calls ``backward()`` inside, the loss and values
+    computed after it (before ``FreedGraphBackward``).  (A value computed inside and returned by a step without a
+    backward inside comes out of the one compiled node: ``ThunderFunctionBackward``.)"""
+    def run(f_or_compiled, m, opt, x, y):
+        out = m(x)
+        loss = nn.functional.cross_entropy(out, y)
+        if backward_inside:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return (loss, out, out[0], out.t(), m.weight[1], out.split(2, 1)[1], loss * 2)
+
+    def make():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 6)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    me, oe = make()
+    mc, oc = make()
+    cf = tt.compile(lambda x, y: run(None, mc, oc, x, y), **opts)
+    for _ in range(3):
+        expected = _returned_names(run(None, me, oe, x, y))
+        got = _returned_names(cf(x, y))
+        if backward_inside:
+            assert got == expected
+        else:  # the views and pieces of the output and of the parameter
+            assert got[2:6] == expected[2:6]

@@ -113,7 +113,7 @@ def _own_views(outs, saved, inputs, differentiable, pieces=None):
     own = {}
     for k, (o, d) in enumerate(zip(outs, differentiable)):
         if (d and isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in taken
-                and count[id(o._base)] == 1 and not (pieces and pieces[k])):
+                and count[id(o._base)] == 1 and not (pieces and pieces[k] and pieces[k][1])):
             own[id(o)] = o.detach()
     if not own:
         return outs, saved
@@ -139,7 +139,7 @@ def _shared_views(outs, inputs, differentiable, pieces=None):
     found, bases = [], []
     for base, ks in groups.values():
         views = [outs[k] for k in ks]
-        if ((len(ks) < 2 and not (pieces and pieces[ks[0]])) or id(base) in taken
+        if ((len(ks) < 2 and not (pieces and pieces[ks[0]] and pieces[ks[0]][1])) or id(base) in taken
                 or any(v.dtype != base.dtype for v in views) or any(0 in v.stride() for v in views)):
             continue
         layouts = [(k, outs[k].size(), outs[k].stride(), outs[k].storage_offset() - base.storage_offset()) for k in ks]
@@ -178,7 +178,7 @@ def _views_made_outside(results, inputs, pieces=None):
     if not any(isinstance(r, torch.Tensor) and r._base is not None for r in results):
         return results
     bases = {id(x) for x in (*inputs, *results) if isinstance(x, torch.Tensor)}
-    return tuple(_made_again(r, pieces[k] if pieces and k < len(pieces) else None)
+    return tuple(_made_again(r, pieces[k][0] if pieces and k < len(pieces) and pieces[k] else None)
                  if isinstance(r, torch.Tensor) and r.requires_grad and r._base is not None and id(r._base) in bases
                  and r.dtype == r._base.dtype
                  else r for k, r in enumerate(results))
@@ -207,7 +207,7 @@ class AutogradProgram:
     def __init__(self, trc, fb: ag.ForwardBackward, fw, bw, output_errors=(), pieces=()):
         # per output, the error eager's backward through it raises (a saved value written in place), or None
         self.output_errors = list(output_errors) if any(output_errors) else None
-        # per output, eager's view calls where it is a piece of split/unbind/chunk (made again outside), or None
+        # per output, (eager's view calls, a piece of split/unbind/chunk) where it is a view made again outside, or None
         self.pieces = list(pieces) if any(pieces) else None
         self.forward = fw.python_callable()
         self.backward = bw.python_callable()

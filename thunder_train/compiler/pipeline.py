@@ -164,7 +164,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         attached = _attach_autograd(program, traces, computed, executors, fusion=options.fusion, notes=fusion_notes,
                                     keep_buffers=options.keep_buffers, backward_errors=acquired.backward_errors,
                                     memory_budget=options.memory_budget, stand_ins=acquired.grad_stand_ins,
-                                    pieces=acquired.multi_output_pieces)
+                                    pieces=acquired.returned_view_calls)
         if attached is not None:
             program, traces, backward_traces, build_fused, to_fuse, memory = attached
     elif fuse_main:
@@ -288,8 +288,8 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
     ``backward_errors``: output name -> the error eager's backward through that output raises (a saved value written
     in place); the node raises it when a gradient reaches that output.  ``stand_ins``: (input, [values]) whose
     gradients are the input's too (``build_forward_backward``).  ``pieces``: output name -> eager's view calls of a
-    returned piece of ``split``/``unbind``/``chunk`` (``returned_graph.multi_output_pieces``), made again outside the
-    node so that an in-place write to it gets eager's error.
+    returned view and whether it is a piece of ``split``/``unbind``/``chunk`` (``returned_graph.returned_view_calls``),
+    made again outside the node by them (eager's node, and eager's error on a write into a piece).
     """
     if not may_need_autograd(trc):
         return None

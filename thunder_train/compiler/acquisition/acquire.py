@@ -63,8 +63,8 @@ class Acquired:
     # (input, [values]): the values besides the input itself that stand for it in PyTorch's backward (an update under
     # no_grad or through ``.data`` inside a forward, ops after it reading the new value: leaf_values.py)
     grad_stand_ins: list = dataclasses.field(default_factory=list)
-    # output name -> eager's view calls for returned pieces of split/unbind/chunk (returned_graph.multi_output_pieces)
-    multi_output_pieces: dict = dataclasses.field(default_factory=dict)
+    # output name -> (eager's view calls, a piece of split/unbind/chunk) of returned views (returned_graph.py)
+    returned_view_calls: dict = dataclasses.field(default_factory=dict)
 
 
 def arg_names(fn) -> list:
@@ -169,7 +169,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc.output)[0]
                 returned = list(zip(user_out, trc_out)) if len(user_out) == len(trc_out) else []
                 backward_errors = saved_versions.errors_for_outside_backward(state, trc, seeds, returned)
-            pieces = {} if state.has_backward else returned_graph.multi_output_pieces(state, out, trc.output)
+            pieces = {} if state.has_backward else returned_graph.returned_view_calls(state, out, trc.output)
             refuse_new_leaves_returned(state, trc)
             traced_autograd.check_data_assignments(state)
             check_input_data_shares(state, trc.output)
@@ -183,7 +183,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
                     random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors,
-                    grad_stand_ins=stand_ins, multi_output_pieces=pieces)
+                    grad_stand_ins=stand_ins, returned_view_calls=pieces)
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

@@ -19,9 +19,10 @@ grad and has a ``grad_fn`` (user code branches on ``loss.requires_grad``, Lightn
 Values that eager's would not give a ``grad_fn`` (a detached value, one computed under ``no_grad``, gradients,
 returned parameters) are left as they are.
 
-``multi_output_pieces`` names the returned pieces of ``split``/``unbind``/``chunk`` (and views of them) that eager's
-autograd marks as outputs of a function returning several views, which refuse an in-place write: the node that
-connects a call to PyTorch autograd makes them again with eager's own calls (compiler/autograd_function.py).
+``returned_view_calls`` gives eager's view calls of the returned views (the pieces of ``split``/``unbind``/``chunk``
+among them, which eager's autograd marks as outputs of a function returning several views and refuses an in-place
+write to): the node that connects a call to PyTorch autograd makes them again with those calls
+(compiler/autograd_function.py).
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from .. import prims
 from ..errors import SECOND_BACKWARD_MESSAGE
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
+from . import traced_autograd
 from .traced_autograd import computed_requires_grad
+from .traced_grad_fn import eager_node_name
 
 NOT_KEPT_MESSAGE = (
     "thunder_train: this tensor was returned by a compiled function that calls backward() inside it; the compiled "
@@ -75,26 +78,35 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
                 and o._tt_dtype is base._tt_dtype
                 and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides, o._tt_storage_offset))):
             layout = (tuple(o._tt_shape), tuple(o._tt_strides), o._tt_storage_offset - base._tt_storage_offset)
+            steps = buffers.view_steps(o)
+            calls = "" if not steps or any(is_proxy(a) for _, args, kw in steps for a in tree_flatten((args, kw))[0]) \
+                else f", {names(steps, 'view_calls')}"
             exprs.append((i, f"{names(view_with_grad, 'view_with_grad')}({names(bleaf.value, base._tt_name, bleaf)}, "
-                             f"{layout[0]!r}, {layout[1]!r}, {layout[2]})"))
+                             f"{layout[0]!r}, {layout[1]!r}, {layout[2]}{calls})"))
             continue
         if freed is None:
             freed = _freed_by_backward(st)
         rows.append((i, extra(o), SECOND_BACKWARD_MESSAGE if id(buffers.read(o)) in freed or id(o) in freed
-                     else NOT_KEPT_MESSAGE))
+                     else NOT_KEPT_MESSAGE, o))
     if not rows:
         return [], exprs
-    values = ", ".join(e for _, e, _ in rows)
-    messages = names(tuple(m for _, _, m in rows), "backward_messages")
-    lines = [f"  with_graph = {names(freed_graph, 'freed_graph')}(({values},), {messages})"]
-    return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _) in enumerate(rows)]
+    values = ", ".join(e for _, e, _, _ in rows)
+    messages = names(tuple(m for _, _, m, _ in rows), "backward_messages")
+    path = traced_autograd.gradient_path(st)
+    nodes = names(tuple(None if buffers.node_made_again(o) else eager_node_name(st, buffers.read(o), path)
+                        for _, _, _, o in rows), "node_names")
+    lines = [f"  with_graph = {names(freed_graph, 'freed_graph')}(({values},), {messages}, {nodes})"]
+    return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _, _) in enumerate(rows)]
 
 
-def multi_output_pieces(st, out, trc_output) -> dict:
-    """Output name -> eager's view calls from the value's base (``functional.View.steps``), for each returned tensor
-    that eager makes by a call returning several views (a step taking one result of a tuple: ``split``, ``unbind``,
-    ``chunk``, ``tensor_split``, ...; ``unsafe_split``'s too: made again by it, eager's are not views) and that requires
-    grad; only where every call's arguments are plain values."""
+def returned_view_calls(st, out, trc_output) -> dict:
+    """Output name -> ``(eager's view calls from the value's base, whether one of them returns several views)`` for
+    each returned view that requires grad and whose calls are known (``functional.View.steps``) with plain arguments.
+    A piece of ``split``/``unbind``/``chunk``/``tensor_split`` (a step taking one result of a tuple) is marked by
+    eager's autograd as one of several views, which refuse an in-place write; ``unsafe_split``'s pieces are made by it,
+    as eager's, which are not views.  The node that connects a call to PyTorch autograd makes such views again
+    outside with these calls (compiler/autograd_function.py), so they carry eager's node (``SelectBackward0``, not
+    ``AsStridedBackward0``) and eager's answer to a write."""
     user_out, trc_out = tree_flatten(out)[0], tree_flatten(trc_output)[0]
     if len(user_out) != len(trc_out):
         return {}
@@ -103,17 +115,23 @@ def multi_output_pieces(st, out, trc_output) -> dict:
         if type(u) is not TensorProxy or type(t) is not TensorProxy or not computed_requires_grad(st, u):
             continue
         steps = st.buffers.view_steps(u)
-        if not steps or not any(f.__class__ is operator.itemgetter for f, _, _ in steps):
+        if not steps or any(is_proxy(a) for _, args, kwargs in steps for a in tree_flatten((args, kwargs))[0]):
             continue
-        if any(is_proxy(a) for _, args, kwargs in steps for a in tree_flatten((args, kwargs))[0]):
-            continue
-        found[t._tt_name] = steps
+        found[t._tt_name] = (steps, any(f.__class__ is operator.itemgetter for f, _, _ in steps))
     return found
 
 
-def view_with_grad(base, shape, strides, offset):
-    """A view of the input ``base`` at the traced layout, recorded by autograd (eager's view of a parameter)."""
+def view_with_grad(base, shape, strides, offset, calls=None):
+    """A view of the input ``base`` at the traced layout, recorded by autograd (eager's view of a parameter): made by
+    eager's own view calls where known and they give that layout (eager's node: ``SelectBackward0``)."""
     with torch.enable_grad():
+        if calls is not None:
+            v = base
+            for f, args, kwargs in calls:
+                v = f(v, *args, **kwargs)
+            if (isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and v.stride() == tuple(strides)
+                    and v.storage_offset() == base.storage_offset() + offset):
+                return v
         return base.as_strided(shape, strides, base.storage_offset() + offset)
 
 
@@ -139,16 +157,31 @@ class FreedGraph(torch.autograd.Function):
         raise RuntimeError(ctx.messages[0])
 
 
-def freed_graph(values: tuple, messages: tuple) -> tuple:
-    """``values`` requiring grad through a node whose backward raises ``messages[k]`` for ``values[k]``; the same
+_named_nodes: dict = {None: FreedGraph}
+
+
+def _node_class(names):
+    """``FreedGraph`` whose node is named as eager's (``names``: ``(class name, name())``; None: ``FreedGraphBackward``)."""
+    cls = _named_nodes.get(names)
+    if cls is None:
+        cls = _named_nodes[names] = type(f"FreedGraph{names[0]}", (FreedGraph,), {})
+        cls._backward_cls.__name__ = cls._backward_cls.__qualname__ = names[0]
+    return cls
+
+
+def freed_graph(values: tuple, messages: tuple, node_names: tuple = ()) -> tuple:
+    """``values`` requiring grad through nodes whose backward raises ``messages[k]`` for ``values[k]``, one node per
+    eager node name (``node_names[k]``: ``type(t.grad_fn).__name__`` is eager's, ``NllLossBackward0``); the same
     tensor given twice comes back as one object, as eager returns it."""
     first: dict = {}
-    unique, unique_messages = [], []
-    for v, m in zip(values, messages):
+    groups: dict = {}  # node names -> [(value, message)]
+    for k, (v, m) in enumerate(zip(values, messages)):
         if id(v) not in first:
-            first[id(v)] = len(unique)
-            unique.append(v)
-            unique_messages.append(m)
+            group = groups.setdefault(node_names[k] if k < len(node_names) else None, [])
+            first[id(v)] = (group, len(group))
+            group.append((v, m))
+    made = {}
     with torch.enable_grad():  # the trace found these values require grad (grad mode is part of the guard key)
-        out = FreedGraph.apply(_ANCHOR, tuple(unique_messages), tuple(unique))
-    return tuple(out[first[id(v)]] for v in values)
+        for names, group in groups.items():
+            made[id(group)] = _node_class(names).apply(_ANCHOR, tuple(m for _, m in group), tuple(v for v, _ in group))
+    return tuple(made[id(first[id(v)][0])][first[id(v)][1]] for v in values)
