@@ -216,7 +216,10 @@ def test_falcon_step_fused_reads_flash_gradients_without_copies():
     step = check_steps("falcon", thin=True, closure=False, fusion="inductor")
     assert tt.compile_stats(step).fusion_fallback_calls == 0
     trace = tt.last_traces(step)[-1]
-    assert "ttex.laid_out_as(" not in str(trace)
+    # Only the forward outputs are copied, into the layout recorded for them (eager's math kernel's, row-major:
+    # tests/test_recorded_layouts.py), one per layer; no gradient is.
+    copies = [line for line in str(trace).splitlines() if "ttex.laid_out_as(" in line]
+    assert len(copies) == 2 and all("laid_out_as(flash_out" in line for line in copies), copies
     regions = [" ".join(str(s) for s in b.subsymbols) for b in trace.bound_symbols if b.sym.module == "inductor"]
     assert regions and not any(".le(" in r for r in regions), regions
 

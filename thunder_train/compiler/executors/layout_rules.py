@@ -266,6 +266,8 @@ def set_layout(bsym) -> None:
     if c is None:
         return
     fn, args, kwargs = c
+    if bsym.sym.name == "getitem" and len(args) > 1:
+        args = (args[0], *tree_map(_as_int_index, tuple(args[1:])))
     key = _key(fn, args, kwargs)
     layouts = _layouts.get(key) if key is not None else None
     if layouts is None:
@@ -303,6 +305,16 @@ def set_layout(bsym) -> None:
             p._tt_strides = strides
             p._tt_storage_offset = offset
             p._tt_rowmajor = offset == 0 and strides == contiguous_strides(p._tt_shape)
+
+
+def _as_int_index(x):
+    """An index of ``getitem`` for the layout question: a 0-d integer tensor indexes as an int does (eager's ``w[e]``
+    is a view of ``w``: Mixtral's ``expert_mask[e]`` of a permuted mask keeps its strides), where a meta or fake run
+    would take it as advanced indexing (a copy, row-major); its position is a value of the call, so the offset is
+    the first element's."""
+    if type(x) is TensorProxy and len(x._tt_shape) == 0 and x._tt_dtype.is_int:
+        return 0
+    return x
 
 
 # The layouts found for a call, by what the fake run saw: the callable, every tensor's shape, strides, offset,

@@ -465,7 +465,7 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
                           kwargs=more)
     fwd_layouts, vjp_layouts = _flash_layouts(trc, fwd, new_vjp, b["is_causal"], b["scale"], masked)
     *convert, new_fwd = new_fwd if isinstance(new_fwd, tuple) else (new_fwd,)
-    fwd_lines = _as_traced(trc, new_fwd, fwd_layouts)
+    fwd_lines = _as_traced(trc, new_fwd, fwd_layouts, always=one_kv)
     raw_out = fwd_lines[0].output[0]
     if raw_out is not fwd.output:  # the backward kernel reads its forward's own result, not the copy
         new_vjp = new_vjp.replace(args=tuple(raw_out if a is fwd.output else a for a in new_vjp.args))
@@ -537,12 +537,14 @@ def one_kv_head_flash_vjp(vjp):
 _flash_vjps: dict = {}
 
 
-def _as_traced(trc, line, layouts):
+def _as_traced(trc, line, layouts, always=False):
     """``line``, or it and copies: where an output the trace recorded (eager's kernel's layout: for one key/value
-    head the math kernel's) is laid out otherwise than the flash kernel gives it and a fused region compiled for the
-    recorded layout reads it (its stride check would fail on every call and run its torch ops), the kernel's result
-    is copied into the recorded layout first.  Torch calls elsewhere take the kernel's layout as it comes (their own
-    layouts follow at run time, as before)."""
+    head the math kernel's, row-major) is laid out otherwise than the flash kernel gives it, the kernel's result is
+    copied into the recorded layout first: for one key/value head (``always``) every time, so that every value the
+    program computes has its recorded layout (the decisions taken from them, kept buffers, fused regions' stride
+    checks, the layouts of what reads it, are right: tests/test_recorded_layouts.py), as eager's math kernel lays it
+    out; otherwise where a fused region compiled for the recorded layout reads it (its stride check would fail on
+    every call and run its torch ops)."""
     outs = list(line.output)
     if layouts is None or len(layouts) != len(outs):
         return (line,)
@@ -550,13 +552,14 @@ def _as_traced(trc, line, layouts):
                    for a in b.flat_args() if type(a) is TensorProxy}
     copies = []
     for i, (value, strides) in enumerate(zip(outs, layouts)):
-        if strides is None or strides == tuple(value._tt_strides) or id(value) not in fused_reads or value._tt_storage_offset != 0:
+        if strides is None or strides == tuple(value._tt_strides) or not (always or id(value) in fused_reads) \
+                or value._tt_storage_offset != 0:
             continue
         raw = TensorProxy(trc.make_name("flash_out"), shape=value._tt_shape, dtype=value._tt_dtype, device=value._tt_device,
                           strides=strides)
         outs[i] = raw
         copies.append(BoundSymbol(impl_symbol(laid_out_as), (raw, tuple(value._tt_strides)), {}, value,
-                                  comment="laid out as traced, as a fused kernel reads it"))
+                                  comment="laid out as traced" + ("" if always else ", as a fused kernel reads it")))
     return (line.replace(output=tuple(outs)), *copies) if copies else (line,)
 
 
