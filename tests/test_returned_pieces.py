@@ -109,3 +109,38 @@ def test_pieces_without_grad_take_writes_as_eager():
         for o in outs:
             o.mul_(2)  # eager allows it: no graph
     assert not any(o.requires_grad for o in outs)
+
+
+@pytest.mark.parametrize("opts", MODES[:2], ids=str)
+@pytest.mark.parametrize("which", ["split_one", "chunk_all", "view_of_piece", "piece_and_sum", "unsafe_split"])
+def test_a_step_with_a_backward_inside_returns_pieces_as_eager(which, opts):
+    """After ``loss.backward()`` inside, returned pieces: a write into one is eager's error for one of several views
+    (before, the piece came back as a tensor of its own and took the write), values and node names as eager's."""
+    def make():
+        torch.manual_seed(0)
+        return M(which)
+
+    def step(m, x):
+        h = m.lin(x)
+        h.pow(2).sum().backward()
+        return (h,) + CASES[which](h)
+
+    x = torch.randn(5, 4)
+    me, mc = make(), make()
+    cf = tt.compile(step, **opts)
+    for _ in range(2):
+        e_outs, c_outs = step(me, x), cf(mc, x)
+        for a, b in zip(c_outs, e_outs):
+            torch.testing.assert_close(a, b)
+            assert type(a.grad_fn).__name__ == type(b.grad_fn).__name__
+        e_ans, c_ans = [], []
+        for outs, ans in ((e_outs, e_ans), (c_outs, c_ans)):
+            for o in outs[1:]:
+                try:
+                    o.mul_(2.0)
+                    ans.append("written")
+                except RuntimeError as e:
+                    ans.append(str(e).split(".")[0])
+        assert c_ans == e_ans
+        for a, b in zip(c_outs, e_outs):
+            torch.testing.assert_close(a, b)

@@ -68,7 +68,7 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
     """Epilogue lines and ``(flat index, expression)`` results for the returned tensors eager's would give a
     ``grad_fn`` (``taken``: flat indices already rebuilt by ``output_aliases``)."""
     buffers, walker = st.buffers, st.walker
-    freed, rows, exprs = None, [], []
+    freed, rows, exprs, pieces = None, [], [], []
     for i, o in enumerate(tree_flatten(out)[0]):
         if i in taken or type(o) is not TensorProxy or walker.leaf_of(o) is not None or not computed_requires_grad(st, o):
             continue
@@ -86,8 +86,14 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
             continue
         if freed is None:
             freed = _freed_by_backward(st)
-        rows.append((i, extra(o), SECOND_BACKWARD_MESSAGE if id(buffers.read(o)) in freed or id(o) in freed
-                     else NOT_KEPT_MESSAGE, o))
+        steps = _piece_calls(buffers, o)
+        if steps is not None and bleaf is None:
+            # A piece of split/unbind/chunk of a computed value: made again from that value by eager's calls, so a
+            # write into it is eager's error for one of several views (the value goes through the node, not returned)
+            pieces.append((i, steps, base))
+            o = base
+        rows.append((i if steps is None else None, extra(o), SECOND_BACKWARD_MESSAGE
+                     if id(buffers.read(o)) in freed or id(o) in freed else NOT_KEPT_MESSAGE, o))
     if not rows:
         return [], exprs
     values = ", ".join(e for _, e, _, _ in rows)
@@ -96,7 +102,28 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
     nodes = names(tuple(None if buffers.node_made_again(o) else eager_node_name(st, buffers.read(o), path)
                         for _, _, _, o in rows), "node_names")
     lines = [f"  with_graph = {names(freed_graph, 'freed_graph')}(({values},), {messages}, {nodes})"]
-    return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _, _) in enumerate(rows)]
+    row_of = {id(o): k for k, (_, _, _, o) in reversed(list(enumerate(rows)))}
+    exprs += [(i, f"{names(made_by_calls, 'made_by_calls')}(with_graph[{row_of[id(base)]}], {names(steps, 'view_calls')})")
+              for i, steps, base in pieces]
+    return lines, exprs + [(i, f"with_graph[{k}]") for k, (i, _, _, _) in enumerate(rows) if i is not None]
+
+
+def _piece_calls(buffers, o):
+    """Eager's view calls making ``o`` from its base where one returns several views (``split``), with plain arguments
+    and the traced layout eager's; else None."""
+    steps = buffers.view_steps(o)
+    if (not steps or not any(f.__class__ is operator.itemgetter for f, _, _ in steps) or not buffers.layout_is_traced(o)
+            or any(is_proxy(a) for _, args, kw in steps for a in tree_flatten((args, kw))[0])):
+        return None
+    return steps
+
+
+def made_by_calls(value, calls):
+    """``value``'s view made by eager's ``calls`` with grad enabled (autograd records each, as eager's)."""
+    with torch.enable_grad():
+        for f, args, kwargs in calls:
+            value = f(value, *args, **kwargs)
+    return value
 
 
 def returned_view_calls(st, out, trc_output) -> dict:
