@@ -240,6 +240,11 @@ def _summed(groups, grads) -> list:
     return out
 
 
+def gradient_path_so_far(st) -> set:
+    """``gradient_path(st)``, kept up to date line by line (cheap to ask again while tracing)."""
+    return _gradient_path_now(st)
+
+
 def gradient_path(st) -> set:
     """Ids of the values so far that depend on an input requiring grad (what a backward would reach)."""
     return Forward(list(st.trace.bound_symbols), [v for _, vals in grad_leaves(st) for v in vals]).needs_grad
