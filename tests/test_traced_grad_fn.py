@@ -75,8 +75,26 @@ def _values(lin, x):
         h.add_(1)
         return h.t()  # a view made after the write: its own op's node
 
+    def row_after(write):
+        def make():
+            h = lin(x)
+            r = h[0]
+            write(h)
+            return r
+        return make
+
+    def under_no_grad_of(h):
+        with torch.no_grad():
+            h.mul_(2)
+
     idx = torch.tensor([0, 2])
     return {
+        # a view whose version counter moved since it was made: eager makes its node again (as_strided's)
+        "row_after_base_write": row_after(lambda h: h.mul_(2)),
+        "row_after_own_write": row_after(lambda h: h[0].add_(1)),
+        "row_after_other_row_write": row_after(lambda h: h[1].add_(1)),
+        "row_after_no_grad_write": row_after(under_no_grad_of),
+        "row_after_data_write": row_after(lambda h: h.data.mul_(2)),  # .data has a counter of its own: Select
         "linear": lambda: lin(x),
         "linear_3d": lambda: lin(x.unsqueeze(0)),
         "row": lambda: lin(x)[0],
@@ -129,17 +147,17 @@ def test_the_node_of_a_computed_value_is_named_as_eager(which, opts):
         torch.testing.assert_close(loss, f(x)[0])
 
 
-def test_the_node_of_a_view_of_memory_written_since_is_a_clear_error():
-    """Eager makes such a view's node again from its base's (``AsStridedBackward0``): not answered, said so."""
+def test_the_node_name_torch_cannot_be_asked_for_is_a_clear_error():
+    """An op without a meta kernel (``ctc_loss``; the name is asked on meta tensors only): not answered, said so."""
     lin = nn.Linear(4, 3)
 
     def f(x):
         h = lin(x)
-        row = h[0]
-        h.mul_(2)
-        return h.sum() * (2.0 if type(row.grad_fn).__name__ == "AsStridedBackward0" else 3.0)
+        logp = torch.zeros(6, 2, 3).add(h.sum()).log_softmax(-1)
+        loss = nn.functional.ctc_loss(logp, torch.ones(2, 2, dtype=torch.long), torch.full((2,), 6), torch.full((2,), 2))
+        return loss * (2.0 if type(loss.grad_fn).__name__ == "CtcLossBackward0" else 3.0)
 
-    with pytest.raises(tt.TracingError, match="written since it was made"):
+    with pytest.raises(tt.TracingError, match="could not be asked"):
         tt.compile(f)(torch.randn(2, 4))
 
 

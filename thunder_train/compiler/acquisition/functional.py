@@ -43,8 +43,8 @@ class View:
     # The eager calls that make the view of the real base: ``(torch function, other args, kwargs)`` applied in turn
     # (proxies in the arguments are values of the program); None where a call is not known (output_aliases.py)
     steps: tuple | None = None
-    # The base's version when the view was made (None: not known): a write since then makes eager's autograd make the
-    # view's node again from the base's (``node_source``)
+    # Writes counted on the view's version counter when it was made (None: not known): one since then makes eager's
+    # autograd make the view's node again from the base's (``node_made_again``)
     made_at: int | None = None
 
 
@@ -63,6 +63,7 @@ class Buffers:
         self._own: dict = {}  # id(base) -> its ``.data`` views (same memory, counters of their own)
         self._through_view: dict = {}  # id(value) -> value: a base's value made by a write through one of its views
         self._by_call: dict = {}  # id(value) -> (value, (in-place torch call, args, kwargs)) that wrote it directly
+        self._counted: dict = {}  # id(counter proxy) -> writes that moved eager's version counter (``node_made_again``)
 
     # ---- reading ----
     def read(self, p):
@@ -97,9 +98,10 @@ class Buffers:
             steps = None if steps is None or outer.steps is None else outer.steps + steps
         self._keep[id(view)] = view
         self._keep[id(base)] = base
+        group = self._group.get(id(source), source)
         self._views[id(view)] = View(base, make, self._version.get(id(base), 0), unmake, by_positions, steps,
-                                     self._version.get(id(base), 0))
-        self._join(view, self._group.get(id(source), source))
+                                     self._counted.get(id(group), 0))
+        self._join(view, group)
 
     def detached_view(self, alias, view) -> None:
         """``alias`` is ``view`` detached (made under no_grad): a view of the same base, re-derived detached."""
@@ -209,10 +211,12 @@ class Buffers:
         view.steps = tuple(steps)
 
     def node_made_again(self, p) -> bool:
-        """Whether ``p`` is a view of memory written since the view was made (or not known when it was made): eager's
+        """Whether ``p`` is a view whose version counter moved since it was made (or not known when it was made): a
+        write to it, its base or another view sharing the counter (not through ``.data``, which has its own); eager's
         autograd then makes the view's node again from the base's (traced_grad_fn.py)."""
         view = self._views.get(id(p))
-        return view is not None and (view.made_at is None or view.made_at != self._version.get(id(view.base), 0))
+        return view is not None and (
+            view.made_at is None or view.made_at != self._counted.get(id(self._group.get(id(p), p)), 0))
 
     def written_through_view(self, value) -> bool:
         return id(value) in self._through_view
@@ -233,8 +237,12 @@ class Buffers:
         return None if view is None else view.base
 
     # ---- writing ----
-    def write(self, dst, value) -> None:
-        """``dst`` now holds ``value`` (same shape and dtype)."""
+    def write(self, dst, value, counted: bool = True) -> None:
+        """``dst`` now holds ``value`` (same shape and dtype).  ``counted``: eager's write moves ``dst``'s version
+        counter (not the base's new value after a write through ``.data``, which moved the ``.data`` one)."""
+        if counted:
+            group = self._group.get(id(dst), dst)
+            self._counted[id(group)] = self._counted.get(id(group), 0) + 1
         view = self._views.get(id(dst))
         if view is None:
             self._set(dst, value)

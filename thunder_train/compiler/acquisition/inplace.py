@@ -148,7 +148,7 @@ def write(st, sym, dst, value):
     st.buffers.write(dst, value)
     if kept is not None:
         base, old = kept
-        st.buffers.write(base, prims.unseen_write(st.buffers.read(base), old))
+        st.buffers.write(base, prims.unseen_write(st.buffers.read(base), old), counted=False)
     if st.leaf_values is not None:
         base = st.buffers.base_of(dst)
         st.leaf_values.written(dst if base is None else base)

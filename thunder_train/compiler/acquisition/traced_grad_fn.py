@@ -137,8 +137,12 @@ def _ask_name(fn, spec, sig, inplace, k):
 
 
 def _stand_in(st, a, gradient_path):
-    made_again = st.buffers.node_made_again(a)
-    names = None if made_again else eager_node_name(st, st.buffers.read(a), gradient_path(st))
+    if not st.buffers.node_made_again(a):
+        names = eager_node_name(st, st.buffers.read(a), gradient_path(st))
+    else:  # eager makes a strided view's node again from its base's after a write: as_strided's
+        base = st.buffers.base_of(a)
+        plain = st.buffers.layout_is_traced(a) and base is not None and base._tt_dtype is a._tt_dtype
+        names = ("AsStridedBackward0", "AsStridedBackward0") if plain else None
     return named(names)(a._tt_name)
 
 
