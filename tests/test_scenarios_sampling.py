@@ -4,7 +4,7 @@ every step (tests/_scenario_harness.py: returned values, parameters, ``.grad``, 
 
 * PPO with ``torch.multinomial``, normalised advantages and the old log-probabilities carried between steps;
   mixup with ``torch.distributions.Beta`` and ``torch.randperm`` (Beta's sampler ``torch._sample_dirichlet`` has no
-  meta kernel: it was refused as unsupported; ``torch/factories.py`` gives it an output rule); a Dirichlet and a
+  meta kernel: it was refused as unsupported; ``torchlang/opaque_rules.py`` gives it an output rule); a Dirichlet and a
   Gamma policy (``rsample``); Poisson counts; stochastic depth (``torch.rand(...) < p``); ``F.gumbel_softmax(hard=True)``;
   in-place draws (``bernoulli_``, ``exponential_``, ``random_``, ``uniform_``/``normal_``) into a buffer the step keeps.
 * Python's ``random`` and numpy's global generator drawn inside the step (cutmix with ``random.betavariate``, a
@@ -278,3 +278,18 @@ def test_python_random_outside_the_step_passed_in_as_a_tensor_matches_eager():
 
     for mode in ("full", "thin"):
         assert_matches_eager(setup, mode)
+
+
+def test_python_random_is_refused_while_another_thread_runs():
+    """A logger's or data loader's thread is running (torch's generator check stands down then): still refused."""
+    import threading
+
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()
+    try:
+        with pytest.raises(tt.TracingError, match="Python's random module"):
+            tt.compile(lambda x: x * random.random())(torch.ones(2))
+    finally:
+        stop.set()
+        worker.join()

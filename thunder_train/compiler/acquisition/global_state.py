@@ -239,13 +239,16 @@ def global_state_unchanged():
         if rng_changed:
             torch.set_rng_state(rng[0])
         drawn = _python_generators_moved(python_generators)
-        if ok and drawn and not _other_threads():
+        # Unlike torch's generator, checked with other threads running too (a data loader's or logger's thread): a
+        # silent constant is worse than the rare false alarm of another thread drawing from the global generator.
+        if ok and drawn:
             raise TracingError(
                 f"the compiled function drew from {' and '.join(drawn)} while tracing: the program would use the "
                 "numbers drawn then as constants on every call, where eager draws new ones. Draw them outside the "
                 "compiled function and pass them in as tensors (`lam = torch.tensor(random.betavariate(a, a))`), or "
                 "draw with torch inside (torch.rand, torch.randperm, torch.distributions), which the program draws "
-                "on every call.")
+                "on every call. (Another thread drawing from it during this first call raises this too: give that "
+                "thread a generator of its own, random.Random() or np.random.default_rng().)")
         if ok and rng_changed:
             raise TracingError(
                 "the compiled function reseeded or advanced torch's default random number generator outside the traced "

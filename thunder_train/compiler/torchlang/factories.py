@@ -1,5 +1,5 @@
 """Factories: empty, full, zeros, ones, arange, randn, rand, *_like, tensor; eye, logspace, tri[lu]_indices,
-fill; the output rules of the Dirichlet sampler and its gradient."""
+fill."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,6 @@ from ..proxies import NumberProxy, TensorProxy, is_int, is_number, number_type
 from .convert import to_dtype, to_device, size_args, default_device
 from ..errors import TracingError
 from .registry import composed, torchsymbol
-from ..opaque import meta_rule
 
 
 def _dd(dtype, device, default_dtype=None):
@@ -284,17 +283,3 @@ def fill(input, value):
 
 
 composed("fill", fill, (torch.fill,))
-
-
-# The sampler of torch.distributions' Beta and Dirichlet and the gradient of Dirichlet.rsample have no meta kernel:
-# their output is shaped like their first input and requires grad like their inputs (torch defines no derivative: a
-# backward through them is eager's error).  They run opaquely (torch draws from the generator in the program's order:
-# torch tags the sampler random).
-@meta_rule(torch._sample_dirichlet)
-def _sample_dirichlet_meta(input, generator=None):
-    return torch.empty_like(input, device="meta").requires_grad_(input.requires_grad)
-
-
-@meta_rule(torch._dirichlet_grad)
-def _dirichlet_grad_meta(x, alpha, total):
-    return torch.empty_like(x, device="meta").requires_grad_(any(t.requires_grad for t in (x, alpha, total)))
