@@ -55,6 +55,52 @@ class SAM(torch.optim.Optimizer):
         self.base_optimizer.step()
 
 
+class SAMClosure(SAM):
+    """The other common form: the old weights kept and put back with ``p.data =``, and ``step(closure)``."""
+
+    @torch.no_grad()
+    def first_step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+        super().first_step()
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+
+    @torch.no_grad()
+    def step(self, closure):
+        self.first_step()
+        torch.enable_grad()(closure)()
+        self.second_step()
+
+
+def _sam_closure(wrap):
+    m = _mlp()
+    cm = wrap(m)
+    opt = SAMClosure(m.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        def closure():
+            loss = F.cross_entropy(cm(x), y)
+            loss.backward()
+            return loss
+
+        loss = closure()
+        opt.step(closure)
+        opt.zero_grad()
+        return loss
+
+    return dict(step=step, calls=_batches(), modules=[m], opts=[opt, opt.base_optimizer])
+
+
 def _sam(base_cls, **kw):
     def setup(wrap):
         m = _mlp()
@@ -183,6 +229,7 @@ def _second_moments(wrap):
 SCENARIOS = {
     "sam_sgd": _sam(torch.optim.SGD, lr=0.1, momentum=0.9),
     "sam_adamw": _sam(torch.optim.AdamW, lr=0.01),
+    "sam_closure_data_restore": _sam_closure,
     "lion": _plain(lambda m: Lion(m.parameters(), lr=1e-2, weight_decay=0.1)),
     "lookahead": _plain(lambda m: Lookahead(torch.optim.Adam(m.parameters(), lr=0.01)), n=5),
     "global_optimizer_switched": _rebound(freeze=False),
