@@ -20,8 +20,10 @@ in place before the backward are reported like eager does.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
-from torch.autograd.function import once_differentiable
+from torch._C import _functions
 
 from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
 from .memory_overlap import overlapping_pairs
@@ -39,6 +41,41 @@ def _keep_graph() -> bool:
     return True if query is None else bool(query())
 
 
+_TWICE = (b"the backward of a compiled module (tt.compile(model)) is not differentiable, and this backward needs the "
+          b"gradient of its gradients (create_graph=True: a gradient penalty such as R1 or WGAN-GP, MAML, a Hessian-vector "
+          b"product). Compile the whole training step instead (tt.compile(step), with the backward inside), which "
+          b"differentiates its own backward, or call the module without tt.compile for this loss.")
+
+
+def _differentiable_once(backward):
+    """torch's ``once_differentiable``, but for every backward run with ``create_graph=True``: torch's marks the
+    gradients only where an incoming gradient requires grad, so a penalty on ``autograd.grad(out.sum(), x,
+    create_graph=True)`` (incoming gradient: ones) got gradients without a graph, and the penalty's dependence on the
+    parameters was silently dropped.  Here each gradient leads to a node that raises ``_TWICE`` when differentiated."""
+
+    def wrapper(ctx, *output_grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *output_grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        marked = [k for k, g in enumerate(outputs) if isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())]
+        if not marked:
+            return outputs
+        aliases = [outputs[k].detach().requires_grad_() for k in marked]
+        # The inputs still alive join the node, so that a later grad with respect to them (a Hessian-vector product:
+        # autograd.grad(g @ v, params)) reaches it and raises _TWICE, not "appears to not have been used in the graph".
+        inputs = [x for x in (r() for r in ctx.tt_inputs) if x is not None]
+        errs = _functions.DelayedError(_TWICE, len(aliases) + len(inputs))(*aliases, *inputs)
+        errs = errs if isinstance(errs, tuple) else (errs,)
+        out = list(outputs)
+        for k, e in zip(marked, errs):
+            out[k] = e
+        return tuple(out)
+
+    wrapper.__name__ = backward.__name__
+    return wrapper
+
+
 class ThunderFunction(torch.autograd.Function):
     """One autograd node for a compiled region: ``apply(program, *inputs)``."""
 
@@ -48,6 +85,7 @@ class ThunderFunction(torch.autograd.Function):
         outs, saved = _own_views(outs, saved, inputs, program.differentiable, program.pieces)
         ctx.tt_groups, bases = _shared_views(outs, inputs, program.differentiable, program.pieces)
         ctx.program = program
+        ctx.tt_inputs = [weakref.ref(x) for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
         ctx.save_for_backward(*[s for s, o in zip(saved, is_out) if o])
@@ -64,7 +102,7 @@ class ThunderFunction(torch.autograd.Function):
         return (*outs, *bases)
 
     @staticmethod
-    @once_differentiable
+    @_differentiable_once
     def backward(ctx, *output_grads):
         program = ctx.program
         if ctx.tt_saved is None:

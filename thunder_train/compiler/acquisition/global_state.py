@@ -19,6 +19,8 @@ would therefore happen on the first call only: later calls would leave the state
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import threading
 
 import torch
@@ -165,6 +167,33 @@ def cpu_generator_kept():
         torch.default_generator.set_state(state)
 
 
+def _python_generators() -> dict:
+    """The state of Python's and numpy's global random generators (numpy only where the process imported it)."""
+    out = {"random": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out["numpy.random"] = np.random.get_state(legacy=False)
+    return out
+
+
+def _python_generators_moved(before) -> list:
+    """The names of the generators in ``before`` whose state moved; each is put back."""
+    moved = []
+    for name, old in before.items():
+        if name == "random":
+            if random.getstate() != old:
+                moved.append("random (Python's random module: random.random, random.betavariate, ...)")
+                random.setstate(old)
+            continue
+        np = sys.modules["numpy"]
+        new = np.random.get_state(legacy=False)
+        if new["state"]["pos"] != old["state"]["pos"] or new["has_gauss"] != old["has_gauss"] \
+                or not np.array_equal(new["state"]["key"], old["state"]["key"]):
+            moved.append("numpy.random (np.random.beta, np.random.rand, ...)")
+            np.random.set_state(old)
+    return moved
+
+
 def _other_threads() -> bool:
     """Whether a thread other than this one and thunder_train's fusion worker (which draws nothing) runs: its
     draws would move the generator while this thread traces."""
@@ -178,6 +207,7 @@ def global_state_unchanged():
     st = context.tracer_state()
     before = {k: get() for k, (get, _) in _STATE.items()}
     rng = _rng_state()
+    python_generators = _python_generators()
     patched = []
     elsewhere = _OtherThreads()
     for (mod, name), traced in list(_TRACED.items()) + [(k, None) for k in _REFUSED]:
@@ -208,6 +238,17 @@ def global_state_unchanged():
         rng_changed = reseeded or not others_seeded and not _other_threads() and not torch.equal(rng_after[0], rng[0])
         if rng_changed:
             torch.set_rng_state(rng[0])
+        drawn = _python_generators_moved(python_generators)
+        # Unlike torch's generator, checked with other threads running too (a data loader's or logger's thread): a
+        # silent constant is worse than the rare false alarm of another thread drawing from the global generator.
+        if ok and drawn:
+            raise TracingError(
+                f"the compiled function drew from {' and '.join(drawn)} while tracing: the program would use the "
+                "numbers drawn then as constants on every call, where eager draws new ones. Draw them outside the "
+                "compiled function and pass them in as tensors (`lam = torch.tensor(random.betavariate(a, a))`), or "
+                "draw with torch inside (torch.rand, torch.randperm, torch.distributions), which the program draws "
+                "on every call. (Another thread drawing from it during this first call raises this too: give that "
+                "thread a generator of its own, random.Random() or np.random.default_rng().)")
         if ok and rng_changed:
             raise TracingError(
                 "the compiled function reseeded or advanced torch's default random number generator outside the traced "

@@ -6,7 +6,8 @@ result, so later reads (``x.shape``, ops on ``x``) see the new metadata.  For an
 not change: no write-back is emitted, and the epilogue replays the same method on the real input after
 the computation, so the caller's tensor ends with eager's metadata.  What this cannot express is refused:
 a tensor with views (or that is a view), an input that requires grad, an input whose data is also
-updated in place, ``resize_`` that grows, symbolic sizes.
+updated in place, ``resize_`` that grows, symbolic sizes.  ``resize_`` to a contiguous tensor's own shape changes
+nothing and is traced as nothing (quantization observers resize their buffers before ``copy_`` on every call).
 
 In-place ops that resize their destination as a side effect of their kernel (``RESIZES_SELF``: ``addbmm_``) are
 here too: the destination takes the result's shape and values, and the epilogue resizes an input and copies in.
@@ -42,6 +43,9 @@ def metadata_inplace(st, func, orig_args, args, kwargs, run_opaque):
     if any(is_proxy(a) and type(a) is not TensorProxy for a in tree_flatten((rest, kw))[0]):
         _refuse(name, "its sizes are symbolic (dynamic=True)")
     buffers, walker = st.buffers, st.walker
+    if _keeps_its_size(name, cur, rest, kw) and not (walker.is_input(dst) and dst._tt_requires_grad
+                                                     and torch.is_grad_enabled()):
+        return dst  # eager's no-op: an observer's ``min_val.resize_(new.shape)`` before ``copy_`` on every call
     if buffers.base_of(dst) is not None or buffers.has_views(dst):
         _refuse(name, "the tensor shares its storage with a view, whose metadata would not follow")
     is_input = walker.is_input(dst)
@@ -81,6 +85,20 @@ def metadata_inplace(st, func, orig_args, args, kwargs, run_opaque):
         st.metadata_inputs[id(dst)] = dst
         st.metadata_replays.append((dst, replay))
     return dst
+
+
+def _keeps_its_size(name, cur, rest, kw) -> bool:
+    """``resize_``/``resize_as_`` to the contiguous tensor's own shape, which changes neither metadata nor data."""
+    if name == "resize_as_":
+        if not isinstance(rest[0], torch.Tensor) or kw.get("memory_format") not in (None, torch.contiguous_format):
+            return False
+        size = tuple(rest[0].shape)
+    elif name == "resize_" and not kw:
+        size = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else tuple(rest)
+    else:
+        return False
+    return (all(type(s) is int for s in size) and size == tuple(cur._tt_shape)
+            and tuple(cur._tt_strides) == tuple(contiguous_strides(cur._tt_shape)))
 
 
 def resized_meta(func):

@@ -74,6 +74,14 @@ def _settle_attrs(st, module_tensor):
                     f"{st.where}.{k} a tensor computed on every call: a compiled program cannot replay that assignment. "
                     f"Use torch.nn.utils.parametrizations.{old} instead (torch's replacement; compiled functions support "
                     f"it): remove the old one with torch.nn.utils.remove_{old}(module) first.")
+            if _pruned(m, k):
+                raise TracingError(
+                    f"{st.where} is pruned with torch.nn.utils.prune, whose forward pre-hook assigns {st.where}.{k} = "
+                    f"{k}_orig * {k}_mask as a plain attribute on every call: a compiled program cannot replay that "
+                    f"assignment. Apply the mask with a parametrization instead (compiled functions support it): "
+                    f"torch.nn.utils.prune.remove(module, {k!r}), then torch.nn.utils.parametrize.register_parametrization("
+                    f"module, {k!r}, M) with an nn.Module M holding the mask as a buffer and returning `w * self.mask` "
+                    "(update the mask in place between steps to prune further).")
             raise TracingError(
                 f"the function sets {st.where}.{k} to a value computed inside the compiled function (a tensor, or "
                 "a number from .item()): a module "
@@ -95,6 +103,14 @@ def _old_reparametrization(m, name):
             if isinstance(h, SpectralNorm):
                 return "spectral_norm"
     return None
+
+
+def _pruned(m, name) -> bool:
+    """Whether a torch.nn.utils.prune forward pre-hook on ``m`` computes the attribute ``name``."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    return any(isinstance(h, BasePruningMethod) and getattr(h, "_tensor_name", None) == name
+               for h in m._forward_pre_hooks.values())
 
 
 def _as_module_tensors(v, module_tensor):

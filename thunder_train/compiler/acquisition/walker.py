@@ -480,6 +480,11 @@ class InputWalker:
         self.swapped.append((d, "state", d["state"]))
         d["param_groups"] = groups
         d["state"] = state
+        # An optimizer held by this one (SAM's base optimizer, stepped by SAM's own step) is walked as well, as if
+        # passed in: stepping it while tracing was refused as an optimizer the function does not reach.
+        for k, v in list(d.items()):
+            if isinstance(v, torch.optim.Optimizer):
+                self.optimizer(v, path + (Step("attr", k),))
 
     def _swap_params_aliases(self, opt, groups, path):
         """An optimizer attribute that is a group's ``params`` list itself (LBFGS's ``self._params``) sees the traced

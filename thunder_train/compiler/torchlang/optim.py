@@ -115,6 +115,7 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_ste
     """
     new_p, new_m, new_v, new_vmax = [], [], [], []
     for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+        dtype = p._tt_dtype
         if maximize:
             g = ew.neg(g)
         if decoupled_weight_decay:
@@ -132,7 +133,9 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_ste
             new_vmax.append(second)
         denom = ew.add(ew.div(ew.sqrt(second), bias_correction2_sqrt), eps)
         step_size = ew.rtruediv(bias_correction1, lr)  # lr / bias_correction1
-        new_p.append(ew.sub(p, ew.mul(step_size, ew.div(m, denom))))
+        # In the parameter's dtype, as the kernel writes it: a 0-d parameter (a CLIP temperature) would otherwise
+        # promote with the double bias corrections and read back as float64 for the rest of the step.
+        new_p.append(clang.maybe_convert(ew.sub(p, ew.mul(step_size, ew.div(m, denom))), dtype))
         new_m.append(m)
         new_v.append(v)
     return new_p, new_m, new_v, new_vmax
@@ -201,13 +204,14 @@ def adagrad_update(params, grads, state_sums, state_steps, *, lr, lr_decay, weig
     """New (params, state_sums) after one Adagrad step; ``state_steps`` already incremented."""
     new_p, new_sum = [], []
     for p, g, acc, step in zip(params, grads, state_sums, state_steps):
+        dtype = p._tt_dtype
         if maximize:
             g = ew.neg(g)
         g = ew.add(g, p, alpha=weight_decay)
         step = clang.maybe_convert(step, dtypes.float64)
         clr = ew.rtruediv(ew.add(ew.mul(ew.sub(step, 1), lr_decay), 1), lr)  # lr / (1 + (step - 1) * lr_decay)
         acc = ew.addcmul(acc, g, g)
-        new_p.append(ew.sub(p, ew.mul(clr, ew.div(g, ew.add(ew.sqrt(acc), eps)))))
+        new_p.append(clang.maybe_convert(ew.sub(p, ew.mul(clr, ew.div(g, ew.add(ew.sqrt(acc), eps)))), dtype))  # as adam's
         new_sum.append(acc)
     return new_p, new_sum
 
