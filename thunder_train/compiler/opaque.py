@@ -30,6 +30,8 @@ _NAMESPACES = (
 
 def callable_name(func) -> str:
     """The shortest public path to a torch callable, e.g. 'torch.matmul'."""
+    if isinstance(func, torch._ops.OpOverload):  # an ATen overload: torch.ops.aten.tanh_backward.default
+        return f"torch.ops.{func.namespace}.{func._opname}.{func._overloadname}"
     short = getattr(func, "__name__", None)
     if short:
         for prefix, ns in _NAMESPACES:

@@ -83,6 +83,7 @@ isinf = _unary("isinf", prims.isinf, P.ALWAYS_BOOL, upcast=False)
 signbit = _unary("signbit", prims.signbit, P.ALWAYS_BOOL, upcast=False, tags=())
 
 
+
 @torchsymbol(torch.round, methods=("round",), tags=("fusible",))
 def round(input, *, decimals=0):
     """torch.round (half to even), optionally to ``decimals`` places."""
@@ -625,3 +626,53 @@ def angle(input):
 
 
 composed("angle", angle, (torch.angle,), ("angle",))
+
+
+# Gradients of low-precision ops whose derivative reads the result.  A half or bfloat16 op computes in float32 and
+# rounds (clang.elementwise_unary), so differentiating that decomposition reads the float32 result before it is
+# rounded; eager's derivative reads the rounded result.  These rules follow eager's formulas on the low-precision
+# result: one op per eager op, each rounding as eager's does.  Where eager calls a kernel whose rounding depends on
+# the device and dtype (``tanh_backward``, ``sigmoid_backward``, ``pow``), the torch executor runs that kernel.
+# Float32 and float64 calls are differentiated through the decomposition, as before.
+def _low_precision(input):
+    return isinstance(input, TensorProxy) and input._tt_dtype.is_low_precision
+
+
+@torchsymbol(torch.ops.aten.tanh_backward.default, name="tanh_backward", tags=FUSIBLE)
+def tanh_backward(grad_output, output):
+    """eager's kernel: grad_output * (1 - output ** 2), computed in float32 for low precision."""
+    g, o = clang.upcast(grad_output), clang.upcast(output)
+    return clang.maybe_convert(prims.mul(g, prims.sub(1.0, prims.mul(o, o))), grad_output._tt_dtype)
+
+
+@torchsymbol(torch.ops.aten.sigmoid_backward.default, name="sigmoid_backward", tags=FUSIBLE)
+def sigmoid_backward(grad_output, output):
+    """eager's kernel: grad_output * (1 - output) * output, computed in float32 for low precision."""
+    g, o = clang.upcast(grad_output), clang.upcast(output)
+    return clang.maybe_convert(prims.mul(prims.mul(g, prims.sub(1.0, o)), o), grad_output._tt_dtype)
+
+
+_ROUNDED_RESULT_VJP = {
+    tanh: lambda g, o, a: tanh_backward(g, o),
+    sigmoid: lambda g, o, a: sigmoid_backward(g, o),
+    exp: lambda g, o, a: clang.mul(g, o),
+    exp2: lambda g, o, a: clang.mul(clang.mul(g, o), math.log(2.0)),
+    expm1: lambda g, o, a: clang.mul(g, clang.add(o, 1.0)),
+    sqrt: lambda g, o, a: clang.true_divide(g, clang.mul(o, 2.0)),
+    rsqrt: lambda g, o, a: clang.mul(clang.mul(g, -0.5), pow(o, 3)),
+    tan: lambda g, o, a: clang.mul(g, clang.add(clang.mul(o, o), 1.0)),
+    reciprocal: lambda g, o, a: clang.mul(clang.neg(g), clang.mul(o, o)),
+    erfinv: lambda g, o, a: clang.mul(clang.mul(clang.exp(clang.mul(o, o)), 0.5 * math.sqrt(math.pi)), g),
+}
+
+
+def _register_rounded_result_vjp(sym, formula):
+    @register_vjp(sym, supports=_low_precision)
+    def rule(g, out, /, input):
+        return {"input": formula(g, out, input)}
+
+    rule.__name__ = f"{sym.name}_low_precision_vjp"
+
+
+for _sym, _formula in _ROUNDED_RESULT_VJP.items():
+    _register_rounded_result_vjp(_sym, _formula)
