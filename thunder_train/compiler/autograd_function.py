@@ -25,6 +25,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from .context import own_hooks
 from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
 from .memory_overlap import overlapping_pairs
 from .proxies import is_proxy
@@ -54,7 +55,8 @@ class ThunderFunction(torch.autograd.Function):
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
         ctx.save_for_backward(*[s for s, o in zip(saved, is_out) if o])
         ctx.tt_grads = []  # the incoming gradients, handed over before the engine calls the backward
-        ctx.register_prehook(functools.partial(_hand_over, ctx.tt_grads))
+        with own_hooks():  # (not a user's hook: thin mode's hook guard does not count it)
+            ctx.register_prehook(functools.partial(_hand_over, ctx.tt_grads))
         ctx.tt_is_out = is_out
         ctx.tt_saved = [None if o else s for s, o in zip(saved, is_out)]
         input_ids = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
