@@ -32,6 +32,7 @@ def every_size(monkeypatch):
     monkeypatch.setattr(buffers, "MIN_BYTES", 0)
     monkeypatch.setattr(buffers, "PEAK_SLACK", 2**62)
     monkeypatch.setattr(buffers, "_slack", lambda natural: 2**62)
+    monkeypatch.setattr(buffers, "SCRATCH_SLACK", 2**62)
 
 
 def source(cf) -> str:

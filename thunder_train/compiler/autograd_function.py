@@ -20,11 +20,13 @@ in place before the backward are reported like eager does.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from torch._C import _functions
 
+from .context import own_hooks
 from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
 from .memory_overlap import overlapping_pairs
 from .proxies import is_proxy
@@ -89,6 +91,9 @@ class ThunderFunction(torch.autograd.Function):
         out_ids = {id(o) for o in outs if isinstance(o, torch.Tensor)}
         is_out = [isinstance(s, torch.Tensor) and id(s) in out_ids for s in saved]
         ctx.save_for_backward(*[s for s, o in zip(saved, is_out) if o])
+        ctx.tt_grads = []  # the incoming gradients, handed over before the engine calls the backward
+        with own_hooks():  # (not a user's hook: thin mode's hook guard does not count it)
+            ctx.register_prehook(functools.partial(_hand_over, ctx.tt_grads))
         ctx.tt_is_out = is_out
         ctx.tt_saved = [None if o else s for s, o in zip(saved, is_out)]
         input_ids = {id(x) for x in inputs if isinstance(x, torch.Tensor)}
@@ -105,6 +110,10 @@ class ThunderFunction(torch.autograd.Function):
     @_differentiable_once
     def backward(ctx, *output_grads):
         program = ctx.program
+        if ctx.tt_grads:  # the gradients themselves; the engine passed stand-ins (``_hand_over``), or materialized a
+            # missing one (zeros; None under ``set_materialize_grads(False)``)
+            output_grads = tuple(g if t is None else t for t, g in zip(ctx.tt_grads, output_grads))
+            ctx.tt_grads.clear()
         if ctx.tt_saved is None:
             raise RuntimeError(SECOND_BACKWARD_MESSAGE)
         from_torch = iter(ctx.saved_tensors)  # raises PyTorch's error if it already freed them
@@ -127,9 +136,24 @@ class ThunderFunction(torch.autograd.Function):
                             for g, m in zip(output_grads, ctx.tt_outs)]
         if saved and not _keep_graph():
             ctx.tt_saved = None  # the backward below owns the values now and frees them as it goes
-        cotangents = [g for g, d in zip(output_grads, program.differentiable) if d]
-        grads = program.backward(saved, *cotangents)
+        # The backward takes the cotangents in the list it empties, after the saved values: no other reference here
+        saved.extend(g for g, d in zip(output_grads, program.differentiable) if d)
+        del output_grads
+        grads = program.backward(saved)
         return (None, *grads)
+
+
+def _hand_over(box, grads):
+    """The node's pre-hook (after tensor hooks and ``retain_grad``, which see the gradients): the gradients go into
+    ``box`` and the engine calls the backward with zero-memory stand-ins, so the engine holds no reference to them
+    while the backward runs and each is freed after the backward program's last use of it (eager frees an output's
+    gradient once the op reading it is differentiated).  Not when the backward builds a graph (``create_graph``):
+    the backward's gradients must be the real ones there."""
+    if torch.is_grad_enabled():
+        return None
+    box[:] = grads
+    return tuple(g if not isinstance(g, torch.Tensor) else torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+                 for g in grads)
 
 
 def _own_views(outs, saved, inputs, differentiable, pieces=None):
@@ -282,7 +306,7 @@ class NoBackwardProgram:
         leaves, _ = tree_flatten(self._computation(*inputs))
         return tuple(leaves[self._positions[id(o)]] for o in self._outputs), ()
 
-    def backward(self, saved, *cotangents):
+    def backward(self, values):
         raise type(self._error)(str(self._error))  # NoGradientRuleError, or eager's saved-version error
 
     def __call__(self, *inputs):

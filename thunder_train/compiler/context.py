@@ -48,3 +48,19 @@ def fresh_name(prefix: str) -> str:
         _state.orphan_counter = n + 1
         return f"_{prefix}{n}"
     return trc.make_name(prefix)
+
+
+class own_hooks:
+    """Context manager: the hooks registered inside are the compiler's own (``ThunderFunction``'s pre-hook on its
+    node), not part of what a program assumes: the hook guard (runtime/hook_guard.py) does not count them."""
+
+    def __enter__(self):
+        _state.own_hooks = getattr(_state, "own_hooks", 0) + 1
+
+    def __exit__(self, *exc):
+        _state.own_hooks -= 1
+        return False
+
+
+def making_own_hooks() -> bool:
+    return getattr(_state, "own_hooks", 0) > 0

@@ -50,9 +50,10 @@ def version() -> int:
 
 
 def _changed() -> None:
-    if context.tracer_state() is not None:
+    if context.tracer_state() is not None or context.making_own_hooks():
         # A handle made or removed while this thread traces: the tracer's own stand-ins (python_effects.py), or a
-        # hook the traced function registers, which the new entry's signature (taken after tracing) includes.
+        # hook the traced function registers, which the new entry's signature (taken after tracing) includes.  Or
+        # the compiler's own hook on a node it makes (compiler/autograd_function.py).
         return
     _Version.n += 1
     if module_epoch._watched:  # a thin binding exists: its next call re-validates on the full path

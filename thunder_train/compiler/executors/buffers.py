@@ -23,7 +23,7 @@ the kernels, the values and every later view are the same as without the buffers
 checks the zoo's steps bitwise).  The arena is held for the whole call, so the plan keeps the arena plus what
 the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).  At a line whose kernel
 allocates scratch memory of unknown size (``Symbol.torch_unknown_scratch``: the CPU convolution backward) the call
-may peak inside the kernel, so there the arena holds at most that slack beyond the kept values alive at the line.
+may peak inside the kernel, so there the arena holds no byte beyond what the kept values alive at the line need.
 
 The program takes one set of views when it starts (``_pool = ttex.kept_buffers(k)``, ``_b = _pool.take()``)
 and gives it back before it returns.  A call running at the same time (another thread, or reentrant) takes
@@ -52,9 +52,18 @@ from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 # zoo's tiny steps are 3-5 % faster keeping every size than keeping only blocks of 128 KiB and more).
 MIN_BYTES = 0
 _ALIGN = 64
+# Values under this many bytes are packed at 16-byte boundaries (any dtype's), not 64: they go after the larger ones
+# (``_pack`` places the largest first), whose offsets stay 64-byte aligned.  Their rounding is bytes the arena holds
+# beyond what the values need, which a line where the call may peak cannot afford (``plan``).
+_SMALL, _SMALL_ALIGN = 1024, 16
 # The arena may raise the plan's estimate of the peak by this much: the few scalars a call allocates while the arena
 # is full (64 KiB had put the zoo's tiny steps, whose peaks are 0.1-0.3 MiB, above eager's; docs/memory.md).
 PEAK_SLACK = 1024
+# At a line whose kernel's scratch memory is unknown (``Symbol.torch_unknown_scratch``) the call may peak inside the
+# kernel, above every line the plan sees: there the arena may hold this many bytes beyond what the kept values alive
+# at the line need.  None: with ``PEAK_SLACK`` there (up to 1 KiB of dead values), ResNet's and DeepSeek-V3's zoo
+# steps were above eager's peak (docs/memory.md).
+SCRATCH_SLACK = 0
 
 
 def _slack(natural: int) -> int:
@@ -346,16 +355,21 @@ def _tensor(x) -> bool:
     return type(x) is TensorProxy
 
 
-def _storage_bytes(p) -> int | None:
-    """Bytes of the proxy's storage, rounded up to ``_ALIGN``, when its layout is one an arena view can have
-    (dense, non-overlapping, concrete sizes, no storage offset); else None."""
+def _storage_bytes(p, rounded=True) -> int | None:
+    """Bytes of the proxy's storage, rounded up to ``_ALIGN`` (``_SMALL_ALIGN`` under ``_SMALL`` bytes) unless not
+    ``rounded``, when its layout is one an arena view can have (dense, non-overlapping, concrete sizes, no storage
+    offset); else None."""
     shape, strides = p._tt_shape, p._tt_strides
     if not all(type(n) is int for n in shape) or not all(type(s) is int for s in strides) or p._tt_storage_offset != 0:
         return None
     numel = math.prod(shape)
     if numel == 0 or not dense_layout(shape, strides):
         return None
-    return -(-numel * p._tt_dtype.torch.itemsize // _ALIGN) * _ALIGN
+    nbytes = numel * p._tt_dtype.torch.itemsize
+    if not rounded:
+        return nbytes
+    align = _SMALL_ALIGN if nbytes < _SMALL else _ALIGN
+    return -(-nbytes // align) * align
 
 
 # ---------------------------------------------------------------------------
@@ -419,6 +433,8 @@ def plan(trc):
     candidates: dict = {}  # id(value) -> (line, out form) of a value a kept buffer could hold
     escaped: set = set()
     for i, b in enumerate(bsyms):
+        if getattr(b.sym, "hands_in", False):
+            continue  # values handed in (a backward's saved values and cotangents): planned as inputs
         reached = _reached(b.flat_args(), may_alias)
         for r in reached:
             storages[r][1] = i
@@ -463,6 +479,7 @@ def plan(trc):
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
+    exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
     columns = sorted(((*storages[k][:3], k) for k in kept), key=lambda c: c[:2])
 
@@ -493,12 +510,19 @@ def plan(trc):
         nbytes, assigned = _pack(storages, kept)
         excess = nbytes + most_others - natural - slack
         if scratch:
-            # A line whose kernel's scratch memory is unknown may be where the call peaks: the arena may hold at most
-            # ``slack`` bytes there beyond the kept values alive at it.  The smallest value not alive there that
-            # covers the excess goes, else the largest.
-            s = min(scratch, key=pooled.__getitem__)
-            over = nbytes - pooled[s] - slack
+            # A line whose kernel's scratch memory is unknown may be where the call peaks, above every line the plan
+            # sees: there the arena may hold no byte (``SCRATCH_SLACK``) beyond what the kept values alive at it need
+            # (their sizes unrounded; the call's memory without the arena would hold them there too).  Where the rounding of the
+            # values alive there is the excess, the one rounded most goes; else the smallest value not alive there
+            # that covers the excess, else the largest.
+            need = _live_bytes(storages, kept, n, exact)
+            s = min(scratch, key=need.__getitem__)
+            over = nbytes - need[s] - SCRATCH_SLACK
             if over > 0:
+                here = [(nb - exact[k], k) for first, last, nb, k in columns if first <= s <= last]
+                if pooled[s] > need[s]:
+                    drop(max(here)[1])
+                    continue
                 away = [(nb, first, k) for first, last, nb, k in columns if not first <= s <= last]
                 away = away or [(nb, first, k) for first, last, nb, k in columns]
                 covering = [m for m in away if m[0] >= over]
@@ -518,11 +542,12 @@ def plan(trc):
     return 0, {}
 
 
-def _live_bytes(storages, keys, n) -> list:
-    """Bytes of the given storages alive at each line."""
+def _live_bytes(storages, keys, n, sizes=None) -> list:
+    """Bytes of the given storages alive at each line (their ``sizes``, a dict by key, if given)."""
     delta = [0] * (n + 1)
     for k in keys:
         first, last, nbytes, _ = storages[k]
+        nbytes = nbytes if sizes is None else sizes[k]
         delta[first] += nbytes
         delta[last + 1] -= nbytes
     live, cur = [], 0

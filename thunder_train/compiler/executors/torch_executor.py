@@ -573,7 +573,10 @@ class TorchExecutor:
             applies = getattr(direct, "applies", None)  # (its arguments) -> whether it is eager's kernel for them
             if (direct is not None and wanted == getattr(direct, "wanted", ((0,),))  # the gradients it computes
                     and (applies is None or applies(*bsym.args[1:], **bsym.kwargs))):
-                return BoundSymbol(impl_symbol(direct), bsym.args, bsym.kwargs, bsym.output, (), bsym.comment)
+                # ``arguments``: the line's arguments -> the ones the rule is given (fewer values held to it)
+                arguments = getattr(direct, "arguments", None)
+                args, kwargs = (bsym.args, bsym.kwargs) if arguments is None else arguments(*bsym.args, **bsym.kwargs)
+                return BoundSymbol(impl_symbol(direct), args, kwargs, bsym.output, (), bsym.comment)
             impl = _vjp_impls.get((fn, wanted))
             if impl is None:
                 impl = _vjp_impls[(fn, wanted)] = ImplSymbol(torch_impls.TorchVJP(fn, wanted))

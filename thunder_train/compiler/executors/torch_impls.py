@@ -274,7 +274,15 @@ def log_softmax_vjp_out(g, reads, input, dim=None, _stacklevel=3, dtype=None, *,
     return (torch.ops.aten._log_softmax_backward_data.out(g, reads[0], dim, input.dtype, out=out[0]),)
 
 
+def _output_for_input(g, reads, input, *rest, **kwargs):
+    """The kernels read the input's dtype only, which ``_output_read`` checked is the output's: the output is given in
+    the input's place, so the line does not hold the input's memory to the backward (eager's ``SoftmaxBackward0``
+    saves the result only; BLOOM's attention scores were held through the layers' backward, 4.5 KiB of its peak)."""
+    return (g, reads, reads[0], *rest), kwargs
+
+
 softmax_vjp.applies = log_softmax_vjp.applies = _output_read
+softmax_vjp.arguments = log_softmax_vjp.arguments = _output_for_input
 softmax_vjp.out, log_softmax_vjp.out = softmax_vjp_out, log_softmax_vjp_out
 
 

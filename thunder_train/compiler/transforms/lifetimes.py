@@ -3,7 +3,7 @@
 A whole training step would otherwise keep every activation and gradient alive until it
 returns (memory, and fresh pages on every step).  ``free_after_last_use`` runs on every
 executed trace (computation, forward, backward); ``take_saved_as_list`` makes a backward
-take its saved values in one list that it empties, so that each saved value is freed as
+take its saved values and cotangents in one list that it empties, so that each is freed as
 soon as the backward has used it (see ``compiler/autograd_function.py``).
 """
 from __future__ import annotations
@@ -43,15 +43,21 @@ def _unpack_lines(bsym, fmt):
 
 
 UNPACK_SAVED = _SourceOnly("unpack_saved", _unpack_lines)
+# Its results are values handed in, as the program's inputs are: a saved parameter outlives the program, so the kept
+# buffers' plan (executors/buffers.py) does not count them as freed at their last use.
+UNPACK_SAVED.hands_in = True
 DEL = _SourceOnly("del", lambda bsym, fmt: [f"del {', '.join(fmt(p) for p in bsym.args)}"])
 
 
 def take_saved_as_list(trc, saved) -> Trace:
-    """``backward(saved, *cotangents)``: the saved values arrive in one list the trace empties."""
+    """``backward(saved)``: the saved values, then the cotangents, arrive in one list the trace empties, so that each is
+    freed after its last use (``ThunderFunction.backward`` keeps no other reference to the cotangents: an LM head's
+    logits' gradient was held to the end of the backward, where eager frees it after the head's backward)."""
     new = trc.derive(trc.header)
-    new.args = [Name("saved")] + [a for a in trc.args if not any(a is s for s in saved)]
-    if saved:
-        new.bound_symbols.append(BoundSymbol(UNPACK_SAVED, (), {}, tuple(saved)))
+    values = (*saved, *(a for a in trc.args if not any(a is s for s in saved)))
+    new.args = [Name("saved")]
+    if values:
+        new.bound_symbols.append(BoundSymbol(UNPACK_SAVED, (), {}, values))
     new.bound_symbols.extend(trc.bound_symbols)
     return new
 

@@ -28,6 +28,54 @@ from ..grad_rules import register_vjp
 NOTE = "gradient by torch autograd"
 
 
+class _Entry(torch.autograd.Function):
+    """The op's differentiable input: a view of the value whose node (the gradient's capture point) holds nothing.
+
+    A leaf (``x.detach().requires_grad_()``) is held by its ``AccumulateGrad`` node, so the graph kept the value's
+    memory until its backward, where eager frees it once nothing reads it (the LSTM's embedded tokens, 3 KiB of the
+    zoo step's peak).  The gradient is captured at this node's edge (``get_gradient_edge``), whose backward never
+    runs; its other input is a zero-element leaf.  Writing into the view in place raises before anything is written
+    (torch refuses it for a custom Function's view), as it did for the leaf."""
+
+    @staticmethod
+    def forward(ctx, anchor, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None
+
+
+class _Input:
+    """What ``opaque_vjp`` needs of a differentiated input: its gradient edge and its layout (not its memory)."""
+
+    __slots__ = ("edge", "shape", "stride", "dtype", "device", "layout", "value")
+
+    def __init__(self, t, edge, value=None):
+        self.edge, self.shape, self.dtype, self.device, self.layout = edge, t.shape, t.dtype, t.device, t.layout
+        self.stride = t.stride() if t.layout == torch.strided else None
+        self.value = value  # a leaf that is not strided (sparse): kept, as its zeros are made from it
+
+
+def _entry_points(flat, positions):
+    """(flat arguments with the differentiated ones replaced by graph entries, their ``_Input`` records)."""
+    leaves, inputs = list(flat), []
+    anchor = None
+    for i in positions:
+        x = flat[i].detach()
+        if x.layout == torch.strided:
+            if anchor is None:
+                anchor = torch.empty(0, requires_grad=True)
+            with torch.enable_grad():  # (the program runs without grad)
+                t = _Entry.apply(anchor, x)
+            inputs.append(_Input(t, get_gradient_edge(t)))
+        else:
+            t = x.requires_grad_()
+            inputs.append(_Input(t, t, t))
+        leaves[i] = t
+    return leaves, inputs
+
+
 class AutogradRun:
     """Runs ``func`` with autograd on the inputs at ``positions``; returns ``(outputs, graph handle)``."""
 
@@ -41,15 +89,11 @@ class AutogradRun:
 
     def __call__(self, *args, **kwargs):
         flat, spec = tree_flatten((args, kwargs))
-        leaves = list(flat)
-        inputs = []
-        for i in self.positions:
-            t = flat[i].detach().requires_grad_()
-            leaves[i] = t
-            inputs.append(t)
+        leaves, inputs = _entry_points(flat, self.positions)
         a, k = tree_unflatten(leaves, spec)
         with torch.enable_grad():
             out = self.func(*a, **k)
+        del a, k, leaves
         flat_out, out_spec = tree_flatten(out)
         graph_outs = [o if isinstance(o, torch.Tensor) and o.requires_grad else None for o in flat_out]
         handle = torch.empty(0, dtype=torch.uint8)
@@ -70,8 +114,8 @@ def opaque_vjp(handle, cotangents, last=False):
     Otherwise, or where the backward that runs this program was asked to retain its graph, the graph is kept."""
     inputs, outs = handle._tt_autograd_graph
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
-    grads = (torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True,
-                                 retain_graph=not last or _keep_graph())
+    grads = (torch.autograd.grad([o for o, _ in pairs], [i.edge for i in inputs], [c for _, c in pairs],
+                                 allow_unused=True, retain_graph=not last or _keep_graph())
              if pairs else [None] * len(inputs))
     for i, g in zip(inputs, grads):
         if g is not None and i.layout == torch.strided and g.layout != torch.strided:
@@ -106,8 +150,8 @@ def _laid_out(i, g):
     input gradient comes time-major); a missing one zeros.  Eager's layout of an intermediate gradient is invisible,
     and a leaf's ``.grad`` takes the leaf's layout anyway."""
     if i.layout != torch.strided:
-        return torch.zeros_like(i) if g is None else g
-    strides = _gradient_strides(i.shape, i.stride())
+        return torch.zeros_like(i.value) if g is None else g
+    strides = _gradient_strides(i.shape, i.stride)
     if g is not None and all(a == b for n, a, b in zip(g.shape, g.stride(), strides) if n != 1):
         return g  # (a dimension of size one addresses nothing)
     out = torch.empty_strided(i.shape, strides, dtype=i.dtype if g is None else g.dtype, device=i.device)
@@ -256,11 +300,7 @@ class _MemoryRun(AutogradRun):
             return _same_view(r[1], r[2], swap[r[0]])
 
         flat, spec = tree_flatten((args, kwargs))
-        leaves = list(flat)
-        inputs = []
-        for i in self.positions:
-            leaves[i] = flat[i].detach().requires_grad_()
-            inputs.append(leaves[i])
+        leaves, inputs = _entry_points(flat, self.positions)
         a, k = tree_unflatten(leaves, spec)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = self.func(*a, **k)
