@@ -250,11 +250,11 @@ embedding_vjp.wanted = ((1,),)  # the gradient of ``weight`` (positional argumen
 def softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
     """(Log-)softmax's gradient from its output (``reads``: the value its rule reads, the forward's output) by eager's
     backward kernel, without running the forward again under autograd."""
-    return (torch.ops.aten._softmax_backward_data(g, reads[0], dim, input.dtype),)
+    return (torch._softmax_backward_data(g, reads[0], dim, input.dtype),)
 
 
 def log_softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
-    return (torch.ops.aten._log_softmax_backward_data(g, reads[0], dim, input.dtype),)
+    return (torch._log_softmax_backward_data(g, reads[0], dim, input.dtype),)
 
 
 def _output_read(reads, input, dim=None, _stacklevel=3, dtype=None) -> bool:
