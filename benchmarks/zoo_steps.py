@@ -6,7 +6,8 @@ process, their calls interleaved (one step of each in turn), each mode training 
 Run: python benchmarks/zoo_steps.py [--models gpt2,resnet,...] [--steps 150] [--torch-compile] [--inductor]
 [--torch-program] [--cpu-time]
 Prints per model the median step time of each mode, ratio = eager median / mode median (> 1: faster than
-eager), the first call's time and whether the compiled run matched eager's losses.  ``--torch-program`` also times ``fusion=None`` (the torch program the default runs until its fused
+eager), the first call's time and whether the compiled run matched eager's losses.  One step of each mode in turn, in a
+new order each step.  ``--torch-program`` also times ``fusion=None`` (the torch program the default runs until its fused
 program takes over); ``--cpu-time`` times each step with the thread's CPU clock (steadier on a shared machine;
 meaningful with ``--threads 1``).  The zoo's models are tiny
 (hidden 32, 2 layers, batch 2): these steps measure per-step host overhead more than kernels.  Not a test:
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import time
@@ -45,9 +47,17 @@ def run(name, steps, with_torch_compile, with_inductor, with_torch_program=False
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     batches = _zoo.batches(name, 4)
     first, losses, times = {}, {k: [] for k in fns}, {k: [] for k in fns}
+    keys, shuffle = list(fns), random.Random(0).shuffle
     for i in range(steps + 10):
         b = batches[i % len(batches)]
-        for k, fn in fns.items():
+        # the modes in a new order each step (the first step in the order above): a step right after eager's runs on
+        # caches eager's step filled (Falcon's thin step about 10 % slower, single thread), and rotating the order
+        # would keep each mode's predecessor
+        order = list(keys)
+        if i:
+            shuffle(order)
+        for k in order:
+            fn = fns[k]
             t0 = clock()
             loss = fn(models[k], opts[k], b)
             dt = clock() - t0

@@ -88,8 +88,9 @@ def test_decided_program_is_bitwise_the_asking_one_with_a_column_major_weight(ve
 def test_identity_grad_layout_lines_are_dropped_and_the_layout_comparison_is_decided(monkeypatch):
     cf = assert_same_training(transposed_model(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches(), monkeypatch)
     src = source(cf)
-    # Only the column-major weight's gradient (computed row-major) is copied; the other three are their gradients.
-    assert src.count("ttex.grad_layout(") == 1 and "odd=()" in src
+    # Only the column-major weight's gradient (computed row-major) is copied, by a copy decided from the traced
+    # layouts (ttex.grad_copy: no layout questions on each call); the other three are their gradients.
+    assert "ttex.grad_layout(" not in src and src.count("ttex.grad_copy(") == 1 and "odd=()" in src
     assert "ttex.foreach_add_same_(" in src  # the step counters: CPU float32, + 1
 
 
@@ -166,7 +167,7 @@ def test_views_of_kept_buffers_are_made_once_per_set_and_values_stay_eager(verif
     assert "torch.reshape(" in src or "Tensor.reshape(" in src  # the copying reshape runs every call
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "resnet"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "resnet", "falcon"])
 def test_zoo_steps_with_checked_decisions(verify, name):
     eager = _zoo.build(name)
     compiled = copy.deepcopy(eager)
@@ -180,6 +181,8 @@ def test_zoo_steps_with_checked_decisions(verify, name):
     # since its batch norms' running statistics are written back before the backward (reinplace._early_write_backs)
     if name not in ("gpt2", "resnet"):
         assert "made with the buffers" in source(cf)
+    if name == "falcon":  # its weights are used as W.T: their gradients are copied into the weights' layout
+        assert "ttex.grad_layout(" not in source(cf) and source(cf).count("ttex.grad_copy(") == 8
 
 
 FUSED_OPTIMIZERS = {

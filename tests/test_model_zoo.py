@@ -209,6 +209,16 @@ def test_step_fused(name):
         assert not any("failed" in n for n in notes), notes
 
 
+def test_falcon_default_step_updates_its_step_counters_in_place():
+    # The step counters' increment reads only inputs; transforms/early_updates.py moved it up to the backward's last
+    # line that may raise (a scatter_add of the key/value split's gradient) although no update moved with it, and
+    # executors/sums_in_place.py then moved a scatter_add below it: re-inplacing kept it out of place, with a copy
+    # back into each of the 15 counters every step.  It now stays with the updates that read it.
+    step = check_steps("falcon", thin=True, closure=False)
+    src = tt.last_traces(step)[-1].python_source()
+    assert "ttex.foreach_add_same_(" in src and "ttex.copy_(" not in src, src
+
+
 def test_falcon_step_fused_reads_flash_gradients_without_copies():
     # Falcon's one key/value head runs the flash kernels where eager runs its math kernel: its gradients are traced in
     # the flash kernel's layout, so the rotary backward's kernels read them without copies (4 a step before), and its

@@ -4,7 +4,8 @@ Three kinds of torch-executor lines looked at their tensors every call:
 
 * ``ttex.grad_layout(g, param)`` (a new ``.grad`` laid out as eager's AccumulateGrad lays it out) is the
   identity when ``g`` already obeys the parameter's layout, as nearly every gradient does: such a line is
-  dropped and its readers read ``g``;
+  dropped and its readers read ``g``; where it copies ``g`` into a dense parameter's strides (a weight used as
+  ``W.T``: Falcon's eight matrices), it becomes that copy (``ttex.grad_copy``);
 * the fused optimizer updates (``ttex.adam_update_`` and the others, ``torch_impls._fused``) compare every
   parameter's layout with its gradient's and state's (the fused kernels walk them as flat arrays): the indices
   that differ are passed as ``odd=(...)`` and the comparison is gone from the call;
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..proxies import TensorProxy, is_proxy, meta_tensor
+from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
 from ..pytree import tree_map
 from . import torch_impls
 from .torch_executor import ImplSymbol, impl_symbol
@@ -49,6 +50,18 @@ def _fn(b):
 def _identity_grad_layout(b) -> bool:
     g, param = b.args
     return _laid_out(g) and _laid_out(param) and torch_impls.obeys_layout(meta_tensor(g), meta_tensor(param))
+
+
+def _dense_copy(b):
+    """``(shape, strides)`` of the copy ``grad_layout(g, param)`` makes, when the traced layouts decide that it makes
+    one into the dense parameter's strides (``torch_impls.grad_layout``), else None."""
+    g, param = b.args
+    if not (_laid_out(g) and _laid_out(param)):
+        return None
+    mg, mp = meta_tensor(g), meta_tensor(param)
+    if torch_impls.obeys_layout(mg, mp) or not (mp.is_contiguous() or is_non_overlapping_and_dense(mp)):
+        return None
+    return tuple(param._tt_shape), tuple(param._tt_strides)
 
 
 def _decided_odd(b):
@@ -133,6 +146,9 @@ def decide_layouts(trc, header=None):
             else:
                 mapping[id(b.output)] = b.args[0]
                 continue
+        elif fn is torch_impls.grad_layout and _dense_copy(b) is not None:
+            changed = True
+            b = b.replace(sym=impl_symbol(torch_impls.grad_copy), args=(b.args[0], *_dense_copy(b)))
         elif fn is not None and not verify and id(b.output) not in kept and _identity_arith(b):
             unsafe = _pure_readers_only(trc) if unsafe is None else unsafe
             if id(b.output) not in unsafe and id(b.args[0]) not in unsafe:

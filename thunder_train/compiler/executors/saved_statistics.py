@@ -93,7 +93,7 @@ def sdpa_flash_cpu(query, key, value, is_causal, scale, enable_gqa=False, one_kv
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
                                                                enable_gqa=enable_gqa)
         return out, query.new_empty(())
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
+    return torch._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask, enable_gqa=False, one_kv_head=False):
@@ -102,7 +102,7 @@ def sdpa_flash_cpu_masked(query, key, value, scale, attn_mask, enable_gqa=False,
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
                                                                enable_gqa=enable_gqa)
         return out, query.new_empty(())
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
+    return torch._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale)[:2]
 
 
 def additive_attn_mask(attn_mask, dtype):
@@ -118,7 +118,7 @@ def sdpa_flash_cpu_bool_masked(query, key, value, scale, attn_mask, mask, enable
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
                                                                enable_gqa=enable_gqa)
         return out, query.new_empty(())
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return torch._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask, scale=scale)[:2]
 
 
 def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, which, attn_mask=None, enable_gqa=False):
@@ -244,7 +244,7 @@ def cross_entropy_backward_into_logp(g, logp, target, total_weight, ignore_index
 
 def layer_norm_with_stats(input, normalized_shape, weight, bias, eps):
     """Layer norm's output plus the mean and reciprocal std its backward kernel reads."""
-    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+    return torch.native_layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def layer_norm_backward(g, input, normalized_shape, mean, rstd, weight, bias, which):
@@ -256,7 +256,7 @@ def layer_norm_backward(g, input, normalized_shape, mean, rstd, weight, bias, wh
 def batch_norm_with_stats(input, weight, bias, running_mean, running_var, training, eps):
     """Batch norm's output plus the mean and inverse std its backward kernel reads (empty in evaluation mode).
     Training-mode lines come without running statistics: their updates are separate lines of the program."""
-    return torch.ops.aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, 0.0, eps)
+    return torch.native_batch_norm(input, weight, bias, running_mean, running_var, training, 0.0, eps)
 
 
 def batch_norm_backward(g, input, weight, running_mean, running_var, save_mean, save_invstd, training, eps, which):
@@ -269,7 +269,7 @@ def batch_norm_backward(g, input, weight, running_mean, running_var, save_mean, 
 def group_norm_with_stats(input, weight, bias, num_groups, eps):
     """Group norm's output plus the per-(sample, group) mean and reciprocal std its backward kernel reads."""
     n, c = input.shape[:2]
-    return torch.ops.aten.native_group_norm(input, weight, bias, n, c, math.prod(input.shape[2:]), num_groups, eps)
+    return torch.native_group_norm(input, weight, bias, n, c, math.prod(input.shape[2:]), num_groups, eps)
 
 
 def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
@@ -335,7 +335,7 @@ def _flash_lse_strides(q, k, v, is_causal, scale):
 
     try:
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            lse = torch._scaled_dot_product_flash_attention_for_cpu(
                 *(meta_tensor(t) for t in (q, k, v)), 0.0, is_causal, scale=scale)[1]
     except Exception:  # noqa: BLE001 - symbolic sizes or no meta kernel: recorded row-major
         return None
@@ -482,7 +482,7 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
         with torch._C.DisableTorchFunction(), torch.no_grad():
             mask = meta_tensor(masked[0]) if masked else None
             fq, fk, fv = (meta_tensor(t) for t in fwd.args[:3])
-            fo = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(fq, fk, fv, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+            fo = torch._scaled_dot_product_flash_attention_for_cpu(fq, fk, fv, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 *(meta_tensor(t) for t in (g, q, k, v, out)),
                 meta_tensor(lse), 0.0, is_causal,
@@ -524,7 +524,7 @@ def one_kv_head_flash_vjp(vjp):
     if fn is None:  # one per ``wanted``: the layout cache is keyed by the callable
         def fn(g, reads, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
             additive = _additive_mask(attn_mask, query.dtype)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, 0.0, is_causal, attn_mask=additive, scale=scale)[:2]
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 g, query, key, value, out, lse, 0.0, is_causal, attn_mask=additive, scale=scale)

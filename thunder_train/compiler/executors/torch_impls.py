@@ -250,11 +250,11 @@ embedding_vjp.wanted = ((1,),)  # the gradient of ``weight`` (positional argumen
 def softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
     """(Log-)softmax's gradient from its output (``reads``: the value its rule reads, the forward's output) by eager's
     backward kernel, without running the forward again under autograd."""
-    return (torch.ops.aten._softmax_backward_data(g, reads[0], dim, input.dtype),)
+    return (torch._softmax_backward_data(g, reads[0], dim, input.dtype),)
 
 
 def log_softmax_vjp(g, reads, input, dim=None, _stacklevel=3, dtype=None):
-    return (torch.ops.aten._log_softmax_backward_data(g, reads[0], dim, input.dtype),)
+    return (torch._log_softmax_backward_data(g, reads[0], dim, input.dtype),)
 
 
 def _output_read(reads, input, dim=None, _stacklevel=3, dtype=None) -> bool:
@@ -415,6 +415,18 @@ def grad_layout_decided(g, param):
 
 
 grad_layout_decided.aliases = (0,)
+
+
+def grad_copy(g, shape, strides):
+    """``grad_layout`` decided from the traced layouts to copy ``g`` (it does not obey its parameter's dense layout:
+    a weight used as ``W.T`` gets its gradient transposed): the copy with the parameter's traced ``strides``, what
+    ``grad_layout`` makes, without asking the layouts on every call."""
+    if VERIFY_DECIDED_LAYOUTS and g.stride() == tuple(strides):
+        raise LayoutDecisionError(f"gradient of strides {g.stride()} was decided to need a copy into strides {strides}")
+    return torch.empty_strided(shape, strides, dtype=g.dtype, device=g.device).copy_(g)
+
+
+grad_copy.aliases = ()  # a new tensor
 
 
 unlike_layouts = ltorch_optim.unlike_layouts  # indices whose tensors do not share one dense layout

@@ -191,6 +191,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
         return at
 
     held = _held_back(targets, inputs, HOLD_BACK_BYTES if hold_back_bytes is None else hold_back_bytes)
+    held |= _unneeded_early(targets, held, inputs, lines, last_bw)
     origin: dict = {}
     for i, pieces in targets.items():
         for piece in pieces:
@@ -234,6 +235,37 @@ def _held_back(targets, inputs, limit) -> set:
         total += size
         held.add(key)
     return held
+
+
+def _unneeded_early(targets, held, inputs, lines, last_bw) -> set:
+    """ids of the pieces reading only inputs (a step counter's increment) that no moving update needs: no piece that
+    moves reads their results, directly or through the lines after the backward that it reads.  They stay after the
+    backward with the updates that read them: moved up for nothing, a step counter's increment sat before lines that
+    a later pass moves down (executors/sums_in_place.py), among them one that may raise, after which re-inplacing
+    no longer ran it in place (a copy back into every counter, each step: the zoo's Falcon step)."""
+    producer = {}
+    for k in range(last_bw + 1, len(lines)):
+        if k not in targets:
+            for o in lines[k].flat_outputs():
+                if is_proxy(o):
+                    producer[id(o)] = k
+    needed, todo, seen = set(), [], set()
+    for pieces in targets.values():
+        for piece in pieces:
+            if id(piece) not in held and any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args()):
+                todo.extend(_reads(piece))
+    while todo:
+        a = todo.pop()
+        if id(a) in needed:
+            continue
+        needed.add(id(a))
+        k = producer.get(id(a))
+        if k is not None and k not in seen:
+            seen.add(k)
+            todo.extend(_reads(lines[k]))
+    return {id(piece) for pieces in targets.values() for piece in pieces
+            if not any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args())
+            and not any(is_proxy(o) and id(o) in needed for o in piece.flat_outputs())}
 
 
 def _merged(seq, origin) -> list:
