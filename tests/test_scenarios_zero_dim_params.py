@@ -85,12 +85,8 @@ def test_zero_dim_parameter_keeps_its_dtype_after_the_update(opt):
     assert dtype == out.dtype == torch.float32
 
 
-def _pruned_setup(wrap):
-    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    prune.l1_unstructured(m[0], "weight", amount=0.3)
-    cm = wrap(m)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-
+def _squared_output_step(cm, opt):
+    """One training step of ``cm`` on the mean squared output."""
     def step(x):
         loss = cm(x).pow(2).mean()
         loss.backward()
@@ -98,7 +94,15 @@ def _pruned_setup(wrap):
         opt.zero_grad()
         return loss
 
-    return m, opt, step
+    return step
+
+
+def _pruned_setup(wrap):
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    prune.l1_unstructured(m[0], "weight", amount=0.3)
+    cm = wrap(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, opt, _squared_output_step(cm, opt)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -132,13 +136,7 @@ def _mask_pruning(wrap):
     parametrize.register_parametrization(m[0], "weight", _Mask(torch.ones(8, 4)))
     cm = wrap(m)
     opt = torch.optim.Adam(m.parameters(), lr=0.05)
-
-    def step(x):
-        loss = cm(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = _squared_output_step(cm, opt)
 
     def between(i):  # iterative magnitude pruning: the mask grows between steps
         with torch.no_grad():
