@@ -138,9 +138,27 @@ def sdpa_flash_cpu_backward(g, query, key, value, out, lse, is_causal, scale, wh
     return tuple(grads[i] for i in which)
 
 
-def laid_out_as(x, strides):
-    """A copy of ``x`` with these strides (a gradient laid out as the trace recorded it, for a kernel compiled so)."""
+def laid_out_as(x, order):
+    """A copy of ``x`` laid out densely with its dimensions in ``order`` (outermost first): the layout the trace
+    recorded, at this call's sizes (a program with symbolic sizes runs at other sizes than the traced ones, so the
+    traced strides themselves would be wrong there)."""
+    strides, step = [0] * x.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(x.shape[d], 1)
     return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _dense_order(shape, strides):
+    """The dimension order (outermost first) in which ``strides`` lay out ``shape`` densely, or None where they do
+    not (overlapping, gaps)."""
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], -d))
+    step = 1
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != step:
+            return None
+        step *= max(shape[d], 1)
+    return tuple(order)
 
 
 def sdpa_keeping_graph(query, key, value, which, **kwargs):
@@ -555,10 +573,13 @@ def _as_traced(trc, line, layouts, always=False):
         if strides is None or strides == tuple(value._tt_strides) or not (always or id(value) in fused_reads) \
                 or value._tt_storage_offset != 0:
             continue
+        order = _dense_order(tuple(map(size_value, value._tt_shape)), tuple(map(size_value, value._tt_strides)))
+        if order is None:
+            continue
         raw = TensorProxy(trc.make_name("flash_out"), shape=value._tt_shape, dtype=value._tt_dtype, device=value._tt_device,
                           strides=strides)
         outs[i] = raw
-        copies.append(BoundSymbol(impl_symbol(laid_out_as), (raw, tuple(value._tt_strides)), {}, value,
+        copies.append(BoundSymbol(impl_symbol(laid_out_as), (raw, order), {}, value,
                                   comment="laid out as traced" + ("" if always else ", as a fused kernel reads it")))
     return (line.replace(output=tuple(outs)), *copies) if copies else (line,)
 
