@@ -32,9 +32,9 @@ import dataclasses
 
 import torch
 
-from ..proxies import TensorProxy, size_value
+from ..proxies import NumberProxy, TensorProxy, size_value
 from ..pytree import tree_flatten
-from .global_state import cpu_generator_kept
+from ..generators_kept import generators_kept
 
 
 @dataclasses.dataclass
@@ -310,6 +310,8 @@ def probe_signature(flat, needs_grad):
             rg = a._tt_dtype.is_float and id(a) in needs_grad
             sig.append((tuple(map(size_value, a._tt_shape)), tuple(map(size_value, a._tt_strides)), a._tt_dtype.torch, rg,
                         a._tt_device.type))
+        elif isinstance(a, NumberProxy):  # its example value: no size check (hashing a proxy would decide on it)
+            sig.append(size_value(a))
         elif a is None or isinstance(a, (bool, int, float, str)):
             sig.append(a)
         elif hasattr(a, "torch") and not callable(a):  # a compiler dtype
@@ -343,11 +345,12 @@ def _ask_torch(fn, spec, sig, inplace=False):
     """What ``fn`` saves, asked on meta tensors; for an op without a meta kernel (``ctc_loss``) whose tensors are all
     on the CPU, on small real CPU tensors of the same sizes, strides and dtypes (what an op saves does not depend
     on the values; a call that fails or would be large is not asked).  None when neither can be asked."""
-    found = _ask_on(fn, spec, sig, inplace, "meta")
+    with generators_kept():  # torch's meta kernels of collectives draw from Python's random
+        found = _ask_on(fn, spec, sig, inplace, "meta")
     if found is None and all(s[4] == "cpu" for s in sig if _is_tensor_sig(s)):
         numel = sum(_extent(s[0], s[1]) for s in sig if _is_tensor_sig(s))
         if numel <= _REAL_PROBE_LIMIT:
-            with cpu_generator_kept():
+            with generators_kept():
                 found = _ask_on(fn, spec, sig, inplace, "cpu")
     return found
 
