@@ -151,6 +151,8 @@ def _hand_over(box, grads):
     the backward's gradients must be the real ones there."""
     if torch.is_grad_enabled():
         return None
+    if any(isinstance(g, torch.Tensor) and g.layout is not torch.strided for g in grads):
+        return None  # a sparse gradient's stand-in would have to be sparse too: the engine keeps these
     box[:] = grads
     return tuple(g if not isinstance(g, torch.Tensor) else torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
                  for g in grads)
