@@ -155,18 +155,6 @@ def _rng_state():
     return torch.get_rng_state(), torch.initial_seed()
 
 
-@contextlib.contextmanager
-def cpu_generator_kept():
-    """Work on real CPU tensors while tracing (a probe that runs an op to learn what eager does) leaves the default
-    CPU generator as it was, should the op draw (``bernoulli_``).  Through the generator's own methods: while this
-    thread traces, ``torch.get_rng_state`` and ``fork_rng`` are lines of the program (``_TRACED``)."""
-    state = torch.default_generator.get_state()
-    try:
-        yield
-    finally:
-        torch.default_generator.set_state(state)
-
-
 def _python_generators() -> dict:
     """The state of Python's and numpy's global random generators (numpy only where the process imported it)."""
     out = {"random": random.getstate()}

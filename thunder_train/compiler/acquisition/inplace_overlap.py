@@ -18,7 +18,7 @@ import torch
 
 from ..proxies import TensorProxy, dense_layout
 from ..pytree import tree_flatten, tree_unflatten
-from .global_state import cpu_generator_kept
+from ..generators_kept import generators_kept
 
 _MESSAGE = "refer to a single memory location"
 _PROBE_LIMIT = 1 << 20  # elements of the probe's storage
@@ -104,7 +104,7 @@ def _probe(fn, flat, spec, shared):
         else:
             args.append(a)
             separate.append(a)
-    with torch.no_grad(), torch._C.DisableTorchFunction(), cpu_generator_kept():
+    with torch.no_grad(), torch._C.DisableTorchFunction(), generators_kept():
         state = torch.default_generator.get_state()
         try:
             a, k = tree_unflatten(args, spec)
