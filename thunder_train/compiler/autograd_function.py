@@ -26,6 +26,7 @@ import weakref
 import torch
 from torch._C import _functions
 
+from .acquisition.returned_graph import view_with_grad
 from .context import own_hooks
 from .errors import SECOND_BACKWARD_MESSAGE, NoGradientRuleError
 from .memory_overlap import overlapping_pairs
@@ -250,15 +251,8 @@ def _views_made_outside(results, inputs, pieces=None):
 
 def _made_again(r, steps):
     """The view ``r`` of ``r._base`` made again from it: by eager's calls where known and they give ``r``'s layout."""
-    if steps is not None:
-        with torch.enable_grad():
-            v = r._base
-            for f, args, kwargs in steps:
-                v = f(v, *args, **kwargs)
-        if (isinstance(v, torch.Tensor) and v.size() == r.size() and v.stride() == r.stride()
-                and v.storage_offset() == r.storage_offset()):
-            return v
-    return r._base.as_strided(r.size(), r.stride(), r.storage_offset())
+    base = r._base
+    return view_with_grad(base, r.size(), r.stride(), r.storage_offset() - base.storage_offset(), steps)
 
 
 class AutogradProgram:
