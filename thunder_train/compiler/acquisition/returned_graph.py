@@ -79,8 +79,7 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
                 and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides, o._tt_storage_offset))):
             layout = (tuple(o._tt_shape), tuple(o._tt_strides), o._tt_storage_offset - base._tt_storage_offset)
             steps = buffers.view_steps(o)
-            calls = "" if not steps or any(is_proxy(a) for _, args, kw in steps for a in tree_flatten((args, kw))[0]) \
-                else f", {names(steps, 'view_calls')}"
+            calls = f", {names(steps, 'view_calls')}" if _plain(steps) else ""
             exprs.append((i, f"{names(view_with_grad, 'view_with_grad')}({names(bleaf.value, base._tt_name, bleaf)}, "
                              f"{layout[0]!r}, {layout[1]!r}, {layout[2]}{calls})"))
             continue
@@ -112,10 +111,16 @@ def _piece_calls(buffers, o):
     """Eager's view calls making ``o`` from its base where one returns several views (``split``), with plain arguments
     and the traced layout eager's; else None."""
     steps = buffers.view_steps(o)
-    if (not steps or not any(f.__class__ is operator.itemgetter for f, _, _ in steps) or not buffers.layout_is_traced(o)
-            or any(is_proxy(a) for _, args, kw in steps for a in tree_flatten((args, kw))[0])):
+    if not _plain(steps) or not any(f.__class__ is operator.itemgetter for f, _, _ in steps) \
+            or not buffers.layout_is_traced(o):
         return None
     return steps
+
+
+def _plain(steps) -> bool:
+    """Whether there are view calls and every argument of them is a plain value (no proxy): the epilogue can replay
+    them on the real tensors."""
+    return bool(steps) and not any(is_proxy(a) for _, args, kw in steps for a in tree_flatten((args, kw))[0])
 
 
 def made_by_calls(value, calls):
@@ -142,7 +147,7 @@ def returned_view_calls(st, out, trc_output) -> dict:
         if type(u) is not TensorProxy or type(t) is not TensorProxy or not computed_requires_grad(st, u):
             continue
         steps = st.buffers.view_steps(u)
-        if not steps or any(is_proxy(a) for _, args, kwargs in steps for a in tree_flatten((args, kwargs))[0]):
+        if not _plain(steps):
             continue
         found[t._tt_name] = (steps, any(f.__class__ is operator.itemgetter for f, _, _ in steps))
     return found
@@ -153,9 +158,7 @@ def view_with_grad(base, shape, strides, offset, calls=None):
     eager's own view calls where known and they give that layout (eager's node: ``SelectBackward0``)."""
     with torch.enable_grad():
         if calls is not None:
-            v = base
-            for f, args, kwargs in calls:
-                v = f(v, *args, **kwargs)
+            v = made_by_calls(base, calls)
             if (isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and v.stride() == tuple(strides)
                     and v.storage_offset() == base.storage_offset() + offset):
                 return v
