@@ -33,16 +33,7 @@ from .memory_overlap import overlapping_pairs
 from .proxies import is_proxy
 from .pytree import tree_flatten, tree_unflatten
 from .transforms import autograd as ag
-
-def _keep_graph() -> bool:
-    """Whether the running backward was asked to retain the graph (``retain_graph=True``).
-
-    PyTorch exposes this only privately; without it, saved values are kept
-    until the node is destroyed (correct results, later freeing).
-    """
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if query is None else bool(query())
-
+from .transforms.opaque_grad import keep_graph
 
 _TWICE = (b"the backward of a compiled module (tt.compile(model)) is not differentiable, and this backward needs the "
           b"gradient of its gradients (create_graph=True: a gradient penalty such as R1 or WGAN-GP, MAML, a Hessian-vector "
@@ -135,7 +126,7 @@ class ThunderFunction(torch.autograd.Function):
                     raise type(error)(str(error))  # eager's backward through this output raises
             output_grads = [torch.zeros(m[0], dtype=m[1], device=m[2]) if g is None and m is not None else g
                             for g, m in zip(output_grads, ctx.tt_outs)]
-        if saved and not _keep_graph():
+        if saved and not keep_graph():
             ctx.tt_saved = None  # the backward below owns the values now and frees them as it goes
         # The backward takes the cotangents in the list it empties, after the saved values: no other reference here
         saved.extend(g for g, d in zip(output_grads, program.differentiable) if d)

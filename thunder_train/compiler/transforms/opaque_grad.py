@@ -115,7 +115,7 @@ def opaque_vjp(handle, cotangents, last=False):
     inputs, outs = handle._tt_autograd_graph
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o is not None and c is not None]
     grads = (torch.autograd.grad([o for o, _ in pairs], [i.edge for i in inputs], [c for _, c in pairs],
-                                 allow_unused=True, retain_graph=not last or _keep_graph())
+                                 allow_unused=True, retain_graph=not last or keep_graph())
              if pairs else [None] * len(inputs))
     for i, g in zip(inputs, grads):
         if g is not None and i.layout == torch.strided and g.layout != torch.strided:
@@ -162,9 +162,10 @@ opaque_vjp.__qualname__ = "autograd.vjp"
 opaque_vjp.__module__ = "thunder_train"
 
 
-def _keep_graph() -> bool:
+def keep_graph() -> bool:
     """Whether this runs inside a backward asked to retain its graph: the backward trace of ``tt.compile(module)``
-    (compiler/autograd_function.py) runs again at a second ``backward(retain_graph=True)``."""
+    (compiler/autograd_function.py) runs again at a second ``backward(retain_graph=True)``.  PyTorch tells it only
+    privately; where it does not, the graph is kept (correct results, later freeing)."""
     if torch._C._current_graph_task_id() == -1:  # not inside a backward: the whole step's own program
         return False
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
