@@ -146,9 +146,9 @@ def decide_layouts(trc, header=None):
             else:
                 mapping[id(b.output)] = b.args[0]
                 continue
-        elif fn is torch_impls.grad_layout and _dense_copy(b) is not None:
+        elif fn is torch_impls.grad_layout and (copy := _dense_copy(b)) is not None:
             changed = True
-            b = b.replace(sym=impl_symbol(torch_impls.grad_copy), args=(b.args[0], *_dense_copy(b)))
+            b = b.replace(sym=impl_symbol(torch_impls.grad_copy), args=(b.args[0], *copy))
         elif fn is not None and not verify and id(b.output) not in kept and _identity_arith(b):
             unsafe = _pure_readers_only(trc) if unsafe is None else unsafe
             if id(b.output) not in unsafe and id(b.args[0]) not in unsafe:
