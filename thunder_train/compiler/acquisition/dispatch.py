@@ -73,6 +73,7 @@ def handle_torch_function(func, types, args, kwargs):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
+    kwargs = registry.torch_keywords(sym, func, kwargs)  # numpy's names (axis=) where torch's parser takes them
     flat = _flat(args, kwargs)
     complex_in = any(type(a) is TensorProxy and a._tt_dtype.is_complex for a in flat)
     if any(isinstance(a, torch.Generator) for a in flat):

@@ -203,3 +203,33 @@ def tensor_property_setter(name):
         return fn
 
     return deco
+
+
+# torch's argument parser (C++-bound functions and Tensor methods only) also takes numpy's names for some
+# parameters: ``torch.cat(ts, axis=1)``, ``x.sum(axis=0, keepdims=True)`` (transformers' Funnel writes the first).
+# A name is taken only where the signature lacks a parameter of that name (``torch.trapezoid(y, x=...)``).
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+_C_BOUND = (type(torch.cat), type(torch.Tensor.sum), type(torch.Tensor.__add__))
+_parameter_names: dict = {}
+
+
+def torch_keywords(sym, func, kwargs: dict) -> dict:
+    """``kwargs`` with numpy's parameter names given torch's, as eager's parser reads them for ``func``."""
+    if sym is None or not kwargs or not isinstance(func, _C_BOUND) or not any(k in _NUMPY_NAMES for k in kwargs):
+        return kwargs
+    names = _parameter_names.get(sym)
+    if names is None:
+        import inspect
+
+        try:
+            names = frozenset(inspect.signature(getattr(sym, "fn", sym)).parameters)
+        except (TypeError, ValueError):
+            names = frozenset()
+        _parameter_names[sym] = names
+    out = {}
+    for k, v in kwargs.items():
+        torch_name = _NUMPY_NAMES.get(k)
+        if torch_name is not None and k not in names and torch_name in names and torch_name not in kwargs:
+            k = torch_name
+        out[k] = v
+    return out
