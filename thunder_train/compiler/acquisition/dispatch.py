@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import context, proxies, symbols
 from ..errors import TracingError, UnsupportedOpError
+from . import known_values
 from .. import opaque
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
@@ -39,22 +40,24 @@ from .inplace import (_inplace_op, back_to_buffers, converted_to, functionalize,
 # ---------------------------------------------------------------------------
 # Dispatch of torch calls while tracing
 # ---------------------------------------------------------------------------
-def handle_torch_function(func, types, args, kwargs):
+def _tracing_where():
+    """``(state, trace, top)``: ``top`` for a call of the user's code, not one inside a decomposition."""
     st = context.tracer_state()
-    if st is None:
-        trc = context.get_trace()
-        if trc is None:
-            raise TracingError(
-                "a thunder_train proxy escaped the compiled function and was used outside tracing; "
-                "do not store tensors from inside a compiled function on Python objects"
-            )
-        # A pass building a trace runs torch code on proxies (a custom Function's backward while the
-        # joint trace is built): plain recording, no functionalization.
-        st = TracerState(trc, walker=None, buffers=None, grad_enabled=False)
-        top = False
-    else:
-        trc = st.trace
-        top = len(trc._scopes) == 1  # a call of the user's code, not one inside a decomposition
+    if st is not None:
+        return st, st.trace, len(st.trace._scopes) == 1
+    trc = context.get_trace()
+    if trc is None:
+        raise TracingError(
+            "a thunder_train proxy escaped the compiled function and was used outside tracing; "
+            "do not store tensors from inside a compiled function on Python objects"
+        )
+    # A pass building a trace runs torch code on proxies (a custom Function's backward while the
+    # joint trace is built): plain recording, no functionalization.
+    return TracerState(trc, walker=None, buffers=None, grad_enabled=False), trc, False
+
+
+def handle_torch_function(func, types, args, kwargs):
+    st, trc, top = _tracing_where()
     fname = getattr(func, "__name__", "")
     if top and torch._C._functorch.peek_interpreter_stack() is not None:
         raise TracingError(
@@ -63,6 +66,8 @@ def handle_torch_function(func, types, args, kwargs):
             "Compute gradients with torch.autograd.grad or loss.backward() inside the function, or apply the transform "
             "outside the compiled function.")
     refuse_sparse_gradient(func, args, kwargs)
+    if known_values.runs_known(st, func, registry.lookup(func), args, kwargs):  # torch.div(seq_len, 4) - 1
+        return known_values.run_known(st, func, args, kwargs)
     special = _AUTOGRAD_CALLS.get(func)
     if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
         return _sparse(st, func, args, kwargs, top)  # a sparse value: an opaque line (acquisition/sparse.py)
@@ -73,7 +78,7 @@ def handle_torch_function(func, types, args, kwargs):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
     sym = registry.lookup(func)
-    kwargs = registry.torch_keywords(sym, func, kwargs)  # numpy's names (axis=) where torch's parser takes them
+    args, kwargs = registry.torch_arguments(sym, func, args, kwargs)  # what eager's parser takes (axis=, size=)
     flat = _flat(args, kwargs)
     complex_in = any(type(a) is TensorProxy and a._tt_dtype.is_complex for a in flat)
     if any(isinstance(a, torch.Generator) for a in flat):
@@ -431,9 +436,13 @@ def _sparse(st, func, args, kwargs, top):
 
 def _capture_real_tensors(st, args, kwargs):
     walker = st.walker
+    if st.known_tensors:
+        args, kwargs = known_values.sizes_as_ints(st, args, kwargs)
 
     def swap(a):
         if isinstance(a, torch.Tensor) and not proxies.is_proxy(a):
+            if id(a) in st.known_tensors:  # made from Python numbers while tracing: a constant
+                return known_values.as_program_value(st, a)
             return walker.captured_tensor(a)
         return a
 

@@ -54,3 +54,7 @@ class TracerState:
     unmoved: dict = dataclasses.field(default_factory=dict)
     # {symbol: its kernel switches when the call began} (acquisition/kernel_switches.py)
     kernel_switches: dict = dataclasses.field(default_factory=dict)
+    # Tensors made from Python numbers alone (acquisition/known_values.py): id -> tensor; and the constants they
+    # entered the program as, by id, with their value as a size: id -> (proxy, int)
+    known_tensors: dict = dataclasses.field(default_factory=dict)
+    known_sizes: dict = dataclasses.field(default_factory=dict)

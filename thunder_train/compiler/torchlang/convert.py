@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import dtypes, devices
+from .. import context, dtypes, devices
 from ..proxies import TensorProxy, NumberProxy, size_arg
 
 
@@ -32,9 +32,18 @@ def size_args(shape) -> tuple:
     out = []
     for s in shape:
         if type(s) is TensorProxy:
-            raise TypeError("a tensor cannot be used as a size while tracing (its value is data-dependent)")
+            s = _known_size(s)
         out.append(size_arg(s) if isinstance(s, NumberProxy) else int(s))
     return tuple(out)
+
+
+def _known_size(proxy) -> int:
+    """The value of a tensor made from Python numbers while tracing (acquisition/known_values.py), else an error."""
+    st = context.tracer_state()
+    found = st.known_sizes.get(id(proxy)) if st is not None else None
+    if found is None:
+        raise TypeError("a tensor cannot be used as a size while tracing (its value is data-dependent)")
+    return found[1]
 
 
 def default_device():

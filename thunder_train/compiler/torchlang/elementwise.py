@@ -158,11 +158,18 @@ def _scales(alpha) -> bool:
     return isinstance(alpha, NumberProxy) or alpha != 1
 
 
+def _scaled(other, alpha):
+    """``alpha * other``; two Python numbers multiply in Python (``torch.add(x, 3, alpha=2)``)."""
+    if type(other) in (bool, int, float) and type(alpha) in (bool, int, float):
+        return other * alpha
+    return clang.mul(other, alpha)
+
+
 @torchsymbol(torch.add, methods=("add", "__add__", "__radd__"), tags=("fusible",))
 def add(input, other, *, alpha=1):
     """torch.add: ``input + alpha * other``."""
     if _scales(alpha):
-        other = clang.mul(other, alpha)
+        other = _scaled(other, alpha)
     return clang.add(input, other)
 
 
@@ -170,7 +177,7 @@ def add(input, other, *, alpha=1):
 def sub(input, other, *, alpha=1):
     """torch.sub: ``input - alpha * other``."""
     if _scales(alpha):
-        other = clang.mul(other, alpha)
+        other = _scaled(other, alpha)
     return clang.sub(input, other)
 
 

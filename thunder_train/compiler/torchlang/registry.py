@@ -205,31 +205,83 @@ def tensor_property_setter(name):
     return deco
 
 
-# torch's argument parser (C++-bound functions and Tensor methods only) also takes numpy's names for some
-# parameters: ``torch.cat(ts, axis=1)``, ``x.sum(axis=0, keepdims=True)`` (transformers' Funnel writes the first).
-# A name is taken only where the signature lacks a parameter of that name (``torch.trapezoid(y, x=...)``).
+# What torch's argument parser (C++-bound functions and Tensor methods only) takes that a symbol's Python signature
+# does not: numpy's names for some parameters (``torch.cat(ts, axis=1)``, ``x.sum(axis=0, keepdims=True)``:
+# transformers' Funnel), taken only where the signature lacks a parameter of that name (``torch.trapezoid(y,
+# x=...)``); a size given by keyword (``torch.ones(size=(2, 3))``: transformers' Canine, ``x.reshape(shape=s)``),
+# where the symbol takes ``*size``; and a Python number as the tensor of add/sub/mul/div
+# (``torch.div(seq_len, w, rounding_mode="trunc")``: transformers' Longformer), a 0-d tensor of the number's
+# default dtype, which promotes with the other number as eager's wrapped number does.
 _NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+_SIZE_NAMES = ("size", "shape", "repeats", "dims")
+NUMBER_AS_TENSOR = {torch.add, torch.sub, torch.subtract, torch.mul, torch.multiply, torch.div, torch.divide,
+                     torch.true_divide, torch.floor_divide}
 _C_BOUND = (type(torch.cat), type(torch.Tensor.sum), type(torch.Tensor.__add__))
-_parameter_names: dict = {}
+_signatures: dict = {}
 
 
-def torch_keywords(sym, func, kwargs: dict) -> dict:
-    """``kwargs`` with numpy's parameter names given torch's, as eager's parser reads them for ``func``."""
-    if sym is None or not kwargs or not isinstance(func, _C_BOUND) or not any(k in _NUMPY_NAMES for k in kwargs):
-        return kwargs
-    names = _parameter_names.get(sym)
-    if names is None:
+def _signature(sym):
+    """(parameter names, name of its ``*args`` parameter or None) of ``sym``'s Python function."""
+    found = _signatures.get(sym)
+    if found is None:
         import inspect
 
         try:
-            names = frozenset(inspect.signature(getattr(sym, "fn", sym)).parameters)
+            params = inspect.signature(getattr(sym, "fn", sym)).parameters
         except (TypeError, ValueError):
-            names = frozenset()
-        _parameter_names[sym] = names
+            params = {}
+        star = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+        by_name = (n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        found = _signatures[sym] = (frozenset(by_name), star)
+    return found
+
+
+def torch_arguments(sym, func, args: tuple, kwargs: dict):
+    """``(args, kwargs)`` for ``sym`` as eager's parser reads them for ``func`` (see above)."""
+    if sym is None or not isinstance(func, _C_BOUND):
+        return args, kwargs
+    if func in NUMBER_AS_TENSOR and args and _is_python_number(args[0]) and not _has_tensor(args[1:], kwargs):
+        args = (_number_tensor(args[0]), *args[1:])
+    if not kwargs:
+        return args, kwargs
+    names, star = _signature(sym)
     out = {}
     for k, v in kwargs.items():
         torch_name = _NUMPY_NAMES.get(k)
         if torch_name is not None and k not in names and torch_name in names and torch_name not in kwargs:
             k = torch_name
+        elif star is not None and k in _SIZE_NAMES and k not in names:
+            args = (*args, v)  # one sequence, as the torch function takes it (``torch.permute(x, (1, 0))``)
+            continue
         out[k] = v
-    return out
+    return args, out
+
+
+def numbers_only(func, args, kwargs) -> bool:
+    """Whether ``func`` is add/sub/mul/div given plain Python numbers only: a value known while tracing, which
+    eager computes as a 0-d tensor the user can read (``torch.div(seq_len, w, rounding_mode="trunc") - 1`` as a
+    size); the call runs for real."""
+    return func in NUMBER_AS_TENSOR and all(type(a) in (bool, int, float) for a in tree_flatten((args, kwargs))[0]
+                                             if not isinstance(a, str))
+
+
+def _number_tensor(v):
+    """A 0-d tensor of ``v`` (a runtime number: plain numbers run for real, acquisition/known_values.py) in the
+    dtype torch gives a Python number of its type."""
+    from .. import clang, devices, dtypes
+    from ..proxies import NumberProxy
+
+    kind = v.python_type if isinstance(v, NumberProxy) else type(v)
+    dt = {bool: dtypes.bool8, int: dtypes.int64}.get(kind) or dtypes.default_float()
+    device = devices.from_torch(torch.get_default_device()) if hasattr(torch, "get_default_device") else devices.cpu
+    return clang.full((), v, device=device, dtype=dt)
+
+
+def _is_python_number(v) -> bool:
+    from ..proxies import NumberProxy
+
+    return isinstance(v, (bool, int, float, NumberProxy))
+
+
+def _has_tensor(args, kwargs) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
