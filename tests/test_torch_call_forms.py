@@ -184,3 +184,18 @@ def test_led_step_trains_as_eager():
     torch.testing.assert_close(tt.compile(step, fusion=None)(mc, batch), expected)
     for pe, pc in zip(me.parameters(), mc.parameters()):
         torch.testing.assert_close(pc.grad, pe.grad)
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_membership_test_is_a_checked_decision_as_eager(thin):
+    """``pad_token_id in input_ids[:, [-1, 0]]`` (transformers' Reformer) was refused as an unsupported op."""
+    def step(x, ids):
+        return x * 2 if 0 in ids[:, [-1, 0]] else x * 3
+
+    cf = tt.compile(step, thin=thin)
+    x = torch.randn(3)
+    for ids in ([[1, 2, 3]], [[0, 2, 3]], [[1, 2, 0]], [[1, 0, 3]], [[0, 2, 3]]):
+        ids = torch.tensor(ids)
+        assert torch.equal(cf(x, ids), step(x, ids))
+    with pytest.raises(RuntimeError, match="only supports Tensor or scalar"):
+        tt.compile(lambda x: "a" in x)(x)

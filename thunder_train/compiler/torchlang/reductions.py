@@ -416,6 +416,17 @@ def nanmean(input, dim=None, keepdim=False, *, dtype=None):
 composed("nanmean", nanmean, (torch.nanmean,), ("nanmean",))
 
 
+def contains(input, element):
+    """``element in t`` (transformers' Reformer: ``if pad_token_id in input_ids[:, [-1, 0]]``): eager's
+    ``(element == t).any()`` as a Python bool, a decision on the input's values that the program checks."""
+    if not isinstance(element, (torch.Tensor, bool, int, float, complex)):
+        raise RuntimeError(f"Tensor.__contains__ only supports Tensor or scalar, but you passed in a {type(element)}.")
+    return bool((element == input).any())
+
+
+composed("contains", contains, (), ("__contains__",))
+
+
 def renorm(input, p, dim, maxnorm):
     d = dim % input.ndim
     others = [i for i in range(input.ndim) if i != d]
