@@ -6,7 +6,8 @@ Found before: ``tt.compile(model)`` whose forward takes ``h[:, 0]`` (a Transform
 dead code, though the backward reshapes to it); ``parametrize.cached()`` around a compiled call left a proxy in
 torch's process-wide cache ("a proxy escaped"); a lazy module's first call inside the compiled function failed
 with torch's message about ``load_state_dict``; and ``clip_grad_norm_(error_if_nonfinite=True)`` inside a
-``try`` did not say why the step's own ``except`` did not catch it.  Matching eager and kept as guards: the last
+``try`` did not say why the step's own ``except`` did not catch it; ``nn.Embedding(max_norm=...)`` in a training
+step failed with torch's error about an internal node (refused now, with the remedy; without grad it runs).  Matching eager and kept as guards: the last
 batch smaller, dynamic padding, truncated BPTT with a detached hidden state carried in a dict, an LSTM with
 ``proj_size``, a bidirectional GRU given ``h0``.
 """
@@ -259,3 +260,34 @@ def test_nonfinite_clip_inside_try_says_why_the_except_did_not_catch_it():
         f(torch.full((8, 4), float("inf")), torch.randint(0, 3, (8,)))
     for p, b in zip(m.parameters(), before):
         torch.testing.assert_close(p.detach(), b)
+
+
+def test_embedding_max_norm_with_grad_is_refused_before_anything_changes_and_matches_eager_without():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(3)
+    before = emb.weight.detach().clone()
+
+    def train(ids):
+        loss = emb(ids).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(NotImplementedError, match="max_norm.*requires grad.*embedding_renorm_"):
+        tt.compile(train)(torch.tensor([[1, 2], [2, 3]]))
+    assert torch.equal(emb.weight, before) and emb.weight.grad is None
+
+    def infer(ids):  # without a gradient torch's own call renormalises in place, as in eager
+        with torch.no_grad():
+            return emb(ids).sum(1) @ emb.weight.t()
+
+    f = tt.compile(infer)
+    calls = [torch.tensor([[1, 2], [2, 3]]), torch.tensor([[4, 2], [5, 3]])]
+    got = [f(ids) for ids in calls]
+    got_w = emb.weight.detach().clone()
+    with torch.no_grad():
+        emb.weight.copy_(before)
+    want = [infer(ids) for ids in calls]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, emb.weight.detach())
