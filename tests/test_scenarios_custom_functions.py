@@ -1,7 +1,9 @@
 """User ``torch.autograd.Function`` and ``torch.library.custom_op`` layers in training steps (session 19), compared
 with eager after every step (tests/_scenario_harness.py).
 
-Found silently wrong before: a gradient reversal layer (domain-adversarial training) whose forward returns its
+Found silently wrong before: a ``backward`` that builds its result with a factory (``out = torch.zeros(n, 3);
+out[:, :2] = -g``, the usual way to scatter a gradient back) made the factory a constant while tracing and lost
+the gradient entirely; a gradient reversal layer (domain-adversarial training) whose forward returns its
 input (``x.view_as(x)``, the usual form, or ``x`` itself) recorded nothing, so the branch trained with the plain
 gradient instead of ``-lambda * g``; and ``grad_reverse = GradReverse.apply``, bound before compiling (the usual
 module-level alias), bypassed the traced ``apply`` and cut the branch's gradient entirely.  Also tried and
@@ -247,3 +249,42 @@ def test_bound_apply_is_torch_own_again_after_tracing():
     x = torch.ones(2, requires_grad=True)
     grad_reverse(x).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((2,), -0.3))
+
+
+class Crop(torch.autograd.Function):
+    """A crop whose backward pads the gradient back with a factory and a slice assignment."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.n = x.shape[1]
+        return x[:, :2] + torch.zeros(x.shape[0], 2)  # a factory in the forward too
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.zeros(g.shape[0], ctx.n)
+        out[:, :2] = -g
+        out[:, 2:] = torch.full((g.shape[0], ctx.n - 2), 0.5)
+        return out
+
+
+def _crop(cm, m, x, y):
+    h = Crop.apply(m[0](x))
+    return F.cross_entropy(torch.cat([h, h[:, :1]], 1), y), h
+
+
+@pytest.mark.parametrize("mode", ["full", "thin", "nofuse", "model"])
+def test_backward_built_with_factories_matches_eager(mode):
+    assert_matches_eager(_steps(_crop), mode)
+
+
+def test_backward_built_with_factories_smallest_form():
+    def step(w, x):
+        h = w * x
+        (Crop.apply(h).pow(2).sum() + h.sum() * 0.1).backward()
+        return w.grad
+
+    grads = []
+    for f in (step, tt.compile(step)):
+        w = torch.ones(4, 3, requires_grad=True)
+        grads.append(f(w, torch.arange(12.0).view(4, 3) / 10).clone())
+    torch.testing.assert_close(grads[1], grads[0])

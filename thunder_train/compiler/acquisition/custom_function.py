@@ -70,6 +70,21 @@ def _proxies_in(ctx) -> list:
     return out
 
 
+@contextlib.contextmanager
+def _torch_calls_traced():
+    """``Fn.backward`` is traced while the dispatcher handles ``loss.backward()``, when torch has switched the
+    torch-function mode off: ops on proxies still reach the dispatcher, but a factory (``torch.zeros(n, 3)``)
+    would run for real and become a constant, and writes into it (``out[:, :2] = -g``) would be lost with the
+    gradient.  The mode is put back for the user's backward, as it is for the user's own code."""
+    if torch._C._len_torch_function_stack() != 0:
+        yield
+        return
+    from .dispatch import ProxyMode
+
+    with ProxyMode():
+        yield
+
+
 def _fresh_outputs(out, inputs, ctx):
     """``out`` with every output that is one of ``inputs`` (``return x``, or ``x.view_as(x)``, which the trace
     records as ``x`` itself) replaced by a new value equal to it.  Eager's ``apply`` returns a view of such an
@@ -115,7 +130,8 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
     def backward_fn(grads, saved):
         # ``saved``: every proxy ``ctx`` holds, passed explicitly so that the program keeps (and the
         # forward/backward split saves) what ``Fn.backward`` reads through ``ctx``.
-        return cls.backward(ctx, *grads)
+        with _torch_calls_traced():
+            return cls.backward(ctx, *grads)
 
     backward_fn.__name__ = f"{cls.__name__}_backward"
     bwd = Symbol(f"{cls.__name__}_backward", backward_fn, module="ltorch")
