@@ -288,3 +288,51 @@ def test_backward_built_with_factories_smallest_form():
         w = torch.ones(4, 3, requires_grad=True)
         grads.append(f(w, torch.arange(12.0).view(4, 3) / 10).clone())
     torch.testing.assert_close(grads[1], grads[0])
+
+
+class RecomputeInBackward(torch.autograd.Function):
+    """Recomputes its forward under enable_grad in backward and differentiates it (a memory-saving pattern)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(torch.sigmoid(xx), xx, g)
+        return gx
+
+
+def test_autograd_inside_a_custom_backward_is_refused_clearly_and_changes_nothing():
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+
+    def step(x, y):
+        loss = F.cross_entropy(m[2](RecomputeInBackward.apply(m[0](x))), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(Exception, match="autograd.grad or backward\\(\\) inside a custom torch.autograd.Function"):
+        tt.compile(step)(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_autograd_inside_a_custom_backward_under_a_compiled_model_is_refused_clearly():
+    """Before: an internal ``AttributeError`` while the compiled module's backward was built."""
+    m = nn.Sequential(nn.Linear(4, 4), _Recompute())
+    with pytest.raises(Exception, match="autograd.grad or backward\\(\\) inside a custom torch.autograd.Function"):
+        tt.compile(m)(torch.randn(2, 4)).sum().backward()
+    m(torch.randn(2, 4)).sum().backward()  # eager still works
+    assert m[0].weight.grad is not None
+
+
+class _Recompute(nn.Module):
+    def forward(self, x):
+        return RecomputeInBackward.apply(x)

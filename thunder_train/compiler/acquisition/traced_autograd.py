@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import prims
+from .. import context, prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
@@ -252,8 +252,8 @@ def gradient_path(st) -> set:
 
 def record_backward(st, outputs, cotangents, wrt_values) -> list:
     """Record the backward of ``outputs`` into the trace; returns one gradient (or None) per ``wrt_values``."""
-    st.has_backward = True
     trc = st.trace
+    st.has_backward = True
     leaves = [v for _, vals in grad_leaves(st) for v in vals] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
     fwd = Forward(list(trc.bound_symbols), leaves)
@@ -313,8 +313,21 @@ def _fresh(st, g, taken: set):
     return g
 
 
+def _refuse_inside_an_op(st):
+    """Inside an op's own recording (a custom Function's forward or backward recomputing under enable_grad and
+    differentiating that, also while ``tt.compile(model)`` builds its backward): the lines it would differentiate
+    are not the program's.  Before, torch's "does not require grad" or an internal ``AttributeError``."""
+    trc = context.get_trace()
+    if st.buffers is None or trc is None or len(trc._scopes) != 1:
+        raise TracingError(
+            "torch.autograd.grad or backward() inside a custom torch.autograd.Function's forward or backward is not "
+            "supported in a compiled function or module. Write the Function's backward with its derivative's ops "
+            "(no autograd call inside), or call the Function outside the compiled function.")
+
+
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
+    _refuse_inside_an_op(st)
     buffers = st.buffers
     outs = [buffers.read(t) for t in _as_list(tensors)]
     cts = _as_list(grad_tensors) or [None] * len(outs)
@@ -353,6 +366,7 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
     """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
     if is_grads_batched:
         raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
+    _refuse_inside_an_op(st)
     buffers = st.buffers
     ins = _as_list(inputs)
     outs = [buffers.read(t) for t in _as_list(outputs)]
