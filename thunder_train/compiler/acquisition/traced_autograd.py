@@ -325,6 +325,27 @@ def _refuse_inside_an_op(st):
             "(no autograd call inside), or call the Function outside the compiled function.")
 
 
+def _refuse_graph_from_outside(st, p):
+    """A backward reaching an input that is not a leaf (``feat = backbone(x)`` run eagerly, then passed in): eager
+    continues into the graph that made it (the backbone's ``.grad``) and leaves its ``.grad`` None; the program
+    would stop at it and set its ``.grad``.  Refused, and the input's leafness is guarded from now on (a leaf
+    traced first, then a non-leaf, would run the same program)."""
+    leaf = st.walker.leaf_of(p) if st.walker.is_input(p) else None
+    if leaf is None or leaf.kind != "tensor" or isinstance(leaf.value, torch.nn.Parameter):
+        return
+    if leaf.alias_of is None and leaf.snapshot is None:
+        leaf.snapshot = "is_leaf"  # prologue.leafness_spec, thin_checks
+    if not leaf.value.is_leaf:
+        from .provenance import path_str
+
+        raise TracingError(
+            f"a backward inside the compiled function reaches {path_str(leaf.path)}, a tensor computed outside it "
+            "with its own autograd graph (not a leaf): eager's backward continues into that graph (the .grad of what "
+            "made it), the compiled one would stop there. Compute it inside the compiled function, pass it in "
+            "detached (and backpropagate through it yourself, from the gradient returned by torch.autograd.grad), "
+            "or call backward() outside the compiled function (tt.compile(model)).")
+
+
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
     _refuse_inside_an_op(st)
@@ -345,6 +366,7 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
     for (p, _), g in zip(params, grads):
         if g is None:
             continue
+        _refuse_graph_from_outside(st, p)
         if type(g) is SparseProxy:  # a sparse leaf's (transforms/sparse_grads.py): read by opaque lines only
             if create_graph:
                 raise TracingError(f"backward(create_graph=True) through the sparse tensor {p._tt_name} is not supported "
