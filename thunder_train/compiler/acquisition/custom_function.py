@@ -70,6 +70,43 @@ def _proxies_in(ctx) -> list:
     return out
 
 
+@contextlib.contextmanager
+def _torch_calls_traced():
+    """``Fn.backward`` is traced while the dispatcher handles ``loss.backward()``, when torch has switched the
+    torch-function mode off: ops on proxies still reach the dispatcher, but a factory (``torch.zeros(n, 3)``)
+    would run for real and become a constant, and writes into it (``out[:, :2] = -g``) would be lost with the
+    gradient.  The mode is put back for the user's backward, as it is for the user's own code."""
+    if torch._C._len_torch_function_stack() != 0:
+        yield
+        return
+    from .dispatch import ProxyMode
+
+    with ProxyMode():
+        yield
+
+
+def _fresh_outputs(out, inputs, ctx):
+    """``out`` with every output that is one of ``inputs`` (``return x``, or ``x.view_as(x)``, which the trace
+    records as ``x`` itself) replaced by a new value equal to it.  Eager's ``apply`` returns a view of such an
+    input with the Function's node as its ``grad_fn``; the trace needs a value of its own for the composite, or
+    the call records nothing and ``Fn.backward`` (a gradient reversal layer's ``-lambda * g``) is never used."""
+    from ..prims.core import prims
+
+    ins = {id(a) for a in inputs if type(a) is TensorProxy}
+
+    def fresh(o):
+        if type(o) is not TensorProxy or id(o) not in ins:
+            return o
+        new = prims.reshape(o, o._tt_shape)
+        if id(o) in ctx.non_differentiable:
+            ctx.non_differentiable.add(id(new))
+        return new
+
+    if isinstance(out, tuple):
+        return tuple(fresh(o) for o in out)
+    return fresh(out)
+
+
 def traced_apply(cls, args, kwargs, needs_input_grad):
     """Record ``cls.apply(*args, **kwargs)`` as a composite with ``cls.backward`` as its gradient rule."""
     from torch.autograd.function import _is_setup_context_defined
@@ -86,14 +123,15 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
                 cls.setup_context(ctx, inputs, out)
             else:
                 out = cls.forward(ctx, *inputs)
-        return out
+        return _fresh_outputs(out, inputs, ctx)
 
     forward.__name__ = cls.__name__
 
     def backward_fn(grads, saved):
         # ``saved``: every proxy ``ctx`` holds, passed explicitly so that the program keeps (and the
         # forward/backward split saves) what ``Fn.backward`` reads through ``ctx``.
-        return cls.backward(ctx, *grads)
+        with _torch_calls_traced():
+            return cls.backward(ctx, *grads)
 
     backward_fn.__name__ = f"{cls.__name__}_backward"
     bwd = Symbol(f"{cls.__name__}_backward", backward_fn, module="ltorch")
@@ -131,17 +169,26 @@ def traced_apply(cls, args, kwargs, needs_input_grad):
     return sym(*args)
 
 
+_UNTRACED = object()
+
+
 @contextlib.contextmanager
 def custom_functions_while_tracing(needs_grad):
     """``Function.apply`` while tracing: ``traced_apply`` when an argument needs a gradient
     (``needs_grad(st, tensors)``: one flag per tensor, also ``ctx.needs_input_grad``), else the plain
-    forward (what eager does without grad)."""
-    from torch.autograd.function import Function
+    forward (what eager does without grad).
+
+    ``Function.apply`` is replaced for calls through the class (``Fn.apply(x)``), and the base class's ``apply``,
+    which torch's own ``Function.apply`` calls, for the common ``grad_reverse = Fn.apply`` bound before the
+    function was compiled: that bound method is torch's, which ran ``Fn.forward`` under no_grad on the proxies
+    and cut the gradient (a gradient reversal layer trained as if its branch were detached)."""
+    from torch.autograd.function import Function, _SingleLevelFunction
     from torch.nn.modules._functions import BackwardHookFunction  # module backward hooks: refused on their own
 
     original = Function.__dict__["apply"]
+    base_original = torch._C._FunctionBase.__dict__["apply"]
 
-    def apply(cls, *args, **kwargs):
+    def traced(cls, args, kwargs):
         st = context.tracer_state()
         if st is not None and is_reentrant_checkpoint(cls):
             tensors = [a for a in args if type(a) is TensorProxy]
@@ -155,10 +202,20 @@ def custom_functions_while_tracing(needs_grad):
                 for i, flag in zip(positions, flags):
                     needs_input_grad[i] = flag
                 return traced_apply(cls, args, kwargs, tuple(needs_input_grad))
-        return original.__func__(cls, *args, **kwargs)
+        return _UNTRACED
+
+    def apply(cls, *args, **kwargs):
+        out = traced(cls, args, kwargs)
+        return original.__func__(cls, *args, **kwargs) if out is _UNTRACED else out
+
+    def base_apply(cls, *args, **kwargs):
+        out = traced(cls, args, kwargs)
+        return base_original.__get__(None, cls)(*args, **kwargs) if out is _UNTRACED else out
 
     Function.apply = classmethod(apply)
+    _SingleLevelFunction.apply = classmethod(base_apply)
     try:
         yield
     finally:
         Function.apply = original
+        del _SingleLevelFunction.apply

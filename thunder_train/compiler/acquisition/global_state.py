@@ -247,3 +247,20 @@ def global_state_unchanged():
                 f"the compiled function leaves {', '.join(changed)} changed when it returns: the change would happen only "
                 "on the first call (while tracing), not on later calls. Set it outside the compiled function, or undo it "
                 "before returning (use the context-manager form, e.g. `with torch.set_grad_enabled(False):`).")
+
+
+@contextlib.contextmanager
+def parametrization_cache_set_aside():
+    """``torch.nn.utils.parametrize.cached()`` entered outside the compiled call (around ``tt.compile(model)``,
+    or around the compiled step): its process-wide cache would keep the parametrized tensors computed while
+    tracing, proxies that then escape into eager code. While tracing, the cache is off and empty (the trace
+    computes each parametrized tensor where it is read, the same values; a ``cached()`` inside the function
+    caches within the trace); afterwards the caller's cache is back as it was."""
+    from torch.nn.utils import parametrize
+
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache

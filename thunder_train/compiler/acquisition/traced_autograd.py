@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import prims
+from .. import context, prims
 from ..errors import TracingError
 from .distributed import reduce_gradients
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
@@ -252,8 +252,8 @@ def gradient_path(st) -> set:
 
 def record_backward(st, outputs, cotangents, wrt_values) -> list:
     """Record the backward of ``outputs`` into the trace; returns one gradient (or None) per ``wrt_values``."""
-    st.has_backward = True
     trc = st.trace
+    st.has_backward = True
     leaves = [v for _, vals in grad_leaves(st) for v in vals] + [v for v in wrt_values if v is not None]
     n = len(trc.bound_symbols)
     fwd = Forward(list(trc.bound_symbols), leaves)
@@ -313,8 +313,42 @@ def _fresh(st, g, taken: set):
     return g
 
 
+def _refuse_inside_an_op(st):
+    """Inside an op's own recording (a custom Function's forward or backward recomputing under enable_grad and
+    differentiating that, also while ``tt.compile(model)`` builds its backward): the lines it would differentiate
+    are not the program's.  Before, torch's "does not require grad" or an internal ``AttributeError``."""
+    trc = context.get_trace()
+    if st.buffers is None or trc is None or len(trc._scopes) != 1:
+        raise TracingError(
+            "torch.autograd.grad or backward() inside a custom torch.autograd.Function's forward or backward is not "
+            "supported in a compiled function or module. Write the Function's backward with its derivative's ops "
+            "(no autograd call inside), or call the Function outside the compiled function.")
+
+
+def _refuse_graph_from_outside(st, p):
+    """A backward reaching an input that is not a leaf (``feat = backbone(x)`` run eagerly, then passed in): eager
+    continues into the graph that made it (the backbone's ``.grad``) and leaves its ``.grad`` None; the program
+    would stop at it and set its ``.grad``.  Refused, and the input's leafness is guarded from now on (a leaf
+    traced first, then a non-leaf, would run the same program)."""
+    leaf = st.walker.leaf_of(p) if st.walker.is_input(p) else None
+    if leaf is None or leaf.kind != "tensor" or isinstance(leaf.value, torch.nn.Parameter):
+        return
+    if leaf.alias_of is None and leaf.snapshot is None:
+        leaf.snapshot = "is_leaf"  # prologue.leafness_spec, thin_checks
+    if not leaf.value.is_leaf:
+        from .provenance import path_str
+
+        raise TracingError(
+            f"a backward inside the compiled function reaches {path_str(leaf.path)}, a tensor computed outside it "
+            "with its own autograd graph (not a leaf): eager's backward continues into that graph (the .grad of what "
+            "made it), the compiled one would stop there. Compute it inside the compiled function, pass it in "
+            "detached (and backpropagate through it yourself, from the gradient returned by torch.autograd.grad), "
+            "or call backward() outside the compiled function (tt.compile(model)).")
+
+
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
+    _refuse_inside_an_op(st)
     buffers = st.buffers
     outs = [buffers.read(t) for t in _as_list(tensors)]
     cts = _as_list(grad_tensors) or [None] * len(outs)
@@ -332,6 +366,7 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
     for (p, _), g in zip(params, grads):
         if g is None:
             continue
+        _refuse_graph_from_outside(st, p)
         if type(g) is SparseProxy:  # a sparse leaf's (transforms/sparse_grads.py): read by opaque lines only
             if create_graph:
                 raise TracingError(f"backward(create_graph=True) through the sparse tensor {p._tt_name} is not supported "
@@ -353,6 +388,7 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
     """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
     if is_grads_batched:
         raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
+    _refuse_inside_an_op(st)
     buffers = st.buffers
     ins = _as_list(inputs)
     outs = [buffers.read(t) for t in _as_list(outputs)]

@@ -114,6 +114,11 @@ class InputWalker:
     def tensor(self, t, path, hint, requires_grad=None):
         if fsdp.is_dtensor(t):
             return self.dtensor(t, path, hint)
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise TracingError(f"{path_str(path)} is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, "
+                               "nn.LazyConv2d, ...), whose sizes its first forward chooses. Call the model once "
+                               "eagerly on an example batch before the first compiled call, or give the module its "
+                               "input sizes (nn.Linear(in_features, ...))")
         prev = self.by_id.get(id(t))
         if t.layout != torch.strided and prev is None:
             return self.sparse(t, path, hint)

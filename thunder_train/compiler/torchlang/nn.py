@@ -42,10 +42,29 @@ def _linear_vjp(g, out, /, input, weight, bias=None):
 @torchsymbol(F.embedding, tags=("fused_backward", "fallible", "layout_on_meta"))
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
+        _refuse_renorm_with_grad(weight)
+        # Without a gradient the call runs opaquely, as torch: it renormalises the looked-up rows in place.
         raise NotImplementedError("embedding(max_norm=...) renormalises the weight in place; not supported")
     flat = clang.reshape(input, (-1,))
     out = prims.take(weight, flat, 0)
     return clang.reshape(out, input._tt_shape + (weight._tt_shape[1],))
+
+
+def _refuse_renorm_with_grad(weight):
+    """``max_norm`` on a weight that requires grad: torch writes the renormalised rows into the weight in place
+    before the lookup, which the opaque call, run through torch's autograd on a view of the weight, cannot do
+    (torch's error named an internal node).  Refused with what to do."""
+    from .. import context
+    from ..errors import UnsupportedOpError
+    from .tensor_methods import requires_grad_of
+
+    st = context.tracer_state()
+    if st is not None and torch.is_grad_enabled() and requires_grad_of(st, weight):
+        raise UnsupportedOpError(
+            "embedding(max_norm=...) on a weight that requires grad is not supported inside a compiled function: "
+            "torch renormalises the looked-up rows of the weight in place at every call. Renormalise before the "
+            "compiled call (with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)) "
+            "and build the embedding without max_norm, or run the embedding outside the compiled function")
 
 
 @register_vjp(embedding)  # every call: padding_idx, scale_grad_by_freq and sparse change only the gradient

@@ -317,6 +317,13 @@ def _routed(original, fused, fits):
     return route
 
 
+_CHECKED_WHEN_THE_PROGRAM_RUNS = (
+    ". (thunder_train: checked when the compiled program runs, after the step's Python code was traced, so a "
+    "try/except around clip_grad_norm_ inside the compiled function does not catch it; the call changed nothing. "
+    "To skip such a step inside, pass error_if_nonfinite=False and test torch.isfinite(total_norm); or catch the "
+    "error around the compiled call.)")
+
+
 def _total_norm_checked_at_run_time(original):
     """``clip_grad_norm_(..., error_if_nonfinite=True)`` decides on the norm's value: compute the norm
     without the decision and record it as a check the program runs (``prims.check_finite``)."""
@@ -329,7 +336,8 @@ def _total_norm_checked_at_run_time(original):
                        "set `error_if_nonfinite=False`")
             # On proxies a line of the program; on real tensors (read from a global) checked right away.
             if type(norm) is TensorProxy:
-                prims.check_finite(norm, message)
+                # Eager raises inside the user's code; the program raises when it runs, after the traced code.
+                prims.check_finite(norm, message + _CHECKED_WHEN_THE_PROGRAM_RUNS)
             else:
                 symbols.run_eagerly(prims.check_finite, norm, message)
         return norm

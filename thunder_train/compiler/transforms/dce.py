@@ -27,7 +27,7 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
             for a in bsym.flat_args():
                 if is_proxy(a):
                     needed.add(id(a))
-            _sizes_read_inside(bsym, needed)
+            _sizes_read_inside(bsym, needed, keep_sizes)
             for o in outs if keep_sizes else ():  # a tensor's symbolic sizes, for a backward that reads them
                 for d in getattr(o, "_tt_shape", ()):
                     if type(d) is not int:
@@ -37,14 +37,20 @@ def dce(trc, header="Dead code elimination", *, keep_sizes=False):
     return new
 
 
-def _sizes_read_inside(bsym, needed):
+def _sizes_read_inside(bsym, needed, keep_sizes=False):
     """Symbolic sizes and hyper-parameter arithmetic a decomposition reads: computed at the top of the
-    program (symbols.py), not passed as arguments."""
+    program (symbols.py), not passed as arguments.  ``keep_sizes``: also the symbolic sizes in the shapes of
+    the decomposition's own values (``x[:, 0]`` is a slice of symbolic length, then a squeeze): once autograd
+    splits the line into its parts, the backward reads them (a ``reshape`` to the slice's shape)."""
     from ..proxies import is_checked
 
     for sub in bsym.subsymbols:
         for a in sub.flat_args():
             if is_checked(a):
                 needed.add(id(a))
-        _sizes_read_inside(sub, needed)
+        for o in sub.flat_outputs() if keep_sizes else ():
+            for d in getattr(o, "_tt_shape", ()):
+                if type(d) is not int:
+                    needed.add(id(d))
+        _sizes_read_inside(sub, needed, keep_sizes)
 
