@@ -313,6 +313,27 @@ def _fresh(st, g, taken: set):
     return g
 
 
+def _refuse_non_leaf_input(st, p) -> None:
+    """A backward inside the function reaches the input ``p``: eager accumulates into ``p.grad`` only for a leaf; from
+    a non-leaf (``x = src * 2`` passed in, a module attribute assigned a computed tensor) it goes on into the graph that
+    computed it, which the compiled program cannot reach.  Refused, and each input it reached is guarded on being a
+    leaf from now on (prologue.leafness_spec, thin_checks), so a later call with a non-leaf retraces and is refused."""
+    leaf = st.walker.leaf_of(p)
+    if leaf is None or leaf.kind != "tensor":
+        return  # a tensor made to require grad inside the function: a leaf
+    if leaf.alias_of is None and leaf.snapshot != "grad_fn":
+        leaf.snapshot = "is_leaf"
+    real = leaf.value
+    if getattr(real, "is_leaf", True):
+        return
+    raise TracingError(
+        f"{leaf.where} is a non-leaf tensor (grad_fn {type(real.grad_fn).__name__}) that a backward inside the compiled "
+        "function differentiates: eager's backward would go on into the graph that computed it (to the tensors it was "
+        "computed from), which the compiled program cannot reach. Compute the tensor inside the compiled function, "
+        "pass it detached (`.detach()`, or `.detach().requires_grad_()` and backpropagate its `.grad` yourself), or "
+        "compile the model (`tt.compile(model)`) and call backward outside. Nothing was changed.")
+
+
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
     buffers = st.buffers
@@ -327,6 +348,9 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
     groups = [vals for _, vals in params]
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
+    for (p, _), g in zip(params, grads):
+        if g is not None:
+            _refuse_non_leaf_input(st, p)
     record_roots(st, outs, retain_graph or create_graph)
     taken: set = set()
     for (p, _), g in zip(params, grads):
