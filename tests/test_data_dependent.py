@@ -451,3 +451,57 @@ def test_a_mask_of_dropped_out_values_selects_as_eager(mode):
         torch.testing.assert_close(cf(x, w2, 0.3), want)
         torch.testing.assert_close(w2.grad, w1.grad)
         assert torch.equal(torch.get_rng_state(), eager_state)
+
+
+class _CountScaled(nn.Module):
+    """Per-class counts (``bincount(k, minlength=3)``, data-dependent length) scaling a (rows, 3) activation: the
+    count's length is decided equal to 3 where it broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        k = h.argmax(1)
+        counts = torch.bincount(k, minlength=3)
+        weighted = torch.bincount(k, weights=h[:, 0].detach(), minlength=3)
+        return (h * counts.float()).sum() + weighted.sum() + torch.bincount(k).sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "thin", "module"])
+def test_bincount_broadcast_against_a_static_size_trains_as_eager_without_error_logs(mode):
+    """Before, the trace kept the count's stand-in length (the input's length, 8) where it broadcast against 3: torch's
+    fake-tensor layout probe logged "failed while attempting to run meta for aten.mul.Tensor" ERROR lines on every
+    trace, and ``tt.compile(model)`` failed ("reshape: shape (8, 3) is invalid for input of size u4")."""
+    import logging
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.ERROR)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        base = _CountScaled()
+        xs = [torch.randn(8, 4) for _ in range(3)]
+        want_m, got_m = copy.deepcopy(base), copy.deepcopy(base)
+        want_opt, got_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (want_m, got_m))
+        if mode == "module":
+            cm = tt.compile(got_m)
+            cstep = lambda m, opt, x: step(cm, opt, x)  # noqa: E731
+        else:
+            cstep = tt.compile(step, thin=mode == "thin")
+        for x in xs:
+            want = step(want_m, want_opt, x)
+            got = cstep(got_m, got_opt, x)
+            assert torch.equal(got, want)
+            for p, q in zip(want_m.parameters(), got_m.parameters()):
+                assert torch.equal(q, p)
+    finally:
+        fake_log.removeHandler(handler)
+    assert not records, records[:2]

@@ -48,6 +48,14 @@ def canonicalize_dims(rank: int, dims) -> tuple:
     return tuple(d for d in out if d < rank) if rank else ()
 
 
+def settle_size(x, v: int) -> None:
+    """A data-dependent size the trace decided equals the int ``v`` (a check of the program right after the op that
+    computes it): every later line runs with ``v``, so later questions and layout probes use it, not the stand-in
+    (the largest count possible, which would not broadcast against ``v``)."""
+    if is_unbacked(x):
+        x.decided = x.value = v
+
+
 def broadcast_shapes(*shapes) -> tuple:
     n = max((len(s) for s in shapes), default=0)
     out = [1] * n
@@ -65,6 +73,11 @@ def broadcast_shapes(*shapes) -> tuple:
             if x == 1:
                 continue
             check(o == 1 or o == x, lambda: f"shapes {', '.join(str(tuple(t)) for t in shapes)} cannot be broadcast together")
+            if type(o) is int and o != 1:  # a data-dependent x decided equal to o: the size is o
+                settle_size(x, o)
+                continue
+            if type(x) is int:
+                settle_size(o, x)
             out[i] = x
     return tuple(out)
 

@@ -177,6 +177,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     try:
         with torch._C.DisableTorchFunction(), torch.device("meta"):
             meta_out = meta_rules.get(func, func)(*meta_args, **meta_kwargs)
+    except UnsupportedOpError:
+        raise  # a rule's own refusal, saying what to do
     except Exception as e:
         raise UnsupportedOpError(
             f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "

@@ -325,25 +325,25 @@ def _refuse_inside_an_op(st):
             "(no autograd call inside), or call the Function outside the compiled function.")
 
 
-def _refuse_graph_from_outside(st, p):
-    """A backward reaching an input that is not a leaf (``feat = backbone(x)`` run eagerly, then passed in): eager
-    continues into the graph that made it (the backbone's ``.grad``) and leaves its ``.grad`` None; the program
-    would stop at it and set its ``.grad``.  Refused, and the input's leafness is guarded from now on (a leaf
-    traced first, then a non-leaf, would run the same program)."""
-    leaf = st.walker.leaf_of(p) if st.walker.is_input(p) else None
-    if leaf is None or leaf.kind != "tensor" or isinstance(leaf.value, torch.nn.Parameter):
+def _refuse_non_leaf_input(st, p) -> None:
+    """A backward inside the function reaches the input ``p``: eager accumulates into ``p.grad`` only for a leaf; from
+    a non-leaf (``x = src * 2`` passed in, a module attribute assigned a computed tensor) it goes on into the graph that
+    computed it, which the compiled program cannot reach.  Refused, and each input it reached is guarded on being a
+    leaf from now on (prologue.leafness_spec, thin_checks), so a later call with a non-leaf retraces and is refused."""
+    leaf = st.walker.leaf_of(p)
+    if leaf is None or leaf.kind != "tensor":
+        return  # a tensor made to require grad inside the function: a leaf
+    if leaf.alias_of is None and leaf.snapshot != "grad_fn":
+        leaf.snapshot = "is_leaf"
+    real = leaf.value
+    if getattr(real, "is_leaf", True):
         return
-    if leaf.alias_of is None and leaf.snapshot is None:
-        leaf.snapshot = "is_leaf"  # prologue.leafness_spec, thin_checks
-    if not leaf.value.is_leaf:
-        from .provenance import path_str
-
-        raise TracingError(
-            f"a backward inside the compiled function reaches {path_str(leaf.path)}, a tensor computed outside it "
-            "with its own autograd graph (not a leaf): eager's backward continues into that graph (the .grad of what "
-            "made it), the compiled one would stop there. Compute it inside the compiled function, pass it in "
-            "detached (and backpropagate through it yourself, from the gradient returned by torch.autograd.grad), "
-            "or call backward() outside the compiled function (tt.compile(model)).")
+    raise TracingError(
+        f"{leaf.where} is a non-leaf tensor (grad_fn {type(real.grad_fn).__name__}) that a backward inside the compiled "
+        "function differentiates: eager's backward would go on into the graph that computed it (to the tensors it was "
+        "computed from), which the compiled program cannot reach. Compute the tensor inside the compiled function, "
+        "pass it detached (`.detach()`, or `.detach().requires_grad_()` and backpropagate its `.grad` yourself), or "
+        "compile the model (`tt.compile(model)`) and call backward outside. Nothing was changed.")
 
 
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
@@ -361,12 +361,14 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
     groups = [vals for _, vals in params]
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
+    for (p, _), g in zip(params, grads):
+        if g is not None:
+            _refuse_non_leaf_input(st, p)
     record_roots(st, outs, retain_graph or create_graph)
     taken: set = set()
     for (p, _), g in zip(params, grads):
         if g is None:
             continue
-        _refuse_graph_from_outside(st, p)
         if type(g) is SparseProxy:  # a sparse leaf's (transforms/sparse_grads.py): read by opaque lines only
             if create_graph:
                 raise TracingError(f"backward(create_graph=True) through the sparse tensor {p._tt_name} is not supported "

@@ -408,6 +408,13 @@ class InputWalker:
                 proxy = self.tensor(b, path + (Step("buffer", name),), None)
                 self.swapped.append((m._buffers, name, b))
                 m._buffers[name] = proxy
+        for name, v in list(m.__dict__.items()):
+            if name[:1] != "_" and isinstance(v, torch.Tensor) and not isinstance(v, TensorProxy):
+                # A plain tensor attribute (``self.mask = torch.ones(4)``): an input like a buffer, read from the module
+                # on every call, so a replaced tensor (another value, requires_grad or grad_fn) is seen.
+                proxy = self.tensor(v, path + (Step("attr", name),), None)
+                self.swapped.append((m.__dict__, name, v))
+                m.__dict__[name] = proxy
         for name, v in m.__dict__.items():
             if name[:1] != "_" and type(v) in (list, dict):  # a module's own list or dict (self.history = [])
                 self.unwalked.append((path_str(path + (Step("attr", name),)), v, _contents(v), v.copy(),

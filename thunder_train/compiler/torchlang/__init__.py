@@ -8,7 +8,7 @@ import sys
 from .. import codegen
 from .registry import all_symbols, by_torch_fn, lookup  # noqa: F401
 from . import (  # noqa: F401  (each registers its ops; a later binding of the same torch callable wins)
-    tensor_methods, elementwise, reductions, shapes, factories, linalg, nn, losses, inplace, foreach, optim, decided,
+    tensor_methods, elementwise, elementwise_composed, reductions, shapes, factories, linalg, nn, losses, inplace, foreach, optim, decided,
     statistics, value_shaped, activations, normalization, attention, dropout, padding, pooling, distances, indexing,
     sorting, distributed, spectral, opaque_rules,
 )

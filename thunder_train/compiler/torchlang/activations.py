@@ -195,7 +195,8 @@ def _logsigmoid_vjp(g, out, /, input):
     # eager's log_sigmoid_backward: g * (max_deriv - sign * z / (1 + z)), z = exp(-|x|); exact at -inf (1) and inf (0)
     x, gu = upcast_and_dtype(input)[0], upcast_and_dtype(g)[0]
     negative = prims.lt(x, 0.0)
-    z = prims.exp(prims.neg(prims.abs(x)))
+    # eager's forward keeps z in the input's dtype (its buffer): a half or bfloat16 z is rounded
+    z = clang.upcast(clang.maybe_convert(prims.exp(prims.neg(prims.abs(x))), input._tt_dtype))
     frac = prims.div(z, _add(z, 1.0))
     return {"input": downcast_like(_mul(gu, prims.where(negative, _sub(1.0, frac), frac)), input)}
 
@@ -226,11 +227,6 @@ def _hardswish_vjp(g, out, /, input, inplace=False):
     return {"input": downcast_like(prims.where(prims.le(x, -3.0), 0.0, middle), input)}
 
 
-@torchsymbol(F.softsign)
-def softsign(input):
-    return clang.true_divide(input, clang.add(clang.elementwise_unary(prims.abs, input), 1))
-
-
 @torchsymbol(F.glu)
 def glu(input, dim=-1):
     a, b = clang.slice_in_dim(input, 0, input._tt_shape[dim] // 2, 1, dim), clang.slice_in_dim(input, input._tt_shape[dim] // 2, input._tt_shape[dim], 1, dim)
@@ -240,6 +236,14 @@ def glu(input, dim=-1):
 # ---------------------------------------------------------------------------
 # Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
 # ---------------------------------------------------------------------------
+def softsign(input):
+    """As eager's ``F.softsign``, torch calls (each rounding, with its own gradient rule, as eager's)."""
+    return input / (input.abs() + 1)
+
+
+composed("softsign", softsign, (F.softsign,))
+
+
 def _maybe_inplace(input, out, inplace):
     return input.copy_(out) if inplace else out  # the copy_ is functionalized like the user's own
 

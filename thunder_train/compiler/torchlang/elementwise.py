@@ -208,7 +208,9 @@ def div(input, other, *, rounding_mode=None):
 @torchsymbol(methods=("__rtruediv__", "__rdiv__"), name="rtruediv", tags=("fusible",),
              autocast={"cuda": FP32})
 def rtruediv(input, other):
-    """``other / input``."""
+    """``other / input`` as eager's ``Tensor.__rdiv__``: ``input.reciprocal() * other`` (two roundings)."""
+    if type(input) is TensorProxy:
+        return clang.mul(reciprocal(input), other)
     return clang.true_divide(other, input)
 
 
@@ -445,206 +447,70 @@ def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
     return close
 
 
-# ---------------------------------------------------------------------------
-# Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
-# ---------------------------------------------------------------------------
-def _real(x, op):
-    if x.dtype.is_complex:
-        raise NotImplementedError(f"{op} of a complex tensor is run by torch")
+def _logaddexp(input, other, name, exp_prim, scale):
+    """``max + log1p(exp(-|input - other|)) * scale`` (``m`` itself at equal infinities, where the formula gives
+    NaN), computed in float32 for half and bfloat16 and rounded once, as eager's kernel."""
+    for x in (input, other):
+        if type(x) is TensorProxy and x._tt_dtype.is_complex:
+            raise NotImplementedError(f"{name} of a complex tensor is run by torch")
+    comp, res = clang.promote_for(P.INT_TO_FLOAT, input, other)
+    a, b = clang.maybe_broadcast(input, other)
+    a, b = clang.maybe_convert(a, clang.compute_dtype(comp)), clang.maybe_convert(b, clang.compute_dtype(comp))
+    m = prims.maximum(a, b)
+    tail = prims.log1p(exp_prim(prims.neg(prims.abs(prims.sub(a, b)))))
+    out = prims.add(m, prims.mul(tail, scale) if scale != 1 else tail)
+    return clang.maybe_convert(prims.where(prims.bitwise_and(prims.isinf(m), prims.eq(a, b)), m, out), res)
 
 
-def _real_only(name):
-    """An op that is the identity on real tensors (conj, real, ...); complex ones are run by torch."""
-    def fn(input):
-        _real(input, name)
-        return input
-
-    return fn
-
-
-def _float(x):
-    return x if x.dtype.is_floating_point else x.to(torch.get_default_dtype())
-
-
-def positive(input):
-    if input.dtype is torch.bool:
-        raise TypeError("The `+` operator, on a bool tensor is not supported.")
-    return input
-
-
-composed("positive", positive, (torch.positive,), ("positive",))
-
-
-conj = _real_only("conj")
-composed("conj", conj, (torch.conj,), ("conj",))
-composed("resolve_conj", conj, (torch.resolve_conj,), ("resolve_conj",))
-composed("resolve_neg", _real_only("resolve_neg"), (torch.resolve_neg,), ("resolve_neg",))
-
-
-def deg2rad(input):
-    _real(input, "deg2rad")
-    return _float(input) * (math.pi / 180)
-
-
-composed("deg2rad", deg2rad, (torch.deg2rad,), ("deg2rad",))
-
-
-def rad2deg(input):
-    _real(input, "rad2deg")
-    return _float(input) * (180 / math.pi)
-
-
-composed("rad2deg", rad2deg, (torch.rad2deg,), ("rad2deg",))
-
-
-def frac(input):
-    _real(input, "frac")
-    if not input.dtype.is_floating_point:
-        raise RuntimeError('"frac_cpu" not implemented for integer dtypes')
-    return input - torch.trunc(input)
-
-
-composed("frac", frac, (torch.frac,), ("frac",))
-
-
+@torchsymbol(torch.logaddexp, methods=("logaddexp",), tags=FUSIBLE)
 def logaddexp(input, other):
-    _real(input, "logaddexp")
-    m = torch.maximum(input, other)
-    d = torch.abs(input - other)
-    # equal infinities: m itself (the formula gives NaN for inf - inf)
-    return torch.where(torch.isinf(m) & (input == other), m, m + torch.log1p(torch.exp(-d)))
+    """torch.logaddexp"""
+    return _logaddexp(input, other, "logaddexp", prims.exp, 1)
 
 
-composed("logaddexp", logaddexp, (torch.logaddexp,), ("logaddexp",))
-
-
+@torchsymbol(torch.logaddexp2, methods=("logaddexp2",), tags=FUSIBLE)
 def logaddexp2(input, other):
-    _real(input, "logaddexp2")
-    m = torch.maximum(input, other)
-    d = torch.abs(input - other)
-    return torch.where(torch.isinf(m) & (input == other), m, m + torch.log1p(torch.exp2(-d)) / math.log(2))
+    """torch.logaddexp2"""
+    return _logaddexp(input, other, "logaddexp2", prims.exp2, 1 / math.log(2))
 
 
-composed("logaddexp2", logaddexp2, (torch.logaddexp2,), ("logaddexp2",))
+# ---------------------------------------------------------------------------
+# Gradient rules of half and bfloat16 ops that round where eager's formulas round
+# ---------------------------------------------------------------------------
+# A low-precision op computes in float32 and rounds once (``clang.elementwise_unary``); differentiating that
+# decomposition computes the whole gradient formula in float32 and rounds once more.  Eager's derivative formulas
+# (PyTorch's ``derivatives.yaml``) are themselves low-precision torch ops, each computing in float32 and rounding,
+# and where a formula reads the op's result it reads the rounded result.  The two differ by an ulp in a quarter of
+# the elements or more.  These rules write eager's formula with one torch-language op per eager op on the
+# low-precision values, so every step rounds as eager's does (``tests/test_low_precision_grads.py`` and
+# ``tests/test_low_precision_sweep.py`` compare bitwise).  They apply only where every tensor argument has one
+# low-precision dtype; float32 and float64 calls, and mixed dtypes, are differentiated as before.
+#
+# ``tanh_backward`` and ``sigmoid_backward`` are eager's kernels (their rounding depends on the device and dtype).
+_add, _sub, _mul, _div, _neg = clang.add, clang.sub, clang.mul, clang.true_divide, clang.neg
 
 
-def sinc(input):
-    _real(input, "sinc")
-    x = _float(input) * math.pi
-    return torch.where(x == 0, torch.ones_like(x), torch.sin(x) / x)
+def _low_precision(*values, **named):
+    """Every tensor argument has one low-precision dtype (at least one tensor; plain real numbers allowed)."""
+    values = values + tuple(named.values())
+    tensors = [v for v in values if type(v) is TensorProxy]
+    if not tensors or not tensors[0]._tt_dtype.is_low_precision:
+        return False
+    if any(isinstance(v, (NumberProxy, complex)) for v in values):
+        return False
+    return all(t._tt_dtype is tensors[0]._tt_dtype for t in tensors)
 
 
-composed("sinc", sinc, (torch.sinc, torch.special.sinc), ("sinc",))
+def _to(grad, x):
+    """A gradient computed at the broadcast shape, summed to ``x``'s shape (as autograd's ``sum_to_size``)."""
+    if type(x) is not TensorProxy:
+        return None
+    return sum_to(grad, x._tt_shape)
 
 
-def heaviside(input, values):
-    if input.dtype != values.dtype:
-        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes")
-    return torch.where(input == 0, values, (input > 0).to(input.dtype))
-
-
-composed("heaviside", heaviside, (torch.heaviside,), ("heaviside",))
-
-
-def isposinf(input):
-    return input == math.inf if input.dtype.is_floating_point else torch.zeros_like(input, dtype=torch.bool)
-
-
-composed("isposinf", isposinf, (torch.isposinf,), ("isposinf",))
-
-
-def isneginf(input):
-    return input == -math.inf if input.dtype.is_floating_point else torch.zeros_like(input, dtype=torch.bool)
-
-
-composed("isneginf", isneginf, (torch.isneginf,), ("isneginf",))
-
-
-def isreal(input):
-    _real(input, "isreal")
-    return torch.ones_like(input, dtype=torch.bool)
-
-
-composed("isreal", isreal, (torch.isreal,), ("isreal",))
-
-
-def xlog1py(input, other):
-    if not isinstance(input, torch.Tensor) or not isinstance(other, torch.Tensor):
-        raise NotImplementedError("xlog1py with a number argument is run by torch")
-    out = input * torch.log1p(other)
-    return torch.where((input == 0) & ~torch.isnan(other), torch.zeros_like(out), out)
-
-
-composed("xlog1py", xlog1py, (torch.special.xlog1py,))
-
-
-def entr(input):
-    x = _float(input)
-    return torch.where(x > 0, -x * torch.log(x), torch.where(x == 0, torch.zeros_like(x), torch.full_like(x, -math.inf) + x * 0))
-
-
-composed("entr", entr, (torch.special.entr,))
-
-
-def ndtr(input):
-    x = _float(input)
-    return (1 + torch.erf(x * (1 / math.sqrt(2)))) * 0.5
-
-
-composed("ndtr", ndtr, (torch.special.ndtr,))
-
-
-def logit(input, eps=None):
-    x = _float(input)
-    if eps is not None:
-        x = torch.clamp(x, eps, 1 - eps)
-    return torch.log(x / (1 - x))
-
-
-composed("logit", logit, (torch.logit, torch.special.logit), ("logit",))
-
-
-def float_power(input, exponent):
-    if (isinstance(input, torch.Tensor) and input.dtype.is_complex) or (isinstance(exponent, torch.Tensor) and exponent.dtype.is_complex):
-        raise NotImplementedError("complex float_power is run by torch")
-    a = input.to(torch.float64) if isinstance(input, torch.Tensor) else float(input)
-    b = exponent.to(torch.float64) if isinstance(exponent, torch.Tensor) else float(exponent)
-    return torch.pow(a, b)
-
-
-composed("float_power", float_power, (torch.float_power,), ("float_power",))
-
-
-def ldexp(input, other):
-    return input * torch.pow(2.0, other)
-
-
-composed("ldexp", ldexp, (torch.ldexp,), ("ldexp",))
-
-
-composed("conj_physical", _real_only("conj_physical"), (torch.conj_physical,), ("conj_physical",))
-composed("real", _real_only("real"), (torch.real,))
-
-
-def angle(input):
-    _real(input, "angle")
-    x = _float(input)
-    return torch.where(torch.isnan(x), x, torch.where(x < 0, torch.full_like(x, math.pi), torch.zeros_like(x)))
-
-
-composed("angle", angle, (torch.angle,), ("angle",))
-
-
-# Gradients of low-precision ops whose derivative reads the result.  A half or bfloat16 op computes in float32 and
-# rounds (clang.elementwise_unary), so differentiating that decomposition reads the float32 result before it is
-# rounded; eager's derivative reads the rounded result.  These rules follow eager's formulas on the low-precision
-# result: one op per eager op, each rounding as eager's does.  Where eager calls a kernel whose rounding depends on
-# the device and dtype (``tanh_backward``, ``sigmoid_backward``, ``pow``), the torch executor runs that kernel.
-# Float32 and float64 calls are differentiated through the decomposition, as before.
-def _low_precision(input):
-    return isinstance(input, TensorProxy) and input._tt_dtype.is_low_precision
-
-
+# ---------------------------------------------------------------------------
+# Eager's kernels for the derivatives of tanh and sigmoid
+# ---------------------------------------------------------------------------
 @torchsymbol(torch.ops.aten.tanh_backward.default, name="tanh_backward", tags=FUSIBLE)
 def tanh_backward(grad_output, output):
     """eager's kernel: grad_output * (1 - output ** 2), computed in float32 for low precision."""
@@ -659,17 +525,38 @@ def sigmoid_backward(grad_output, output):
     return clang.maybe_convert(prims.mul(prims.mul(g, prims.sub(1.0, o)), o), grad_output._tt_dtype)
 
 
-_ROUNDED_RESULT_VJP = {
-    tanh: lambda g, o, a: tanh_backward(g, o),
-    sigmoid: lambda g, o, a: sigmoid_backward(g, o),
-    exp: lambda g, o, a: clang.mul(g, o),
-    exp2: lambda g, o, a: clang.mul(clang.mul(g, o), math.log(2.0)),
-    expm1: lambda g, o, a: clang.mul(g, clang.add(o, 1.0)),
-    sqrt: lambda g, o, a: clang.true_divide(g, clang.mul(o, 2.0)),
-    rsqrt: lambda g, o, a: clang.mul(clang.mul(g, -0.5), pow(o, 3)),
-    tan: lambda g, o, a: clang.mul(g, clang.add(clang.mul(o, o), 1.0)),
-    reciprocal: lambda g, o, a: clang.mul(clang.neg(g), clang.mul(o, o)),
-    erfinv: lambda g, o, a: clang.mul(clang.mul(clang.exp(clang.mul(o, o)), 0.5 * math.sqrt(math.pi)), g),
+# ---------------------------------------------------------------------------
+# Unary ops: eager's formula of ``g`` (the cotangent), ``o`` (the rounded result) and ``x`` (the input)
+# ---------------------------------------------------------------------------
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+_UNARY = {
+    tanh: lambda g, o, x: tanh_backward(g, o),
+    sigmoid: lambda g, o, x: sigmoid_backward(g, o),
+    exp: lambda g, o, x: _mul(g, o),
+    exp2: lambda g, o, x: _mul(_mul(g, o), math.log(2.0)),
+    expm1: lambda g, o, x: _mul(g, _add(o, 1.0)),
+    sqrt: lambda g, o, x: _div(g, _mul(o, 2.0)),
+    rsqrt: lambda g, o, x: _mul(_mul(g, -0.5), pow(o, 3)),
+    tan: lambda g, o, x: _mul(g, _add(_mul(o, o), 1.0)),
+    reciprocal: lambda g, o, x: _mul(_neg(g), _mul(o, o)),
+    erfinv: lambda g, o, x: _mul(_mul(exp(_mul(o, o)), 0.5 * math.sqrt(math.pi)), g),
+    sin: lambda g, o, x: _mul(g, cos(x)),
+    cos: lambda g, o, x: _mul(g, _neg(sin(x))),
+    asin: lambda g, o, x: _mul(g, rsqrt(_add(_mul(_neg(x), x), 1.0))),
+    acos: lambda g, o, x: _mul(g, _neg(rsqrt(_add(_mul(_neg(x), x), 1.0)))),
+    atan: lambda g, o, x: _div(g, _add(_mul(x, x), 1.0)),
+    sinh: lambda g, o, x: _mul(g, cosh(x)),
+    cosh: lambda g, o, x: _mul(g, sinh(x)),
+    asinh: lambda g, o, x: _mul(g, rsqrt(_add(_mul(x, x), 1.0))),
+    acosh: lambda g, o, x: _mul(g, rsqrt(_sub(_mul(x, x), 1.0))),
+    atanh: lambda g, o, x: _div(g, _sub(1.0, _mul(x, x))),
+    log1p: lambda g, o, x: _div(g, _add(x, 1.0)),
+    log2: lambda g, o, x: _div(g, _mul(x, math.log(2.0))),
+    log10: lambda g, o, x: _div(g, _mul(x, math.log(10.0))),
+    erf: lambda g, o, x: _mul(_mul(exp(_neg(_mul(x, x))), _TWO_OVER_SQRT_PI), g),
+    erfc: lambda g, o, x: _mul(_mul(exp(_neg(_mul(x, x))), -_TWO_OVER_SQRT_PI), g),
+    lgamma: lambda g, o, x: _mul(g, digamma(x)),
 }
 
 
@@ -682,7 +569,7 @@ def _real_float(input):
 _EAGER_KERNEL_IN_EVERY_DTYPE = (tanh, sigmoid)
 
 
-def _register_rounded_result_vjp(sym, formula):
+def _register_unary(sym, formula):
     @register_vjp(sym, supports=_real_float if sym in _EAGER_KERNEL_IN_EVERY_DTYPE else _low_precision)
     def rule(g, out, /, input):
         return {"input": formula(g, out, input)}
@@ -690,5 +577,107 @@ def _register_rounded_result_vjp(sym, formula):
     rule.__name__ = f"{sym.name}_eager_formula_vjp"
 
 
-for _sym, _formula in _ROUNDED_RESULT_VJP.items():
-    _register_rounded_result_vjp(_sym, _formula)
+for _sym, _formula in _UNARY.items():
+    _register_unary(_sym, _formula)
+
+
+# ---------------------------------------------------------------------------
+# Binary ops: formulas at the broadcast shape, summed to each input's shape
+# ---------------------------------------------------------------------------
+@register_vjp(mul, supports=lambda input, other: _low_precision(input, other))
+def _mul_vjp(g, out, /, input, other):
+    """eager: ``g * other`` and ``g * input``, rounded at the broadcast shape before a broadcast input's sum."""
+    return {"input": _to(_mul(g, other), input) if type(input) is TensorProxy else None,
+            "other": _to(_mul(g, input), other) if type(other) is TensorProxy else None}
+
+
+def _pow_grads(g, out, base, exponent):
+    """eager's pow_backward_self / pow_backward_exponent: 0 where the exponent is 0 (base) and where the base is 0
+    with an exponent >= 0 (exponent)."""
+    grads = {}
+    if type(base) is TensorProxy:
+        if type(exponent) is TensorProxy:
+            ga = _mul(g, _mul(exponent, pow(base, _sub(exponent, 1.0))))
+            grads["base"] = clang.where(clang.eq(exponent, 0.0), 0.0, ga)
+        elif exponent == 0:
+            grads["base"] = clang.full_like(base, 0.0)
+        else:
+            grads["base"] = _mul(g, _mul(exponent, pow(base, exponent - 1)))
+    if type(exponent) is TensorProxy:
+        if type(base) is TensorProxy:
+            log_base = log(base)
+            zero = clang.logical_and(clang.eq(base, 0.0), clang.ge(exponent, 0.0))
+        else:
+            log_base = math.log(base) if base > 0 else (-math.inf if base == 0 else math.nan)
+            zero = clang.ge(exponent, 0.0) if base == 0 else None
+        term = _mul(out, log_base)
+        grads["exponent"] = _mul(g, term if zero is None else clang.where(zero, 0.0, term))
+    return grads
+
+
+def _pow_supported(input, exponent):
+    return _low_precision(input, exponent)
+
+
+@register_vjp(pow, supports=_pow_supported)
+def _pow_vjp(g, out, /, input, exponent):
+    grads = _pow_grads(g, out, input, exponent)
+    return {"input": _to(grads.get("base"), input) if "base" in grads else None,
+            "exponent": _to(grads.get("exponent"), exponent) if "exponent" in grads else None}
+
+
+@register_vjp(rpow, supports=lambda input, other: _low_precision(input, other))
+def _rpow_vjp(g, out, /, input, other):
+    grads = _pow_grads(g, out, other, input)  # other ** input
+    return {"input": _to(grads.get("exponent"), input) if "exponent" in grads else None,
+            "other": _to(grads.get("base"), other) if "base" in grads else None}
+
+
+def _true_division(input, other, *, rounding_mode=None):
+    return rounding_mode is None and _low_precision(input, other)
+
+
+@register_vjp(div, supports=_true_division)
+def _div_vjp(g, out, /, input, other, *, rounding_mode=None):
+    """eager: ``g / other`` and ``-g * ((input / other) / other)``."""
+    gb = _mul(_neg(g), _div(_div(input, other), other)) if type(other) is TensorProxy else None
+    return {"input": _to(_div(g, other), input), "other": _to(gb, other) if gb is not None else None}
+
+
+@register_vjp(rtruediv, supports=lambda input, other: _low_precision(input, other))
+def _rtruediv_vjp(g, out, /, input, other):
+    """``other / input``: eager's ``Tensor.__rdiv__`` is ``input.reciprocal() * other``, so ``input`` gets
+    reciprocal's gradient of ``g * other``, ``-(g * other) * (r * r)`` on the rounded reciprocal ``r``, and a tensor
+    ``other`` gets ``g * r``."""
+    r = reciprocal(input)
+    return {"input": _to(_mul(_neg(_mul(g, other)), _mul(r, r)), input),
+            "other": _to(_mul(g, r), other) if type(other) is TensorProxy else None}
+
+
+@register_vjp(atan2, supports=lambda input, other: _low_precision(input, other) and type(other) is TensorProxy)
+def _atan2_vjp(g, out, /, input, other):
+    """eager: ``recip = 1 / (input * input + other * other)``; ``g * other * recip`` and ``g * -input * recip``."""
+    recip = reciprocal(_add(_mul(input, input), _mul(other, other)))
+    return {"input": _to(_mul(_mul(g, other), recip), input), "other": _to(_mul(_mul(g, _neg(input)), recip), other)}
+
+
+@register_vjp(hypot, supports=lambda input, other: _low_precision(input, other))
+def _hypot_vjp(g, out, /, input, other):
+    """eager: ``g * input / out`` and ``g * other / out``."""
+    return {"input": _to(_div(_mul(g, input), out), input),
+            "other": _to(_div(_mul(g, other), out), other) if type(other) is TensorProxy else None}
+
+
+def _logaddexp_rule(exp_of):
+    """eager: ``g / (1 + exp(other - input))`` and ``g / (1 + exp(input - other))`` (``exp2`` for logaddexp2)."""
+
+    def rule(g, out, /, input, other):
+        return {"input": _to(_div(g, _add(1.0, exp_of(_sub(other, input)))), input),
+                "other": _to(_div(g, _add(1.0, exp_of(_sub(input, other)))), other)}
+
+    return rule
+
+
+_both_tensors = lambda input, other: _low_precision(input, other) and type(other) is TensorProxy  # noqa: E731
+register_vjp(logaddexp, supports=_both_tensors)(_logaddexp_rule(exp))
+register_vjp(logaddexp2, supports=_both_tensors)(_logaddexp_rule(lambda t: pow(2.0, t)))

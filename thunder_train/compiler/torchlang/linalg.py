@@ -9,7 +9,7 @@ import torch
 from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
 from .matmul_precision import precision_switches
-from .elementwise import _real
+from .elementwise_composed import _real
 from ..proxies import is_int
 from ..opaque import meta_rule
 from .registry import composed, torchsymbol

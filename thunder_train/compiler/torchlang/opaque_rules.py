@@ -1,5 +1,6 @@
 """Output rules (``opaque.meta_rule``) for torch ops that run opaquely and have no meta kernel, of families without a
-module of their own: torch.distributions' Dirichlet sampler and its gradient, and fake quantization.
+module of their own: torch.distributions' Dirichlet sampler and its gradient, and fake quantization; and the clear
+refusal of packed sequences (``pack_padded_sequence`` / ``pad_packed_sequence``), whose sizes ``lengths`` decides.
 
 Each output is shaped like the op's first input and requires grad as eager's does.  At run time torch computes it
 (and, on the gradient path, differentiates it: ``transforms/opaque_grad.py``); torch tags the sampler random, so it
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedOpError
 from ..opaque import meta_rule
 
 
@@ -38,3 +40,24 @@ def _fake_quantize_per_tensor_meta(input, scale, zero_point, quant_min, quant_ma
 @meta_rule(torch.fake_quantize_per_channel_affine)
 def _fake_quantize_per_channel_meta(input, scale, zero_point, axis, quant_min, quant_max):
     return _like(input)
+
+
+# Packed sequences: the packed data has sum(lengths) rows and ``batch_sizes`` (a CPU tensor) counts the sequences still
+# running at each step, so every size depends on the values of ``lengths``; torch's kernels take them as CPU tensors
+# and have no meta form.  Refused with what to do (not the generic "run on meta tensors failed" advice).
+_PACKED = ("{what} inside a compiled function is not supported: the packed sequence's sizes (sum(lengths) rows, "
+           "batch_sizes) depend on the values of `lengths`, which torch's kernels read on the CPU. Call "
+           "pack_padded_sequence, the RNN and pad_packed_sequence outside the compiled function (compile the layers "
+           "before and after them), or run a unidirectional RNN on the padded batch and pick each sequence's last valid "
+           "step (`out[torch.arange(len(lengths)), lengths - 1]`; its outputs at valid steps are the packed run's). "
+           "Nothing was changed.")
+
+
+@meta_rule(torch._pack_padded_sequence)
+def _pack_padded_sequence_refused(input, lengths, batch_first):
+    raise UnsupportedOpError(_PACKED.format(what="torch.nn.utils.rnn.pack_padded_sequence"))
+
+
+@meta_rule(torch._pad_packed_sequence)
+def _pad_packed_sequence_refused(data, batch_sizes, batch_first, padding_value, total_length):
+    raise UnsupportedOpError(_PACKED.format(what="torch.nn.utils.rnn.pad_packed_sequence"))

@@ -17,6 +17,7 @@ from ..clang import downcast_like, upcast
 from ..grad_rules import register_vjp
 from ..prims import mul, sub
 from ..prims.reductions import prod_vjp
+from . import elementwise as ew
 from .registry import composed, torchsymbol
 
 
@@ -38,7 +39,9 @@ def mean(input, dim=None, keepdim=False, *, dtype=None):
 
 @torchsymbol(torch.prod, methods=("prod",), autocast={"cpu": FP32, "cuda": FP32_UNLESS_DTYPE})
 def prod(input, dim=None, keepdim=False, *, dtype=None):
-    return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG)
+    """Half and bfloat16 multiply in their own dtype, rounding at each step as eager's CPU kernel does (no float32
+    accumulation), so its gradient rule (``out / a``, eager's ``prod_backward``) rounds per op as eager's too."""
+    return clang.reduction(prims.prod, input, dim, keepdim, dtype=to_dtype(dtype), kind=Promotion.BOOL_TO_LONG, upcast=False)
 
 
 def _over_all_elements(input, dim=None, keepdim=False, *, dtype=None):
@@ -49,8 +52,8 @@ def _over_all_elements(input, dim=None, keepdim=False, *, dtype=None):
 def _prod_all_vjp(g, out, /, input, dim=None, keepdim=False, *, dtype=None):
     """Over all elements eager's ``prod_backward`` returns zeros when two or more entries are 0 (NaN-free even
     beside an infinity); otherwise prims.prod's rule (eager's exclusive products, as along a dim)."""
-    x, every = upcast(input), tuple(range(input.ndim_))
-    grad = prod_vjp(upcast(g), upcast(out), x, every)["a"]
+    x, every = input, tuple(range(input.ndim_))  # in the input's dtype, as the forward
+    grad = prod_vjp(g, out, x, every)["a"]
     if every:
         zeros = prims.sum(prims.convert_element_type(prims.eq(x, 0.0), dtypes.int64), every)
         grad = prims.where(prims.broadcast_in_dim(prims.gt(zeros, 1), x._tt_shape, ()), 0.0, grad)
@@ -344,10 +347,52 @@ def _real_norm(input, p=2, dim=None, keepdim=False, dtype=None):
     return (p in ("fro", None) or number_type(p) in (int, float)) and type(input) is TensorProxy and input._tt_dtype.is_float
 
 
+# Half and bfloat16 norms: eager's formula op by op, each rounding (as elementwise.py's low-precision rules); the
+# reduced values broadcast back over the input as eager unsqueezes the reduced dims.
+_lp_mul, _lp_div = clang.mul, clang.true_divide
+
+
+def _reduced_dims(x, dim):
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(x.ndim_))
+    return tuple(clang.canonicalize_dims(x.ndim_, dim if isinstance(dim, (tuple, list)) else (dim,)))
+
+
+def _kept(v, x, dims):
+    """``v`` (reduced over ``dims``, with or without kept dims) shaped to broadcast against ``x``."""
+    return clang.reshape(v, tuple(1 if d in dims else s for d, s in enumerate(x._tt_shape)))
+
+
+def _vector_norm_low(input, p=2, dim=None, keepdim=False, dtype=None):
+    p = 2 if p in ("fro", None) else p
+    return (dtype is None and isinstance(p, (int, float)) and not isinstance(p, bool) and p != 0 and p != 1
+            and not math.isinf(p) and (type(input) is TensorProxy and input._tt_dtype.is_low_precision))
+
+
+def _norm_low_precision_vjp(g, out, /, input, p=2, dim=None, keepdim=False, dtype=None):
+    """eager's ``norm_backward`` (p = 0, 1 and inf round nowhere and keep their float32 rule): p = 2,
+    ``g * (x / norm)``; p < 1, ``sgn(x) * |x| ** (p - 1) * g * norm ** (1 - p)``; otherwise ``x_scaled * (g / norm **
+    (p - 1))`` with ``x_scaled`` ``x * |x| ** (p - 2)`` (p > 2) or ``sgn(x) * |x| ** (p - 1)``; 0 at a zero norm
+    (and at zero entries for p < 1)."""
+    p = 2 if p in ("fro", None) else p
+    x, dims = input, _reduced_dims(input, dim)
+    gk, n = _kept(g, x, dims), _kept(out, x, dims)
+    if p == 2:
+        return {"input": _lp_mul(gk, clang.where(clang.eq(n, 0.0), 0.0, _lp_div(x, n)))}
+    ax = ew.abs(x)
+    if p < 1:
+        scaled = _lp_mul(ew.sign(x), clang.where(clang.eq(x, 0.0), 0.0, ew.pow(ax, p - 1)))
+        return {"input": _lp_mul(_lp_mul(scaled, gk), ew.pow(n, 1 - p))}
+    scaled = _lp_mul(x, ew.pow(ax, p - 2)) if p > 2 else _lp_mul(ew.sign(x), ew.pow(ax, p - 1))
+    return {"input": _lp_mul(scaled, clang.where(clang.eq(n, 0.0), 0.0, _lp_div(gk, ew.pow(n, p - 1))))}
+
+
 @register_vjp(norm, supports=_real_norm)
 def _norm_vjp(g, out, /, input, p=2, dim=None, keepdim=False, dtype=None):
     """As eager's ``linalg_vector_norm_backward``: 0 at a zero norm (p = 2, p > 1), ``sgn(x)`` shares of the
     gradient among the maxima for p = inf (a NaN is a maximum, and ``sgn(nan)`` is 0), 0 at zero entries for p < 1."""
+    if _vector_norm_low(input, p, dim, keepdim, dtype):
+        return _norm_low_precision_vjp(g, out, input, p, dim, keepdim, dtype)
     p = 2 if p in ("fro", None) else p  # Tensor.norm() passes p='fro': the 2-norm
     x = upcast(input if dtype is None else clang.maybe_convert(input, to_dtype(dtype)))
     dims = tuple(range(x.ndim_)) if _dims(dim) is None else clang.canonicalize_dims(x.ndim_, dim if isinstance(dim, (tuple, list)) else (dim,))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import context, prims, symbols
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import TensorProxy, is_proxy, is_unbacked
 from ..sparse_proxy import SparseProxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
@@ -298,6 +298,22 @@ def _proxies_read(bsyms, extra=()) -> list:
     return read
 
 
+def _data_dependent_sizes(bsyms, saved) -> list:
+    """Data-dependent sizes (``u0``: the length ``bincount`` or ``nonzero`` gave) in the shapes the backward's lines
+    use but do not compute: the forward reads them (``prims.shape``) where the op runs, so they are saved like values
+    (a lowered line may spell a shape it only reads from a tensor, as ``broadcast_in_dim``'s view shape)."""
+    have = {id(p) for p in saved}
+    have.update(id(o) for b in bsyms for o in b.flat_outputs() if is_proxy(o))
+    out = []
+    for b in bsyms:
+        for t in (*b.flat_args(), *b.flat_outputs()):
+            for s in getattr(t, "_tt_shape", ()) if _is_tensor(t) else ():
+                if is_unbacked(s) and id(s) not in have:
+                    have.add(id(s))
+                    out.append(s)
+    return out
+
+
 def _recompute_cheap(saved: list, fwd_bsyms: list) -> tuple[list, list]:
     """Replace saved outputs of cheap ops by their inputs when that does not grow the saved set."""
     producer = {id(o): b for b in fwd_bsyms for o in b.flat_outputs() if is_proxy(o)}
@@ -379,6 +395,7 @@ def build_forward_backward(trc, memory_budget: float | None = None, stand_ins=()
     ct_ids = {id(c) for c in cotangents}
     saved = [p for p in _proxies_read(bwd_part, grads) if id(p) not in ct_ids]
     saved, recompute = _recompute_cheap(saved, fwd_part)
+    saved += _data_dependent_sizes(recompute + bwd_part, saved)
 
     forward = trc.derive("Forward (autograd): the computation, also returning the values the backward reads")
     # fn_name stays "computation": the executed forward is the entry's computation.
