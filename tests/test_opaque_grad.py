@@ -1,8 +1,8 @@
 """Ops without a native gradient rule train through PyTorch's autograd (compiler/transforms/opaque_grad.py).
 
-nn.LSTM (torch.lstm) and nn.TransformerEncoder (F.multi_head_attention_forward inside) are compared with
-eager: forward, gradients through ``tt.compile(module)``, and three whole training steps with AdamW
-(plain and thin mode).
+nn.LSTM (torch.lstm) is compared with eager: forward, gradients through ``tt.compile(module)``, and three whole
+training steps with AdamW (plain and thin mode); so is nn.TransformerEncoder, whose F.multi_head_attention_forward
+ran opaquely until it was traced through torch's own body (tests/test_multihead_attention.py).
 """
 from __future__ import annotations
 
@@ -61,7 +61,11 @@ def test_module_forward_and_gradients_match_eager(model_cls):
     (out_c * w).sum().backward()
     for (n, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}.grad: {m}")
-    assert any("gradient by torch autograd" in op for op in tt.compile_stats(cm).opaque_ops)
+    opaque = tt.compile_stats(cm).opaque_ops
+    if model_cls is LSTMNet:
+        assert any("gradient by torch autograd" in op for op in opaque)
+    else:
+        assert opaque == []
 
 
 def _step(model, opt, x, y):
@@ -88,7 +92,8 @@ def test_whole_training_step_with_adamw_matches_eager(model_cls, thin):
         torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-5)
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
         torch.testing.assert_close(_without_key_bias(n, b), _without_key_bias(n, a), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
-    assert any("gradient by torch autograd" in op for op in tt.compile_stats(step).opaque_ops)
+    opaque = tt.compile_stats(step).opaque_ops
+    assert any("gradient by torch autograd" in op for op in opaque) if model_cls is LSTMNet else opaque == []
 
 
 def _without_key_bias(name, t):
