@@ -185,6 +185,30 @@ def test_an_opaque_op_writing_into_a_differentiated_input_raises_before_writing(
     torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
+def test_an_opaque_ops_differentiated_inputs_enter_its_graph_through_one_node():
+    """GRU's input and eight weights enter the graph through one custom Function call (each call costs tens of
+    microseconds of Python; there were nine a step), each input at its own output of that node."""
+    from thunder_train.compiler.transforms.opaque_grad import AutogradRun, opaque_vjp
+
+    gru = nn.GRU(4, 4, num_layers=2)
+    weights = [w.detach() for w in gru._flat_weights]
+    x, h0 = torch.randn(3, 2, 4), torch.zeros(2, 2, 4)
+    run = AutogradRun(torch.gru, (0, *range(2, 10)), "gru")  # flat positions: x, (h0), the eight weights
+    args = (x, h0, weights, True, 2, 0.0, True, False, False)
+    (out, _), handle = run(*args)
+    inputs = handle._tt_autograd_graph[0]
+    assert len({id(i.edge.node) for i in inputs}) == 1
+    assert sorted(i.edge.output_nr for i in inputs) == list(range(9))
+    g = torch.randn_like(out)
+    got = opaque_vjp(handle, (g, None), last=True)
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    want_out, _ = torch.gru(leaves[0], h0, leaves[1:], *args[3:])
+    want = torch.autograd.grad(want_out, leaves, g)
+    torch.testing.assert_close(out, want_out.detach(), rtol=0, atol=0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 class GRUNet(nn.Module):
     def __init__(self):
         super().__init__()
