@@ -604,3 +604,21 @@ def test_split_gradients_are_one_cat(decompose):
         torch.testing.assert_close(torch.autograd.grad(cf(x), x)[0], expected)
         bwd = tt.last_backward_traces(cf)[-1].python_source()
         assert "cat(" in bwd and "pad(" not in bwd
+
+
+def test_gradient_of_unsqueeze_is_a_reshape_not_a_sum():
+    """A new size-1 dim (unsqueeze, keepdim reductions' results) gets its gradient by a reshape, as eager's squeeze
+    view does: a sum over the one element was a kernel call per use and turned a -0.0 gradient into 0.0."""
+
+    def f(x):
+        return x.unsqueeze(1).exp()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    g = -torch.zeros(4, 1, 3)
+    cf = tt.compile(f)
+    cf(x).backward(g)
+    f(x_eager).backward(g)
+    torch.testing.assert_close(x.grad, x_eager.grad, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(x.grad), torch.signbit(x_eager.grad))
+    assert "torch.sum" not in str(tt.last_backward_traces(cf)[-1])

@@ -250,3 +250,21 @@ def test_the_deciding_call_is_timed(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(cf(x, y), _block(x, y))
     assert len(seen) == 1 and seen[0] > 0.0
+
+
+def test_the_timing_budget_counts_timing_only(monkeypatch, no_kernels):
+    """Planning a large program's regions took the whole budget on a loaded machine (the zoo's Llama step: 16 regions,
+    none timed, "saves 0.000 ms a call", the build never started); only the timing runs count against it."""
+    import time as _time
+
+    traces = _lowered(_block, torch.randn(4, 4), torch.randn(4, 4))
+    plan = inductor_fusion.plan_regions
+
+    def slow_plan(trc):
+        _time.sleep(payback.MEASURE_BUDGET_S * 1.2)
+        return plan(trc)
+
+    monkeypatch.setattr(inductor_fusion, "plan_regions", slow_plan)
+    calls = []
+    d = payback.decide(traces, measure=lambda *a: calls.append(a) or (1.0, 0.0), started=True, warm=lambda key: True)
+    assert calls and d.saving_s > 0 and d.start_at is not None

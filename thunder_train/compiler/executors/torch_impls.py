@@ -309,14 +309,18 @@ def relu_out(input, inplace=False, *, out):
 
 def linear_out(input, weight, bias=None, *, out):
     """``F.linear`` into ``out`` by the kernels functional ``linear`` picks, so the values are bitwise the same:
-    ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), else ``matmul`` then ``add_``.
-    (aten's own ``linear.out`` is that for a 2-d input, but ``matmul`` then ``add_`` for a 3-d one.)"""
+    ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), functional ``linear`` copied into
+    ``out`` for another input of 3 or more dims, else ``matmul`` then ``add_``.  (aten's own ``linear.out`` is that for a 2-d input, but ``matmul`` then ``add_`` for a 3-d one.)"""
     if bias is not None and bias.dim() == 1:
         if input.dim() == 2:
             return torch._C._nn.linear(input, weight, bias, out=out)
         if input.is_contiguous():
             torch.addmm(bias, input.view(-1, input.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
             return out
+    if input.dim() >= 3 and not input.is_contiguous():
+        # A non-contiguous input of 3 or more dims (nn.TransformerEncoder's in-projection reads a transposed view):
+        # functional linear itself, copied into ``out``; ``matmul(..., out=)`` then ``add_`` gave other sums there.
+        return out.copy_(torch._C._nn.linear(input, weight, bias))
     torch.matmul(input, weight.t(), out=out)
     if bias is not None:
         out.add_(bias)

@@ -33,7 +33,9 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
 @register_vjp(broadcast_in_dim)
 def broadcast_in_dim_vjp(g, out, /, a, shape, broadcast_dimensions):
     bdims = tuple(broadcast_dimensions)
-    reduce = [d for d in range(len(shape)) if d not in bdims]
+    # A new dim of size 1 (an unsqueeze) needs no sum, only the reshape below: eager's gradient of unsqueeze is a
+    # view, and a sum over one element is a kernel call that also turns -0.0 into 0.0.
+    reduce = [d for d in range(len(shape)) if d not in bdims and not (type(shape[d]) is int and shape[d] == 1)]
     reduce += [d for i, d in enumerate(bdims) if not same_size(a._tt_shape[i], shape[d]) and a._tt_shape[i] == 1 and shape[d] != 1]
     if reduce:
         g = prims.sum(g, tuple(sorted(reduce)))

@@ -1,8 +1,10 @@
 """``F.scaled_dot_product_attention``: its decomposition (masks, causal, grouped-query heads, dropout) and its direct
-gradient rule (recorded as one ``scaled_dot_product_attention_vjp`` line)."""
+gradient rule (recorded as one ``scaled_dot_product_attention_vjp`` line); ``F.multi_head_attention_forward`` traced
+through torch's own body."""
 from __future__ import annotations
 
 import math
+import types
 
 import torch.nn.functional as F
 
@@ -13,7 +15,7 @@ from ..prims.core import is_float as _float, sum_to
 from .autocast import LOWER  # autocast policies: see autocast.py
 from .dropout import dropout
 from .helpers import upcast_and_dtype
-from .registry import torchsymbol
+from .registry import composed, torchsymbol
 
 
 # Gradient rules are written with prims (the backward is an ordinary trace); see compiler/grad_rules.py.
@@ -176,3 +178,19 @@ def _set_sdpa_switches(switches) -> None:
 
 
 scaled_dot_product_attention.kernel_switches = lambda: (_sdpa_switches, _sdpa_under)
+
+
+# ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``): torch's own Python
+# body, traced as the user's code, so its projections, views and attention become torch-language lines (no opaque
+# op differentiated by torch's autograd at run time).  The body starts by handing the call to ``__torch_function__``
+# whenever a proxy or the tracer's mode is about, which would come straight back here: the copy below runs the same
+# code object with ``has_torch_function`` answering no for that one check; every call inside it dispatches as usual.
+def _without_override(fn):
+    scope = dict(fn.__globals__, has_torch_function=lambda _ops: False)
+    body = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    body.__kwdefaults__ = fn.__kwdefaults__
+    return body
+
+
+composed("multi_head_attention_forward", _without_override(F.multi_head_attention_forward),
+         (F.multi_head_attention_forward,))
