@@ -16,8 +16,12 @@ Values: each block's logits are the rows of eager's matmul (the same GEMM on few
 promised by the BLAS), so the loss and the input gradient are eager's up to that; the weight and bias gradients are
 sums over blocks, a different summation order than eager's one matmul (rounding-level differences,
 ``tests/test_memory.py::test_blocked_head_values``).  This is why the rewrite runs only where the program asks
-for memory (checkpoint regions or a budget): the default keeps eager's values bitwise.  Cost: the head's matmul
-runs once more in the backward.
+for memory (checkpoint regions or a budget): the default keeps eager's values bitwise.
+
+Where the incoming gradient can exist before the loss (``loss.backward()``'s constant seed, or an input), the two
+lines are one, ``ttex.linear_cross_entropy_and_grads``: each block goes through the backward kernels right after
+its forward ones, so the logits are computed once, as in eager.  Otherwise the backward line computes them again
+(the head's matmul once more).
 """
 from __future__ import annotations
 
