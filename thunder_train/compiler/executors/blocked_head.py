@@ -31,7 +31,6 @@ from .. import dtypes
 from ..prims import linalg as prims_linalg, reductions as prims_reductions, shapes as prims_shapes
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
-from ..transforms.dce import dce
 from ..torchlang import nn as ltorch_nn, shapes as ltorch_shapes
 from . import torch_impls
 from .saved_statistics import cross_entropy_backward_into_logp, cross_entropy_into_logits
@@ -309,8 +308,7 @@ def block_the_head(trc, header="Final computation (the head's matmul and cross-e
         return trc
     out = trc.derive(header)
     out.bound_symbols = bsyms
-    # Gradients made with the loss leave the backward's copy of x (a budget's recomputation) unread.
-    return dce(out, header=header)
+    return out
 
 
 def _rewrite(bsyms, i, returned):
