@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 import thunder_train as tt
 # tests/_peak.py, shared with the benchmarks: peaks in the allocator's order (test_peak_in_allocator_order_sees_frees_inside_an_op)
@@ -371,8 +372,16 @@ def test_blocked_head_kernels_match_eager(dtype, reduction, monkeypatch):
         torch.testing.assert_close(grads[1], we.grad, **tol)
         if bias:
             torch.testing.assert_close(grads[2], be.grad, **tol)
+        # With the incoming gradient known at the forward: the same kernels on the same values in one pass, bitwise.
+        which = (0, 1, 2) if bias else (0, 1)
+        both = bh.linear_cross_entropy_and_grads(gout, x, w, b, y, ignore, red, which)
+        assert len(both) == 2 + len(which)
+        for a, e in zip(both, (got, total) + grads):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)  # bitwise (every row ignored: NaN)
         with pytest.raises(IndexError, match="out of bounds"):  # eager's check and message
             bh.linear_cross_entropy(x, w, b, torch.full_like(y, v), ignore, red)
+        with pytest.raises(IndexError, match="out of bounds"):
+            bh.linear_cross_entropy_and_grads(gout, x, w, b, torch.full_like(y, v), ignore, red, which)
 
 
 def _grad_step(model, x, y):
@@ -397,12 +406,75 @@ def test_blocked_head_in_whole_steps(options):
     got = cf(Checkpointed(m) if options["ckpt"] else m, x, y)
     blocked = options != {"ckpt": False}
     text = str(tt.last_traces(cf)[-1])
-    assert ("ttex.linear_cross_entropy(" in text) == blocked
+    assert ("ttex.linear_cross_entropy_and_grads(" in text) == blocked  # loss.backward(): gradients with the loss
     assert ("ttex.gelu_vjp_into_grad(" in text) == blocked  # executors/into_dead_grad.py
     assert any("transforms/sinking.py" in str(t).splitlines()[0] for t in tt.last_traces(cf)) == blocked
     assert torch.equal(got, want)
     for (name, p), q in zip(m.named_parameters(), eager.parameters()):
         if name == "head.weight" and blocked:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(p.grad, q.grad), name
+
+
+class _HeadMatmulFlops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Multiply-adds of the matmuls that read ``weight``'s memory (``mm``/``addmm``, any layout of it)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.ptr, self.macs = weight.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2:] if func.overloadpacket is torch.ops.aten.addmm else args[:2]
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.ptr for t in (a, b)):
+                self.macs += a.shape[0] * a.shape[1] * b.shape[1]
+        return out
+
+
+@pytest.mark.parametrize("seed", ["backward()", "backward(g)", "from the loss"])
+def test_blocked_head_gradients_with_the_loss(seed):
+    """Where the loss's incoming gradient exists before the loss (``loss.backward()``'s constant seed, or a tensor
+    the step is given), the blocked head computes its gradients in the forward's pass over the blocks: the head's
+    matmuls read its weight as often as eager's (no second logits matmul in the backward), and the values are
+    eager's (the weight's gradient within rounding, as the two-line form).  A seed computed from the loss keeps the
+    two lines, and eager's values."""
+    model, (x, _) = _setup(n_layer=1, d=32, T=32, B=4, V=8192)
+    y = torch.roll(x, -1, 1)
+    y[0, :5] = -100
+    gout = torch.tensor(0.75)
+
+    def grad_step(model, x, y, gout):
+        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        if seed == "backward()":
+            loss.backward()
+        elif seed == "backward(g)":
+            loss.backward(gout)
+        else:
+            (loss * loss.detach()).backward()
+        return loss
+
+    eager = Checkpointed(copy.deepcopy(model))
+    counted = _HeadMatmulFlops(eager.gpt.head.weight)
+    with counted:
+        want = grad_step(eager, x, y, gout)
+    m = Checkpointed(copy.deepcopy(model))
+    cf = tt.compile(grad_step, fusion=None)
+    got = cf(m, x, y, gout)
+    for p in m.parameters():
+        p.grad = None
+    ours = _HeadMatmulFlops(m.gpt.head.weight)
+    with ours:
+        got = cf(m, x, y, gout)
+    text = str(tt.last_traces(cf)[-1])
+    early = seed != "from the loss"
+    assert ("ttex.linear_cross_entropy_and_grads(" in text) == early
+    assert ("ttex.linear_cross_entropy_backward(" in text) == (not early)
+    assert (ours.macs == counted.macs) == early, (ours.macs, counted.macs)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(m.named_parameters(), eager.parameters()):
+        if name == "gpt.head.weight":
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
         else:
             assert torch.equal(p.grad, q.grad), name
@@ -415,7 +487,7 @@ def test_blocked_head_bad_target_raises_like_eager():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     cf = tt.compile(step, fusion=None)
     cf(m, opt, x, y)
-    assert "ttex.linear_cross_entropy(" in str(tt.last_traces(cf)[-1])
+    assert "ttex.linear_cross_entropy_and_grads(" in str(tt.last_traces(cf)[-1])
     before = [p.detach().clone() for p in m.parameters()]
     bad = y.clone()
     bad[1, 3] = 64

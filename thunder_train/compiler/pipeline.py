@@ -227,7 +227,10 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
         #     cross-entropy run by blocks of rows: the logits never exist whole (executors/blocked_head.py).
         #     GELU's gradient is written over its dead incoming gradient (executors/into_dead_grad.py).
         if blocked_head:
-            trc = block_the_head(trc, header=f"Final computation (executors: {names}; the head's matmul and cross-entropy by blocks of rows)")
+            header = f"Final computation (executors: {names}; the head's matmul and cross-entropy by blocks of rows)"
+            blocked = block_the_head(trc, header=header)
+            # Gradients made with the loss leave the backward's copy of the head's input (a budget's) unread.
+            trc = dce(blocked, header=header) if blocked is not trc else trc
             trc = gelu_grad_in_place(trc, header=f"Final computation (executors: {names}; GELU's gradient over its dead incoming gradient)")
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:

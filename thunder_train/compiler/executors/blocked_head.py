@@ -16,8 +16,12 @@ Values: each block's logits are the rows of eager's matmul (the same GEMM on few
 promised by the BLAS), so the loss and the input gradient are eager's up to that; the weight and bias gradients are
 sums over blocks, a different summation order than eager's one matmul (rounding-level differences,
 ``tests/test_memory.py::test_blocked_head_values``).  This is why the rewrite runs only where the program asks
-for memory (checkpoint regions or a budget): the default keeps eager's values bitwise.  Cost: the head's matmul
-runs once more in the backward.
+for memory (checkpoint regions or a budget): the default keeps eager's values bitwise.
+
+Where the incoming gradient can exist before the loss (``loss.backward()``'s constant seed, or an input), the two
+lines are one, ``ttex.linear_cross_entropy_and_grads``: each block goes through the backward kernels right after
+its forward ones, so the logits are computed once, as in eager.  Otherwise the backward line computes them again
+(the head's matmul once more).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 
 from .. import dtypes
 from ..prims import linalg as prims_linalg, reductions as prims_reductions, shapes as prims_shapes
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from ..torchlang import nn as ltorch_nn, shapes as ltorch_shapes
 from . import torch_impls
@@ -48,29 +52,65 @@ def _logits(x2, w, b, a, e, out):
     return torch.addmm(b, x2[a:e], w.t(), out=out)
 
 
+def _target2(target, ignore_index):
+    """The targets of the two-column input ``_reduce`` builds: each kept row's target names the column that holds
+    its value (1 where ignore_index is 0, so that no kept row reads as ignored); ignored rows stay ignored."""
+    col = 1 if ignore_index == 0 else 0
+    return torch.where(target == ignore_index, target, torch.full_like(target, col))
+
+
+def _reduce(per_row, target2, reduction, ignore_index):
+    """(loss, total weight): eager's ``nll_loss_forward`` reduction over the per-row values, in eager's row order."""
+    n = per_row.shape[0]
+    picked = per_row.neg().unsqueeze(1).expand(n, 2).contiguous()
+    return torch.ops.aten.nll_loss_forward(picked, target2, None, reduction, ignore_index)
+
+
+def _block_forward(x2, w, b, target, ignore_index, a, e, logits, logp, per_row):
+    """The block's logits and log-probabilities (into ``logits``, ``logp``) and its rows' losses (into ``per_row``;
+    raises on a bad target as eager does)."""
+    _logits(x2, w, b, a, e, logits)
+    torch.ops.aten._log_softmax.out(logits, 1, False, out=logp)
+    # reduction none: -logp at each row's target (0 where ignored)
+    loss_rows, _ = torch.ops.aten.nll_loss_forward(logp, target[a:e], None, 0, ignore_index)
+    per_row[a:e] = loss_rows
+
+
+def _block_backward(g, x2, w, target, total_weight, ignore_index, reduction, a, e, logits, logp, dx, dw, db):
+    """Eager's two backward kernels on the block's log-probabilities ``logp`` (over ``logits`` and ``logp``), then
+    the block's rows of the input gradient and its share of the weight and bias gradients."""
+    gb = g[a:e] if g.dim() else g  # reduction="none": one incoming gradient per row
+    g_nll = torch.ops.aten.nll_loss_backward.grad_input(gb, logp, target[a:e], None, reduction, ignore_index,
+                                                        total_weight, grad_input=logits)
+    grad = torch.ops.aten._log_softmax_backward_data.out(g_nll, logp, 1, logp.dtype, out=logp)
+    if dx is not None:
+        torch.mm(grad, w, out=dx[a:e])
+    if dw is not None:
+        dw.addmm_(grad.t(), x2[a:e])
+    if db is not None:
+        db.add_(grad.sum(0))
+
+
+def _buffers(x2, w, which):
+    n, v = x2.shape[0], w.shape[0]
+    blocks = _blocks(n, v, x2.element_size())
+    rows = blocks[0][1] - blocks[0][0] if blocks else 0
+    dx = x2.new_empty(x2.shape) if 0 in which else None
+    dw = torch.zeros_like(w, memory_format=torch.contiguous_format) if 1 in which else None
+    db = torch.zeros((v,), dtype=x2.dtype, device=x2.device) if 2 in which else None
+    return blocks, x2.new_empty((rows, v)), x2.new_empty((rows, v)), dx, dw, db
+
+
 def linear_cross_entropy(x, w, b, target, ignore_index, reduction):
     """``cross_entropy(linear(x, w, b).flatten(0, -2), target)``: (loss, total weight), the logits one block of rows
     at a time."""
     x2 = x.reshape(-1, x.shape[-1])
-    n, v = x2.shape[0], w.shape[0]
-    blocks = _blocks(n, v, x2.element_size())
-    rows = blocks[0][1] - blocks[0][0] if blocks else 0
-    logits, logp = x2.new_empty((rows, v)), x2.new_empty((rows, v))
-    per_row = x2.new_empty((n,))
+    blocks, logits, logp, _, _, _ = _buffers(x2, w, ())
+    per_row = x2.new_empty((x2.shape[0],))
     for a, e in blocks:
-        k = e - a
-        _logits(x2, w, b, a, e, logits[:k])
-        torch.ops.aten._log_softmax.out(logits[:k], 1, False, out=logp[:k])
-        # reduction none: -logp at each row's target (0 where ignored); raises on a bad target as eager does
-        loss_rows, _ = torch.ops.aten.nll_loss_forward(logp[:k], target[a:e], None, 0, ignore_index)
-        per_row[a:e] = loss_rows
+        _block_forward(x2, w, b, target, ignore_index, a, e, logits[:e - a], logp[:e - a], per_row)
     del logits, logp
-    # Eager's reduction over the rows, on a two-column input holding each row's log-probability at its target in
-    # the column the new target names (1 where ignore_index is 0, so that no kept row reads as ignored).
-    col = 1 if ignore_index == 0 else 0
-    picked = per_row.neg().unsqueeze(1).expand(n, 2).contiguous()
-    target2 = torch.where(target == ignore_index, target, torch.full_like(target, col))
-    loss, total_weight = torch.ops.aten.nll_loss_forward(picked, target2, None, reduction, ignore_index)
+    loss, total_weight = _reduce(per_row, _target2(target, ignore_index), reduction, ignore_index)
     return (per_row if reduction == 0 else loss), total_weight
 
 
@@ -78,31 +118,37 @@ def linear_cross_entropy_backward(g, x, w, b, target, total_weight, ignore_index
     """The gradients ``which`` names (0 input rows as ``(tokens, features)``, 1 weight, 2 bias) of
     ``linear_cross_entropy``, block of rows by block."""
     x2 = x.reshape(-1, x.shape[-1])
-    n, v = x2.shape[0], w.shape[0]
-    blocks = _blocks(n, v, x2.element_size())
-    rows = blocks[0][1] - blocks[0][0] if blocks else 0
-    logits, logp = x2.new_empty((rows, v)), x2.new_empty((rows, v))
-    dx = x2.new_empty(x2.shape) if 0 in which else None
-    dw = torch.zeros_like(w, memory_format=torch.contiguous_format) if 1 in which else None
-    db = torch.zeros((v,), dtype=x2.dtype, device=x2.device) if 2 in which else None
+    blocks, logits, logp, dx, dw, db = _buffers(x2, w, which)
     for a, e in blocks:
         k = e - a
         _logits(x2, w, b, a, e, logits[:k])
         torch.ops.aten._log_softmax.out(logits[:k], 1, False, out=logp[:k])
-        gb = g[a:e] if g.dim() else g  # reduction="none": one incoming gradient per row
-        g_nll = torch.ops.aten.nll_loss_backward.grad_input(gb, logp[:k], target[a:e], None, reduction, ignore_index,
-                                                            total_weight, grad_input=logits[:k])
-        grad = torch.ops.aten._log_softmax_backward_data.out(g_nll, logp[:k], 1, logp.dtype, out=logp[:k])
-        if dx is not None:
-            torch.mm(grad, w, out=dx[a:e])
-        if dw is not None:
-            dw.addmm_(grad.t(), x2[a:e])
-        if db is not None:
-            db.add_(grad.sum(0))
+        _block_backward(g, x2, w, target, total_weight, ignore_index, reduction, a, e, logits[:k], logp[:k], dx, dw, db)
     return tuple(t for t in (dx, dw, db) if t is not None)
 
 
-for _f in (linear_cross_entropy, linear_cross_entropy_backward):
+def linear_cross_entropy_and_grads(g, x, w, b, target, ignore_index, reduction, which):
+    """``linear_cross_entropy`` and, where the incoming gradient ``g`` is known before the loss (a whole step's
+    ``loss.backward()``: a constant), ``linear_cross_entropy_backward``'s gradients in the same pass: each block's
+    log-probabilities go through the backward kernels while they are there, so the logits are never computed again.
+    The same kernels on the same values as the two lines: the same results.  (loss, total weight, *gradients)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[0]
+    target2 = _target2(target, ignore_index)
+    # The total weight the backward kernels divide by: the reduction's, which reads only the targets.
+    _, total_weight = _reduce(x2.new_zeros((n,)), target2, reduction, ignore_index)
+    blocks, logits, logp, dx, dw, db = _buffers(x2, w, which)
+    per_row = x2.new_empty((n,))
+    for a, e in blocks:
+        k = e - a
+        _block_forward(x2, w, b, target, ignore_index, a, e, logits[:k], logp[:k], per_row)
+        _block_backward(g, x2, w, target, total_weight, ignore_index, reduction, a, e, logits[:k], logp[:k], dx, dw, db)
+    del logits, logp
+    loss, total_weight = _reduce(per_row, target2, reduction, ignore_index)
+    return ((per_row if reduction == 0 else loss), total_weight) + tuple(t for t in (dx, dw, db) if t is not None)
+
+
+for _f in (linear_cross_entropy, linear_cross_entropy_backward, linear_cross_entropy_and_grads):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)
     _f.aliases = ()
@@ -229,6 +275,21 @@ def _x_rows(bsyms, lines, value, x, n):
     return None
 
 
+def _known_before(bsyms, lines, g, i):
+    """Where the incoming gradient ``g`` is made (-1: an input) when it is, or can be, made before line ``i``: made
+    before it, or by a pure line that reads only what exists there (the constant ``loss.backward()`` seeds); else
+    None."""
+    if type(g) is not TensorProxy:
+        return None
+    r = lines.made.get(id(g), -1)
+    if r < i:
+        return r
+    rb = bsyms[r]
+    if rb.has_side_effect or rb.draws_random or any(lines.made.get(id(a), -1) >= i for a in rb.flat_args() if is_proxy(a)):
+        return None
+    return r
+
+
 def block_the_head(trc, header="Final computation (the head's matmul and cross-entropy by blocks of rows)"):
     """The trace with each head ``linear`` + ``cross_entropy`` pair (``cross_entropy_into_logits`` /
     ``cross_entropy_backward_into_logp`` lines of ``saved_statistics.py``, whose logits nothing else reads and whose
@@ -296,6 +357,18 @@ def _rewrite(bsyms, i, returned):
         drop.add(lines.made[id(x2)])  # the weight gradient's x.reshape(n, d): nothing else reads it
     if any(id(o) in returned for k in drop for o in bsyms[k].flat_outputs()) or id(logp) in returned:
         return None
+    g_line = _known_before(bsyms, lines, g, i)
+    if g_line is not None:
+        # The incoming gradient can exist when the forward runs (a whole step's loss.backward(): a constant): one
+        # line computes the gradients with the loss, from each block's log-probabilities; the logits are not
+        # computed again in the backward, and the backward's x (a copy a budget recomputes) is not needed.
+        both = ce.replace(sym=impl_symbol(linear_cross_entropy_and_grads),
+                          args=(g, x, w, b, target, ignore_index, reduction, which), kwargs={}, output=(loss, total) + grads,
+                          comment="the head's matmul, cross-entropy and their gradients, by blocks of rows: no logits-sized "
+                                  "array, no second matmul")
+        first = [bsyms[g_line], both] if g_line > i else [both]
+        return [y for k, line in enumerate(bsyms) if k not in drop and k != g_line
+                for y in (first if k == i else (line,))]
     new = []
     for k, line in enumerate(bsyms):
         if k == i:
