@@ -199,3 +199,13 @@ def test_membership_test_is_a_checked_decision_as_eager(thin):
         assert torch.equal(cf(x, ids), step(x, ids))
     with pytest.raises(RuntimeError, match="only supports Tensor or scalar"):
         tt.compile(lambda x: "a" in x)(x)
+
+
+def test_a_tensor_made_from_numbers_made_to_require_grad_is_refused():
+    def f(x):
+        w = torch.mul(2.0, 3.0).requires_grad_()
+        (x * w).sum().backward()
+        return w.grad
+
+    with pytest.raises(tt.TracingError, match="made from Python numbers"):
+        tt.compile(f)(torch.randn(3))

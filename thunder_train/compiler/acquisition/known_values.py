@@ -17,6 +17,8 @@ from ..pytree import tree_flatten
 from ..torchlang import registry
 
 _CONSTANT_LIMIT = 64  # elements: a larger known tensor enters the program as a captured tensor, by reference
+_READS = {"__int__", "__index__", "__bool__", "__float__", "__complex__", "item", "tolist", "__format__", "__repr__",
+          "__str__", "__len__", "__iter__", "__hash__", "size", "dim", "numel", "__get__", "stride", "storage_offset"}
 
 
 def runs_known(st, func, sym, args, kwargs) -> bool:
@@ -32,7 +34,9 @@ def runs_known(st, func, sym, args, kwargs) -> bool:
         return False
     traced = any(isinstance(a, (TensorProxy, NumberProxy)) for a in flat)
     if not traced and len(known) == sum(isinstance(a, torch.Tensor) for a in flat):
-        return sym is None or "random" not in sym.tags
+        if sym is None:  # an op the torch language does not know may draw: only reads of the value run for real
+            return getattr(func, "__name__", "") in _READS
+        return "random" not in sym.tags
     name = getattr(func, "__name__", "")
     target = kwargs.get("out", args[0] if args else None)
     if traced and id(target) in st.known_tensors and (name.endswith("_") and not name.endswith("__") or "out" in kwargs
@@ -57,6 +61,11 @@ def as_program_value(st, t):
     """A known tensor meeting traced values: a constant of its current value (small), remembered as a size."""
     from ..torchlang import factories
 
+    if t.requires_grad:
+        raise TracingError(
+            "a tensor made from Python numbers while tracing (torch.mul(2.0, 3.0) and ops on it alone) was made to "
+            "require grad: the compiled program takes its value as a constant. Make it with torch.tensor(value, "
+            "requires_grad=True) inside the function, a new leaf on every call as in eager.")
     if t.numel() > _CONSTANT_LIMIT or t.layout is not torch.strided:
         return st.walker.captured_tensor(t)
     proxy = factories.tensor(t.tolist(), dtype=t.dtype, device=t.device)
