@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 
+import _zoo
+
 CALLS = {
     "torch.cat axis": lambda x: torch.cat([x, x * 2], axis=1),
     "torch.stack axis": lambda x: torch.stack([x, x.exp()], axis=0),
@@ -137,13 +139,7 @@ def test_funnel_transformer_step_trains_as_eager():
     g = torch.Generator().manual_seed(1)
     batches = [dict(input_ids=torch.randint(3, 64, (2, 8), generator=g), labels=torch.randint(0, 3, (2,), generator=g))
                for _ in range(1)]
-
-    def step(model, opt, batch):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = _zoo.train_step
 
     me, mc = copy.deepcopy(base), copy.deepcopy(base)
     oe, oc = torch.optim.SGD(me.parameters(), lr=0.1), torch.optim.SGD(mc.parameters(), lr=0.1)
