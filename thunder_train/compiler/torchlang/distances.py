@@ -5,17 +5,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import clang
+from .. import clang, prims
 from .autocast import FP32  # autocast policies: see autocast.py
+from .reductions import vector_norm
 from .registry import composed, torchsymbol
 
 
 @torchsymbol(F.cosine_similarity, torch.cosine_similarity, autocast={"cuda": FP32})
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
-    num = clang.sum(clang.mul(x1, x2), dim)
-    n1 = clang.sqrt(clang.sum(clang.mul(x1, x1), dim))
-    n2 = clang.sqrt(clang.sum(clang.mul(x2, x2), dim))
-    return clang.true_divide(num, clang.maximum(clang.mul(n1, n2), eps))
+    """Eager's formula (ATen's cosine_similarity): each side divided by its 2-norm, the norm clamped at ``eps``
+    without a gradient of the clamp (eager clamps in place under no_grad), then the product summed."""
+    d = clang.result_dtype(x1, x2)
+    if not d.is_float:
+        raise NotImplementedError("cosine_similarity of integer tensors is run by torch")
+    shape = clang.broadcast_shapes(x1._tt_shape, x2._tt_shape)
+    x1, x2 = (clang.expand(clang.maybe_convert(x, d), shape) for x in (x1, x2))
+
+    def unit(x):
+        n = vector_norm(x, 2, dim, True)
+        return clang.true_divide(x, clang.add(n, prims.stop_gradient(clang.sub(clang.maximum(n, eps), n))))
+
+    return clang.sum(clang.mul(unit(x1), unit(x2)), dim)
 
 
 # ---------------------------------------------------------------------------

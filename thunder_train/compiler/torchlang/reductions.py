@@ -517,6 +517,8 @@ def _scan_stages(x, dim):
 @torchsymbol(torch.cumprod, methods=("cumprod",))
 def cumprod(input, dim, *, dtype=None):
     d = to_dtype(dtype) if dtype is not None else (input._tt_dtype if input._tt_dtype.is_float else dtypes.int64)
+    if d.is_float and d is not input._tt_dtype:  # eager converts, then runs its kernel: so does the inner symbol
+        return cumprod(clang.maybe_convert(input, d), dim)
     x = clang.maybe_convert(input, d)
     if x.ndim_ == 0:
         return clang.mul(x, 1)
