@@ -215,7 +215,7 @@ _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804
 @torchsymbol(F.celu, torch.celu, tags=("fusible",))
 def celu(input, alpha=1.0, inplace=False):
     if alpha == 0:
-        raise RuntimeError("ZeroDivisionError: celu's alpha must not be 0 (as in eager)")
+        raise RuntimeError("ZeroDivisionError: alpha cannot be 0 for CELU")  # eager's message
     return _elu(input, alpha, 1.0, 1.0 / alpha)
 
 
