@@ -346,3 +346,24 @@ def test_ops_whose_layout_is_found_on_meta_tensors_give_the_fake_runs_layout(nam
     assert tagged, "no line of the function carries the tag"
     for meta, fake in seen:
         assert meta == fake
+
+
+@pytest.mark.parametrize("op", ["softplus", "elu", "selu", "logit", "mish"])
+def test_backward_kernel_gradient_layout_of_a_channels_last_input_is_eagers(op):
+    """softplus_backward, elu_backward and logit_backward lay their result out after the incoming gradient (the
+    kernel's TensorIterator), where their meta kernels follow the input: a channels_last input's gradient of a
+    row-major incoming gradient is row-major in the kernel, and eager's .grad is the input's layout
+    (AccumulateGrad clones it so); the compiled .grad was row-major when the trace took the meta layout."""
+    f = {"softplus": torch.nn.functional.softplus, "elu": torch.nn.functional.elu, "selu": torch.nn.functional.selu,
+         "logit": lambda x: torch.logit(x * 0.1 + 0.5), "mish": torch.nn.functional.mish}[op]
+
+    def step(x):
+        y = f(x)
+        (y * 0.5).sum().backward()
+        return y
+
+    x0 = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    xe, xc = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    ye, yc = step(xe), tt.compile(step, fusion=None)(xc)
+    assert _meta(yc) == _meta(ye) and torch.equal(yc, ye)
+    assert _meta(xc.grad) == _meta(xe.grad) and torch.equal(xc.grad, xe.grad)

@@ -380,6 +380,12 @@ def _layout_samples(op):
         return [((torch.tensor([0, 2, 2]), None, 5), {}), ((torch.tensor([0, 2, 2]), torch.rand(3), 0), {})]
     if op is prims.repeat_index:
         return [((torch.tensor([1, 0, 3]),), {})]
+    if op.name in ("softplus_backward", "elu_backward", "logit_backward"):  # the gradient's layout, not the input's
+        cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
+        pairs = [(g, x) for g in (torch.rand(2, 3, 4, 5), cl(torch.rand(2, 3, 4, 5))) for x in (torch.rand(2, 3, 4, 5) * 0.5 + 0.2, cl(torch.rand(2, 3, 4, 5) * 0.5 + 0.2))]
+        extra = {"softplus_backward": lambda g, x: (g, x, 1.0, 20.0), "elu_backward": lambda g, x: (g, 1.0, 1.0, 1.0, False, x),
+                 "logit_backward": lambda g, x: (g, x)}[op.name]
+        return [(extra(g, x), {}) for g, x in pairs]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]

@@ -218,9 +218,25 @@ def _dim_outermost(bsym, tensors, outs) -> bool:
     return True
 
 
+def _as_gradient_times_input(bsym, tensors, outs) -> bool:
+    """``softplus_backward``, ``elu_backward``, ``logit_backward``: the kernel lays its result out as TensorIterator
+    does for (grad_output, input), as ``mul(grad_output, input)``; their meta kernels take the operands the other
+    way round (a channels_last input with a row-major gradient: meta says channels_last, the kernel and so eager's
+    ``.grad`` are row-major)."""
+    if len(tensors) != 2 or not _same_dtype_and_device(tensors):
+        return False
+    m = _on_meta(torch.mul, (bsym.args[0], tensors[1] if tensors[0] is bsym.args[0] else tensors[0]), {})
+    if m is None or tuple(m.shape) != tuple(size_value(s) for s in bsym.output._tt_shape):
+        return False
+    o = bsym.output
+    o._tt_strides, o._tt_storage_offset = tuple(m.stride()), 0
+    o._tt_rowmajor = o._tt_strides == contiguous_strides(o._tt_shape)
+    return True
+
+
 def _declare_layout_rules() -> None:
     from .. import prims
-    from ..torchlang import factories, foreach, linalg, nn, optim
+    from ..torchlang import activations, elementwise, factories, foreach, linalg, nn, optim
 
     rules = {
         prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
@@ -235,6 +251,8 @@ def _declare_layout_rules() -> None:
         # sizes the values decide: no fake run can make them; the layouts are set by the prims (nonzero column-major)
         prims.nonzero: _column_major, prims.unique: _as_created, prims.unique_consecutive: _as_created, prims.unique_dim: _dim_outermost,
         prims.bincount: _as_created,
+        activations.softplus_backward: _as_gradient_times_input, activations.elu_backward: _as_gradient_times_input,
+        elementwise.logit_backward: _as_gradient_times_input,
         prims.repeat_index: _as_created,
     }
     for sym, rule in rules.items():

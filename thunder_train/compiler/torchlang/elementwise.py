@@ -421,13 +421,43 @@ def _xlogy_vjp(g, out, /, input, other):
     """As eager (derivatives.yaml): ``input`` gets ``xlogy(g, other)``, 0 where input == 0 and other <= 0;
     ``other`` gets ``g * input / other``."""
     x, y = _operand(input, out), _operand(other, out)
-    g_log_y = prims.where(prims.eq(g, 0.0), 0.0, prims.mul(g, prims.log(y)))
-    g_log_y = prims.where(prims.isnan(y), math.nan, g_log_y)  # xlogy(g, nan) is nan, also for g == 0
+    g_log_y = xlogy(g, y)  # eager's xlogy kernel (as separate ops, an ulp off in 8 % of float32 elements)
     # a number ``other`` (eager's xlogy.Scalar_Other): 0 where input == 0 and not other > 0 (other = NaN too)
     not_positive = prims.le(y, 0.0) if type(other) is TensorProxy else prims.bitwise_not(prims.gt(y, 0.0))
     zero = prims.bitwise_and(prims.eq(x, 0.0), not_positive)
     ga = prims.where(zero, 0.0, g_log_y)
     return {"input": _to_input(ga, input), "other": _to_input(prims.div(prims.mul(g, x), y), other)}
+
+
+@torchsymbol(torch.logit, torch.special.logit, methods=("logit",), tags=FUSIBLE)
+def logit(input, eps=None):
+    """log(x / (1 - x)), x clamped to [eps, 1 - eps] (NaN kept) when eps is given; computed in float32 for low
+    precision, an integer input in the default float dtype."""
+    dt = input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float()
+    x = clang.upcast(clang.maybe_convert(input, dt))
+    if eps is not None:
+        x = prims.where(prims.lt(x, eps), eps, prims.where(prims.gt(x, 1 - eps), 1 - eps, x))
+    return clang.maybe_convert(prims.log(prims.div(x, prims.sub(1.0, x))), dt)
+
+
+# eager's logit_backward kernel: the same formula as separate ops is an ulp off in 41 % of float32 elements
+@torchsymbol(torch.ops.aten.logit_backward.default, name="logit_backward", tags=FUSIBLE)
+def logit_backward(grad_output, input, eps=None):
+    """g / (x (1 - x)); without eps NaN outside [0, 1] and g * inf at 0 and 1, with eps 0 outside [eps, 1 - eps]."""
+    x, g = clang.upcast(input), clang.upcast(grad_output)
+    d = prims.div(g, prims.mul(x, prims.sub(1.0, x)))
+    if eps is None:
+        at_bound = prims.bitwise_or(prims.eq(x, 0.0), prims.eq(x, 1.0))
+        d = prims.where(at_bound, prims.mul(g, math.inf), d)
+        d = prims.where(prims.bitwise_or(prims.lt(x, 0.0), prims.gt(x, 1.0)), math.nan, d)
+    else:
+        d = prims.where(prims.bitwise_or(prims.lt(x, eps), prims.gt(x, 1 - eps)), 0.0, d)
+    return clang.maybe_convert(d, input._tt_dtype)
+
+
+@register_vjp(logit)
+def _logit_vjp(g, out, /, input, eps=None):
+    return {"input": logit_backward(g, input, eps) if input._tt_dtype.is_float else None}
 
 
 @torchsymbol(torch.isclose, methods=("isclose",))

@@ -136,16 +136,6 @@ def ndtr(input):
 composed("ndtr", ndtr, (torch.special.ndtr,))
 
 
-def logit(input, eps=None):
-    x = _float(input)
-    if eps is not None:
-        x = torch.clamp(x, eps, 1 - eps)
-    return torch.log(x / (1 - x))
-
-
-composed("logit", logit, (torch.logit, torch.special.logit), ("logit",))
-
-
 def float_power(input, exponent):
     if (isinstance(input, torch.Tensor) and input.dtype.is_complex) or (isinstance(exponent, torch.Tensor) and exponent.dtype.is_complex):
         raise NotImplementedError("complex float_power is run by torch")

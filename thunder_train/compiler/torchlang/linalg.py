@@ -103,41 +103,57 @@ def einsum(equation, *operands):
         raise NotImplementedError("einsum: at most two operands are supported")
     a, b = operands
     sa, sb = ins
-    if len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
-        raise NotImplementedError("einsum: repeated indices within one operand are not supported")
-    size = {}
-    for s, t in ((sa, a), (sb, b)):
-        for c, n in zip(s, t._tt_shape):
-            size[c] = max(size.get(c, 1), n)
-    batch = [c for c in sa if c in sb and c in out]
-    contract = [c for c in sa if c in sb and c not in out]
-    only_a = [c for c in sa if c not in sb]
-    only_b = [c for c in sb if c not in sa]
-    # Indices summed away in just one operand are reduced first.
-    a_sum = [c for c in only_a if c not in out]
-    b_sum = [c for c in only_b if c not in out]
-    if a_sum:
-        a = clang.sum(a, tuple(sa.index(c) for c in a_sum))
-        sa = "".join(c for c in sa if c not in a_sum)
-    if b_sum:
-        b = clang.sum(b, tuple(sb.index(c) for c in b_sum))
-        sb = "".join(c for c in sb if c not in b_sum)
-    m_idx = [c for c in sa if c not in sb]
-    n_idx = [c for c in sb if c not in sa]
-    a = clang.permute(a, [sa.index(c) for c in batch + m_idx + contract])
-    b = clang.permute(b, [sb.index(c) for c in batch + contract + n_idx])
-    import math
+    return _einsum_pair(a, sa, b, sb, out)
 
-    B = tuple(size[c] for c in batch)
-    M = math.prod(size[c] for c in m_idx)
-    K = math.prod(size[c] for c in contract)
-    N = math.prod(size[c] for c in n_idx)
-    a = clang.reshape(clang.expand(a, B + a._tt_shape[len(B):]), B + (M, K))
-    b = clang.reshape(clang.expand(b, B + b._tt_shape[len(B):]), B + (K, N))
-    r = _matmul(a, b)
-    r = clang.reshape(r, B + tuple(size[c] for c in m_idx) + tuple(size[c] for c in n_idx))
-    cur = batch + m_idx + n_idx
-    return clang.permute(r, [cur.index(c) for c in out])
+
+def _einsum_pair(a, sa, b, sb, out):
+    """Eager's two-operand einsum (ATen's einsum and sumproduct_pair), step by step, so that the operands its bmm
+    gets, and so the layouts its backward multiplies, are eager's (a plain (B, M, K) @ (B, K, N) with other
+    layouts differs in the gradient's last bits): labels in the output's order, then the contracted ones in
+    ASCII order; each operand permuted to that order, missing labels unsqueezed; contracted labels of size 1 on
+    one side summed on the other; a (lro, lo, sum) by (lro, sum, ro) bmm, lo and ro swapped when every ro label
+    comes before every lo label; the result viewed back and permuted."""
+    order = list(out) + sorted({c for c in sa + sb if c not in out})
+    ops = []
+    for t, st in ((a, sa), (b, sb)):
+        mine = [c for c in order if c in st]
+        t = clang.permute(t, [st.index(c) for c in mine])
+        for k, c in enumerate(order):
+            if c not in st:
+                t = clang.unsqueeze(t, k)
+        ops.append(t)
+    left, right = ops
+    # a label summed away that only one operand has: summed there first (eager: before the pair)
+    for k, c in enumerate(order):
+        if c not in out and (c not in sa or c not in sb):
+            left, right = (clang.sum(left, (k,), keepdim=True), right) if c in sa else (left, clang.sum(right, (k,), keepdim=True))
+    sum_dims = [k for k, c in enumerate(order) if c not in out]
+    if not sum_dims:  # nothing contracted: eager multiplies (broadcasting), no bmm
+        return clang.mul(left, right)
+    lro, lo, ro = [], [], []
+    for k, c in enumerate(order):
+        sl, sr = left._tt_shape[k] != 1, right._tt_shape[k] != 1
+        if k in sum_dims:
+            if sl and not sr:
+                left = clang.sum(left, (k,), keepdim=True)
+            elif sr and not sl:
+                right = clang.sum(right, (k,), keepdim=True)
+        elif sl and sr:
+            lro.append(k)
+        elif sl:
+            lo.append(k)
+        else:
+            ro.append(k)
+    if lo and ro and ro[-1] < lo[0]:
+        left, right, lo, ro = right, left, ro, lo
+    size = lambda t, dims: math.prod(t._tt_shape[k] for k in dims)  # noqa: E731
+    l3 = clang.reshape(clang.permute(left, lro + lo + sum_dims + ro), (size(left, lro), size(left, lo), size(left, sum_dims)))
+    r3 = clang.reshape(clang.permute(right, lro + sum_dims + ro + lo), (size(right, lro), size(right, sum_dims), size(right, ro)))
+    r = _matmul(l3, r3)
+    out_dims = lro + lo + sum_dims + ro
+    shape = [left._tt_shape[k] for k in lro + lo] + [1] * len(sum_dims) + [right._tt_shape[k] for k in ro]
+    r = clang.permute(clang.reshape(r, tuple(shape)), [out_dims.index(k) for k in range(len(order))])
+    return clang.reshape(r, tuple(r._tt_shape[:len(out)]))
 
 
 @torchsymbol(torch.baddbmm, methods=("baddbmm",), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})

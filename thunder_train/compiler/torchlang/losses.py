@@ -131,10 +131,6 @@ def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=Non
     shape = clang.broadcast_shapes(x._tt_shape, t._tt_shape if type(t) is TensorProxy else ())
     if reduction != "none":
         gu = prims.broadcast_in_dim(gu, shape, ())
-        if reduction == "mean":
-            gu = prims.div(gu, as_divisor(max(math.prod(shape), 1)))
-    if weight is not None:
-        gu = clang.mul(gu, clang.maybe_convert(weight, x._tt_dtype))
     s = prims.sigmoid(x)
     if pos_weight is not None:
         pt = clang.mul(clang.maybe_convert(pos_weight, x._tt_dtype), t)
@@ -143,11 +139,17 @@ def _bce_with_logits_vjp(g, out, /, input, target, weight=None, size_average=Non
         d_target = clang.sub(log_sig(prims.neg(x)), clang.mul(log_sig(x), clang.maybe_convert(pos_weight, x._tt_dtype)))
     else:
         d_input, d_target = clang.sub(s, t), prims.neg(x)
+    def scaled(d):  # in eager's order: d * g, times weight, divided by the element count for "mean"
+        d = clang.mul(d, gu)
+        if weight is not None:
+            d = clang.mul(d, clang.maybe_convert(weight, x._tt_dtype))
+        return prims.div(d, as_divisor(max(math.prod(shape), 1))) if reduction == "mean" else d
+
     grads = {}
     if _float(input):
-        grads["input"] = downcast_like(sum_to(clang.mul(d_input, gu), input._tt_shape), input)
+        grads["input"] = downcast_like(sum_to(scaled(d_input), input._tt_shape), input)
     if _float(target):
-        grads["target"] = downcast_like(sum_to(clang.mul(d_target, gu), target._tt_shape), target)
+        grads["target"] = downcast_like(sum_to(scaled(d_target), target._tt_shape), target)
     return grads
 
 

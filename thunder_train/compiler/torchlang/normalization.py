@@ -247,6 +247,31 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     return clang.true_divide(input, clang.expand(clang.maximum(n, eps), input._tt_shape))
 
 
+def over_norm_grad(gu, x, n, c, dims, clamp_at=None):
+    """Eager's gradient of ``x / c`` (``c``: the 2-norm ``n`` of ``x`` over ``dims``, kept, clamped at a minimum),
+    op by op as its autograd runs it: div's ``g / c`` and ``-g * ((x / c) / c)`` (summed over ``dims``), the
+    clamp's mask where ``clamp_at`` is given (``clamp_min``; ``cosine_similarity`` clamps without a gradient), the
+    norm's ``g * (x / n)`` (0 where n is 0).  The same formulas as separate rules differ in the last bits."""
+    shape = x._tt_shape
+    ce = clang.expand(c, shape)
+    gc = clang.sum(clang.mul(clang.neg(gu), clang.true_divide(clang.true_divide(x, ce), ce)), dims, keepdim=True)
+    if clamp_at is not None:
+        gc = clang.where(clang.ge(n, clamp_at), gc, 0.0)
+    unit = clang.where(clang.eq(clang.expand(n, shape), 0), 0.0, clang.true_divide(x, clang.expand(n, shape)))
+    return clang.add(clang.true_divide(gu, ce), clang.mul(clang.expand(gc, shape), unit))
+
+
+def _two_norm(input, p=2.0, dim=1, eps=1e-12, out=None):
+    return p == 2 and out is None and input._tt_dtype.is_float
+
+
+@register_vjp(normalize, supports=_two_norm)
+def _normalize_vjp(g, result, /, input, p=2.0, dim=1, eps=1e-12, out=None):
+    dims = clang.canonicalize_dims(input.ndim_, dim)
+    n = norm(input, 2, dims, True)
+    return {"input": over_norm_grad(g, input, n, clang.maximum(n, eps), dims, clamp_at=eps)}
+
+
 # ---------------------------------------------------------------------------
 # Written as torch calls the torch language knows (registry.composed: traced as the user's own calls)
 # ---------------------------------------------------------------------------

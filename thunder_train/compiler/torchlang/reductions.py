@@ -244,6 +244,17 @@ def logsumexp(input, dim, keepdim=False):
     return clang.maybe_convert(out, input._tt_dtype if input._tt_dtype.is_float else dtypes.default_float())
 
 
+@register_vjp(logsumexp, supports=lambda input, dim, keepdim=False: input._tt_dtype.is_float)
+def _logsumexp_vjp(g, out, /, input, dim, keepdim=False):
+    """eager's logsumexp_backward: g * exp(x - result), op by op in the input's dtype (the decomposition's
+    gradient, through its max-shifted sum, is an ulp off in 82 % of float32 elements)."""
+    if not keepdim:
+        for k in sorted(clang.canonicalize_dims(input.ndim_, dim)):
+            g, out = clang.unsqueeze(g, k), clang.unsqueeze(out, k)
+    shape = input._tt_shape
+    return {"input": clang.mul(clang.expand(g, shape), clang.exp(clang.sub(input, clang.expand(out, shape))))}
+
+
 def _softmax_dim(name, input, dim):
     """``dim``, or eager's deprecated implicit choice (``F._get_softmax_dim``) with its warning."""
     if dim is not None:
@@ -528,25 +539,60 @@ def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
 composed("cumulative_trapezoid", cumulative_trapezoid, (torch.cumulative_trapezoid,))
 
 
-# Scans: log-depth (Hillis-Steele) with an associative op, exact for cumprod of integers
-def _scan(x, dim, op, fill):
-    n = x.shape[dim]
-    s = 1
-    while s < n:
-        shifted = torch.cat([torch.full_like(x.narrow(dim, 0, s), fill), x.narrow(dim, 0, n - s)], dim)
-        x = op(x, shifted)
+# cumprod: a symbol the torch executor runs whole (eager multiplies in sequence, where the log-depth scan rounds
+# in another order: an ulp off in 62 % of float32 elements), its gradient eager's cumprod_backward kernel.  The
+# decompositions (the scan and its adjoint, exact at zeros) are not fused: neither symbol is "fusible".
+def _shifted(x, dim, s, fill):
+    """x moved s places along dim, the first s elements ``fill``."""
+    n = x._tt_shape[dim]
+    head = clang.full_like(clang.slice_in_dim(x, 0, s, 1, dim), fill)
+    return clang.cat([head, clang.slice_in_dim(x, 0, n - s, 1, dim)], dim)
+
+
+def _scan_stages(x, dim):
+    """The log-depth (Hillis-Steele) product scan: the inputs of each stage and its shift."""
+    stages, s = [], 1
+    while s < x._tt_shape[dim]:
+        stages.append((x, s))
+        x = clang.mul(x, _shifted(x, dim, s, 1))
         s *= 2
-    return x
+    return stages, x
 
 
+@torchsymbol(torch.cumprod, methods=("cumprod",))
 def cumprod(input, dim, *, dtype=None):
-    x = input.to(dtype) if dtype is not None else (input.to(torch.int64) if not (input.dtype.is_floating_point or input.dtype.is_complex) else input)
-    if x.ndim == 0:
-        return x.clone()
-    return _scan(x, dim % x.ndim, torch.mul, 1)
+    d = to_dtype(dtype) if dtype is not None else (input._tt_dtype if input._tt_dtype.is_float else dtypes.int64)
+    if d.is_float and d is not input._tt_dtype:  # eager converts, then runs its kernel: so does the inner symbol
+        return cumprod(clang.maybe_convert(input, d), dim)
+    x = clang.maybe_convert(input, d)
+    if x.ndim_ == 0:
+        return clang.mul(x, 1)
+    return _scan_stages(x, clang.canonicalize_dim(x.ndim_, dim))[1]
 
 
-composed("cumprod", cumprod, (torch.cumprod,), ("cumprod",))
+@torchsymbol(torch.ops.aten.cumprod_backward.default, name="cumprod_backward")
+def cumprod_backward(grad, input, dim, output):
+    """The adjoint of the scan: each stage y = x * shifted(x) gives x the gradient g * shifted(x) plus g * x moved
+    back (exact where inputs are 0, as eager's kernel)."""
+    g = clang.maybe_convert(grad, input._tt_dtype)
+    if input.ndim_ == 0:
+        return clang.mul(g, 1)
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    n = input._tt_shape[dim]
+    for x, s in reversed(_scan_stages(input, dim)[0]):
+        gx = clang.mul(g, x)
+        back = clang.cat([clang.slice_in_dim(gx, s, n, 1, dim), clang.full_like(clang.slice_in_dim(gx, 0, s, 1, dim), 0)], dim)
+        g = clang.add(clang.mul(g, _shifted(x, dim, s, 1)), back)
+    return clang.mul(g, 1) if n <= 1 else g
+
+
+def _cumprod_in_input_dtype(input, dim, *, dtype=None):
+    return input._tt_dtype.is_float and (dtype is None or to_dtype(dtype) is input._tt_dtype)
+
+
+@register_vjp(cumprod, supports=_cumprod_in_input_dtype)
+def _cumprod_vjp(g, out, /, input, dim, *, dtype=None):
+    return {"input": cumprod_backward(g, input, dim, out)}
 
 
 @torchsymbol(torch.logcumsumexp, methods=("logcumsumexp",))
