@@ -17,6 +17,12 @@ def mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+def fusible_mlp():
+    """``mlp`` whose activations have fusion forms (tanh-approximated GELU): a step the background fusion takes."""
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 16),
+                         nn.GELU(approximate="tanh"), nn.Linear(16, 4))
+
+
 def gpt():
     return GPT(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=16))
 

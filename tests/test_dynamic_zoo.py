@@ -105,11 +105,12 @@ ZOO_SHAPES = [(2, 12), (3, 9), (2, 15), (3, 12), (2, 9), (2, 9), (2, 9)]
 
 # Traces over ZOO_SHAPES: the first size and the symbolic program, unless named here.  A program per shape (5):
 # GRU and LSTM (their op decides on the sizes), Qwen2-MoE (its routing decides on batch * length), DeepSeek-V3 (it
-# reads the strides of a slice, so the sizes are specialised again).  TransformerEncoder's mask code and wav2vec2's
-# CTC loss decide on the batch size: a program for each (3).  Where a decision on a mask or on the experts hit can go
+# reads the strides of a slice, so the sizes are specialised again).  wav2vec2's CTC loss decides on the batch
+# size: a program for each (3); TransformerEncoder's attention is traced (torchlang/attention.py), one symbolic
+# program (2; 3 while it ran opaquely).  Where a decision on a mask or on the experts hit can go
 # either way, one or two more are allowed.
 ZOO_TRACES = {"bert_cls": (2, 3), "roberta_cls": (2, 3), "llama": (2, 3), "llama_padded": (2, 3), "mixtral": (2, 3, 4),
-              "gru": (5,), "lstm": (5,), "qwen2_moe": (5,), "deepseek_v3": (5,), "transformer_encoder": (3,),
+              "gru": (5,), "lstm": (5,), "qwen2_moe": (5,), "deepseek_v3": (5,),
               "wav2vec2_ctc": (3,)}
 FIXED_LENGTH = {"transformer_encoder": 12}  # learned positions of exactly SEQ tokens (eager refuses other lengths)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import thunder_train as tt
 from thunder_train.compiler import pipeline
 from thunder_train.compiler.executors import inductor_fusion
-from _steps import assert_same_state, mlp, mlp_batches, twin
+from _steps import assert_same_state, fusible_mlp, mlp_batches, twin
 from _inductor import cxx_available
 from test_fusion import _block, _fused_lines
 
@@ -51,7 +51,7 @@ def test_nothing_is_built_before_the_second_call():
 
 
 def test_training_step_across_the_switch_matches_eager():
-    (m1, o1), (m2, o2) = twin(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    (m1, o1), (m2, o2) = twin(fusible_mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
 
     def step_of(model, opt):
         def step(x, y):
