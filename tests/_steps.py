@@ -13,6 +13,15 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from _models import without_key_bias  # noqa: E402
 
 
+def squared_output_step(model, opt, x):
+    """A whole training step on the mean squared output: forward, backward, update, zero_grad."""
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import thunder_train as tt
+from _steps import squared_output_step
 from _inductor import cxx_available
 
 pytestmark = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
@@ -193,12 +194,7 @@ def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(
             h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             return self.lin(self.weight * h)
 
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = squared_output_step
 
     torch.manual_seed(0)
     eager = RMSNormLinear()

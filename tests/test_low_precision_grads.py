@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import thunder_train as tt
+from _steps import squared_output_step
 
 OPS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1,
        "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tan": torch.tan, "reciprocal": torch.reciprocal,
@@ -51,12 +52,7 @@ def test_low_precision_mlp_trains_as_eager(dtype, thin):
     base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8), torch.nn.Sigmoid()).to(dtype)
     xs = [torch.randn(4, 16).to(dtype) for _ in range(3)]
 
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = squared_output_step
 
     models = [copy.deepcopy(base) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
@@ -161,12 +157,7 @@ def test_low_precision_model_with_rounded_formulas_trains_as_eager(dtype, mode):
     base = _Mixed().to(dtype)
     xs = [torch.randn(6, 8).to(dtype) for _ in range(3)]
 
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = squared_output_step
 
     models = [copy.deepcopy(base) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
