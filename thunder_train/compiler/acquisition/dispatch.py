@@ -66,7 +66,8 @@ def handle_torch_function(func, types, args, kwargs):
             "Compute gradients with torch.autograd.grad or loss.backward() inside the function, or apply the transform "
             "outside the compiled function.")
     refuse_sparse_gradient(func, args, kwargs)
-    if known_values.runs_known(st, func, registry.lookup(func), args, kwargs):  # torch.div(seq_len, 4) - 1
+    sym = registry.lookup(func)
+    if known_values.runs_known(st, func, sym, args, kwargs):  # torch.div(seq_len, 4) - 1
         return known_values.run_known(st, func, args, kwargs)
     special = _AUTOGRAD_CALLS.get(func)
     if touches_sparse(func, args, kwargs) and (special is None or _reads_sparse(args[:1])):
@@ -77,7 +78,6 @@ def handle_torch_function(func, types, args, kwargs):
         if any(isinstance(a, torch.Tensor) and not proxies.is_proxy(a) for a in _flat(args, kwargs)):
             args, kwargs = _capture_real_tensors(st, args, kwargs)
         return special(st, *args, **kwargs)
-    sym = registry.lookup(func)
     args, kwargs = registry.torch_arguments(sym, func, args, kwargs)  # what eager's parser takes (axis=, size=)
     flat = _flat(args, kwargs)
     complex_in = any(type(a) is TensorProxy and a._tt_dtype.is_complex for a in flat)

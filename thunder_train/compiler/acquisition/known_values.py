@@ -27,8 +27,8 @@ def runs_known(st, func, sym, args, kwargs) -> bool:
     if st.walker is None or (not st.known_tensors and func not in registry.NUMBER_AS_TENSOR):
         return False
     flat = [a for a in tree_flatten((args, kwargs))[0] if not isinstance(a, (str, torch.dtype, torch.device))]
-    if not any(isinstance(a, torch.Tensor) for a in flat):
-        return registry.numbers_only(func, args, kwargs)
+    if not any(isinstance(a, torch.Tensor) for a in flat):  # add/sub/mul/div of plain Python numbers alone
+        return func in registry.NUMBER_AS_TENSOR and all(type(a) in (bool, int, float) for a in flat)
     known = [a for a in flat if isinstance(a, torch.Tensor) and id(a) in st.known_tensors]
     if not known:
         return False

@@ -257,14 +257,6 @@ def torch_arguments(sym, func, args: tuple, kwargs: dict):
     return args, out
 
 
-def numbers_only(func, args, kwargs) -> bool:
-    """Whether ``func`` is add/sub/mul/div given plain Python numbers only: a value known while tracing, which
-    eager computes as a 0-d tensor the user can read (``torch.div(seq_len, w, rounding_mode="trunc") - 1`` as a
-    size); the call runs for real."""
-    return func in NUMBER_AS_TENSOR and all(type(a) in (bool, int, float) for a in tree_flatten((args, kwargs))[0]
-                                             if not isinstance(a, str))
-
-
 def _number_tensor(v):
     """A 0-d tensor of ``v`` (a runtime number: plain numbers run for real, acquisition/known_values.py) in the
     dtype torch gives a Python number of its type."""
