@@ -45,6 +45,16 @@ def test_gradient_reads_the_rounded_result_as_eager(name, dtype, fusion):
     assert torch.equal(got_x.grad, want_x.grad), (got_x.grad != want_x.grad).sum()
 
 
+def _assert_trains_as_eager(cstep, models, opts, xs):
+    """The compiled step on ``models[1]`` gives eager's loss and parameters, bit for bit, after every step."""
+    for x in xs:
+        want = squared_output_step(models[0], opts[0], x)
+        got = cstep(models[1], opts[1], x)
+        assert torch.equal(got, want)
+        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(q, p), n
+
+
 @pytest.mark.parametrize("thin", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_low_precision_mlp_trains_as_eager(dtype, thin):
@@ -52,17 +62,10 @@ def test_low_precision_mlp_trains_as_eager(dtype, thin):
     base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8), torch.nn.Sigmoid()).to(dtype)
     xs = [torch.randn(4, 16).to(dtype) for _ in range(3)]
 
-    step = squared_output_step
-
     models = [copy.deepcopy(base) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    cstep = tt.compile(step, thin=thin, fusion=None)
-    for x in xs:
-        want = step(models[0], opts[0], x)
-        got = cstep(models[1], opts[1], x)
-        assert torch.equal(got, want)
-        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(q, p), n
+    cstep = tt.compile(squared_output_step, thin=thin, fusion=None)
+    _assert_trains_as_eager(cstep, models, opts, xs)
 
 
 # Ops whose eager derivative formula rounds after each op (compiler/torchlang/low_precision_grads.py) and whose
@@ -157,18 +160,11 @@ def test_low_precision_model_with_rounded_formulas_trains_as_eager(dtype, mode):
     base = _Mixed().to(dtype)
     xs = [torch.randn(6, 8).to(dtype) for _ in range(3)]
 
-    step = squared_output_step
-
     models = [copy.deepcopy(base) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
     if mode == "module":
         cm = tt.compile(models[1], fusion=None)
-        cstep = lambda model, opt, x: step(cm, opt, x)  # noqa: E731
+        cstep = lambda model, opt, x: squared_output_step(cm, opt, x)  # noqa: E731
     else:
-        cstep = tt.compile(step, thin=mode == "thin", fusion=None)
-    for x in xs:
-        want = step(models[0], opts[0], x)
-        got = cstep(models[1], opts[1], x)
-        assert torch.equal(got, want)
-        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(q, p), n
+        cstep = tt.compile(squared_output_step, thin=mode == "thin", fusion=None)
+    _assert_trains_as_eager(cstep, models, opts, xs)
