@@ -141,3 +141,57 @@ def test_eager_code_in_another_thread_while_one_traces():
     torch.testing.assert_close(got["compiled"], _step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y))
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def _parametrized_linear(seed):
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(seed)
+    lin = nn.Linear(4, 4)
+    parametrize.register_parametrization(lin, "weight", nn.Tanh())
+    return lin
+
+
+@pytest.mark.parametrize("cached_inside", [False, True], ids=["plain", "cached_inside_the_step"])
+def test_parametrize_cached_in_another_thread_while_one_traces(cached_inside):
+    """Thread B enters ``parametrize.cached()`` while A traces a parametrized model and leaves it after A's trace ends:
+    B's cache works throughout, torch's count ends at 0 and later eager reads see updated weights (before, setting the
+    process-wide cache aside left the count at -1: cached forever, stale weights after an update)."""
+    from torch.nn.utils import parametrize
+
+    gate = _Gate()
+    model, other = nn.Sequential(gate, _parametrized_linear(0)), _parametrized_linear(1)
+    reference = copy.deepcopy(model[1])
+    x = torch.randn(3, 4)
+
+    def forward(x):
+        if cached_inside:
+            with parametrize.cached():
+                return model(x) + model(x)
+        return model(x) + model(x)
+
+    cf, traced, got = tt.compile(forward), threading.Event(), {}
+
+    def compiled():
+        try:
+            got["compiled"] = cf(x)
+        finally:
+            traced.set()
+
+    def eager():
+        gate.tracing.wait(timeout=60)
+        try:
+            with parametrize.cached():
+                first = other.weight
+                gate.release.set()
+                traced.wait(timeout=60)
+                got["cached"] = other.weight is first and type(first) is torch.Tensor
+        finally:
+            gate.release.set()
+
+    assert _in_threads([compiled, eager]) == []
+    torch.testing.assert_close(got["compiled"], reference(x) + reference(x))
+    assert got["cached"] and parametrize._cache_enabled == 0 and parametrize._cache == {}
+    with torch.no_grad():
+        other.parametrizations.weight.original.add_(1.0)
+    torch.testing.assert_close(other.weight, torch.tanh(other.parametrizations.weight.original))

@@ -36,7 +36,7 @@ from . import decisions as _decisions  # installs the decision handler
 from .captured import captured_roots, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
-from .global_state import global_state_unchanged, parametrization_cache_set_aside
+from .global_state import global_state_unchanged, parametrizations_computed_where_read
 from .provenance import path_str
 from .python_effects import needs_grad, only_walked_optimizers_step, refuse_backward_hooks, refuse_new_leaves_returned
 from . import returned_graph, saved_versions
@@ -133,7 +133,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             refuse_backward_hooks(state)
             with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad), \
-                    parametrization_cache_set_aside():
+                    parametrizations_computed_where_read([s.module for s in walker.module_states]):
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.classes.finish()

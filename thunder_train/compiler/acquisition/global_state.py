@@ -250,17 +250,41 @@ def global_state_unchanged():
 
 
 @contextlib.contextmanager
-def parametrization_cache_set_aside():
-    """``torch.nn.utils.parametrize.cached()`` entered outside the compiled call (around ``tt.compile(model)``,
-    or around the compiled step): its process-wide cache would keep the parametrized tensors computed while
-    tracing, proxies that then escape into eager code. While tracing, the cache is off and empty (the trace
-    computes each parametrized tensor where it is read, the same values; a ``cached()`` inside the function
-    caches within the trace); afterwards the caller's cache is back as it was."""
+def parametrizations_computed_where_read(modules):
+    """A parametrized tensor (``torch.nn.utils.parametrize``) of ``modules`` read while this thread traces is computed
+    in the trace where it is read, never taken from or put into the cache of ``parametrize.cached()``: that cache
+    is process-wide (``_cache_enabled``, ``_cache``), and a block entered around the compiled call or by another
+    thread would hand the trace eager tensors computed before, or keep the traced one, a proxy that then escapes
+    into eager code.  torch's names are left alone (setting them aside raced with another thread's ``cached()``:
+    its count could end at -1, caching forever).  Instead each parametrized module's own class (torch makes one per
+    module) reads its property through ``context.tracer_state()`` meanwhile: other threads run torch's getter, cache
+    included; a ``cached()`` inside the function counts as in eager and the trace computes each read (the same
+    values)."""
     from torch.nn.utils import parametrize
 
-    enabled, cache = parametrize._cache_enabled, parametrize._cache
-    parametrize._cache_enabled, parametrize._cache = 0, {}
+    st = context.tracer_state()
+    replaced = []
+    for m in modules:
+        if not parametrize.is_parametrized(m):
+            continue
+        cls = type(m)
+        for name in m.parametrizations:
+            prop = cls.__dict__.get(name)
+            if type(prop) is property:
+                replaced.append((cls, name, prop))
+                setattr(cls, name, property(_computed_in_trace(prop.fget, name, st), prop.fset, None, prop.__doc__))
     try:
         yield
     finally:
-        parametrize._cache_enabled, parametrize._cache = enabled, cache
+        for cls, name, prop in reversed(replaced):
+            setattr(cls, name, prop)
+
+
+def _computed_in_trace(getter, name, st):
+    def get(module):
+        if context.tracer_state() is not st:  # another thread, or a pass after acquisition: torch's getter
+            return getter(module)
+        return module.parametrizations[name]()
+
+    get.__wrapped__ = getter
+    return get
