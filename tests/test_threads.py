@@ -18,7 +18,7 @@ import thunder_train as tt
 from thunder_train.compiler import context
 
 
-def _in_threads(fns):
+def _in_threads(fns, names=None):
     """Run each callable in its own thread, all released at once; the exceptions they raised."""
     barrier = threading.Barrier(len(fns))
     errors = []
@@ -30,7 +30,7 @@ def _in_threads(fns):
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    threads = [threading.Thread(target=run, args=(fn,), name=None if names is None else names[i]) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
@@ -195,3 +195,163 @@ def test_parametrize_cached_in_another_thread_while_one_traces(cached_inside):
     with torch.no_grad():
         other.parametrizations.weight.original.add_(1.0)
     torch.testing.assert_close(other.weight, torch.tanh(other.parametrizations.weight.original))
+
+
+_paused_fake_run = {}  # "tracing", "release": the events of the next fake run of tt_threads::doubled while tracing
+
+
+@torch.library.custom_op("tt_threads::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_doubled.register_fake
+def _(x):
+    if context.tracer_state() is not None and _paused_fake_run:
+        events = _paused_fake_run.copy()
+        _paused_fake_run.clear()
+        events["tracing"].set()
+        events["release"].wait(timeout=60)
+    return torch.empty_like(x)
+
+
+def _draws_while_the_compiler_probes(draw, fn):
+    """Thread A makes a first call of ``fn`` (opaque ``doubled``: the compiler asks torch's fake kernel about it);
+    thread B draws once while A is inside that run and once after A returned. B's numbers and A's error, if any."""
+    tracing, release = threading.Event(), threading.Event()
+    _paused_fake_run.update(tracing=tracing, release=release)
+    done, got = threading.Event(), {}
+
+    def compiled():
+        try:
+            got["compiled"] = tt.compile(fn)(torch.ones(3))
+        except tt.TracingError as e:
+            got["error"] = e
+        finally:
+            release.set()
+            done.set()
+
+    def eager():
+        try:
+            tracing.wait(timeout=60)
+            got["drawn"] = [draw()]
+        finally:
+            release.set()
+        done.wait(timeout=60)
+        got["drawn"].append(draw())
+
+    try:
+        assert _in_threads([compiled, eager]) == []
+    finally:
+        _paused_fake_run.clear()
+    return got
+
+
+def test_torch_draws_of_another_thread_are_not_undone_by_the_compilers_runs():
+    """The compiler's meta and fake runs keep the generators by drawing nothing, never by putting a saved state back:
+    that undid another thread's draws made meanwhile (B saw the same numbers again)."""
+    torch.manual_seed(5)
+    got = _draws_while_the_compiler_probes(lambda: torch.rand(4), lambda x: _doubled(x) + 1)
+    torch.manual_seed(5)
+    want = [torch.rand(4), torch.rand(4)]
+    torch.testing.assert_close(got["compiled"], torch.full((3,), 3.0))
+    torch.testing.assert_close(torch.stack(got["drawn"]), torch.stack(want))
+
+
+def test_python_draws_of_another_thread_are_refused_and_not_undone():
+    """Another thread drawing from Python's random while one traces is refused (a draw there may be the traced
+    function's constant), and the generator is not put back: B's later numbers continue its stream."""
+    import random
+
+    random.seed(3)
+    got = _draws_while_the_compiler_probes(random.random, lambda x: _doubled(x) + 1)
+    random.seed(3)
+    assert got["drawn"] == [random.random(), random.random()]
+    assert "not put back" in str(got["error"])
+
+
+def test_collective_meta_kernels_draw_from_a_private_generator_in_the_compilers_runs():
+    """torch's meta kernels of collectives number their fake work with Python's random: inside the compiler's runs
+    from a private generator, elsewhere (another thread meanwhile) from the global one as without thunder_train."""
+    import random
+
+    pytest.importorskip("torch.distributed._meta_registrations")
+    from torch.distributed import _meta_registrations
+
+    from thunder_train.compiler.generators_kept import generators_untouched
+
+    random.seed(7)
+    inside, release, got = threading.Event(), threading.Event(), {}
+
+    def compiler_run():
+        with generators_untouched():
+            _meta_registrations.generate_unique_id()
+            inside.set()
+            release.wait(timeout=60)
+            _meta_registrations.generate_unique_id()
+
+    def eager():
+        inside.wait(timeout=60)
+        got["drawn"] = [random.random()]
+        _meta_registrations.generate_unique_id()
+        release.set()
+
+    assert _in_threads([compiler_run, eager]) == []
+    got["drawn"].append(random.random())
+    random.seed(7)
+    first = random.random()
+    random.randint(1, 10**9)
+    assert got["drawn"] == [first, random.random()]
+
+
+def test_a_module_used_by_another_thread_while_one_traces_it_is_refused_clearly():
+    """Tracing swaps a module's parameters for proxies in its own dicts: eager code in another thread using that
+    module meanwhile raises, naming the tracing thread and what to do, and works again once the first call returned."""
+    gate = _Gate()
+    model = nn.Sequential(gate, _mlp(0))
+    reference = copy.deepcopy(model[1])
+    x = torch.randn(5, 6)
+    cf, got = tt.compile(model), {}
+
+    def compiled():
+        got["compiled"] = cf(x)
+
+    def eager():
+        gate.tracing.wait(timeout=60)
+        try:
+            with pytest.raises(tt.TracingError, match="thread 'tracer' is tracing right now.*copy.deepcopy"):
+                model[1](x)
+            with pytest.raises(tt.TracingError, match="is tracing right now"):
+                sum(p.numel() for p in model.parameters())
+        finally:
+            gate.release.set()
+
+    assert _in_threads([compiled, eager], names=["tracer", "eager"]) == []
+    torch.testing.assert_close(got["compiled"], reference(x))
+    torch.testing.assert_close(model[1](x), reference(x))
+
+
+
+def test_process_wide_state_another_thread_sets_while_one_traces_is_not_undone():
+    """Another thread sets the default dtype (process-wide) while one traces: the trace is refused (the change may be
+    the function's) without undoing it; before, the trace put the old dtype back over the other thread's change."""
+    gate = _Gate()
+    model = nn.Sequential(gate, _mlp(0))
+    cf, got = tt.compile(model), {}
+
+    def compiled():
+        with pytest.raises(tt.TracingError, match="default_dtype.*not put back"):
+            cf(torch.randn(5, 6))
+
+    def eager():
+        gate.tracing.wait(timeout=60)
+        try:
+            torch.set_default_dtype(torch.float64)
+        finally:
+            gate.release.set()
+
+    try:
+        assert _in_threads([compiled, eager]) == []
+        assert torch.get_default_dtype() is torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)

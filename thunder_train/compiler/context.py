@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 
 _state = threading.local()
+# thread ident -> (thread name, depth) of the threads acquiring a function now; read only to word an error
+_acquiring: dict = {}
 
 
 def get_trace():
@@ -33,11 +35,25 @@ class tracing:
         self.prev = getattr(_state, "trace", None), getattr(_state, "tracer", None)
         _state.trace = self.trc
         _state.tracer = self.state
+        if self.state is not None:
+            me = threading.current_thread()
+            _acquiring[me.ident] = (me.name, _acquiring.get(me.ident, ("", 0))[1] + 1)
         return self.trc
 
     def __exit__(self, *exc):
         _state.trace, _state.tracer = self.prev
+        if self.state is not None:
+            me = threading.get_ident()
+            name, depth = _acquiring.pop(me)
+            if depth > 1:
+                _acquiring[me] = (name, depth - 1)
         return False
+
+
+def other_threads_acquiring() -> list:
+    """The names of the other threads acquiring a function now."""
+    me = threading.get_ident()
+    return [name for ident, (name, _) in list(_acquiring.items()) if ident != me]
 
 
 def fresh_name(prefix: str) -> str:

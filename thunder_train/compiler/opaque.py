@@ -12,6 +12,7 @@ import torch
 
 from . import context, devices
 from .errors import UnsupportedOpError  # noqa: F401  (defined with the other user-facing errors)
+from .generators_kept import generators_untouched
 from .proxies import TensorProxy, is_tensor_proxy
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
@@ -172,10 +173,9 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     # Inputs a gradient would flow into (they require grad or depend on one that does).
     diff = gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ()
     meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
-    # A random op on meta tensors still advances the CPU generator: keep its state, so that tracing draws nothing.
-    rng = torch.default_generator.get_state()
     try:
-        with torch._C.DisableTorchFunction(), torch.device("meta"):
+        # a rule that runs a random op on real tensors must not draw from a global generator either
+        with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():
             meta_out = meta_rules.get(func, func)(*meta_args, **meta_kwargs)
     except UnsupportedOpError:
         raise  # a rule's own refusal, saying what to do
@@ -183,10 +183,6 @@ def call_opaque(func, args, kwargs, *, strict: bool):
         raise UnsupportedOpError(
             f"{name} is not supported by thunder_train, and running it on meta tensors to learn its output failed: {e}. "
             + _why_meta_failed(e)) from e
-    finally:
-        # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
-        if not torch.equal(torch.default_generator.get_state(), rng):
-            torch.default_generator.set_state(rng)
     if proxies:
         device = proxies[0]._tt_device
     else:

@@ -46,6 +46,13 @@ def _tracing_where():
     if st is not None:
         return st, st.trace, len(st.trace._scopes) == 1
     trc = context.get_trace()
+    if trc is None and context.other_threads_acquiring():
+        raise TracingError(
+            f"a tensor of an object that thread {context.other_threads_acquiring()[0]!r} is tracing right now was used "
+            "by this thread: during a compiled function's first call (and a retrace), the parameters, buffers and "
+            "optimizer state it reads stand as thunder_train proxies in their own modules and optimizers. Let that call "
+            "return before using the model or optimizer in another thread (make one compiled call before starting "
+            "the threads), or give each thread its own copy (copy.deepcopy).")
     if trc is None:
         raise TracingError(
             "a thunder_train proxy escaped the compiled function and was used outside tracing; "

@@ -62,6 +62,11 @@ _STATE = {
     "torch.backends.cudnn.benchmark": _backend_flag(torch.backends.cudnn, "benchmark"),
     "torch.backends.cuda.matmul.allow_tf32": _backend_flag(torch.backends.cuda.matmul, "allow_tf32"),
 }
+# the state torch keeps per thread: put back whatever other threads do; the rest is process-wide, and another thread
+# may have set it meanwhile (putting it back would undo that thread's change), so it is put back only where no other
+# thread runs
+_PER_THREAD = ("torch.is_grad_enabled() (torch.set_grad_enabled as a plain call)",
+               "torch.get_default_device() (torch.set_default_device)")
 
 def _cuda_device(device):
     d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -164,21 +169,23 @@ def _python_generators() -> dict:
     return out
 
 
-def _python_generators_moved(before) -> list:
-    """The names of the generators in ``before`` whose state moved; each is put back."""
+def _python_generators_moved(before, put_back) -> list:
+    """The names of the generators in ``before`` whose state moved; each is put back where ``put_back``."""
     moved = []
     for name, old in before.items():
         if name == "random":
             if random.getstate() != old:
                 moved.append("random (Python's random module: random.random, random.betavariate, ...)")
-                random.setstate(old)
+                if put_back:
+                    random.setstate(old)
             continue
         np = sys.modules["numpy"]
         new = np.random.get_state(legacy=False)
         if new["state"]["pos"] != old["state"]["pos"] or new["has_gauss"] != old["has_gauss"] \
                 or not np.array_equal(new["state"]["key"], old["state"]["key"]):
             moved.append("numpy.random (np.random.beta, np.random.rand, ...)")
-            np.random.set_state(old)
+            if put_back:
+                np.random.set_state(old)
     return moved
 
 
@@ -187,6 +194,10 @@ def _other_threads() -> bool:
     draws would move the generator while this thread traces."""
     me = threading.current_thread()
     return any(t is not me and t.name != "thunder_train-fusion" for t in threading.enumerate())
+
+
+_NOT_PUT_BACK = (" The generator was left as it is now, not put back: other threads run, and some of its draws may be "
+                 "theirs (putting it back would hand them the same numbers again).")
 
 
 @contextlib.contextmanager
@@ -212,23 +223,28 @@ def global_state_unchanged():
     finally:
         for mod, name, original in patched:
             setattr(mod, name, original)
+        alone = not _other_threads()
         changed = [k for k, (get, _) in _STATE.items() if get() != before[k]]
         for k in changed:
-            _STATE[k][1](before[k])
+            if alone or k in _PER_THREAD:
+                _STATE[k][1](before[k])
         rng_after = _rng_state()
         # Tracing records the user's random ops and the generator-state functions above as lines; what moved the
         # generator now ran for real (torch.default_generator.manual_seed, a random op on a real tensor). A new
         # seed is that unless another thread seeded through torch's functions meanwhile; a state that only advanced
         # may be another thread's draws (the generator is theirs too), so that counts only when no other thread
-        # runs. Either way the state is put back and the call refused.
+        # runs. Either way the call is refused, and the state put back where no other thread runs (their draws
+        # undone would repeat).
         others_seeded = bool(elsewhere.calls)
         reseeded = rng_after[1] != rng[1] and not others_seeded
-        rng_changed = reseeded or not others_seeded and not _other_threads() and not torch.equal(rng_after[0], rng[0])
-        if rng_changed:
+        rng_changed = reseeded or not others_seeded and alone and not torch.equal(rng_after[0], rng[0])
+        if rng_changed and alone:
             torch.set_rng_state(rng[0])
-        drawn = _python_generators_moved(python_generators)
         # Unlike torch's generator, checked with other threads running too (a data loader's or logger's thread): a
         # silent constant is worse than the rare false alarm of another thread drawing from the global generator.
+        # Put back only when no other thread runs: the draws may be theirs, and undoing them would hand them the
+        # same numbers again.
+        drawn = _python_generators_moved(python_generators, put_back=alone)
         if ok and drawn:
             raise TracingError(
                 f"the compiled function drew from {' and '.join(drawn)} while tracing: the program would use the "
@@ -236,17 +252,20 @@ def global_state_unchanged():
                 "compiled function and pass them in as tensors (`lam = torch.tensor(random.betavariate(a, a))`), or "
                 "draw with torch inside (torch.rand, torch.randperm, torch.distributions), which the program draws "
                 "on every call. (Another thread drawing from it during this first call raises this too: give that "
-                "thread a generator of its own, random.Random() or np.random.default_rng().)")
+                "thread a generator of its own, random.Random() or np.random.default_rng().)"
+                + ("" if alone else _NOT_PUT_BACK))
         if ok and rng_changed:
             raise TracingError(
                 "the compiled function reseeded or advanced torch's default random number generator outside the traced "
                 "program (torch.default_generator.manual_seed(...), a real tensor's random op, ...): that would happen "
-                "only while tracing. Seed outside the compiled function.")
+                "only while tracing. Seed outside the compiled function." + ("" if alone else _NOT_PUT_BACK))
         if ok and changed:
             raise TracingError(
                 f"the compiled function leaves {', '.join(changed)} changed when it returns: the change would happen only "
                 "on the first call (while tracing), not on later calls. Set it outside the compiled function, or undo it "
-                "before returning (use the context-manager form, e.g. `with torch.set_grad_enabled(False):`).")
+                "before returning (use the context-manager form, e.g. `with torch.set_grad_enabled(False):`)."
+                + ("" if alone or all(k in _PER_THREAD for k in changed) else
+                   " It was left as it is now, not put back: other threads run, and the change may be theirs."))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 
 from ..proxies import TensorProxy, dense_layout
 from ..pytree import tree_flatten, tree_unflatten
-from ..generators_kept import generators_kept
+from ..generators_kept import generators_untouched
 
 _MESSAGE = "refer to a single memory location"
 _PROBE_LIMIT = 1 << 20  # elements of the probe's storage
@@ -104,14 +104,13 @@ def _probe(fn, flat, spec, shared):
         else:
             args.append(a)
             separate.append(a)
-    with torch.no_grad(), torch._C.DisableTorchFunction(), generators_kept():
-        state = torch.default_generator.get_state()
+    with torch.no_grad(), torch._C.DisableTorchFunction(), generators_untouched() as private:
         try:
             a, k = tree_unflatten(args, spec)
             fn(*a, **k)
         except RuntimeError as e:
             return str(e) if _MESSAGE in str(e) else None
-        torch.default_generator.set_state(state)  # the same draws for the second run (bernoulli_)
+        private.reseed()  # the same draws for the second run (bernoulli_)
         a, k = tree_unflatten(separate, spec)
         fn(*a, **k)
     if torch.equal(real[id(shared[0])], apart[id(shared[0])]):

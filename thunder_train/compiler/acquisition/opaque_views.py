@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TracingError
+from ..generators_kept import generators_untouched
 from ..proxies import TensorProxy, size_value
 from ..pytree import tree_flatten, tree_map
 
@@ -34,14 +35,8 @@ def eager_view_outputs(func, args, kwargs) -> list | None:
     """``view_outputs``, or None where torch's meta rule gives no answer."""
     try:
         margs, mkwargs = tree_map(_meta, (args, kwargs))
-        rng = torch.default_generator.get_state()
-        try:
-            with torch._C.DisableTorchFunction(), torch.device("meta"):
-                out = func(*margs, **mkwargs)
-        finally:
-            # put back only when the meta run moved it: an unconditional set would rewind another thread's draws
-            if not torch.equal(torch.default_generator.get_state(), rng):
-                torch.default_generator.set_state(rng)
+        with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():
+            out = func(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - no meta answer (an opaque op's result is then taken as fresh)
         return None
     base = margs[0]

@@ -34,7 +34,7 @@ import torch
 
 from ..proxies import NumberProxy, TensorProxy, size_value
 from ..pytree import tree_flatten
-from ..generators_kept import generators_kept
+from ..generators_kept import generators_untouched
 
 
 @dataclasses.dataclass
@@ -345,12 +345,12 @@ def _ask_torch(fn, spec, sig, inplace=False):
     """What ``fn`` saves, asked on meta tensors; for an op without a meta kernel (``ctc_loss``) whose tensors are all
     on the CPU, on small real CPU tensors of the same sizes, strides and dtypes (what an op saves does not depend
     on the values; a call that fails or would be large is not asked).  None when neither can be asked."""
-    with generators_kept():  # torch's meta kernels of collectives draw from Python's random
+    with generators_untouched():  # torch's meta kernels of collectives draw from Python's random
         found = _ask_on(fn, spec, sig, inplace, "meta")
     if found is None and all(s[4] == "cpu" for s in sig if _is_tensor_sig(s)):
         numel = sum(_extent(s[0], s[1]) for s in sig if _is_tensor_sig(s))
         if numel <= _REAL_PROBE_LIMIT:
-            with generators_kept():
+            with generators_untouched():
                 found = _ask_on(fn, spec, sig, inplace, "cpu")
     return found
 

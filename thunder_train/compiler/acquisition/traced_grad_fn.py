@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..errors import TracingError
 from ..proxies import TensorProxy
 from ..pytree import tree_flatten
-from ..generators_kept import generators_kept
+from ..generators_kept import generators_untouched
 from . import saved_versions
 
 
@@ -128,7 +128,7 @@ def _ask_name(fn, spec, sig, inplace, k):
 
     try:
         metas, args, kwargs = saved_versions.probe_args(spec, sig, inplace, "meta")
-        with torch.enable_grad(), generators_kept():
+        with torch.enable_grad(), generators_untouched():
             out = fn(*args, **kwargs)
         outs = metas[:1] if inplace else [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         node = outs[k].grad_fn

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import symbols
-from ..generators_kept import generators_kept
+from ..generators_kept import generators_untouched
 from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, same_shape, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
@@ -304,7 +304,7 @@ def set_layout(bsym) -> None:
         mout = _on_meta(fn, args, kwargs) if meta else None
         if mout is None:
             try:
-                with torch._C.DisableTorchFunction(), torch.no_grad(), _mode(), generators_kept():
+                with torch._C.DisableTorchFunction(), torch.no_grad(), _mode(), generators_untouched():
                     margs, mkwargs = tree_map(_to_fake, (tuple(args), dict(kwargs)))
                     mout = fn(*margs, **mkwargs)
             except Exception:  # noqa: BLE001 - fake tensors lack some kernels, and word errors differently
