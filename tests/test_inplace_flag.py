@@ -4,6 +4,8 @@ The trace recorded the out-of-place op only, so a call whose result the code dro
 its own line, ``nn.ReLU(inplace=True)`` whose input is read again) left ``b`` unchanged: losses and gradients differed
 from eager's, silently.  Now the result is the input's new value, functionalized like ``b.relu_()``.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,3 +83,56 @@ def test_random_ops_torch_computes_write_their_input(kw):
     got = tt.compile(f, **kw)(x)
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+# The in-place forms of eager's elu kernel, differentiated from their result (derivatives.yaml: is_result=True)
+ELU_FAMILY = [lambda b: F.elu(b, 1.3, inplace=True), lambda b: F.elu_(b, 0.7), lambda b: torch.celu_(b, 0.8),
+              torch.nn.CELU(1.5, inplace=True), torch.selu_, torch.nn.SELU(inplace=True)]
+
+
+class _EluFamily(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        outs = []
+        for i, act in enumerate(ELU_FAMILY):
+            y = self.lin(x) * (i + 1)
+            act(y)
+            outs.append(y * y.cos())
+        return torch.stack(outs)
+
+
+def _elu_family_step(model, x):
+    out = model(x)
+    out.sum().backward()
+    return out.detach()
+
+
+@pytest.mark.parametrize("mode", ["full", "thin", "model"])
+def test_inplace_elu_family_is_bitwise_eagers(mode):
+    """elu_, celu_, selu_ and their ``inplace=True`` forms: eager's values and float32 gradients bit for bit (the
+    out-of-place forms are); before, the gradient came from the input, as the out-of-place forms', an ulp off."""
+    torch.manual_seed(0)
+    model = _EluFamily()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 6) * 3
+    if mode == "model":
+        compiled = tt.compile(model)
+
+        def run(m, x):
+            out = (compiled if m is model else m)(x)
+            out.sum().backward()
+            return out.detach()
+    else:
+        cf = tt.compile(_elu_family_step, thin=mode == "thin")
+
+        def run(m, x):
+            return (cf if m is model else _elu_family_step)(m, x)
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        got, want = run(model, x), run(ref, x)
+        assert torch.equal(got, want)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))

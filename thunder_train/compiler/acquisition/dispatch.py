@@ -295,7 +295,7 @@ def _flagged_value(st, trc, sym, func, args, kwargs):
     scope = trc._scopes[-1]
     n = len(scope)
     try:
-        return sym(*args, **kwargs)
+        return getattr(sym, "written_in_place", sym)(*args, **kwargs)
     except NotImplementedError as e:
         if isinstance(e, UnsupportedOpError) or st.walker is None:
             raise

@@ -319,7 +319,10 @@ def generic_inplace(st, func, orig_args, args, kwargs, dispatch, run_opaque):
         owner = torch.Tensor if "Tensor" in (getattr(func, "__qualname__", "") or "") or name.startswith("__") else torch
         outplace = getattr(owner, out_name, None)
     with _inplace_op(st, func, dst, args, kwargs, orig_args):
-        if outplace is not None and registry.lookup(outplace) is not None:
+        known = registry.lookup(outplace) if outplace is not None else None
+        if getattr(known, "written_in_place", None) is not None:  # its in-place form differentiates otherwise
+            value = known.written_in_place(*args, **kwargs)
+        elif known is not None:
             value = dispatch(outplace, orig_args, kwargs)
         else:
             value = run_opaque(CopyThenInplace.of(func), args, kwargs)

@@ -228,8 +228,10 @@ def selu(input, inplace=False):
 def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
     """Of the input (``is_result`` False): g * input_scale * alpha * scale * exp(input_scale * x) where x <= 0,
     else g * scale (NaN and inf included)."""
-    if is_result:
-        raise NotImplementedError("elu_backward of the result is not written as a decomposition")
+    if is_result:  # eager's kernel: g * input_scale * (r + alpha * scale) where the result r <= 0
+        r, gu = upcast_and_dtype(self_or_result)[0], upcast_and_dtype(grad_output)[0]
+        neg = _mul(_mul(gu, input_scale), _add(r, alpha * scale))
+        return downcast_like(prims.where(prims.le(r, 0.0), neg, _mul(gu, scale) if scale != 1 else gu), self_or_result)
     x, gu = upcast_and_dtype(self_or_result)[0], upcast_and_dtype(grad_output)[0]
     e = prims.exp(_mul(x, input_scale) if input_scale != 1 else x)
     neg = _mul(_mul(_mul(gu, input_scale), alpha * scale), e)
@@ -250,6 +252,31 @@ def _celu_vjp(g, out, /, input, alpha=1.0, inplace=False):
 @register_vjp(selu)
 def _selu_vjp(g, out, /, input, inplace=False):
     return {"input": elu_backward(g, _SELU_ALPHA, _SELU_SCALE, 1.0, False, input)}
+
+
+def _elu_kernel(input, alpha, scale, input_scale, grad_input_scale):
+    """Eager's elu kernel out of place (``grad_input_scale`` is for the gradient only)."""
+    return torch.ops.aten.elu.default(input, alpha, scale, input_scale)
+
+
+# The in-place forms (``elu_``, ``celu_``, ``selu_``, ``inplace=True``) run eager's elu kernel into the input, and
+# eager differentiates them from the result (derivatives.yaml: ``elu_`` and ``celu_`` pass is_result=True): the same
+# gradient as the out-of-place forms', rounded differently.  Their new value is this symbol (the dispatcher asks
+# each symbol for ``written_in_place``).
+@torchsymbol(name="elu_written", torch_impl=_elu_kernel, tags=("fusible",))
+def elu_written(input, alpha, scale, input_scale, grad_input_scale):
+    return _elu(input, alpha, scale, input_scale)
+
+
+@register_vjp(elu_written)
+def _elu_written_vjp(g, out, /, input, alpha, scale, input_scale, grad_input_scale):
+    return {"input": elu_backward(g, alpha, scale, grad_input_scale, True, out)}
+
+
+elu.written_in_place = lambda input, alpha=1.0, inplace=False: elu_written(input, alpha, 1.0, 1.0, 1.0)
+celu.written_in_place = lambda input, alpha=1.0, inplace=False: elu_written(
+    input, alpha, 1.0, 1.0 / alpha, 1.0 / struct.unpack("f", struct.pack("f", alpha))[0])  # celu_'s derivative
+selu.written_in_place = lambda input, inplace=False: elu_written(input, _SELU_ALPHA, _SELU_SCALE, 1.0, 1.0)
 
 
 @torchsymbol(F.logsigmoid)
