@@ -355,36 +355,3 @@ def test_process_wide_state_another_thread_sets_while_one_traces_is_not_undone()
         assert torch.get_default_dtype() is torch.float64
     finally:
         torch.set_default_dtype(torch.float32)
-
-
-class _Scaled(nn.Module):
-    factor = 2.0  # a class attribute the forward reads: an input while tracing (class_attrs.py)
-
-    def forward(self, x):
-        return x * self.factor
-
-
-def test_class_attribute_another_thread_assigns_while_one_traces_is_not_undone():
-    """Another thread assigns a class attribute the trace watches: the trace is refused (the assignment may be the
-    function's) and the other thread's value stays; before, the trace put the old value back over it."""
-    gate = _Gate()
-    model = nn.Sequential(gate, _Scaled())
-    cf = tt.compile(model)
-
-    def compiled():
-        with pytest.raises(tt.TracingError, match="class attribute.*Other threads run"):
-            cf(torch.ones(2))
-
-    def eager():
-        gate.tracing.wait(timeout=60)
-        try:
-            _Scaled.factor = 3.0
-        finally:
-            gate.release.set()
-
-    try:
-        assert _in_threads([compiled, eager]) == []
-        assert _Scaled.factor == 3.0
-        torch.testing.assert_close(cf(torch.ones(2)), torch.full((2,), 3.0))
-    finally:
-        _Scaled.factor = 2.0

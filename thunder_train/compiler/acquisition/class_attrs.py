@@ -28,7 +28,6 @@ import types
 import torch
 
 from ..errors import TracingError
-from .global_state import other_threads_run
 from .provenance import Step, name_from_path
 
 _METACLASSES = (type, abc.ABCMeta)
@@ -64,16 +63,13 @@ class _Read:
 
 
 class _ClassEntry:
-    """``InputWalker.restore`` target: puts a class attribute back.  One assigned while tracing is put back only where
-    no other thread runs: the assignment may be that thread's (the class is theirs too), and undoing it would be
-    silent."""
+    """``InputWalker.restore`` target: puts a class attribute back."""
 
-    def __init__(self, cls, name, read):
-        self.cls, self.name, self.read = cls, name, read
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
 
     def set(self, v):
-        if self.cls.__dict__.get(self.name, _MISSING) is self.read or not other_threads_run():
-            type.__setattr__(self.cls, self.name, v)
+        type.__setattr__(self.cls, self.name, v)
 
 
 class ClassWatch:
@@ -103,7 +99,7 @@ class ClassWatch:
                 except (TypeError, AttributeError):
                     continue
                 self.installed.append(r)
-                self.walker.swapped.append((_ClassEntry(c, name, r), None, v))
+                self.walker.swapped.append((_ClassEntry(c, name), None, v))
 
     def read(self, r, owner):
         if not self.active or threading.get_ident() != self.thread:
@@ -127,6 +123,5 @@ class ClassWatch:
                     f"the function assigned or deleted the class attribute {r.cls.__qualname__}.{r.name}: a compiled "
                     "function runs its Python code once, while tracing, so the change would not happen on later calls "
                     "(the class is left as it was). Set it outside the compiled function, or keep the value in a tensor "
-                    "updated in place." + ("" if not other_threads_run() else " (Other threads run: if one of them "
-                                           "assigned it, the class keeps that value, and this first call can be made "
-                                           "again.)"))
+                    "updated in place."
+                )

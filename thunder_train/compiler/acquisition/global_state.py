@@ -189,7 +189,7 @@ def _python_generators_moved(before, put_back) -> list:
     return moved
 
 
-def other_threads_run() -> bool:
+def _other_threads() -> bool:
     """Whether a thread other than this one and thunder_train's fusion worker (which draws nothing) runs: its
     draws would move the generator while this thread traces."""
     me = threading.current_thread()
@@ -223,7 +223,7 @@ def global_state_unchanged():
     finally:
         for mod, name, original in patched:
             setattr(mod, name, original)
-        alone = not other_threads_run()
+        alone = not _other_threads()
         changed = [k for k, (get, _) in _STATE.items() if get() != before[k]]
         for k in changed:
             if alone or k in _PER_THREAD:
