@@ -260,11 +260,12 @@ def test_torch_draws_of_another_thread_are_not_undone_by_the_compilers_runs():
 
 def test_python_draws_of_another_thread_are_refused_and_not_undone():
     """Another thread drawing from Python's random while one traces is refused (a draw there may be the traced
-    function's constant), and the generator is not put back: B's later numbers continue its stream."""
+    function's constant), and the generator is not put back (the trace notes the other thread's calls of the module's
+    functions): B's later numbers continue its stream."""
     import random
 
     random.seed(3)
-    got = _draws_while_the_compiler_probes(random.random, lambda x: _doubled(x) + 1)
+    got = _draws_while_the_compiler_probes(lambda: random.random(), lambda x: _doubled(x) + 1)
     random.seed(3)
     assert got["drawn"] == [random.random(), random.random()]
     assert "not put back" in str(got["error"])

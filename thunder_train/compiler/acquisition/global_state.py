@@ -62,11 +62,29 @@ _STATE = {
     "torch.backends.cudnn.benchmark": _backend_flag(torch.backends.cudnn, "benchmark"),
     "torch.backends.cuda.matmul.allow_tf32": _backend_flag(torch.backends.cuda.matmul, "allow_tf32"),
 }
-# the state torch keeps per thread: put back whatever other threads do; the rest is process-wide, and another thread
-# may have set it meanwhile (putting it back would undo that thread's change), so it is put back only where no other
-# thread runs
-_PER_THREAD = ("torch.is_grad_enabled() (torch.set_grad_enabled as a plain call)",
-               "torch.get_default_device() (torch.set_default_device)")
+# name in _STATE -> (module, function) that sets it: noted while a thread traces when another thread calls it, so
+# that a change made by another thread meanwhile is not put back over theirs (grad mode and the default device are
+# torch's per thread; the backend flags are attributes, set without a call)
+_SETTERS = {
+    "torch.get_default_dtype() (torch.set_default_dtype)": (torch, "set_default_dtype"),
+    "torch.are_deterministic_algorithms_enabled() (torch.use_deterministic_algorithms)": (
+        torch, "use_deterministic_algorithms"),
+    "torch.is_anomaly_enabled() (torch.autograd.set_detect_anomaly as a plain call)": (torch, "set_anomaly_enabled"),
+    "torch.get_float32_matmul_precision() (torch.set_float32_matmul_precision)": (torch, "set_float32_matmul_precision"),
+    "torch.get_num_threads() (torch.set_num_threads)": (torch, "set_num_threads"),
+}
+
+
+def _global_draws():
+    """(module, name) of the functions drawing from Python's and numpy's global generators (their module-level
+    functions are methods of one hidden instance), noted while a thread traces when another thread calls them."""
+    out = [(random, n) for n, f in vars(random).items() if getattr(f, "__self__", None) is random._inst]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        shared = getattr(getattr(np.random, "mtrand", None), "_rand", None)
+        out += [(np.random, n) for n, f in vars(np.random).items() if shared is not None
+                and getattr(f, "__self__", None) is shared]
+    return out
 
 def _cuda_device(device):
     d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -117,10 +135,22 @@ _TRACED = {
 # program cannot draw what eager draws after them
 _REFUSED = [(torch, "seed"), (torch.random, "seed"), (torch.cuda, "seed"), (torch.cuda, "seed_all")]
 
+_SEEDING = {f"{m.__name__}.{n}" for m, n in list(_TRACED) + _REFUSED}
+
 _RESEED_MSG = (
     "{name}() inside a compiled function seeds from the operating system's entropy, which no compiled program can "
     "reproduce. Call it outside the compiled function, or seed with torch.manual_seed(n) inside."
 )
+
+
+def _noting(name, original, st, elsewhere):
+    def fn(*args, **kwargs):
+        if context.tracer_state() is not st:
+            elsewhere.note(name)
+        return original(*args, **kwargs)
+
+    fn.__wrapped__ = original
+    return fn
 
 
 def _refusing(name, original, st, elsewhere):
@@ -169,14 +199,14 @@ def _python_generators() -> dict:
     return out
 
 
-def _python_generators_moved(before, put_back) -> list:
-    """The names of the generators in ``before`` whose state moved; each is put back where ``put_back``."""
+def _python_generators_moved(before, keep) -> list:
+    """The names of the generators in ``before`` whose state moved; each is put back, except those in ``keep``."""
     moved = []
     for name, old in before.items():
         if name == "random":
             if random.getstate() != old:
                 moved.append("random (Python's random module: random.random, random.betavariate, ...)")
-                if put_back:
+                if name not in keep:
                     random.setstate(old)
             continue
         np = sys.modules["numpy"]
@@ -184,7 +214,7 @@ def _python_generators_moved(before, put_back) -> list:
         if new["state"]["pos"] != old["state"]["pos"] or new["has_gauss"] != old["has_gauss"] \
                 or not np.array_equal(new["state"]["key"], old["state"]["key"]):
             moved.append("numpy.random (np.random.beta, np.random.rand, ...)")
-            if put_back:
+            if name not in keep:
                 np.random.set_state(old)
     return moved
 
@@ -196,8 +226,8 @@ def _other_threads() -> bool:
     return any(t is not me and t.name != "thunder_train-fusion" for t in threading.enumerate())
 
 
-_NOT_PUT_BACK = (" The generator was left as it is now, not put back: other threads run, and some of its draws may be "
-                 "theirs (putting it back would hand them the same numbers again).")
+_NOT_PUT_BACK = (" The generator was left as it is now, not put back: another thread drew from it meanwhile (putting it "
+                 "back would hand that thread the same numbers again).")
 
 
 @contextlib.contextmanager
@@ -216,6 +246,11 @@ def global_state_unchanged():
             full = f"{mod.__name__}.{name}"
             setattr(mod, name, _refusing(full, original, st, elsewhere) if traced is None
                     else _traced(full, traced, original, st, elsewhere))
+    for mod, name in list(_SETTERS.values()) + _global_draws():
+        original = getattr(mod, name, None)
+        if original is not None:
+            patched.append((mod, name, original))
+            setattr(mod, name, _noting(f"{mod.__name__}.{name}", original, st, elsewhere))
     ok = False
     try:
         yield
@@ -223,28 +258,28 @@ def global_state_unchanged():
     finally:
         for mod, name, original in patched:
             setattr(mod, name, original)
-        alone = not _other_threads()
         changed = [k for k, (get, _) in _STATE.items() if get() != before[k]]
+        theirs = [k for k in changed if k in _SETTERS and f"torch.{_SETTERS[k][1]}" in elsewhere.calls]
         for k in changed:
-            if alone or k in _PER_THREAD:
+            if k not in theirs:
                 _STATE[k][1](before[k])
         rng_after = _rng_state()
         # Tracing records the user's random ops and the generator-state functions above as lines; what moved the
         # generator now ran for real (torch.default_generator.manual_seed, a random op on a real tensor). A new
         # seed is that unless another thread seeded through torch's functions meanwhile; a state that only advanced
         # may be another thread's draws (the generator is theirs too), so that counts only when no other thread
-        # runs. Either way the call is refused, and the state put back where no other thread runs (their draws
-        # undone would repeat).
-        others_seeded = bool(elsewhere.calls)
+        # runs. Either way the state is put back and the call refused.
+        others_seeded = any(c in _SEEDING for c in elsewhere.calls)
         reseeded = rng_after[1] != rng[1] and not others_seeded
-        rng_changed = reseeded or not others_seeded and alone and not torch.equal(rng_after[0], rng[0])
-        if rng_changed and alone:
+        rng_changed = reseeded or not others_seeded and not _other_threads() and not torch.equal(rng_after[0], rng[0])
+        if rng_changed:
             torch.set_rng_state(rng[0])
         # Unlike torch's generator, checked with other threads running too (a data loader's or logger's thread): a
         # silent constant is worse than the rare false alarm of another thread drawing from the global generator.
-        # Put back only when no other thread runs: the draws may be theirs, and undoing them would hand them the
-        # same numbers again.
-        drawn = _python_generators_moved(python_generators, put_back=alone)
+        # Not put back where another thread drew through the module's functions meanwhile: undoing that would hand
+        # it the same numbers again.
+        others_drew = {c.rpartition(".")[0] for c in elsewhere.calls} & set(python_generators)
+        drawn = _python_generators_moved(python_generators, keep=others_drew)
         if ok and drawn:
             raise TracingError(
                 f"the compiled function drew from {' and '.join(drawn)} while tracing: the program would use the "
@@ -253,19 +288,19 @@ def global_state_unchanged():
                 "draw with torch inside (torch.rand, torch.randperm, torch.distributions), which the program draws "
                 "on every call. (Another thread drawing from it during this first call raises this too: give that "
                 "thread a generator of its own, random.Random() or np.random.default_rng().)"
-                + ("" if alone else _NOT_PUT_BACK))
+                + (_NOT_PUT_BACK if others_drew else ""))
         if ok and rng_changed:
             raise TracingError(
                 "the compiled function reseeded or advanced torch's default random number generator outside the traced "
                 "program (torch.default_generator.manual_seed(...), a real tensor's random op, ...): that would happen "
-                "only while tracing. Seed outside the compiled function." + ("" if alone else _NOT_PUT_BACK))
+                "only while tracing. Seed outside the compiled function.")
         if ok and changed:
             raise TracingError(
                 f"the compiled function leaves {', '.join(changed)} changed when it returns: the change would happen only "
                 "on the first call (while tracing), not on later calls. Set it outside the compiled function, or undo it "
                 "before returning (use the context-manager form, e.g. `with torch.set_grad_enabled(False):`)."
-                + ("" if alone or all(k in _PER_THREAD for k in changed) else
-                   " It was left as it is now, not put back: other threads run, and the change may be theirs."))
+                + (f" ({', '.join(theirs)}: left as it is now, not put back: another thread set it meanwhile.)"
+                   if theirs else ""))
 
 
 @contextlib.contextmanager
