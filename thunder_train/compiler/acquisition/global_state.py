@@ -168,11 +168,11 @@ class _OtherThreads:
     """The generator functions other threads called while this thread traced (they pass through our patches)."""
 
     def __init__(self):
-        self.owner, self.calls = threading.get_ident(), []
+        self.owner, self.calls = threading.get_ident(), set()  # a set: another thread may draw millions
 
     def note(self, name):
         if threading.get_ident() != self.owner:
-            self.calls.append(name)
+            self.calls.add(name)
 
 
 def _traced(name, traced, original, st, elsewhere):
