@@ -4,7 +4,8 @@ Run by tests/test_fsdp.py as ``main(OUT_DIR, 2, 4)`` (tests/_dist.py: run_ranks;
 OUT_DIR WORLD [WORLD ...]``): one process group of each size in turn, its ranks forked from the calling process.  Each rank trains eager FSDP2 and the same
 step compiled on its own data, and saves losses, local shards of the parameters and of the optimizer state, the
 types of what the epilogue wrote, the trace's collectives, the refused configurations' messages and (2 ranks) the
-Lightning ModelParallelStrategy runs of tests/_fsdp_callback.py to ``OUT_DIR/w{WORLD}/rank{r}.pt``.
+Lightning ModelParallelStrategy runs of tests/_fsdp_callback.py to ``OUT_DIR/w{WORLD}/rank{r}.pt``.  ``main(OUT_DIR,
+"peak")`` measures the GPT step's peak per rank in 2 ranks of its own (``run_peaks``: ``OUT_DIR/wpeak/peak{r}.pt``).
 """
 from __future__ import annotations
 
@@ -67,10 +68,9 @@ def snapshot(model, opt):
     return params, state, kinds
 
 
-def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, peak=False, **kw):
+def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None, **kw):
     """``prefetch``: THUNDER_TRAIN_PREFETCH while compiling (on CPU the all-gathers are not prefetched unless asked,
-    transforms/collectives.py).  ``peak``: after the results are taken, one more step on the last batch, its peak
-    memory counted on this rank (all threads, gloo's included: tests/_peak.py)."""
+    transforms/collectives.py)."""
     torch.manual_seed(0)
     model = shard(make(), units, **kw)
     opt = opt_fn(model.parameters())
@@ -86,17 +86,21 @@ def train(make, units, data, opt_fn, *, thin=False, compiled=True, prefetch=None
             out["trace"] = str(tt.last_traces(step)[-1])
             out["step"] = step
             out["objects"] = (model, opt)
-        if peak:
-            out["peak"] = peak_call_bytes_all_threads(lambda: step(model, opt, *data[-1]), step if compiled else None)
     finally:
         os.environ.pop("THUNDER_TRAIN_PREFETCH", None)
     return out
 
 
-def run(rank, world, out_dir):
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+def rank_data(rank):
+    """Each rank its own batches: 4 of the MLP's, 3 of the GPT's."""
+    g = torch.Generator().manual_seed(100 + rank)
     mlp_data = [(torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g)) for _ in range(4)]
     gpt_data = [(torch.randint(0, 13, (2, 5), generator=g), torch.randint(0, 13, (2, 5), generator=g)) for _ in range(3)]
+    return mlp_data, gpt_data
+
+
+def run(rank, world, out_dir):
+    mlp_data, gpt_data = rank_data(rank)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     linears = lambda m: [l for l in m if isinstance(l, nn.Linear)]  # noqa: E731
@@ -106,7 +110,7 @@ def run(rank, world, out_dir):
         "mlp_adamw": (mlp, linears, mlp_data, adamw, {"prefetch": True}),
         "mlp_adamw_thin": (mlp, linears, mlp_data, adamw, {"thin": True}),
         "mlp_sgd_keep_gathered": (mlp, linears, mlp_data, sgd, {"reshard_after_forward": False}),
-        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True, "peak": True}),
+        "gpt_adamw_thin": (TinyGPT, blocks, gpt_data, adamw, {"thin": True, "prefetch": True}),
         # torchtitan's mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32
         "mlp_bf16_params_fp32_reduce": (mlp, linears, mlp_data, adamw, {
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
@@ -119,10 +123,10 @@ def run(rank, world, out_dir):
     objects = {}  # the model and optimizer it trained
     eager_runs = {}  # cases that differ only in how they compile (thin, prefetch) share one eager FSDP2 run
     for name, (make, units, data, opt_fn, kw) in cases.items():
-        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch", "peak")}
+        fsdp_kw = {k: v for k, v in kw.items() if k not in ("thin", "prefetch")}
         key = (make, units, id(data), opt_fn) if not fsdp_kw else name
         if key not in eager_runs:
-            eager_runs[key] = train(make, units, data, opt_fn, compiled=False, peak=kw.get("peak", False), **fsdp_kw)
+            eager_runs[key] = train(make, units, data, opt_fn, compiled=False, **fsdp_kw)
         result[name] = {"eager": eager_runs[key]}
         result[name]["compiled"] = train(make, units, data, opt_fn, **kw)
         steps[name] = result[name]["compiled"].pop("step")
@@ -139,6 +143,29 @@ def run(rank, world, out_dir):
                                                  steps["mlp_adamw_thin"], *objects["mlp_adamw_thin"])
         result["lightning"] = _fsdp_callback.run(rank, world)  # last: Lightning's Trainer changes process state
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_peaks(rank, world, out_dir):
+    """The GPT case's peak per rank, eager FSDP2's and the compiled step's: three steps each (AdamW's state created,
+    the thin step bound), then one more on the last batch, its memory counted across threads (gloo's workers allocate
+    and free collective buffers; tests/_peak.py).  Its own ranks, after the others: a crash while measuring fails the
+    peak test alone."""
+    _, gpt_data = rank_data(rank)
+    peaks = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = shard(TinyGPT(), lambda m: list(m.blocks))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = tt.compile(train_step, thin=True) if compiled else train_step
+        os.environ["THUNDER_TRAIN_PREFETCH"] = "1"
+        try:
+            for x, y in gpt_data:
+                step(model, opt, x, y)
+        finally:
+            os.environ.pop("THUNDER_TRAIN_PREFETCH", None)
+        kind = "compiled" if compiled else "eager"
+        peaks[kind] = peak_call_bytes_all_threads(lambda: step(model, opt, *gpt_data[-1]), step if compiled else None)
+    torch.save(peaks, os.path.join(out_dir, f"peak{rank}.pt"))
 
 
 def checkpoint_resume(data, step, whole, params, opt_state, thin_step, thin_model, thin_opt):
@@ -336,13 +363,19 @@ def warm_up():
                 step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *batch)
 
 
+_warmed = []  # whether warm_up ran in this process
+
+
 def main(out_dir, *worlds):
-    """Each process group size in turn (2 by default), its ranks forked from this process."""
-    warm_up()
-    for world in [int(w) for w in worlds] or [2]:
+    """Each process group size in turn (2 by default), its ranks forked from this process; ``peak``: the peak
+    measurement's 2 ranks (``run_peaks``)."""
+    if not _warmed:
+        warm_up()
+        _warmed.append(True)
+    for world in worlds or [2]:
         out = os.path.join(out_dir, f"w{world}")
         os.makedirs(out, exist_ok=True)
-        spawn(run, out, world=world)
+        spawn(run_peaks if world == "peak" else run, out, world=2 if world == "peak" else int(world))
 
 
 if __name__ == "__main__":

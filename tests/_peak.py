@@ -4,6 +4,8 @@ benchmarks), and the same count on gloo ranks, whose worker threads free memory 
 benchmarks/fsdp2.py)."""
 from __future__ import annotations
 
+import re
+
 
 def peak_call_bytes(fn, compiled=None) -> int:
     """Peak bytes allocated during ``fn()`` above what was live before (torch.profiler's allocator events), plus
@@ -59,40 +61,29 @@ def peak_call_bytes_all_threads(fn, compiled=None) -> int:
     temporaries inside the function's op, and autograd releases each node's saved tensors inside its
     ``evaluate_function``, so eager's peak read so is lower than the memory eager held (BLOOM's step: 136 KiB read
     so, 196 KiB allocated at once).  It also hides a kernel's own temporaries (allocated and freed inside one op).
-    This count sees both, on every thread: a gloo rank's collectives release their
-    inputs on gloo's worker threads, which the profiler does not watch (its per-thread events never sum to zero
-    there, and their peak overstates).  c10's CPU allocator keeps a process-wide count of the bytes it allocated
-    while ``caffe2_report_cpu_memory_usage`` is on, whichever thread allocates or frees; the profiler stamps that
-    count on every allocation event of this thread.  The peak is the largest count during the call less the count
-    before it (blocks allocated before the flag was set are not counted, as the profiler's own reading does not
-    count them), plus ``compiled``'s kept buffers; the count after the call must be the one before (checked:
-    nothing leaked)."""
-    import ctypes
+    This count sees both, on every thread: a gloo rank's collectives allocate and release buffers on gloo's worker
+    threads.  c10's CPU allocator keeps a process-wide count of the bytes it allocated while
+    ``caffe2_report_cpu_memory_usage`` is on, whichever thread allocates or frees, and logs the count after each
+    change at c10's INFO level; the call runs with that level on and the process's stderr going to a file, and the
+    peak is the largest count logged less the count before it (blocks allocated before the flag was set are not
+    counted), plus ``compiled``'s kept buffers; the count after the call must be the one before (checked: nothing
+    leaked).  No profiler runs: with torch.profiler on, gloo runs each collective on its worker thread under the
+    calling thread's profiler state, and a gloo rank measured so once died of heap corruption in CI
+    (docs/distributed.md, "Peak memory per rank")."""
     import gc
-    import os
     import time
 
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
     # Garbage left by earlier code (cycles of an earlier test's compiled functions) is collected now, not during the
     # call, where its frees would count against the call (a run of tests/test_memory.py once read -340 KB so).
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.empty(1)  # a probe: the count before the call is stamped on its free
-        fn()
-    counts = _counts(prof)
+    counts = _logged_counts(fn)
     before = counts[1]  # after the probe's allocation and free
-    after = counts[-1]
+    after = _logged_counts(lambda: None)[1]
     for _ in range(100):  # a worker thread may still be releasing the last collectives' buffers
         if after == before:
             break
         time.sleep(0.01)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as probe:
-            torch.empty(1)
-        after = _counts(probe)[-1]
+        after = _logged_counts(lambda: None)[1]
     assert after == before, f"{after - before} bytes allocated during the call were not freed"
     peak = max(counts) - before
     if compiled is None:
@@ -103,12 +94,47 @@ def peak_call_bytes_all_threads(fn, compiled=None) -> int:
     return peak + kept_bytes(tt.last_traces(compiled)[-1])
 
 
-def _counts(prof) -> list[int]:
-    """c10's count of allocated bytes after each allocation or free the profiler saw, in time order."""
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        todo.extend(e.children)
-        if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
-            events.append((e.start_time_ns, e.extra_fields.total_allocated))
-    return [c for _, c in sorted(events)]
+_COUNT_LINE = re.compile(rb"C10 (?:alloc|deleted) \d+ bytes, total alloc (\d+) bytes\.")
+
+
+def _logged_counts(fn) -> list[int]:
+    """c10's count of allocated bytes after each allocation or free during ``torch.empty(1); fn()`` (the probe's
+    two first), in the order they were logged; the other lines written to stderr meanwhile are written there after."""
+    import ctypes
+    import os
+    import sys
+    import tempfile
+
+    import torch
+
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    report = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
+    level = ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level")
+    report.value = True
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as log:
+        stderr = os.dup(2)
+        old_level = level.value
+        os.dup2(log.fileno(), 2)
+        try:
+            level.value = 0  # INFO: the allocator's count lines
+            torch.empty(1)  # a probe: the count before the call is logged at its free
+            fn()
+        finally:
+            level.value = old_level
+            sys.stderr.flush()
+            os.dup2(stderr, 2)
+            os.close(stderr)
+        log.seek(0)
+        text = log.read()
+    counts, others = [], []
+    for line in text.splitlines(keepends=True):
+        m = _COUNT_LINE.search(line)
+        if m:
+            counts.append(int(m.group(1)))
+        else:
+            others.append(line)
+    if others:
+        sys.stderr.buffer.write(b"".join(others))
+        sys.stderr.flush()
+    return counts

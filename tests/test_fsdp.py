@@ -227,13 +227,22 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
         assert "MisconfigurationException" in r["clip_norm"] and "gradient_clip_algorithm='value'" in r["clip_norm"], r["clip_norm"]
 
 
-def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(two_ranks):
+@pytest.fixture(scope="module")
+def gloo_peaks(ranks, tmp_path_factory):
+    """[rank 0's {"eager": peak, "compiled": peak}, rank 1's]: the GPT case's step on 2 gloo ranks of their own,
+    forked after the other scenarios' (``ranks``), so that a crash while measuring fails this module's gloo peak test
+    alone (a rank measured with torch.profiler once died of heap corruption in CI: docs/distributed.md)."""
+    out = tmp_path_factory.mktemp("fsdp2_peak")
+    run_ranks("_fsdp_whole_step", out, "peak")
+    return [torch.load(out / "wpeak" / f"peak{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_fsdp2_peak_memory_per_rank_on_gloo_is_at_most_eager(gloo_peaks):
     # One more step of the GPT case (reshard_after_forward=True, prefetch) on each gloo rank, its peak counted by
-    # c10's allocator across threads (gloo's workers free collective buffers; tests/_peak.py, which also checks that
-    # the count returns to where it was).  Measured 0.67x and 0.76x of eager's on ranks 0 and 1.
-    for r in two_ranks:
-        eager, compiled = r["gpt_adamw_thin"]["eager"]["peak"], r["gpt_adamw_thin"]["compiled"]["peak"]
-        assert 0 < compiled <= eager, (compiled, eager)
+    # c10's allocator across threads (gloo's workers allocate and free collective buffers; tests/_peak.py, which also
+    # checks that the count returns to where it was).
+    for r in gloo_peaks:
+        assert 0 < r["compiled"] <= r["eager"], r
 
 
 def _step_peak(fn, compiled, *args):

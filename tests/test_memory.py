@@ -42,11 +42,13 @@ def _setup(n_layer=2, d=64, T=32, B=4, V=512):
 
 
 def _measure(model, batch, *, ckpt, compile_options=None, steps=3):
-    """(peak bytes of the last step, losses, compiled function or None)."""
+    """(peak bytes of the step after ``steps`` steps, losses, compiled function or None).  A compiled run's first step
+    is eager's: it creates AdamW's state, so the compiled step is traced once, with it (CI time: the program traced
+    without the state, run once, was a second trace of each)."""
     m = Checkpointed(model) if ckpt else model
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     fn = step if compile_options is None else tt.compile(step, **compile_options)
-    losses = [fn(m, opt, *batch) for _ in range(steps)]
+    losses = [step(m, opt, *batch)] + [fn(m, opt, *batch) for _ in range(steps - 1)]
     peak = peak_bytes(lambda: fn(m, opt, *batch), None if compile_options is None else fn)
     return peak, losses, (None if compile_options is None else fn)
 
@@ -133,7 +135,7 @@ def test_compiled_module_is_planned_like_whole_steps():
     default, ckpt, budget = (tt.compile_stats(runs[k][2]).memory for k in ("tt", "tt ckpt", "tt budget"))
     assert {r for _, r in default.recomputed} == {"cheap"}, default.summary()  # the MLP's GELU
     assert default.saved_bytes < default.saved_bytes_without_remat
-    assert ckpt.checkpoint_regions == 2 and ckpt.saved_bytes < default.saved_bytes, ckpt.summary()
+    assert ckpt.checkpoint_regions == 2 and ckpt.recomputed and ckpt.saved_bytes < default.saved_bytes, ckpt.summary()
     assert budget.budget_met and budget.saved_bytes <= 0.25 * budget.saved_bytes_default, budget.summary()
     assert any(r == "budget" for _, r in budget.recomputed)
     assert runs["tt ckpt"][0] <= runs["eager ckpt"][0], (runs["tt ckpt"][0], runs["eager ckpt"][0])
@@ -165,14 +167,6 @@ def test_compiled_modules_output_gradients_reach_hooks_and_retain_grad_before_th
 def test_budget_out_of_range_is_refused_clearly():
     with pytest.raises(ValueError, match="memory_budget must be a number between 0 and 1"):
         tt.compile(step, memory_budget=2)
-
-
-def test_compiled_module_reports_its_plan():
-    model, (x, y) = _setup(n_layer=2)
-    cm = tt.compile(Checkpointed(model))
-    F.cross_entropy(cm(x).flatten(0, -2), y.flatten()).backward()
-    plan = tt.compile_stats(cm).memory
-    assert plan.checkpoint_regions == 2 and plan.recomputed and plan.saved_bytes > 0
 
 
 def test_gpt_benchmark_step_targets():
@@ -230,8 +224,13 @@ def _optimizers():
             "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1)}
 
 
-@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("opt_name", list(_optimizers()))
+# Every optimizer kind on the plain model; checkpointing (its regions recomputed in the backward) with one of them: which
+# kernel runs the update does not change where it may move (CI time: the other four checkpointed cases added 8 traces).
+EARLY_UPDATE_CASES = [(name, False) for name in _optimizers()] + [("adamw", True)]
+
+
+@pytest.mark.parametrize("opt_name, ckpt", EARLY_UPDATE_CASES,
+                         ids=[f"{n}-{'checkpointed' if c else 'plain'}" for n, c in EARLY_UPDATE_CASES])
 def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monkeypatch):
     """transforms/early_updates.py: each parameter is updated as soon as its gradient is final, during the backward.
     Parameters, optimizer state and losses are bitwise those of the same program updating after the backward (and
@@ -276,7 +275,8 @@ def test_early_updates_equal_the_update_after_the_backward(opt_name, ckpt, monke
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hold_back", [0, 1 << 20, 6000])
+# (hold_back 0, every update moved, is test_early_updates_equal_the_update_after_the_backward[adamw-plain].)
+@pytest.mark.parametrize("hold_back", [1 << 20, 6000])
 def test_small_gradients_update_together_after_the_backward(hold_back, monkeypatch):
     """Updates whose gradients add up to at most HOLD_BACK_BYTES stay after the backward as one multi-tensor line
     (a kernel call costs more than a small update saves), the others move; every way, the parameters, state and
@@ -308,9 +308,7 @@ def test_small_gradients_update_together_after_the_backward(hold_back, monkeypat
     n_held = 0
     while n_held < len(sizes) and sum(sizes[:n_held + 1]) <= hold_back:
         n_held += 1
-    if hold_back == 0:
-        assert len(lines) >= len(params) // 2, src
-    elif n_held == len(params):
+    if n_held == len(params):
         assert counts == [len(params)], src  # every update together: one kernel call
     else:
         assert 0 < n_held < len(params) and counts[-1] == n_held and len(lines) > 1, src  # the last line: the held ones
@@ -708,7 +706,9 @@ def _zoo_peaks(name) -> dict:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         fn = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step)
-        for b in bs:
+        # The first step eager's (AdamW's state created): the compiled step is traced once, with the state (CI time).
+        _zoo.train_step(model, opt, bs[0])
+        for b in bs[1:]:
             fn(model, opt, b)
         if mode == "tt":
             tt.wait_for_fusion(fn)
@@ -728,7 +728,9 @@ def test_memory_budget_on_mixture_of_experts_trains_like_eager(name):
     want_m, got_m = copy.deepcopy(base), copy.deepcopy(base)
     want_o, got_o = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (want_m, got_m))
     fn = tt.compile(_zoo.train_step, memory_budget=0.25, fusion=None)
-    for b in bs:
+    for m, o in ((want_m, want_o), (got_m, got_o)):  # AdamW's state created: one trace, with it (CI time)
+        _zoo.train_step(m, o, bs[0])
+    for b in bs[1:]:
         torch.testing.assert_close(fn(got_m, got_o, b), _zoo.train_step(want_m, want_o, b))
     for (n, p), q in zip(want_m.named_parameters(), got_m.parameters()):
         torch.testing.assert_close(q, p, msg=n)
