@@ -15,23 +15,15 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import thunder_train as tt
 from _inductor import cxx_available
+from _models import train_step as _step
 from _peak import peak_call_bytes_all_threads
 from thunder_train.compiler.executors.into_dead_grad import _pointwise
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 from gpt import GPT, CheckpointedBlocks, GPTConfig  # noqa: E402
-
-
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def _run(model, batch, fusion):
