@@ -80,6 +80,7 @@ FORMS = {
     "non_reentrant": lambda b, x: checkpoint(b, x, use_reentrant=False),
     "reentrant": lambda b, x: checkpoint(b, x, use_reentrant=True),
     "reentrant_no_rng": lambda b, x: checkpoint(b, x, use_reentrant=True, preserve_rng_state=False),
+    "non_reentrant_no_rng": lambda b, x: checkpoint(b, x, use_reentrant=False, preserve_rng_state=False),
     "sequential": lambda b, x: checkpoint_sequential(b, 2, x, use_reentrant=False),
     "sequential_reentrant": lambda b, x: checkpoint_sequential(b, 2, x, use_reentrant=True),
 }
@@ -141,6 +142,54 @@ def test_compiled_module_checkpoint_forms_match_eager(form):
     for a, b in zip(m.parameters(), m2.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
     assert _recomputed_lines(tt.last_backward_traces(cm)[-1])
+
+
+@pytest.mark.parametrize("form", ["non_reentrant", "sequential"])  # reentrant: tests/test_checkpoint_reentrant.py
+def test_compiled_module_dropout_inside_a_region_matches_eager(form):
+    # tt.compile(model) keeps a region's draws for its backward (docs/memory.md): the gradients are those of the
+    # forward's masks, as eager's recomputation from the saved generator state gives, and the generator ends where
+    # eager's does (eager's backward draws inside fork_rng).
+    torch.manual_seed(0)
+    m = Blocks(d=32, p=0.5)
+    m.run = DROPOUT_FORMS[form]
+    m2 = copy.deepcopy(m)
+    cm = tt.compile(m)
+    for i in range(2):
+        x, y = _batch(i, 32, 32)
+        torch.manual_seed(10 + i)
+        F.cross_entropy(cm(x), y).backward()
+        got_state = torch.get_rng_state()
+        torch.manual_seed(10 + i)
+        F.cross_entropy(m2(x), y).backward()
+        assert torch.equal(got_state, torch.get_rng_state())
+        for a, b in zip(m.parameters(), m2.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+            a.grad = b.grad = None
+
+
+@pytest.mark.parametrize("how", ["step", "module"])
+def test_no_preserved_rng_state_around_dropout_is_refused(how):
+    # checkpoint(use_reentrant=False, preserve_rng_state=False): eager's backward draws new masks (its gradients belong
+    # to other values than its outputs, and the generator moves on); the compiled program drew nothing new and gave
+    # other gradients and another generator state, silently.  Refused, as the reentrant form is
+    # (tests/test_checkpoint_reentrant.py); without random ops the form is eager's (FORMS["non_reentrant_no_rng"]).
+    from thunder_train.compiler.errors import TracingError
+
+    torch.manual_seed(0)
+    m = Blocks(p=0.5)
+    m.run = lambda b, x: checkpoint(b, x, use_reentrant=False, preserve_rng_state=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    before = copy.deepcopy(m.state_dict())
+    x, y = _batch()
+    state = torch.get_rng_state()
+    with pytest.raises(TracingError, match="preserve_rng_state=True"):
+        if how == "step":
+            tt.compile(_step)(m, opt, x, y)
+        else:
+            tt.compile(m)(x)
+    assert torch.equal(torch.get_rng_state(), state) and not opt.state
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def _policy(ctx, op, *args, **kwargs):

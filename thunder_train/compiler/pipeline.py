@@ -42,7 +42,7 @@ from .transforms.no_grad import without_autograd
 from .transforms.opaque_grad import free_graphs_at_last_vjp
 from .executors.saved_statistics import reuse_forward_statistics
 from .executors.blocked_head import block_the_head
-from .executors.into_dead_grad import gelu_grad_in_place
+from .executors.into_dead_grad import gelu_grad_in_place, regions_into_dead_inputs
 from .executors.sums_in_place import scatters_into_sums, sums_in_place
 
 
@@ -232,6 +232,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
             # Gradients made with the loss leave the backward's copy of the head's input (a budget's) unread.
             trc = dce(blocked, header=header) if blocked is not trc else trc
             trc = gelu_grad_in_place(trc, header=f"Final computation (executors: {names}; GELU's gradient over its dead incoming gradient)")
+            if fusion is not None:  # a fused region computing it (or other pointwise ops) writes over a dead input too
+                trc = regions_into_dead_inputs(trc, header=f"Final computation (executors: {names}; fused regions over a dead input)")
     # 6. Re-inplacing (executors/reinplace.py): update chains of inputs run in place where safe.
     if written:
         shown.append(trc)

@@ -8,7 +8,8 @@ keeping them.  How each form is seen:
 
 * non-reentrant ``checkpoint(fn, ..., use_reentrant=False)`` (also ``checkpoint_sequential`` and
   transformers' ``gradient_checkpointing_enable()``): the top of autograd's saved-tensor hooks stack is
-  the region's ``_checkpoint_hook`` (one per call, so one region per call);
+  the region's ``_checkpoint_hook`` (one per call, so one region per call); a random op inside one with
+  ``preserve_rng_state=False`` is refused (eager's backward draws other numbers than its forward);
 * reentrant ``checkpoint(fn, ..., use_reentrant=True)``: ``CheckpointFunction.apply`` is traced as a call
   of ``fn`` with grad enabled inside an explicit region (``reentrant``, opened by checkpoint.py), which is what
   eager's values are: eager runs ``fn`` without grad, then again with grad in the backward;
@@ -19,6 +20,7 @@ keeping them.  How each form is seen:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import weakref
 
@@ -26,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .. import context, symbols
+from ..errors import TracingError
 from ..proxies import TensorProxy, meta_tensor
 from ..pytree import tree_map
 from ..transforms.remat import Mark
@@ -61,6 +64,41 @@ def _region_number():
             n = _regions[pack] = next(_numbers)
         return n
     return _explicit[-1] if _explicit else None
+
+
+def _preserves_rng_state(pack):
+    """The ``preserve_rng_state`` of the non-reentrant checkpoint call whose pack hook is ``pack`` (its frame's
+    recomputation closes over it), or None where torch's closures do not say."""
+    recompute = getattr(_closed_over(pack, "frame"), "recompute_fn", None)
+    return _closed_over(recompute, "preserve_rng_state") if inspect.isfunction(recompute) else None
+
+
+def _closed_over(fn, name):
+    """The value of the variable ``name`` that the function ``fn`` closes over, or None."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None or name not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except (IndexError, ValueError):  # an empty cell
+        return None
+
+
+def _refuse_new_draws_in_backward(bsym) -> None:
+    """A draw inside ``checkpoint(..., use_reentrant=False, preserve_rng_state=False)``: eager's backward draws
+    other numbers than its forward did (its gradients are not those of its outputs) and how many depends on where
+    its recomputation stops; refused as the reentrant form is (acquisition/checkpoint.py)."""
+    pack = _torch_checkpoint_hook()
+    if pack is None or not bsym.draws_random:
+        return
+    preserves = _preserves_rng_state(pack)
+    if preserves is True:
+        return
+    raise TracingError(
+        f"torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state="
+        f"{'False' if preserves is False else '<unknown>'}) around a random op ({bsym.sym.name}): eager recomputes "
+        "it in the backward with other random numbers than its forward drew, so its gradients belong to other values "
+        "than its outputs; thunder_train does not reproduce that. Use preserve_rng_state=True (the default).")
 
 
 class _Recorder(TorchDispatchMode):
@@ -109,6 +147,7 @@ def _hook(trc, bsym) -> None:
     n = _region_number()
     if n is None:
         return
+    _refuse_new_draws_in_backward(bsym)
     policy = _selective_policy() if _explicit == [] or _torch_checkpoint_hook() is not None else None
     save = policy is not None and _policy_saves(policy, bsym)
     _mark_all(bsym, Mark(n, save=save))

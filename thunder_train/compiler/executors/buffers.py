@@ -24,6 +24,8 @@ checks the zoo's steps bitwise).  The arena is held for the whole call, so the p
 the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``).  At a line whose kernel
 allocates scratch memory of unknown size (``Symbol.torch_unknown_scratch``: the CPU convolution backward) the call
 may peak inside the kernel, so there the arena holds no byte beyond what the kept values alive at the line need.
+A function that declares its scratch memory (``fn.scratch_bytes(*args, **kwargs)``: the blocked head's) has it
+counted as a value alive at its line only.
 
 The program takes one set of views when it starts (``_pool = ttex.kept_buffers(k)``, ``_b = _pool.take()``)
 and gives it back before it returns.  A call running at the same time (another thread, or reentrant) takes
@@ -455,6 +457,9 @@ def plan(trc):
             if form is not None and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1) \
                     and (o._tt_rowmajor or _writes_any_layout(b, form)):
                 candidates[id(o)] = (b, form)
+        scratch_of = getattr(getattr(b.sym, "fn", None), "scratch_bytes", None)
+        if scratch_of is not None:  # memory the kernel allocates and frees inside the line: alive at it only
+            storages[("scratch", i)] = [i, i, scratch_of(*b.args, **b.kwargs), None]
     for p in tree_flatten(trc.output)[0]:
         if is_proxy(p):
             escaped |= may_alias.get(id(p), set())

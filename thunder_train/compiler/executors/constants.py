@@ -114,8 +114,8 @@ def _unsafe_readers(lines, found, const, output) -> set:
         if i in constant_lines:
             continue
         read = [a for a in b.flat_args() if is_proxy(a) and id(a) in roots]
-        if not read or isinstance(b.sym, FusionSymbol):  # a fused kernel reads its inputs, writes new memory
-            continue
+        if not read or (isinstance(b.sym, FusionSymbol) and getattr(b.sym.fn, "aliases", ()) == ()):
+            continue  # a fused kernel reads its inputs, writes new memory (unless written over an input: into_dead_grad.py)
         aliased = None
         if _pure_call(b) and not _is_view(b):
             aliased = () if out_form(b) is not None else _aliased_args(b)  # an out form's results are new memory
