@@ -295,3 +295,19 @@ def test_embedding_max_norm_with_grad_is_refused_before_anything_changes_and_mat
     want = [infer(ids) for ids in calls]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_w, emb.weight.detach())
+
+
+def test_a_lazy_module_the_step_never_calls_keeps_every_call_eager_and_says_so():
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"used": nn.Linear(5, 3), "unused": nn.LazyLinear(2)})
+
+    def step(x):
+        return m["used"](x).sum()
+
+    f = tt.compile(step)
+    x = torch.randn(4, 5)
+    f(x)
+    with pytest.warns(UserWarning, match=r"unused.weight.*every call runs eagerly"):
+        got = f(x)
+    torch.testing.assert_close(got, step(x))
+    assert tt.compile_stats(f).eager_calls == 2

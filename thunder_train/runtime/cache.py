@@ -151,8 +151,8 @@ class FullPath:
         if entry is None:
             try:
                 entry, vals = self._compile_for_call(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
-            except UninitializedLazyModule:
-                return self._run_eagerly(args, kwargs)
+            except UninitializedLazyModule as why:
+                return self._run_eagerly(args, kwargs, why)
             skey = entry.struct_key  # sizes that became symbolic for this call (symbolic_dims.py)
             self._note_forward_hooks(entry, vals)
         else:
@@ -171,11 +171,15 @@ class FullPath:
             self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
         return out
 
-    def _run_eagerly(self, args, kwargs):
+    def _run_eagerly(self, args, kwargs, why):
         """The call reaches a lazy module not initialised yet, whose forward picks its parameters' sizes and changes
         their class: it runs as eager runs it (the walk refused it before anything changed), and a later call traces
-        the initialised module."""
+        the initialised module.  One the function never calls stays uninitialised: said once, every call is eager."""
         self.stats.eager_calls += 1
+        if self.stats.eager_calls == 2:
+            warnings.warn(f"thunder_train: a second call ran eagerly, uncompiled: {str(why).split(', whose')[0]} and "
+                          "the call did not initialise it; every call runs eagerly until it is initialised (call it "
+                          "once, or remove it from the model)", stacklevel=_user_stacklevel())
         return self.fn(*args, **kwargs)
 
     def _run_entry(self, args, kwargs, entry, vals):
