@@ -441,3 +441,17 @@ def test_updated_empty_tensors_do_not_alias_each_other():
 
     a, b = torch.zeros(0), torch.zeros(0)
     torch.testing.assert_close(tt.compile(fn)(a, b), fn(a.clone(), b.clone()))
+
+
+_UNBATCHED = [("cross_entropy", dict(reduction="none")), ("cross_entropy", dict(reduction="none", weight=torch.rand(4))),
+              ("cross_entropy", dict(reduction="none", label_smoothing=0.15)), ("cross_entropy", dict(reduction="sum")),
+              ("cross_entropy", dict(reduction="mean", ignore_index=1)), ("nll_loss", dict(reduction="none")),
+              ("nll_loss", dict(reduction="none", weight=torch.rand(4))), ("nll_loss", dict(reduction="mean"))]
+
+
+@pytest.mark.parametrize("loss, kwargs", _UNBATCHED, ids=[n + "".join(f"-{k}" if isinstance(v, torch.Tensor) else f"-{k}={v}" for k, v in kw.items()) for n, kw in _UNBATCHED])
+def test_class_index_losses_of_one_unbatched_sample(loss, kwargs):
+    # Found by the ModuleInfo sweep (tests/moduleinfo_check.py): a (C,) input with a 0-d target and
+    # reduction="none" gave a [1]-shaped loss (eager's is 0-d), and cross_entropy's gradient failed on it.
+    fn = getattr(F, loss)
+    check(lambda x, t: fn(x, t, **kwargs), torch.randn(4), torch.tensor(2))

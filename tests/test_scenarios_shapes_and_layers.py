@@ -5,7 +5,7 @@ Found before: ``tt.compile(model)`` whose forward takes ``h[:, 0]`` (a Transform
 ``NameError`` once automatic dynamic sizes made the sequence length symbolic (the slice's length was dropped as
 dead code, though the backward reshapes to it); ``parametrize.cached()`` around a compiled call left a proxy in
 torch's process-wide cache ("a proxy escaped"); a lazy module's first call inside the compiled function failed
-with torch's message about ``load_state_dict``; and ``clip_grad_norm_(error_if_nonfinite=True)`` inside a
+with torch's message about ``load_state_dict`` (later refused, now run eagerly: its forward initialises it); and ``clip_grad_norm_(error_if_nonfinite=True)`` inside a
 ``try`` did not say why the step's own ``except`` did not catch it; ``nn.Embedding(max_norm=...)`` in a training
 step failed with torch's error about an internal node (refused now, with the remedy; without grad it runs).  Matching eager and kept as guards: the last
 batch smaller, dynamic padding, truncated BPTT with a detached hidden state carried in a dict, an LSTM with
@@ -155,33 +155,37 @@ def test_compiled_model_slicing_a_dimension_that_became_symbolic(name):
     assert_matches_eager(setup, "model")
 
 
-def test_lazy_module_first_called_inside_is_refused_clearly_then_works_after_one_eager_call():
+def _lazy_run(compiled: str):
+    """Four steps of a model with a lazy first layer never called before (its first forward picks its sizes)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    model = tt.compile(m) if compiled == "model" else m
 
     def step(x, y):
-        loss = F.cross_entropy(m(x), y)
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return loss
+        return loss.detach()
 
-    f = tt.compile(step)
-    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    with pytest.raises(Exception, match="lazy module.*once eagerly"):
-        f(x, y)
-    assert isinstance(m[0].weight, nn.parameter.UninitializedParameter)
-    with pytest.raises(Exception, match="lazy module"):
-        tt.compile(m)(x)
-    with torch.no_grad():
-        m(x)  # the remedy the message names
-    state = {k: v.clone() for k, v in m.state_dict().items()}
-    got = [f(x, y) for _ in range(2)]
-    m.load_state_dict(state)
-    opt.state.clear()
-    want = [step(x, y) for _ in range(2)]
+    run = tt.compile(step, thin=True) if compiled == "step" else step
+    data = torch.Generator().manual_seed(1)
+    losses = [run(torch.randn(4, 5, generator=data), torch.randint(0, 3, (4,), generator=data)) for _ in range(4)]
+    return losses, m, run if compiled == "step" else model
+
+
+@pytest.mark.parametrize("compiled", ["step", "model"])
+def test_lazy_module_first_called_inside_runs_that_call_eagerly_then_traces(compiled):
+    # Eager's first forward initialises the lazy layer (drawing its initial values from the global generator); the
+    # compiled function runs that call eagerly and traces the next (refused before, asking for an eager call first).
+    want, m_eager, _ = _lazy_run("eager")
+    got, m, cf = _lazy_run(compiled)
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    for (name, a), (_, b) in zip(m.state_dict().items(), m_eager.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert type(m[0]) is nn.Linear and tt.compile_stats(cf).eager_calls == 1
+    assert tt.compile_stats(cf).calls - tt.compile_stats(cf).eager_calls == 3
 
 
 class Halved(nn.Module):
@@ -291,3 +295,19 @@ def test_embedding_max_norm_with_grad_is_refused_before_anything_changes_and_mat
     want = [infer(ids) for ids in calls]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_w, emb.weight.detach())
+
+
+def test_a_lazy_module_the_step_never_calls_keeps_every_call_eager_and_says_so():
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"used": nn.Linear(5, 3), "unused": nn.LazyLinear(2)})
+
+    def step(x):
+        return m["used"](x).sum()
+
+    f = tt.compile(step)
+    x = torch.randn(4, 5)
+    f(x)
+    with pytest.warns(UserWarning, match=r"unused.weight.*every call runs eagerly"):
+        got = f(x)
+    torch.testing.assert_close(got, step(x))
+    assert tt.compile_stats(f).eager_calls == 2

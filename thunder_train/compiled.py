@@ -44,6 +44,7 @@ class CompileStats:
     # Thin calls the bound program did not accept (a new size, dtype or value): they ran the full path, which
     # found or built the right entry and bound it (its binding kept for when that entry is selected again).
     thin_fallbacks: int = 0
+    eager_calls: int = 0  # calls run eagerly: they reached a lazy module not initialised yet (its forward picks its sizes)
     evictions: int = 0  # entries evicted by the cache limit, or made stale by a size becoming symbolic (runtime/bounded_cache.py)
     last_trace_seconds: float = 0.0
     total_trace_seconds: float = 0.0

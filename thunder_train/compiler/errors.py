@@ -10,6 +10,12 @@ class TracingError(RuntimeError):
     """The function cannot be traced as written; the message says why and what to do."""
 
 
+class UninitializedLazyModule(TracingError):
+    """The function reaches a lazy module (``nn.LazyLinear``, ...) whose first forward has not chosen its parameters'
+    sizes yet.  ``runtime/`` runs such a call eagerly, as eager runs it (the forward initialises the parameters), and
+    traces a later call."""
+
+
 class UnsupportedOpError(NotImplementedError):
     """A torch op the compiler cannot trace (strict mode, or no meta implementation)."""
 

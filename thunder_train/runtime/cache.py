@@ -22,7 +22,7 @@ import time
 import warnings
 
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, per_call_mask
-from ..compiler.errors import DecisionMismatch
+from ..compiler.errors import DecisionMismatch, UninitializedLazyModule
 from ..compiler.pipeline import Options, compile_entry
 from ..compiler.prologue import Prologue, count_diffs, describe_diffs
 from . import background, bounded_cache, hook_guard
@@ -149,7 +149,10 @@ class FullPath:
         if hooks_changed is not None:  # hooks added or removed since tracing: retrace (the new entry replaces it)
             hit, entry = False, None
         if entry is None:
-            entry, vals = self._compile_for_call(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
+            try:
+                entry, vals = self._compile_for_call(args, kwargs, skey, hooks_changed or self._miss_reason(skey, tried))
+            except UninitializedLazyModule as why:
+                return self._run_eagerly(args, kwargs, why)
             skey = entry.struct_key  # sizes that became symbolic for this call (symbolic_dims.py)
             self._note_forward_hooks(entry, vals)
         else:
@@ -167,6 +170,17 @@ class FullPath:
         if hit:
             self._misses_in_a_row = 0  # a call that traced nothing ends a run of retraces
         return out
+
+    def _run_eagerly(self, args, kwargs, why):
+        """The call reaches a lazy module not initialised yet, whose forward picks its parameters' sizes and changes
+        their class: it runs as eager runs it (the walk refused it before anything changed), and a later call traces
+        the initialised module.  One the function never calls stays uninitialised: said once, every call is eager."""
+        self.stats.eager_calls += 1
+        if self.stats.eager_calls == 2:
+            warnings.warn(f"thunder_train: a second call ran eagerly, uncompiled: {str(why).split(', whose')[0]} and "
+                          "the call did not initialise it; every call runs eagerly until it is initialised (call it "
+                          "once, or remove it from the model)", stacklevel=_user_stacklevel())
+        return self.fn(*args, **kwargs)
 
     def _run_entry(self, args, kwargs, entry, vals):
         """Run ``entry`` for this call; a size that recurs gets its program first (recurring_sizes.py)."""
@@ -304,7 +318,7 @@ class FullPath:
         try:
             compiled, opaque_ops = self._trace(args, kwargs, key, forced_decisions)
         except Exception as e:
-            if not isinstance(self._dims.for_trace(), SymbolicDims):
+            if isinstance(e, UninitializedLazyModule) or not isinstance(self._dims.for_trace(), SymbolicDims):
                 raise
             # Automatic dynamic shapes: a program with these sizes symbolic cannot be traced (an op or a decision
             # that needs a concrete size); specialise every size from now on, as dynamic=False does.

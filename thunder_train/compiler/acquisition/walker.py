@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import context
-from ..errors import TracingError
+from ..errors import TracingError, UninitializedLazyModule
 from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
 from .class_attrs import ClassWatch, user_class
@@ -115,7 +115,7 @@ class InputWalker:
         if fsdp.is_dtensor(t):
             return self.dtensor(t, path, hint)
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-            raise TracingError(f"{path_str(path)} is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, "
+            raise UninitializedLazyModule(f"{path_str(path)} is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, "
                                "nn.LazyConv2d, ...), whose sizes its first forward chooses. Call the model once "
                                "eagerly on an example batch before the first compiled call, or give the module its "
                                "input sizes (nn.Linear(in_features, ...))")

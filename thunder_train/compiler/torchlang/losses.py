@@ -236,6 +236,7 @@ def _check_class_indices(target):
 def _nll(logp, target, weight, ignore_index, reduction):
     # logp: (N, C, ...) or (C,); target: (N, ...) or ()
     _check_class_indices(target)
+    out_shape = target._tt_shape  # "none": the target's shape, () for one unbatched sample
     if logp.ndim_ == 1:
         logp = clang.unsqueeze(logp, 0)
         target = clang.unsqueeze(target, 0)
@@ -256,7 +257,7 @@ def _nll(logp, target, weight, ignore_index, reduction):
         w = clang.maybe_convert(valid, lp._tt_dtype)
     loss = clang.neg(clang.mul(picked, w))
     if reduction == "none":
-        return clang.reshape(loss, target._tt_shape if target.ndim_ else ())
+        return clang.reshape(loss, out_shape)
     if reduction == "sum":
         return clang.sum(loss)
     return clang.true_divide(clang.sum(loss), clang.sum(w))
