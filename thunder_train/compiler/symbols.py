@@ -119,7 +119,9 @@ class Symbol:
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor; ``.wanted``: for which inputs' gradients, default the first's)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
-    torch_kept_graph = None  # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph
+    # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph, or what that graph keeps (an
+    # attention whose mask needs a gradient: the math kernel's probabilities, executors/attention_math.py)
+    torch_kept_graph = None
     fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
     fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/regions.py ``fusion_form``)
     inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)

@@ -34,7 +34,7 @@ import math
 import torch
 
 from .. import dtypes
-from . import torch_impls
+from . import attention_math, torch_impls
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
 from ..symbols import BoundSymbol
@@ -388,17 +388,23 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
     return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
-def _sdpa_keeps_its_graph(fwd, vjp, positions):
+def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for q/k/v with a
     strided last dimension): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
     running the forward again.  The graph holds what eager's holds (the math kernel's attention probabilities), so
     only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
     backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None or b["dropout_p"] != 0.0 or not _same_call(fwd, vjp):
+    if b is None or b["dropout_p"] != 0.0:
         return None
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
-    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
+    differentiated = _which(fwd, positions, (q, k, v, mask))
+    if differentiated is not None and 3 in differentiated:
+        # The mask's gradient too: eager's math kernel, its backward by formulas reading its own q, k, v (copies a
+        # memory plan recomputed are fine) and the mask's shape alone.
+        return attention_math.math_pair(trc, fwd, vjp, b, _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs),
+                                        differentiated, lambda t, line, layouts: _as_traced(t, line, layouts, always=True))
+    if not _same_call(fwd, vjp) or not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
     if mask is not None and type(mask) is not TensorProxy:
         return None
@@ -772,7 +778,7 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
                 pair = rewrite(trc, fb, vb, vjp.wanted)
                 kept_graph = getattr(op, "torch_kept_graph", None) if keep_graphs else None
                 if pair is None and kept_graph is not None:
-                    pair = kept_graph(fb, vb, vjp.wanted)
+                    pair = kept_graph(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
                     changed = True
