@@ -95,6 +95,19 @@ def _eager_picks_math(q, k, v, mask, scale) -> bool:
     return choose(*ops[:3], ops[3], 0.0, False, scale=scale, enable_gqa=False) == SDPBackend.MATH.value
 
 
+def _math_call(q, k, v, mask, scale) -> bool:
+    """CPU float tensors of one dtype, static sizes, q/k/v with the same batch dimensions (broadcast batches and
+    grouped heads keep the ``TorchVJP`` line), and eager's selector takes its math kernel."""
+    ts = (q, k, v, mask)
+    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" and t._tt_dtype is q._tt_dtype for t in ts) \
+            or q._tt_dtype not in (dtypes.float32, dtypes.float64) or not (scale is None or type(scale) is float):
+        return False
+    if not all(type(s) is int for t in ts for s in t._tt_shape) or not q.ndim_ == k.ndim_ == v.ndim_ >= 3 \
+            or not tuple(q._tt_shape[:-2]) == tuple(k._tt_shape[:-2]) == tuple(v._tt_shape[:-2]):
+        return False
+    return _eager_picks_math(q, k, v, mask, scale)
+
+
 def math_pair(trc, fwd, vjp, b, bv, which, as_traced):
     """The forward and backward lines of a CPU attention whose float mask needs a gradient, or None where another
     kernel or form applies.  ``b``, ``bv``: the arguments of the forward and backward lines by name (the backward's
@@ -105,16 +118,7 @@ def math_pair(trc, fwd, vjp, b, bv, which, as_traced):
                          or bv[n]._tt_strides != b[n]._tt_strides for n in ("query", "key", "value")):
         return None
     q, k, v, mask, scale = b["query"], b["key"], b["value"], b["attn_mask"], b["scale"]
-    if _MASK not in which or b["is_causal"] is not False or b["enable_gqa"] is not False or type(mask) is not TensorProxy:
-        return None
-    ts = (q, k, v, mask)
-    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" and t._tt_dtype is q._tt_dtype for t in ts) \
-            or q._tt_dtype not in (dtypes.float32, dtypes.float64) or not (scale is None or type(scale) is float):
-        return None
-    if not all(type(s) is int for t in ts for s in t._tt_shape) or not q.ndim_ == k.ndim_ == v.ndim_ >= 3 \
-            or not tuple(q._tt_shape[:-2]) == tuple(k._tt_shape[:-2]) == tuple(v._tt_shape[:-2]):
-        return None  # (broadcast batch dimensions, grouped heads: the TorchVJP line stays)
-    if not _eager_picks_math(q, k, v, mask, scale):
+    if _MASK not in which or b["is_causal"] is not False or b["enable_gqa"] is not False or not _math_call(q, k, v, mask, scale):
         return None
     probs = TensorProxy(trc.make_name("probs"), shape=q._tt_shape[:-1] + (k._tt_shape[-2],), dtype=q._tt_dtype,
                         device=q._tt_device)
@@ -140,3 +144,24 @@ def _layouts(fwd, vjp):
     except Exception:  # noqa: BLE001 - no meta kernel: the TorchVJP line stays
         return None, None
     return [tuple(out.stride()), None], [tuple(t.stride()) for t in grads]
+
+
+_math_vjps: dict = {}
+
+
+def math_vjp_kernels(b, which):
+    """For an attention line's gradient (``b``: its arguments by name; ``which``: the differentiated ones, 0-3) that
+    eager computes through its math kernel because the mask needs a gradient: a function of the line's arguments
+    running the two functions above (on meta tensors: its layouts are eager's), else None."""
+    q, k, v, mask, scale = b["query"], b["key"], b["value"], b["attn_mask"], b["scale"]
+    if which is None or _MASK not in which or b["is_causal"] is not False or not _math_call(q, k, v, mask, scale):
+        return None
+    fn = _math_vjps.get(which)
+    if fn is None:  # one per ``which``: the layout cache is keyed by the callable
+        def fn(g, reads, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            _, probs = sdpa_math_with_probs(query, key, value, attn_mask, scale)
+            return sdpa_math_backward(g, query, key, value, probs, tuple(attn_mask.shape), scale, which)
+
+        fn.layout_on_meta = True
+        _math_vjps[which] = fn
+    return fn

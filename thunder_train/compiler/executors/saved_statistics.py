@@ -516,33 +516,43 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
         return None, None
 
 
-def one_kv_head_flash_vjp(vjp):
-    """For the ``scaled_dot_product_attention_vjp`` line of one key/value head broadcast over the query heads that
-    ``_rewrite_sdpa`` runs on the CPU flash kernels (eager runs its math kernel): a function of the line's arguments
-    that runs those kernels, for its fake run to give the gradients the layout the program's kernel gives them
-    (executors/layout_rules.py; the math kernel's layout made a fused region that reads them need copies,
-    ``_as_traced``).  None for any other line."""
+def sdpa_vjp_kernels(vjp):
+    """For a ``scaled_dot_product_attention_vjp`` line on the CPU: a function of the line's arguments that runs the
+    kernels the program runs for it, for the layout question (executors/layout_rules.py) to give the gradients their
+    layouts by a run on meta tensors (~1 ms, against ~40 ms for a fake run of ``TorchVJP``: the forward and the
+    backward under autograd): eager's math kernel and its autograd formulas where the mask needs a gradient
+    (executors/attention_math.py), else the flash kernels where the program runs them (``_rewrite_sdpa``).  For one
+    key/value head broadcast over the query heads eager runs its math kernel but the program flash (the math
+    kernel's layout made a fused region that reads them need copies, ``_as_traced``).  None for any other line."""
     if getattr(vjp.sym, "forward_symbol", None) is not ltorch_attention.scaled_dot_product_attention:
         return None
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
     if b is None or any(n not in b for n in ("query", "key", "value")) or b["dropout_p"] != 0.0 \
             or b["enable_gqa"] is not False or type(b["is_causal"]) is not bool:
         return None
+    wanted = vjp.torch_fn[1] if vjp.torch_fn else None
+    if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 for p in wanted):
+        return None
+    math = attention_math.math_vjp_kernels(b, _which(_as_call(vjp), wanted, (b["query"], b["key"], b["value"], b["attn_mask"])))
+    if math is not None:
+        return math
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
     if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
         return None
     heads, kv_heads = q._tt_shape[1], k._tt_shape[1]
-    if not (kv_heads == 1 == v._tt_shape[1] and type(heads) is int and heads > 1 and q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0]):
+    if not (q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0] and type(heads) is int and v._tt_shape[1] == kv_heads):
+        return None
+    one_kv = kv_heads == 1 and heads > 1
+    if not one_kv and kv_heads != heads:
         return None
     if mask is not None and (type(mask) is not TensorProxy or mask._tt_device.type != "cpu" or b["is_causal"]
                              or mask._tt_dtype not in (dtypes.bool8, q._tt_dtype)):
         return None
-    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, True):
+    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, one_kv):
         return None
-    wanted = vjp.torch_fn[1] if vjp.torch_fn else None
-    if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 or p[0] > 2 for p in wanted):
+    if any(p[0] > 2 for p in wanted):
         return None
     fn = _flash_vjps.get(wanted)
     if fn is None:  # one per ``wanted``: the layout cache is keyed by the callable
@@ -554,6 +564,7 @@ def one_kv_head_flash_vjp(vjp):
                 g, query, key, value, out, lse, 0.0, is_causal, attn_mask=additive, scale=scale)
             return tuple(grads[p[0]] for p in wanted)
 
+        fn.layout_on_meta = True  # the CPU kernels' meta functions lay the results out as the kernels do
         _flash_vjps[wanted] = fn
     return fn
 
