@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import thunder_train as tt
 from thunder_train.compiler.proxies import contiguous_strides, is_non_overlapping_and_dense
+from _steps import squared_output_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = ("torch._dynamo", "torch._inductor", "sympy")
@@ -122,16 +123,9 @@ def test_a_whole_steps_first_call_finds_the_gradient_path_once(monkeypatch):
     eager = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
 
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    cf = tt.compile(step, thin=True)
+    cf = tt.compile(squared_output_step, thin=True)
     x = torch.randn(4, 8)
-    torch.testing.assert_close(cf(model, opts[0], x), step(eager, opts[1], x))
+    torch.testing.assert_close(cf(model, opts[0], x), squared_output_step(eager, opts[1], x))
     assert len(built) == 1, built
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
