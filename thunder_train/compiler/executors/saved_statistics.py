@@ -517,13 +517,11 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
 
 
 def sdpa_vjp_kernels(vjp):
-    """For a ``scaled_dot_product_attention_vjp`` line on the CPU: a function of the line's arguments that runs the
-    kernels the program runs for it, for the layout question (executors/layout_rules.py) to give the gradients their
-    layouts by a run on meta tensors (~1 ms, against ~40 ms for a fake run of ``TorchVJP``: the forward and the
-    backward under autograd): eager's math kernel and its autograd formulas where the mask needs a gradient
-    (executors/attention_math.py), else the flash kernels where the program runs them (``_rewrite_sdpa``).  For one
-    key/value head broadcast over the query heads eager runs its math kernel but the program flash (the math
-    kernel's layout made a fused region that reads them need copies, ``_as_traced``).  None for any other line."""
+    """For a CPU ``scaled_dot_product_attention_vjp`` line: a function of its arguments running the kernels the program
+    runs for it, whose run on meta tensors gives the gradients' layouts (executors/layout_rules.py; ~1 ms, a fake run
+    of ``TorchVJP``, forward and backward under autograd, ~40 ms): the math kernel and its formulas where the mask needs
+    a gradient (executors/attention_math.py), else flash's where the program runs it (``_rewrite_sdpa``; for one
+    key/value head eager runs math, but the program flash, whose layout spares a fused reader copies).  Else None."""
     if getattr(vjp.sym, "forward_symbol", None) is not ltorch_attention.scaled_dot_product_attention:
         return None
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
