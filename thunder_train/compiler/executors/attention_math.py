@@ -129,10 +129,11 @@ def math_pair(trc, fwd, vjp, b, bv, which, as_traced):
                                 tuple(which)),
                           kwargs={}, comment="eager's autograd formulas for the math kernel")
     fwd_layouts, vjp_layouts = _layouts(new_fwd, new_vjp)
-    if vjp_layouts is None:
+    if vjp_layouts is None or fwd_layouts[0] != tuple(fwd.output._tt_strides):
+        # The trace recorded the output laid out otherwise (as flash lays it out, T5's: the layout question does not
+        # know the mask requires grad): a copy into that layout would hold two outputs at once, above eager's peak.
         return None
-    fwd_lines = as_traced(trc, new_fwd, fwd_layouts)
-    return fwd_lines, as_traced(trc, new_vjp, vjp_layouts)
+    return as_traced(trc, new_fwd, fwd_layouts), as_traced(trc, new_vjp, vjp_layouts)
 
 
 def _layouts(fwd, vjp):
