@@ -369,3 +369,63 @@ def test_math_kernel_attention_keeps_eagers_graph_and_trains_bitwise_as_eager(ch
     with _AtenCounts() as seen:
         cf(mc, oc, x, y)
     assert seen.counts[torch.ops.aten._safe_softmax.default] == 1  # the forward runs once
+
+
+class LearnedBiasAttention(torch.nn.Module):
+    """Attention whose additive mask is a learned bias (T5's relative position bias), broadcast over the batch (and
+    the heads) or full, plus a padding mask as T5 adds it: eager takes the math kernel (the mask requires grad)."""
+
+    def __init__(self, bias_shape, channels=32, heads=4, n=12):
+        super().__init__()
+        self.heads, self.d = heads, channels // heads
+        self.qkv = torch.nn.Linear(channels, 3 * channels, bias=False)
+        self.out = torch.nn.Linear(channels, channels)
+        self.bias = torch.nn.Parameter(torch.randn(bias_shape) * 0.5)
+        self.register_buffer("padding", torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1e9))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.d).unbind(2)
+        mask = self.bias + self.padding if self.bias.dim() == 4 else self.bias
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=1.0)
+        return x + self.out(a.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 12, 12), (2, 4, 12, 12), (12, 12), (4, 1, 12)])
+def test_attention_with_a_learned_mask_trains_as_eager(bias_shape):
+    # Eager takes its math kernel (the mask requires grad).  The trace records the output as flash lays it out (the
+    # layout question does not know the mask requires grad), so the program keeps its TorchVJP line here: within
+    # rounding of eager (executors/attention_math.py).
+    torch.manual_seed(0)
+    me = LearnedBiasAttention(bias_shape)
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+    cf = tt.compile(_step, thin=True)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
+        torch.testing.assert_close(cf(mc, oc, x, y), _step(me, oe, x, y), rtol=1e-6, atol=1e-7)
+        for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            torch.testing.assert_close(pc, pe, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {i} {name}: {m}")
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 3, 5, 7), (1, 3, 5, 7), (5, 7), (3, 1, 7)])
+def test_gradients_of_attention_and_its_mask_are_eagers_bitwise(mask_shape):
+    # q, k, v laid out (batch, seq, heads, dim) and viewed (batch, heads, seq, dim), as models make them; a scale given.
+    def f(q, k, v, mask, w):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
+        loss = (out * w).sum()
+        loss.backward()
+        return loss
+
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    inputs = [make(2, 5, 3, 4), make(2, 7, 3, 4), make(2, 7, 3, 6), make(*mask_shape), make(2, 3, 5, 6)]
+    eager, compiled = ([t.clone().requires_grad_(i < 4) for i, t in enumerate(inputs)] for _ in range(2))
+    want = f(*eager)
+    cf = tt.compile(f)
+    assert torch.equal(cf(*compiled), want)
+    for i, (a, b) in enumerate(zip(eager[:4], compiled[:4])):
+        assert torch.equal(a.grad, b.grad), i
+    src = str(tt.last_traces(cf)[-1])
+    assert "sdpa_math_backward(" in src and "vjp_scaled_dot_product" not in src

@@ -6,6 +6,7 @@ torch.fx.experimental.symbolic_shapes) not at all.  Each case runs in a fresh in
 imported everything already.  No timing is asserted: benchmarks/overhead.py prints the first call's time."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import thunder_train as tt
 from thunder_train.compiler.proxies import contiguous_strides, is_non_overlapping_and_dense
+from _steps import squared_output_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = ("torch._dynamo", "torch._inductor", "sympy")
@@ -24,6 +27,8 @@ HEAVY = ("torch._dynamo", "torch._inductor", "sympy")
 CHILD = r"""
 import json, sys
 import torch
+
+import thunder_train as tt
 import thunder_train as tt
 
 fusion = {"none": None, "default": "default"}[sys.argv[1]]
@@ -102,3 +107,25 @@ def test_non_overlapping_and_dense_is_torchs_rule_on_any_strides(dims):
 @given(st.lists(st.integers(0, 5), min_size=0, max_size=5))
 def test_contiguous_strides_are_torchs(shape):
     assert contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def test_a_whole_steps_first_call_finds_the_gradient_path_once(monkeypatch):
+    # The path of values a backward reaches is found once, by the backward, then extended line by line: the
+    # optimizer's writes into its new state and the outputs' rebuild once found it anew each (four times a step,
+    # over every line: a tenth of T5's first call).
+    from thunder_train.compiler.transforms import autograd
+
+    built = []
+    init = autograd.Forward.__init__
+    monkeypatch.setattr(autograd.Forward, "__init__", lambda self, *a: (built.append(len(a[0])), init(self, *a))[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+
+    cf = tt.compile(squared_output_step, thin=True)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(cf(model, opts[0], x), squared_output_step(eager, opts[1], x))
+    assert len(built) == 1, built
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)

@@ -119,7 +119,9 @@ class Symbol:
     not_differentiated_by_torch = frozenset()  # arguments PyTorch's autograd does not differentiate (our rule does)
     torch_direct_vjp = None  # torch executor: a backward needing no forward recomputation (registered by the executor; ``.wanted``: for which inputs' gradients, default the first's)
     torch_saved_statistics = None  # torch executor: rewrite of a forward/vjp pair that reuses forward statistics
-    torch_kept_graph = None  # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph
+    # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph, or what that graph keeps (an
+    # attention whose mask needs a gradient: the math kernel's probabilities, executors/attention_math.py)
+    torch_kept_graph = None
     fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
     fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/regions.py ``fusion_form``)
     inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
@@ -266,7 +268,10 @@ def run_eagerly(sym, *args, **kwargs):
 class BoundSymbol:
     """One line of a trace: ``output = sym(*args, **kwargs)``."""
 
-    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source", "region")
+    _FIELDS = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source", "region")
+    # ``_flat_args`` / ``_flat_outputs``: the leaves, found once (every pass asks for them, many times a line; the
+    # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line).
+    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs")
 
     def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
                  region=None):
@@ -285,11 +290,17 @@ class BoundSymbol:
         self.output = output
         self.subsymbols = subsymbols
         self.comment = comment
+        self._flat_args = self._flat_outputs = None
 
     def replace(self, **changes) -> "BoundSymbol":
-        d = {s: getattr(self, s) for s in self.__slots__}
+        d = {s: getattr(self, s) for s in self._FIELDS}
         d.update(changes)
-        return BoundSymbol(**d)
+        new = BoundSymbol(**d)
+        if "args" not in changes and "kwargs" not in changes:
+            new._flat_args = self._flat_args
+        if "output" not in changes:
+            new._flat_outputs = self._flat_outputs
+        return new
 
     def renamed(self, mapping: dict, *, inside: bool = False) -> "BoundSymbol":
         """This line reading ``mapping[id(v)]`` wherever it reads a value ``v`` that ``mapping`` renames (a pass that
@@ -300,11 +311,17 @@ class BoundSymbol:
             changes["subsymbols"] = tuple(s.renamed(mapping, inside=True) for s in self.subsymbols)
         return self.replace(**changes)
 
-    def flat_args(self):
-        return tree_leaves((self.args, self.kwargs))
+    def flat_args(self) -> tuple:
+        flat = self._flat_args
+        if flat is None:
+            flat = self._flat_args = tuple(tree_leaves((self.args, self.kwargs)))
+        return flat
 
-    def flat_outputs(self):
-        return tree_leaves(self.output)
+    def flat_outputs(self) -> tuple:
+        flat = self._flat_outputs
+        if flat is None:
+            flat = self._flat_outputs = tuple(tree_leaves(self.output))
+        return flat
 
     @property
     def has_side_effect(self) -> bool:

@@ -364,7 +364,7 @@ def _property(st, prop, get, args, top):
         from ..torchlang import tensor_methods
 
         return traced_grad_fn.answer(st, a, prop, getter, tensor_methods.computed_requires_grad, traced_autograd.new_leaves,
-                                    traced_autograd.gradient_path_so_far)
+                                    traced_autograd.gradient_path)
     out = getter(st.buffers.read(a))
     if prop in ("data", "T", "mT", "H", "mH"):
         st.buffers.add_view(out, a, getter, steps=((operator.attrgetter(prop), (), {}),))

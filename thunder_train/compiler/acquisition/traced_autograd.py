@@ -134,21 +134,23 @@ def computed_requires_grad(st, a) -> bool:
 
 def _gradient_path_now(st) -> set:
     """``gradient_path(st)``, extended line by line since the last question: the path is a left fold over the
-    trace's lines, so while the lines so far and the values standing for leaves are unchanged only the new lines
-    are added.  (Asked at every write into a computed value: recomputing it each time made first calls quadratic.)"""
+    trace's lines, so while the lines so far are unchanged only the new lines are added.  (Asked at every write into
+    a computed value: recomputing it each time made first calls quadratic.)  New values standing for leaves (an
+    optimizer's update of a parameter) join it when no line so far read them; a leaf dropped, or a new one a line
+    read, finds the path anew."""
     lines = st.trace.bound_symbols
-    seeds = [v for _, vals in grad_leaves(st) for v in vals]
-    key = (id(lines), tuple(map(id, seeds)))
+    seeds = {id(v) for _, vals in grad_leaves(st) for v in vals}
     cached = getattr(st, "_gradient_path_cache", None)
     if cached is not None:
-        ckey, n, last, fwd = cached
-        if ckey == key and n <= len(lines) and (n == 0 or lines[n - 1] is last):
+        lines_id, seeded, n, last, fwd = cached
+        if (lines_id == id(lines) and n <= len(lines) and (n == 0 or lines[n - 1] is last) and seeded <= seeds
+                and all(fwd.add_leaf(i) for i in seeds - seeded)):
             for b in lines[n:]:
                 fwd._add(b)
-            st._gradient_path_cache = (key, len(lines), lines[-1] if lines else None, fwd)
+            st._gradient_path_cache = (id(lines), seeds, len(lines), lines[-1] if lines else None, fwd)
             return fwd.needs_grad
-    fwd = Forward(list(lines), seeds)
-    st._gradient_path_cache = (key, len(lines), lines[-1] if lines else None, fwd)
+    fwd = Forward(list(lines), [v for _, vals in grad_leaves(st) for v in vals])
+    st._gradient_path_cache = (id(lines), seeds, len(lines), lines[-1] if lines else None, fwd)
     return fwd.needs_grad
 
 
@@ -240,14 +242,10 @@ def _summed(groups, grads) -> list:
     return out
 
 
-def gradient_path_so_far(st) -> set:
-    """``gradient_path(st)``, kept up to date line by line (cheap to ask again while tracing)."""
-    return _gradient_path_now(st)
-
-
 def gradient_path(st) -> set:
-    """Ids of the values so far that depend on an input requiring grad (what a backward would reach)."""
-    return Forward(list(st.trace.bound_symbols), [v for _, vals in grad_leaves(st) for v in vals]).needs_grad
+    """Ids of the values so far that depend on an input requiring grad (what a backward would reach), kept up to
+    date line by line (cheap to ask again while tracing)."""
+    return _gradient_path_now(st)
 
 
 def record_backward(st, outputs, cotangents, wrt_values) -> list:
@@ -287,7 +285,11 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
         emit_forward([b], fwd.expanded, read, forward)
     trc.bound_symbols[:n] = forward
     lines_rewritten(st, starts, len(forward))
-    st._gradient_path_cache = None  # the lines so far were rewritten: the path is found anew
+    # The lines so far were rewritten: the path goes on from the backward's lines when ``fwd`` saw only the leaves
+    # (the rewritten forward computes the values it saw), else it is found anew.
+    seeds = {id(v) for _, vals in grad_leaves(st) for v in vals}
+    whole = {id(v) for v in leaves} == seeds and forward
+    st._gradient_path_cache = (id(trc.bound_symbols), seeds, len(forward), forward[-1], fwd) if whole else None
     return [None if v is None else cts.get(v) for v in wrt_values]
 
 

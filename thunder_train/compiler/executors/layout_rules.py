@@ -63,10 +63,10 @@ def _callable(bsym):
         # kernel's truth: torch's meta of ``_log_softmax_backward_data`` lays the gradient out as the incoming one, the
         # CPU (and CUDA) kernel row-major; given every backward, wav2vec2's CTC head recorded (12, 24, 1) where the
         # kernel writes (468, 12, 1).  (Its kept buffer got wrong values then, since fixed in buffers.ANY_LAYOUT.)
-        from .saved_statistics import one_kv_head_flash_vjp
+        from .saved_statistics import sdpa_vjp_kernels
 
-        flash = one_kv_head_flash_vjp(bsym)  # the kernels the program runs where eager runs another (Falcon's)
-        return (flash or _torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
+        kernels = sdpa_vjp_kernels(bsym)  # the kernels the program runs (attention's): cheaper than TorchVJP's fake run
+        return (kernels or _torch_vjp(*bsym.torch_fn), bsym.args, bsym.kwargs)
     return None
 
 
@@ -298,7 +298,7 @@ def set_layout(bsym) -> None:
         # device (the meta kernel runs it): plain meta tensors too when the inputs share one device (mixing devices
         # is an error or a CPU scalar the fake run must judge).  A retrace with symbolic sizes (issue 26) misses
         # the cache on every line, and its many broadcasting ``mul``s cost ~0.5 ms each in the fake mode.
-        meta = "view" in tags or "shape_only" in tags or (
+        meta = getattr(fn, "layout_on_meta", False) or "view" in tags or "shape_only" in tags or (
             ("elementwise" in tags or "reduction" in tags or "layout_on_meta" in tags)
             and len({t._tt_device for t in tensors}) == 1)
         mout = _on_meta(fn, args, kwargs) if meta else None

@@ -34,7 +34,7 @@ import math
 import torch
 
 from .. import dtypes
-from . import torch_impls
+from . import attention_math, torch_impls
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
 from ..symbols import BoundSymbol
@@ -388,17 +388,23 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
     return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
-def _sdpa_keeps_its_graph(fwd, vjp, positions):
+def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for q/k/v with a
     strided last dimension): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
     running the forward again.  The graph holds what eager's holds (the math kernel's attention probabilities), so
     only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
     backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None or b["dropout_p"] != 0.0 or not _same_call(fwd, vjp):
+    if b is None or b["dropout_p"] != 0.0:
         return None
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
-    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
+    differentiated = _which(fwd, positions, (q, k, v, mask))
+    if differentiated is not None and 3 in differentiated:
+        # The mask's gradient too: eager's math kernel, its backward by formulas reading its own q, k, v (copies a
+        # memory plan recomputed are fine) and the mask's shape alone.
+        return attention_math.math_pair(trc, fwd, vjp, b, _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs),
+                                        differentiated, lambda t, line, layouts: _as_traced(t, line, layouts, always=True))
+    if not _same_call(fwd, vjp) or not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
     if mask is not None and type(mask) is not TensorProxy:
         return None
@@ -510,33 +516,41 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
         return None, None
 
 
-def one_kv_head_flash_vjp(vjp):
-    """For the ``scaled_dot_product_attention_vjp`` line of one key/value head broadcast over the query heads that
-    ``_rewrite_sdpa`` runs on the CPU flash kernels (eager runs its math kernel): a function of the line's arguments
-    that runs those kernels, for its fake run to give the gradients the layout the program's kernel gives them
-    (executors/layout_rules.py; the math kernel's layout made a fused region that reads them need copies,
-    ``_as_traced``).  None for any other line."""
+def sdpa_vjp_kernels(vjp):
+    """For a CPU ``scaled_dot_product_attention_vjp`` line: a function of its arguments running the kernels the program
+    runs for it, whose run on meta tensors gives the gradients' layouts (executors/layout_rules.py; ~1 ms, a fake run
+    of ``TorchVJP``, forward and backward under autograd, ~40 ms): the math kernel and its formulas where the mask needs
+    a gradient (executors/attention_math.py), else flash's where the program runs it (``_rewrite_sdpa``; for one
+    key/value head eager runs math, but the program flash, whose layout spares a fused reader copies).  Else None."""
     if getattr(vjp.sym, "forward_symbol", None) is not ltorch_attention.scaled_dot_product_attention:
         return None
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs)
     if b is None or any(n not in b for n in ("query", "key", "value")) or b["dropout_p"] != 0.0 \
             or b["enable_gqa"] is not False or type(b["is_causal"]) is not bool:
         return None
+    wanted = vjp.torch_fn[1] if vjp.torch_fn else None
+    if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 for p in wanted):
+        return None
+    math = attention_math.math_vjp_kernels(b, _which(_as_call(vjp), wanted, (b["query"], b["key"], b["value"], b["attn_mask"])))
+    if math is not None:
+        return math
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
     if not (q._tt_dtype is k._tt_dtype is v._tt_dtype) or q._tt_dtype not in (dtypes.float32, dtypes.float64, dtypes.bfloat16):
         return None
     heads, kv_heads = q._tt_shape[1], k._tt_shape[1]
-    if not (kv_heads == 1 == v._tt_shape[1] and type(heads) is int and heads > 1 and q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0]):
+    if not (q._tt_shape[0] == k._tt_shape[0] == v._tt_shape[0] and type(heads) is int and v._tt_shape[1] == kv_heads):
+        return None
+    one_kv = kv_heads == 1 and heads > 1
+    if not one_kv and kv_heads != heads:
         return None
     if mask is not None and (type(mask) is not TensorProxy or mask._tt_device.type != "cpu" or b["is_causal"]
                              or mask._tt_dtype not in (dtypes.bool8, q._tt_dtype)):
         return None
-    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, True):
+    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, one_kv):
         return None
-    wanted = vjp.torch_fn[1] if vjp.torch_fn else None
-    if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 or p[0] > 2 for p in wanted):
+    if any(p[0] > 2 for p in wanted):
         return None
     fn = _flash_vjps.get(wanted)
     if fn is None:  # one per ``wanted``: the layout cache is keyed by the callable
@@ -548,6 +562,7 @@ def one_kv_head_flash_vjp(vjp):
                 g, query, key, value, out, lse, 0.0, is_causal, attn_mask=additive, scale=scale)
             return tuple(grads[p[0]] for p in wanted)
 
+        fn.layout_on_meta = True  # the CPU kernels' meta functions lay the results out as the kernels do
         _flash_vjps[wanted] = fn
     return fn
 
@@ -772,7 +787,7 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
                 pair = rewrite(trc, fb, vb, vjp.wanted)
                 kept_graph = getattr(op, "torch_kept_graph", None) if keep_graphs else None
                 if pair is None and kept_graph is not None:
-                    pair = kept_graph(fb, vb, vjp.wanted)
+                    pair = kept_graph(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
                     changed = True

@@ -90,6 +90,7 @@ class Forward:
 
     def __init__(self, bsyms, leaves):
         self.needs_grad = {id(a) for a in leaves}
+        self.read: set = set()  # ids of every value a line so far reads (a new leaf nothing read yet joins cheaply)
         self.bsyms: list = []
         self.expanded: set = set()
         for bsym in bsyms:
@@ -98,7 +99,18 @@ class Forward:
     def on_path(self, bsym) -> bool:
         return differentiable(bsym.sym) and any(_is_tensor(a) and id(a) in self.needs_grad for a in bsym.flat_args())
 
+    def add_leaf(self, leaf_id) -> bool:
+        """Take one more leaf (by id) into the path found so far; False if a line so far read it (the path must be
+        found anew)."""
+        if leaf_id in self.needs_grad:
+            return True
+        if leaf_id in self.read:
+            return False
+        self.needs_grad.add(leaf_id)
+        return True
+
     def _add(self, bsym):
+        self.read.update(map(id, bsym.flat_args()))
         on_path = self.on_path(bsym)
         float_outs = [o for o in bsym.flat_outputs() if is_float_tensor(o)]
         if getattr(bsym.sym, "output_grad_flags", False):
@@ -205,7 +217,7 @@ _COMPLEX_LINEAR = {f"prims.{n}" for n in (
 
 def _complex_ready(bsym, outs) -> bool:
     """False for a native op on complex values whose rule may lack a conjugate (or mixes real and complex)."""
-    diff = [t for t in bsym.flat_args() + outs if is_float_tensor(t)]
+    diff = [t for t in (*bsym.flat_args(), *outs) if is_float_tensor(t)]
     if not any(t._tt_dtype.is_complex for t in diff):
         return True
     return bsym.sym.id in _COMPLEX_LINEAR and all(t._tt_dtype.is_complex for t in diff)
