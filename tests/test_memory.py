@@ -406,7 +406,8 @@ def test_blocked_head_in_whole_steps(options):
     text = str(tt.last_traces(cf)[-1])
     assert ("ttex.linear_cross_entropy_and_grads(" in text) == blocked  # loss.backward(): gradients with the loss
     assert ("ttex.gelu_vjp_into_grad(" in text) == blocked  # executors/into_dead_grad.py
-    assert any("transforms/sinking.py" in str(t).splitlines()[0] for t in tt.last_traces(cf)) == blocked
+    if blocked:  # (the default sinks too where it recomputes cheap values: transforms/memory.py)
+        assert any("transforms/sinking.py" in str(t).splitlines()[0] for t in tt.last_traces(cf))
     assert torch.equal(got, want)
     for (name, p), q in zip(m.named_parameters(), eager.parameters()):
         if name == "head.weight" and blocked:

@@ -136,13 +136,15 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             traces.append(step)
             new = step
             plan.recomputed += more.lines
-    if plan.checkpoint_regions or memory_budget is not None:
-        # Where the program asks for memory: backward lines as late as their readers allow (transforms/sinking.py).
+    if plan.recomputed or plan.checkpoint_regions or memory_budget is not None:
+        # Backward lines as late as their readers allow (transforms/sinking.py): a recomputed value lands right
+        # before its first reader, beside gradients made earlier that nothing reads yet.
         sunk = sink(new)
         if sunk is not new:
             traces.append(sunk)
             new = sunk
-        # ... and recomputed values held across the planned peak recomputed once more after it.
+    if plan.checkpoint_regions or memory_budget is not None:
+        # Where the program asks for memory: recomputed values held across the planned peak recomputed once more after it.
         again = recompute_again(new, _is_backward, {id(p) for p in tree_flatten(new.output)[0] if is_proxy(p)})
         if again is not new:
             traces.append(again)
