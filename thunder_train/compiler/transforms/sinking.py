@@ -11,8 +11,8 @@ what that keeps alive longer is at most the bytes of the results it defers (so n
 a tensor it reads that is not an input of the program, does not share memory with what it returns and is not read
 again at or after the new place lives on to there.  Values do not change (the same lines in another order of
 independent lines); a line never moves past a line with a side effect, and lines that draw random numbers or may
-raise on values stay where they are.  Runs where the backward recomputes anything (checkpoint regions, cheap
-values, a budget; transforms/memory.py): recomputed lines land right before their first reader, next to gradients
+raise on values stay where they are.  Runs where the backward recomputes anything (checkpoint regions, a budget;
+cheap values where it lowers the planned peak: transforms/memory.py): recomputed lines land right before their first reader, next to gradients
 made earlier that nothing reads yet (a dropout MLP's step: 1.00x -> 0.84x eager's peak).
 """
 from __future__ import annotations
