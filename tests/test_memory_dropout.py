@@ -13,6 +13,7 @@ import torch
 import thunder_train as tt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import train_step as _step  # noqa: E402
 from _peak import peak_call_bytes_all_threads as peak_bytes  # noqa: E402
 
 
@@ -21,14 +22,6 @@ def _mlp(p):
     m = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Dropout(p), torch.nn.Linear(128, 32),
                             torch.nn.ReLU(), torch.nn.Linear(32, 10))
     return m, torch.optim.SGD(m.parameters(), lr=0.1)
-
-
-def _step(m, opt, x, y):
-    loss = torch.nn.functional.cross_entropy(m(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_dropout_mlp_step_peaks_at_most_eagers_with_eagers_values(p=0.1):
