@@ -411,6 +411,37 @@ def test_attention_with_a_learned_mask_trains_as_eager(bias_shape):
     assert "sdpa_math_with_probs(" in src and "sdpa_math_backward(" in src and "laid_out_as(" not in src
 
 
+def test_attention_with_a_learned_mask_is_eagers_where_no_pair_applies():
+    # Under activation checkpointing (no kept probabilities) and through tt.compile(model) (the backward a separate
+    # program) the line still runs eager's math kernel and a TorchVJP of it: eager's autograd nodes, bitwise.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    me = LearnedBiasAttention((1, 4, 12, 12))
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(checkpoint(model, x, use_reentrant=False), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
+    assert torch.equal(cf(mc, oc, x, y), step(me, oe, x, y))
+    assert all(torch.equal(pc, pe) for pc, pe in zip(mc.parameters(), me.parameters()))
+    assert "sdpa_math_backward(" not in str(tt.last_traces(cf)[-1])
+    mm = copy.deepcopy(me)
+    want, got = me(x), tt.compile(mm)(x)
+    assert torch.equal(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert all(torch.equal(pc.grad, pe.grad) for pc, pe in zip(mm.parameters(), me.parameters()))
+
+
 @pytest.mark.parametrize("mask_shape", [(2, 3, 5, 7), (1, 3, 5, 7), (5, 7), (3, 1, 7)])
 def test_gradients_of_attention_and_its_mask_are_eagers_bitwise(mask_shape):
     # q, k, v laid out (batch, seq, heads, dim) and viewed (batch, heads, seq, dim), as models make them; a scale given.
