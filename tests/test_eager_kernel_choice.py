@@ -393,9 +393,9 @@ class LearnedBiasAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("bias_shape", [(1, 4, 12, 12), (2, 4, 12, 12), (12, 12), (4, 1, 12)])
 def test_attention_with_a_learned_mask_trains_as_eager(bias_shape):
-    # Eager takes its math kernel (the mask requires grad).  The trace records the output as flash lays it out (the
-    # layout question does not know the mask requires grad), so the program keeps its TorchVJP line here: within
-    # rounding of eager (executors/attention_math.py).
+    # Eager takes its math kernel (the mask requires grad).  The trace records the call as that kernel (its layout:
+    # row-major, where flash's is (batch, seq, heads, dim)), and the program runs it keeping what eager's graph keeps,
+    # its backward by eager's formulas, without copies: bitwise eager's losses and parameters (attention_math.py).
     torch.manual_seed(0)
     me = LearnedBiasAttention(bias_shape)
     mc = copy.deepcopy(me)
@@ -404,9 +404,42 @@ def test_attention_with_a_learned_mask_trains_as_eager(bias_shape):
     g = torch.Generator().manual_seed(1)
     for i in range(3):
         x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
-        torch.testing.assert_close(cf(mc, oc, x, y), _step(me, oe, x, y), rtol=1e-6, atol=1e-7)
+        assert torch.equal(cf(mc, oc, x, y), _step(me, oe, x, y)), i
         for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
-            torch.testing.assert_close(pc, pe, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {i} {name}: {m}")
+            assert torch.equal(pc, pe), (i, name)
+    src = str(tt.last_traces(cf)[-1])
+    assert "sdpa_math_with_probs(" in src and "sdpa_math_backward(" in src and "laid_out_as(" not in src
+
+
+def test_attention_with_a_learned_mask_is_eagers_where_no_pair_applies():
+    # Under activation checkpointing (no kept probabilities) and through tt.compile(model) (the backward a separate
+    # program) the line still runs eager's math kernel and a TorchVJP of it: eager's autograd nodes, bitwise.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    me = LearnedBiasAttention((1, 4, 12, 12))
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(checkpoint(model, x, use_reentrant=False), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cf = tt.compile(step)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
+    assert torch.equal(cf(mc, oc, x, y), step(me, oe, x, y))
+    assert all(torch.equal(pc, pe) for pc, pe in zip(mc.parameters(), me.parameters()))
+    assert "sdpa_math_backward(" not in str(tt.last_traces(cf)[-1])
+    mm = copy.deepcopy(me)
+    want, got = me(x), tt.compile(mm)(x)
+    assert torch.equal(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert all(torch.equal(pc.grad, pe.grad) for pc, pe in zip(mm.parameters(), me.parameters()))
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 3, 5, 7), (1, 3, 5, 7), (5, 7), (3, 1, 7)])
@@ -416,7 +449,7 @@ def test_gradients_of_attention_and_its_mask_are_eagers_bitwise(mask_shape):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
         loss = (out * w).sum()
         loss.backward()
-        return loss
+        return loss, out.detach()
 
     gen = torch.Generator().manual_seed(0)
     make = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -424,7 +457,8 @@ def test_gradients_of_attention_and_its_mask_are_eagers_bitwise(mask_shape):
     eager, compiled = ([t.clone().requires_grad_(i < 4) for i, t in enumerate(inputs)] for _ in range(2))
     want = f(*eager)
     cf = tt.compile(f)
-    assert torch.equal(cf(*compiled), want)
+    got = cf(*compiled)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].stride() == want[1].stride()
     for i, (a, b) in enumerate(zip(eager[:4], compiled[:4])):
         assert torch.equal(a.grad, b.grad), i
     src = str(tt.last_traces(cf)[-1])

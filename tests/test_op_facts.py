@@ -296,7 +296,7 @@ def _runs(op, fn) -> bool:
         return fn in {torch_executor._ELEMENTWISE_TORCH.get(p) for p in (op, op.mirrored)} or \
             fn in {torch.true_divide, torch.matmul, torch.cat, torch.sum, torch.amax, torch.amin, torch.where, torch.full, torch.empty,
                    torch.clone, torch.index_select}
-    return registry.lookup(fn) is op or op.torch_impl is fn
+    return registry.lookup(fn) is op or op.torch_impl is fn or getattr(fn, "kernel_of", None) is op
 
 
 def test_every_out_form_is_accepted_by_its_op_and_computes_the_same():
@@ -318,6 +318,7 @@ _FRESH_SAMPLES = {
     "index_select": (_X, 0, torch.tensor([1, 0])), "full_like": (_X, 2.0), "rsub": (_X, 2.0), "__rsub__": (_X, 2.0),
     "matmul": (_X, _X.t()), "bmm": (_X[None], _X.t()[None]), "baddbmm": (_X[None], _X[None], _X.t()[None] @ _X[None]),
     "pad": (_X, (1, 1)),
+    "sdpa_math": (torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(4, 4)),
 }
 
 
@@ -586,6 +587,35 @@ def test_kernel_switches_are_declared_with_the_op_that_reads_them():
         assert runner(reader()).__name__.startswith(op.name) or op.name in runner(reader()).__name__
     declared = {s for s in registry.all_symbols.values() if s.kernel_switches is not None}
     assert declared == {sdpa} | precision_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_by_requires_grad_runs_eagers_kernel(dtype):
+    """SDPA on the CPU with a float mask that requires grad: eager's selector rules flash out, whatever the grad mode,
+    and runs its math kernel.  The fact, declared with the op (the only one), names a callable whose values and
+    layout are eager's call's bitwise (flash's layout differs: a line recording the call's own would be laid out
+    otherwise than eager); where the mask does not require grad, the call's own callable stays."""
+    from thunder_train.compiler.torchlang import attention
+
+    sdpa = registry.lookup(F.scaled_dot_product_attention)
+    assert [op for op in _every_symbol() if op.kernel_by_requires_grad is not None] == [sdpa]
+    assert _file(sdpa.kernel_by_requires_grad) == "compiler/torchlang/attention.py"
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 8, generator=gen, dtype=dtype).transpose(1, 2) for _ in range(3))
+    for mask in (torch.randn(1, 3, 5, 5, generator=gen, dtype=dtype), torch.randn(5, 5, generator=gen, dtype=dtype)):
+        args = [_proxy(t) for t in (q, k, v, mask)]
+        assert sdpa.kernel_by_requires_grad(lambda t: False, *args[:3], attn_mask=args[3]) is None
+        kernel = sdpa.kernel_by_requires_grad(lambda t: t is args[3], *args[:3], attn_mask=args[3], scale=0.5)
+        assert kernel is attention.sdpa_math and kernel.kernel_of is sdpa
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.clone().requires_grad_(), scale=0.5)
+            got = kernel(q, k, v, attn_mask=mask, scale=0.5)
+            flash = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+        assert torch.equal(got, want) and got.stride() == want.stride() != flash.stride()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
+        attention.sdpa_math(q, k, v, attn_mask=mask)  # switched off after tracing: eager's own error
+
+
 def test_recompute_in_backward_is_declared_where_the_op_is():
     # Symbol.recompute_in_backward: only FSDP2's gather asks the backward to gather again, and only for units that
     # reshard after their forward (its line's reshard_after_forward).

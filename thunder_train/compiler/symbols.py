@@ -142,6 +142,11 @@ class Symbol:
     # A call made under switches the function itself set (``with sdpa_kernel(...)`` inside it) runs under them on
     # every call (acquisition/kernel_switches.py)
     kernel_switches = None
+    # ``(requires_grad, *args, **kwargs) -> torch callable | None`` for an op whose kernel eager picks by whether its
+    # arguments require grad (SDPA on the CPU: a mask requiring grad rules flash out, eager runs its math kernel): the
+    # callable running that kernel, recorded as the line's ``torch_fn`` so that its layout and values are eager's
+    # (acquisition/dispatch.py); ``requires_grad(t)``: eager's ``t.requires_grad`` while tracing
+    kernel_by_requires_grad = None
     # memory planning (transforms/remat_policy.py): ``(bsym) -> bool``, whether the backward computes this line's
     # output again instead of keeping it from the forward (an FSDP2 unit's gathered parameters that are resharded
     # after its forward: torchlang/distributed.py)

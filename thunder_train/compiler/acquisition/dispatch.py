@@ -40,6 +40,13 @@ from .inplace import (_inplace_op, back_to_buffers, converted_to, functionalize,
 # ---------------------------------------------------------------------------
 # Dispatch of torch calls while tracing
 # ---------------------------------------------------------------------------
+def _kernel_by_requires_grad(st, sym, args, kwargs):
+    """The torch callable running the kernel eager picks for this call by its arguments' ``requires_grad``
+    (``Symbol.kernel_by_requires_grad``: SDPA's math kernel for a mask requiring grad), or None."""
+    choose = sym.kernel_by_requires_grad
+    return None if choose is None else choose(lambda t: requires_grad_of(st, t), *args, **kwargs)
+
+
 def _tracing_where():
     """``(state, trace, top)``: ``top`` for a call of the user's code, not one inside a decomposition."""
     st = context.tracer_state()
@@ -173,8 +180,9 @@ def handle_torch_function(func, types, args, kwargs):
                 record_opaque_views(st, func, orig_args, args, kwargs, out, _run_opaque(st))
             return no_grad_region(st, out)
         if len(scope) > n and scope[-1].sym is sym:
-            scope[-1].torch_fn = func
-            if func is not getattr(sym, "torch_impl", None) and symbols.layout_hook is not None:
+            eager_kernel = _kernel_by_requires_grad(st, sym, args, kwargs) if top and st.walker is not None else None
+            scope[-1].torch_fn = eager_kernel or func
+            if scope[-1].torch_fn is not getattr(sym, "torch_impl", None) and symbols.layout_hook is not None:
                 symbols.layout_hook(scope[-1])  # the layout of what the torch executor will call
         if top:
             out = fresh_results(func, args, kwargs, out)

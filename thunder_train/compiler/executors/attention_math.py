@@ -1,14 +1,15 @@
 """Attention whose float mask needs a gradient (T5's relative position bias), as eager runs it (torch executor).
 
 Eager's ``scaled_dot_product_attention`` takes its math kernel when the mask requires grad, and its autograd
-differentiates that kernel op by op.  The program's forward runs the same kernel
-(``_scaled_dot_product_attention_math``) and keeps its attention probabilities, as eager's graph does; the
-backward computes the gradients with the formulas of eager's autograd nodes for that kernel (``BmmBackward0``,
+differentiates that kernel op by op.  Tracing records such a call as that kernel (``torchlang.attention.sdpa_math``,
+``Symbol.kernel_by_requires_grad``), so the trace holds eager's layouts.  Here the forward line runs the kernel's
+own ops and keeps what eager's graph saves (the attention probabilities, the scaled q and kᵀ); the backward
+computes the gradients with the formulas of eager's autograd nodes for that kernel (``BmmBackward0``,
 ``SafeSoftmaxBackward0``, ``MulBackward1``, the views' reshapes): the mask's is the gradient of the pre-softmax
 scores summed over the mask's broadcast dimensions (``at::sum_to``, as the autograd engine reduces a broadcast
 operand's gradient).  Bitwise eager's values, without running the forward again under autograd (``TorchVJP``)
 or the autograd engine.  Used where the program keeps what eager's graph keeps (``reuse_forward_statistics``'s
-``keep_graphs``: no checkpoint region, no memory budget); elsewhere the ``TorchVJP`` line stays.
+``keep_graphs``: no checkpoint region, no memory budget); elsewhere the ``TorchVJP`` line of ``sdpa_math`` stays.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from .. import dtypes
 from ..proxies import TensorProxy, meta_tensor
+from ..torchlang.attention import eager_picks_math, sdpa_math
 from . import torch_impls
 from .torch_executor import impl_symbol
 
@@ -25,14 +27,30 @@ _MASK = 3  # the mask's position among the op's arguments (query, key, value, at
 
 
 def sdpa_math_with_probs(query, key, value, attn_mask, scale):
-    """Eager's math kernel: the attention's output and its probabilities (what the backward reads)."""
-    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, 0.0, False, None, scale=scale)
+    """Eager's math kernel (``_scaled_dot_product_attention_math``) by its own ops: the attention's output, and what
+    eager's graph of it saves for the backward: the probabilities and the scaled q and kᵀ as its batched matmul read
+    them ((batch, L, E) and (batch, E, S)).  Holding these instead of q and k, the backward makes no copies of them
+    (they were 2 of T5's step peak's temporaries).  With the math kernel switched off after tracing (``sdpa_kernel``
+    around the call), eager's own call, which raises eager's error."""
+    if not torch._C._get_math_sdp_enabled():
+        sdpa_math(query, key, value, attn_mask, scale=scale)
+        raise RuntimeError("scaled_dot_product_attention: the math kernel is switched off and eager picked another "
+                           "kernel for a mask requiring grad; call the compiled function under the switches it was "
+                           "compiled under, or compile it again under these")
+    r = _root_scale(query.shape, scale)
+    L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
+    q3 = (query * r).reshape(-1, L, E)  # at::matmul's reshape of the scaled q (a copy where it cannot be a view)
+    kt3 = (key.transpose(-2, -1) * r).reshape(-1, E, S)
+    scores = q3.bmm(kt3).view(*query.shape[:-1], S)
+    scores.add_(attn_mask)
+    probs = torch.ops.aten._safe_softmax(scores, -1)
+    return torch.matmul(probs, value), probs, q3, kt3
 
 
-def _root_scale(query, scale) -> float:
+def _root_scale(query_shape, scale) -> float:
     """The factor the math kernel scales both q and k by: the square root of the softmax scale (in double, as
-    aten's ``calculate_scale(...).sqrt()``)."""
-    return math.sqrt(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    aten's ``calculate_scale(...).sqrt()``; a negative scale takes another path there, not paired here)."""
+    return math.sqrt(1.0 / math.sqrt(query_shape[-1]) if scale is None else scale)
 
 
 def _sum_to(x, shape):
@@ -46,12 +64,12 @@ def _sum_to(x, shape):
     return x.view(shape) if lead > 0 else x
 
 
-def sdpa_math_backward(g, query, key, value, probs, mask_shape, scale, which):
+def sdpa_math_backward(g, q3, kt3, value, probs, query_shape, key_shape, mask_shape, scale, which):
     """The gradients of the arguments at positions ``which`` (0-2: query, key, value; 3: the mask, of shape
-    ``mask_shape``), by eager's autograd formulas for the math kernel; ``probs``: its attention probabilities.
-    The scaled q and kᵀ the kernel multiplied (saved by eager's graph) are made again by the same ops."""
-    r = _root_scale(query, scale)
-    L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
+    ``mask_shape``), by eager's autograd formulas for the math kernel; ``probs``, ``q3``, ``kt3``: what
+    ``sdpa_math_with_probs`` saved."""
+    r = _root_scale(query_shape, scale)
+    L, E, S, Ev = query_shape[-2], query_shape[-1], key_shape[-2], value.shape[-1]
     g3 = g.reshape(-1, L, Ev)
     p3 = probs.reshape(-1, L, S)
     grads = {}
@@ -64,11 +82,9 @@ def sdpa_math_backward(g, query, key, value, probs, mask_shape, scale, which):
     if 0 in which or 1 in which:
         gs3 = gs.reshape(-1, L, S)
         if 0 in which:
-            kt = key.transpose(-2, -1) * r
-            grads[0] = gs3.bmm(kt.reshape(-1, E, S).transpose(1, 2)).reshape(query.shape) * r
+            grads[0] = gs3.bmm(kt3.transpose(1, 2)).reshape(query_shape) * r
         if 1 in which:
-            q = query * r
-            grads[1] = (q.reshape(-1, L, E).transpose(1, 2).bmm(gs3).reshape(*key.shape[:-2], E, S) * r).transpose(-2, -1)
+            grads[1] = (q3.transpose(1, 2).bmm(gs3).reshape(*key_shape[:-2], E, S) * r).transpose(-2, -1)
     return tuple(grads[i] for i in which)
 
 
@@ -78,73 +94,63 @@ for _f in (sdpa_math_with_probs, sdpa_math_backward):
     _f.aliases = ()  # results share no memory with the arguments (executors/buffers.py)
 
 
-def _eager_picks_math(q, k, v, mask, scale) -> bool:
-    """Whether eager's selector (``torch._fused_sdp_choice``, on empty tensors laid out as the operands, the mask
-    requiring grad) runs the math kernel for this call."""
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if choose is None:
-        return False
-    try:
-        ops = [torch.empty_strided(tuple(t._tt_shape), tuple(t._tt_strides), dtype=t._tt_dtype.torch)
-               for t in (q, k, v, mask)]
-    except (TypeError, RuntimeError):  # symbolic sizes
-        return False
-    ops[3].requires_grad_()
-    from torch.nn.attention import SDPBackend
-
-    return choose(*ops[:3], ops[3], 0.0, False, scale=scale, enable_gqa=False) == SDPBackend.MATH.value
-
-
 def _math_call(q, k, v, mask, scale) -> bool:
     """CPU float tensors of one dtype, static sizes, q/k/v with the same batch dimensions (broadcast batches and
     grouped heads keep the ``TorchVJP`` line), and eager's selector takes its math kernel."""
     ts = (q, k, v, mask)
     if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" and t._tt_dtype is q._tt_dtype for t in ts) \
-            or q._tt_dtype not in (dtypes.float32, dtypes.float64) or not (scale is None or type(scale) is float):
+            or q._tt_dtype not in (dtypes.float32, dtypes.float64) or not (scale is None or type(scale) is float and scale > 0):
         return False
     if not all(type(s) is int for t in ts for s in t._tt_shape) or not q.ndim_ == k.ndim_ == v.ndim_ >= 3 \
             or not tuple(q._tt_shape[:-2]) == tuple(k._tt_shape[:-2]) == tuple(v._tt_shape[:-2]):
         return False
-    return _eager_picks_math(q, k, v, mask, scale)
+    return eager_picks_math(q, k, v, mask, scale)
 
 
 def math_pair(trc, fwd, vjp, b, bv, which, as_traced):
-    """The forward and backward lines of a CPU attention whose float mask needs a gradient, or None where another
-    kernel or form applies.  ``b``, ``bv``: the arguments of the forward and backward lines by name (the backward's
-    q, k, v are the forward's or copies a memory plan recomputed); ``which``: the differentiated ones (0-3: query,
-    key, value, mask; the mask among them); ``as_traced(trc, line, layouts)``: the line plus copies into the
-    layouts the trace recorded."""
-    if bv is None or any(type(bv[n]) is not TensorProxy or tuple(bv[n]._tt_shape) != tuple(b[n]._tt_shape)
-                         or bv[n]._tt_strides != b[n]._tt_strides for n in ("query", "key", "value")):
-        return None
+    """The forward and backward lines of a CPU attention whose float mask requires grad (its forward line runs eager's
+    math kernel, ``sdpa_math``), or None where another form applies.  ``b``, ``bv``: the arguments of the forward and
+    backward lines by name; ``which``: the differentiated ones (0-3: query, key, value, mask); ``as_traced(trc, line,
+    layouts)``: the line plus copies into the layouts the trace recorded (none: the forward's are the kernel's)."""
+    if getattr(fwd.sym, "fn", None) is not sdpa_math or which is None or bv is None or type(bv["value"]) is not TensorProxy \
+            or tuple(bv["value"]._tt_shape) != tuple(b["value"]._tt_shape) or bv["value"]._tt_strides != b["value"]._tt_strides:
+        return None  # (the backward reads the forward's value, or a copy a memory plan recomputed, laid out alike)
     q, k, v, mask, scale = b["query"], b["key"], b["value"], b["attn_mask"], b["scale"]
-    if _MASK not in which or b["is_causal"] is not False or b["enable_gqa"] is not False or not _math_call(q, k, v, mask, scale):
+    if b["is_causal"] is not False or b["enable_gqa"] is not False or not _math_call(q, k, v, mask, scale):
         return None
-    probs = TensorProxy(trc.make_name("probs"), shape=q._tt_shape[:-1] + (k._tt_shape[-2],), dtype=q._tt_dtype,
-                        device=q._tt_device)
+    layouts = _layouts(q, k, v, mask, scale, which)
+    if layouts is None or layouts[0] != tuple(fwd.output._tt_strides):
+        return None  # (the trace records the output as ``sdpa_math`` lays it out: a copy would hold two outputs at once)
+    saved = [TensorProxy(trc.make_name(n), shape=shape, dtype=q._tt_dtype, device=q._tt_device, strides=strides)
+             for n, shape, strides in zip(("probs", "scaled_q", "scaled_kt"), _saved_shapes(q, k), layouts[1:4])]
     new_fwd = fwd.replace(sym=impl_symbol(sdpa_math_with_probs), args=(q, k, v, mask, scale), kwargs={},
-                          output=(fwd.output, probs), comment="eager's math kernel; forward also keeps the probabilities")
+                          output=(fwd.output, *saved),
+                          comment="eager's math kernel; forward also keeps what eager's graph saves")
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_math_backward),
-                          args=(vjp.args[0], bv["query"], bv["key"], bv["value"], probs, tuple(mask._tt_shape), scale,
-                                tuple(which)),
+                          args=(vjp.args[0], saved[1], saved[2], bv["value"], saved[0], tuple(q._tt_shape),
+                                tuple(k._tt_shape), tuple(mask._tt_shape), scale, tuple(which)),
                           kwargs={}, comment="eager's autograd formulas for the math kernel")
-    fwd_layouts, vjp_layouts = _layouts(new_fwd, new_vjp)
-    if vjp_layouts is None or fwd_layouts[0] != tuple(fwd.output._tt_strides):
-        # The trace recorded the output laid out otherwise (as flash lays it out, T5's: the layout question does not
-        # know the mask requires grad): a copy into that layout would hold two outputs at once, above eager's peak.
-        return None
-    return as_traced(trc, new_fwd, fwd_layouts), as_traced(trc, new_vjp, vjp_layouts)
+    return as_traced(trc, new_fwd, None), as_traced(trc, new_vjp, layouts[4])
 
 
-def _layouts(fwd, vjp):
-    """The strides the two lines' kernels give their results (meta runs), or ``(None, None)``."""
+def _saved_shapes(q, k):
+    """The shapes of the probabilities, the scaled q and the scaled kᵀ (as the batched matmul reads them)."""
+    *batch, L, E = q._tt_shape
+    S, n = k._tt_shape[-2], math.prod(batch)
+    return (*batch, L, S), (n, L, E), (n, E, S)
+
+
+def _layouts(q, k, v, mask, scale, which):
+    """The strides the kernels give the output, the probabilities, the scaled q and kᵀ, and (a list) the gradients
+    (meta runs), or None."""
     try:
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            out, _ = sdpa_math_with_probs(*(meta_tensor(t) for t in fwd.args[:4]), fwd.args[4])
-            grads = sdpa_math_backward(*(meta_tensor(t) for t in vjp.args[:5]), *vjp.args[5:])
+            out, probs, q3, kt3 = sdpa_math_with_probs(*(meta_tensor(t) for t in (q, k, v, mask)), scale)
+            grads = sdpa_math_backward(torch.empty_like(out), q3, kt3, meta_tensor(v), probs, tuple(q._tt_shape),
+                                       tuple(k._tt_shape), tuple(mask._tt_shape), scale, which)
     except Exception:  # noqa: BLE001 - no meta kernel: the TorchVJP line stays
-        return None, None
-    return [tuple(out.stride()), None], [tuple(t.stride()) for t in grads]
+        return None
+    return (*(tuple(t.stride()) for t in (out, probs, q3, kt3)), [tuple(t.stride()) for t in grads])
 
 
 _math_vjps: dict = {}
@@ -152,16 +158,17 @@ _math_vjps: dict = {}
 
 def math_vjp_kernels(b, which):
     """For an attention line's gradient (``b``: its arguments by name; ``which``: the differentiated ones, 0-3) that
-    eager computes through its math kernel because the mask needs a gradient: a function of the line's arguments
+    eager computes through its math kernel because the mask requires grad: a function of the line's arguments
     running the two functions above (on meta tensors: its layouts are eager's), else None."""
     q, k, v, mask, scale = b["query"], b["key"], b["value"], b["attn_mask"], b["scale"]
-    if which is None or _MASK not in which or b["is_causal"] is not False or not _math_call(q, k, v, mask, scale):
+    if which is None or b["is_causal"] is not False or not _math_call(q, k, v, mask, scale):
         return None
     fn = _math_vjps.get(which)
     if fn is None:  # one per ``which``: the layout cache is keyed by the callable
         def fn(g, reads, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-            _, probs = sdpa_math_with_probs(query, key, value, attn_mask, scale)
-            return sdpa_math_backward(g, query, key, value, probs, tuple(attn_mask.shape), scale, which)
+            _, probs, q3, kt3 = sdpa_math_with_probs(query, key, value, attn_mask, scale)
+            return sdpa_math_backward(g, q3, kt3, value, probs, tuple(query.shape), tuple(key.shape),
+                                      tuple(attn_mask.shape), scale, which)
 
         fn.layout_on_meta = True
         _math_vjps[which] = fn

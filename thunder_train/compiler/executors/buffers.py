@@ -186,7 +186,7 @@ def _declare_fresh() -> None:
     fresh = {red.sum: both("sum"), red.mean: both("mean"), red.amax: both("amax"), red.amin: both("amin"),
              red.softmax: both("softmax") | {_F.softmax}, red.log_softmax: both("log_softmax") | {_F.log_softmax},
              ew.where: both("where"), nn.embedding: {_F.embedding}, normalization.layer_norm: {_F.layer_norm},
-             attention.scaled_dot_product_attention: {_F.scaled_dot_product_attention},
+             attention.scaled_dot_product_attention: {_F.scaled_dot_product_attention, attention.sdpa_math},
              losses.cross_entropy: {_F.cross_entropy},
              **{op: {getattr(torch, op.name)} for op in (factories.full, factories.zeros, factories.ones,
                                                          factories.empty, factories.arange)},

@@ -18,7 +18,8 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 
 Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
 graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
-asks for memory (checkpoint regions, a budget).  Falcon's single key/value head broadcast over the query heads
+asks for memory (checkpoint regions, a budget); one whose mask requires grad (T5's), recorded as eager's math kernel
+(``sdpa_math``), keeps what that graph saves and runs its backward by eager's formulas (attention_math.py).  Falcon's single key/value head broadcast over the query heads
 (no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
 (``one_kv_head``): kept graphs made its step 10 % slower than the decomposition, the flash pair cuts about forty
 calls a layer; its values round as flash's, not the math kernel's (as the decomposition's did not either).
@@ -399,9 +400,8 @@ def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
         return None
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     differentiated = _which(fwd, positions, (q, k, v, mask))
-    if differentiated is not None and 3 in differentiated:
-        # The mask's gradient too: eager's math kernel, its backward by formulas reading its own q, k, v (copies a
-        # memory plan recomputed are fine) and the mask's shape alone.
+    if getattr(fwd.sym, "fn", None) is attention_math.sdpa_math or (differentiated and 3 in differentiated):
+        # A mask requiring grad: eager's math kernel (``sdpa_math``) and its backward by formulas, else TorchVJP.
         return attention_math.math_pair(trc, fwd, vjp, b, _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs),
                                         differentiated, lambda t, line, layouts: _as_traced(t, line, layouts, always=True))
     if not _same_call(fwd, vjp) or not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
@@ -423,8 +423,8 @@ def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
 
 def _rewrite_sdpa(trc, fwd, vjp, positions):
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None or b["dropout_p"] != 0.0 or type(b["enable_gqa"]) is not bool:
-        return None
+    if b is None or b["dropout_p"] != 0.0 or type(b["enable_gqa"]) is not bool or getattr(fwd.sym, "fn", None) is attention_math.sdpa_math:
+        return None  # (``sdpa_math``: eager's math kernel for a mask requiring grad, not flash)
     gqa = b["enable_gqa"]
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     if mask is not None:
@@ -519,8 +519,8 @@ def _flash_layouts(trc, fwd, vjp, is_causal, scale, masked):
 def sdpa_vjp_kernels(vjp):
     """For a CPU ``scaled_dot_product_attention_vjp`` line: a function of its arguments running the kernels the program
     runs for it, whose run on meta tensors gives the gradients' layouts (executors/layout_rules.py; ~1 ms, a fake run
-    of ``TorchVJP``, forward and backward under autograd, ~40 ms): the math kernel and its formulas where the mask needs
-    a gradient (executors/attention_math.py), else flash's where the program runs it (``_rewrite_sdpa``; for one
+    of ``TorchVJP``, forward and backward under autograd, ~40 ms): the math kernel and its formulas where the mask requires
+    grad (``sdpa_math``, executors/attention_math.py), else flash's where the program runs it (``_rewrite_sdpa``; for one
     key/value head eager runs math, but the program flash, whose layout spares a fused reader copies).  Else None."""
     if getattr(vjp.sym, "forward_symbol", None) is not ltorch_attention.scaled_dot_product_attention:
         return None
@@ -531,9 +531,8 @@ def sdpa_vjp_kernels(vjp):
     wanted = vjp.torch_fn[1] if vjp.torch_fn else None
     if not isinstance(wanted, tuple) or not wanted or any(len(p) != 1 for p in wanted):
         return None
-    math = attention_math.math_vjp_kernels(b, _which(_as_call(vjp), wanted, (b["query"], b["key"], b["value"], b["attn_mask"])))
-    if math is not None:
-        return math
+    if vjp.torch_fn[0] is attention_math.sdpa_math:  # eager's math kernel for a mask requiring grad: its formulas
+        return attention_math.math_vjp_kernels(b, _which(_as_call(vjp), wanted, (b["query"], b["key"], b["value"], b["attn_mask"])))
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     if not all(type(t) is TensorProxy and t.ndim_ == 4 and t._tt_device.type == "cpu" for t in (q, k, v)):
         return None
@@ -777,7 +776,7 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
         vjp = _vjp_of(vb)
         op = getattr(vb.source, "forward_symbol", None)  # the op whose <name>_vjp line this is
         rewrite = getattr(op, "torch_saved_statistics", None)
-        if vjp is None or rewrite is None or vjp.fn is not op.torch_impl:
+        if vjp is None or rewrite is None or (vjp.fn is not op.torch_impl and getattr(vjp.fn, "kernel_of", None) is not op):
             continue
         for i in range(j - 1, -1, -1):
             fb = bsyms[i]

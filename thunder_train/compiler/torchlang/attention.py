@@ -12,6 +12,7 @@ from .. import clang, dtypes, prims
 from ..clang import downcast_like, is_tensor, upcast
 from ..grad_rules import register_vjp
 from ..prims.core import is_float as _float, sum_to
+from ..proxies import TensorProxy, size_value
 from .autocast import LOWER  # autocast policies: see autocast.py
 from .dropout import dropout
 from .helpers import upcast_and_dtype
@@ -178,6 +179,65 @@ def _set_sdpa_switches(switches) -> None:
 
 
 scaled_dot_product_attention.kernel_switches = lambda: (_sdpa_switches, _sdpa_under)
+
+
+# A float mask that requires grad (T5's relative position bias) rules the CPU flash kernel out: eager runs its math
+# kernel (whatever the grad mode: its selector reads the flag only), whose output is row-major where flash's is laid
+# out (batch, seq, heads, dim).  A program's values do not require grad, so ``F.scaled_dot_product_attention`` would
+# run flash there: the line records the math kernel instead, so the layout question runs it (the trace records
+# eager's layout), the forward line runs it (eager's values) and a ``TorchVJP`` line differentiates it (eager's
+# autograd nodes); executors/attention_math.py pairs it with its backward by eager's formulas.
+def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Eager's math kernel, for an attention whose mask requires grad.  The backend switches are process state a
+    caller may change after tracing: with the math kernel switched off, eager's own call (the mask requiring grad,
+    as eager's does), which raises eager's error."""
+    import torch
+
+    if not torch._C._get_math_sdp_enabled():
+        mask = attn_mask if attn_mask.requires_grad else attn_mask.detach().requires_grad_()
+        return F.scaled_dot_product_attention(query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
+
+
+sdpa_math.layout_on_meta = True  # a composite of matmuls and a softmax: the same layout on every device
+
+
+def eager_picks_math(query, key, value, attn_mask, scale, enable_gqa=False) -> bool:
+    """Whether eager's selector (``torch._fused_sdp_choice``, what eager calls, on empty CPU tensors laid out as the
+    operands, sizes at their traced values, the mask requiring grad) runs the math kernel for this call."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    ts = (query, key, value, attn_mask)
+    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in ts) or not attn_mask._tt_dtype.is_float:
+        return False
+    try:
+        with torch._C.DisableTorchFunction():
+            ops = [torch.empty_strided(tuple(size_value(s) for s in t._tt_shape), tuple(size_value(s) for s in t._tt_strides),
+                                       dtype=t._tt_dtype.torch) for t in ts]
+            ops[3].requires_grad_()
+            choice = torch._fused_sdp_choice(*ops, 0.0, False, scale=scale, enable_gqa=enable_gqa)
+    except (TypeError, RuntimeError):  # no kernel for it (eager raises when it runs)
+        return False
+    return choice == SDPBackend.MATH.value
+
+
+def _sdpa_kernel_by_requires_grad(requires_grad, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                  scale=None, enable_gqa=False):
+    """``sdpa_math`` where eager runs its math kernel because the mask requires grad; else None (the call's own)."""
+    if attn_mask is None or dropout_p != 0.0 or is_causal is not False or type(enable_gqa) is not bool \
+            or not (scale is None or type(scale) is float) or type(attn_mask) is not TensorProxy:
+        return None
+    if not requires_grad(attn_mask) or not eager_picks_math(query, key, value, attn_mask, scale, enable_gqa):
+        return None
+    return sdpa_math
+
+
+scaled_dot_product_attention.kernel_by_requires_grad = _sdpa_kernel_by_requires_grad
+# A line running it is a call of the op (its arguments, one of its kernels): passes pairing the op's forward and
+# backward lines take it as one (executors/saved_statistics.py).
+sdpa_math.kernel_of = scaled_dot_product_attention
 
 
 # ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``): torch's own Python
