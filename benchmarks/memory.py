@@ -2,6 +2,7 @@
 checkpointing, and thunder_train's memory budgets (docs/performance.md).
 
 Run: python benchmarks/memory.py [--workloads gpt,gpt2,llama,vit] [--samples N] [--no-torch-compile] [--budgets 0.5,0.25]
+                                 [--remat-cost] [--cpu-time]
 
 (``--workloads`` also takes any other model name of tests/_zoo.py.)
 
@@ -14,12 +15,17 @@ transformers).  "with checkpointing" wraps every transformer block in
 Peak: on the CPU, the bytes allocated during one whole step above what was live before it (torch.profiler's
 allocator events), plus the buffers a thunder_train program keeps between calls (``peak_step_bytes`` of
 benchmarks/train_step.py); on CUDA, ``torch.cuda.max_memory_allocated`` during one step above what was
-allocated before it.  Step time: the median of ``--samples`` steps, the modes' samples interleaved.
+allocated before it.  Step time: the median of ``--samples`` steps, the modes' samples interleaved; with
+``--cpu-time``, the calling thread's CPU time with torch on one thread (steadier on a loaded machine).
+``--remat-cost`` adds "tt (default), no cheap remat": the default built with its cheap-value recomputation switched
+off (``transforms/memory.py``'s ``cheap_values`` answering nothing while it compiles; a measuring aid, not an
+option), so the default's "recompute cheap values" costs its step time against the same program saving them.
 Not a test: timings vary by machine (tests/test_memory.py asserts the peak relations).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import os
@@ -78,9 +84,10 @@ WORKLOADS = {"gpt": ("GPT 4L d256 T128 B8 V4096, AdamW step", gpt_workload),
 # Modes
 # ---------------------------------------------------------------------------
 class Mode:
-    def __init__(self, name, model, opt, step, batches, compiled=None):
+    def __init__(self, name, model, opt, step, batches, compiled=None, building=contextlib.nullcontext):
         self.name, self.model, self.opt, self.step, self.batches = name, model, opt, step, batches
         self.compiled, self.i, self.times, self.loss = compiled, 0, [], None
+        self.building = building  # the context its first calls (which build its programs) run under
 
     def call(self):
         b = self.batches[self.i % len(self.batches)]
@@ -88,11 +95,24 @@ class Mode:
         return self.step(self.model, self.opt, b)
 
 
-def make_modes(workload, with_tc, budgets=(0.5, 0.25)):
+@contextlib.contextmanager
+def without_cheap_remat():
+    """The default's plan without its cheap-value recomputation (``--remat-cost``)."""
+    from thunder_train.compiler.transforms import memory
+
+    kept = memory.cheap_values
+    memory.cheap_values = lambda saved, chosen=None: {}
+    try:
+        yield
+    finally:
+        memory.cheap_values = kept
+
+
+def make_modes(workload, with_tc, budgets=(0.5, 0.25), remat_cost=False):
     base, make_opt, batches, step, checkpointed = workload()
     modes = []
 
-    def add(name, ckpt=False, wrap=None, **tt_options):
+    def add(name, ckpt=False, wrap=None, building=contextlib.nullcontext, **tt_options):
         model = copy.deepcopy(base)
         opt = make_opt(model.parameters())
         if ckpt:
@@ -103,7 +123,7 @@ def make_modes(workload, with_tc, budgets=(0.5, 0.25)):
             fn = torch.compile(step)
         elif wrap == "tt":
             fn = compiled = tt.compile(step, thin=True, **tt_options)
-        modes.append(Mode(name, model, opt, fn, batches, compiled))
+        modes.append(Mode(name, model, opt, fn, batches, compiled, building))
 
     add("eager")
     add("eager, checkpointing", ckpt=True)
@@ -111,6 +131,8 @@ def make_modes(workload, with_tc, budgets=(0.5, 0.25)):
         add("torch.compile", wrap="tc")
         add("torch.compile, checkpointing", ckpt=True, wrap="tc")
     add("tt (default)", wrap="tt")
+    if remat_cost:
+        add("tt (default), no cheap remat", wrap="tt", building=without_cheap_remat)
     add("tt, checkpointing", ckpt=True, wrap="tt")
     for f in budgets:
         add(f"tt memory_budget={f}", wrap="tt", memory_budget=f)
@@ -133,20 +155,21 @@ def peak_step_bytes(mode) -> int:
     return cpu_peak(mode)
 
 
-def measure(modes, samples):
+def measure(modes, samples, clock=time.perf_counter):
     for m in modes:
-        m.loss = m.call().detach()
-        m.call()
-        if m.compiled is not None:  # the program that runs from now on (background fusion's, where it fused)
-            tt.wait_for_fusion(m.compiled)
+        with m.building():
+            m.loss = m.call().detach()
+            m.call()
+            if m.compiled is not None:  # the program that runs from now on (background fusion's, where it fused)
+                tt.wait_for_fusion(m.compiled)
         for _ in range(2):
             m.call()
     peaks = {m.name: peak_step_bytes(m) for m in modes}
     for i in range(samples):
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
-            t0 = time.perf_counter()
+            t0 = clock()
             m.call()
-            m.times.append(time.perf_counter() - t0)
+            m.times.append(clock() - t0)
     return peaks
 
 
@@ -174,14 +197,17 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--no-torch-compile", action="store_true")
     p.add_argument("--budgets", default="0.5,0.25")
+    p.add_argument("--remat-cost", action="store_true", help="also the default without its cheap-value recomputation")
+    p.add_argument("--cpu-time", action="store_true", help="step time as the thread's CPU time, torch on one thread")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1 if args.cpu_time else max(1, torch.get_num_threads()))
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     budgets = tuple(float(b) for b in args.budgets.split(",") if b)
     for key in args.workloads.split(","):
         label, workload = WORKLOADS.get(key) or (f"zoo {key}", functools.partial(zoo_workload, key))  # any zoo model
-        modes = make_modes(workload, not args.no_torch_compile, budgets)
-        peaks = measure(modes, args.samples)
+        modes = make_modes(workload, not args.no_torch_compile, budgets, args.remat_cost)
+        peaks = measure(modes, args.samples, clock)
         report(label, modes, peaks)
 
 

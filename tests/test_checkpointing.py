@@ -209,6 +209,25 @@ def test_selective_checkpoint_policy_saves_what_it_says():
     assert any("linear" in b.sym.name for b in _recomputed_lines(tt.last_traces(cf)[-1]))
 
 
+def test_compiled_module_selective_policy_saves_what_it_says():
+    # tt.compile(model) (PyTorch's backward) honours the policy too: its matmuls are saved, the rest recomputed.
+    torch.manual_seed(0)
+    m = Blocks()
+    m.run = lambda b, x: checkpoint(b, x, use_reentrant=False,
+                                    context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    m2 = copy.deepcopy(m)
+    cm = tt.compile(m)
+    x, y = _batch()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    F.cross_entropy(cm(x1), y).backward()
+    F.cross_entropy(m2(x2), y).backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    kinds = {b.sym.name for b in _recomputed_lines(tt.last_backward_traces(cm)[-1])}
+    assert kinds and not any("linear" in k or "matmul" in k for k in kinds), kinds
+
+
 def test_selective_policy_list_form():
     ops = [torch.ops.aten.gelu.default]
     run = lambda b, x: checkpoint(b, x, use_reentrant=False,  # noqa: E731

@@ -82,10 +82,10 @@ def test_budget_saves_at_most_its_fraction_and_lowers_the_peak(small_gpt):
     plan = tt.compile_stats(small_gpt["tt budget"][2]).memory
     default = tt.compile_stats(small_gpt["tt"][2]).memory
     assert plan.memory_budget == 0.25 and plan.saved_bytes_default == default.saved_bytes
-    # Met, or reported as not met (what is left is pinned: backward kernels reading their forward's statistics).
-    assert plan.saved_bytes < plan.saved_bytes_default, plan.summary()
-    assert plan.budget_met == (plan.saved_bytes <= 0.25 * plan.saved_bytes_default)
-    assert plan.budget_met or "NOT reached" in plan.summary()
+    # Met: the head's logits, which cross-entropy's backward pins, run by blocks of rows and are not kept whole
+    # (executors/blocked_head.py; the report counted them as kept before and said "NOT reached").
+    assert plan.head_logits_bytes > 0 and "of logits by blocks of rows" in plan.summary(), plan.summary()
+    assert plan.budget_met and plan.saved_bytes <= 0.25 * plan.saved_bytes_default, plan.summary()
     assert any(reason == "budget" for _, reason in plan.recomputed)
     assert small_gpt["tt budget"][0] < small_gpt["tt"][0]
 

@@ -41,7 +41,7 @@ from .transforms.remat import in_region
 from .transforms.no_grad import without_autograd
 from .transforms.opaque_grad import free_graphs_at_last_vjp
 from .executors.saved_statistics import reuse_forward_statistics
-from .executors.blocked_head import block_the_head
+from .executors.blocked_head import block_the_head, whole_logits_bytes
 from .executors.into_dead_grad import gelu_grad_in_place, regions_into_dead_inputs
 from .executors.sums_in_place import scatters_into_sums, sums_in_place
 
@@ -145,6 +145,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     now = options.fusion if options.fusion != "background" else None
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes)
     traces.extend(more)
+    if asks:
+        memory.head_by_blocks(whole_logits_bytes(trc))
     # 8. Prologue (compiler/prologue.py): extraction + guard key, generated once per leaf structure and shared.
     written = [i for i, leaf in enumerate(acquired.leaves)
                if leaf.kind == "tensor" and leaf.alias_of is None and id(leaf.proxy) in acquired.written]

@@ -29,7 +29,7 @@ import torch
 
 from .. import dtypes
 from ..prims import linalg as prims_linalg, reductions as prims_reductions, shapes as prims_shapes
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import TensorProxy, is_proxy, size_value
 from ..pytree import tree_flatten
 from ..torchlang import nn as ltorch_nn, shapes as ltorch_shapes
 from . import torch_impls
@@ -304,6 +304,20 @@ def _known_before(bsyms, lines, g, i):
     if rb.has_side_effect or rb.draws_random or any(lines.made.get(id(a), -1) >= i for a in rb.flat_args() if is_proxy(a)):
         return None
     return r
+
+
+def whole_logits_bytes(trc) -> int:
+    """Bytes of the logits the trace's blocked heads never hold whole (``MemoryPlan.head_by_blocks``)."""
+    total = 0
+    for b in trc.bound_symbols:
+        fn = _fn(b)
+        if fn in (linear_cross_entropy, linear_cross_entropy_and_grads):
+            x, w = b.args[:2] if fn is linear_cross_entropy else b.args[1:3]  # (the second takes g first)
+            n = 1
+            for d in (*x._tt_shape[:-1], w._tt_shape[0]):
+                n *= size_value(d)
+            total += n * x._tt_dtype.torch.itemsize
+    return total
 
 
 def block_the_head(trc, header="Final computation (the head's matmul and cross-entropy by blocks of rows)"):

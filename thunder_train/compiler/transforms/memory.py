@@ -27,7 +27,10 @@ class MemoryPlan:
     (the budget's reference); ``saved_bytes_without_remat``: with nothing recomputed; ``planned_peak_bytes``: the
     most bytes the planned program holds at once above its inputs, counted on the trace before executors run
     (kernel temporaries, kept buffers and executor rewrites aside); ``recomputed``: ``(line, reason)`` of each
-    forward line the backward computes again, reason ``"checkpoint region"``, ``"cheap"`` or ``"budget"``.
+    forward line the backward computes again, reason ``"checkpoint region"``, ``"cheap"`` or ``"budget"``;
+    ``head_logits_bytes``: the logits of a language model's head that the program computes by blocks of rows
+    (executors/blocked_head.py, where it asks for memory): counted by the plan, never kept whole, so not in
+    ``saved_bytes``.
     """
 
     saved_bytes: int = 0
@@ -38,6 +41,17 @@ class MemoryPlan:
     checkpoint_regions: int = 0
     memory_budget: float | None = None
     budget_met: bool | None = None  # None without a budget; False: nothing more could be recomputed (see docs/memory.md)
+    head_logits_bytes: int = 0
+
+    def head_by_blocks(self, logits_bytes: int) -> None:
+        """The head's logits, which the plan counted as saved, run by blocks of rows after it (executors/blocked_head.py):
+        nothing logits-sized is kept for the backward."""
+        if logits_bytes <= 0:
+            return
+        self.head_logits_bytes = min(logits_bytes, self.saved_bytes)
+        self.saved_bytes -= self.head_logits_bytes
+        if self.memory_budget is not None:
+            self.budget_met = self.saved_bytes <= self.memory_budget * self.saved_bytes_default
 
     def summary(self) -> str:
         mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
@@ -49,8 +63,9 @@ class MemoryPlan:
         if self.memory_budget is not None:
             budget = (f", budget {self.memory_budget} of the default's {mib(self.saved_bytes_default)}"
                       f"{'' if self.budget_met else ' NOT reached: what is left is kept by backward kernels reading their forward statistics, or not recomputable'}")
+        head = f", the head's {mib(self.head_logits_bytes)} of logits by blocks of rows" if self.head_logits_bytes else ""
         return (f"saved for the backward {mib(self.saved_bytes)} (without recomputation {mib(self.saved_bytes_without_remat)}"
-                f"{budget}); planned peak {mib(self.planned_peak_bytes)}; recomputed lines: {recomputed}; "
+                f"{budget}{head}); planned peak {mib(self.planned_peak_bytes)}; recomputed lines: {recomputed}; "
                 f"checkpoint regions: {self.checkpoint_regions}")
 
 
