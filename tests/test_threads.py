@@ -356,3 +356,36 @@ def test_process_wide_state_another_thread_sets_while_one_traces_is_not_undone()
         assert torch.get_default_dtype() is torch.float64
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def _conv_step(m, x):
+    return F.max_pool2d(m(x).relu(), 2).flatten(1).log_softmax(-1).sum()
+
+
+def test_concurrent_traces_answer_layout_questions_each_in_its_own_fake_mode():
+    """Layout questions run the op on fake tensors (executors/layout_rules.py); a fake mode is not safe to use from
+    two threads at once.  Shared, concurrent first calls failed some of them (torch logged "failed while
+    attempting to run meta", and the op's layout came from plain meta tensors instead of the device's rule)."""
+    import logging
+
+    failures = []
+
+    class Failures(logging.Handler):
+        def emit(self, record):
+            failures.append(record.getMessage()[:120])
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    handler = Failures()
+    log.addHandler(handler)
+
+    def run(k):
+        for n in range(4):  # new sizes every call: no cached layout answers
+            m = nn.Conv2d(3, 4 + k, 3).to(memory_format=torch.channels_last)
+            x = torch.randn(2, 3, 8 + n, 8 + 2 * k).to(memory_format=torch.channels_last)
+            torch.testing.assert_close(tt.compile(_conv_step)(m, x), _conv_step(m, x))
+
+    try:
+        assert _in_threads([lambda k=k: run(k) for k in range(3)]) == []
+    finally:
+        log.removeHandler(handler)
+    assert failures == [], failures

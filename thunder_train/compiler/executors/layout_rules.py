@@ -13,6 +13,8 @@ tensor) is raised here, at trace time, from the user's line.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .. import symbols
@@ -21,16 +23,20 @@ from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor,
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
-_fake_mode = None
+# One fake mode per thread: a FakeTensorMode is not safe to use from two threads at once (its kernel-invocation
+# flag and converter memo are its own), and a trace in one thread may run while another thread traces or the
+# background fusion thread builds a program.  Shared, a layout question failed now and then (the op then ran on
+# plain meta tensors, or its layout stayed unknown: Falcon's attention then missed its flash kernels).
+_fake_modes = threading.local()
 
 
 def _mode():
-    global _fake_mode
-    if _fake_mode is None:
+    mode = getattr(_fake_modes, "mode", None)
+    if mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    return _fake_mode
+        mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
+    return mode
 
 
 def _fake(p):
