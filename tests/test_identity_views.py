@@ -92,4 +92,8 @@ def test_falcon_step_runs_flash_and_trains_as_eager():
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     src = source(cf)
-    assert src.count("one_kv_head=True") == 2 and src.count("sdpa_flash_cpu_backward(") == 2
+    # (What the attention lines became, and the backend switches, say why where the flash pair did not apply: this
+    # failed once in a CI run, order-dependent, not reproduced since.)
+    why = ([line for line in src.splitlines() if "sdpa" in line or "attention" in line],
+           torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    assert src.count("one_kv_head=True") == 2 and src.count("sdpa_flash_cpu_backward(") == 2, why
