@@ -43,13 +43,32 @@ x, y = torch.randn(8), torch.randn(8)
 before = sorted(m for m in %(heavy)r if m in sys.modules)
 with torch.no_grad():
     got = tt.compile(tiny, **kw)(x, y)
-after_tiny = sorted(m for m in %(heavy)r if m in sys.modules)
-print(json.dumps({"before": before, "after_tiny": after_tiny, "equal": torch.equal(got, tiny(x, y))}))
+after_tiny = sorted(m for m in %(heavy)r + ("numpy.random",) if m in sys.modules)
+
+# numpy.random first imported inside a compiled function: a draw or a seed there is still refused.
+def draws(x):
+    import numpy.random
+    return x * float(numpy.random.rand())
+
+def seeds(x):
+    import numpy.random
+    numpy.random.seed(3)
+    return x * 2
+
+refused = []
+for f in (draws, seeds):
+    try:
+        tt.compile(f, **kw)(x)
+    except tt.TracingError as e:
+        refused.append("numpy.random" in str(e))
+print(json.dumps({"before": before, "after_tiny": after_tiny, "equal": torch.equal(got, tiny(x, y)),
+                  "refused": refused}))
 """ % {"heavy": HEAVY}
 
 
 @pytest.mark.parametrize("fusion", ["none", "default"])
 def test_first_call_imports_neither_dynamo_nor_inductor_nor_sympy(fusion):
+    """Nor numpy.random (~12 ms): numpy's global generator is checked without importing it (global_state.py)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", CHILD, fusion], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -57,6 +76,7 @@ def test_first_call_imports_neither_dynamo_nor_inductor_nor_sympy(fusion):
     assert got["before"] == [], f"importing thunder_train loaded {got['before']}"
     assert got["after_tiny"] == [], f"a tiny function's first call loaded {got['after_tiny']}"
     assert got["equal"], "the compiled result differs from eager's"
+    assert got["refused"] == [True, True], "a draw from or a seed of numpy's generator imported while tracing passed"
 
 
 def _layouts():

@@ -53,6 +53,13 @@ LAYOUT_FUNCS = {
     "matmul_3d_by_transposed_2d": lambda x: x @ x[0, :4].t(),
     "matmul_broadcast_batch": lambda x: x[:1] @ x.transpose(1, 2),
     "clone_expanded": lambda x: x[:, :1].expand(-1, 5, -1).clone() * 1,
+    "relu_transposed": lambda x: x.transpose(0, 2).relu(),
+    "mean_keepdim_permuted": lambda x: x.permute(2, 0, 1).mean(1, keepdim=True),
+    "min_dim_permuted": lambda x: x.permute(2, 0, 1).min(1)[0],
+    "min_elementwise_transposed": lambda x: torch.min(x.transpose(0, 2), x.transpose(0, 2)[:1]),
+    "masked_fill_transposed": lambda x: x.transpose(0, 2).masked_fill(x.transpose(0, 2) > 0, 0.5),
+    "float_of_transposed_double": lambda x: x.double().transpose(0, 2).float(),
+    "to_channels_last_dtype": lambda x: x.unsqueeze(0).to(torch.float64, memory_format=torch.channels_last) * 2,
 }
 
 
@@ -314,7 +321,11 @@ LAYOUT_FUNCS_ON_META = {**LAYOUT_FUNCS, "slice_gradients": _slice_gradients}
 
 @pytest.mark.parametrize("name", ["cat_transposed", "cat_channels_last", "slice_gradients", "embedding_transposed_weight",
                                   "bmm_transposed", "baddbmm_expanded", "addmm_transposed", "mm_sliced",
-                                  "matmul_3d_by_transposed_2d", "matmul_broadcast_batch", "clone_expanded"])
+                                  "matmul_3d_by_transposed_2d", "matmul_broadcast_batch", "clone_expanded",
+                                  "relu_transposed", "mean_keepdim_permuted", "min_dim_permuted",
+                                  "min_elementwise_transposed", "masked_fill_transposed", "float_of_transposed_double",
+                                  "to_dtype_transposed", "contiguous_channels_last", "to_channels_last_dtype",
+                                  "narrow_contiguous"])
 def test_ops_whose_layout_is_found_on_meta_tensors_give_the_fake_runs_layout(name):
     """An op tagged "layout_on_meta" gets its layout from meta tensors (no fake run of the device): on the CPU,
     every line of these functions gets the same strides either way."""

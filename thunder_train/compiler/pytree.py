@@ -82,8 +82,19 @@ def _is_tuple_like(t) -> bool:
 
 
 def tree_map(fn, x):
-    leaves, spec = tree_flatten(x)
-    return tree_unflatten([fn(v) for v in leaves], spec)
+    """``x`` with ``fn`` applied to every leaf, in ``tree_flatten``'s order: one walk, no spec (the tracer maps
+    every call's arguments, some several times)."""
+    t = type(x)
+    if t is tuple or t is list:
+        return t([tree_map(fn, v) for v in x])
+    if t is dict:
+        return {k: tree_map(fn, v) for k, v in x.items()}
+    if t is torch.Size or (isinstance(x, tuple) and _is_tuple_like(t)):
+        vals = [tree_map(fn, v) for v in x]
+        return t(*vals) if hasattr(t, "_fields") else t(vals)
+    if t is slice:
+        return slice(tree_map(fn, x.start), tree_map(fn, x.stop), tree_map(fn, x.step))
+    return fn(x)
 
 
 # ---------------------------------------------------------------------------

@@ -79,10 +79,10 @@ def _global_draws():
     """(module, name) of the functions drawing from Python's and numpy's global generators (their module-level
     functions are methods of one hidden instance), noted while a thread traces when another thread calls them."""
     out = [(random, n) for n, f in vars(random).items() if getattr(f, "__self__", None) is random._inst]
-    np = sys.modules.get("numpy")
-    if np is not None:
-        shared = getattr(getattr(np.random, "mtrand", None), "_rand", None)
-        out += [(np.random, n) for n, f in vars(np.random).items() if shared is not None
+    npr = sys.modules.get("numpy.random")  # not ``numpy.random`` of numpy: that would import it (~12 ms)
+    if npr is not None:
+        shared = getattr(getattr(npr, "mtrand", None), "_rand", None)
+        out += [(npr, n) for n, f in vars(npr).items() if shared is not None
                 and getattr(f, "__self__", None) is shared]
     return out
 
@@ -190,17 +190,41 @@ def _rng_state():
     return torch.get_rng_state(), torch.initial_seed()
 
 
+# numpy's global generator before ``numpy.random`` is imported: it does not exist yet, and is made when the module is
+# (torch imports numpy, not numpy.random; importing it costs ~12 ms, half a tiny function's first call).  numpy 2
+# seeds it from a ``SeedSequence`` its bit generator keeps (``seed_seq``; None once ``np.random.seed`` reseeded it),
+# which says what state the import made: older numpy is imported to read the state, as before.
+_NOT_IMPORTED = "not imported"
+
+
 def _python_generators() -> dict:
-    """The state of Python's and numpy's global random generators (numpy only where the process imported it)."""
+    """The state of Python's and numpy's global random generators (numpy's as ``_NOT_IMPORTED`` where the process has
+    not imported ``numpy.random``)."""
     out = {"random": random.getstate()}
     np = sys.modules.get("numpy")
-    if np is not None:
+    if np is None:
+        return out
+    npr = sys.modules.get("numpy.random")
+    if npr is None and not np.__version__.startswith("1."):
+        out["numpy.random"] = _NOT_IMPORTED
+    else:
         out["numpy.random"] = np.random.get_state(legacy=False)
     return out
 
 
+def _numpy_state_as_imported(npr):
+    """The state numpy's global generator had when ``numpy.random`` was imported; None once it was reseeded."""
+    bit_generator = getattr(getattr(getattr(npr, "mtrand", None), "_rand", None), "_bit_generator", None)
+    seed_seq = getattr(bit_generator, "seed_seq", None)
+    if seed_seq is None:
+        return None
+    return {"bit_generator": "MT19937", "state": npr.MT19937(seed_seq).state["state"], "has_gauss": 0, "gauss": 0.0}
+
+
 def _python_generators_moved(before, keep) -> list:
-    """The names of the generators in ``before`` whose state moved; each is put back, except those in ``keep``."""
+    """The names of the generators in ``before`` whose state moved; each is put back, except those in ``keep``.
+    ``numpy.random`` imported while tracing (by the function or a library it calls) moved if its generator is not
+    as the import made it (a draw, a seed)."""
     moved = []
     for name, old in before.items():
         if name == "random":
@@ -209,13 +233,20 @@ def _python_generators_moved(before, keep) -> list:
                 if name not in keep:
                     random.setstate(old)
             continue
-        np = sys.modules["numpy"]
-        new = np.random.get_state(legacy=False)
+        npr = sys.modules.get("numpy.random")
+        if npr is None:
+            continue
+        new = npr.get_state(legacy=False)
+        if old is _NOT_IMPORTED:
+            old = _numpy_state_as_imported(npr)
+            if old is None:  # imported and reseeded while tracing: moved, with no state before it to put back
+                moved.append("numpy.random (np.random.seed)")
+                continue
         if new["state"]["pos"] != old["state"]["pos"] or new["has_gauss"] != old["has_gauss"] \
-                or not np.array_equal(new["state"]["key"], old["state"]["key"]):
+                or not (new["state"]["key"] == old["state"]["key"]).all():
             moved.append("numpy.random (np.random.beta, np.random.rand, ...)")
             if name not in keep:
-                np.random.set_state(old)
+                npr.set_state(old)
     return moved
 
 

@@ -44,6 +44,8 @@ def _fake(p):
     shape = tuple(size_value(s) for s in p._tt_shape)
     strides, offset = p._tt_strides, p._tt_storage_offset
     extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
+    if offset == 0:  # one factory call: ``as_strided`` in the fake mode costs ~1 ms a call on a first call
+        return torch.empty_strided(shape, strides, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
     base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
     return base.as_strided(shape, strides, offset)
 # Meta-kernel errors that are eager's own layout errors (raised again at trace time).

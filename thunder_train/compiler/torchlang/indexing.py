@@ -84,7 +84,7 @@ def index_add(input, dim, index, source, *, alpha=1):
     return prims.scatter_add(input, idx, clang.maybe_convert(source, input._tt_dtype), dim)
 
 
-@torchsymbol(torch.masked_fill, methods=("masked_fill",))
+@torchsymbol(torch.masked_fill, methods=("masked_fill",), tags=("layout_on_meta",))
 def masked_fill(input, mask, value):
     """Out of place, input and mask broadcast together (as eager); ``masked_fill_`` keeps the input's shape."""
     if is_tensor(value) and value.ndim_ != 0:

@@ -106,7 +106,10 @@ def _inplace_kernel(kernel, new_values):
 # ---------------------------------------------------------------------------
 # Adam / AdamW
 # ---------------------------------------------------------------------------
-@torchsymbol(name="adam_update")  # torch kernel: executors/torch_executor.py
+# The update symbols are recorded only for optimizer steps under no_grad (differentiable and capturable optimizers are
+# not routed here; torch refuses fused=True with differentiable=True): they carry no gradient.  Tagged so, the
+# gradient path (asked at each write into the optimizer's state) does not expand their per-parameter decomposition.
+@torchsymbol(name="adam_update", tags=("non_differentiable",))  # torch kernel: executors/torch_executor.py
 def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
                 weight_decay, eps, amsgrad, maximize, decoupled_weight_decay):
     """New (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) after one Adam (or AdamW) step.
@@ -166,7 +169,7 @@ fused_adamw_ = _fused_adam(decoupled=True)
 # ---------------------------------------------------------------------------
 # SGD
 # ---------------------------------------------------------------------------
-@torchsymbol(name="sgd_update")  # torch kernel: executors/torch_executor.py
+@torchsymbol(name="sgd_update", tags=("non_differentiable",))  # torch kernel: executors/torch_executor.py
 def sgd_update(params, grads, momentum_buffers, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step):
     """New (params, momentum_buffers) after one SGD step; no momentum when ``momentum_buffers`` is empty."""
     new_p, new_buf = [], []
@@ -199,7 +202,7 @@ fused_sgd_ = _inplace_kernel(torch._fused_sgd_, _sgd_new_values)
 # ---------------------------------------------------------------------------
 # Adagrad (torch has the fused kernel on CPU)
 # ---------------------------------------------------------------------------
-@torchsymbol(name="adagrad_update")  # torch kernel: executors/torch_executor.py
+@torchsymbol(name="adagrad_update", tags=("non_differentiable",))  # torch kernel: executors/torch_executor.py
 def adagrad_update(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize):
     """New (params, state_sums) after one Adagrad step; ``state_steps`` already incremented."""
     new_p, new_sum = [], []

@@ -32,7 +32,7 @@ def sum(input, dim=None, keepdim=False, *, dtype=None):
     return clang.sum(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
 
-@torchsymbol(torch.mean, methods=("mean",), tags=("fusible",))
+@torchsymbol(torch.mean, methods=("mean",), tags=("fusible", "layout_on_meta"))
 def mean(input, dim=None, keepdim=False, *, dtype=None):
     return clang.mean(input, _dims(dim), keepdim, dtype=to_dtype(dtype))
 
@@ -86,7 +86,8 @@ def _max_min(name, prim, argprim):
         return values, idx
 
     fn.__name__ = name
-    return torchsymbol(getattr(torch, name), methods=(name,), name=name, returns=getattr(torch.return_types, name))(fn)
+    return torchsymbol(getattr(torch, name), methods=(name,), name=name, returns=getattr(torch.return_types, name),
+                       tags=("layout_on_meta",))(fn)
 
 
 max = _max_min("max", prims.amax, prims.argmax)

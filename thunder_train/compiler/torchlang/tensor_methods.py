@@ -414,7 +414,7 @@ def _parse_to(a, args, kwargs):
     return to_dtype(dtype), to_device(device)
 
 
-@torchsymbol(methods=("to",), tags=("fusible",))
+@torchsymbol(methods=("to",), tags=("fusible", "layout_on_meta"))
 def to(a, *args, **kwargs):
     """Tensor.to(dtype | device | tensor, ...): a cast; devices must not change inside the program."""
     dtype, device = _parse_to(a, args, kwargs)
@@ -439,7 +439,7 @@ def _cast_method(name, dt, tags=()):
 
     fn.__name__ = name
     fn.__doc__ = f"Tensor.{name}()"
-    return torchsymbol(methods=(name,), name=name, tags=tags)(fn)
+    return torchsymbol(methods=(name,), name=name, tags=(*tags, "layout_on_meta"))(fn)
 
 
 # Float conversions are fusible (Inductor fusion takes them into kernels); integer ones are not.
@@ -474,7 +474,7 @@ def clone(a, *, memory_format=torch.preserve_format):
     return prims.clone(a) if memory_format is torch.preserve_format else prims.clone(a, memory_format)
 
 
-@torchsymbol(methods=("contiguous",))
+@torchsymbol(methods=("contiguous",), tags=("layout_on_meta",))
 def contiguous(a, memory_format=torch.contiguous_format):
     """``a`` itself when already laid out so (as in eager: ``x.contiguous() is x``), else a copy that is."""
     if _is_contiguous_for(a, memory_format):
