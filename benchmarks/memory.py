@@ -12,9 +12,10 @@ transformers).  "with checkpointing" wraps every transformer block in
 ``torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)`` (the GPT) or calls transformers'
 ``gradient_checkpointing_enable()`` (the zoo).
 
-Peak: on the CPU, the bytes allocated during one whole step above what was live before it (torch.profiler's
-allocator events), plus the buffers a thunder_train program keeps between calls (``peak_step_bytes`` of
-benchmarks/train_step.py); on CUDA, ``torch.cuda.max_memory_allocated`` during one step above what was
+Peak: on the CPU, the bytes allocated during one whole step above what was live before it, in the order the
+allocator saw them (c10's allocator count: frees inside an op where they happen, kernels' own temporaries
+included; tests/_peak.py ``peak_call_bytes_all_threads``, what tests/test_memory.py asserts on), plus the buffers a
+thunder_train program keeps between calls; on CUDA, ``torch.cuda.max_memory_allocated`` during one step above what was
 allocated before it.  Step time: the median of ``--samples`` steps, the modes' samples interleaved; with
 ``--cpu-time``, the calling thread's CPU time with torch on one thread (steadier on a loaded machine).
 ``--remat-cost`` adds "tt (default), no cheap remat": the default built with its cheap-value recomputation switched
@@ -150,9 +151,9 @@ def peak_step_bytes(mode) -> int:
         mode.call()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    from train_step import peak_step_bytes as cpu_peak
+    from _peak import peak_call_bytes_all_threads  # tests/_peak.py: the memory tests' count
 
-    return cpu_peak(mode)
+    return peak_call_bytes_all_threads(mode.call, mode.compiled)
 
 
 def measure(modes, samples, clock=time.perf_counter):

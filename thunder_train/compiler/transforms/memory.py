@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import dtypes
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from .remat import BACKWARD, checkpointed_values, in_region, recompute, recompute_checkpointed
@@ -113,6 +114,37 @@ def _is_backward(b) -> bool:
     return b.region is BACKWARD
 
 
+def head_logits(lines) -> tuple:
+    """(bytes, the head's input) of a language model's logits that a program asking for memory computes by blocks of rows later
+    (executors/blocked_head.py, which has the exact conditions): a CPU float32/float64 ``linear`` whose result the
+    forward reads only through views into ``cross_entropy``.  The largest such one (one head per program), or
+    ``(0, None)``."""
+    readers: dict = {}
+    for b in lines:
+        if not _is_backward(b):
+            for a in b.flat_args():
+                if type(a) is TensorProxy:
+                    readers.setdefault(id(a), []).append(b)
+    best = (0, None)
+    for b in lines:
+        out = b.output
+        if _is_backward(b) or b.sym.name != "linear" or type(out) is not TensorProxy or out._tt_device.type != "cpu" \
+                or out._tt_dtype not in (dtypes.float32, dtypes.float64):
+            continue
+        todo, to_loss, only = [out], False, True
+        while todo and only:
+            for r in readers.get(id(todo.pop()), ()):
+                if r.sym.name == "cross_entropy":
+                    to_loss = True
+                elif is_view(r):
+                    todo.extend(o for o in r.flat_outputs() if type(o) is TensorProxy)
+                else:
+                    only = False
+        if to_loss and only and nbytes(out) > best[0]:
+            best = (nbytes(out), b.args[0])
+    return best
+
+
 def _saved_of(trc) -> Saved:
     returned = {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
     return Saved(trc.bound_symbols, _is_backward, returned, {id(a) for a in trc.args})
@@ -143,7 +175,13 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             plan.saved_bytes_default = saved.stored_bytes()
             if memory_budget is None:
                 break
-            chosen = budget_values(saved, memory_budget * plan.saved_bytes_default)
+            # The head's logits, where it will run by blocks of rows, are not kept whatever the plan: the budget is
+            # met that much earlier (else it recomputes around them for nothing, and its chains break the head's form).
+            # Its input stays kept (the blocked head reads it for every block; recomputed, the head's form is lost).
+            head_bytes, head_input = head_logits(new.bound_symbols)
+            if head_input is not None:
+                saved.alive.add(id(head_input))
+            chosen = budget_values(saved, memory_budget * plan.saved_bytes_default + head_bytes)
         lines, more = recompute(new.bound_symbols, _is_backward, chosen, new.make_name, reasons={k: reason for k in chosen})
         if more.lines:
             step = new.derive(header)

@@ -7,7 +7,9 @@ shrinks: the recomputed value's memory is freed after its last forward use, and 
 Matmuls, attention and reductions are kept.
 
 ``memory_budget`` (``budget_values``): the values the default keeps are also recomputed, the cheapest
-first per byte saved, until the bytes kept for the backward are at most the budget.
+first per byte saved, until the bytes kept for the backward are at most the budget; where no single value frees
+anything (a chain of same-sized elementwise values, each needing the one before it), chains of up to
+``_CHAIN_ROOTS`` values back to values kept anyway.
 """
 from __future__ import annotations
 
@@ -143,14 +145,18 @@ def budget_values(saved: Saved, target_bytes: float) -> dict:
     current = sum(nbytes(saved.value[r]) for r in kept)
     while current > target_bytes:
         best = None
-        for r in kept:
-            option = _option(saved, members, r, kept, chosen)
-            if option is not None and option[0] > 0 and (best is None or option[0] / option[1] > best[0] / best[1]):
-                best = option + (r,)
+        # One value at a time first; chains (``_chain_option``) only where no single value frees anything.
+        for options in (_option, _chain_option):
+            for r in kept:
+                option = options(saved, members, r, kept, chosen)
+                if option is not None and option[0] > 0 and (best is None or option[0] / option[1] > best[0] / best[1]):
+                    best = option + (r,)
+            if best is not None:
+                break
         if best is None:
             break
-        freed, _, new_kept, r = best
-        chosen.add(r)
+        freed, _, new_kept, group, r = best
+        chosen |= group
         kept.discard(r)
         kept |= new_kept
         current -= freed
@@ -177,4 +183,38 @@ def _option(saved, members, r, kept, chosen):
                 continue
             new_kept.add(ra)
     freed = nbytes(saved.value[r]) - sum(nbytes(saved.value[x]) for x in new_kept)
-    return freed, max(1, work), new_kept
+    return freed, max(1, work), new_kept, {r}
+
+
+_CHAIN_ROOTS = 8  # the most values one chain option recomputes
+
+
+def _chain_option(saved, members, r, kept, chosen):
+    """Like ``_option``, but the values ``r``'s recomputation reads that nothing keeps are recomputed as well (up to
+    ``_CHAIN_ROOTS`` values), back to values kept anyway or the program's inputs: (bytes freed, work, no roots newly
+    kept, the roots recomputed).  A chain of same-sized elementwise values (GELU's ``tanh`` and ``mul`` read by its
+    backward) frees nothing one value at a time, since each needs the one before it kept; as a chain from the
+    matmul's input, which the linear's gradient keeps anyway, it frees all of them."""
+    group, work, todo = set(), 0, [r]
+    while todo:
+        x = todo.pop()
+        if x in group:
+            continue
+        if len(group) >= _CHAIN_ROOTS or any(k in saved.alive for k in members.get(x, ())):
+            return None
+        group.add(x)
+        for k in members.get(x, ()):
+            b = saved.producer.get(k)
+            if b is None or not recomputable(b):
+                return None
+            work += cost(b)
+            for a in b.flat_args():
+                if type(a) is not TensorProxy or id(a) in saved.inputs:
+                    continue
+                ra = saved.root.get(id(a))
+                if ra is None or ra in group or ra in chosen or ra in kept or ra not in saved.producer:
+                    continue
+                todo.append(ra)
+    if len(group) == 1:
+        return None  # the same as ``_option``
+    return nbytes(saved.value[r]), max(1, work), set(), group
