@@ -52,7 +52,7 @@ def peak_and_net_call_bytes(fn) -> tuple[int, int]:
     return peak, cur
 
 
-def peak_call_bytes_all_threads(fn, compiled=None) -> int:
+def peak_call_bytes_all_threads(fn, compiled=None, kept_ok: bool = False) -> int:
     """The peak of ``fn()``'s CPU allocations in the order the allocator saw them, plus ``compiled``'s kept buffers.
 
     ``peak_call_bytes`` counts each allocation and free at the start of the op it happens in.  Where memory is freed
@@ -84,7 +84,8 @@ def peak_call_bytes_all_threads(fn, compiled=None) -> int:
             break
         time.sleep(0.01)
         after = _logged_counts(lambda: None)[1]
-    assert after == before, f"{after - before} bytes allocated during the call were not freed"
+    # (``kept_ok``: the benchmarks, whose torch.compile modes may keep a few bytes from a call in their caches)
+    assert kept_ok or after == before, f"{after - before} bytes allocated during the call were not freed"
     peak = max(counts) - before
     if compiled is None:
         return peak

@@ -107,3 +107,16 @@ def test_the_audit_sees_a_wrong_record(audit, monkeypatch):
     monkeypatch.setattr(saved_statistics, "_flash_lse_strides", lambda *a: None)  # the log-sum-exp as recorded before
     _steps("gpt2", thin=False)
     assert any(name.startswith("lse") for name in audit), audit
+
+
+def test_opaque_ops_record_the_layout_their_inputs_give(audit):
+    """An op run opaquely (``Tensor.index_put`` has no torch-language symbol) is asked its result's metadata on meta
+    tensors; they were made row-major whatever the inputs' layout, so ``index_put`` of a transposed tensor (which
+    keeps its strides in eager) was recorded row-major."""
+    def f(x, idx, v):
+        return (x.transpose(0, 2).index_put((idx,), v) * 2).sum(0)
+
+    for shape in ((5, 4, 3), (3, 5, 20)):
+        x, idx, v = torch.randn(*shape), torch.tensor([0]), torch.randn(1, shape[1], shape[0])
+        assert torch.equal(tt.compile(f)(x, idx, v), f(x, idx, v))
+    assert not audit, audit

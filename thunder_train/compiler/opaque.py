@@ -145,6 +145,13 @@ def _to_meta(x, requires_grad=False):
         # torch needs plain sizes: a symbolic or data-dependent size becomes a decision on its value (checked by
         # the prologue or, for a size values decide, by the program where it computes it), as eager uses it
         shape = tuple(s if type(s) is int else operator.index(s) for s in x._tt_shape)
+        strides, offset = getattr(x, "_tt_strides", None), getattr(x, "_tt_storage_offset", 0)
+        if strides is not None and all(type(v) is int for v in (*strides, offset)) and len(strides) == len(shape):
+            # Laid out as the input is: an op's result may follow its input's layout (``index_put`` of a transposed
+            # tensor keeps its strides), and the trace must record the layout the op gives at run time.
+            extent = 0 if 0 in shape else 1 + sum((n - 1) * abs(st) for n, st in zip(shape, strides))
+            t = torch.empty(offset + extent, dtype=x._tt_dtype.torch, device="meta").as_strided(shape, strides, offset)
+            return t.requires_grad_(requires_grad) if requires_grad else t
         return torch.empty(shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
     if isinstance(x, torch.Tensor):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
