@@ -1,0 +1,59 @@
+"""What the default's cheap-value recomputation costs a zoo model's step (issue 27: at most 2 %).
+
+Run: PYTHONPATH=. python benchmarks/remat_cost.py MODEL [FUSIONS] [STEPS]
+     e.g. benchmarks/remat_cost.py vit background 300; FUSIONS: comma-separated, ``none`` for ``fusion=None``.
+
+For each fusion mode, the thin whole step of ``tests/_zoo.py``'s MODEL built twice: as the default plans it, and
+with its cheap-value recomputation off (``benchmarks/memory.py`` ``without_cheap_remat``, a measuring aid); the
+fused program is waited for.  The calling thread's CPU time per step (torch on one thread), the modes' steps
+interleaved in a new order each step; medians.  Not a test: timings vary by machine.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for sub in ("tests", "benchmarks", "recipes"):
+    sys.path.insert(0, os.path.join(ROOT, sub))
+import _zoo  # noqa: E402
+from memory import without_cheap_remat  # noqa: E402
+
+import thunder_train as tt  # noqa: E402
+
+
+def main(argv):
+    name = argv[0]
+    fusions = (argv[1] if len(argv) > 1 else "none,background").split(",")
+    steps = int(argv[2]) if len(argv) > 2 else 200
+    torch.set_num_threads(1)
+    base, batches = _zoo.build(name), _zoo.batches(name, 4)
+    modes = []
+    for fusion in fusions:
+        for remat in (True, False):
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            step = tt.compile(_zoo.train_step, thin=True, fusion=None if fusion == "none" else fusion)
+            with contextlib.nullcontext() if remat else without_cheap_remat():
+                for b in batches[:3]:
+                    step(model, opt, b)
+                tt.wait_for_fusion(step)
+            modes.append((f"fusion={fusion}, cheap remat {'on' if remat else 'off'}", step, model, opt, []))
+    for i in range(steps):
+        for label, step, model, opt, times in modes[i % len(modes):] + modes[:i % len(modes)]:
+            t0 = time.thread_time()
+            step(model, opt, batches[i % len(batches)])
+            times.append(time.thread_time() - t0)
+    print(f"{name}; {steps} steps per mode, thread CPU time")
+    for label, *_, times in modes:
+        print(f"  {label:<40}{statistics.median(times) * 1e3:>9.3f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
