@@ -163,13 +163,13 @@ def budget_values(saved: Saved, target_bytes: float) -> dict:
     return {k: saved.value[k] for r in chosen for k in members[r]}
 
 
-def _option(saved, members, r, kept, chosen):
-    """(bytes freed, work, roots newly kept) of recomputing root ``r``'s values, or None if it cannot be."""
-    ids = members[r]
-    if any(k in saved.alive for k in ids):
+def _reads_to_keep(saved, members, x, done):
+    """(work, roots read) of recomputing root ``x``'s values: the roots their lines read that must be kept or
+    recomputed too (not program inputs, not ``x`` itself, not ``done(root)``); None if they cannot be recomputed."""
+    if any(k in saved.alive for k in members.get(x, ())):
         return None
-    work, new_kept = 0, set()
-    for k in ids:
+    work, reads = 0, set()
+    for k in members.get(x, ()):
         b = saved.producer.get(k)
         if b is None or not recomputable(b):
             return None
@@ -179,9 +179,18 @@ def _option(saved, members, r, kept, chosen):
                 continue
             ra = saved.root.get(id(a))
             # (a view of a program input, such as an expert's weight ``w[e]``, lives on the input's memory: free)
-            if ra is None or ra == r or ra in chosen or ra in kept or ra not in saved.producer:
+            if ra is None or ra == x or ra not in saved.producer or done(ra):
                 continue
-            new_kept.add(ra)
+            reads.add(ra)
+    return work, reads
+
+
+def _option(saved, members, r, kept, chosen):
+    """(bytes freed, work, roots newly kept, roots recomputed) of recomputing root ``r``'s values, or None."""
+    found = _reads_to_keep(saved, members, r, lambda ra: ra in chosen or ra in kept)
+    if found is None:
+        return None
+    work, new_kept = found
     freed = nbytes(saved.value[r]) - sum(nbytes(saved.value[x]) for x in new_kept)
     return freed, max(1, work), new_kept, {r}
 
@@ -200,21 +209,13 @@ def _chain_option(saved, members, r, kept, chosen):
         x = todo.pop()
         if x in group:
             continue
-        if len(group) >= _CHAIN_ROOTS or any(k in saved.alive for k in members.get(x, ())):
+        found = None if len(group) >= _CHAIN_ROOTS else \
+            _reads_to_keep(saved, members, x, lambda ra: ra in group or ra in chosen or ra in kept)
+        if found is None:
             return None
         group.add(x)
-        for k in members.get(x, ()):
-            b = saved.producer.get(k)
-            if b is None or not recomputable(b):
-                return None
-            work += cost(b)
-            for a in b.flat_args():
-                if type(a) is not TensorProxy or id(a) in saved.inputs:
-                    continue
-                ra = saved.root.get(id(a))
-                if ra is None or ra in group or ra in chosen or ra in kept or ra not in saved.producer:
-                    continue
-                todo.append(ra)
+        work += found[0]
+        todo.extend(found[1])
     if len(group) == 1:
         return None  # the same as ``_option``
     return nbytes(saved.value[r]), max(1, work), set(), group
