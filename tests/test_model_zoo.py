@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import _zoo
+from _fresh import run_fresh
 from _inductor import cxx_available
 from _zoo import train_step
 import thunder_train as tt
@@ -220,6 +221,10 @@ def test_falcon_default_step_updates_its_step_counters_in_place():
 
 
 def test_falcon_step_fused_reads_flash_gradients_without_copies():
+    run_fresh("test_model_zoo", "falcon_step_fused_reads_flash_gradients_without_copies")  # tests/_fresh.py says why
+
+
+def falcon_step_fused_reads_flash_gradients_without_copies():
     # Falcon's one key/value head runs the flash kernels where eager runs its math kernel: its gradients are traced in
     # the flash kernel's layout, so the rotary backward's kernels read them without copies (4 a step before), and its
     # masks are computed once (executors/constants.py), not in a kernel on every step.
