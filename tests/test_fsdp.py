@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import run_ranks  # noqa: E402
+from _dist import run_ranks, run_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -230,10 +230,11 @@ def test_fsdp2_under_lightning_model_parallel_strategy(two_ranks):
 @pytest.fixture(scope="module")
 def gloo_peaks(ranks, tmp_path_factory):
     """[rank 0's {"eager": peak, "compiled": peak}, rank 1's]: the GPT case's step on 2 gloo ranks of their own,
-    forked after the other scenarios' (``ranks``), so that a crash while measuring fails this module's gloo peak test
-    alone (a rank measured with torch.profiler once died of heap corruption in CI: docs/distributed.md)."""
+    forked from a fresh interpreter, not from this test worker: a rank forked from a worker that had run thousands of
+    tests (its threads: torch's pools, gloo's, the fusion worker) died of heap corruption in CI now and then (SIGABRT,
+    with and without torch.profiler: docs/distributed.md)."""
     out = tmp_path_factory.mktemp("fsdp2_peak")
-    run_ranks("_fsdp_whole_step", out, "peak")
+    run_script("_fsdp_whole_step.py", out, "peak")
     return [torch.load(out / "wpeak" / f"peak{r}.pt", weights_only=False) for r in range(2)]
 
 
