@@ -13,7 +13,7 @@ import torch
 from . import context, devices
 from .errors import UnsupportedOpError  # noqa: F401  (defined with the other user-facing errors)
 from .generators_kept import generators_untouched
-from .proxies import TensorProxy, is_tensor_proxy
+from .proxies import TensorProxy, is_tensor_proxy, meta_tensor
 from .pytree import tree_flatten, tree_unflatten, tree_map
 from .symbols import Symbol, BoundSymbol
 
@@ -149,8 +149,7 @@ def _to_meta(x, requires_grad=False):
         if strides is not None and all(type(v) is int for v in (*strides, offset)) and len(strides) == len(shape):
             # Laid out as the input is: an op's result may follow its input's layout (``index_put`` of a transposed
             # tensor keeps its strides), and the trace must record the layout the op gives at run time.
-            extent = 0 if 0 in shape else 1 + sum((n - 1) * abs(st) for n, st in zip(shape, strides))
-            t = torch.empty(offset + extent, dtype=x._tt_dtype.torch, device="meta").as_strided(shape, strides, offset)
+            t = meta_tensor(x, shape)
             return t.requires_grad_(requires_grad) if requires_grad else t
         return torch.empty(shape, dtype=x._tt_dtype.torch, device="meta", requires_grad=requires_grad)
     if isinstance(x, torch.Tensor):

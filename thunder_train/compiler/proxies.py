@@ -161,9 +161,9 @@ def dense_layout(sizes, strides) -> bool:
     return True
 
 
-def meta_tensor(p) -> torch.Tensor:
-    """A meta tensor with ``p``'s shape, dtype and layout (strides and storage offset)."""
-    shape = tuple(size_value(s) for s in p._tt_shape)
+def meta_tensor(p, shape=None) -> torch.Tensor:
+    """A meta tensor with ``p``'s shape (or ``shape``, sizes a caller decided), dtype, strides and storage offset."""
+    shape = tuple(size_value(s) for s in p._tt_shape) if shape is None else shape
     strides, offset = p._tt_strides, p._tt_storage_offset
     extent = 0 if 0 in shape else 1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides))
     base = torch.empty(offset + extent, dtype=p._tt_dtype.torch, device="meta")

@@ -25,8 +25,8 @@ from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
 # One fake mode per thread: a FakeTensorMode is not safe to use from two threads at once (its kernel-invocation
 # flag and converter memo are its own), and a trace in one thread may run while another thread traces or the
-# background fusion thread builds a program.  Shared, a layout question failed now and then (the op then ran on
-# plain meta tensors, or its layout stayed unknown: Falcon's attention then missed its flash kernels).
+# background fusion thread builds a program.  Shared, layout questions of concurrent traces failed (torch logged
+# "failed while attempting to run meta"; the op then took plain meta tensors' layouts, which may not be the device's).
 _fake_modes = threading.local()
 
 
