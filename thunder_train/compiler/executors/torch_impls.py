@@ -444,6 +444,34 @@ def grad_copy(g, shape, strides):
 grad_copy.aliases = ()  # a new tensor
 
 
+def transposed_copy_scratch(shape, strides, src) -> int:
+    """Bytes aten's ``copy_`` allocates and frees inside itself to copy ``src`` into a tensor of ``shape`` and
+    ``strides`` (proxies or tensors): a 2-d column-major ``src`` (a transposed row-major one) into a row-major tensor
+    of at least 60 x 60 elements is copied by blocks through a 60 x 60 buffer (120 x 120 for bytes).  Kept buffers
+    count it at the line (executors/buffers.py: the copy of a transposed weight's gradient at the end of a backward,
+    where a step often peaks, held 14,400 bytes the plan did not see)."""
+    from ..proxies import is_proxy
+
+    src_shape, src_strides = (src._tt_shape, src._tt_strides) if is_proxy(src) else (src.shape, src.stride())
+    dims = (*shape, *strides, *src_shape, *src_strides)
+    if len(shape) != 2 or len(src_shape) != 2 or not all(type(n) is int for n in dims):
+        return 0
+    rows, cols = shape
+    if tuple(src_shape) != tuple(shape) or rows * cols < 60 * 60 or tuple(strides) != (cols, 1) \
+            or tuple(src_strides) != (1, rows):
+        return 0
+    dtype = src._tt_dtype.torch if is_proxy(src) else src.dtype
+    block = 120 if dtype == torch.uint8 else 60
+    return block * block * dtype.itemsize
+
+
+grad_copy.scratch_bytes = lambda g, shape, strides: transposed_copy_scratch(shape, strides, g)
+copy_.scratch_bytes = lambda src, dst: transposed_copy_scratch(dst._tt_shape, dst._tt_strides, src)
+# (``grad_layout`` copies only a gradient that does not obey its parameter's layout: a column-major one of a row-major
+# parameter is such a gradient)
+grad_layout.scratch_bytes = lambda g, param: transposed_copy_scratch(param._tt_shape, param._tt_strides, g)
+
+
 unlike_layouts = ltorch_optim.unlike_layouts  # indices whose tensors do not share one dense layout
 
 
