@@ -1,6 +1,7 @@
 """Fusion forms (``Symbol.fusion_form``): what a fused program compiles for an op's line instead of its torch call.
 
-tanh GELU is fused as x * sigmoid(2u) (torchlang/activations.py): the same function, rounded differently.  These
+tanh GELU is fused as x * sigmoid(2u), and a small exact GELU by Inductor's own lowering (torchlang/activations.py:
+eager's CPU kernels cost tens of microseconds a call on small tensors): the same function, rounded differently.  These
 tests compare the compiled kernels with eager PyTorch (values, gradients, infinities and NaNs, the error against
 float64) and check how a one-line region is formed, keeps its output in a kept buffer, and falls back to the torch
 call for other layouts.  The kernels are compiled by Inductor (seconds each when cold); the tests share shapes.
@@ -45,45 +46,62 @@ def _max_error(got, x64_result):
     return (got.double() - x64_result).abs()[finite].max().item()
 
 
+def _exact_gelu(x):
+    return F.gelu(x)
+
+
+GELUS = {"tanh": _gelu, "none": _exact_gelu}
+
+
+@pytest.mark.parametrize("approximate", list(GELUS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_tanh_gelu_alone_is_fused_and_matches_eager(dtype):
+def test_gelu_alone_is_fused_and_matches_eager(dtype, approximate):
     x, _ = _inputs(dtype)
-    cf = tt.compile(_gelu, fusion="inductor")
-    got, want = cf(x), _gelu(x)
-    assert len(_fused_syms(cf)) == 1, "a lone tanh GELU forms a region of its own"
+    fn = GELUS[approximate]
+    cf = tt.compile(fn, fusion="inductor")
+    got, want = cf(x), fn(x)
+    assert len(_fused_syms(cf)) == 1, "a lone GELU forms a region of its own"
     torch.testing.assert_close(got, want, equal_nan=True)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
-    exact = _gelu(x.double())
+    exact = fn(x.double())
     # as close to the float64 value as eager's kernel is (a few ulp; 1e-7 spare for one rounding more)
     assert _max_error(got, exact) <= 2 * _max_error(want, exact) + (1e-7 if dtype == torch.float32 else 1e-15)
 
 
-def test_tanh_gelu_gradient_is_fused_and_matches_eager():
+@pytest.mark.parametrize("approximate", list(GELUS))
+def test_gelu_gradient_is_fused_and_matches_eager(approximate):
     x, g = _inputs()
+    fn = GELUS[approximate]
     xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
-    cf = tt.compile(_gelu, fusion="inductor")
+    cf = tt.compile(fn, fusion="inductor")
     cf(xt).backward(g)
-    _gelu(xr).backward(g)
+    fn(xr).backward(g)
     notes = "\n".join(tt.compile_stats(cf).fusion_notes)
     assert "gelu_vjp" in notes, notes
     torch.testing.assert_close(xt.grad, xr.grad, equal_nan=True)
     assert torch.equal(xt.grad.isnan(), xr.grad.isnan())
-    exact = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
+    exact = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate=approximate)
     assert _max_error(xt.grad, exact) <= 3 * _max_error(xr.grad, exact) + 1e-6
 
 
-def test_low_precision_is_computed_in_float32_like_eager():
+@pytest.mark.parametrize("approximate", list(GELUS))
+def test_low_precision_is_computed_in_float32_like_eager(approximate):
     x, _ = _inputs(torch.bfloat16)
-    cf = tt.compile(_gelu, fusion="inductor")
-    got, want = cf(x), _gelu(x)
+    fn = GELUS[approximate]
+    cf = tt.compile(fn, fusion="inductor")
+    got, want = cf(x), fn(x)
     assert got.dtype == torch.bfloat16 and _fused_syms(cf)
     torch.testing.assert_close(got, want, equal_nan=True)  # bf16 tolerances: at most one bf16 rounding apart
 
 
-def test_gelu_without_a_fusion_form_stays_a_torch_call():
-    x, _ = _inputs()
-    cf = tt.compile(F.gelu, fusion="inductor")  # exact (erf) GELU: eager's kernel is as fast, no form declared
-    torch.testing.assert_close(cf(x), F.gelu(x), equal_nan=True)
+def test_large_exact_gelu_stays_a_torch_call():
+    """Above ``_GELU_EXACT_FORM_MAX`` elements eager's exact GELU is as fast as Inductor's (faster from ~64 Ki): no
+    form is declared, and a lone GELU stays eager's kernel (bitwise)."""
+    from thunder_train.compiler.torchlang.activations import _GELU_EXACT_FORM_MAX
+
+    x = torch.randn(2, _GELU_EXACT_FORM_MAX // 2 + 1, generator=torch.Generator().manual_seed(0))
+    cf = tt.compile(F.gelu, fusion="inductor")
+    assert torch.equal(cf(x), F.gelu(x))
     assert not _fused_syms(cf)
 
 

@@ -430,13 +430,9 @@ def plan(trc):
     ``PEAK_SLACK``), candidates alive where the arena is fullest but not where the other allocations peak are
     allocated again until it is not (or nothing is kept)."""
     bsyms = trc.bound_symbols
-    # id(value) -> ids of the storages it may share.  The program's inputs are storages the call does not allocate: a
-    # view of one (``weight.permute(1, 0)``) is not a new storage (counted as one, every transposed weight raised the
-    # peak the arena may grow to: Falcon's fused step 1.05x eager's).  Values handed in (a backward's saved values
-    # and cotangents) are not entered: most are freed at their last use inside the call, which the plan does not
-    # model (it would not know a saved parameter, which outlives the call, from an activation), and their views
-    # counted as new memory keep the backward's arena within its real peak (tests/test_memory.py
-    # ``test_compiled_module_is_planned_like_whole_steps``: 1.09x eager's with checkpointing when entered).
+    # id(value) -> ids of the storages it may share.  An input's is its own, not allocated by the call: a view of one
+    # (``weight.T``) is no new memory (Falcon's fused step peaked 1.05x eager's).  Values handed in (a backward's) are
+    # not entered: most are freed inside the call, unmodelled; entered, a backward's arena passed its real peak.
     may_alias: dict = {id(a): {id(a)} for a in trc.args if _tensor(a)}
     storages: dict = {}  # id(value) -> [first line, last line, bytes, value] of a storage a line created
     candidates: dict = {}  # id(value) -> (line, out form) of a value a kept buffer could hold

@@ -120,13 +120,39 @@ def _gelu_tanh_vjp_by_sigmoid(g, reads, input, approximate="tanh"):
     return ((g.float() if g.dtype != x.dtype else g) * d).to(input.dtype),
 
 
+# Exact (erf) GELU on the CPU: eager's kernels (oneDNN's forward, aten's backward) cost ~20 us and ~50 us a call
+# whatever the size below some thousands of elements, 45 us and 80 us inside a training step (cold after a matmul),
+# where Inductor's kernel for the same op takes 13 us and 21 us (3,072 floats, one thread).  From ~64 Ki elements
+# eager's are as fast or faster (1 Mi: 1.7 ms against 2.0 ms), so only small GELUs are declared: there a lone GELU
+# line forms a region of its own.  The same functions (Inductor's lowering of ``gelu``/``gelu_backward``), rounded
+# differently: within 2 float32 ulp of eager's (tests/test_fusion_forms.py).
+_GELU_EXACT_FORM_MAX = 16384  # elements
+
+
+def _gelu_exact(input, approximate="none"):
+    return F.gelu(input)
+
+
+def _gelu_exact_vjp(g, reads, input, approximate="none"):
+    return torch.ops.aten.gelu_backward(g, input),
+
+
+def _small_on_cpu(p) -> bool:
+    shape = p._tt_shape
+    return p._tt_device.type == "cpu" and all(type(n) is int for n in shape) and math.prod(shape) <= _GELU_EXACT_FORM_MAX
+
+
 def _gelu_fusion_form(input, approximate="none"):
     # CPU only: a GPU's tanh is not the bottleneck, and a lone GELU is not worth a kernel there
-    return _gelu_tanh_by_sigmoid if approximate == "tanh" and input._tt_device.type == "cpu" else None
+    if approximate == "tanh" and input._tt_device.type == "cpu":
+        return _gelu_tanh_by_sigmoid
+    return _gelu_exact if approximate == "none" and _small_on_cpu(input) else None
 
 
 def _gelu_fusion_vjp_form(g, reads, input, approximate="none"):
-    return _gelu_tanh_vjp_by_sigmoid if approximate == "tanh" and input._tt_device.type == "cpu" else None
+    if approximate == "tanh" and input._tt_device.type == "cpu":
+        return _gelu_tanh_vjp_by_sigmoid
+    return _gelu_exact_vjp if approximate == "none" and _small_on_cpu(input) else None
 
 
 gelu.fusion_form, gelu.fusion_vjp_form = _gelu_fusion_form, _gelu_fusion_vjp_form
