@@ -138,8 +138,8 @@ def _gelu_exact_vjp(g, reads, input, approximate="none"):
 
 
 def _small_on_cpu(p) -> bool:
-    shape = p._tt_shape
-    return p._tt_device.type == "cpu" and all(type(n) is int for n in shape) and math.prod(shape) <= _GELU_EXACT_FORM_MAX
+    numel = p.numel_()  # not an int where a size is symbolic
+    return p._tt_device.type == "cpu" and type(numel) is int and numel <= _GELU_EXACT_FORM_MAX
 
 
 def _gelu_fusion_form(input, approximate="none"):
