@@ -122,6 +122,9 @@ class Symbol:
     # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph, or what that graph keeps (an
     # attention whose mask needs a gradient: the math kernel's probabilities, executors/attention_math.py)
     torch_kept_graph = None
+    # torch executor: (forward line) -> bytes the forward keeps for its paired backward line beyond what the trace
+    # before executors shows (attention's output and log-sum-exp; the memory plan's probe counts them)
+    torch_saved_statistics_bytes = None
     fusion_form = None  # fusing executors: (line args, kwargs) -> the torch function they compile for the op's line, or None
     fusion_vjp_form = None  # the same for the line of its ``<name>_vjp`` (executors/regions.py ``fusion_form``)
     inplace_variant = None  # the in-place symbol computing the same with the same arguments (torchlang/inplace.py)
