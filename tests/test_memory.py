@@ -774,25 +774,6 @@ def test_cheap_values_are_recomputed_only_where_that_lowers_the_peak(monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 4, 17, 8), (1, 2, 40, 16)])
-def test_the_plan_counts_what_the_flash_pair_keeps(shape, dtype):
-    """What the memory plan's probe counts as kept from an attention's forward line to its backward line
-    (``Symbol.torch_saved_statistics_bytes``) is what the CPU flash forward returns for its backward: the output
-    and the log-sum-exp."""
-    from thunder_train.compiler.proxies import TensorProxy
-    from thunder_train.compiler.symbols import BoundSymbol
-    from thunder_train.compiler.torchlang import attention
-    from thunder_train.compiler import dtypes, devices
-
-    q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
-    out, lse = torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
-    proxy = TensorProxy("o", shape=out.shape, dtype=dtypes.from_torch(dtype), device=devices.from_torch(torch.device("cpu")))
-    line = BoundSymbol(attention.scaled_dot_product_attention, (), {}, proxy)
-    kept = attention.scaled_dot_product_attention.torch_saved_statistics_bytes(line)
-    assert kept == out.nbytes + lse.nbytes, (kept, out.nbytes, lse.nbytes)
-
-
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_zoo_budget_is_met_and_trains_like_eager(name):
     """memory_budget=0.25 on the zoo's GPT-2 and Llama steps: what is kept is at most a quarter of the default's.

@@ -660,6 +660,25 @@ def test_narrowed_lines_compute_only_the_results_read():
     assert dce(Trace(())).bound_symbols == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 4, 17, 8), (1, 2, 40, 16)])
+def test_the_plan_counts_what_the_flash_pair_keeps(shape, dtype):
+    """What the memory plan's probe counts as kept from an attention's forward line to its backward line
+    (``Symbol.torch_saved_statistics_bytes``) is what the CPU flash forward returns for its backward: the output
+    and the log-sum-exp."""
+    from thunder_train.compiler.proxies import TensorProxy
+    from thunder_train.compiler.symbols import BoundSymbol
+    from thunder_train.compiler.torchlang import attention
+    from thunder_train.compiler import dtypes, devices
+
+    q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
+    out, lse = torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+    proxy = TensorProxy("o", shape=out.shape, dtype=dtypes.from_torch(dtype), device=devices.from_torch(torch.device("cpu")))
+    line = BoundSymbol(attention.scaled_dot_product_attention, (), {}, proxy)
+    kept = attention.scaled_dot_product_attention.torch_saved_statistics_bytes(line)
+    assert kept == out.nbytes + lse.nbytes, (kept, out.nbytes, lse.nbytes)
+
+
 def test_every_fact_slot_of_symbol_is_checked_here():
     # A new fact slot on Symbol needs a check in this file (its name appears in a test above).
     slots = [n for n, v in vars(Symbol).items() if not n.startswith("_") and not callable(v) and not isinstance(v, property)]

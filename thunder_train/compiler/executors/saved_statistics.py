@@ -731,20 +731,10 @@ def _rewrite_group_norm(trc, fwd, vjp, positions):
     return new_fwd, new_vjp
 
 
-def _sdpa_kept_bytes(fwd) -> int:
-    """What the flash pair keeps from an attention's forward line to its backward line: the output and its float32
-    log-sum-exp (one per query row and head), which the flash backward kernel reads."""
-    out = fwd.output
-    if type(out) is not TensorProxy or not out._tt_shape:
-        return 0
-    rows = math.prod(size_value(s) for s in out._tt_shape[:-1])  # (sizes at their traced values)
-    return rows * size_value(out._tt_shape[-1]) * out._tt_dtype.torch.itemsize + rows * 4
-
-
 # Which forward statistics an op's backward reuses: a fact of the op (``Symbol.torch_saved_statistics``),
 # registered here because the kernels are the torch executor's.
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
-ltorch_attention.scaled_dot_product_attention.torch_saved_statistics_bytes = _sdpa_kept_bytes
+ltorch_attention.scaled_dot_product_attention.torch_saved_statistics_bytes = torch_impls.flash_attention_kept_bytes
 # Where no kernel pair above applies: the forward keeps eager's autograd graph for the backward line.
 ltorch_attention.scaled_dot_product_attention.torch_kept_graph = _sdpa_keeps_its_graph
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy

@@ -6,6 +6,7 @@ claimed the symbol).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -470,6 +471,18 @@ copy_.scratch_bytes = lambda src, dst: transposed_copy_scratch(dst._tt_shape, ds
 # (``grad_layout`` copies only a gradient that does not obey its parameter's layout: a column-major one of a row-major
 # parameter is such a gradient)
 grad_layout.scratch_bytes = lambda g, param: transposed_copy_scratch(param._tt_shape, param._tt_strides, g)
+
+
+def flash_attention_kept_bytes(fwd) -> int:
+    """What the CPU flash pair (executors/saved_statistics.py) keeps from an attention's forward line to its backward
+    line: the output and its float32 log-sum-exp (one per query row and head), which the flash backward reads."""
+    from ..proxies import TensorProxy, size_value
+
+    out = fwd.output
+    if type(out) is not TensorProxy or not out._tt_shape:
+        return 0
+    rows = math.prod(size_value(s) for s in out._tt_shape[:-1])  # (sizes at their traced values)
+    return rows * (size_value(out._tt_shape[-1]) * out._tt_dtype.torch.itemsize + 4)
 
 
 unlike_layouts = ltorch_optim.unlike_layouts  # indices whose tensors do not share one dense layout

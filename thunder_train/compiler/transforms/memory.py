@@ -141,8 +141,13 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict) -> dict:
             last_read[id(x)] = i
         for o in b.flat_outputs():
             last_read.setdefault(id(o), i)
+    # What an op asks to compute again (an FSDP2 unit's gathered parameters, resharded after the forward) is.
+    asked = {id(o) for b in trc.bound_symbols if not _is_backward(b) and b.sym.recompute_in_backward is not None
+             and b.sym.recompute_in_backward(b) for o in b.flat_outputs()}
     keep = set()
     for k in sorted(chosen, key=lambda k: copy_at.get(k, len(lines))):
+        if k in asked:
+            continue
         at, since = copy_at.get(k), last_read.get(k)
         n = nbytes(chosen[k])
         if at is None or since is None or since >= at or max(curve[since + 1: at], default=0) + n > peak:
