@@ -753,7 +753,7 @@ def test_cheap_values_are_recomputed_only_where_that_lowers_the_peak(monkeypatch
     runs = {}
     for mode in ("eager", "default", "every cheap value"):
         if mode == "every cheap value":
-            monkeypatch.setattr(memory, "where_recomputing_lowers_the_peak", lambda trc, chosen: chosen)
+            monkeypatch.setattr(memory, "where_recomputing_lowers_the_peak", lambda trc, chosen, probes: chosen)
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         fn = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step)

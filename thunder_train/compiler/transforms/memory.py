@@ -114,7 +114,7 @@ def alive_bytes(lines, returned_ids=()) -> list:
 PLAN_RESOLUTION = 0.005
 
 
-def where_recomputing_lowers_the_peak(trc, chosen: dict) -> dict:
+def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     """The cheap values (``chosen``, id -> proxy) worth recomputing in ``trc``: those whose copies lower the planned peak.
 
     A value kept instead of recomputed holds its bytes from its last forward read to the line that would recompute
@@ -123,10 +123,10 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict) -> dict:
     ``PLAN_RESOLUTION``) over that stretch is kept: its recomputation would cost a kernel a step, cold inside the backward, for no memory (ViT's second
     GELU: 2 % of its fused step, 7 % of its torch program).  Greedy, in the order of the copies; each kept value
     raises the count for the next.  Should the kept values' program still plan a higher peak (sinking orders it
-    otherwise), all of them are recomputed, as before."""
+    otherwise), all of them are recomputed, as before.  ``cache``: the programs probed (``_settled``)."""
     if not chosen:
         return chosen
-    every = _settled(trc, chosen)
+    every = _settled(trc, chosen, cache).final()
     lines, curve = _probe_curve(every)
     peak = max(curve, default=0) * (1 + PLAN_RESOLUTION)
     copy_at, last_read = {}, {}
@@ -158,7 +158,7 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict) -> dict:
     if not keep:
         return chosen
     fewer = {k: p for k, p in chosen.items() if k not in keep}
-    return fewer if max(_probe_curve(_settled(trc, fewer))[1], default=0) <= peak else chosen
+    return fewer if max(_probe_curve(_settled(trc, fewer, cache).final())[1], default=0) <= peak else chosen
 
 
 def _probe_curve(trc) -> tuple:
@@ -188,13 +188,32 @@ def _probe_curve(trc) -> tuple:
     return lines, curve
 
 
-def _settled(trc, chosen: dict):
-    """A probe: ``trc`` with ``chosen`` recomputed and its backward sunk where that lowers the planned peak (what
-    ``plan_memory`` does next, in a default step)."""
-    probe = trc.derive("probe")  # its own names: the plan's trace names nothing after the probe
-    probe.bound_symbols, _ = recompute(trc.bound_symbols, _is_backward, chosen, probe.make_name)
-    sunk = sink(probe)
-    return sunk if _peak_of(sunk) < _peak_of(probe) else probe
+_CHEAP_HEADER = "Cheap values recomputed in the backward (transforms/remat_policy.py)"
+
+
+@dataclasses.dataclass
+class _Settled:
+    """``trc`` with ``chosen`` recomputed (``recomputed``, ``report``) and that program with its backward sunk where
+    that lowers the planned peak (``sunk``; None where it does not): what ``plan_memory`` does next in a default
+    step, so its probes' work is reused there."""
+
+    recomputed: object
+    report: object
+    sunk: object
+
+    def final(self):
+        return self.sunk or self.recomputed
+
+
+def _settled(trc, chosen: dict, cache: dict) -> _Settled:
+    key = frozenset(chosen)
+    if key not in cache:
+        new = trc.derive(_CHEAP_HEADER)  # its own names: ``trc`` names nothing after a probe
+        new.bound_symbols, report = recompute(trc.bound_symbols, _is_backward, chosen, new.make_name,
+                                              reasons={k: "cheap" for k in chosen})
+        sunk = sink(new)
+        cache[key] = _Settled(new, report, sunk if sunk is not new and _peak_of(sunk) < _peak_of(new) else None)
+    return cache[key]
 
 
 def _all_reads(b) -> list:
@@ -261,13 +280,22 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
     cheap_found = False
     if new is not trc:
         traces.append(new)
-    for reason, header in (("cheap", "Cheap values recomputed in the backward (transforms/remat_policy.py)"),
+    settled = probed = None  # the cheap step's program as its probe left it (``_settled``), and what it probed
+    for reason, header in (("cheap", _CHEAP_HEADER),
                            ("budget", f"Values recomputed to fit memory_budget={memory_budget} (transforms/remat_policy.py)")):
         saved = _saved(new)
         if reason == "cheap":
             chosen = cheap_values(saved)
             cheap_found = bool(chosen)
-            chosen = where_recomputing_lowers_the_peak(new, chosen)
+            if cheap_found:
+                probes: dict = {}
+                settled = _settled(new, where_recomputing_lowers_the_peak(new, chosen, probes), probes)
+                if settled.report.lines:
+                    traces.append(settled.recomputed)
+                    new = settled.recomputed
+                    plan.recomputed += settled.report.lines
+                probed = new  # (where nothing is recomputed, the probe's program has ``new``'s lines)
+            continue
         else:
             plan.saved_bytes_default = saved.stored_bytes()
             if memory_budget is None:
@@ -291,8 +319,12 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
         # Backward lines as late as their readers allow (transforms/sinking.py): a recomputed value lands right
         # before its first reader, beside gradients made earlier that nothing reads yet.  In a default step only
         # where that lowers the planned peak (the llama zoo step's measured peak rose 304 bytes where it did not).
-        sunk = sink(new)
-        if sunk is not new and (asks or _peak_of(sunk) < _peak_of(new)):
+        if new is probed and not asks:
+            sunk = settled.sunk  # the probe sank it already
+        else:
+            sunk = sink(new)
+            sunk = sunk if sunk is not new and (asks or _peak_of(sunk) < _peak_of(new)) else None
+        if sunk is not None:
             traces.append(sunk)
             new = sunk
     if asks:
