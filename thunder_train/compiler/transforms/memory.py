@@ -120,8 +120,8 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     A value kept instead of recomputed holds its bytes from its last forward read to the line that would recompute
     it.  Counted on the program recomputing them all, as the plan goes on to order it (``_settled``: its backward
     lines sunk where that lowers the peak), a value whose bytes fit under that program's peak (within
-    ``PLAN_RESOLUTION``) over that stretch is kept: its recomputation would cost a kernel a step, cold inside the backward, for no memory (ViT's second
-    GELU: 2 % of its fused step, 7 % of its torch program).  Greedy, in the order of the copies; each kept value
+    ``PLAN_RESOLUTION``) over that stretch is kept: its recomputation would cost a kernel a step, cold inside the
+    backward, for no memory (ViT's second GELU: 2 % of its fused step, 7 % of its torch program).  Greedy, in the order of the copies; each kept value
     raises the count for the next.  Should the kept values' program still plan a higher peak (sinking orders it
     otherwise), all of them are recomputed, as before.  ``cache``: the programs probed (``_settled``)."""
     if not chosen:
@@ -141,7 +141,8 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
             last_read[id(x)] = i
         for o in b.flat_outputs():
             last_read.setdefault(id(o), i)
-    # What an op asks to compute again (an FSDP2 unit's gathered parameters, resharded after the forward) is.
+    # Values an op asks to have computed again (an FSDP2 unit's gathered parameters, resharded after the forward)
+    # are recomputed whatever the peak.
     asked = {id(o) for b in trc.bound_symbols if not _is_backward(b) and b.sym.recompute_in_backward is not None
              and b.sym.recompute_in_backward(b) for o in b.flat_outputs()}
     keep = set()
