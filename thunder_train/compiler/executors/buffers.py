@@ -34,7 +34,6 @@ background fusion replaces the program, its sets are freed (``release_replaced``
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import operator
@@ -47,17 +46,14 @@ from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
+from .arena import ALIGN as _ALIGN, SMALL as _SMALL, SMALL_ALIGN as _SMALL_ALIGN
+from .arena import fill as _fill, live_bytes as _live_bytes, pack as _pack
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
 # Every size is worth keeping: a large block saves its page faults, a small one the allocation itself (the model
 # zoo's tiny steps are 3-5 % faster keeping every size than keeping only blocks of 128 KiB and more).
 MIN_BYTES = 0
-_ALIGN = 64
-# Values under this many bytes are packed at 16-byte boundaries (any dtype's), not 64: they go after the larger ones
-# (``_pack`` places the largest first), whose offsets stay 64-byte aligned.  Their rounding is bytes the arena holds
-# beyond what the values need, which a line where the call may peak cannot afford (``plan``).
-_SMALL, _SMALL_ALIGN = 1024, 16
 # The arena may raise the plan's estimate of the peak by this much: the few scalars a call allocates while the arena
 # is full (64 KiB had put the zoo's tiny steps, whose peaks are 0.1-0.3 MiB, above eager's; docs/memory.md).
 PEAK_SLACK = 1024
@@ -428,7 +424,8 @@ def plan(trc):
     are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
     the peak of what it still allocates; when that is above the peak without buffers (by more than
     ``PEAK_SLACK``), candidates alive where the arena is fullest but not where the other allocations peak are
-    allocated again until it is not (or nothing is kept)."""
+    allocated again until it is not (or nothing is kept); then those dropped are placed again where they fit
+    (``arena.fill``: in the arena as it is, or growing it within the same rule)."""
     bsyms = trc.bound_symbols
     # id(value) -> ids of the storages it may share.  An input's is its own, not allocated by the call: a view of one
     # (``weight.T``) is no new memory (Falcon's fused step peaked 1.05x eager's).  Values handed in (a backward's) are
@@ -479,6 +476,7 @@ def plan(trc):
                 kept.add(k)
     if not kept:
         return 0, {}
+    candidates_kept = set(kept)
     n = len(bsyms)
     without = _live_bytes(storages, storages.keys(), n)  # bytes alive at each line
     natural = max(without)
@@ -538,6 +536,8 @@ def plan(trc):
                 drop((min(covering) if covering else max(away))[2])
                 continue
         if excess <= 0:
+            # (where a kernel's scratch is unknown the arena may not grow: see above)
+            nbytes = _fill(storages, assigned, nbytes, candidates_kept - kept, others, None if scratch else natural + slack)
             return nbytes, assigned
         if not movable:
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
@@ -549,41 +549,6 @@ def plan(trc):
         covering = [m for m in movable if m[0] >= excess]
         drop((min(covering) if covering else max(movable))[2])
     return 0, {}
-
-
-def _live_bytes(storages, keys, n, sizes=None) -> list:
-    """Bytes of the given storages alive at each line (their ``sizes``, a dict by key, if given)."""
-    delta = [0] * (n + 1)
-    for k in keys:
-        first, last, nbytes, _ = storages[k]
-        nbytes = nbytes if sizes is None else sizes[k]
-        delta[first] += nbytes
-        delta[last + 1] -= nbytes
-    live, cur = [], 0
-    for d in delta[:n]:
-        cur += d
-        live.append(cur)
-    return live
-
-
-def _pack(storages, kept):
-    """Offsets in one arena, largest values first, each at the lowest offset free of the values whose
-    storage lifetimes overlap its own: close to the peak of the kept values' bytes, and one allocation."""
-    items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
-    placed: list = []  # (offset, end, first line, last line), kept in order of offset (the planner calls this often)
-    assigned: dict = {}
-    for nbytes, first, end, key in items:
-        offset = 0
-        for lo, hi, f, l in placed:
-            if f > end or first > l:
-                continue  # lifetimes apart
-            if offset + nbytes <= lo:
-                break
-            if hi > offset:
-                offset = hi
-        bisect.insort(placed, (offset, offset + nbytes, first, end))
-        assigned[key] = (offset, nbytes, storages[key][3])
-    return max(hi for _, hi, _, _ in placed), assigned
 
 
 class BufferPool:
