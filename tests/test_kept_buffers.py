@@ -659,3 +659,30 @@ def test_relu_is_written_into_a_kept_buffer_unless_in_place(every_size):
     lines = [b for t in tt.last_traces(cf) for b in t.bound_symbols if getattr(b.sym, "fn", None) is F.relu]
     assert lines and all(buffers.out_form(b) is not None for b in lines)
     assert all(buffers.out_form(b.replace(kwargs={**b.kwargs, "inplace": True})) is None for b in lines)
+
+
+def test_values_the_plan_dropped_are_placed_again_where_they_fit():
+    """``arena.fill``: after the plan's rounds, a dropped value that fits in the arena as it is (its lifetime apart
+    from what sits there) is kept; one that grows the arena is kept only where the arena plus what the call allocates
+    beside it stays within the bound the rounds held (none where a kernel's scratch is unknown).  GPT-2's zoo step kept
+    34 of 87 candidates in 28.9 KB before (its recomputation made its step 8.6 % slower by that alone)."""
+    from thunder_train.compiler.executors import arena
+
+    # [first line, last line, bytes, value] of four storages over eight lines; the rounds kept only "a"
+    storages = {"a": [0, 3, 1024, "a"], "b": [4, 7, 1024, "b"], "c": [0, 7, 512, "c"], "d": [2, 5, 2048, "d"]}
+    dropped = {"b", "c", "d"}
+    others = arena.live_bytes(storages, dropped, 8)
+    limit = 1024 + max(others)  # the arena plus the others' peak, as the rounds left it
+
+    assigned = {"a": (0, 1024, "a")}
+    assert arena.fill(storages, assigned, 1024, dropped, list(others), None) == 1024
+    assert set(assigned) == {"a", "b"} and assigned["b"][:2] == (0, 1024)  # where "a" was, after it
+
+    assigned = {"a": (0, 1024, "a")}
+    size = arena.fill(storages, assigned, 1024, dropped, list(others), limit)
+    assert set(assigned) == set(storages) and size == 3584
+    assert size + max(arena.live_bytes(storages, set(storages) - set(assigned), 8)) <= limit
+    for x, (ox, nx, _) in assigned.items():  # values alive together never share bytes
+        for y, (oy, ny, _) in assigned.items():
+            together = not (storages[x][0] > storages[y][1] or storages[y][0] > storages[x][1])
+            assert x == y or not together or ox + nx <= oy or oy + ny <= ox, (x, y)
