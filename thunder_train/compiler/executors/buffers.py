@@ -537,7 +537,8 @@ def plan(trc):
                 continue
         if excess <= 0:
             # (where a kernel's scratch is unknown the arena may not grow: see above)
-            nbytes = _fill(storages, assigned, nbytes, candidates_kept - kept, others, None if scratch else natural + slack)
+            limit = None if scratch else natural + slack
+            nbytes = _fill(storages, assigned, nbytes, candidates_kept - kept, others, limit)
             return nbytes, assigned
         if not movable:
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's

@@ -115,15 +115,17 @@ PLAN_RESOLUTION = 0.005
 
 
 def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
-    """The cheap values (``chosen``, id -> proxy) worth recomputing in ``trc``: those whose copies lower the planned peak.
+    """The cheap values (``chosen``, id -> proxy) worth recomputing in ``trc``: those whose copies lower its planned
+    peak.
 
     A value kept instead of recomputed holds its bytes from its last forward read to the line that would recompute
     it.  Counted on the program recomputing them all, as the plan goes on to order it (``_settled``: its backward
     lines sunk where that lowers the peak), a value whose bytes fit under that program's peak (within
     ``PLAN_RESOLUTION``) over that stretch is kept: its recomputation would cost a kernel a step, cold inside the
-    backward, for no memory (ViT's second GELU: 2 % of its fused step, 7 % of its torch program).  Greedy, in the order of the copies; each kept value
-    raises the count for the next.  Should the kept values' program still plan a higher peak (sinking orders it
-    otherwise), all of them are recomputed, as before.  ``cache``: the programs probed (``_settled``)."""
+    backward, for no memory (ViT's second GELU: 2 % of its fused step, 7 % of its torch program).  Greedy, in the
+    order of the copies; each kept value raises the count for the next.  Should the kept values' program still plan
+    a higher peak (sinking orders it otherwise), all of them are recomputed, as before.  ``cache``: the programs
+    probed (``_settled``)."""
     if not chosen:
         return chosen
     every = _settled(trc, chosen, cache).final()
