@@ -40,18 +40,25 @@ def pack(storages, kept):
     return max(hi for _, hi, _, _ in placed), assigned
 
 
-def _first_fit(placed, nbytes, first, end) -> int:
-    """The lowest offset (aligned for ``nbytes``) where ``nbytes`` fit beside the ``placed`` values alive with them."""
+def _lowest_free(alive, nbytes) -> int:
+    """The lowest offset (aligned for ``nbytes``) where ``nbytes`` fit beside the ``alive`` (offset, end) spans,
+    given in order of offset."""
     align = SMALL_ALIGN if nbytes < SMALL else ALIGN
     offset = 0
-    for lo, hi, f, l in placed:
-        if f > end or first > l:
-            continue  # lifetimes apart
+    for lo, hi in alive:
         if offset + nbytes <= lo:
             break
         if hi > offset:
             offset = -(-hi // align) * align
     return offset
+
+
+def _first_fit(placed, nbytes, first, end) -> int:
+    """The lowest offset (aligned for ``nbytes``) where ``nbytes`` fit beside the ``placed`` values (offset, end,
+    first line, last line; in order of offset) alive with them.  Those are picked by a comprehension first: most
+    placed values are not alive with a given one (~10-15 % of pairs overlap on a T5 step, whose first call packs
+    ~30 times, ~150-350 values each time; a loop skipping them one by one took most of the planner's time there)."""
+    return _lowest_free([(lo, hi) for lo, hi, f, l in placed if f <= end and first <= l], nbytes)
 
 
 def fill(storages, assigned, arena, dropped, others, limit) -> int:
