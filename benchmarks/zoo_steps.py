@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import _zoo  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
+from thunder_train.compiler.pipeline import _fused_regions  # noqa: E402
 
 
 def run(name, steps, with_torch_compile, with_inductor, with_torch_program=False, clock=time.perf_counter, steady=False):
@@ -74,9 +75,10 @@ def run(name, steps, with_torch_compile, with_inductor, with_torch_program=False
                 losses[k].append(loss.detach())
     med = {k: statistics.median(v) for k, v in times.items()}
     same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(losses["tt thin (default)"], losses["eager"]))
-    if steady:  # the entry the timed steps ran is the one switched (else the torch program was timed)
-        switched = tt.compile_stats(fns["tt thin (default)"]).fusion_switches
-        print(f"{name}: the default's fused programs switched to: {switched}", flush=True)
+    if steady:  # the program the last call ran: the fused one (else the torch program was timed)
+        fused = _fused_regions(tt.last_traces(fns["tt thin (default)"])[-1])
+        print(f"{name}: the default's last call ran {'its fused program' if fused else 'its torch program'} "
+              f"({fused} fused regions)", flush=True)
     cells = "  ".join(f"{k} {med[k] * 1e3:6.2f} ms ({med['eager'] / med[k]:4.2f}x, first {first[k]:5.2f} s)" for k in fns)
     print(f"{name:20s} {cells}  losses match eager: {same}", flush=True)
     return {k: med["eager"] / med[k] for k in fns}
