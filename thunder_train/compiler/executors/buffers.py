@@ -47,7 +47,7 @@ from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .arena import ALIGN as _ALIGN, SMALL as _SMALL, SMALL_ALIGN as _SMALL_ALIGN
-from .arena import fill as _fill, live_bytes as _live_bytes, pack as _pack
+from .arena import fill as _fill, live_bytes as _live_bytes, overlaps as _overlaps, pack as _pack
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
@@ -477,6 +477,7 @@ def plan(trc):
     if not kept:
         return 0, {}
     candidates_kept = set(kept)
+    alive_with = _overlaps(storages, kept)  # for the rounds' packings (arena.pack)
     n = len(bsyms)
     without = _live_bytes(storages, storages.keys(), n)  # bytes alive at each line
     natural = max(without)
@@ -514,7 +515,7 @@ def plan(trc):
         if movable and fullest + most_others - natural - slack > max(movable)[0]:
             drop(max(movable)[2])
             continue
-        nbytes, assigned = _pack(storages, kept)
+        nbytes, assigned = _pack(storages, kept, alive_with)
         excess = nbytes + most_others - natural - slack
         if scratch:
             # A line whose kernel's scratch memory is unknown may be where the call peaks, above every line the plan
