@@ -686,3 +686,46 @@ def test_values_the_plan_dropped_are_placed_again_where_they_fit():
         for y, (oy, ny, _) in assigned.items():
             together = not (storages[x][0] > storages[y][1] or storages[y][0] > storages[x][1])
             assert x == y or not together or ox + nx <= oy or oy + ny <= ox, (x, y)
+
+
+def test_packing_places_values_alive_together_apart_at_the_lowest_free_offset():
+    """``arena.pack`` with the overlaps found once for the planner's rounds (``arena.overlaps``) gives every value the
+    lowest aligned offset free of the values placed before it (largest first) that are alive with it: checked
+    against that rule scanned value by value, on random lifetimes, for the whole set and for subsets of it (the
+    rounds pack subsets with the overlaps of the whole)."""
+    import random
+
+    from thunder_train.compiler.executors import arena
+
+    def lowest_free_by_scan(storages, kept):
+        items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
+        placed, offsets = [], {}
+        for nbytes, first, last, key in items:
+            align = arena.SMALL_ALIGN if nbytes < arena.SMALL else arena.ALIGN
+            offset = 0
+            for lo, hi, f, l in sorted(placed):
+                if f > last or first > l:
+                    continue
+                if offset + nbytes <= lo:
+                    break
+                offset = max(offset, -(-hi // align) * align)
+            placed.append((offset, offset + nbytes, first, last))
+            offsets[key] = offset
+        return max(hi for _, hi, _, _ in placed), offsets
+
+    rng = random.Random(0)
+    for trial in range(30):
+        n = rng.randint(5, 80)
+        storages = {}
+        for k in range(rng.randint(1, 60)):
+            first = rng.randrange(n)
+            storages[k] = [first, min(n - 1, first + rng.choice([0, 1, 3, 10, n])), rng.choice([16, 48, 64, 1000, 4096, 5000]), k]
+        alive_with = arena.overlaps(storages, storages)
+        for kept in (set(storages), {k for k in storages if rng.random() < 0.6} or {0}):
+            size, assigned = arena.pack(storages, kept, alive_with)
+            want_size, want = lowest_free_by_scan(storages, kept)
+            assert size == want_size and {k: v[0] for k, v in assigned.items()} == want, trial
+            for x, y in itertools.combinations(kept, 2):  # values alive together never share bytes
+                together = not (storages[x][0] > storages[y][1] or storages[y][0] > storages[x][1])
+                (ox, nx, _), (oy, ny, _) = assigned[x], assigned[y]
+                assert not together or ox + nx <= oy or oy + ny <= ox, (trial, x, y)
