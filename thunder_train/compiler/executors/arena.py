@@ -3,8 +3,6 @@ lowest offset free of the values whose storage lifetimes overlap its own.  A sto
 bytes, value]`` (bytes rounded to the alignment ``buffers._storage_bytes`` gives its size)."""
 from __future__ import annotations
 
-import bisect
-
 ALIGN = 64
 # Values under this many bytes are placed at 16-byte boundaries (any dtype's), not 64: ``pack`` places them after the
 # larger ones (the largest first), whose offsets stay 64-byte aligned.  Their rounding is bytes the arena holds beyond
@@ -36,14 +34,10 @@ def pack(storages, kept, alive_with=None):
     items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
     if alive_with is None:
         alive_with = overlaps(storages, kept)
-    spans: dict = {}  # key -> (offset, end) of each value placed so far
     assigned: dict = {}
     for nbytes, _, _, key in items:
-        # the values placed before it that are alive with it, in order of offset
-        offset = _lowest_free(sorted([spans[j] for j in alive_with[key] if j in spans]), nbytes)
-        spans[key] = (offset, offset + nbytes)
-        assigned[key] = (offset, nbytes, storages[key][3])
-    return max(hi for _, hi in spans.values()), assigned
+        assigned[key] = (_lowest_free(key, nbytes, assigned, alive_with), nbytes, storages[key][3])
+    return max(offset + nbytes for offset, nbytes, _ in assigned.values()), assigned
 
 
 def overlaps(storages, keys) -> dict:
@@ -61,12 +55,12 @@ def overlaps(storages, keys) -> dict:
     return alive_with
 
 
-def _lowest_free(alive, nbytes) -> int:
-    """The lowest offset (aligned for ``nbytes``) where ``nbytes`` fit beside the ``alive`` (offset, end) spans,
-    given in order of offset."""
+def _lowest_free(key, nbytes, assigned, alive_with) -> int:
+    """The lowest offset (aligned for ``nbytes``) where ``key``'s ``nbytes`` fit beside the values placed so far
+    (``assigned``: key -> (offset, bytes, value)) whose lifetimes overlap its own."""
     align = SMALL_ALIGN if nbytes < SMALL else ALIGN
     offset = 0
-    for lo, hi in alive:
+    for lo, hi in sorted([(assigned[j][0], assigned[j][0] + assigned[j][1]) for j in alive_with[key] if j in assigned]):
         if offset + nbytes <= lo:
             break
         if hi > offset:
@@ -74,25 +68,19 @@ def _lowest_free(alive, nbytes) -> int:
     return offset
 
 
-def _first_fit(placed, nbytes, first, end) -> int:
-    """The lowest offset (aligned for ``nbytes``) where ``nbytes`` fit beside the ``placed`` values (offset, end,
-    first line, last line; in order of offset) alive with them (``fill``: once per value it places)."""
-    return _lowest_free([(lo, hi) for lo, hi, f, l in placed if f <= end and first <= l], nbytes)
-
-
-def fill(storages, assigned, arena, dropped, others, limit) -> int:
+def fill(storages, assigned, arena, dropped, others, limit, alive_with=None) -> int:
     """The values the rounds of ``buffers.plan`` dropped, placed (largest first) at the lowest offset free over their
     whole lifetime; returns the arena's bytes.  ``others``: the bytes the call allocates beside the arena at each line
     (updated here).  A value that fits in the arena as it is only takes bytes from the others; one that grows it is
     placed where the arena and the others' peak stay within ``limit`` (never with no ``limit``).  The rounds drop
     values one by one until the rule on the peak holds and may end far below what fits: GPT-2's zoo step with its
     cheap recomputation kept 34 of 87 candidates in 28.9 KB, which was what the recomputation cost its step (+8.6 %
-    with kept buffers, +0.8 % without)."""
-    placed = sorted((offset, offset + nbytes, storages[k][0], storages[k][1])
-                    for k, (offset, nbytes, _) in assigned.items())
+    with kept buffers, +0.8 % without).  ``alive_with``: as for ``pack``, of a superset of both."""
+    if alive_with is None:
+        alive_with = overlaps(storages, set(assigned) | set(dropped))
     for key in sorted(dropped, key=lambda k: (-storages[k][2], storages[k][0])):
         first, end, nbytes, value = storages[key]
-        offset = _first_fit(placed, nbytes, first, end)
+        offset = _lowest_free(key, nbytes, assigned, alive_with)
         grown = max(arena, offset + nbytes)
         if grown > arena:
             if limit is None:
@@ -101,7 +89,6 @@ def fill(storages, assigned, arena, dropped, others, limit) -> int:
                        max(others[end + 1:], default=0))
             if grown + peak > limit:
                 continue
-        bisect.insort(placed, (offset, offset + nbytes, first, end))
         assigned[key] = (offset, nbytes, value)
         others[first:end + 1] = [o - nbytes for o in others[first:end + 1]]
         arena = grown

@@ -539,7 +539,7 @@ def plan(trc):
         if excess <= 0:
             # (where a kernel's scratch is unknown the arena may not grow: see above)
             limit = None if scratch else natural + slack
-            nbytes = _fill(storages, assigned, nbytes, candidates_kept - kept, others, limit)
+            nbytes = _fill(storages, assigned, nbytes, candidates_kept - kept, others, limit, alive_with)
             return nbytes, assigned
         if not movable:
             # Every value where the arena is fullest is alive where the others peak too: the excess is the packing's
