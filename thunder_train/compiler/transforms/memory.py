@@ -169,9 +169,7 @@ def _probe_curve(trc) -> tuple:
     kernel pair keeps between its two lines that the trace before executors does not show
     (``Symbol.torch_saved_statistics_bytes``: attention's output and log-sum-exp, which moved ViT's measured peak
     into its first attention backward)."""
-    lines = trc.bound_symbols
-    end = max((i for i, b in enumerate(lines) if _is_backward(b)), default=len(lines) - 1)
-    lines = lines[: end + 1]
+    lines = _through_backward(trc)
     curve = alive_bytes(lines, _returned(trc))
     forward_at: dict = {}
     for i, b in enumerate(lines):
@@ -349,9 +347,14 @@ def _returned(trc) -> set:
 
 def _peak_of(trc) -> int:
     """The planned peak up to the backward's last line (the optimizer's functional updates become in-place writes)."""
+    return planned_peak(_through_backward(trc), _returned(trc))
+
+
+def _through_backward(trc) -> list:
+    """The lines up to the backward's last (all of them without a backward): what the plans count."""
     lines = trc.bound_symbols
     last = max((i for i, b in enumerate(lines) if _is_backward(b)), default=len(lines) - 1)
-    return planned_peak(lines[: last + 1], _returned(trc))
+    return lines[: last + 1]
 
 
 def plan_split(fwd_part, bwd_part, outputs, input_ids, make_name, memory_budget: float | None = None):
