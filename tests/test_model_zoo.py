@@ -193,7 +193,7 @@ def test_weight_used_transposed_trains_like_eager(thin):
 
 
 # One model of each family: each fused step compiles its regions with Inductor (seconds, cached on disk).
-FUSED = ["gpt2", "llama", "bert_cls", "t5", "vit", "transformer_encoder", "resnet"]
+FUSED = ["gpt2", "llama", "bert_cls", "t5", "vit", "transformer_encoder", "resnet", "deepseek_v3"]
 
 
 @pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")

@@ -520,6 +520,10 @@ def test_forward_statistics_are_declared_on_ops_with_a_fused_backward():
     # The forward that keeps eager's autograd graph for its backward line: attention's math kernel alone.
     kept = [op.name for op in _all_symbols() if op.torch_kept_graph is not None]
     assert kept == ["scaled_dot_product_attention"]
+    # Fused programs only: attention with value heads narrower than the key's, on flash with the value padded.
+    other = [op.name for op in _all_symbols() if op.torch_fused_program_pair is not None]
+    assert other == ["scaled_dot_product_attention"] and all(
+        "fused_backward" in op.tags for op in _all_symbols() if op.torch_fused_program_pair is not None)
 
 
 def test_direct_vjps_that_apply_to_some_calls_say_which():

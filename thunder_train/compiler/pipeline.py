@@ -41,6 +41,7 @@ from .transforms.remat import in_region
 from .transforms.no_grad import without_autograd
 from .transforms.opaque_grad import free_graphs_at_last_vjp
 from .executors.saved_statistics import reuse_forward_statistics
+from .executors import narrow_value_attention  # noqa: F401  (registers the fused programs' attention pair)
 from .executors.blocked_head import block_the_head, whole_logits_bytes
 from .executors.into_dead_grad import gelu_grad_in_place, regions_into_dead_inputs
 from .executors.sums_in_place import scatters_into_sums, sums_in_place
@@ -221,7 +222,7 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)",
-                                       keep_graphs=keep_graphs)
+                                       keep_graphs=keep_graphs, fused=fusion is not None)
         # A scatter_add whose first operand dies there (gradient sums of weight[e]) is written into it
         # (executors/sums_in_place.py).
         trc = sums_in_place(trc, header=f"Final computation (executors: {names}; scatter_add written into its dead first operand)")

@@ -122,6 +122,9 @@ class Symbol:
     # torch executor: rewrite of such a pair whose forward keeps eager's autograd graph, or what that graph keeps (an
     # attention whose mask needs a gradient: the math kernel's probabilities, executors/attention_math.py)
     torch_kept_graph = None
+    # torch executor, fused programs only (they round otherwise than eager anyway): rewrite of such a pair onto
+    # kernels eager does not run for the call (attention with narrower value heads: executors/narrow_value_attention.py)
+    torch_fused_program_pair = None
     # torch executor: (forward line) -> bytes the forward keeps for its paired backward line beyond what the trace
     # before executors shows (attention's output and log-sum-exp; the memory plan's probe counts them)
     torch_saved_statistics_bytes = None

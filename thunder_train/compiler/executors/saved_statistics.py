@@ -23,6 +23,8 @@ asks for memory (checkpoint regions, a budget); one whose mask requires grad (T5
 (no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
 (``one_kv_head``): kept graphs made its step 10 % slower than the decomposition, the flash pair cuts about forty
 calls a layer; its values round as flash's, not the math kernel's (as the decomposition's did not either).
+In a fused program, attention with value heads narrower than the key's runs flash on the padded value instead
+(executors/narrow_value_attention.py).
 
 Except that one, these are the kernels eager PyTorch runs for the same calls, so values are bitwise
 equal (cross-entropy's backward writes into the log-probabilities, which nothing reads
@@ -299,15 +301,12 @@ def group_norm_backward(g, input, mean, rstd, weight, num_groups, which):
 
 
 for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash_cpu_bool_masked, sdpa_flash_cpu_backward,
-           laid_out_as,
-           sdpa_keeping_graph,
-           sdpa_graph_backward, cross_entropy_with_stats,
+           laid_out_as, sdpa_keeping_graph, sdpa_graph_backward, cross_entropy_with_stats,
            cross_entropy_with_stats_out, cross_entropy_into_logits, cross_entropy_backward_into_logp,
            layer_norm_with_stats, layer_norm_backward, batch_norm_with_stats, batch_norm_backward,
            group_norm_with_stats, group_norm_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
-    setattr(torch_impls, _f.__name__, _f)
-    # The arguments whose memory the results may share (executors/buffers.py): none, but the one a line writes into.
+    setattr(torch_impls, _f.__name__, _f)  # results share no argument's memory but the one a line writes into
     _f.aliases = {cross_entropy_backward_into_logp: (1,), cross_entropy_into_logits: (0,)}.get(_f, ())
 
 
@@ -768,9 +767,10 @@ def _overwrite_dead_logits(trc, bsyms) -> list:
     return out
 
 
-def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept", keep_graphs=True):
+def reuse_forward_statistics(trc, header="Backward kernels read the statistics their forward kept", keep_graphs=True, fused=False):
     """``keep_graphs``: a forward no kernel pair covers may keep eager's autograd graph for its backward
-    (``Symbol.torch_kept_graph``); False where the program asks for memory (a checkpoint region, a budget)."""
+    (``Symbol.torch_kept_graph``), in a ``fused`` program first another kernel pair (``torch_fused_program_pair``:
+    executors/narrow_value_attention.py); False where the program asks for memory (a checkpoint region, a budget)."""
     bsyms = list(trc.bound_symbols)
     changed = False
     for j, vb in enumerate(bsyms):
@@ -785,9 +785,9 @@ def reuse_forward_statistics(trc, header="Backward kernels read the statistics t
                 continue
             if getattr(fb.sym, "fn", None) is vjp.fn and _same_call(fb, vb, getattr(rewrite, "recomputed_inputs_ok", False)):
                 pair = rewrite(trc, fb, vb, vjp.wanted)
-                kept_graph = getattr(op, "torch_kept_graph", None) if keep_graphs else None
-                if pair is None and kept_graph is not None:
-                    pair = kept_graph(trc, fb, vb, vjp.wanted)
+                for other in ((op.torch_fused_program_pair if fused else None, op.torch_kept_graph) if keep_graphs else ()):
+                    if pair is None and other is not None:
+                        pair = other(trc, fb, vb, vjp.wanted)
                 if pair is not None:
                     bsyms[i], bsyms[j] = pair
                     changed = True
