@@ -336,7 +336,22 @@ def _(bsym):
     a, lo, hi = bsym.args[:3]
     st = bsym.args[3] if len(bsym.args) > 3 and bsym.args[3] is not None else (1,) * len(lo)
     key = tuple(slice(l, h, s) for l, h, s in zip(lo, hi, st))
-    return torch.Tensor.__getitem__, (a, key), {}
+    return torch.Tensor.__getitem__, (a, _short_key(key, a._tt_shape)), {}
+
+
+def _short_key(key, shape):
+    """A slicing key without the slices that keep a whole dimension: trailing ones dropped, leading ones an Ellipsis
+    where one dimension is sliced, the last (``x[..., 0:8:1]``: half the call's time of a slice per dimension).  Only
+    with every size and bound a number (a symbolic size may differ from its traced value at run time)."""
+    if not all(type(n) is int for n in shape) or not all(type(v) is int for k in key for v in (k.start, k.stop, k.step)):
+        return key
+    whole = [k.start == 0 and k.stop >= n and k.step == 1 for k, n in zip(key, shape)]
+    last = max((i for i, w in enumerate(whole) if not w), default=-1)
+    if last == -1:
+        return key  # nothing sliced: kept as traced (drop_identity_views drops the line)
+    if last == len(shape) - 1 and all(whole[:last]) and last > 0:
+        return (Ellipsis, key[last])
+    return key[:last + 1]
 
 
 @_rule(prims.squeeze)
