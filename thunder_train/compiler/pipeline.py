@@ -28,6 +28,7 @@ from .executors.buffers import keep_large_buffers
 from .executors.constants import fold_constants
 from .executors.duplicates import merge_duplicates
 from .executors.decided_layouts import decide_layouts
+from .executors.row_major_weight_grads import row_major_weight_grads
 from .executors.identity_views import drop_identity_views
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
@@ -248,7 +249,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     trc = late_waits(prefetch(trc))
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
-    trc = decide_layouts(trc)
+    #     A weight used transposed gets its gradient row-major, as eager makes it (executors/row_major_weight_grads.py).
+    trc = row_major_weight_grads(decide_layouts(trc))
     # 7b. A call repeated while its first result is alive reads it (executors/duplicates.py); lines computing
     #     constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
     trc = fold_constants(merge_duplicates(trc))

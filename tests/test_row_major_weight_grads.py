@@ -1,0 +1,61 @@
+"""A weight used transposed (``x @ W.T``, Falcon's linear layers) gets its gradient as eager's ``mm`` backward makes
+it (executors/row_major_weight_grads.py): ``gᵀ x`` row-major, not ``(xᵀ g)ᵀ`` copied into the parameter's layout
+(which rounded otherwise on a 3-d activation).  Compared with eager after every step: the torch program bitwise,
+the fused one within its tolerance; the gradients' layouts equal eager's."""
+import copy
+
+import pytest
+import torch
+
+import thunder_train as tt
+from _inductor import cxx_available
+
+needs_inductor = pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
+
+
+class TransposedUse(torch.nn.Module):
+    """Two weights used as ``x @ W.T`` on one 2-d input (its transpose is then shared by both gradients), and one
+    on a 3-d activation (the gradient's own ``permute`` of the flattened activation is folded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(24, 16) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(24, 16) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(8, 24) * 0.2)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w1.T) * torch.sigmoid(x @ self.w2.T)
+        return h.view(2, -1, 24) @ self.w3.T
+
+
+def _step(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _train_both(fusion, exact):
+    torch.manual_seed(0)
+    me = TransposedUse()
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (me, mc))
+    cf = tt.compile(_step, thin=True, fusion=fusion)
+    g = torch.Generator().manual_seed(1)
+    close = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    for i in range(3):
+        x, y = torch.randn(12, 16, generator=g), torch.randn(2, 6, 8, generator=g)
+        assert close(cf(mc, oc, x, y), _step(me, oe, x, y)), i
+        for (n, pe), pc in zip(me.named_parameters(), mc.parameters()):
+            assert close(pc, pe) and close(pc.grad, pe.grad), (i, n)
+            assert pc.grad.stride() == pe.grad.stride() == pe.stride(), (i, n, pc.grad.stride())
+        oe.zero_grad()
+        oc.zero_grad()
+    return str(tt.last_traces(cf)[-1])
+
+
+@pytest.mark.parametrize("fusion", [None, pytest.param("inductor", marks=needs_inductor)])
+def test_transposed_weights_gradients_are_made_row_major_as_eager_makes_them(fusion):
+    src = _train_both(fusion, exact=fusion is None)
+    assert "grad_copy(" not in src, src
+    assert src.count("the transposed weight's gradient row-major, as eager makes it") == 3, src
