@@ -37,6 +37,20 @@ def matmul(a, b):
     return TensorProxy(shape=_matmul_shape(a._tt_shape, b._tt_shape), dtype=a._tt_dtype, device=common_device([a, b], "matmul"))
 
 
+def _column_major(x) -> bool:
+    """A matrix laid out column-major (strides ``(1, rows)``, traced: eager's layout), which eager's backward of
+    ``mm`` asks of each operand (``MmBackward0`` keeps their strides): for such an operand it computes the gradient's
+    transpose, row-major, and transposes it (``mm_mat1_backward`` / ``mm_mat2_backward``), a product whose sums run
+    in another order than the plain formula's.  A weight used as ``x @ W.T`` is one: ``W.grad = gᵀ x``, row-major."""
+    strides = getattr(x, "_tt_strides", None)
+    return (x.ndim_ == 2 and strides is not None and all(type(v) is int for v in (*strides, *x._tt_shape))
+            and strides[0] == 1 and strides[1] == x._tt_shape[0])
+
+
+def _t(x):
+    return prims.transpose(x, (1, 0))
+
+
 @register_vjp(matmul)
 def matmul_vjp(g, out, /, a, b):
     if a.ndim_ == 1 and b.ndim_ == 1:
@@ -47,12 +61,17 @@ def matmul_vjp(g, out, /, a, b):
     B = unsqueeze(b, -1) if b.ndim_ == 1 else b
     G = unsqueeze(g, -2) if a.ndim_ == 1 else g
     G = unsqueeze(G, -1) if b.ndim_ == 1 else G
-    ga = sum_to(prims.matmul(G, swap_last_two(B)), A._tt_shape)
-    if B.ndim_ == 2 and A.ndim_ > 2:
-        # Fold the batch into the rows: one (K, M·batch) @ (M·batch, N) product.
+    if a.ndim_ == 2 and b.ndim_ == 2 and _column_major(a):
+        ga = _t(prims.matmul(b, _t(g)))  # eager's mm_mat1_backward for a column-major first operand
+    else:
+        ga = sum_to(prims.matmul(G, swap_last_two(B)), A._tt_shape)
+    if b.ndim_ == 2:
+        # A 2-d second operand is mm's (eager folds a batch of first operands into its rows, and a vector is one row):
+        # one (K, M·batch) @ (M·batch, N) product, or for a column-major operand its transpose computed row-major
+        # (mm_mat2_backward).
         k, n = B._tt_shape
-        rows_a = reshape(A, (A.numel_() // k, k))
-        gb = prims.matmul(prims.transpose(rows_a, (1, 0)), reshape(G, (G.numel_() // n, n)))
+        rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (A.numel_() // k, k)), reshape(G, (G.numel_() // n, n)))
+        gb = _t(prims.matmul(_t(rows_g), rows_a)) if _column_major(b) else prims.matmul(_t(rows_a), rows_g)
     else:
         gb = sum_to(prims.matmul(swap_last_two(A), G), B._tt_shape)
     return {"a": reshape(ga, a._tt_shape), "b": reshape(gb, b._tt_shape)}
