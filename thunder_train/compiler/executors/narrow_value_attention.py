@@ -21,8 +21,8 @@ from .. import dtypes
 from ..proxies import TensorProxy, meta_tensor
 from ..torchlang import attention as ltorch_attention
 from . import torch_impls
-from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind, _dense_order, _flash_is_eagers, _new_proxy, \
-    sdpa_flash_cpu_backward
+from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind, _dense_order, _empty_like_proxy, _flash_is_eagers, \
+    _new_proxy, sdpa_flash_cpu_backward
 from .torch_executor import impl_symbol
 
 
@@ -81,13 +81,11 @@ for _f in (sdpa_flash_cpu_narrow_value, sdpa_flash_cpu_narrow_value_backward):
 def _flash_takes_padded(q, k, v, is_causal, scale) -> bool:
     """Whether eager's selector picks the CPU flash kernel for q, k and v padded to k's width (a fresh, row-major
     tensor), asked on uninitialised tensors of the operands' sizes, strides and dtype."""
-    def empty(t, shape=None):
-        if shape is not None:
-            return torch.empty(shape, dtype=t._tt_dtype.torch)
-        return torch.empty_strided(tuple(t._tt_shape), tuple(t._tt_strides), dtype=t._tt_dtype.torch)
-    if any(getattr(t, "_tt_strides", None) is None for t in (q, k)):
+    query, key = _empty_like_proxy(q), _empty_like_proxy(k)
+    if query is None or key is None:
         return False
-    return _flash_is_eagers(empty(q), empty(k), empty(v, (*v._tt_shape[:-1], k._tt_shape[-1])), is_causal, scale)
+    padded = torch.empty((*v._tt_shape[:-1], k._tt_shape[-1]), dtype=v._tt_dtype.torch)
+    return _flash_is_eagers(query, key, padded, is_causal, scale)
 
 
 def _traced_strides(t):
@@ -137,12 +135,13 @@ def narrow_value_pair(trc, fwd, vjp, positions):
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     out = _new_proxy(trc, "flash_out", padded_shape, q._tt_dtype, q._tt_device, strides=tuple(mo.stride()))
     lse = _new_proxy(trc, "lse", (bq, hq, shapes[0][2]), lse_dtype, q._tt_device, strides=tuple(mlse.stride()))
-    new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_narrow_value), args=(q, k, v, laid_out[0], b["is_causal"], b["scale"]),
-                          kwargs={}, output=(fwd.output, out, lse),
-                          comment="flash on v padded to the key's width (fused program: rounds as flash); keeps the padded output and log-sum-exp")
-    new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_narrow_value_backward),
-                          args=(vjp.args[0], bv["query"], bv["key"], bv["value"], out, lse, b["is_causal"], b["scale"], which, laid_out[1:]),
-                          kwargs={})
+    new_fwd = fwd.replace(sym=impl_symbol(sdpa_flash_cpu_narrow_value), kwargs={}, output=(fwd.output, out, lse),
+                          args=(q, k, v, laid_out[0], b["is_causal"], b["scale"]),
+                          comment="flash on v padded to the key's width (a fused program: rounds as flash); keeps the "
+                                  "padded output and log-sum-exp")
+    new_vjp = vjp.replace(sym=impl_symbol(sdpa_flash_cpu_narrow_value_backward), kwargs={},
+                          args=(vjp.args[0], bv["query"], bv["key"], bv["value"], out, lse, b["is_causal"], b["scale"],
+                                which, laid_out[1:]))
     return new_fwd, new_vjp
 
 
