@@ -65,8 +65,9 @@ def test_transposed_weights_gradients_are_made_row_major_as_eager_makes_them(fus
 
 class ProductsOfActivations(torch.nn.Module):
     """A similarity matrix of two activations (``a @ b.T``, CLIP's logits: the second operand column-major), a
-    product whose first operand is an activation transposed (``a.T @ W``, column-major), and a vector's product
-    with a column-major matrix (eager's ``mm`` on the vector as one row)."""
+    product whose first operand is an activation transposed (``a.T @ W``, column-major), a vector's product with a
+    column-major matrix (eager's ``mm`` on the vector as one row), and a batch of one transposed matrix times a
+    matrix (eager's folded rows are then a column-major view)."""
 
     def __init__(self):
         super().__init__()
@@ -76,12 +77,31 @@ class ProductsOfActivations(torch.nn.Module):
 
     def forward(self, x):
         a, b = torch.tanh(self.p(x)), torch.sigmoid(self.q(x))
-        return torch.tanh(a @ b.T).mean() + torch.tanh(a.T @ self.w).mean() + torch.tanh(a[0] @ b.T).mean()
+        batch_of_one = torch.tanh(a[:, :8]).contiguous().unsqueeze(0).mT  # (1, 8, 12): its folded rows column-major
+        return (torch.tanh(a @ b.T).mean() + torch.tanh(a.T @ self.w).mean() + torch.tanh(a[0] @ b.T).mean()
+                + torch.tanh(batch_of_one @ self.w).mean())
 
 
-def test_column_major_operands_of_activations_are_differentiated_bitwise_as_eager():
+class MatrixTimesBatch(torch.nn.Module):
+    """A matrix times a batch of matrices (token mixing, ``W @ h``): with the matrix requiring grad eager folds the
+    batch into one ``mm``; with a constant matrix it multiplies batch by batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 12) * 0.3)
+        self.v = torch.nn.Parameter(torch.randn(12, 8).t() * 0.3)  # column-major
+        self.p = torch.nn.Linear(16, 10)
+        self.register_buffer("c", torch.randn(6, 12))
+
+    def forward(self, x):
+        h = torch.tanh(self.p(x)).reshape(2, 12, 5)
+        return torch.tanh(self.w @ h).mean() + torch.tanh(self.c @ h).mean() + torch.tanh(self.v @ h[:1]).mean()
+
+
+@pytest.mark.parametrize("make", [ProductsOfActivations, MatrixTimesBatch])
+def test_column_major_operands_of_activations_are_differentiated_bitwise_as_eager(make):
     torch.manual_seed(0)
-    me = ProductsOfActivations()
+    me = make()
     mc = copy.deepcopy(me)
     oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
 

@@ -51,8 +51,26 @@ def _t(x):
     return prims.transpose(x, (1, 0))
 
 
+def _matrix_times_batch_vjp(g, a, b):
+    """``a @ b`` for a matrix ``a`` (M, K) requiring grad and a batch ``b`` (..., K, N): eager folds the batch into
+    the rows of one ``mm`` of ``bᵀ`` (rows of K) by ``aᵀ`` and transposes the result back; the gradients are that
+    ``mm``'s (``aᵀ`` is column-major unless ``a`` is), not a batched product summed over the batch."""
+    (m, k), n = a._tt_shape, b._tt_shape[-1]
+    rows = b.numel_() // k
+    t1f = reshape(swap_last_two(b), (rows, k))
+    gp = reshape(swap_last_two(g), (rows, m))
+    ga = _t(prims.matmul(_t(t1f), gp)) if _column_major(a) else prims.matmul(_t(gp), t1f)
+    # bᵀ folded is a view where it can be (a batch of one): column-major then, and mm_mat1_backward transposes too
+    rows_grad = _t(prims.matmul(_t(a), _t(gp))) if _column_major(t1f) else prims.matmul(gp, a)
+    gb = swap_last_two(reshape(rows_grad, (*b._tt_shape[:-2], n, k)))
+    return {"a": ga, "b": gb}
+
+
 @register_vjp(matmul)
 def matmul_vjp(g, out, /, a, b):
+    if a.ndim_ == 2 and b.ndim_ >= 3 and a._tt_requires_grad and all(type(s) is int and s > 0
+                                                                       for s in (*a._tt_shape, *b._tt_shape)):
+        return _matrix_times_batch_vjp(g, a, b)
     if a.ndim_ == 1 and b.ndim_ == 1:
         gs = prims.broadcast_in_dim(g, a._tt_shape, ())
         return {"a": prims.mul(gs, b), "b": prims.mul(gs, a)}
@@ -61,19 +79,21 @@ def matmul_vjp(g, out, /, a, b):
     B = unsqueeze(b, -1) if b.ndim_ == 1 else b
     G = unsqueeze(g, -2) if a.ndim_ == 1 else g
     G = unsqueeze(G, -1) if b.ndim_ == 1 else G
-    if a.ndim_ == 2 and b.ndim_ == 2 and _column_major(a):
-        ga = _t(prims.matmul(b, _t(g)))  # eager's mm_mat1_backward for a column-major first operand
-    else:
-        ga = sum_to(prims.matmul(G, swap_last_two(B)), A._tt_shape)
+    ga = None
     if b.ndim_ == 2:
         # A 2-d second operand is mm's (eager folds a batch of first operands into its rows, and a vector is one row):
         # one (K, M·batch) @ (M·batch, N) product, or for a column-major operand its transpose computed row-major
-        # (mm_mat2_backward).
+        # (mm_mat2_backward); the folded first operand is column-major where it is a transposed matrix (or a batch of
+        # one), whose gradient mm_mat1_backward computes transposed too.
         k, n = B._tt_shape
         rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (A.numel_() // k, k)), reshape(G, (G.numel_() // n, n)))
         gb = _t(prims.matmul(_t(rows_g), rows_a)) if _column_major(b) else prims.matmul(_t(rows_a), rows_g)
+        if a.ndim_ >= 2 and _column_major(rows_a):
+            ga = _t(prims.matmul(b, _t(rows_g)))
     else:
         gb = sum_to(prims.matmul(swap_last_two(A), G), B._tt_shape)
+    if ga is None:
+        ga = sum_to(prims.matmul(G, swap_last_two(B)), A._tt_shape)
     return {"a": reshape(ga, a._tt_shape), "b": reshape(gb, b._tt_shape)}
 
 
