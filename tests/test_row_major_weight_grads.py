@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import thunder_train as tt
 from _inductor import cxx_available
@@ -98,7 +99,25 @@ class MatrixTimesBatch(torch.nn.Module):
         return torch.tanh(self.w @ h).mean() + torch.tanh(self.c @ h).mean() + torch.tanh(self.v @ h[:1]).mean()
 
 
-@pytest.mark.parametrize("make", [ProductsOfActivations, MatrixTimesBatch])
+class LinearLayouts(torch.nn.Module):
+    """``F.linear`` on a transposed input (2-d, and a transposed batch of one) and with a weight stored column-major:
+    eager's ``mm`` backward computes those operands' gradients transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 12) * 0.3)
+        self.wc = torch.nn.Parameter(torch.randn(12, 6).t() * 0.3)
+        self.b = torch.nn.Parameter(torch.zeros(6))
+        self.p = torch.nn.Linear(16, 12)
+
+    def forward(self, x):
+        h = torch.tanh(self.p(x))  # (12, 12)
+        return (torch.tanh(F.linear(h.T, self.w, self.b)).mean() + torch.tanh(F.linear(h, self.wc)).mean()
+                + torch.tanh(F.linear(h.reshape(2, 6, 12), self.wc, self.b)).mean()
+                + torch.tanh(F.linear(h.unsqueeze(0).mT, self.w)).mean())
+
+
+@pytest.mark.parametrize("make", [ProductsOfActivations, MatrixTimesBatch, LinearLayouts])
 def test_column_major_operands_of_activations_are_differentiated_bitwise_as_eager(make):
     torch.manual_seed(0)
     me = make()

@@ -37,7 +37,7 @@ def matmul(a, b):
     return TensorProxy(shape=_matmul_shape(a._tt_shape, b._tt_shape), dtype=a._tt_dtype, device=common_device([a, b], "matmul"))
 
 
-def _column_major(x) -> bool:
+def column_major(x) -> bool:
     """A matrix laid out column-major (strides ``(1, rows)``, traced: eager's layout), which eager's backward of
     ``mm`` asks of each operand (``MmBackward0`` keeps their strides): for such an operand it computes the gradient's
     transpose, row-major, and transposes it (``mm_mat1_backward`` / ``mm_mat2_backward``), a product whose sums run
@@ -47,7 +47,7 @@ def _column_major(x) -> bool:
             and strides[0] == 1 and strides[1] == x._tt_shape[0])
 
 
-def _t(x):
+def transposed(x):
     return prims.transpose(x, (1, 0))
 
 
@@ -59,9 +59,9 @@ def _matrix_times_batch_vjp(g, a, b):
     rows = b.numel_() // k
     t1f = reshape(swap_last_two(b), (rows, k))
     gp = reshape(swap_last_two(g), (rows, m))
-    ga = _t(prims.matmul(_t(t1f), gp)) if _column_major(a) else prims.matmul(_t(gp), t1f)
+    ga = transposed(prims.matmul(transposed(t1f), gp)) if column_major(a) else prims.matmul(transposed(gp), t1f)
     # bᵀ folded is a view where it can be (a batch of one): column-major then, and mm_mat1_backward transposes too
-    rows_grad = _t(prims.matmul(_t(a), _t(gp))) if _column_major(t1f) else prims.matmul(gp, a)
+    rows_grad = transposed(prims.matmul(transposed(a), transposed(gp))) if column_major(t1f) else prims.matmul(gp, a)
     gb = swap_last_two(reshape(rows_grad, (*b._tt_shape[:-2], n, k)))
     return {"a": ga, "b": gb}
 
@@ -87,9 +87,10 @@ def matmul_vjp(g, out, /, a, b):
         # one), whose gradient mm_mat1_backward computes transposed too.
         k, n = B._tt_shape
         rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (A.numel_() // k, k)), reshape(G, (G.numel_() // n, n)))
-        gb = _t(prims.matmul(_t(rows_g), rows_a)) if _column_major(b) else prims.matmul(_t(rows_a), rows_g)
-        if a.ndim_ >= 2 and _column_major(rows_a):
-            ga = _t(prims.matmul(b, _t(rows_g)))
+        gb = (transposed(prims.matmul(transposed(rows_g), rows_a)) if column_major(b)
+              else prims.matmul(transposed(rows_a), rows_g))
+        if a.ndim_ >= 2 and column_major(rows_a):
+            ga = transposed(prims.matmul(b, transposed(rows_g)))
     else:
         gb = sum_to(prims.matmul(swap_last_two(A), G), B._tt_shape)
     if ga is None:

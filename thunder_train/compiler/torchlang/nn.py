@@ -12,6 +12,7 @@ from .. import clang, dtypes, prims
 from ..clang import downcast_like, is_tensor
 from ..grad_rules import register_vjp
 from ..prims.core import zeros_like
+from ..prims.linalg import column_major, transposed
 from .autocast import LOWER  # autocast policies: see autocast.py
 from .matmul_precision import precision_switches
 from .helpers import ntuple
@@ -28,12 +29,14 @@ def linear(input, weight, bias=None):
 
 @register_vjp(linear, supports=lambda input, weight, bias=None: weight.ndim_ == 2 and input._tt_dtype is weight._tt_dtype)
 def _linear_vjp(g, out, /, input, weight, bias=None):
+    # Eager's linear is mm(x, Wᵀ) on the input's rows: an operand laid out column-major (a transposed input, a weight
+    # stored transposed) gets its gradient computed transposed, as eager's mm backward does (prims/linalg.py).
     n_out, n_in = weight._tt_shape
     g2 = clang.reshape(g, (-1, n_out))
-    grads = {
-        "input": clang.reshape(prims.matmul(g2, weight), input._tt_shape),
-        "weight": prims.matmul(clang.transpose(g2, 0, 1), clang.reshape(input, (-1, n_in))),
-    }
+    x2 = clang.reshape(input, (-1, n_in))
+    gx = transposed(prims.matmul(transposed(weight), transposed(g2))) if column_major(x2) else prims.matmul(g2, weight)
+    gw = transposed(prims.matmul(transposed(x2), g2)) if column_major(weight) else prims.matmul(transposed(g2), x2)
+    grads = {"input": clang.reshape(gx, input._tt_shape), "weight": gw}
     if is_tensor(bias):
         grads["bias"] = downcast_like(prims.sum(g2, (0,)), bias)
     return grads
