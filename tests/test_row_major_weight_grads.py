@@ -84,19 +84,23 @@ class ProductsOfActivations(torch.nn.Module):
 
 
 class MatrixTimesBatch(torch.nn.Module):
-    """A matrix times a batch of matrices (token mixing, ``W @ h``): with the matrix requiring grad eager folds the
-    batch into one ``mm``; with a constant matrix it multiplies batch by batch."""
+    """A matrix times a batch of matrices (token mixing, ``W @ h``): with the matrix requiring grad (a parameter, an
+    activation) eager folds the batch into one ``mm``, forward and backward; with a constant matrix it multiplies
+    batch by batch."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(8, 12) * 0.3)
         self.v = torch.nn.Parameter(torch.randn(12, 8).t() * 0.3)  # column-major
         self.p = torch.nn.Linear(16, 10)
+        self.q = torch.nn.Linear(16, 12)
         self.register_buffer("c", torch.randn(6, 12))
 
     def forward(self, x):
         h = torch.tanh(self.p(x)).reshape(2, 12, 5)
-        return torch.tanh(self.w @ h).mean() + torch.tanh(self.c @ h).mean() + torch.tanh(self.v @ h[:1]).mean()
+        a = torch.tanh(self.q(x))[:8]  # an activation requiring grad: eager folds too, forward and backward
+        return (torch.tanh(self.w @ h).mean() + torch.tanh(self.c @ h).mean() + torch.tanh(self.v @ h[:1]).mean()
+                + torch.tanh(a @ h).mean())
 
 
 class LinearLayouts(torch.nn.Module):

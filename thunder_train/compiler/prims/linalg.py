@@ -51,26 +51,8 @@ def transposed(x):
     return prims.transpose(x, (1, 0))
 
 
-def _matrix_times_batch_vjp(g, a, b):
-    """``a @ b`` for a matrix ``a`` (M, K) requiring grad and a batch ``b`` (..., K, N): eager folds the batch into
-    the rows of one ``mm`` of ``bᵀ`` (rows of K) by ``aᵀ`` and transposes the result back; the gradients are that
-    ``mm``'s (``aᵀ`` is column-major unless ``a`` is), not a batched product summed over the batch."""
-    (m, k), n = a._tt_shape, b._tt_shape[-1]
-    rows = b.numel_() // k
-    t1f = reshape(swap_last_two(b), (rows, k))
-    gp = reshape(swap_last_two(g), (rows, m))
-    ga = transposed(prims.matmul(transposed(t1f), gp)) if column_major(a) else prims.matmul(transposed(gp), t1f)
-    # bᵀ folded is a view where it can be (a batch of one): column-major then, and mm_mat1_backward transposes too
-    rows_grad = transposed(prims.matmul(transposed(a), transposed(gp))) if column_major(t1f) else prims.matmul(gp, a)
-    gb = swap_last_two(reshape(rows_grad, (*b._tt_shape[:-2], n, k)))
-    return {"a": ga, "b": gb}
-
-
 @register_vjp(matmul)
 def matmul_vjp(g, out, /, a, b):
-    if a.ndim_ == 2 and b.ndim_ >= 3 and a._tt_requires_grad and all(type(s) is int and s > 0
-                                                                       for s in (*a._tt_shape, *b._tt_shape)):
-        return _matrix_times_batch_vjp(g, a, b)
     if a.ndim_ == 1 and b.ndim_ == 1:
         gs = prims.broadcast_in_dim(g, a._tt_shape, ())
         return {"a": prims.mul(gs, b), "b": prims.mul(gs, a)}

@@ -10,7 +10,7 @@ from .. import clang, prims
 from .autocast import EINSUM, LOWER, PROMOTE  # autocast policies: see autocast.py
 from .matmul_precision import precision_switches
 from .elementwise_composed import _real
-from ..proxies import is_int
+from ..proxies import TensorProxy, is_int
 from ..opaque import meta_rule
 from .registry import composed, torchsymbol
 
@@ -24,7 +24,44 @@ def _matmul(a, b):
 
 @torchsymbol(torch.matmul, methods=("matmul", "__matmul__"), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def matmul(input, other):
+    if _folds_the_matrix(input, other):
+        # Eager's product is one mm of the batch's rows (matmul_matrix_folded): so is the gradients' (its mm backward).
+        k, n = other._tt_shape[-2:]
+        rows = _matmul(clang.reshape(clang.transpose(other, -2, -1), (-1, k)), clang.transpose(input, 0, 1))
+        out = clang.transpose(clang.reshape(rows, (*other._tt_shape[:-2], n, input._tt_shape[0])), -2, -1)
+        return prims.clone(out, torch.contiguous_format)  # eager's result is contiguous
     return _matmul(input, other)
+
+
+def _folds_the_matrix(input, other) -> bool:
+    """A matrix requiring grad times a batch of matrices, which eager folds into one mm (``matmul_matrix_folded``)."""
+    from .. import context
+    from .tensor_methods import requires_grad_of
+
+    if not (type(input) is TensorProxy and type(other) is TensorProxy and input.ndim_ == 2 and other.ndim_ >= 3
+            and input._tt_dtype is other._tt_dtype and all(is_int(s) and type(s) is int and s > 0
+                                                           for s in (*input._tt_shape, *other._tt_shape))):
+        return False
+    st = context.tracer_state()
+    return st is not None and requires_grad_of(st, input)
+
+
+def matmul_matrix_folded(input, other):
+    """Eager's ``matmul`` of a matrix requiring grad by a batch of matrices (``W @ h``): the batch folded into the
+    rows of one ``mm`` of ``otherᵀ`` by ``inputᵀ``, the result transposed back and made contiguous (ATen's
+    ``should_fold``: it folds when the matrix requires grad, so that its gradient is one product).  Without grad,
+    eager multiplies batch by batch, which rounds otherwise; the program runs under ``no_grad``, so the line names
+    this form where eager's call had the matrix requiring grad (``Symbol.kernel_by_requires_grad``)."""
+    k, n = other.shape[-2], other.shape[-1]
+    rows = other.mT.reshape(-1, k).mm(input.t())
+    return rows.view(*other.shape[:-2], n, input.shape[0]).mT.contiguous()
+
+
+def _matmul_kernel_by_requires_grad(requires_grad, input, other):
+    return matmul_matrix_folded if _folds_the_matrix(input, other) else None
+
+
+matmul.kernel_by_requires_grad = _matmul_kernel_by_requires_grad
 
 
 @torchsymbol(methods=("__rmatmul__",), name="rmatmul", tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
