@@ -603,8 +603,10 @@ def test_kernel_by_requires_grad_runs_eagers_kernel(dtype):
     from thunder_train.compiler.torchlang import attention
 
     sdpa = registry.lookup(F.scaled_dot_product_attention)
-    assert [op for op in _every_symbol() if op.kernel_by_requires_grad is not None] == [sdpa]
+    matmul = registry.lookup(torch.matmul)
+    assert {op for op in _every_symbol() if op.kernel_by_requires_grad is not None} == {sdpa, matmul}
     assert _file(sdpa.kernel_by_requires_grad) == "compiler/torchlang/attention.py"
+    assert _file(matmul.kernel_by_requires_grad) == "compiler/torchlang/linalg.py"
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=gen, dtype=dtype).transpose(1, 2) for _ in range(3))
     for mask in (torch.randn(1, 3, 5, 5, generator=gen, dtype=dtype), torch.randn(5, 5, generator=gen, dtype=dtype)):
@@ -621,6 +623,27 @@ def test_kernel_by_requires_grad_runs_eagers_kernel(dtype):
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
         attention.sdpa_math(q, k, v, attn_mask=mask)  # switched off after tracing: eager's own error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_of_a_matrix_requiring_grad_by_a_batch_runs_eagers_folded_product(dtype):
+    """``W @ h`` with ``W`` (2-d) requiring grad and ``h`` a batch: eager folds the batch into one mm (ATen's
+    ``should_fold``), whose values differ from the batch-by-batch product eager runs without grad; the fact names a
+    callable giving the folded values and eager's (contiguous) layout under ``no_grad``, where the program runs."""
+    matmul = registry.lookup(torch.matmul)
+    gen = torch.Generator().manual_seed(0)
+    w, h = torch.randn(8, 12, generator=gen, dtype=dtype), torch.randn(3, 12, 5, generator=gen, dtype=dtype)
+    pw, ph = _proxy(w), _proxy(h)
+    assert matmul.kernel_by_requires_grad(lambda t: False, pw, ph) is None
+    # a batch times a matrix: the call's own callable (eager folds that one whatever requires grad)
+    assert matmul.kernel_by_requires_grad(lambda t: True, ph, _proxy(torch.randn(5, 4, dtype=dtype))) is None
+    kernel = matmul.kernel_by_requires_grad(lambda t: t is pw, pw, ph)
+    want = w.clone().requires_grad_() @ h
+    with torch.no_grad():
+        got, batched = kernel(w, h), w @ h
+    assert torch.equal(got, want.detach()) and got.stride() == want.stride()
+    if dtype is torch.float32:
+        assert not torch.equal(batched, want.detach())  # the form matters: this sample rounds otherwise batch by batch
 
 
 def test_recompute_in_backward_is_declared_where_the_op_is():

@@ -24,7 +24,7 @@ def _matmul(a, b):
 
 @torchsymbol(torch.matmul, methods=("matmul", "__matmul__"), tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
 def matmul(input, other):
-    if _folds_the_matrix(input, other):
+    if _folds_the_matrix(_requires_grad_while_tracing, input, other):
         # Eager's product is one mm of the batch's rows (matmul_matrix_folded): so is the gradients' (its mm backward).
         k, n = other._tt_shape[-2:]
         rows = _matmul(clang.reshape(clang.transpose(other, -2, -1), (-1, k)), clang.transpose(input, 0, 1))
@@ -33,17 +33,20 @@ def matmul(input, other):
     return _matmul(input, other)
 
 
-def _folds_the_matrix(input, other) -> bool:
-    """A matrix requiring grad times a batch of matrices, which eager folds into one mm (``matmul_matrix_folded``)."""
+def _requires_grad_while_tracing(t) -> bool:
     from .. import context
     from .tensor_methods import requires_grad_of
 
-    if not (type(input) is TensorProxy and type(other) is TensorProxy and input.ndim_ == 2 and other.ndim_ >= 3
-            and input._tt_dtype is other._tt_dtype and all(is_int(s) and type(s) is int and s > 0
-                                                           for s in (*input._tt_shape, *other._tt_shape))):
-        return False
     st = context.tracer_state()
-    return st is not None and requires_grad_of(st, input)
+    return st is not None and requires_grad_of(st, t)
+
+
+def _folds_the_matrix(requires_grad, input, other) -> bool:
+    """A matrix requiring grad times a batch of matrices, which eager folds into one mm (``matmul_matrix_folded``);
+    ``requires_grad(t)``: eager's ``t.requires_grad``."""
+    return (type(input) is TensorProxy and type(other) is TensorProxy and input.ndim_ == 2 and other.ndim_ >= 3
+            and input._tt_dtype is other._tt_dtype
+            and all(type(s) is int and s > 0 for s in (*input._tt_shape, *other._tt_shape)) and requires_grad(input))
 
 
 def matmul_matrix_folded(input, other):
@@ -58,7 +61,7 @@ def matmul_matrix_folded(input, other):
 
 
 def _matmul_kernel_by_requires_grad(requires_grad, input, other):
-    return matmul_matrix_folded if _folds_the_matrix(input, other) else None
+    return matmul_matrix_folded if _folds_the_matrix(requires_grad, input, other) else None
 
 
 matmul.kernel_by_requires_grad = _matmul_kernel_by_requires_grad
