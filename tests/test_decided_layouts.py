@@ -85,11 +85,25 @@ def test_decided_program_is_bitwise_the_asking_one_with_a_column_major_weight(ve
     assert "odd=()" in src  # the transposed weight's gradient is laid out like it: every index is alike
 
 
+class _ColumnMajorScale(nn.Module):
+    """A column-major parameter multiplied elementwise by a row-major input: its gradient comes out row-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.rand(6, 8).t() + 0.5)
+
+    def forward(self, x):
+        return x * self.s
+
+
 def test_identity_grad_layout_lines_are_dropped_and_the_layout_comparison_is_decided(monkeypatch):
-    cf = assert_same_training(transposed_model(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches(), monkeypatch)
+    model = transposed_model()
+    model.insert(0, _ColumnMajorScale())
+    cf = assert_same_training(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches(), monkeypatch)
     src = source(cf)
-    # Only the column-major weight's gradient (computed row-major) is copied, by a copy decided from the traced
-    # layouts (ttex.grad_copy: no layout questions on each call); the other three are their gradients.
+    # Only the scale's gradient (computed row-major) is copied, by a copy decided from the traced layouts
+    # (ttex.grad_copy: no layout questions on each call); the column-major linear weight's gradient is made
+    # column-major, as eager's mm backward makes it, and the others are their gradients.
     assert "ttex.grad_layout(" not in src and src.count("ttex.grad_copy(") == 1 and "odd=()" in src
     assert "ttex.foreach_add_same_(" in src  # the step counters: CPU float32, + 1
 
