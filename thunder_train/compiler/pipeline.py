@@ -249,7 +249,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     trc = late_waits(prefetch(trc))
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
-    #     A weight used transposed gets its gradient row-major, as eager makes it (executors/row_major_weight_grads.py).
+    #     A product transposed twice (a transposed weight's gradient, made as eager makes it) is read as the product
+    #     (executors/row_major_weight_grads.py).
     trc = row_major_weight_grads(decide_layouts(trc))
     # 7b. A call repeated while its first result is alive reads it (executors/duplicates.py); lines computing
     #     constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
