@@ -27,8 +27,13 @@ def _fn(b):
     return b.sym.fn if isinstance(b.sym, ImplSymbol) else None
 
 
+def _from_a_rule(b) -> bool:
+    """A line a gradient rule made (its source a prim), not a call of the user's, whose result keeps eager's identity."""
+    return getattr(b.source, "module", None) == "prims"
+
+
 def _is_transpose(b) -> bool:
-    return _fn(b) is torch.permute and tuple(b.args[1]) == (1, 0) and not b.kwargs
+    return _fn(b) is torch.permute and tuple(b.args[1]) == (1, 0) and not b.kwargs and _from_a_rule(b)
 
 
 def row_major_weight_grads(trc, header=None):
@@ -54,7 +59,8 @@ def row_major_weight_grads(trc, header=None):
             continue
         c = bsyms[di].args[0]
         ci = made.get(id(c))
-        if ci is None or _fn(bsyms[ci]) is not torch.matmul or reads.get(id(c)) != 1 or type(c) is not TensorProxy \
+        if ci is None or _fn(bsyms[ci]) is not torch.matmul or not _from_a_rule(bsyms[ci]) or reads.get(id(c)) != 1 \
+                or type(c) is not TensorProxy \
                 or tuple(c._tt_strides) != tuple(e_line.output._tt_strides):
             continue
         mapping[id(e_line.output)] = c
