@@ -488,6 +488,7 @@ def plan(trc):
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
+    need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
     columns = sorted(((*storages[k][:3], k) for k in kept), key=lambda c: c[:2])
 
@@ -497,6 +498,8 @@ def plan(trc):
         columns = [c for c in columns if c[3] != k]
         first, last, nbytes, _ = storages[k]
         pooled[first:last + 1] = [p - nbytes for p in pooled[first:last + 1]]
+        if need is not None:
+            need[first:last + 1] = [p - exact[k] for p in need[first:last + 1]]
 
     while kept:
         # Allocating again a value alive where the arena is fullest, but not where the other allocations peak,
@@ -506,7 +509,7 @@ def plan(trc):
         t = others.index(most_others)  # the first line where the others peak
         fullest = max(pooled)
         # alive at a line where the arena is fullest: a full line between its first and last line
-        full_before = list(itertools.accumulate((p == fullest for p in pooled), initial=0))
+        full_before = list(itertools.accumulate(map(fullest.__eq__, pooled), initial=0))
         at_full = [(nbytes, first, k, last) for first, last, nbytes, k in columns if full_before[last + 1] > full_before[first]]
         movable = [(nbytes, first, k) for nbytes, first, k, last in at_full if not first <= t <= last]
         # The arena holds at least the kept bytes alive together (``fullest``): where that alone leaves an excess
@@ -523,7 +526,6 @@ def plan(trc):
             # (their sizes unrounded; the call's memory without the arena would hold them there too).  Where the rounding of the
             # values alive there is the excess, the one rounded most goes; else the smallest value not alive there
             # that covers the excess, else the largest.
-            need = _live_bytes(storages, kept, n, exact)
             s = min(scratch, key=need.__getitem__)
             over = nbytes - need[s] - SCRATCH_SLACK
             if over > 0:
