@@ -404,3 +404,18 @@ def test_opaque_op_returning_a_named_tuple():
     assert type(out) is type(ref) and out.values.device == x.device
     torch.testing.assert_close(out.values, ref.values)
     torch.testing.assert_close(out.indices, ref.indices)
+
+
+@pytest.mark.parametrize("names", [("x", "_b"), ("ttex", "y"), ("_pool", "y"), ("x", "_c0"), ("inf", "y"),
+                                   ("numbers", "y"), ("x", "_op_foo")])
+def test_arguments_named_like_generated_names_are_renamed(names):
+    # A parameter called ``_b`` shadowed the kept buffers inside the program (add(): argument 'other' must be Tensor,
+    # not list), one called ``ttex`` the kernels' namespace.
+    ns = {"torch": torch}
+    a, b = names
+    for body in (f"({a} * 2 + {b}).sum()", f"(({a} * 2 + {b}) * 3.0).sum()"):  # with kept buffers; with a number
+        exec(f"def f({a}, {b}):\n    return {body}", ns)
+        x, y = torch.randn(3), torch.randn(3)
+        cf = tt.compile(ns["f"])
+        for _ in range(2):
+            assert torch.equal(cf(x, y), ns["f"](x, y))

@@ -25,7 +25,7 @@ def test_numbers_passed_as_tensors_give_eagers_bits(call, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 33, generator=g, dtype=dtype) * 5
     x[0, :3] = torch.tensor([0.0, -0.0, 1e-40])  # a zero of each sign, a float32 subnormal
-    tag = {torch.float32: "_f32_", torch.float64: "_f64_"}[dtype]
+    tag = {torch.float32: "numbers.f32_", torch.float64: "numbers.f64_"}[dtype]
     for n in NUMBERS:
         fn = lambda t, n=n: CALLS[call](t.cos() + t, n).sin()  # noqa: E731  (between two ops: not an input or output)
         _, got, source = _program(fn, x)
@@ -56,7 +56,7 @@ def test_the_numbers_are_eagers_in_a_training_step():
         assert torch.equal(cf(model, opts[0], x), step(twin, opts[1], x))
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
-    assert "_f32_0_044715" in str(tt.last_traces(cf)[-1])
+    assert "numbers.f32_0_044715" in str(tt.last_traces(cf)[-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
@@ -68,7 +68,7 @@ def test_other_dtypes_keep_the_number(dtype):
     want = fn(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert "0.7978845608028654" in source  # kept; for int64 the float32 result's ``+ 3`` is passed as a tensor
-    assert ("_f32_" in source) == (dtype == torch.int64)
+    assert ("numbers.f32_" in source) == (dtype == torch.int64)
 
 
 def test_a_tensor_requiring_grad_outside_no_grad_keeps_the_number():
@@ -78,3 +78,20 @@ def test_a_tensor_requiring_grad_outside_no_grad_keeps_the_number():
     cf(x).backward()
     (y.exp() * 0.25).sum().backward()
     assert torch.equal(x.grad, y.grad)
+
+
+def test_a_printed_program_with_numbers_runs_by_hand_in_a_new_process():
+    # ``numbers.f64_m0_0`` is made from its name on first use: the printed source needs only the standard namespace
+    import subprocess
+    import sys
+
+    fn = lambda t: (t.exp() * -0.0 + 0.7978845608028654) / 3  # noqa: E731
+    x = torch.randn(6, dtype=torch.float64)
+    _, got, source = _program(fn, x)
+    assert "numbers.f64_m0_0" in source and "numbers.f64_0_7978845608028654" in source
+    script = ("import torch, sys\nfrom thunder_train.compiler.codegen import standard_namespace\n"
+              f"ns = standard_namespace()\nexec(compile(sys.stdin.read(), '<printed trace>', 'exec'), ns)\n"
+              f"x = torch.tensor({x.tolist()!r}, dtype=torch.float64)\n"
+              "print(repr(ns['computation'](x).tolist()))")
+    out = subprocess.run([sys.executable, "-c", script], input=source, capture_output=True, text=True, check=True).stdout
+    assert eval(out) == fn(x).tolist() == got.tolist()

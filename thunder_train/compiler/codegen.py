@@ -83,6 +83,11 @@ def format_value(x, g: _Globals | None) -> str:
         return f"torch.device({str(x)!r})"
     if any(x is b for b in _BUILTIN_TYPES):
         return x.__name__
+    named = _named_objects.get(id(x))
+    if named is not None:
+        if g is not None:
+            g.d[named[0]] = namespaces[named[0]]
+        return named[1]
     if g is None:
         return f"<{type(x).__name__}>"
     return g.constant(x)
@@ -207,6 +212,15 @@ namespaces: dict = {}
 
 def register_namespace(prefix: str, module) -> None:
     namespaces[prefix] = module
+
+
+# Shared objects printed as an attribute of a registered namespace (``numbers.f32_0_5``, a 0-d tensor): id -> (prefix,
+# text).  The objects live as long as the process (their namespace keeps them), so their ids stay theirs.
+_named_objects: dict = {}
+
+
+def name_object(obj, prefix: str, attr: str) -> None:
+    _named_objects[id(obj)] = (prefix, f"{prefix}.{attr}")
 
 
 def standard_namespace() -> dict:

@@ -92,13 +92,22 @@ class Trace:
     __str__ = __repr__
 
 
-_RESERVED = {"torch", "prims", "ltorch", "dtypes", "devices", "F", "None", "True", "False", "args", "kwargs"}
+_RESERVED = {"torch", "prims", "ltorch", "ttex", "numbers", "dtypes", "devices", "F", "None", "True", "False", "args",
+             "kwargs", "inf", "nan"}
 
 
 def _is_reserved(name: str) -> bool:
+    """Names generated code refers to besides the trace's values: the namespaces, ``inf``/``nan``, and every name
+    starting with ``_`` (kept buffers ``_b``/``_pool``, constants ``_c0``, opaque ops ``_op_...``) or naming a fused
+    region (``inductor_fusion_3``).  A user's argument so named would shadow it inside the program (a parameter
+    called ``_b`` or ``ttex`` broke the call); it is renamed (``_b_1``)."""
     import keyword
+    import re
 
-    return keyword.iskeyword(name) or name in _RESERVED or name.startswith("__")
+    from .codegen import namespaces
+
+    return (keyword.iskeyword(name) or name in _RESERVED or name in namespaces or name.startswith("_")
+            or re.fullmatch(r"\w*fusion_\d+", name) is not None)
 
 
 def new_trace(fn_name="computation", header="") -> Trace:

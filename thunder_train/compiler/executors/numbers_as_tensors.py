@@ -1,7 +1,10 @@
 """A Python number multiplied into, added to, subtracted from or dividing a CPU float tensor is passed as a 0-d tensor
 of that tensor's dtype, made once and shared by every program:
 
-    t98 = torch.mul(t97, _f32_0_7978845608028654)  # was torch.mul(t97, 0.7978845608028654)
+    t98 = torch.mul(t97, numbers.f32_0_7978845608028654)  # was torch.mul(t97, 0.7978845608028654)
+
+``numbers`` is a namespace of printed traces (``codegen.standard_namespace``): ``numbers.f32_0_5`` is the 0-d float32
+tensor 0.5, made on first use, so a printed trace runs by hand in a new process too.
 
 Why: on every call torch wraps a Python number into a new 0-d tensor and runs type promotion with it; on a small
 tensor that is about half the call (``torch.mul(x, 0.5)`` on 3,072 floats: ~4-6 us, against ~2 us with a 0-d tensor).
@@ -22,7 +25,7 @@ import math
 
 import torch
 
-from ..codegen import Name
+from .. import codegen
 from ..proxies import TensorProxy
 from .torch_executor import ImplSymbol
 
@@ -30,35 +33,41 @@ _CALLS = frozenset({torch.mul, torch.add, torch.sub, torch.div, torch.true_divid
                     torch.Tensor.sub, torch.Tensor.div, torch.Tensor.true_divide})
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
-_numbers: dict = {}  # (value, dtype) -> (name, 0-d tensor); read only, shared by every program
-_symbols: dict = {}  # (symbol, name) -> the symbol whose globals hold the tensor
+
+def _attr(value, dtype) -> str:
+    # repr keeps -0.0 apart from 0.0 (equal as numbers, and as dict keys)
+    text = repr(float(value)).replace(".", "_").replace("-", "m").replace("+", "p")
+    return f"{_DTYPES[dtype]}_{text}"
+
+
+class _Numbers:
+    """The namespace ``numbers`` of printed traces: ``numbers.f32_0_5`` is the shared 0-d float32 tensor 0.5 (read only)."""
+
+    def __getattr__(self, attr):  # the first use of a number: made, then found in the instance's dict
+        tag, _, text = attr.partition("_")
+        dtype = next((d for d, t in _DTYPES.items() if t == tag), None)
+        if dtype is None or attr.startswith("__"):
+            raise AttributeError(attr)
+        try:
+            value = float(text.replace("_", ".").replace("m", "-").replace("p", "+"))
+        except ValueError:
+            raise AttributeError(attr) from None
+        if _attr(value, dtype) != attr:
+            raise AttributeError(attr)
+        tensor = torch.tensor(value, dtype=dtype)
+        setattr(self, attr, tensor)
+        codegen.name_object(tensor, "numbers", attr)
+        return tensor
+
+
+numbers = _Numbers()
+codegen.register_namespace("numbers", numbers)
 
 
 def _number(x) -> bool:
     if type(x) is float:
         return math.isfinite(x)
     return type(x) is int and abs(x) <= 1 << 24
-
-
-def number_tensor(value, dtype) -> tuple:
-    """(name, 0-d CPU tensor of ``dtype`` holding ``value``), made once."""
-    key = (float(value), dtype)
-    got = _numbers.get(key)
-    if got is None:
-        text = repr(float(value)).replace(".", "_").replace("-", "m").replace("+", "p")
-        got = _numbers[key] = (f"_{_DTYPES[dtype]}_{text}", torch.tensor(float(value), dtype=dtype))
-    return got
-
-
-def _with_number(sym, name, tensor):
-    """``sym``'s callable, printed as it is, with the 0-d tensor among its globals."""
-    key = (sym, name)
-    got = _symbols.get(key)
-    if got is None:
-        got = _symbols[key] = ImplSymbol(sym.fn, sym.print_name)
-        got.tags = sym.tags
-        got._globals = {**sym.codegen_globals(), name: tensor}
-    return got
 
 
 def _rewritable(b, grad_disabled) -> bool:
@@ -84,8 +93,7 @@ def numbers_as_tensors(trc, *, grad_disabled=False):
     for b in trc.bound_symbols:
         if _rewritable(b, grad_disabled):
             x, n = b.args
-            name, tensor = number_tensor(n, x._tt_dtype.torch)
-            b = b.replace(sym=_with_number(b.sym, name, tensor), args=(x, Name(name)))
+            b = b.replace(args=(x, getattr(numbers, _attr(n, x._tt_dtype.torch))))
             changed = True
         lines.append(b)
     if not changed:
