@@ -11,6 +11,7 @@ CALLS = {
     "div": lambda x, n: torch.div(x, n), "true_divide": lambda x, n: torch.true_divide(x, n),
     "operator *": lambda x, n: x * n, "operator +": lambda x, n: x + n, "operator -": lambda x, n: x - n,
     "operator /": lambda x, n: x / n, "method mul": lambda x, n: x.mul(n), "method div": lambda x, n: x.div(n),
+    "where, number second": lambda x, n: torch.where(x > 0, n, x), "where, number last": lambda x, n: torch.where(x > 1, x, n),
 }
 
 
