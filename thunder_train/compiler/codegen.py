@@ -215,12 +215,13 @@ def register_namespace(prefix: str, module) -> None:
 
 
 # Shared objects printed as an attribute of a registered namespace (``numbers.f32_0_5``, a 0-d tensor): id -> (prefix,
-# text).  The objects live as long as the process (their namespace keeps them), so their ids stay theirs.
+# text, the object).  The entry holds the object, so its id is never another object's (two threads making the same
+# number each get a tensor; the namespace keeps only the last).
 _named_objects: dict = {}
 
 
 def name_object(obj, prefix: str, attr: str) -> None:
-    _named_objects[id(obj)] = (prefix, f"{prefix}.{attr}")
+    _named_objects[id(obj)] = (prefix, f"{prefix}.{attr}", obj)
 
 
 def standard_namespace() -> dict:

@@ -15,10 +15,9 @@ the recomputed values of the default's cheap recomputation).
 Values: the kernel takes a 0-d CPU operand, wrapped number or not, as a scalar, and converts it to the computation's
 type the same way; a 0-d tensor of the tensor's own dtype gives the result the same dtype.  So the values are
 bitwise the same (tests/test_numbers_as_tensors.py compares them); ``where`` copies the number as the result's
-dtype either way (~1.3 us a call saved).  Only float32 and float64 tensors (a float16
-tensor times a 0-d float16 tensor would round the number to float16 first), finite numbers, integers up to 2**24
-(exact in float32), two positional arguments and at most ``out=``; a tensor that requires grad only where the program
-runs without grad.
+dtype either way (~1.3 us a call saved).  Only float32 and float64 tensors (a float16 tensor times a 0-d float16
+tensor would round the number to float16 first), finite numbers, integers up to 2**24 (exact in float32), two
+positional arguments and at most ``out=``; a tensor that requires grad only where the program runs without grad.
 """
 from __future__ import annotations
 
