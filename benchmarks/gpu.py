@@ -1,6 +1,7 @@
 """Every GPU check in one call: the CUDA tests, then whole-training-step benchmarks on CUDA.
 
 Run: python benchmarks/gpu.py [--skip-tests] [--steps N] [--rows small,gpt2] [--budget SECONDS] [--out DIR]
+     python benchmarks/gpu.py --profile gpt2:eager,tt thin   (where each mode's step spends device time)
 
 Meant for a session that is lent a CUDA machine for a few minutes: one call of at most about 8 minutes
 (``--budget``, default 450 s) does everything; each part that fails is a row with its error instead of the
@@ -201,6 +202,77 @@ def bench_row(key: str, steps: int, budget: float) -> dict:
     return results
 
 
+def _program_summary(fn) -> dict:
+    """Lines of the program a compiled step runs, by symbol (the fused regions and what is left around them)."""
+    try:
+        trc = tt.last_traces(fn)[-1]
+    except (TypeError, AttributeError, IndexError):
+        return {}
+    counts: dict = {}
+    for b in trc.bound_symbols:
+        counts[b.sym.name] = counts.get(b.sym.name, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:25]
+    return {"lines": len(trc.bound_symbols), "by_symbol": top, "program": str(trc)}
+
+
+def profile_row(key: str, modes: list, steps: int = 8, shown: int = 3) -> dict:
+    """Where each mode's step spends device time: ``torch.profiler`` over the last ``shown`` of ``steps`` steps;
+    per step the kernel launches, the device time summed over kernels and the wall time, and the kernels that take
+    the most time.  For a compiled step also the lines of its program by symbol."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = ROWS[key]
+    torch.manual_seed(0)
+    base = GPT(spec["cfg"]).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    V, T, B = spec["cfg"].vocab_size, spec["cfg"].block_size, spec["batch"]
+    x = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    y = torch.roll(x, -1, 1)
+    builds = modes_for(make_step(spec["autocast"]))
+    out = {}
+    for name in modes:
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        try:
+            if name.startswith("torch.compile"):
+                torch._dynamo.reset()
+            fn = builds[name]()
+            for _ in range(steps - shown):
+                fn(model, opt, x, y)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(shown):
+                    fn(model, opt, x, y)
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) / shown
+            kernels: dict = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    n, t = kernels.get(ev.name, (0, 0.0))
+                    kernels[ev.name] = (n + 1, t + ev.device_time_total)
+            total = sum(t for _, t in kernels.values()) / shown
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:22]
+            out[name] = {"wall_ms": wall * 1e3, "device_ms": total / 1e3,
+                         "launches": sum(n for n, _ in kernels.values()) / shown,
+                         "top": [(k[:90], n / shown, t / shown / 1e3) for k, (n, t) in top], **_program_summary(fn)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r = out[name]
+        print(f"\n== profile {key} / {name}", flush=True)
+        if "error" in r:
+            print("  ", r["error"])
+        else:
+            print(f"  wall {r['wall_ms']:.2f} ms/step, device {r['device_ms']:.2f} ms/step, {r['launches']:.0f} launches/step")
+            for k, n, t in r["top"]:
+                print(f"  {t:8.3f} ms {n:6.1f}x  {k}")
+            if "lines" in r:
+                print(f"  program: {r['lines']} lines; by symbol: {r['by_symbol']}")
+        fn = model = opt = None
+        torch.cuda.empty_cache()
+    return out
+
+
 def markdown(report: dict) -> str:
     lines = [f"GPU results: torch {report['torch']}, {report['device']}, `python benchmarks/gpu.py` "
              f"({report['seconds']:.0f} s in all).", ""]
@@ -229,6 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="small,gpt2")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (tests + rows)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu.json and gpu_results.md")
+    p.add_argument("--profile", default="", help="ROW:MODE,MODE,...: only profile these modes of one row (no tests)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to run.")
@@ -245,6 +318,14 @@ def main(argv=None) -> int:
           f"nvFuser: {'available' if nvf_why is None else nvf_why}", flush=True)
     report = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
               "device": torch.cuda.get_device_name(), "nvfuser": nvf_why or "available"}
+    if args.profile:
+        row, modes = args.profile.split(":")
+        report["profile"] = profile_row(row, modes.split(","))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_profile.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        return 0
     if not args.skip_tests:
         report["tests"] = run_cuda_tests(timeout=max(30.0, min(150.0, left(args.budget) - 250)))  # the rows get the rest
     for key in args.rows.split(","):

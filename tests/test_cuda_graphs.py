@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import thunder_train as tt
 from _models import train_step
 from thunder_train.runtime import cuda_graphs as cg
+from thunder_train.compiler.proxies import TensorProxy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 
@@ -106,6 +107,11 @@ def test_obstacles_name_the_reason():
     fwd(x).sum().backward()
     with unittest.mock.patch("torch.cuda.is_available", lambda: True):
         assert "is a cpu tensor" in cg.obstacle(whole_step)
+        # CPU inputs are named before the host sync that reads them (the cause users can act on: a CPU step counter)
+        assert "is a cpu tensor" in cg.obstacle(synced)
+        for p in synced.traces[-1].args:  # as if every input were on the device: the host sync is what is left
+            if isinstance(p, TensorProxy):
+                p._tt_device = torch.device("cuda")
         assert "host sync" in cg.obstacle(synced)
         assert "connects to PyTorch autograd" in cg.obstacle(fwd._tt_compiled._last)
 

@@ -53,13 +53,14 @@ def obstacle(entry) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device on this machine (torch.cuda.is_available() is False)"
     trc = entry.traces[-1]
-    for b in trc.bound_symbols:
-        if getattr(b.sym, "fn", None) in _HOST_SYNCS:
-            return f"{b.sym.name} waits for the device (a host sync cannot be captured)"
+    # Inputs first: a CPU step counter is the cause users can act on, and the `.item()` that reads it follows from it.
     for p in trc.args:
         if type(p) is TensorProxy and p._tt_device.type != "cuda":
             return (f"input {p.name} is a {p._tt_device.type} tensor; every tensor of a captured step must be on a "
                     "CUDA device (optimizer step counters: AdamW(fused=True) or capturable=True keep them there)")
+    for b in trc.bound_symbols:
+        if getattr(b.sym, "fn", None) in _HOST_SYNCS:
+            return f"{b.sym.name} waits for the device (a host sync cannot be captured)"
     for b in trc.bound_symbols:
         for o in b.flat_outputs():
             if type(o) is TensorProxy and o._tt_device.type != "cuda":
