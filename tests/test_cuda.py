@@ -174,3 +174,78 @@ def test_whole_step_with_inductor_fusion_on_cuda(autocast):
     for p, q in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(q, p, **tol)
     assert tt.compile_stats(step).thin_calls > 0
+
+
+class _Attention(nn.Module):
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_attention_backward_does_not_run_its_forward_again_on_cuda(autocast):
+    """On CUDA the attention's forward keeps eager's autograd graph (cuDNN's or flash's kernel, their log-sum-exp) and
+    the backward runs it: one forward kernel per attention, not a second one inside the vjp; values are eager's."""
+    def step_fn(model, opt, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.manual_seed(0)
+    m1 = _Attention().cuda()
+    m2 = _Attention().cuda()
+    m2.load_state_dict(m1.state_dict())
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2, fused=True)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    step = tt.compile(step_fn, thin=True, fusion=None)
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-4)
+    for i in range(4):
+        x = torch.randn(4, 128, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        torch.testing.assert_close(step(m2, o2, x), step_fn(m1, o1, x).detach(), **tol)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, **tol)
+    src = str(tt.last_traces(step)[-1])
+    assert src.count("sdpa_keeping_graph(") == 1 and "sdpa_graph_backward(" in src, src
+    assert "vjp_scaled_dot_product" not in src, src
+
+
+def test_language_model_loss_is_one_fused_region_on_cuda():
+    """A language model's loss under bf16 autocast (logits cast to float32, cross-entropy over class indices, some
+    rows ignored): the fused program computes the loss and its gradient by the fusion forms (a log-sum-exp, one pass
+    for the gradient) in Inductor's kernels, and trains as eager does."""
+    def step_fn(model, opt, x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1000)).cuda()
+    m2 = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1000)).cuda()
+    m2.load_state_dict(m1.state_dict())
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3, fused=True)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, fused=True)
+    step = tt.compile(step_fn, thin=True, fusion="inductor")
+    g = torch.Generator("cuda").manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 1000, (8, 64), device="cuda", generator=g)
+        y = torch.randint(0, 1000, (8, 64), device="cuda", generator=g)
+        y[:, :5] = -100
+        torch.testing.assert_close(step(m2, o2, x, y), step_fn(m1, o1, x, y).detach(), atol=2e-2, rtol=2e-2)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, atol=2e-2, rtol=2e-2)
+    notes = "\n".join(tt.compile_stats(step).fusion_notes)
+    assert "cross_entropy_vjp" in notes, notes
+    assert "cross_entropy_with_stats" not in str(tt.last_traces(step)[-1])

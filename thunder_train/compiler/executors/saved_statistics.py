@@ -16,8 +16,8 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 * ``group_norm`` (CPU, row-major input) → ``native_group_norm`` returns the per-group mean
   and reciprocal std that ``native_group_norm_backward`` reads.
 
-Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension) keeps the autograd
-graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
+Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension), and every attention on
+CUDA, keeps the autograd graph of eager's own call from the forward line to the backward line (``sdpa_keeping_graph``), unless the program
 asks for memory (checkpoint regions, a budget); one whose mask requires grad (T5's), recorded as eager's math kernel
 (``sdpa_math``), keeps what that graph saves and runs its backward by eager's formulas (attention_math.py).  Falcon's single key/value head broadcast over the query heads
 (no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
@@ -383,9 +383,10 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
 
 
 def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
-    """A CPU attention the flash pair does not cover (eager runs another kernel: the math one for q/k/v with a
-    strided last dimension): the forward keeps eager's autograd graph and the backward runs it, instead of the backward
-    running the forward again.  The graph holds what eager's holds (the math kernel's attention probabilities), so
+    """An attention the CPU flash pair does not cover (on the CPU: eager runs another kernel, the math one for q/k/v
+    with a strided last dimension; on CUDA: every attention, whichever kernel eager picks there, cuDNN's or flash's
+    saving their log-sum-exp): the forward keeps eager's autograd graph and the backward runs it, instead of the
+    backward running the forward again (on an H200, GPT-2's step ran each attention forward twice: 0.55 ms a step).  The graph holds what eager's holds (the math kernel's attention probabilities), so
     only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
     backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
@@ -397,7 +398,7 @@ def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
         # A mask requiring grad: eager's math kernel (``sdpa_math``) and its backward by formulas, else TorchVJP.
         return attention_math.math_pair(trc, fwd, vjp, b, _bind(_SDPA_ARGS, _SDPA_DEFAULTS, vjp.args[2:], vjp.kwargs),
                                         differentiated, lambda t, line, layouts: _as_traced(t, line, layouts, always=True))
-    if not _same_call(fwd, vjp) or not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)):
+    if not _same_call(fwd, vjp) or not all(type(t) is TensorProxy and t._tt_device.type in ("cpu", "cuda") for t in (q, k, v)):
         return None
     if mask is not None and type(mask) is not TensorProxy:
         return None

@@ -599,3 +599,10 @@ def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, r
     shape = (log_probs.shape[1],) if reduction == "none" and log_probs.ndim == 3 else ()
     out = torch.empty(shape, dtype=log_probs.dtype, device="meta")
     return out.requires_grad_() if log_probs.requires_grad else out
+
+
+# A fused CUDA program computes cross-entropy over class indices as a log-sum-exp and its gradient in one pass
+# (torchlang/cross_entropy_fusion_form.py).
+from .cross_entropy_fusion_form import fusion_form as _ce_fusion_form, fusion_vjp_form as _ce_fusion_vjp_form  # noqa: E402
+
+cross_entropy.fusion_form, cross_entropy.fusion_vjp_form = _ce_fusion_form, _ce_fusion_vjp_form
