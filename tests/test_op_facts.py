@@ -5,6 +5,7 @@ import contextlib
 
 import inspect
 import pathlib
+import unittest.mock
 
 import pytest
 import torch
@@ -560,9 +561,10 @@ def test_ops_that_split_by_index_are_list_ops_whose_kernels_update_each_entry_al
 def test_fusion_forms_compute_the_op():
     x, g = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
     declared = [op for op in _all_symbols() if op.fusion_form is not None or op.fusion_vjp_form is not None]
-    assert [op.name for op in declared] == ["gelu"]
+    assert [op.name for op in declared] == ["gelu", "cross_entropy"]
     big = torch.randn(2, 16384, dtype=torch.float64)
-    for op in declared:
+    gelu, cross_entropy = declared
+    for op in [gelu]:
         for kw in ({"approximate": "tanh"}, {"approximate": "none"}):
             form = op.fusion_form(_proxy(x), **kw)
             torch.testing.assert_close(form(x, **kw), op.torch_impl(x, **kw))
@@ -573,6 +575,22 @@ def test_fusion_forms_compute_the_op():
         # only where it is faster: exact GELU on small tensors (eager's kernels are as fast from ~64 Ki elements)
         assert op.fusion_form(_proxy(big), approximate="none") is None
         assert op.fusion_vjp_form(_proxy(big), None, _proxy(big), approximate="none") is None
+    # cross-entropy over class indices: on CUDA only (torchlang/cross_entropy_fusion_form.py); here on the CPU as if
+    t = torch.randint(0, 32, (64,))
+    t[5] = -100
+    assert cross_entropy.fusion_form(_proxy(x), _proxy(t)) is None
+    from thunder_train.compiler.torchlang import cross_entropy_fusion_form
+
+    with unittest.mock.patch.object(cross_entropy_fusion_form, "DEVICES", {"cpu"}):
+        for kw in ({}, {"reduction": "sum"}):
+            form = cross_entropy.fusion_form(_proxy(x), _proxy(t), **kw)
+            torch.testing.assert_close(form(x, t, **kw), cross_entropy.torch_impl(x, t, **kw))
+            xg = x.clone().requires_grad_()
+            (expected,) = torch.autograd.grad(cross_entropy.torch_impl(xg, t, **kw), xg, g[0, 0])
+            vjp_form = cross_entropy.fusion_vjp_form(_proxy(g[0, 0]), (), _proxy(x), _proxy(t), **kw)
+            torch.testing.assert_close(vjp_form(g[0, 0], (), x, t, **kw)[0], expected)
+        assert cross_entropy.fusion_form(_proxy(x), _proxy(t), label_smoothing=0.1) is None
+        assert cross_entropy.fusion_form(_proxy(x), _proxy(t), weight=_proxy(g[0])) is None
 
 
 def test_kernel_switches_are_declared_with_the_op_that_reads_them():
