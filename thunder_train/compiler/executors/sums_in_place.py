@@ -42,6 +42,8 @@ def sums_in_place(trc, header="Final computation (scatter_add written into its d
     from .buffers import overwritable  # a sibling pass's alias facts
 
     bsyms = list(trc.bound_symbols)
+    if not any(_into_first(b) is not None for b in bsyms):
+        return trc  # most programs: no scatter_add (the alias facts below cost 0.4 s on a 12-layer GPT's step)
     may_alias, off_limits = overwritable(trc, bsyms)
     made_at = {id(o): i for i, b in enumerate(bsyms) for o in b.flat_outputs() if type(o) is TensorProxy}
     reads: dict = {}  # storage id -> [(line, line that made the value it reads)] for the values that may share it

@@ -10,7 +10,8 @@ one pass that writes its result in the dtype the next line casts it to.  The sam
 
 Only for what eager's kernels compute the same way: 2-d float32/float64 logits, class-index targets, no class
 weights, no label smoothing, ``mean`` or ``sum``.  Only on CUDA: on the CPU the torch program's kernels, by blocks of
-rows written over the logits (executors/saved_statistics.py), are already one pass each and bitwise eager's.
+rows written over the logits (executors/saved_statistics.py), are already one pass each and bitwise eager's (the
+GPT benchmark's fused step, one thread: 507.9 ms with them, 506.4 ms with the forms; paired, session 27).
 ``DEVICES`` names where the forms apply (tests add ``"cpu"`` to check the forms through Inductor's C++ kernels).
 """
 from __future__ import annotations
