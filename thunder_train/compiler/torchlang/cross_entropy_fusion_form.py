@@ -6,7 +6,7 @@ gradient writes another, cast back to the logits' dtype.  On an H200, GPT-2's st
 bf16 autocast) spent ~5 ms of its ~26 ms of device time there.  Written as a log-sum-exp and a gather, the loss is
 one row reduction that Inductor fuses with the cast before it; the gradient ``(softmax(x) - onehot) * g / n`` is
 one pass that writes its result in the dtype the next line casts it to.  The same function, rounded differently
-(within the fused programs' tolerances, tests/test_fusion_forms.py).
+(within the fused programs' tolerances: tests/test_cross_entropy_fusion_form.py).
 
 Only for what eager's kernels compute the same way: 2-d float32/float64 logits, class-index targets, no class
 weights, no label smoothing, ``mean`` or ``sum``.  Only on CUDA: on the CPU the torch program's kernels, by blocks of
@@ -27,7 +27,7 @@ def _plain(input, target, weight, size_average, reduce, reduction, label_smoothi
 
     return (type(input) is TensorProxy and type(target) is TensorProxy and input._tt_device.type in DEVICES
             and input.ndim_ == 2 and target.ndim_ == 1 and input._tt_dtype in (dtypes.float32, dtypes.float64)
-            and target._tt_dtype in (dtypes.int64, dtypes.int32) and weight is None and size_average is None
+            and target._tt_dtype is dtypes.int64 and weight is None and size_average is None
             and reduce is None and reduction in ("mean", "sum") and label_smoothing == 0.0)
 
 
