@@ -1,7 +1,11 @@
 """Traces: a program as a list of bound symbols, printable as Python."""
 from __future__ import annotations
 
+import keyword
+import re
+
 from . import context
+from .codegen import namespaces
 from .proxies import is_proxy, proxy_name
 
 
@@ -96,18 +100,16 @@ _RESERVED = {"torch", "prims", "ltorch", "ttex", "numbers", "dtypes", "devices",
              "kwargs", "inf", "nan"}
 
 
+_FUSED_REGION_NAME = re.compile(r"\w*fusion_\d+")  # a fused region's name (inductor_fusion_3)
+
+
 def _is_reserved(name: str) -> bool:
     """Names generated code refers to besides the trace's values: the namespaces, ``inf``/``nan``, and every name
     starting with ``_`` (kept buffers ``_b``/``_pool``, constants ``_c0``, opaque ops ``_op_...``) or naming a fused
     region (``inductor_fusion_3``).  A user's argument so named would shadow it inside the program (a parameter
     called ``_b`` or ``ttex`` broke the call); it is renamed (``_b_1``)."""
-    import keyword
-    import re
-
-    from .codegen import namespaces
-
     return (keyword.iskeyword(name) or name in _RESERVED or name in namespaces or name.startswith("_")
-            or re.fullmatch(r"\w*fusion_\d+", name) is not None)
+            or _FUSED_REGION_NAME.fullmatch(name) is not None)
 
 
 def new_trace(fn_name="computation", header="") -> Trace:
