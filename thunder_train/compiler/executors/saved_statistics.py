@@ -18,7 +18,8 @@ a training step with ``loss.backward()`` inside — the forward can produce them
 
 Attention eager runs with another kernel (the math one: q/k/v with a strided last dimension), and every attention on
 CUDA, keeps the autograd graph of eager's own call from the forward line to the backward line
-(``sdpa_keeping_graph``), unless the program asks for memory (checkpoint regions, a budget); one whose mask requires grad (T5's), recorded as eager's math kernel
+(``sdpa_keeping_graph``), unless the program asks for memory (checkpoint regions, a budget); one whose mask
+requires grad (T5's), recorded as eager's math kernel
 (``sdpa_math``), keeps what that graph saves and runs its backward by eager's formulas (attention_math.py).  Falcon's single key/value head broadcast over the query heads
 (no ``enable_gqa``; eager runs the math kernel) takes the flash pair instead, as one group of all query heads
 (``one_kv_head``): kept graphs made its step 10 % slower than the decomposition, the flash pair cuts about forty
@@ -388,8 +389,8 @@ def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     saving their log-sum-exp): the forward keeps eager's autograd graph and the backward runs it, instead of the
     backward running the forward again (on an H200, GPT-2's step ran each attention forward twice: 0.55 ms a step).
     The graph holds what eager's holds (the math kernel's attention probabilities; cuDNN's and flash's output and
-    log-sum-exp), so only where the program does not ask for memory (no checkpoint region, no budget: the pass is told), where the
-    backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
+    log-sum-exp), so only where the program does not ask for memory (no checkpoint region, no budget: the pass is
+    told), where the backward reads the forward's own operands (not copies a memory plan recomputed), and without dropout."""
     b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
     if b is None or b["dropout_p"] != 0.0:
         return None

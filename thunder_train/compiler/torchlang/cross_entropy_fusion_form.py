@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import torch
 
+from .. import dtypes
+from ..proxies import TensorProxy
+
 DEVICES = {"cuda"}
 
 
-def _plain(input, target, weight, size_average, reduce, reduction, label_smoothing) -> bool:
-    from ..proxies import TensorProxy
-    from .. import dtypes
-
+def _plain(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing) -> bool:
     return (type(input) is TensorProxy and type(target) is TensorProxy and input._tt_device.type in DEVICES
             and input.ndim_ == 2 and target.ndim_ == 1 and input._tt_dtype in (dtypes.float32, dtypes.float64)
             and target._tt_dtype is dtypes.int64 and weight is None and size_average is None
-            and reduce is None and reduction in ("mean", "sum") and label_smoothing == 0.0)
+            and type(ignore_index) is int and reduce is None and reduction in ("mean", "sum")
+            and label_smoothing == 0.0)
 
 
 def cross_entropy_by_logsumexp(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -53,11 +54,11 @@ def cross_entropy_grad_by_softmax(g, reads, input, target, weight=None, size_ave
 
 def fusion_form(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
                 label_smoothing=0.0):
-    plain = _plain(input, target, weight, size_average, reduce, reduction, label_smoothing)
-    return cross_entropy_by_logsumexp if plain and type(ignore_index) is int else None
+    plain = _plain(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    return cross_entropy_by_logsumexp if plain else None
 
 
 def fusion_vjp_form(g, reads, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                     reduction="mean", label_smoothing=0.0):
-    plain = _plain(input, target, weight, size_average, reduce, reduction, label_smoothing)
-    return cross_entropy_grad_by_softmax if plain and type(ignore_index) is int and reads == () else None
+    plain = _plain(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    return cross_entropy_grad_by_softmax if plain and reads == () else None
