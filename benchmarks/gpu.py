@@ -132,16 +132,22 @@ def _notes(fn) -> dict:
             "thin_bind_failures": st.thin_bind_failures[:3]}
 
 
-def bench_row(key: str, steps: int, budget: float) -> dict:
-    spec = ROWS[key]
+def _model_and_batches(spec: dict, n: int):
+    """The row's model (seeded) on the device and ``n`` batches of next-token targets (the same in every mode)."""
     torch.manual_seed(0)
     base = GPT(spec["cfg"]).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     V, T, B = spec["cfg"].vocab_size, spec["cfg"].block_size, spec["batch"]
     batches = []
-    for _ in range(steps):
+    for _ in range(n):
         x = torch.randint(0, V, (B, T), device="cuda", generator=g)
         batches.append((x, torch.roll(x, -1, 1)))
+    return base, batches
+
+
+def bench_row(key: str, steps: int, budget: float) -> dict:
+    spec = ROWS[key]
+    base, batches = _model_and_batches(spec, steps)
     step = make_step(spec["autocast"])
     results = {}
     print(f"\n== {spec['label']}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters, {steps} steps", flush=True)
@@ -227,12 +233,7 @@ def profile_row(key: str, modes: list, steps: int = 8, shown: int = 3) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     spec = ROWS[key]
-    torch.manual_seed(0)
-    base = GPT(spec["cfg"]).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    V, T, B = spec["cfg"].vocab_size, spec["cfg"].block_size, spec["batch"]
-    x = torch.randint(0, V, (B, T), device="cuda", generator=g)
-    y = torch.roll(x, -1, 1)
+    base, ((x, y),) = _model_and_batches(spec, 1)
     builds = modes_for(make_step(spec["autocast"]))
     out = {}
     for name in modes:
