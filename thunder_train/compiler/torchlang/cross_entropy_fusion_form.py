@@ -13,6 +13,12 @@ weights, no label smoothing, ``mean`` or ``sum``.  Only on CUDA: on the CPU the 
 rows written over the logits (executors/saved_statistics.py), are already one pass each and bitwise eager's (the
 GPT benchmark's fused step, one thread: 507.9 ms with them, 506.4 ms with the forms; paired, session 27).
 ``DEVICES`` names where the forms apply (tests add ``"cpu"`` to check the forms through Inductor's C++ kernels).
+
+A target outside the classes (not ``ignore_index``): eager's CUDA kernel stops on a device-side assert, and so does
+the fused region, whose gather Inductor compiles with its bounds assert (``assert_indirect_indexing``, on by default,
+compiles Triton kernels in debug mode).  On the CPU eager raises ``IndexError``; there Inductor's bounds check,
+thrown inside its parallel loop, ends the process (seen with the forms switched on for the CPU): one more reason they
+stay off there.
 """
 from __future__ import annotations
 
