@@ -692,7 +692,7 @@ def test_packing_places_values_alive_together_apart_at_the_lowest_free_offset():
     """``arena.pack`` with the overlaps found once for the planner's rounds (``arena.overlaps``) gives every value the
     lowest aligned offset free of the values placed before it (largest first) that are alive with it: checked
     against that rule scanned value by value, on random lifetimes, for the whole set and for subsets of it (the
-    rounds pack subsets with the overlaps of the whole)."""
+    rounds pack subsets with the overlaps of the whole), and round after round of one ``arena.Packing``."""
     import random
 
     from thunder_train.compiler.executors import arena
@@ -729,3 +729,11 @@ def test_packing_places_values_alive_together_apart_at_the_lowest_free_offset():
                 together = not (storages[x][0] > storages[y][1] or storages[y][0] > storages[x][1])
                 (ox, nx, _), (oy, ny, _) = assigned[x], assigned[y]
                 assert not together or ox + nx <= oy or oy + ny <= ox, (trial, x, y)
+        # The planner's rounds: one ``Packing`` packs what is kept again after each value dropped, placing again
+        # only the values a drop may move; every round gives the offsets of packing anew.
+        packing, kept = arena.Packing(storages, alive_with), set(storages)
+        while kept:
+            size, assigned = packing.pack(kept)
+            want_size, want = lowest_free_by_scan(storages, kept)
+            assert size == want_size and {k: v[0] for k, v in assigned.items()} == want, (trial, len(kept))
+            kept.discard(rng.choice(sorted(kept)))

@@ -28,19 +28,44 @@ def live_bytes(storages, keys, n, sizes=None) -> list:
 def pack(storages, kept, alive_with=None):
     """Offsets in one arena, largest values first, each at the lowest offset free of the values whose
     storage lifetimes overlap its own: close to the peak of the kept values' bytes, and one allocation.
-    ``alive_with`` (``overlaps`` of a superset of ``kept``): which values' lifetimes overlap, found once for the
-    planner's rounds, each of which packs what it keeps again (~30 times on a T5 step's first call, ~170 on
-    DeepSeek-V3's, ~150-350 values each time; ~10-15 % of the pairs overlap)."""
-    items = sorted(((storages[k][2], storages[k][0], storages[k][1], k) for k in kept), key=lambda t: (-t[0], t[1]))
-    if alive_with is None:
-        alive_with = overlaps(storages, kept)
-    assigned: dict = {}
-    placed: dict = {}  # key -> (offset, end) of the values placed so far
-    for nbytes, _, _, key in items:
-        offset = _lowest_free(key, nbytes, placed, alive_with)
-        placed[key] = (offset, offset + nbytes)
-        assigned[key] = (offset, nbytes, storages[key][3])
-    return max(offset + nbytes for offset, nbytes, _ in assigned.values()), assigned
+    ``alive_with`` (``overlaps`` of a superset of ``kept``): which values' lifetimes overlap."""
+    return Packing(storages, alive_with if alive_with is not None else overlaps(storages, kept)).pack(kept)
+
+
+class Packing:
+    """``pack`` for the planner's rounds (executors/buffers.py ``plan``), each of which packs what it keeps again
+    with one value fewer (~70 times over a T5 step's first two calls, ~200 over DeepSeek-V3's, ~150-350 values each
+    time).  The same offsets as packing anew: the values keep their order, and a value is placed again only where a
+    value overlapping it and placed before it was dropped or moved; the others keep their offsets (a value's lifetime
+    overlaps ~10-15 % of the others')."""
+
+    def __init__(self, storages, alive_with):
+        self.storages, self.alive_with = storages, alive_with
+        self.neighbours = {k: frozenset(v) for k, v in alive_with.items()}
+        self.order, self.placed = [], {}  # the last packing's values in order, key -> (offset, end)
+
+    def pack(self, kept):
+        storages, before = self.storages, self.placed
+        if before and set(kept) <= set(before):
+            self.order = [k for k in self.order if k in kept]
+        else:
+            self.order = [k for *_, k in sorted(((storages[k][2], storages[k][0], k) for k in kept),
+                                                key=lambda t: (-t[0], t[1]))]
+            before = {}
+        changed = set(before) - set(kept)  # dropped since, then moved
+        placed = {}
+        for key in self.order:
+            old = before.get(key)
+            if old is None or not changed.isdisjoint(self.neighbours[key]):
+                offset = _lowest_free(key, storages[key][2], placed, self.alive_with)
+                placed[key] = (offset, offset + storages[key][2])
+                if placed[key] != old:
+                    changed.add(key)
+            else:
+                placed[key] = old
+        self.placed = placed
+        return max(end for _, end in placed.values()), \
+            {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
 
 
 def overlaps(storages, keys) -> dict:

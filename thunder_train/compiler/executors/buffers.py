@@ -47,7 +47,7 @@ from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .arena import ALIGN as _ALIGN, SMALL as _SMALL, SMALL_ALIGN as _SMALL_ALIGN
-from .arena import fill as _fill, live_bytes as _live_bytes, overlaps as _overlaps, pack as _pack
+from .arena import Packing as _Packing, fill as _fill, live_bytes as _live_bytes, overlaps as _overlaps
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
@@ -477,7 +477,8 @@ def plan(trc):
     if not kept:
         return 0, {}
     candidates_kept = set(kept)
-    alive_with = _overlaps(storages, kept)  # for the rounds' packings (arena.pack)
+    alive_with = _overlaps(storages, kept)  # for the rounds' packings
+    packing = _Packing(storages, alive_with)
     n = len(bsyms)
     without = _live_bytes(storages, storages.keys(), n)  # bytes alive at each line
     natural = max(without)
@@ -518,25 +519,25 @@ def plan(trc):
         if movable and fullest + most_others - natural - slack > max(movable)[0]:
             drop(max(movable)[2])
             continue
-        nbytes, assigned = _pack(storages, kept, alive_with)
-        excess = nbytes + most_others - natural - slack
         if scratch:
             # A line whose kernel's scratch memory is unknown may be where the call peaks, above every line the plan
             # sees: there the arena may hold no byte (``SCRATCH_SLACK``) beyond what the kept values alive at it need
             # (their sizes unrounded; the call's memory without the arena would hold them there too).  Where the rounding of the
             # values alive there is the excess, the one rounded most goes; else the smallest value not alive there
             # that covers the excess, else the largest.
+            # The packing is at least ``fullest``: where that alone settles the round, no packing is made (one per
+            # value dropped: ~280 on DeepSeek-V3's first two calls, most of its planner's time).
             s = min(scratch, key=need.__getitem__)
-            over = nbytes - need[s] - SCRATCH_SLACK
-            if over > 0:
-                here = [(nb - exact[k], k) for first, last, nb, k in columns if first <= s <= last]
-                if pooled[s] > need[s]:
-                    drop(max(here)[1])
-                    continue
-                away = [(nb, first, k) for first, last, nb, k in columns if not first <= s <= last]
-                away = away or [(nb, first, k) for first, last, nb, k in columns]
-                covering = [m for m in away if m[0] >= over]
-                drop((min(covering) if covering else max(away))[2])
+            dropped = _scratch_drop(columns, s, fullest - need[s] - SCRATCH_SLACK, pooled[s] > need[s], exact, settled=False)
+            if dropped is not None:
+                drop(dropped)
+                continue
+        nbytes, assigned = packing.pack(kept)
+        excess = nbytes + most_others - natural - slack
+        if scratch:
+            dropped = _scratch_drop(columns, s, nbytes - need[s] - SCRATCH_SLACK, pooled[s] > need[s], exact, settled=True)
+            if dropped is not None:
+                drop(dropped)
                 continue
         if excess <= 0:
             # (where a kernel's scratch is unknown the arena may not grow: see above)
@@ -553,6 +554,22 @@ def plan(trc):
         covering = [m for m in movable if m[0] >= excess]
         drop((min(covering) if covering else max(movable))[2])
     return 0, {}
+
+
+def _scratch_drop(columns, s, over, rounding_is_over, exact, *, settled):
+    """The value ``plan`` drops for the unknown-scratch line ``s`` when the arena is ``over`` bytes above what the
+    kept values alive at ``s`` need, or None (nothing to drop).  ``settled``: ``over`` is the packing's; else it is a
+    lower bound (the packing not made), and None also means the packing must decide."""
+    if over <= 0:
+        return None
+    if rounding_is_over:
+        return max((nb - exact[k], k) for first, last, nb, k in columns if first <= s <= last)[1]
+    away = [(nb, first, k) for first, last, nb, k in columns if not first <= s <= last]
+    away = away or [(nb, first, k) for first, last, nb, k in columns]
+    covering = [m for m in away if m[0] >= over]
+    if covering and not settled:
+        return None  # which value covers the excess depends on the packing's own excess
+    return (min(covering) if covering else max(away))[2]
 
 
 class BufferPool:
