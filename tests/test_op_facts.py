@@ -53,7 +53,7 @@ def test_lowered_lines_keep_their_symbol():
 # Prims: every fact declared with the prim, and none missing
 # ---------------------------------------------------------------------------
 from thunder_train.compiler import grad_rules, prims  # noqa: E402
-from thunder_train.compiler.executors import reinplace, torch_executor  # noqa: E402
+from thunder_train.compiler.executors import reinplace, torch_executor, torch_impls  # noqa: E402
 from thunder_train.compiler.symbols import Symbol  # noqa: E402
 
 PRIMS = prims.all_prims()
@@ -388,6 +388,17 @@ def _layout_samples(op):
         extra = {"softplus_backward": lambda g, x: (g, x, 1.0, 20.0), "elu_backward": lambda g, x: (g, 1.0, 1.0, 1.0, False, x),
                  "logit_backward": lambda g, x: (g, x)}[op.name]
         return [(extra(g, x), {}) for g, x in pairs]
+    if op.module == "vjp":  # a backward line: (incoming gradient, reads, the op's arguments)
+        cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
+        x, g = torch.rand(2, 4, 3, 5), torch.rand(2, 4, 3, 5)
+        if op.name == "gelu_vjp":  # every layout: the kernel's TensorIterator
+            tr = lambda t: t.transpose(1, 3).contiguous().transpose(1, 3)  # noqa: E731
+            return [((g2, (), x2), {}) for g2 in (g, cl(g), tr(g)) for x2 in (x, cl(x), tr(x))]
+        w, b = torch.rand(4), torch.rand(4)
+        if op.name == "group_norm_vjp":  # row-major operands
+            return [((g, (), x, 2, w, b, 1e-5), {})]
+        if op.name == "batch_norm_vjp":
+            return [((g, (), x, torch.rand(4), torch.rand(4) + 0.5, w, b, training, 0.1, 1e-5), {}) for training in (True, False)]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]
@@ -428,7 +439,11 @@ def _every_layout_rule_agrees_with_eager():
             assert op.torch_impl is not None and getattr(op.torch_impl, "overwrites", None), f"no layout sample for {op.id}"
             continue  # the optimizer updates: test_optimizer_update_layouts_agree_with_eager
         for args, kwargs in samples:
-            expected = torch_executor.torch_executor.eager_impl(op, args, kwargs)
+            if op.module == "vjp":  # eager's backward kernels, through autograd, for the gradients eager computes
+                wanted = {"gelu_vjp": ((0,),), "group_norm_vjp": ((0,), (2,), (3,)), "batch_norm_vjp": ((0,), (3,), (4,))}[op.name]
+                expected = torch_impls.TorchVJP(op.forward_symbol.torch_impl, wanted)(*args, **kwargs)
+            else:
+                expected = torch_executor.torch_executor.eager_impl(op, args, kwargs)
             pargs = tuple([_proxy(t) for t in a] if isinstance(a, list) else _proxy(a) if isinstance(a, torch.Tensor) else a for a in args)
             pout = [_proxy(e.contiguous()) for e in expected] if isinstance(expected, (list, tuple)) else _proxy(expected.contiguous())
             b = BoundSymbol(op, pargs, kwargs, pout)
