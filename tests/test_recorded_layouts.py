@@ -51,7 +51,7 @@ def _steps(name, thin, fusion=None):
         step(model, opt, b)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert_cls", "vit", "resnet", "lstm", "falcon", "mixtral"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert_cls", "vit", "resnet", "lstm", "falcon", "mixtral", "wav2vec2_ctc"])
 def test_a_zoo_steps_values_have_their_recorded_strides(name, audit):
     _steps(name, thin=name in ("gpt2", "mixtral"))
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
@@ -120,3 +120,10 @@ def test_opaque_ops_record_the_layout_their_inputs_give(audit):
         x, idx, v = torch.randn(*shape), torch.tensor([0]), torch.randn(1, shape[1], shape[0])
         assert torch.equal(tt.compile(f)(x, idx, v), f(x, idx, v))
     assert not audit, audit
+
+
+def test_norm_and_gelu_backward_strides_are_recorded():
+    """The CPU twin of tests/test_cuda.py's check of GELU's, group norm's and batch norm's backward lines."""
+    from test_cuda import norm_and_gelu_strides_are_recorded
+
+    norm_and_gelu_strides_are_recorded("cpu")
