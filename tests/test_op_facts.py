@@ -431,8 +431,11 @@ def test_every_layout_rule_agrees_with_eager():
 
 
 def _every_layout_rule_agrees_with_eager():
+    from thunder_train.compiler.transforms.autograd import vjp_symbol
+
     ruled = [op for op in _every_symbol() if op.layout_rule is not None]
     assert len(ruled) >= 30
+    ruled += [vjp_symbol(op) for op in _every_symbol() if op.vjp_layout_rule is not None]
     for op in ruled:
         samples = _layout_samples(op)
         if samples is None:
@@ -449,7 +452,8 @@ def _every_layout_rule_agrees_with_eager():
             b = BoundSymbol(op, pargs, kwargs, pout)
             tensors = [x for x in b.flat_args() if type(x) is TensorProxy]
             outs = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-            assert op.layout_rule(b, tensors, outs), f"{op.id}'s layout rule did not decide on its sample"
+            rule = op.layout_rule or op.forward_symbol.vjp_layout_rule
+            assert rule(b, tensors, outs), f"{op.id}'s layout rule did not decide on its sample"
             for o, e in zip(outs, expected if isinstance(expected, (list, tuple)) else [expected]):
                 assert (o._tt_strides, o._tt_storage_offset) == (e.stride(), e.storage_offset()), f"{op.id}: {o._tt_strides} vs eager {e.stride()}"
 

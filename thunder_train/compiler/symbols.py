@@ -141,6 +141,7 @@ class Symbol:
     # torch executor (executors/layout_rules.py): ``rule(bsym, tensors, outputs) -> bool`` sets the outputs' eager
     # layout without running the op (or leaves them row-major, as created) and says whether it knew it
     layout_rule = None
+    vjp_layout_rule = None  # the same for the op's ``<name>_vjp`` line
     # nvFuser (executors/nvfuser_fusion.py): how a fusion defines the op's line, ``(kind, nvFuser op)``
     nvfuser_translation = None
     # ``() -> (reader, runner)`` for an op whose kernel eager picks from process-wide switches (SDPA's backend

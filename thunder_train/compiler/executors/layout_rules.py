@@ -254,7 +254,6 @@ def _backward_of_row_major(bsym, tensors, outs) -> bool:
 def _declare_layout_rules() -> None:
     from .. import prims
     from ..torchlang import activations, elementwise, factories, foreach, linalg, nn, normalization, optim
-    from ..transforms.autograd import vjp_symbol
 
     rules = {
         prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
@@ -272,12 +271,13 @@ def _declare_layout_rules() -> None:
         activations.softplus_backward: _as_gradient_times_input, activations.elu_backward: _as_gradient_times_input,
         elementwise.logit_backward: _as_gradient_times_input,
         prims.repeat_index: _as_created,
-        vjp_symbol(activations.gelu): _as_gradient_times_input,
-        vjp_symbol(normalization.group_norm): _backward_of_row_major,
-        vjp_symbol(normalization.batch_norm): _backward_of_row_major,
     }
     for sym, rule in rules.items():
         sym.layout_rule = rule
+    # the rules of ``<name>_vjp`` lines, declared on the op (``Symbol.vjp_layout_rule``)
+    activations.gelu.vjp_layout_rule = _as_gradient_times_input
+    normalization.group_norm.vjp_layout_rule = _backward_of_row_major
+    normalization.batch_norm.vjp_layout_rule = _backward_of_row_major
 
 
 _declare_layout_rules()
@@ -290,6 +290,8 @@ def set_layout(bsym) -> None:
     flat_in = bsym.flat_args()
     tensors = [x for x in flat_in if type(x) is TensorProxy]
     rule = bsym.sym.layout_rule
+    if rule is None and bsym.sym.module == "vjp":
+        rule = bsym.sym.forward_symbol.vjp_layout_rule
     if rule is not None and tensors and rule(bsym, tensors, outs):
         return
     if not tensors:
