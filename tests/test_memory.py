@@ -315,6 +315,52 @@ def test_small_gradients_update_together_after_the_backward(hold_back, monkeypat
         assert 0 < n_held < len(params) and counts[-1] == n_held and len(lines) > 1, src  # the last line: the held ones
 
 
+def test_moving_updates_run_in_groups_of_consecutive_parameters(monkeypatch):
+    """Where a kernel call costs more (CUDA: ``early_updates.CUDA_GROUP_BYTES``), the moving updates of one line run in
+    groups of consecutive parameters holding at least ``group_bytes`` of gradients: fewer update calls, each after
+    its group's last gradient, and the parameters, state and losses bitwise those of the program updating after the
+    backward.  Forced here on the CPU through ``group_bytes``."""
+    from thunder_train.compiler import pipeline
+    from thunder_train.compiler.transforms import early_updates
+
+    group = 20000
+    model, batch = _setup(n_layer=2, d=32, T=16, B=2, V=64)
+    monkeypatch.setattr(early_updates, "HOLD_BACK_BYTES", 0)
+    runs = {}
+    for mode in ("per parameter", "grouped", "after the backward"):
+        ufw = {"per parameter": early_updates.update_when_final,
+               "grouped": lambda trc, **kw: early_updates.update_when_final(trc, **{**kw, "group_bytes": group}),
+               "after the backward": lambda trc, **_: trc}[mode]
+        monkeypatch.setattr(pipeline, "update_when_final", ufw)
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        cf = tt.compile(step, fusion=None)
+        losses = [cf(m, opt, *batch) for _ in range(3)]
+        src = tt.last_traces(cf)[-1].python_source()
+        lines = [line.split("ttex.adam_update_([")[1].split("]")[0].split(", ") for line in src.splitlines()
+                 if "ttex.adam_update_(" in line]
+        runs[mode] = (m, opt, losses, lines, src)
+    m3, o3, l3, _, _ = runs["after the backward"]
+    for mode in ("per parameter", "grouped"):
+        m1, o1, l1, _, _ = runs[mode]
+        assert all(torch.equal(a, b) for a, b in zip(l1, l3))
+        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m3.parameters()))
+        for p1, p3 in zip(m1.parameters(), m3.parameters()):
+            assert all(torch.equal(v, o3.state[p3][k]) for k, v in o1.state[p1].items())
+    params = list(model.parameters())
+    grouped, per_parameter = runs["grouped"][3], runs["per parameter"][3]
+    assert sum(map(len, grouped)) == sum(map(len, per_parameter)) == len(params)
+    # as many calls as groups of ``group`` bytes (or fewer: groups whose last gradients are final at the same line
+    # run as one call)
+    sizes = [p.numel() * p.element_size() for p in params]
+    groups, total = 1, 0
+    for size in sizes:
+        if total >= group:
+            groups, total = groups + 1, 0
+        total += size
+    assert 2 <= len(grouped) <= groups < len(per_parameter), runs["grouped"][4]
+
+
 def test_early_updates_wait_for_reads_of_the_old_parameters():
     """A step reading the parameters after the backward and before opt.step() sees their old values (eager's), and
     an update never runs before a read of what it overwrites."""

@@ -131,7 +131,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         # A checkpoint region whose values nothing needed to recompute still asks for memory: no forward keeps its
         # autograd graph for the backward there (executors/saved_statistics.py ``keep_graphs``).
         keep_graphs = not asks and not any(in_region(b) for b in trc.bound_symbols)
-        updated = update_when_final(trc, hold_back_bytes=0 if asks else None) if options.fusion in (None, "background") else trc
+        updated = (update_when_final(trc, hold_back_bytes=0 if asks else None, group_bytes=0 if asks else None)
+                   if options.fusion in (None, "background") else trc)
         if updated is not trc:
             trc = updated
             traces.append(trc)
