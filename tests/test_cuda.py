@@ -312,3 +312,31 @@ def norm_and_gelu_strides_are_recorded(device):
 
 def test_norm_and_gelu_backward_strides_are_recorded_on_cuda():
     norm_and_gelu_strides_are_recorded("cuda")
+
+
+def test_early_updates_run_in_groups_on_cuda():
+    """On CUDA the moving optimizer updates run in groups of consecutive parameters (transforms/early_updates.py
+    ``CUDA_GROUP_BYTES``): this model's ~1 MiB of gradients make one group, one update call besides the small
+    gradients' call, where the CPU makes one per moving parameter; values equal eager's."""
+    def step_fn(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def make():
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+    torch.manual_seed(0)
+    m1, m2 = make().cuda(), make().cuda()
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (m1, m2))
+    step = tt.compile(step_fn, thin=True, fusion=None)
+    for i in range(3):
+        x = torch.randn(32, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        torch.testing.assert_close(step(m2, o2, x), step_fn(m1, o1, x).detach(), atol=1e-5, rtol=1e-4)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
+    src = str(tt.last_traces(step)[-1])
+    assert src.count("ttex.adam_update_(") <= 2, src
