@@ -169,6 +169,10 @@ def _loop(q: queue.Queue) -> None:
             job.done.set()
             continue
         job.run()
+        # Dropped before waiting for the next job: this frame is no object the garbage collector sees, so the last
+        # job (its entry, the compiled function and, through them, the user's model and optimizer) would stay alive
+        # here after the user dropped them, until another job arrived.
+        job = None
 
 
 atexit.register(_stopping.set)
