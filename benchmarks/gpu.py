@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -193,6 +194,9 @@ def bench_row(key: str, steps: int, budget: float) -> dict:
                                  else results[name].get("error", "")), flush=True)
         del model, opt, fn
         out = None
+        # Compiled steps hold reference cycles: collected now, or the next modes' peaks include this mode's model and
+        # optimizer (session 28's first rows: every mode after the default ~1.9 GB higher).
+        gc.collect()
         torch.cuda.empty_cache()
     eager = results.get("eager", {})
     tol = spec["tol"]
@@ -277,6 +281,7 @@ def profile_row(key: str, modes: list, steps: int = 8, shown: int = 3) -> dict:
             if "lines" in r:
                 print(f"  program: {r['lines']} lines; by symbol: {r['by_symbol']}")
         fn = model = opt = None
+        gc.collect()
         torch.cuda.empty_cache()
     return out
 
