@@ -282,8 +282,9 @@ class BoundSymbol:
 
     _FIELDS = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source", "region")
     # ``_flat_args`` / ``_flat_outputs``: the leaves, found once (every pass asks for them, many times a line; the
-    # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line).
-    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs")
+    # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line); ``_all_reads``
+    # the same for ``all_reads``.
+    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads")
 
     def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
                  region=None):
@@ -302,7 +303,7 @@ class BoundSymbol:
         self.output = output
         self.subsymbols = subsymbols
         self.comment = comment
-        self._flat_args = self._flat_outputs = None
+        self._flat_args = self._flat_outputs = self._all_reads = None
 
     def replace(self, **changes) -> "BoundSymbol":
         d = {s: getattr(self, s) for s in self._FIELDS}
@@ -310,6 +311,8 @@ class BoundSymbol:
         new = BoundSymbol(**d)
         if "args" not in changes and "kwargs" not in changes:
             new._flat_args = self._flat_args
+            if "subsymbols" not in changes:
+                new._all_reads = self._all_reads
         if "output" not in changes:
             new._flat_outputs = self._flat_outputs
         return new
@@ -328,6 +331,17 @@ class BoundSymbol:
         if flat is None:
             flat = self._flat_args = tuple(tree_leaves((self.args, self.kwargs)))
         return flat
+
+    def all_reads(self) -> tuple:
+        """The proxies the line reads, its decomposition's reads included (the memory passes: lowering may run those
+        lines instead); found once (a pass over a step's trace asks it of every line, several passes in a row)."""
+        reads = self._all_reads
+        if reads is None:
+            reads = [a for a in self.flat_args() if is_proxy(a)]
+            for s in self.subsymbols:
+                reads.extend(s.all_reads())
+            reads = self._all_reads = tuple(reads)
+        return reads
 
     def flat_outputs(self) -> tuple:
         flat = self._flat_outputs

@@ -43,13 +43,6 @@ HOLD_BACK_BYTES = 1 << 20
 CUDA_GROUP_BYTES = 32 << 20
 
 
-def _reads(b) -> list:
-    out = [a for a in b.flat_args() if is_proxy(a)]
-    for s in b.subsymbols:
-        out.extend(_reads(s))
-    return out
-
-
 def _pure(b) -> bool:
     return not b.has_side_effect and "random" not in b.sym.tags and not b.sym.runs_opaquely
 
@@ -93,7 +86,7 @@ def split_by_index(b) -> list | None:
                         return None
     parts: list = [[] for _ in range(n)]
     for s in b.subsymbols:
-        mine = {owner[id(a)] for a in _reads(s) if id(a) in owner}
+        mine = {owner[id(a)] for a in s.all_reads() if id(a) in owner}
         if len(mine) != 1:
             return None
         (i,) = mine
@@ -155,7 +148,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
         elif _fallible(b) or not _pure(b):
             barriers.append(i)
         shared = set()
-        for a in _reads(b):
+        for a in b.all_reads():
             if a is not dst:
                 for k in views.get(id(a), ()):
                     readers.setdefault(k, []).append(i)
@@ -181,7 +174,7 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
         its inputs are computed (producers after the backward move first), the write-backs into and the reads
         of the inputs it may overwrite, the lines that may raise or act on something else than their results."""
         at = -1
-        for a in _reads(line):
+        for a in line.all_reads():
             if id(a) in made_by:
                 at = max(at, made_by[id(a)])
                 continue
@@ -292,7 +285,7 @@ def _unneeded_early(targets, held, inputs, lines, last_bw) -> set:
     for pieces in targets.values():
         for piece in pieces:
             if id(piece) not in held and any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args()):
-                todo.extend(_reads(piece))
+                todo.extend(piece.all_reads())
     while todo:
         a = todo.pop()
         if id(a) in needed:
@@ -301,7 +294,7 @@ def _unneeded_early(targets, held, inputs, lines, last_bw) -> set:
         k = producer.get(id(a))
         if k is not None and k not in seen:
             seen.add(k)
-            todo.extend(_reads(lines[k]))
+            todo.extend(lines[k].all_reads())
     return {id(piece) for pieces in targets.values() for piece in pieces
             if not any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args())
             and not any(is_proxy(o) and id(o) in needed for o in piece.flat_outputs())}
@@ -349,4 +342,4 @@ def _in_order(trc) -> bool:
         for o in b.flat_outputs():
             if is_proxy(o):
                 position[id(o)] = j
-    return all(position.get(id(a), -1) <= j for j, b in enumerate(trc.bound_symbols) for a in _reads(b))
+    return all(position.get(id(a), -1) <= j for j, b in enumerate(trc.bound_symbols) for a in b.all_reads())

@@ -81,7 +81,7 @@ def alive_bytes(lines, returned_ids=()) -> list:
     root, size, last, first = {}, {}, {}, {}
     for i, b in enumerate(lines):
         args = [a for a in b.flat_args() if type(a) is TensorProxy]
-        for a in _all_reads(b):
+        for a in b.all_reads():
             r = root.get(id(a))
             if r is not None:
                 last[r] = i
@@ -139,7 +139,7 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
                 if of is not None and id(of) in chosen:
                     copy_at.setdefault(id(of), i)
             continue
-        for x in _all_reads(b):
+        for x in b.all_reads():
             last_read[id(x)] = i
         for o in b.flat_outputs():
             last_read.setdefault(id(o), i)
@@ -215,13 +215,6 @@ def _settled(trc, chosen: dict, cache: dict) -> _Settled:
         sunk = sink(new)
         cache[key] = _Settled(new, report, sunk if sunk is not new and _peak_of(sunk) < _peak_of(new) else None)
     return cache[key]
-
-
-def _all_reads(b) -> list:
-    out = [a for a in b.flat_args() if is_proxy(a)]
-    for s in b.subsymbols:
-        out.extend(_all_reads(s))
-    return out
 
 
 def _is_backward(b) -> bool:

@@ -17,19 +17,12 @@ budget).
 """
 from __future__ import annotations
 
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import TensorProxy
 from .remat import COMMENT, _clone
 from .remat_policy import is_view, nbytes
 
 _TRIES = 48  # candidate rewrites tried (each one counts the whole program once)
 _NEAR_PEAK = 0.5  # only stretches whose memory is at least this fraction of the planned peak
-
-
-def _reads(b) -> list:
-    out = [a for a in b.flat_args() if is_proxy(a)]
-    for s in b.subsymbols:
-        out.extend(_reads(s))
-    return out
 
 
 def _origin(p):
@@ -38,20 +31,13 @@ def _origin(p):
     return p if o is None else o
 
 
-def _reads_of(b, memo) -> list:
-    r = memo.get(id(b))
-    if r is None:
-        r = memo[id(b)] = (b, _reads(b))  # the line kept with it: its id is not reused meanwhile
-    return r[1]
-
-
-def _profile(lines, returned, memo=None):
+def _profile(lines, returned):
     """(live bytes after each line, root of each value, sorted reader positions of each root, bytes of each root,
     producer index of each value)."""
     root, size, first, readers, made = {}, {}, {}, {}, {}
     for i, b in enumerate(lines):
         args = [a for a in b.flat_args() if type(a) is TensorProxy]
-        for a in (_reads(b) if memo is None else _reads_of(b, memo)):
+        for a in b.all_reads():
             r = root.get(id(a))
             if r is not None:
                 readers.setdefault(r, []).append(i)
@@ -85,7 +71,7 @@ def _again(lines, v_root, peak_at, root, readers, made, make_name):
         return None
     j0 = later[0]
     # The values of that memory read after the peak, and the lines (recomputed ones only) that make them.
-    wanted = [a for j in later for a in _reads(lines[j]) if root.get(id(a)) == v_root]
+    wanted = [a for j in later for a in lines[j].all_reads() if root.get(id(a)) == v_root]
     chain, seen = set(), set()
     stack = list(wanted)
     while stack:
@@ -117,7 +103,7 @@ def _again(lines, v_root, peak_at, root, readers, made, make_name):
     for i, b in enumerate(lines):
         if i == j0:
             out.extend(clones)
-        out.append(b.renamed(mapping, inside=True) if i >= j0 and any(id(a) in mapping for a in _reads(b)) else b)
+        out.append(b.renamed(mapping, inside=True) if i >= j0 and any(id(a) in mapping for a in b.all_reads()) else b)
     return out
 
 
@@ -134,9 +120,9 @@ def recompute_again(trc, is_backward, returned, header="Recomputed values held a
     head, tail = lines[: last + 1], lines[last + 1:]
     tried: set = set()
     changed = False
-    budget, memo = _TRIES, {}
+    budget = _TRIES
     while budget > 0:
-        live, root, readers, size, made = _profile(head, returned, memo)
+        live, root, readers, size, made = _profile(head, returned)
         top = max(live, default=0)
         # Recomputed memories not read across a stretch of the backward near its peak, largest first.
         candidates = []
@@ -157,7 +143,7 @@ def recompute_again(trc, is_backward, returned, header="Recomputed values held a
             new = _again(head, r, at, root, readers, made, trc.make_name)
             if new is None:
                 continue
-            new_live = _profile(new, returned, memo)[0]
+            new_live = _profile(new, returned)[0]
             # Lower where it was held, and no higher anywhere (lines before ``b`` keep their places).
             if max(new_live[a + 1:b]) < max(live[a + 1:b]) and max(new_live) <= top:
                 head, improved, changed = new, True, True

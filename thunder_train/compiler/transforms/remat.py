@@ -184,14 +184,6 @@ def _clone(b, mapping, make_name, comment=None):
                      region=BACKWARD if comment is not None else b.region)
 
 
-def _reads(b) -> list:
-    """Proxies a line reads, its decomposition's reads of outside values included."""
-    out = [a for a in b.flat_args() if is_proxy(a)]
-    for s in b.subsymbols:
-        out.extend(_reads(s))
-    return out
-
-
 def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | None = None):
     """The lines with each backward read of a ``candidates`` value (id -> proxy) replaced by a recomputed copy,
     computed right before its first backward reader.  Returns (lines, Recomputed).  A candidate drawn by a random
@@ -240,10 +232,10 @@ def recompute(lines, is_backward, candidates: dict, make_name, reasons: dict | N
                 new.append(BoundSymbol(prims.get_rng_state, (d.device,), {}, d.state, comment=_STATE_COMMENT))
             new.append(b)
             continue
-        for a in _reads(b):
+        for a in b.all_reads():
             if id(a) in candidates and id(a) not in mapping:
                 need(a)
-        new.append(b.renamed(mapping, inside=True) if any(id(a) in mapping for a in _reads(b)) else b)
+        new.append(b.renamed(mapping, inside=True) if any(id(a) in mapping for a in b.all_reads()) else b)
     return new, report
 
 

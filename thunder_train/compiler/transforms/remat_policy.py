@@ -39,13 +39,6 @@ def is_view(b) -> bool:
     return bool(b.subsymbols) and all(is_view(s) for s in b.subsymbols)
 
 
-def _reads(b) -> list:
-    out = [a for a in b.flat_args() if is_proxy(a)]
-    for s in b.subsymbols:
-        out.extend(_reads(s))
-    return out
-
-
 def _pairs_with_forward(b) -> bool:
     """A ``<op>_vjp`` line (transforms/autograd.py ``vjp_symbol``: its ``forward_symbol`` is the op) whose backward
     kernel reuses its forward line's statistics (executors/saved_statistics.py pairs the two by their arguments): a recomputed argument would break the pair and run the op's backward
@@ -71,12 +64,12 @@ class Saved:
                 seen_backward = True
                 if _pairs_with_forward(b):
                     alive.update(id(a) for a in b.flat_args())
-                for a in _reads(b):
+                for a in b.all_reads():
                     if id(a) in self.producer and type(a) is TensorProxy:
                         self.read.setdefault(id(a), a)
                 continue
             if seen_backward:
-                alive.update(id(a) for a in _reads(b))
+                alive.update(id(a) for a in b.all_reads())
             for o in b.flat_outputs():
                 if is_proxy(o):
                     self.producer[id(o)] = b

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..proxies import TensorProxy
 from ..symbols import may_raise_on_values
-from .remat import BACKWARD, _reads, nbytes
+from .remat import BACKWARD, nbytes
 from .remat_policy import is_view
 
 
@@ -37,7 +37,7 @@ def sink(trc, header="Backward lines moved down to their first reader (transform
     root, readers, root_readers, value = {}, {}, {}, {}
     for i, b in enumerate(bsyms):
         args = [a for a in b.flat_args() if type(a) is TensorProxy]
-        for a in _reads(b):  # its decomposition's reads too: lowering may run those lines instead
+        for a in b.all_reads():  # its decomposition's reads too: lowering may run those lines instead
             if type(a) is TensorProxy:
                 readers.setdefault(id(a), []).append(i)
                 root_readers.setdefault(root.get(id(a), id(a)), []).append(i)
@@ -69,7 +69,7 @@ def sink(trc, header="Backward lines moved down to their first reader (transform
         # whose recomputed operand it would sit beside, is worth its incoming gradient's few bytes).
         deferred = sum(nbytes(o) for o in b.flat_outputs() if root.get(id(o), id(o)) == id(o))
         longer = {}
-        for a in _reads(b):
+        for a in b.all_reads():
             if type(a) is not TensorProxy:
                 continue
             r = root.get(id(a), id(a))
