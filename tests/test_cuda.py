@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import thunder_train as tt
 from _models import train_step  # noqa: E402
+from _steps import squared_output_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -252,7 +253,8 @@ def test_language_model_loss_is_one_fused_region_on_cuda():
 
 
 class _NormsAndGelu(nn.Module):
-    """Conv, group norm, GELU on a transposed view, batch norm (1-d and 2-d: cuDNN's kernels on CUDA)."""
+    """Conv, group norm, GELU on a transposed view, batch norm (1-d and 2-d: cuDNN's kernels on CUDA); the output
+    mixed by fixed weights (a loss not made flat by the last norm)."""
 
     def __init__(self):
         super().__init__()
@@ -261,13 +263,13 @@ class _NormsAndGelu(nn.Module):
         self.bn1 = nn.BatchNorm1d(8)
         self.conv2 = nn.Conv2d(1, 3, 3, padding=1)
         self.bn2 = nn.BatchNorm2d(3)
-        self.register_buffer("mix", torch.randn(3, 8, 16))  # a loss not made flat by the last norm
+        self.register_buffer("mix", torch.randn(3, 8, 16))
 
     def forward(self, x):
         h = self.gn(self.conv(x))
         h = F.gelu(h.transpose(1, 2)).transpose(1, 2)  # GELU's gradient line on non-row-major operands
         h = self.bn1(F.gelu(h))  # and on row-major ones
-        return (self.bn2(self.conv2(h.unsqueeze(1))) * self.mix).mean()
+        return self.bn2(self.conv2(h.unsqueeze(1))) * self.mix
 
 
 def norm_and_gelu_strides_are_recorded(device):
@@ -283,13 +285,7 @@ def norm_and_gelu_strides_are_recorded(device):
                 a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1)):
             found.setdefault(name, (shape, strides, tuple(t.shape), t.stride()))
 
-    def step_fn(model, opt, x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step_fn = squared_output_step
     torch.manual_seed(0)
     m1 = _NormsAndGelu().to(device)
     m2 = _NormsAndGelu().to(device)
@@ -318,12 +314,7 @@ def test_early_updates_run_in_groups_on_cuda():
     """On CUDA the moving optimizer updates run in groups of consecutive parameters (transforms/early_updates.py
     ``CUDA_GROUP_BYTES``): this model's ~1 MiB of gradients make one group, one update call besides the small
     gradients' call, where the CPU makes one per moving parameter; values equal eager's."""
-    def step_fn(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step_fn = squared_output_step
 
     def make():
         return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
