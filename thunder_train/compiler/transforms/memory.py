@@ -129,7 +129,7 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     if not chosen:
         return chosen
     every = _settled(trc, chosen, cache).final()
-    lines, curve = _probe_curve(every)
+    lines, curve = _probe_curve(every, cache)
     peak = max(curve, default=0) * (1 + PLAN_RESOLUTION)
     copy_at, last_read = {}, {}
     for i, b in enumerate(lines):
@@ -161,16 +161,16 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     if not keep:
         return chosen
     fewer = {k: p for k, p in chosen.items() if k not in keep}
-    return fewer if max(_probe_curve(_settled(trc, fewer, cache).final())[1], default=0) <= peak else chosen
+    return fewer if max(_probe_curve(_settled(trc, fewer, cache).final(), cache)[1], default=0) <= peak else chosen
 
 
-def _probe_curve(trc) -> tuple:
+def _probe_curve(trc, cache) -> tuple:
     """(lines up to the backward's last, the bytes alive at each): ``alive_bytes``, plus what a forward/backward
     kernel pair keeps between its two lines that the trace before executors does not show
     (``Symbol.torch_saved_statistics_bytes``: attention's output and log-sum-exp, which moved ViT's measured peak
     into its first attention backward)."""
     lines = _through_backward(trc)
-    curve = alive_bytes(lines, _returned(trc))
+    curve = list(_curve(trc, cache))
     forward_at: dict = {}
     for i, b in enumerate(lines):
         op = getattr(b.sym, "forward_symbol", None) if _is_backward(b) else b.sym
@@ -213,7 +213,7 @@ def _settled(trc, chosen: dict, cache: dict) -> _Settled:
         new.bound_symbols, report = recompute(trc.bound_symbols, _is_backward, chosen, new.make_name,
                                               reasons={k: "cheap" for k in chosen})
         sunk = sink(new)
-        cache[key] = _Settled(new, report, sunk if sunk is not new and _peak_of(sunk) < _peak_of(new) else None)
+        cache[key] = _Settled(new, report, sunk if sunk is not new and _peak_of(sunk, cache) < _peak_of(new, cache) else None)
     return cache[key]
 
 
@@ -275,6 +275,7 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
     if new is not trc:
         traces.append(new)
     settled = probed = None  # the cheap step's program as its probe left it (``_settled``), and what it probed
+    probes: dict = {}  # the programs probed (``_settled``) and their curves (``_curve``)
     for reason, header in (("cheap", _CHEAP_HEADER),
                            ("budget", f"Values recomputed to fit memory_budget={memory_budget} (transforms/remat_policy.py)")):
         saved = _saved(new)
@@ -282,7 +283,6 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             chosen = cheap_values(saved)
             cheap_found = bool(chosen)
             if cheap_found:
-                probes: dict = {}
                 settled = _settled(new, where_recomputing_lowers_the_peak(new, chosen, probes), probes)
                 if settled.report.lines:
                     traces.append(settled.recomputed)
@@ -317,7 +317,7 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             sunk = settled.sunk  # the probe sank it already
         else:
             sunk = sink(new)
-            sunk = sunk if sunk is not new and (asks or _peak_of(sunk) < _peak_of(new)) else None
+            sunk = sunk if sunk is not new and (asks or _peak_of(sunk, probes) < _peak_of(new, probes)) else None
         if sunk is not None:
             traces.append(sunk)
             new = sunk
@@ -330,7 +330,7 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
     plan.saved_bytes = _saved(new).stored_bytes()
     if memory_budget is not None:
         plan.budget_met = plan.saved_bytes <= memory_budget * plan.saved_bytes_default
-    plan.planned_peak_bytes = _peak_of(new)
+    plan.planned_peak_bytes = _peak_of(new, probes)
     return new, plan
 
 
@@ -338,9 +338,19 @@ def _returned(trc) -> set:
     return {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
 
 
-def _peak_of(trc) -> int:
-    """The planned peak up to the backward's last line (the optimizer's functional updates become in-place writes)."""
-    return planned_peak(_through_backward(trc), _returned(trc))
+def _peak_of(trc, cache=None) -> int:
+    """The planned peak up to the backward's last line (the optimizer's functional updates become in-place writes).
+    ``cache``: as ``_curve``'s."""
+    return max(_curve(trc, {} if cache is None else cache), default=0)
+
+
+def _curve(trc, cache: dict) -> list:
+    """``alive_bytes`` of the lines up to the backward's last: found once per program in ``cache`` (the plan's probes
+    ask it of the same programs up to three times), which keeps the trace so that its id is not reused."""
+    key = ("curve", id(trc))
+    if key not in cache:
+        cache[key] = (trc, alive_bytes(_through_backward(trc), _returned(trc)))
+    return cache[key][1]
 
 
 def _through_backward(trc) -> list:
