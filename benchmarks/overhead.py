@@ -187,6 +187,14 @@ def _bound_step(args, python_checks):
     return thin
 
 
+def _bound_defaults(thin):
+    """The bound inputs a thin call's computation takes as defaults (runtime/thin_args.py), also through the
+    wrapper that passes its inputs on unchanged to it (``inner``: an epilogue, an output rebuild), or None."""
+    while thin is not None and getattr(thin, "__defaults__", None) is None:
+        thin = getattr(thin, "inner", None)
+    return None if thin is None else thin.__defaults__
+
+
 def run_step_case(n_params, *, number, repeat):
     """Thin mode on a whole AdamW step of ``n_params`` parameters: the step, and the checks alone."""
     model = deep_linear(n_params // 2)
@@ -207,7 +215,7 @@ def run_step_case(n_params, *, number, repeat):
     stubbed = {k: f._binding.entry.slot for k, f in paths.items()}
     real = {k: s.thin for k, s in stubbed.items()}
     for k, s in stubbed.items():
-        defaults = getattr(real[k], "__defaults__", None)
+        defaults = _bound_defaults(real[k])
         s.thin = types.FunctionType(nothing.__code__, ns, "nothing", defaults) if defaults else nothing
     try:
         variants = {f"checks ({k})": (f, args) for k, f in paths.items()}
