@@ -221,6 +221,11 @@ def update_when_final(trc, header="Optimizer updates run as soon as their gradie
     raise AssertionError("thunder_train internal error: early optimizer updates reordered a line before a value it reads")
 
 
+def _gradients(piece, inputs) -> list:
+    """The intermediates (gradients) a piece reads, each once."""
+    return list({id(a): a for a in piece.flat_args() if type(a) is TensorProxy and id(a) not in inputs}.values())
+
+
 def _held_back(targets, inputs, limit) -> set:
     """ids of the pieces that stay after the backward: those reading intermediates (gradients), smallest first,
     while their intermediates add up to at most ``HOLD_BACK_BYTES``.  A piece reading only inputs (a step
@@ -228,9 +233,9 @@ def _held_back(targets, inputs, limit) -> set:
     sized = []
     for pieces in targets.values():
         for piece in pieces:
-            own = {id(a): a for a in piece.flat_args() if type(a) is TensorProxy and id(a) not in inputs}
+            own = _gradients(piece, inputs)
             if own:
-                sized.append((sum(nbytes(a) for a in own.values()), id(piece)))
+                sized.append((sum(nbytes(a) for a in own), id(piece)))
     held, total = set(), 0
     for size, key in sorted(sized, key=lambda x: x[0]):
         if total + size > limit:
@@ -238,10 +243,6 @@ def _held_back(targets, inputs, limit) -> set:
         total += size
         held.add(key)
     return held
-
-
-def _gradients(piece, inputs) -> list:
-    return [a for a in piece.flat_args() if type(a) is TensorProxy and id(a) not in inputs]
 
 
 def _grouped(pieces, held, inputs, group_bytes) -> list:
@@ -284,7 +285,7 @@ def _unneeded_early(targets, held, inputs, lines, last_bw) -> set:
     needed, todo, seen = set(), [], set()
     for pieces in targets.values():
         for piece in pieces:
-            if id(piece) not in held and any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args()):
+            if id(piece) not in held and _gradients(piece, inputs):
                 todo.extend(piece.all_reads())
     while todo:
         a = todo.pop()
@@ -296,7 +297,7 @@ def _unneeded_early(targets, held, inputs, lines, last_bw) -> set:
             seen.add(k)
             todo.extend(lines[k].all_reads())
     return {id(piece) for pieces in targets.values() for piece in pieces
-            if not any(type(a) is TensorProxy and id(a) not in inputs for a in piece.flat_args())
+            if not _gradients(piece, inputs)
             and not any(is_proxy(o) and id(o) in needed for o in piece.flat_outputs())}
 
 

@@ -338,10 +338,10 @@ def _returned(trc) -> set:
     return {id(p) for p in tree_flatten(trc.output)[0] if is_proxy(p)}
 
 
-def _peak_of(trc, cache=None) -> int:
+def _peak_of(trc, cache: dict) -> int:
     """The planned peak up to the backward's last line (the optimizer's functional updates become in-place writes).
     ``cache``: as ``_curve``'s."""
-    return max(_curve(trc, {} if cache is None else cache), default=0)
+    return max(_curve(trc, cache), default=0)
 
 
 def _curve(trc, cache: dict) -> list:
