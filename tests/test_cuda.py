@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import thunder_train as tt
 from _models import train_step  # noqa: E402
 from _steps import squared_output_step  # noqa: E402
+from test_recorded_layouts import audit, norm_and_gelu_strides_are_recorded  # noqa: E402,F401  (audit: a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -252,62 +253,8 @@ def test_language_model_loss_is_one_fused_region_on_cuda():
     assert "cross_entropy_with_stats" not in str(tt.last_traces(step)[-1])
 
 
-class _NormsAndGelu(nn.Module):
-    """Conv, group norm, GELU on a transposed view, batch norm (1-d and 2-d: cuDNN's kernels on CUDA); the output
-    mixed by fixed weights (a loss not made flat by the last norm)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(4, 8, 3, padding=1)
-        self.gn = nn.GroupNorm(2, 8)
-        self.bn1 = nn.BatchNorm1d(8)
-        self.conv2 = nn.Conv2d(1, 3, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(3)
-        self.register_buffer("mix", torch.randn(3, 8, 16))
-
-    def forward(self, x):
-        h = self.gn(self.conv(x))
-        h = F.gelu(h.transpose(1, 2)).transpose(1, 2)  # GELU's gradient line on non-row-major operands
-        h = self.bn1(F.gelu(h))  # and on row-major ones
-        return self.bn2(self.conv2(h.unsqueeze(1))) * self.mix
-
-
-def norm_and_gelu_strides_are_recorded(device):
-    """Values, and every value of the compiled step (forward, backward, update) has the strides its trace recorded
-    (``codegen.layout_audit``, as tests/test_recorded_layouts.py): the layout rules of GELU's, group norm's and batch
-    norm's backward lines (executors/layout_rules.py) say what the device's kernels do."""
-    from thunder_train.compiler import codegen
-
-    found = {}
-
-    def check(name, t, shape, strides):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() and (tuple(t.shape) != shape or any(
-                a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1)):
-            found.setdefault(name, (shape, strides, tuple(t.shape), t.stride()))
-
-    step_fn = squared_output_step
-    torch.manual_seed(0)
-    m1 = _NormsAndGelu().to(device)
-    m2 = _NormsAndGelu().to(device)
-    m2.load_state_dict(m1.state_dict())
-    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (m1, m2))
-    old, codegen.layout_audit = codegen.layout_audit, check
-    try:
-        step = tt.compile(step_fn, thin=True, fusion=None)
-        for i in range(3):
-            x = torch.randn(4, 4, 16, device=device, generator=torch.Generator(device).manual_seed(i))
-            torch.testing.assert_close(step(m2, o2, x), step_fn(m1, o1, x).detach(), atol=1e-5, rtol=1e-4)
-    finally:
-        codegen.layout_audit = old
-    for p, q in zip(m1.parameters(), m2.parameters()):
-        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
-    assert not found, f"name: (recorded shape, recorded strides, real shape, real strides): {found}"
-    src = str(tt.last_traces(step)[-1])
-    assert "group_norm" in src and "batch_norm" in src and "gelu" in src, src
-
-
-def test_norm_and_gelu_backward_strides_are_recorded_on_cuda():
-    norm_and_gelu_strides_are_recorded("cuda")
+def test_norm_and_gelu_backward_strides_are_recorded_on_cuda(audit):
+    norm_and_gelu_strides_are_recorded("cuda", audit)
 
 
 def test_early_updates_run_in_groups_on_cuda():

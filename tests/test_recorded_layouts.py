@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler import codegen
 
 import _zoo
+from _steps import squared_output_step
 
 
 def _differs(t, shape, strides) -> bool:
@@ -122,8 +124,45 @@ def test_opaque_ops_record_the_layout_their_inputs_give(audit):
     assert not audit, audit
 
 
-def test_norm_and_gelu_backward_strides_are_recorded():
-    """The CPU twin of tests/test_cuda.py's check of GELU's, group norm's and batch norm's backward lines."""
-    from test_cuda import norm_and_gelu_strides_are_recorded
+class _NormsAndGelu(torch.nn.Module):
+    """Conv, group norm, GELU on a transposed view, batch norm (1-d and 2-d: cuDNN's kernels on CUDA); the output
+    mixed by fixed weights (a loss not made flat by the last norm)."""
 
-    norm_and_gelu_strides_are_recorded("cpu")
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 8)
+        self.bn1 = torch.nn.BatchNorm1d(8)
+        self.conv2 = torch.nn.Conv2d(1, 3, 3, padding=1)
+        self.bn2 = torch.nn.BatchNorm2d(3)
+        self.register_buffer("mix", torch.randn(3, 8, 16))
+
+    def forward(self, x):
+        h = self.gn(self.conv(x))
+        h = F.gelu(h.transpose(1, 2)).transpose(1, 2)  # GELU's gradient line on non-row-major operands
+        h = self.bn1(F.gelu(h))  # and on row-major ones
+        return self.bn2(self.conv2(h.unsqueeze(1))) * self.mix
+
+
+def norm_and_gelu_strides_are_recorded(device, audit):
+    """Values equal eager's, and every value of the compiled step (forward, backward, update) has the strides its
+    trace recorded (``audit``): the layout rules of GELU's, group norm's and batch norm's backward lines
+    (executors/layout_rules.py) say what the device's kernels do.  tests/test_cuda.py runs it on CUDA."""
+    torch.manual_seed(0)
+    m1 = _NormsAndGelu().to(device)
+    m2 = _NormsAndGelu().to(device)
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (m1, m2))
+    step = tt.compile(squared_output_step, thin=True, fusion=None)
+    for i in range(3):
+        x = torch.randn(4, 4, 16, device=device, generator=torch.Generator(device).manual_seed(i))
+        torch.testing.assert_close(step(m2, o2, x), squared_output_step(m1, o1, x).detach(), atol=1e-5, rtol=1e-4)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    src = str(tt.last_traces(step)[-1])
+    assert "group_norm" in src and "batch_norm" in src and "gelu" in src, src
+
+
+def test_norm_and_gelu_backward_strides_are_recorded(audit):
+    norm_and_gelu_strides_are_recorded("cpu", audit)
