@@ -79,7 +79,7 @@ def test_fsdp2_collectives_are_lines_of_the_trace(two_ranks):
     starts = {ln.split(" = ")[0]: i for i, ln in enumerate(lines) if "reduce_scatter_tensor(" in ln}
     waits = {re.search(r"wait_collective\((\w+),", ln).group(1): i for i, ln in enumerate(lines) if "wait_collective(" in ln}
     gaps = sorted(waits[t] - i for t, i in starts.items())
-    assert gaps[-1] > 5 and any("matmul" in ln for ln in lines[min(starts.values()):max(waits.values())]), gaps
+    assert gaps[-1] > 5 and any(re.search(r"torch\.(mm|matmul)\(", ln) for ln in lines[min(starts.values()):max(waits.values())]), gaps
     assert "fsdp" not in trace.replace("fsdp_all_gather", "")
     # Mixed precision: each shard is cast to bfloat16 before its all-gather; each gradient to float32 before its
     # reduce-scatter (FSDP2's param_dtype and reduce_dtype).

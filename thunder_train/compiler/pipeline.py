@@ -31,6 +31,7 @@ from .executors.decided_layouts import decide_layouts
 from .executors.row_major_weight_grads import row_major_weight_grads
 from .executors.identity_views import drop_identity_views
 from .executors.numbers_as_tensors import numbers_as_tensors
+from .executors.mm_calls import matmuls_as_mm
 from .executors.reinplace import reinplace
 from .executors.torch_impls import decision_key
 from .transforms.autograd import build_forward_backward
@@ -262,8 +263,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 7c. View lines that give back the tensor their chain of views started from are dropped
     #     (executors/identity_views.py; after the buffers, whose plan counts what the lines allocate).
     #     A Python number in float tensor arithmetic is passed as a shared 0-d tensor: torch does not wrap it on each
-    #     call (executors/numbers_as_tensors.py).
-    trc = numbers_as_tensors(drop_identity_views(trc))
+    #     call (executors/numbers_as_tensors.py); a matmul of two matrices calls mm (executors/mm_calls.py).
+    trc = matmuls_as_mm(numbers_as_tensors(drop_identity_views(trc)))
     # 7d. The last backward through an opaque op's autograd graph frees its saved tensors as it goes
     #     (transforms/opaque_grad.py); every trace then frees each value after its last use (transforms/lifetimes.py).
     trc = free_after_last_use(free_graphs_at_last_vjp(trc), header=trc.header)
@@ -335,8 +336,8 @@ def _attach_autograd(program, traces, trc, executors, *, fusion=None, notes=None
         fw, bw = (fold_constants(merge_duplicates(decide_layouts(t))) for t in (fw, bw))
         if keep_buffers:  # ThunderFunction runs both without grad (autograd.Function's forward; once_differentiable)
             fw, bw = keep_large_buffers(fw, grad_disabled=True), keep_large_buffers(bw, grad_disabled=True)
-        fw = free_after_last_use(numbers_as_tensors(drop_identity_views(fw), grad_disabled=True))
-        bw = free_after_last_use(free_graphs_at_last_vjp(numbers_as_tensors(drop_identity_views(bw), grad_disabled=True)))
+        fw = free_after_last_use(matmuls_as_mm(numbers_as_tensors(drop_identity_views(fw), grad_disabled=True)))
+        bw = free_after_last_use(free_graphs_at_last_vjp(matmuls_as_mm(numbers_as_tensors(drop_identity_views(bw), grad_disabled=True))))
         forward_traces = [fb.joint, fb.forward] + ([fw_lowered] if kind else []) + [fw]
         backward_traces = [fb.backward] + ([bw_lowered] if kind else []) + [bw]
         run = AutogradProgram(trc, fb, fw, bw, errors, pieces_of) if kind != "background" or _fused_regions(fw, bw) else None
