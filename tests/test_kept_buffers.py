@@ -120,6 +120,29 @@ def test_out_form_is_bitwise_the_functional_call(case):
         assert torch.equal(g, w) and g.stride() == w.stride()
 
 
+# (input, weight, bias, what the line calls): aten's linear.out where it runs linear_out's kernels, else linear_out.
+LINEAR_LINES = {
+    "2-d, bias": ((64, 32), False, True, "torch.nn.functional.linear("),
+    "2-d, no bias": ((64, 32), False, False, "torch.nn.functional.linear("),
+    "3-d, no bias": ((4, 16, 32), False, False, "torch.nn.functional.linear("),
+    "3-d transposed, no bias": ((4, 32, 16), True, False, "ttex.linear_out("),
+    "3-d, bias": ((4, 16, 32), False, True, "ttex.linear_out("),
+    "4-d with a size of 1, no bias": ((2, 1, 8, 32), False, False, "torch.nn.functional.linear("),
+}
+
+
+@pytest.mark.parametrize("case", list(LINEAR_LINES))
+def test_a_kept_linear_calls_the_form_of_eagers_kernels(case, every_size):
+    shape, transposed, with_bias, call = LINEAR_LINES[case]
+    x = _x(*shape).transpose(-1, -2) if transposed else _x(*shape)
+    w, b = _x(48, 32), (_x(48) if with_bias else None)
+    fn = lambda x, w, b: F.linear(x, w, b).sin()  # noqa: E731  (the product is an intermediate: a kept buffer)
+    cf = tt.compile(fn, fusion=None)
+    for _ in range(2):  # the second call writes into the buffers the first one left
+        assert torch.equal(cf(x, w, b), fn(x, w, b))
+    assert call in source(cf), source(cf)
+
+
 def _every_dim_order(want):
     """Buffers of ``want``'s shape and dtype in every order of its dims in memory, filled with garbage."""
     for order in itertools.permutations(range(want.dim())):

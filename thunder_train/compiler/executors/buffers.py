@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codegen import Name, format_call
-from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor
+from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor, row_major
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
@@ -205,13 +205,25 @@ def _declare_fresh() -> None:
 
 
 def _linear_for_line(b):
-    """``linear_out``'s branch taken from the traced ranks: a 2-d input and a 1-d bias call aten's ``linear.out``
-    directly (what ``linear_out`` calls for them), without the Python function between."""
+    """``linear_out``'s branch taken from the traced ranks and layout: aten's ``linear.out`` directly, without the
+    Python function between (and its ``weight.t()`` call: ~2.4 us a call), where it runs what ``linear_out`` runs:
+    for a 2-d input and a 1-d bias (``addmm``), and without a bias for a 2-d or row-major input (``matmul(input,
+    weight.t(), out=)``).  A bias with a row-major input of more dims keeps ``linear_out``: aten's ``linear.out``
+    adds it after the product, where functional ``linear`` (eager's) folds the rows into one ``addmm``."""
     args = list(b.args) + [b.kwargs.get("bias")] * (3 - len(b.args))
     x, bias = args[0], args[2]
-    if _tensor(x) and _tensor(bias) and len(x._tt_shape) == 2 and len(bias._tt_shape) == 1:
+    if not _tensor(x) or len(x._tt_shape) < 2:
+        return torch_impls.linear_out
+    if _tensor(bias) and len(x._tt_shape) == 2 and len(bias._tt_shape) == 1:
+        return torch._C._nn.linear
+    if bias is None and (len(x._tt_shape) == 2 or _laid_out_row_major(x)):
         return torch._C._nn.linear
     return torch_impls.linear_out
+
+
+def _laid_out_row_major(p) -> bool:
+    sizes, strides = p._tt_shape, p._tt_strides
+    return all(type(n) is int for n in (*sizes, *strides)) and row_major(sizes, strides)
 
 
 torch_impls.linear_out.for_line = _linear_for_line
