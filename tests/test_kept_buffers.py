@@ -21,7 +21,7 @@ import _zoo
 import thunder_train as tt
 from _zoo import train_step
 from thunder_train.compiler.codegen import standard_namespace
-from thunder_train.compiler.executors import buffers, torch_impls
+from thunder_train.compiler.executors import buffers, out_forms, torch_impls
 from thunder_train.compiler.executors import saved_statistics
 from thunder_train.compiler.torchlang import registry
 
@@ -157,9 +157,9 @@ def _form_of(fn):
 
 def _any_layout_calls():
     """(function, its form, args, kwargs): calls of each form declared to write into outs of any layout
-    (buffers.ANY_LAYOUT)."""
-    calls = [(fn, _form_of(fn), args, kwargs) for fn, args, kwargs in OUT_CASES.values() if _form_of(fn) in buffers.ANY_LAYOUT]
-    for form in buffers.ANY_LAYOUT - {c[1] for c in calls}:  # the elementwise forms no case above calls
+    (out_forms.ANY_LAYOUT)."""
+    calls = [(fn, _form_of(fn), args, kwargs) for fn, args, kwargs in OUT_CASES.values() if _form_of(fn) in out_forms.ANY_LAYOUT]
+    for form in out_forms.ANY_LAYOUT - {c[1] for c in calls}:  # the elementwise forms no case above calls
         calls += [(form, form, (_x(4, 6, 8).abs() + 0.5,) * k, {}) for k in (1, 2)]
     return calls
 
@@ -182,7 +182,7 @@ def test_forms_declared_to_write_any_layout_do():
             assert got is buf
             torch.testing.assert_close(got, first, rtol=1e-6, atol=1e-6, msg=lambda m: f"{form}: {m} ({buf.stride()})")
         covered.add(form)
-    assert covered == buffers.ANY_LAYOUT
+    assert covered == out_forms.ANY_LAYOUT
 
 
 def test_kernels_that_ignore_outs_layout_are_not_declared_to_write_any_layout():
@@ -194,7 +194,7 @@ def test_kernels_that_ignore_outs_layout_are_not_declared_to_write_any_layout():
                              (torch_impls.softmax_vjp, (g, (lp.exp(),), lp), {"dim": -1}),
                              (F.gelu, (_x(64, 32),), {})):
         form = _form_of(fn)
-        assert form not in buffers.ANY_LAYOUT
+        assert form not in out_forms.ANY_LAYOUT
         want = fn(*args, **kwargs)
         several = isinstance(want, tuple)
         first = want[0] if several else want
@@ -245,7 +245,7 @@ def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_s
     assert "0.0, out=" not in src and "torch.where(c, t0, x, out=_b[" in src.replace("  ", " "), src
 
 
-@pytest.mark.parametrize("form", sorted(buffers._TAKES_TENSORS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("form", sorted(out_forms._TAKES_TENSORS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
 def test_elementwise_out_forms_take_every_call_of_tensors_as_torch_says(form):
     # _accepts_out answers yes for these forms' calls of tensors alone without asking torch (a dispatch through a
     # Python mode, most of a small program's first call): torch's own answer must be yes for every such call the
@@ -680,8 +680,8 @@ def test_relu_is_written_into_a_kept_buffer_unless_in_place(every_size):
     # The in-place call is functionalized while tracing (tests/test_inplace_flag.py); a line that still says
     # ``inplace=True`` gets no out form.
     lines = [b for t in tt.last_traces(cf) for b in t.bound_symbols if getattr(b.sym, "fn", None) is F.relu]
-    assert lines and all(buffers.out_form(b) is not None for b in lines)
-    assert all(buffers.out_form(b.replace(kwargs={**b.kwargs, "inplace": True})) is None for b in lines)
+    assert lines and all(out_forms.out_form(b) is not None for b in lines)
+    assert all(out_forms.out_form(b.replace(kwargs={**b.kwargs, "inplace": True})) is None for b in lines)
 
 
 def test_values_the_plan_dropped_are_placed_again_where_they_fit():

@@ -161,20 +161,6 @@ def dense_layout(sizes, strides) -> bool:
     return True
 
 
-def row_major(sizes, strides) -> bool:
-    """``is_contiguous`` of a strided tensor with these int sizes and strides: torch's rule (sizes of 1 and empty
-    tensors place no condition)."""
-    if 0 in sizes:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
-
-
 def meta_tensor(p, shape=None) -> torch.Tensor:
     """A meta tensor with ``p``'s shape (or ``shape``, sizes a caller decided), dtype, strides and storage offset."""
     shape = tuple(size_value(s) for s in p._tt_shape) if shape is None else shape

@@ -70,7 +70,7 @@ def _callable(bsym):
         # Only for the ops that declare it: other backwards keep their row-major proxies.  A fake run is not every
         # kernel's truth: torch's meta of ``_log_softmax_backward_data`` lays the gradient out as the incoming one, the
         # CPU (and CUDA) kernel row-major; given every backward, wav2vec2's CTC head recorded (12, 24, 1) where the
-        # kernel writes (468, 12, 1).  (Its kept buffer got wrong values then, since fixed in buffers.ANY_LAYOUT.)
+        # kernel writes (468, 12, 1).  (Its kept buffer got wrong values then, since fixed in out_forms.ANY_LAYOUT.)
         from .saved_statistics import sdpa_vjp_kernels
 
         kernels = sdpa_vjp_kernels(bsym)  # the kernels the program runs (attention's): cheaper than TorchVJP's fake run

@@ -313,7 +313,7 @@ ltorch_normalization.batch_norm_running_stats.torch_impl = batch_norm_running_st
 # Out forms (executors/buffers.py): the same kernels as the functions they stand for, writing into ``out``.
 def relu_out(input, inplace=False, *, out):
     """``relu`` into ``out``: aten's ``relu`` is ``clamp_min(input, 0)`` (its CPU and CUDA kernels), whose out
-    overload writes the same values.  Never for ``inplace=True`` (that call writes ``input``: buffers.out_form)."""
+    overload writes the same values.  Never for ``inplace=True`` (that call writes ``input``: out_forms.out_form)."""
     if inplace:
         raise ValueError("relu_out: an inplace relu has no out form")
     return torch.clamp_min(input, 0, out=out)
