@@ -22,6 +22,15 @@ def squared_output_step(model, opt, x):
     return loss
 
 
+def loss_step(model, opt, *inputs):
+    """A whole training step on a model that returns its loss: forward, backward, update, zero_grad."""
+    loss = model(*inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 

@@ -5,6 +5,7 @@ import copy
 import torch
 
 import thunder_train as tt
+from _steps import loss_step
 
 
 class _Projections(torch.nn.Module):
@@ -32,14 +33,7 @@ def _lines(trc, callable_name):
 
 def test_a_step_of_matrix_products_calls_mm_with_eagers_bits():
     model, twin = _Projections(), _Projections()
-
-    def step(m, opt, x, seq):
-        loss = m(x, seq)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = loss_step
     # SGD: its update is eager's bits too (AdamW runs torch's fused kernel, within an ulp of eager's loop)
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, twin)]
     cf = tt.compile(step, fusion=None)

@@ -77,6 +77,12 @@ class Trace:
         t.decorators = list(self.decorators)
         return t
 
+    def with_lines(self, lines) -> "Trace":
+        """A new trace with this one's header, names and signature, holding ``lines`` (a pass that rewrites lines)."""
+        t = self.derive(self.header)
+        t.bound_symbols = list(lines)
+        return t
+
     # ---- printing and execution ----
     def python_source(self) -> str:
         from .codegen import trace_source

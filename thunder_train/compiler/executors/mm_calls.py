@@ -32,8 +32,4 @@ def matmuls_as_mm(trc):
             b = b.replace(sym=impl_symbol(torch.mm, side_effect="side_effect" in b.sym.tags))
             changed = True
         lines.append(b)
-    if not changed:
-        return trc
-    new = trc.derive(trc.header)
-    new.bound_symbols = lines
-    return new
+    return trc.with_lines(lines) if changed else trc

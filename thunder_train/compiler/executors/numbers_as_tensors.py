@@ -106,8 +106,4 @@ def numbers_as_tensors(trc, *, grad_disabled=False):
             b = b.replace(args=tuple(args))
             changed = True
         lines.append(b)
-    if not changed:
-        return trc
-    new = trc.derive(trc.header)
-    new.bound_symbols = lines
-    return new
+    return trc.with_lines(lines) if changed else trc
