@@ -245,7 +245,7 @@ def test_a_line_whose_arguments_the_out_form_refuses_allocates_as_before(every_s
     assert "0.0, out=" not in src and "torch.where(c, t0, x, out=_b[" in src.replace("  ", " "), src
 
 
-@pytest.mark.parametrize("form", sorted(out_forms._TAKES_TENSORS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("form", sorted(out_forms.TAKES_TENSORS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
 def test_elementwise_out_forms_take_every_call_of_tensors_as_torch_says(form):
     # _accepts_out answers yes for these forms' calls of tensors alone without asking torch (a dispatch through a
     # Python mode, most of a small program's first call): torch's own answer must be yes for every such call the

@@ -48,9 +48,11 @@ from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .arena import ALIGN as _ALIGN, SMALL as _SMALL, SMALL_ALIGN as _SMALL_ALIGN
 from .arena import Packing as _Packing, fill as _fill, live_bytes as _live_bytes, overlaps as _overlaps
-from .out_forms import ANY_LAYOUT, _TAKES_TENSORS, _T, _aliased_args, _for_line, out_form
+from .out_forms import ANY_LAYOUT, TAKES_TENSORS, aliased_args, form_for_line, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
+
+_T = torch.Tensor
 
 # Every size is worth keeping: a large block saves its page faults, a small one the allocation itself (the model
 # zoo's tiny steps are 3-5 % faster keeping every size than keeping only blocks of 128 KiB and more).
@@ -123,7 +125,7 @@ def _accepts_out(bsym, form) -> bool:
     remembered (the caller's state could have caused it)."""
     if isinstance(bsym.sym, FusionSymbol):
         return True  # compiled for these very layouts; any other buffer fails its check and runs the region's torch ops
-    if form in _TAKES_TENSORS and not bsym.kwargs and _tensor(bsym.output) and all(map(_tensor, bsym.args)):
+    if form in TAKES_TENSORS and not bsym.kwargs and _tensor(bsym.output) and all(map(_tensor, bsym.args)):
         return True  # what the check below answers, without a first dispatch of each op (a small program's first call)
     key = (form, _kind(bsym.args), _kind(bsym.kwargs), _kind(bsym.output))
     if key in _accepted:
@@ -235,7 +237,7 @@ def storage_sets(bsyms, inputs=()):
         reached = _reached(b.flat_args(), may_alias)
         if not _keeps_no_reference(b):
             escaped |= reached
-        aliased = () if out_form(b) is not None else _aliased_args(b)
+        aliased = () if out_form(b) is not None else aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if _tensor(o):
@@ -288,7 +290,7 @@ def plan(trc):
         if not _keeps_no_reference(b):
             escaped |= reached
         form = out_form(b)
-        aliased = () if form is not None or _reshape_copies(b) else _aliased_args(b)
+        aliased = () if form is not None or _reshape_copies(b) else aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         for o in b.flat_outputs():
             if not _tensor(o):
@@ -599,7 +601,7 @@ def keep_large_buffers(trc, header=None, *, grad_disabled=False):
         outs = [o for o in tree_flatten(b.output)[0] if _tensor(o)]
         if any(id(o) in order for o in outs):
             out = tree_map(lambda o: Name(f"_b[{order[id(o)]}]") if _tensor(o) and id(o) in order else None, b.output)
-            into = b.sym.out_symbol() if isinstance(b.sym, FusionSymbol) else impl_symbol(_for_line(out_form(b), b))
+            into = b.sym.out_symbol() if isinstance(b.sym, FusionSymbol) else impl_symbol(form_for_line(out_form(b), b))
             b = b.replace(sym=into, kwargs={**b.kwargs, "out": out})
         new.bound_symbols.append(b)
     new.bound_symbols.append(BoundSymbol(_PoolLine(pool, False), (), {}, None))

@@ -16,7 +16,7 @@ generator, has a side effect, nor runs an unknown op opaquely (``Symbol.runs_opa
 (uninitialised memory) never are.  Its result is then a function of the line's constants only, so every call
 computes the same values.  A kept result is the same tensor object on every call, so it must never be written or
 handed out: a constant value is not kept (nor anything computed from it) when it, or a value that may share its
-memory (a view of it, the result of a torch call not known to return new memory: ``buffers._aliased_args``), is
+memory (a view of it, the result of a torch call not known to return new memory: ``out_forms.aliased_args``), is
 returned or read by a line that may write an argument (an in-place op, an optimizer update, a write-back, an
 opaque op, a ttex kernel writing "into" an argument).  Nothing is kept when the kept values would take more than
 ``FOLD_MAX_BYTES`` (the program holds them between calls).
@@ -30,7 +30,8 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
-from .buffers import VIEW_FNS, _aliased_args, out_form
+from .buffers import VIEW_FNS
+from .out_forms import aliased_args, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol
 
@@ -118,7 +119,7 @@ def _unsafe_readers(lines, found, const, output) -> set:
             continue  # a fused kernel reads its inputs, writes new memory (unless written over an input: into_dead_grad.py)
         aliased = None
         if _pure_call(b) and not _is_view(b):
-            aliased = () if out_form(b) is not None else _aliased_args(b)  # an out form's results are new memory
+            aliased = () if out_form(b) is not None else aliased_args(b)  # an out form's results are new memory
         if aliased == ():
             continue
         if aliased is None and not _writes_nothing(b):

@@ -33,10 +33,8 @@ def _row_major(sizes, strides) -> bool:
     return True
 
 
-# Out forms: ``f(*args, out=..., **kwargs)`` computes what the line computes into ``out`` and returns it.
 # ``out`` has the line's output structure (the torch functions below have one tensor result); a ttex function's
 # form also accepts None entries for results it allocates.
-# ---------------------------------------------------------------------------
 def out_form(bsym):
     """The out form of the line's function, or None: a ttex function's own ``.out``, else the one its op declares for
     the torch callable the line runs (``Symbol.torch_out_forms``)."""
@@ -58,7 +56,7 @@ def out_form(bsym):
         return None
 
 
-def _aliased_args(bsym):
+def aliased_args(bsym):
     """Positions of the arguments whose memory the line's tensor results may share: () for new tensors (a function
     declared so: ``fn.aliases``, or a torch callable its op lists in ``Symbol.torch_fresh``; a line with an out form
     too), None when unknown (every argument)."""
@@ -87,7 +85,7 @@ def _function_and_method(*names) -> dict:
 
 # Out forms whose ``out=`` overloads take any call whose arguments are all tensors (``_accepts_out`` asks torch about
 # the others; tests/test_kept_buffers.py checks torch says yes for every form here).
-_TAKES_TENSORS: set = set()
+TAKES_TENSORS: set = set()
 # Out forms that write the right values into an ``out`` of any dense layout (TensorIterator kernels and the structured
 # kernels that copy through a buffer of their own layout when ``out``'s differs).  The other forms get a kept buffer
 # only for a row-major value (the layout every out form writes correctly): some kernels write row-major whatever
@@ -127,7 +125,7 @@ def _declare_out_forms() -> None:
                                                                      activations.gelu, linalg.matmul, prims.matmul,
                                                                      shapes.cat, prims.cat, activations.relu)
                    for f in declared.values()]
-    _TAKES_TENSORS.update(elementwise)
+    TAKES_TENSORS.update(elementwise)
     ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out, torch_impls.relu_out))
 
 
@@ -191,7 +189,7 @@ def _laid_out_row_major(p) -> bool:
 torch_impls.linear_out.for_line = _linear_for_line
 
 
-def _for_line(form, b):
+def form_for_line(form, b):
     """The out form a line calls: a form may pick, from the line's traced arguments, the torch call it would make."""
     pick = getattr(form, "for_line", None)
     return form if pick is None else pick(b)

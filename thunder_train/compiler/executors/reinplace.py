@@ -37,7 +37,7 @@ from ..pytree import tree_flatten
 from . import torch_impls
 from ..symbols import may_raise_on_values
 from .torch_executor import impl_symbol, prim_inplace_form
-from .buffers import _aliased_args
+from .out_forms import aliased_args
 
 
 # Whether a line may raise on its run-time values (compiler/symbols.py ``may_raise_on_values``).
@@ -159,14 +159,14 @@ def _early_write_backs(bsyms, drop, last_fallible, producer, reads) -> dict:
 
 def _alias_reads(inp, bsyms, reads):
     """Indices of the lines reading ``inp`` or a value that may share its memory (a view of it, a result whose
-    memory is not declared new: executors/buffers.py ``_aliased_args``)."""
+    memory is not declared new: executors/out_forms.py ``aliased_args``)."""
     seen, todo, out = {id(inp)}, [inp], set()
     while todo:
         x = todo.pop()
         for r in reads.get(id(x), ()):
             out.add(r)
             b = bsyms[r]
-            aliased = _aliased_args(b)
+            aliased = aliased_args(b)
             if _fn(b) is torch_impls.copy_ or aliased == ():
                 continue
             if aliased is not None and not any(b.args[k] is x for k in aliased if k < len(b.args)):
