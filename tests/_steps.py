@@ -22,6 +22,18 @@ def squared_output_step(model, opt, x):
     return loss
 
 
+def cross_entropy_step(model, opt):
+    """``step(x, y)``: a whole classification training step of ``model`` and ``opt`` (cross-entropy, backward,
+    update, zero_grad), reading both from its closure."""
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def loss_step(model, opt, *inputs):
     """A whole training step on a model that returns its loss: forward, backward, update, zero_grad."""
     loss = model(*inputs)

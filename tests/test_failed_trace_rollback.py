@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_train as tt
+from _steps import cross_entropy_step
 
 
 def state_of(obj, seen=None, depth=0):
@@ -119,12 +120,5 @@ def test_a_successful_step_keeps_what_eager_sets():
     """On success the flag eager's ``optimizer.step`` sets through the scheduler's wrapper is set, as in eager."""
     m, opt, sched, scaler = objects()
 
-    def step(x, y):
-        loss = F.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    tt.compile(step)(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    tt.compile(cross_entropy_step(m, opt))(torch.randn(5, 4), torch.randint(0, 3, (5,)))
     assert opt._opt_called is True and m.calls == 1

@@ -8,12 +8,11 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import thunder_train as tt
 from thunder_train.compiler import pipeline
 from thunder_train.compiler.executors import inductor_fusion
-from _steps import assert_same_state, fusible_mlp, mlp_batches, twin
+from _steps import assert_same_state, cross_entropy_step, fusible_mlp, mlp_batches, twin
 from _inductor import cxx_available
 from test_fusion import _block, _fused_lines
 
@@ -50,19 +49,9 @@ def test_nothing_is_built_before_the_second_call():
     assert cf._last.fusion_job.state == "new" and not _fused_lines(cf)
 
 
-def _step_of(model, opt):
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
-
-
 def test_training_step_across_the_switch_matches_eager():
     (m1, o1), (m2, o2) = twin(fusible_mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
-    eager, cf = _step_of(m1, o1), tt.compile(_step_of(m2, o2), thin=True)
+    eager, cf = cross_entropy_step(m1, o1), tt.compile(cross_entropy_step(m2, o2), thin=True)
     batches = mlp_batches(8)
     for i, (x, y) in enumerate(batches):
         if i == 3:
@@ -194,7 +183,7 @@ def test_a_dropped_compiled_step_frees_its_model_and_optimizer(thin, wait):
         torch.manual_seed(0)
         model = fusible_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cf = tt.compile(_step_of(model, opt), thin=thin)
+        cf = tt.compile(cross_entropy_step(model, opt), thin=thin)
         for i, (x, y) in enumerate(mlp_batches(4)):
             cf(x, y)
             if wait and i == 1:

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from _scenario_harness import MODES, assert_matches_eager
+from _steps import cross_entropy_step
 
 
 def _mlp():
@@ -149,13 +150,7 @@ def _plain(make_opt, n=4):
         cm = wrap(m)
         opt = make_opt(m)
 
-        def step(x, y):
-            loss = F.cross_entropy(cm(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = cross_entropy_step(cm, opt)
         inner = getattr(opt, "inner", opt)
         return dict(step=step, calls=_batches(n), modules=[m], opts=[inner], extra=lambda: vars(opt).get("slow"))
 
