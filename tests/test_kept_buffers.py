@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import _models
+import _steps
 import _zoo
 import thunder_train as tt
 from _zoo import train_step
@@ -96,6 +98,13 @@ OUT_CASES = {
     "mean keepdim": (torch.Tensor.mean, (_x(4, 16, 32), (-1,), True), {}),
     "mean of a transposed input": (torch.mean, (_x(32, 64).t(), (0,)), {}),
     "gelu_vjp": (torch_impls.gelu_vjp, (_x(64, 32), (), _x(64, 32)), {"approximate": "tanh"}),
+    "silu": (F.silu, (_x(64, 32),), {}),
+    "silu of a transposed input": (F.silu, (_x(32, 64).t(),), {"inplace": False}),
+    "silu_vjp": (torch_impls.silu_vjp, (_x(64, 32), (), _x(64, 32)), {}),
+    "silu_vjp of a transposed input": (torch_impls.silu_vjp, (_x(64, 32), (), _x(32, 64).t()), {}),
+    "embedding": (F.embedding, (torch.tensor([[3, 0, 7], [7, 7, 1]]), _x(8, 16)), {}),
+    "embedding of 1-d indices, padding_idx": (F.embedding, (torch.tensor([2, 5, 5, 0]), _x(8, 16)), {"padding_idx": 5}),
+    "embedding, max_norm": (F.embedding, (torch.tensor([[1, 4], [4, 6]]), _x(8, 16)), {"max_norm": 1.0}),
     "softmax_vjp": (torch_impls.softmax_vjp, (_x(64, 32), (torch.softmax(_x(64, 32), -1),), _x(64, 32)), {"dim": -1}),
     "log_softmax_vjp": (torch_impls.log_softmax_vjp, (_x(64, 32), (torch.log_softmax(_x(64, 32), 0),), _x(64, 32)), {"dim": 0}),
 }
@@ -760,3 +769,50 @@ def test_packing_places_values_alive_together_apart_at_the_lowest_free_offset():
             want_size, want = lowest_free_by_scan(storages, kept)
             assert size == want_size and {k: v[0] for k, v in assigned.items()} == want, (trial, len(kept))
             kept.discard(rng.choice(sorted(kept)))
+
+
+class _TinyLM(torch.nn.Module):
+    """Embedding, a SiLU MLP and a head: the lines whose results had no kept buffer (the embedding, SiLU's gradient,
+    the logits that cross-entropy overwrites with its log-probabilities)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 32)
+        self.up = torch.nn.Linear(32, 64, bias=False)
+        self.down = torch.nn.Linear(64, 32, bias=False)
+        self.head = torch.nn.Linear(32, 40, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + self.down(F.silu(self.up(h)))
+        return F.cross_entropy(self.head(h).view(-1, 40), labels.view(-1))
+
+
+def test_embedding_silu_gradient_and_overwritten_logits_are_kept():
+    """The embedding's rows (``index_select`` into the buffer), SiLU's gradient (``silu_backward.grad_input``) and the
+    logits are written into kept buffers; the loss, which cross-entropy returns beside the log-probabilities it writes
+    over the logits, is new memory (declared: ``aliasing_results``), so the logits' buffer is not taken for returned
+    memory.  Losses returned by earlier steps keep their values; parameters and losses bitwise eager's."""
+    torch.manual_seed(0)
+    eager = _TinyLM()
+    model = copy.deepcopy(eager)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    cf = tt.compile(_steps.loss_step, thin=True, fusion=None)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 40, (2, 12), generator=g), torch.randint(0, 40, (2, 12), generator=g)) for _ in range(4)]
+    losses = []
+    for ids, labels in batches:
+        want = _steps.loss_step(eager, opts[0], ids, labels)
+        got = cf(model, opts[1], ids, labels)
+        losses.append((got, want.detach().clone()))
+    for got, want in losses:
+        assert torch.equal(got, want)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p, q)
+    src = str(tt.last_traces(cf)[-1])
+    kept = lambda call: [line for line in src.splitlines() if call in line and re.search(r"out=\(?_b\[", line)]  # noqa: E731
+    assert kept("ttex.embedding_out("), src
+    assert kept("ttex.silu_out("), src
+    assert kept("ttex.silu_vjp_out("), src
+    head = [line for line in src.splitlines() if "arg0_head_weight" in line and "linear" in line]
+    assert head and all("out=_b[" in line for line in head), head

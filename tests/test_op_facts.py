@@ -269,7 +269,8 @@ from thunder_train.compiler.executors import buffers, layout_rules, nvfuser_fusi
 _G = torch.Generator().manual_seed(0)
 _X, _Y = torch.rand(4, 3, generator=_G) + 0.5, torch.rand(4, 3, generator=_G) + 0.5  # positive: log, sqrt, pow
 _CANDIDATES = [(_X,), (_X, _Y), (_X, torch.rand(3, 5, generator=_G)), ([_X, _Y],), (_X, (1,)),
-               (torch.rand(5, generator=_G), _X, torch.rand(3, 5, generator=_G))]  # (addmm: bias, mat1, mat2)
+               (torch.rand(5, generator=_G), _X, torch.rand(3, 5, generator=_G)),  # (addmm: bias, mat1, mat2)
+               (torch.tensor([[0, 2], [1, 1]]), _X)]  # (embedding: indices, weight)
 
 
 def _meta(args):

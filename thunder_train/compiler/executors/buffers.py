@@ -48,7 +48,7 @@ from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .arena import ALIGN as _ALIGN, SMALL as _SMALL, SMALL_ALIGN as _SMALL_ALIGN
 from .arena import Packing as _Packing, fill as _fill, live_bytes as _live_bytes, overlaps as _overlaps
-from .out_forms import ANY_LAYOUT, TAKES_TENSORS, aliased_args, form_for_line, out_form
+from .out_forms import ANY_LAYOUT, TAKES_TENSORS, aliased_args, aliasing_results, form_for_line, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol, impl_symbol, to_torch_arg
 
@@ -239,9 +239,10 @@ def storage_sets(bsyms, inputs=()):
             escaped |= reached
         aliased = () if out_form(b) is not None else aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
+        sharing = {id(o) for o in aliasing_results(b)} if aliased != () and shared else ()
         for o in b.flat_outputs():
             if _tensor(o):
-                may_alias[id(o)] = shared if aliased != () and shared else {id(o)}
+                may_alias[id(o)] = shared if id(o) in sharing else {id(o)}
     return may_alias, escaped
 
 
@@ -292,10 +293,11 @@ def plan(trc):
         form = out_form(b)
         aliased = () if form is not None or _reshape_copies(b) else aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
+        sharing = {id(o) for o in aliasing_results(b)} if aliased != () and shared else ()
         for o in b.flat_outputs():
             if not _tensor(o):
                 continue
-            if aliased != () and shared:
+            if id(o) in sharing:
                 may_alias[id(o)] = shared
                 continue
             may_alias[id(o)] = {id(o)}

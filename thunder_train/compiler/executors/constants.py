@@ -31,7 +31,7 @@ from ..pytree import tree_flatten
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .buffers import VIEW_FNS
-from .out_forms import aliased_args, out_form
+from .out_forms import aliased_args, aliasing_results, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol
 
@@ -137,7 +137,7 @@ def _unsafe_readers(lines, found, const, output) -> set:
         elif shared:  # a ttex kernel writing into a declared position ("into"): it may write them
             bad |= shared
             continue
-        for o in b.flat_outputs():
+        for o in b.flat_outputs() if aliased is None else aliasing_results(b):
             if is_proxy(o):
                 roots[id(o)] = roots.get(id(o), set()) | shared
     for o in tree_flatten(output)[0]:

@@ -72,6 +72,16 @@ def aliased_args(bsym):
         return None
 
 
+def aliasing_results(bsym) -> list:
+    """The line's flat results that may share the memory of its ``aliased_args``: the positions its function declares
+    (``fn.aliasing_results``: cross-entropy writing the log-probabilities over the logits returns the loss too, new
+    memory), else all of them."""
+    outs = bsym.flat_outputs()
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, (ImplSymbol, FusionSymbol)) else None
+    which = getattr(fn, "aliasing_results", None)
+    return outs if which is None else [outs[i] for i in which]
+
+
 # The torch executor's facts about the torch callables an op's lines run, declared per op (keyed by its Symbol).
 _T, _F = torch.Tensor, torch.nn.functional
 
@@ -109,7 +119,8 @@ def _declare_out_forms() -> None:
              nn.linear: {_F.linear: torch_impls.linear_out}, linalg.addmm: _function_and_method("addmm"), activations.gelu: {_F.gelu: torch._C._nn.gelu},
              linalg.matmul: {torch.matmul: torch.matmul}, prims.matmul: {torch.matmul: torch.matmul},
              shapes.cat: {torch.cat: torch.cat}, prims.cat: {torch.cat: torch.cat},
-             activations.relu: {f: torch_impls.relu_out for f in (torch.relu, _F.relu, _T.relu)}}
+             activations.relu: {f: torch_impls.relu_out for f in (torch.relu, _F.relu, _T.relu)},
+             activations.silu: {_F.silu: torch_impls.silu_out}, nn.embedding: {_F.embedding: torch_impls.embedding_out}}
     for op, prim in ((ew.add, prims.add), (ew.sub, prims.sub), (ew.mul, prims.mul), (ew.neg, prims.neg),
                      (ew.rsqrt, prims.rsqrt), (ew.sqrt, prims.sqrt), (ew.exp, prims.exp), (ew.log, prims.log),
                      (ew.tanh, prims.tanh), (ew.sigmoid, prims.sigmoid), (ew.cos, prims.cos), (ew.sin, prims.sin), (ew.pow, prims.pow), (ew.le, prims.le),
@@ -123,10 +134,12 @@ def _declare_out_forms() -> None:
     # The elementwise forms (TensorIterator kernels): their ``out=`` overloads take every call of tensors alone.
     elementwise = [f for op, declared in forms.items() if op not in (red.sum, red.mean, prims.sum, nn.linear, linalg.addmm,
                                                                      activations.gelu, linalg.matmul, prims.matmul,
-                                                                     shapes.cat, prims.cat, activations.relu)
+                                                                     shapes.cat, prims.cat, activations.relu,
+                                                                     activations.silu, nn.embedding)
                    for f in declared.values()]
     TAKES_TENSORS.update(elementwise)
-    ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out, torch_impls.relu_out))
+    ANY_LAYOUT.update(elementwise, (torch.sum, torch.mean, torch.cat, torch.addmm, torch_impls.gelu_vjp_out,
+                       torch_impls.silu_vjp_out, torch_impls.silu_out, torch_impls.relu_out))
 
 
 def _declare_fresh() -> None:

@@ -37,7 +37,7 @@ from ..pytree import tree_flatten
 from . import torch_impls
 from ..symbols import may_raise_on_values
 from .torch_executor import impl_symbol, prim_inplace_form
-from .out_forms import aliased_args
+from .out_forms import aliased_args, aliasing_results
 
 
 # Whether a line may raise on its run-time values (compiler/symbols.py ``may_raise_on_values``).
@@ -171,7 +171,7 @@ def _alias_reads(inp, bsyms, reads):
                 continue
             if aliased is not None and not any(b.args[k] is x for k in aliased if k < len(b.args)):
                 continue
-            for o in b.flat_outputs():
+            for o in aliasing_results(b):
                 if type(o) is TensorProxy and id(o) not in seen:
                     seen.add(id(o))
                     todo.append(o)

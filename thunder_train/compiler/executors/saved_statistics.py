@@ -303,6 +303,7 @@ for _f in (sdpa_flash_cpu, sdpa_flash_cpu_masked, additive_attn_mask, sdpa_flash
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>
     setattr(torch_impls, _f.__name__, _f)  # results share no argument's memory but the one a line writes into
     _f.aliases = {cross_entropy_backward_into_logp: (1,), cross_entropy_into_logits: (0,)}.get(_f, ())
+cross_entropy_into_logits.aliasing_results = (1,)  # the log-probabilities; the loss and total weight are new memory
 
 
 # ---------------------------------------------------------------------------

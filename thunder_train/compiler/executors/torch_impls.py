@@ -319,6 +319,14 @@ def relu_out(input, inplace=False, *, out):
     return torch.clamp_min(input, 0, out=out)
 
 
+def silu_out(input, inplace=False, *, out):
+    """``F.silu`` into ``out`` (aten's ``silu.out``, the structured kernel the functional call runs).  Never for
+    ``inplace=True`` (out_forms.out_form)."""
+    if inplace:
+        raise ValueError("silu_out: an inplace silu has no out form")
+    return torch._C._nn.silu(input, out=out)
+
+
 def linear_out(input, weight, bias=None, *, out):
     """``F.linear`` into ``out`` by the kernels functional ``linear`` picks, so the values are bitwise the same:
     ``addmm`` for a 1-d bias and a 2-d or row-major input (flattened to 2-d), functional ``linear`` copied into
@@ -344,6 +352,26 @@ def gelu_vjp_out(g, reads, input, approximate="none", *, out):
 
 
 gelu_vjp.out = gelu_vjp_out
+
+
+def silu_vjp_out(g, reads, input, inplace=False, *, out):
+    return (torch.ops.aten.silu_backward.grad_input(g, input, grad_input=out[0]),)
+
+
+silu_vjp.out = silu_vjp_out
+
+
+def embedding_out(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False, *, out):
+    """``F.embedding`` into a row-major ``out``: aten's embedding is ``index_select`` of the weight's rows by the
+    flattened indices (the same kernel, the same values); ``padding_idx`` and ``scale_grad_by_freq`` only change the
+    gradient.  With ``max_norm`` (which renormalises rows of the weight in place first) functional embedding itself,
+    copied into ``out``."""
+    if max_norm is not None or weight.dim() != 2:
+        return out.copy_(torch.nn.functional.embedding(input, weight, padding_idx, max_norm, norm_type,
+                                                       scale_grad_by_freq, sparse))
+    torch.index_select(weight, 0, input.reshape(-1), out=out.view(-1, weight.shape[1]))
+    return out
 # The arguments whose memory a function's results may share (executors/buffers.py; undeclared: all of them).
 for _f in (gelu_vjp, silu_vjp, embedding_vjp, softmax_vjp, log_softmax_vjp, convolution, convolution_backward,
            batch_norm_running_stats):
