@@ -13,6 +13,7 @@ import itertools
 import re
 import threading
 
+import hypothesis
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ import _zoo
 import thunder_train as tt
 from _zoo import train_step
 from thunder_train.compiler.codegen import standard_namespace
-from thunder_train.compiler.executors import buffers, out_forms, torch_impls
+from thunder_train.compiler.executors import arena, buffers, out_forms, torch_impls
 from thunder_train.compiler.executors import saved_statistics
 from thunder_train.compiler.torchlang import registry
 
@@ -788,11 +789,13 @@ class _TinyLM(torch.nn.Module):
         return F.cross_entropy(self.head(h).view(-1, 40), labels.view(-1))
 
 
-def test_embedding_silu_gradient_and_overwritten_logits_are_kept():
+def test_embedding_silu_gradient_and_overwritten_logits_are_kept(monkeypatch):
     """The embedding's rows (``index_select`` into the buffer), SiLU's gradient (``silu_backward.grad_input``) and the
     logits are written into kept buffers; the loss, which cross-entropy returns beside the log-probabilities it writes
     over the logits, is new memory (declared: ``aliasing_results``), so the logits' buffer is not taken for returned
-    memory.  Losses returned by earlier steps keep their values; parameters and losses bitwise eager's."""
+    memory.  Losses returned by earlier steps keep their values; parameters and losses bitwise eager's.  (The arena
+    is let grow here, so that what may be kept is kept: which values the peak rule keeps is tested above.)"""
+    monkeypatch.setattr(buffers, "_slack", lambda natural: 1 << 30)
     torch.manual_seed(0)
     eager = _TinyLM()
     model = copy.deepcopy(eager)
@@ -816,3 +819,33 @@ def test_embedding_silu_gradient_and_overwritten_logits_are_kept():
     assert kept("ttex.silu_vjp_out("), src
     head = [line for line in src.splitlines() if "arg0_head_weight" in line and "linear" in line]
     assert head and all("out=_b[" in line for line in head), head
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(hypothesis.strategies.lists(
+    hypothesis.strategies.tuples(hypothesis.strategies.integers(0, 11), hypothesis.strategies.integers(0, 5),
+                                 hypothesis.strategies.sampled_from([16, 64, 128, 192, 256, 1024]),
+                                 hypothesis.strategies.booleans()), min_size=1, max_size=24),
+    hypothesis.strategies.integers(0, 512))
+def test_around_the_peak_keeps_the_call_within_its_budget(values, spare):
+    """``arena.around_the_peak`` (the second way ``buffers.plan`` chooses what to keep): whatever the lifetimes and
+    sizes, values whose lifetimes overlap get disjoint bytes of the arena, and the arena plus what the call allocates
+    beside it (the values it left out, and those no buffer can hold) stays within the budget at every line."""
+    storages = {k: [first, min(first + length, 11), nbytes, None] for k, (first, length, nbytes, _) in enumerate(values)}
+    candidates = {k for k, (*_, candidate) in enumerate(values) if candidate}
+    n = 12
+    without = arena.live_bytes(storages, storages.keys(), n)
+    budget = max(without) + spare
+    found = arena.around_the_peak(storages, candidates, without, budget, arena.overlaps(storages, candidates))
+    if found is None:
+        return
+    nbytes, assigned = found
+    assert set(assigned) <= candidates
+    for k, (offset, size, _) in assigned.items():
+        assert offset >= 0 and offset + size <= nbytes and size == storages[k][2]
+        for j, (other, other_size, _) in assigned.items():
+            lifetimes_overlap = storages[k][0] <= storages[j][1] and storages[j][0] <= storages[k][1]
+            if j != k and lifetimes_overlap:
+                assert offset + size <= other or other + other_size <= offset, (k, j, assigned)
+    beside = [w - p for w, p in zip(without, arena.live_bytes(storages, assigned.keys(), n))]
+    assert nbytes + max(beside) <= budget

@@ -124,3 +124,68 @@ def fill(storages, assigned, arena, dropped, others, limit, alive_with=None) -> 
         others[first:end + 1] = [o - nbytes for o in others[first:end + 1]]
         arena = grown
     return arena
+
+
+def around_the_peak(storages, kept, without, budget, alive_with):
+    """``(arena bytes, {key: (offset, bytes, value)})`` keeping the arena plus what the call allocates beside it
+    within ``budget`` at every line, or None where this way finds nothing to keep.
+
+    The arena is held for the whole call, so at the line where the call's memory peaks (``without``: the bytes alive
+    at each line with no arena) every arena byte must hold a value alive there.  The candidates alive at that line are
+    packed first, where they stack; the others go into their gaps, never above them.  What no kept buffer holds (the
+    other allocations, and candidates left out) peaks elsewhere too: the arena is at most ``budget`` less that peak,
+    so candidates alive at the peak line are left out, one at a time, until their stack fits under it; each one left
+    out is chosen to raise that peak the least.  Where a value of the gaps does not fit, it is left out, and where
+    that raises the other allocations' peak past what the arena leaves, the arena gives up the difference again."""
+    n = len(without)
+    peak_line = without.index(max(without))
+    at_peak = sorted((k for k in kept if storages[k][0] <= peak_line <= storages[k][1]),
+                     key=lambda k: (-storages[k][2], storages[k][0]))
+    rest = sorted((k for k in kept if not storages[k][0] <= peak_line <= storages[k][1]),
+                  key=lambda k: (-storages[k][2], storages[k][0]))
+    others = [w - p for w, p in zip(without, live_bytes(storages, kept, n))]  # what no candidate holds
+
+    def leave_out(k):
+        first, last, nbytes, _ = storages[k]
+        for i in range(first, last + 1):
+            others[i] += nbytes
+
+    stack = list(at_peak)
+    for _ in range(len(kept) + 1):
+        cap = budget - max(others)
+        while stack and sum(storages[k][2] for k in stack) > cap:
+            # the value whose bytes, added to what no buffer holds over its lifetime, raise that least
+            k = min(stack, key=lambda k: (max(others[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
+            stack.remove(k)
+            leave_out(k)
+            cap = budget - max(others)
+        if not stack or cap <= 0:
+            return None
+        placed = {}
+        for k in stack:
+            offset = _lowest_free(k, storages[k][2], placed, alive_with)
+            placed[k] = (offset, offset + storages[k][2])
+        arena = max(end for _, end in placed.values())
+        if arena > cap:  # (values alive together at one line stack exactly; alignment may add a few bytes)
+            k = stack.pop()
+            leave_out(k)
+            continue
+        left = []
+        for k in rest:
+            offset = _lowest_free(k, storages[k][2], placed, alive_with)
+            if offset + storages[k][2] <= arena:
+                placed[k] = (offset, offset + storages[k][2])
+            else:
+                left.append(k)
+        trial = list(others)
+        for k in left:
+            first, last, nbytes, _ = storages[k]
+            for i in range(first, last + 1):
+                trial[i] += nbytes
+        if arena + max(trial) <= budget:
+            return arena, {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
+        # The values of the gaps left out raise the other allocations' peak: the stack gives up one more value.
+        k = min(stack, key=lambda k: (max(trial[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
+        stack.remove(k)
+        leave_out(k)
+    return None
