@@ -419,7 +419,7 @@ def plan(trc, whole_call: bool = True):
 def _around(storages, kept, without, maybe_new, natural, slack, alive_with):
     """The plan of ``arena.around_the_peak`` (the values alive where the call peaks packed first, the others in their
     gaps), then ``arena.fill``; or None.  Each value it keeps more than the rounds is an allocation, and the views
-    made on it, that the call no longer makes (the fused Llama zoo step: 77 values kept instead of 55, 6 % faster).
+    made on it, that the call no longer makes (the fused Llama zoo step: 69 values kept instead of 55, 5 % faster).
 
     Only where the program is the whole call (``plan``'s ``whole_call``): a compiled module's forward keeps its
     arena while its backward runs, which neither program's peak counts, and the larger arenas this choice makes put
