@@ -849,3 +849,17 @@ def test_around_the_peak_keeps_the_call_within_its_budget(values, spare):
                 assert offset + size <= other or other + other_size <= offset, (k, j, assigned)
     beside = [w - p for w, p in zip(without, arena.live_bytes(storages, assigned.keys(), n))]
     assert nbytes + max(beside) <= budget
+
+
+def test_aten_overloads_are_new_memory_where_their_schema_says_so():
+    """``out_forms.schema_says_fresh``: an ATen overload whose schema annotates no alias and writes nothing returns new
+    tensors (the ``*_backward`` kernels some ops' lines call); views, in-place and out= overloads do not, nor does
+    ``_unsafe_view``, whose schema leaves its alias unannotated (torch itself: its result shares the input's storage)."""
+    aten = torch.ops.aten
+    for op in (aten.tanh_backward.default, aten.sigmoid_backward.default, aten.mm.default, aten._to_copy.default):
+        assert out_forms.schema_says_fresh(op), op
+    for op in (aten.view.default, aten.transpose.int, aten.contiguous.default, aten.add_.Tensor, aten.add.out,
+               aten.alias.default, aten._unsafe_view.default, aten.lift.default, aten.lift_fresh.default):
+        assert not out_forms.schema_says_fresh(op), op
+    x = torch.randn(4, 6)
+    assert aten._unsafe_view.default(x, (6, 4)).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()

@@ -3,6 +3,8 @@ lowest offset free of the values whose storage lifetimes overlap its own.  A sto
 bytes, value]`` (bytes rounded to the alignment ``buffers._storage_bytes`` gives its size)."""
 from __future__ import annotations
 
+import operator
+
 ALIGN = 64
 # Values under this many bytes are placed at 16-byte boundaries (any dtype's), not 64: ``pack`` places them after the
 # larger ones (the largest first), whose offsets stay 64-byte aligned.  Their rounding is bytes the arena holds beyond
@@ -177,11 +179,7 @@ def around_the_peak(storages, kept, without, budget, alive_with):
                 placed[k] = (offset, offset + storages[k][2])
             else:
                 left.append(k)
-        trial = list(others)
-        for k in left:
-            first, last, nbytes, _ = storages[k]
-            for i in range(first, last + 1):
-                trial[i] += nbytes
+        trial = list(map(operator.add, others, live_bytes(storages, left, n)))
         if arena + max(trial) <= budget:
             return arena, {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
         # The values of the gaps left out raise the other allocations' peak: the stack gives up one more value.

@@ -137,7 +137,7 @@ def _unsafe_readers(lines, found, const, output) -> set:
         elif shared:  # a ttex kernel writing into a declared position ("into"): it may write them
             bad |= shared
             continue
-        for o in b.flat_outputs() if aliased is None else aliasing_results(b):
+        for o in aliasing_results(b):
             if is_proxy(o):
                 roots[id(o)] = roots.get(id(o), set()) | shared
     for o in tree_flatten(output)[0]:

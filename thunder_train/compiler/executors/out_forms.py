@@ -66,21 +66,26 @@ def aliased_args(bsym):
     aliases = getattr(fn, "aliases", None)
     if aliases is not None:
         return aliases
-    if isinstance(fn, torch._ops.OpOverload) and schema_says_fresh(fn):
-        return ()
+    opaque = bsym.source is not None and bsym.source.runs_opaquely
+    if isinstance(fn, torch._ops.OpOverload) and not opaque and schema_says_fresh(fn):
+        return ()  # (an overload the user called is run opaquely: its results are not trusted to be new)
     try:
         return () if bsym.source is not None and fn in bsym.source.torch_fresh else None
     except TypeError:
         return None
 
 
+# ATen overloads whose schema annotates no alias although their result may be their argument's memory.
+_UNANNOTATED_ALIASES = frozenset({"aten::_unsafe_view", "aten::lift", "aten::lift_fresh"})
+
+
 def schema_says_fresh(op) -> bool:
     """An ATen overload (``torch.ops.aten.tanh_backward.default``, what several ops' lines call) whose schema gives no
-    result an alias annotation and writes no argument: its results are new tensors.  (Taken for views of their
-    arguments, such results counted no bytes in the kept buffers' plan: ``tanh_backward``'s 8 KiB put a step 16 %
-    above its planned peak.)"""
+    result an alias annotation and writes no argument: its results are new tensors, but for the few overloads whose
+    schema leaves an alias unannotated (``_unsafe_view``).  (Taken for views of their arguments, such results counted
+    no bytes in the kept buffers' plan: ``tanh_backward``'s 8 KiB put a step 16 % above its planned peak.)"""
     schema = op._schema
-    return not any(r.alias_info is not None for r in schema.returns) and \
+    return schema.name not in _UNANNOTATED_ALIASES and not any(r.alias_info is not None for r in schema.returns) and \
         not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
