@@ -12,7 +12,7 @@ the thin call and the direct computation (per-call µs and the difference; timed
 taking turns, so each call follows a step's computation as in a training loop), and the checks alone (the same
 ``thin_call`` with its computation replaced by a function that returns at once, minus calling that function
 with the same inputs directly), each with the per-parameter checks in torch's C++ guards (the default,
-thunder_train/runtime/bulk.py) and in Python, measured interleaved in one process; the checks alone are timed
+thunder_train/compiler/bulk.py) and in Python, measured interleaved in one process; the checks alone are timed
 twice: repeated back to back (everything they read stays in the CPU caches) and one call right after the real
 computation (what a training loop's call finds: the step has pushed the bound objects out of the caches).
 Target (issue 14): the checks of the 1,000-parameter step add under 50 µs (about 50 ns a parameter).
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.runtime import bulk
+from thunder_train.compiler import bulk
 
 CLOCK = time.thread_time if "--cpu-time" in sys.argv else time.perf_counter
 

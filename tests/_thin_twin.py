@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.runtime import bulk
+from thunder_train.compiler import bulk
 
 
 def small_model(seed=0):
@@ -35,7 +35,7 @@ def train_step(model, opt, x, y):
 @contextlib.contextmanager
 def forced_checks(kind):
     """Bind thin mode with its per-parameter checks in Python (``"python"``) or with torch's C++ guards where this
-    torch has them (``"c++"``, the default; runtime/bulk.py)."""
+    torch has them (``"c++"``, the default; compiler/bulk.py)."""
     if kind == "c++" and not bulk.supported():
         pytest.skip("this torch has no usable C++ guards (thin mode checks in Python)")
     saved = bulk.ENABLED

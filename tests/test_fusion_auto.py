@@ -101,7 +101,7 @@ def test_failing_build_keeps_the_torch_program(monkeypatch):
 
 
 def test_region_inductor_rejects_leaves_the_torch_program(monkeypatch):
-    monkeypatch.setattr(inductor_fusion, "_inductor_compile", lambda gm, example: 1 / 0)
+    monkeypatch.setattr(inductor_fusion, "_inductor_compile", lambda gm, example, **options: 1 / 0)
 
     def f(x):
         return torch.cos(torch.exp(x * 2.3456) + 0.25) * 3.0  # a structure no other test compiles

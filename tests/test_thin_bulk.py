@@ -1,11 +1,11 @@
-"""Thin mode's per-parameter checks (runtime/bulk.py): torch's C++ guards and the Python comparisons catch the same
+"""Thin mode's per-parameter checks (compiler/bulk.py): torch's C++ guards and the Python comparisons catch the same
 changes, including ones that bypass the module epoch, and give eager's result (compiled vs eager)."""
 import pytest
 import torch
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.runtime import bulk
+from thunder_train.compiler import bulk
 from _thin_twin import Twin, forced_checks
 
 CHECKS = ["python", "c++"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import thunder_train as tt
-from thunder_train.runtime import bulk
+from thunder_train.compiler import bulk
 
 
 def _step(model, opt, x, y):

@@ -6,7 +6,7 @@ from torch import nn
 import thunder_train as tt
 from _thin_twin import Twin, forced_checks, small_model, train_step
 
-# "thin-c++": thin mode with its per-parameter checks in torch's C++ guards (the default, runtime/bulk.py); "thin": in Python.
+# "thin-c++": thin mode with its per-parameter checks in torch's C++ guards (the default, compiler/bulk.py); "thin": in Python.
 MODES = [pytest.param(dict(thin=True), id="thin"), pytest.param(dict(thin=True), id="thin-c++"),
          pytest.param(dict(thin=False), id="full")]
 

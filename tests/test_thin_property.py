@@ -16,7 +16,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from _thin_twin import Twin, forced_checks, small_model  # noqa: E402
-from thunder_train.runtime import bulk  # noqa: E402
+from thunder_train.compiler import bulk  # noqa: E402
 
 N_PARAMS = 6  # small_model: 0.weight, 0.bias, 2.weight, 2.bias, 3.weight, 3.bias
 
@@ -126,7 +126,7 @@ def _opt(kind):
        checks=st.sampled_from(["python", "c++"]),
        plan=st.lists(st.tuples(HAZARDS, st.integers(1, 2)), min_size=1, max_size=5))
 def test_random_hazards_between_thin_steps_match_eager(kind, checks, plan):
-    """``checks``: thin mode's per-parameter checks in Python or with torch's C++ guards (runtime/bulk.py)."""
+    """``checks``: thin mode's per-parameter checks in Python or with torch's C++ guards (compiler/bulk.py)."""
     kernels = "traced" if kind == "adamw-traced" else "fused"
     if checks == "c++" and not bulk.supported():
         checks = "python"

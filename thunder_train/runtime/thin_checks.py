@@ -35,7 +35,8 @@ from ..compiler.prologue import (Consts, GeneratedFunction, _float_key, _storage
 from ..compiler.prologue_state import autocast_state
 from ..compiler.proxies import SizeProxy
 from ..compiler.symbolic_layouts import layout_key
-from . import bulk, thin_args
+from ..compiler import bulk
+from . import thin_args
 from .module_epoch import _Epoch, epoch
 
 # Up to this many bound parameters share the per-call tensors' metadata check (see _bulk_checkers).

@@ -25,7 +25,8 @@ function — compile once.  If Inductor cannot compile a region (not installed, 
 does not lower) the region runs on the torch executor as before and one line in
 ``compile_stats(cf).fusion_notes`` says why.  Kernels write their outputs into buffers (the runner's ``.out``
 form, which kept buffers use) and are compiled for the trace's layouts of the inputs and outputs; an input or
-buffer with other strides fails Inductor's size/stride check before any work, and that call runs the region's
+buffer with other strides fails the size/stride check made before any work (executors/layout_check.py: one C++
+call for all the kernel's tensors, in place of Inductor's per-input asserts), and that call runs the region's
 torch calls instead and copies their values (eager's values, no speedup).
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
 from ..symbols import BoundSymbol
+from . import layout_check
 from .torch_executor import NOT_A_KERNEL
 from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, structure, uses
 
@@ -414,14 +416,15 @@ def _keep_rng_while_compiling():
     dynamo_utils.preserve_rng_state = preserve_rng_state
 
 
-def _inductor_compile(gm, example):
-    """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``."""
+def _inductor_compile(gm, example, *, asserts: bool = True):
+    """Compile a torch-level function of tensors; returns ``call(list_of_tensors) -> tuple``.  ``asserts``: whether
+    the generated code checks its inputs' sizes and strides itself (else its caller does, executors/layout_check.py)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if not config.size_asserts:
+    if asserts and not config.size_asserts:
         raise RuntimeError("torch._inductor.config.size_asserts is off: a kernel could not check its inputs' strides")
 
     _keep_rng_while_compiling()
@@ -429,7 +432,8 @@ def _inductor_compile(gm, example):
         aten = make_fx(gm, tracing_mode="fake", decomposition_table=select_decomp_table())(*example)
         _compiling.active = True
         try:
-            compiled = compile_fx_inner(aten, example)
+            with config.patch(size_asserts=asserts):
+                compiled = compile_fx_inner(aten, example)
         finally:
             _compiling.active = False
     call = getattr(compiled, "current_callable", None)
@@ -438,9 +442,13 @@ def _inductor_compile(gm, example):
 
 def _compile_region(bsyms, inputs, outputs):
     """The region compiled for its inputs' and outputs' layouts (the proxies', which are eager's)."""
-    example = [_allocator(p)() for p in list(inputs) + list(outputs)]
-    call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example)
-    return _runner(call, _region_graph(bsyms, inputs, outputs), outputs)
+    tensors = list(inputs) + list(outputs)
+    example = [_allocator(p)() for p in tensors]
+    asserts = layout_check.needs_asserts()
+    call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example, asserts=asserts)
+    fits = None if asserts else layout_check.LayoutCheck(
+        (p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch.type) for p in tensors)
+    return _runner(call, _region_graph(bsyms, inputs, outputs), outputs, fits)
 
 
 def _allocator(p):
@@ -455,26 +463,38 @@ def _allocator(p):
     return functools.partial(torch.empty_strided, shape, strides, dtype=dtype, device=device)
 
 
-def _runner(call, fallback, outputs):
+def _always(tensors) -> bool:
+    return True
+
+
+def _runner(call, fallback, outputs, fits=None):
     """The function the trace calls, with its out form ``.out`` (executors/buffers.py): the kernel writes the
     outputs into buffers it is given (``out``: one per output, None for one it allocates, with its proxy's
-    layout).  Inductor's generated ``call`` checks every input's and buffer's size and strides before any work;
-    when that check (or anything else) fails, the region's torch ops run instead and their values are copied."""
+    layout).  Before any work, ``fits`` checks every input's and buffer's layout against the compiled ones
+    (executors/layout_check.py; None: the generated code checks them itself).  When that check (or anything else)
+    fails, the region's torch ops run instead and their values are copied into the buffers."""
     single = len(outputs) == 1
     allocate = [_allocator(o) for o in outputs]
+    fits = fits or _always
     missed = _Fallbacks()
 
     def into(args, buffers):
-        try:
-            call([*args, *buffers])
-        except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
-            missed.calls += 1
-            for b, v in zip(buffers, fallback(*args)):
-                b.copy_(v)
+        tensors = [*args, *buffers]
+        if fits(tensors):
+            try:
+                call(tensors)  # the generated code empties the list it is given
+                return
+            except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
+                pass
+        missed.calls += 1
+        for b, v in zip(buffers, fallback(*args)):
+            b.copy_(v)
 
     def run_into(*args, out):
         buffers = [out] if single and not isinstance(out, (tuple, list)) else list(out)
-        buffers = [b if b is not None else new() for b, new in zip(buffers, allocate)]
+        for i, b in enumerate(buffers):
+            if b is None:
+                buffers[i] = allocate[i]()
         into(args, buffers)
         return buffers[0] if single else tuple(buffers)
 
@@ -483,11 +503,7 @@ def _runner(call, fallback, outputs):
 
         def run(*args):  # the common case, without the general path's calls (small regions are µs)
             b = new_output()
-            try:
-                call([*args, b])
-            except Exception:  # noqa: BLE001
-                missed.calls += 1
-                b.copy_(fallback(*args)[0])
+            into(args, [b])
             return b
     else:
         def run(*args):

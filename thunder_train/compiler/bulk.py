@@ -1,6 +1,7 @@
-"""C++ checks for a thin binding's per-parameter assumptions, from torch's guard library.
+"""C++ checks of many tensors' metadata and of dicts, from torch's guard library.
 
-Every thin call checks, for each bound parameter, its metadata (shape, strides, dtype, device,
+Used at call time by thin bindings (runtime/thin_checks.py) and by fused kernels before they run
+(executors/layout_check.py).  Every thin call checks, for each bound parameter, its metadata (shape, strides, dtype, device,
 ``requires_grad``) and that the optimizer's state dicts were not modified.  Read from Python, each
 tensor property costs 45-80 ns (a C getset call with a ``__torch_function__`` check per read, and a
 new tuple per ``stride()``); two pieces of ``torch._C._dynamo.guards`` (what ``torch.compile``'s
@@ -15,8 +16,8 @@ guards run on; importing them does not import ``torch._dynamo``) do it in C++:
 
 These are private torch APIs.  ``supported()`` runs a self-test once (each kind of change must be
 caught, an unchanged object must pass); a kind that fails it, or a torch or Python that lacks it,
-makes ``thin.py`` generate the same checks as bulk Python comparisons instead.  ``ENABLED = False``
-forces that path (the hazard tests run both).
+makes ``runtime/thin.py`` generate the same checks as bulk Python comparisons instead (and fused kernels keep
+Inductor's own asserts).  ``ENABLED = False`` forces that path (the hazard tests run both).
 """
 from __future__ import annotations
 
