@@ -133,6 +133,23 @@ def meta_rule(*funcs):
         return rule
 
     return deco
+# Gradient rules for ops that run opaquely, declared with the op in the torch language (``@direct_vjp(func)``):
+# ``rule(g, out, args, kwargs)`` returns {flat argument position: gradient} made of trace lines (eager's
+# backward formula with torch's own kernels), so the op runs without torch's autograd around it
+# (transforms/opaque_grad.py, which records it so where ``rule.applies(args, kwargs, positions)``).
+direct_vjps: dict = {}
+
+
+def direct_vjp(*funcs, applies):
+    def deco(rule):
+        rule.applies = applies
+        for f in funcs:
+            direct_vjps[f] = rule
+        return rule
+
+    return deco
+
+
 # Installed by transforms/opaque_grad.py: ``gradient_positions(flat_args)`` -> positions of the inputs a
 # gradient flows into; ``record_differentiable(func, args, kwargs, out, positions)`` records the op with
 # its autograd graph and returns the name compile_stats lists.

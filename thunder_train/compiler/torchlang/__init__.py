@@ -10,7 +10,7 @@ from .registry import all_symbols, by_torch_fn, lookup  # noqa: F401
 from . import (  # noqa: F401  (each registers its ops; a later binding of the same torch callable wins)
     tensor_methods, elementwise, elementwise_composed, reductions, shapes, factories, linalg, nn, losses, inplace, foreach, optim, decided,
     statistics, value_shaped, activations, normalization, attention, dropout, padding, pooling, distances, indexing,
-    sorting, distributed, spectral, opaque_rules,
+    sorting, distributed, spectral, opaque_rules, grouped_mm,
 )
 
 codegen.register_namespace("ltorch", sys.modules[__name__])  # printed traces call ``ltorch.<name>``

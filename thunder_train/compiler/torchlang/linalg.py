@@ -457,19 +457,3 @@ def _geqrf_meta(input):
     a = torch.empty_strided(input.shape, batch_strides + (1, m), dtype=input.dtype, device="meta")
     tau = torch.empty(tuple(batch) + (min(m, n),), dtype=input.dtype, device="meta")
     return torch.return_types.geqrf((a, tau))
-# ``torch._grouped_mm`` (``F.grouped_mm``; transformers' grouped experts) runs through torch, its gradient by
-# torch's autograd (eager's own backward); its meta kernel accepts only bf16, so the output's metadata of any
-# other dtype comes from the bf16 one (same shapes), with eager's dtype and ``requires_grad``.
-def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    if mat_a.dtype != mat_b.dtype:
-        raise RuntimeError(f"grouped_mm: expected mat_a and mat_b of one dtype, got {mat_a.dtype} and {mat_b.dtype}")
-    bf16 = torch.bfloat16
-    out = torch._grouped_mm(mat_a.detach().to(bf16), mat_b.detach().to(bf16), offs=offs,
-                            bias=None if bias is None else bias.detach().to(bf16))
-    out = torch.empty(out.shape, dtype=out_dtype or mat_a.dtype, device="meta")
-    grad = mat_a.requires_grad or mat_b.requires_grad or (bias is not None and bias.requires_grad)
-    return out.requires_grad_() if grad and out.dtype.is_floating_point else out
-
-
-if hasattr(torch, "_grouped_mm"):
-    meta_rule(torch._grouped_mm)(_grouped_mm_meta)

@@ -266,8 +266,40 @@ def gradient_positions(flat_args) -> tuple:
     return tuple(i for i in floats if flat_args[i]._tt_requires_grad or id(flat_args[i]) in on_path)
 
 
+class DirectOpaqueSymbol(opaque.OpaqueSymbol):
+    """An opaque op on the gradient path whose gradient rule is declared with it (``opaque.direct_vjp``): it runs as
+    torch runs it, and its backward is trace lines (eager's formula with torch's kernels), not torch's autograd."""
+
+    def __init__(self, func, rule):
+        super().__init__(func)
+        self.fn = _any_arguments  # its arguments bound by name for the rule
+        register_vjp(self)(_direct_rule(rule))
+
+
+def _direct_rule(rule):
+    def vjp(g, output, *, args, kwargs):
+        flat_in = tree_flatten((args, kwargs))[0]
+        grads = rule(g, output, args, kwargs) if _is_tensor(g) else {}
+        flat_grads = [grads.get(i) for i in range(len(flat_in))]
+        n_args = len(tree_flatten(args)[0])
+        return {"args": flat_grads[:n_args], "kwargs": flat_grads[n_args:]}
+
+    return vjp
+
+
+_direct_symbols: dict = {}
+
+
 def record(func, args, kwargs, out, positions):
-    """Records ``(out, graph) = torch_autograd_<op>(...)``; returns the name compile_stats lists."""
+    """Records ``(out, graph) = torch_autograd_<op>(...)``, or the op's plain call where its gradient rule is declared
+    with it (``opaque.direct_vjps``) and applies; returns the name compile_stats lists."""
+    rule = opaque.direct_vjps.get(func)
+    if rule is not None and rule.applies(args, kwargs, positions):
+        sym = _direct_symbols.get(func)
+        if sym is None:
+            sym = _direct_symbols[func] = DirectOpaqueSymbol(func, rule)
+        context.get_trace().add(BoundSymbol(sym, args, kwargs, out, ()))
+        return f"{sym.name} (gradient by its backward formula)"
     sym = autograd_symbol(func, positions)
     handle = TensorProxy(shape=(0,), dtype=dtypes.uint8, device=devices.from_torch("cpu"))  # AutogradRun makes it on CPU
     trc = context.get_trace()
