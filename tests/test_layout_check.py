@@ -68,6 +68,21 @@ def test_call_sites_differing_in_what_the_kernel_ignores_share_the_fast_path():
     assert not check([a, wrong])
 
 
+@needs_guards
+def test_a_check_holds_no_tensor_it_saw():
+    """The C++ checks keep sizes and strides, not the tensors: a kernel's first call does not keep its activations."""
+    import gc
+    import weakref
+
+    check = layout_check.LayoutCheck([((64, 64), (64, 1), torch.float32, "cpu")])
+    t = torch.randn(64, 64)
+    seen = weakref.ref(t)
+    assert check([t])
+    del t
+    gc.collect()
+    assert seen() is None
+
+
 @pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 @pytest.mark.parametrize("guards", [True, False])
 def test_a_kernel_runs_for_a_parameter_and_an_activation_and_falls_back_for_other_strides(guards, monkeypatch):

@@ -133,6 +133,8 @@ def meta_rule(*funcs):
         return rule
 
     return deco
+
+
 # Gradient rules for ops that run opaquely, declared with the op in the torch language (``@direct_vjp(func)``):
 # ``rule(g, out, args, kwargs)`` returns {flat argument position: gradient} made of trace lines (eager's
 # backward formula with torch's own kernels), so the op runs without torch's autograd around it
