@@ -79,3 +79,25 @@ def test_a_call_the_formula_does_not_cover_keeps_torch_autograd():
     cf(ca, cb)
     assert torch.equal(ca.grad, ea.grad) and torch.equal(cb.grad, eb.grad)
     assert any("gradient by torch autograd" in n for n in tt.compile_stats(cf).opaque_ops)
+
+
+def test_a_gradient_penalty_through_the_products_is_eagers():
+    """``create_graph=True``: the backward's products are differentiated again, as eager's are (a gradient penalty
+    through an expert layer); the rule's lines carry gradients, not constants."""
+    a0, b0 = torch.randn(12, 8), torch.randn(4, 8, 4)
+
+    def step(a, b):
+        out = torch._grouped_mm(a, b, offs=OFFS)
+        loss = (out * out.cos()).sum()
+        (gb,) = torch.autograd.grad(loss, [b], create_graph=True)
+        total = loss + gb.square().sum()
+        total.backward()
+        return total
+
+    ea, eb = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    ca, cb = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    expected = step(ea, eb)
+    got = tt.compile(step, fusion=None)(ca, cb)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(ca.grad, ea.grad)
+    torch.testing.assert_close(cb.grad, eb.grad)

@@ -186,7 +186,9 @@ def _why_meta_failed(e) -> str:
             "arguments of the result's shape, or call it outside the compiled function.")
 
 
-def call_opaque(func, args, kwargs, *, strict: bool):
+def call_opaque(func, args, kwargs, *, strict: bool, positions=None):
+    """Records ``func(*args, **kwargs)`` run by torch; returns its output proxies.  ``positions``: the flat arguments a
+    gradient may flow into, where the caller knows them (a gradient rule's own lines), else found on the trace."""
     name = callable_name(func)
     if strict:
         raise UnsupportedOpError(
@@ -196,7 +198,8 @@ def call_opaque(func, args, kwargs, *, strict: bool):
     flat, spec = tree_flatten((args, kwargs))
     proxies = [x for x in flat if is_tensor_proxy(x)]
     # Inputs a gradient would flow into (they require grad or depend on one that does).
-    diff = gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ()
+    diff = positions if positions is not None else (
+        gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ())
     meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
     try:
         # a rule that runs a random op on real tensors must not draw from a global generator either

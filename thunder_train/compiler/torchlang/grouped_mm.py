@@ -93,11 +93,12 @@ def _grouped_mm_vjp(g, out, args, kwargs):
     a, b, offs = _arguments(args, kwargs)
 
     def product(x, y):
-        return call_opaque(torch._grouped_mm, (x, y), {"offs": offs}, strict=False)
+        # Differentiable lines, as eager's backward through ``create_graph=True`` (its products are differentiable):
+        # a gradient a later backward should not see is cut where it is accumulated (traced_autograd.py).
+        return call_opaque(torch._grouped_mm, (x, y), {"offs": offs}, strict=False, positions=(0, 1))
 
-    with torch.no_grad():  # the backward's lines are not differentiated again
-        gb = _t(product(_t(g), a)) if _column_major(b) else product(_t(a), g)
-        ga = _t(product(b, _t(g))) if _column_major(a) else product(g, _t(b))
+    gb = _t(product(_t(g), a)) if _column_major(b) else product(_t(a), g)
+    ga = _t(product(b, _t(g))) if _column_major(a) else product(g, _t(b))
     return {0: ga, 1: gb}
 
 
