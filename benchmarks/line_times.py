@@ -93,8 +93,8 @@ def main(argv=None):
     tt.wait_for_fusion(cf)  # the second call's entry is the one every later step runs
     for i in range(5):
         cf(batches[i % 4])
-    fn, labels, stamps, stamp = _instrumented(*_computation_call(cf, batches[0])[:2])
-    args = _computation_call(cf, batches[0])[2]
+    code, globs, args = _computation_call(cf, batches[0])
+    fn, labels, stamps, stamp = _instrumented(code, globs)
     per = collections.defaultdict(list)
     for it in range(150):
         stamps.clear()
