@@ -306,7 +306,7 @@ def plan(trc, whole_call: bool = True):
                 continue
             if id(o) in sharing:
                 may_alias[id(o)] = shared
-                if aliased is None and not b.has_side_effect and not _view_call(b):
+                if aliased is None and not b.has_side_effect and not view_call(b):
                     may_alias[id(o)] = shared | {id(o)}
                     maybe_new[id(o)] = [i, i, _storage_bytes(o) or 0, o]
                 continue
@@ -544,14 +544,15 @@ VIEW_FNS = frozenset({
 _EXPANDS = frozenset({_T.expand, torch_impls.broadcast_in_dim})
 
 
-def _view_call(b) -> bool:
-    """A line calling a view (its result is its argument's memory): a view function, or an op tagged a view."""
+def view_call(b) -> bool:
+    """A line calling a view (its result is its argument's memory): an op tagged a view, or a view function."""
+    tags = b.sym.tags | (b.source.tags if b.source is not None else frozenset())
+    if tags & {"view", "shape_only"}:
+        return True
     try:
-        if getattr(b.sym, "fn", None) in VIEW_FNS:
-            return True
+        return isinstance(b.sym, ImplSymbol) and b.sym.fn in VIEW_FNS
     except TypeError:  # an unhashable callable
-        pass
-    return b.source is not None and bool(b.source.tags & {"view", "shape_only"})
+        return False
 
 
 def plain_arg(x) -> bool:

@@ -30,7 +30,7 @@ from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
-from .buffers import VIEW_FNS
+from .buffers import view_call
 from .out_forms import aliased_args, aliasing_results, out_form
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol
@@ -55,15 +55,6 @@ def _pure_call(b) -> bool:
     name = _name(b.sym.fn)
     inplace = name.endswith("_") and not name.endswith("__")  # add_, not __getitem__
     return not inplace and "empty" not in name
-
-
-def _is_view(b) -> bool:
-    if _tags(b) & {"view", "shape_only"}:
-        return True
-    try:
-        return isinstance(b.sym, ImplSymbol) and b.sym.fn in VIEW_FNS
-    except TypeError:  # an unhashable callable
-        return False
 
 
 def _concrete(o) -> bool:
@@ -118,7 +109,7 @@ def _unsafe_readers(lines, found, const, output) -> set:
         if not read or (isinstance(b.sym, FusionSymbol) and getattr(b.sym.fn, "aliases", ()) == ()):
             continue  # a fused kernel reads its inputs, writes new memory (unless written over an input: into_dead_grad.py)
         aliased = None
-        if _pure_call(b) and not _is_view(b):
+        if _pure_call(b) and not view_call(b):
             aliased = () if out_form(b) is not None else aliased_args(b)  # an out form's results are new memory
         if aliased == ():
             continue
