@@ -156,8 +156,7 @@ def around_the_peak(storages, kept, without, budget, alive_with):
     for _ in range(len(kept) + 1):
         cap = budget - max(others)
         while stack and sum(storages[k][2] for k in stack) > cap:
-            # the value whose bytes, added to what no buffer holds over its lifetime, raise that least
-            k = min(stack, key=lambda k: (max(others[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
+            k = _least_raising(stack, storages, others)
             stack.remove(k)
             leave_out(k)
             cap = budget - max(others)
@@ -183,7 +182,13 @@ def around_the_peak(storages, kept, without, budget, alive_with):
         if arena + max(trial) <= budget:
             return arena, {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
         # The values of the gaps left out raise the other allocations' peak: the stack gives up one more value.
-        k = min(stack, key=lambda k: (max(trial[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
+        k = _least_raising(stack, storages, trial)
         stack.remove(k)
         leave_out(k)
     return None
+
+
+def _least_raising(keys, storages, curve):
+    """Of ``keys``, the value whose bytes, added to ``curve`` (what no buffer holds) over its lifetime, raise its
+    maximum there least (the larger one of a tie)."""
+    return min(keys, key=lambda k: (max(curve[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
