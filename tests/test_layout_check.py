@@ -123,3 +123,25 @@ def test_a_kernel_runs_for_a_parameter_and_an_activation_and_falls_back_for_othe
         assert run.out(x, w, out=buffer) is buffer
         torch.testing.assert_close(buffer, g(x, w))
     assert run.fallbacks.calls == 2
+
+
+def test_compiling_without_asserts_leaves_other_threads_config_as_it_was():
+    """Kernels compile on the background worker with ``size_asserts`` patched off; torch's config patches are
+    thread-local, so a ``torch.compile`` the user runs meanwhile on another thread keeps Inductor's asserts."""
+    import threading
+
+    config = pytest.importorskip("torch._inductor.config")
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def worker():
+        with config.patch(size_asserts=False):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(10)
+    seen.append(config.size_asserts)
+    release.set()
+    t.join()
+    assert seen == [True]

@@ -432,7 +432,7 @@ def _inductor_compile(gm, example, *, asserts: bool = True):
         aten = make_fx(gm, tracing_mode="fake", decomposition_table=select_decomp_table())(*example)
         _compiling.active = True
         try:
-            with config.patch(size_asserts=asserts):
+            with config.patch(size_asserts=asserts):  # thread-local: another thread's torch.compile keeps its own
                 compiled = compile_fx_inner(aten, example)
         finally:
             _compiling.active = False
