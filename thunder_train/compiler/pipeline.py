@@ -44,6 +44,7 @@ from .transforms.remat import in_region
 from .transforms.no_grad import without_autograd
 from .transforms.opaque_grad import free_graphs_at_last_vjp
 from .executors.saved_statistics import reuse_forward_statistics
+from .executors.whole_lines import compile_whole_lines
 from .executors import narrow_value_attention  # noqa: F401  (registers the fused programs' attention pair)
 from .executors.blocked_head import block_the_head, whole_logits_bytes
 from .executors.into_dead_grad import gelu_grad_in_place, regions_into_dead_inputs
@@ -227,6 +228,10 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if has_backward and not decompose:
         trc = reuse_forward_statistics(trc, header=f"Final computation (executors: {names}; backward kernels reuse forward statistics)",
                                        keep_graphs=keep_graphs, fused=fusion is not None)
+        # A pair line made of many torch calls (eager's math attention) runs as one Inductor kernel in a fused
+        # program (executors/whole_lines.py).
+        if fusion is not None:
+            trc = compile_whole_lines(trc, fusion, notes)
         # A scatter_add whose first operand dies there (gradient sums of weight[e]) is written into it
         # (executors/sums_in_place.py).
         trc = sums_in_place(trc, header=f"Final computation (executors: {names}; scatter_add written into its dead first operand)")

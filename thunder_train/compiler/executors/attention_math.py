@@ -94,6 +94,11 @@ for _f in (sdpa_math_with_probs, sdpa_math_backward):
     _f.aliases = ()  # results share no memory with the arguments (executors/buffers.py)
 
 
+# A fused program runs each of the two as one Inductor kernel (executors/whole_lines.py: ~4x faster for small heads,
+# rounded as Inductor's softmax rounds); the torch program runs them op by op, bitwise eager's.
+sdpa_math_with_probs.compiled_whole = sdpa_math_backward.compiled_whole = True
+
+
 def _math_call(q, k, v, mask, scale) -> bool:
     """CPU float tensors of one dtype, static sizes, q/k/v with the same batch dimensions (broadcast batches and
     grouped heads keep the ``TorchVJP`` line), and eager's selector takes its math kernel."""

@@ -44,7 +44,7 @@ from ..pytree import tree_map
 from ..symbols import BoundSymbol
 from . import layout_check
 from .torch_executor import NOT_A_KERNEL
-from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, structure, uses
+from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, structure, uses
 
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
@@ -246,7 +246,7 @@ class _State:
             return
         name = f"{self.prefix}_{self.count + self.failed}"
         ops = op_names(bsyms)
-        kernel, inputs = _kernel_for(bsyms, outputs)
+        kernel, inputs = kernel_for(bsyms, outputs)
         if isinstance(kernel, str):
             self.failed += 1
             self.notes.append(f"{name}: {len(bsyms)} ops ({ops}) left to torch: Inductor failed: {kernel}")
@@ -321,7 +321,9 @@ def compiled_before(bsyms, outputs) -> bool:
     return known(structure(bsyms, outputs)[0]) is not None
 
 
-def _kernel_for(bsyms, outputs):
+def kernel_for(bsyms, outputs):
+    """``(kernel, inputs)``: the live or new kernel of the region ``bsyms`` returning ``outputs`` (why compiling it
+    failed: a str), and its input proxies in the order its runner takes them."""
     key, inputs = structure(bsyms, outputs)
     kernel = known(key)
     if kernel is None:
@@ -351,7 +353,7 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
     ``torch._tensor.pow``) names nothing, and the whole region failed.
     """
     in_ids = [id(p) for p in inputs]
-    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, id(result(b)), result(b) is not b.output) for b in bsyms]
+    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, [(id(o), k) for o, k in results(b)]) for b in bsyms]
     out_ids = [id(o) for o in outputs]
     # The values each step reads for the last time: freed after it, as the torch program frees them (a region whose
     # input is not laid out as compiled runs this on every call; holding every intermediate raised its peak).
@@ -372,9 +374,10 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
         def value(x):
             return env[id(x)] if is_proxy(x) else x
 
-        for (fn, a, kw, out, boxed), gone in zip(steps, dead):
+        for (fn, a, kw, made), gone in zip(steps, dead):
             r = fn(*tree_map(value, a), **tree_map(value, kw))
-            env[out] = r[0] if boxed else r
+            for out, k in made:
+                env[out] = r if k is None else r[k]
             for k in gone:
                 env.pop(k, None)
         return tuple(env[i] for i in out_ids)

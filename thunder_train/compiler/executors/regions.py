@@ -58,6 +58,18 @@ def result(bsym):
     return out if type(out) is TensorProxy else None
 
 
+def results(bsym) -> list:
+    """``(proxy, position)`` for each tensor the line makes: position None for a line returning one tensor, its
+    index in the line's tuple otherwise (a ``<name>_vjp`` line's 1-tuple; a line compiled whole,
+    executors/whole_lines.py, returns several)."""
+    out = bsym.output
+    if type(out) is TensorProxy:
+        return [(out, None)]
+    if isinstance(out, (tuple, list)) and all(type(o) is TensorProxy for o in out):
+        return [(o, k) for k, o in enumerate(out)]
+    return []
+
+
 # ---------------------------------------------------------------------------
 # A region's values
 # ---------------------------------------------------------------------------
@@ -112,7 +124,9 @@ def structure(bsyms, outputs):
     ops = []
     for j, b in enumerate(bsyms):
         ops.append((b.sym.fn, tuple(norm(a) for a in b.flat_args()), tree_flatten((b.args, b.kwargs))[1].__repr__()))
-        index[id(result(b))] = ("op", j)
+        made = results(b)
+        for o, k in made:
+            index[id(o)] = ("op", j) if len(made) == 1 else ("op", j, k)
     metas = tuple((p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch) for p in inputs)
     return (tuple(ops), metas, tuple((index[id(o)], o._tt_strides) for o in outputs)), inputs
 
