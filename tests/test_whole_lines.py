@@ -102,3 +102,25 @@ def test_a_line_inductor_cannot_compile_stays_on_torch(monkeypatch):
     assert "= ttex.sdpa_math_with_probs(" in text and "= ttex.sdpa_math_backward(" in text
     notes = tt.compile_stats(cf).fusion_notes
     assert any("sdpa_math_with_probs left to torch: Inductor failed: RuntimeError: this attention" in n for n in notes), notes
+
+
+def test_switching_the_math_kernel_off_raises_eagers_error():
+    # Eager's only kernel for a mask requiring grad is the math one: switched off after compiling, eager raises, and
+    # so does the fused step: the compiled kernel asks the switch before each call (``whole_guard``; no check of the
+    # program's sees it) and leaves the call to the line's own function, which raises eager's error.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    me = LearnedBiasAttention((1, 4, 12, 12))
+    mc = copy.deepcopy(me)
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
+    cf = tt.compile(_step, thin=True, fusion="inductor")
+    x, y = torch.randn(2, 12, 32), torch.randn(2, 12, 32)
+    for _ in range(2):
+        cf(mc, oc, x, y)
+    assert _compiled_lines(cf)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with pytest.raises(RuntimeError, match="No available kernel"):
+            _step(me, oe, x, y)
+        with pytest.raises(RuntimeError, match="No available kernel"):
+            cf(mc, oc, x, y)

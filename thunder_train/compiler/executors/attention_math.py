@@ -96,7 +96,11 @@ for _f in (sdpa_math_with_probs, sdpa_math_backward):
 
 # A fused program runs each of the two as one Inductor kernel (executors/whole_lines.py: ~4x faster for small heads,
 # rounded as Inductor's softmax rounds); the torch program runs them op by op, bitwise eager's.
-sdpa_math_with_probs.compiled_whole = sdpa_math_backward.compiled_whole = True
+sdpa_math_with_probs.whole_form = lambda *args, **kwargs: sdpa_math_with_probs
+sdpa_math_backward.whole_form = lambda *args, **kwargs: sdpa_math_backward
+# Whether the math kernel is switched on is asked on each call (no check of the program's sees it): the forward's
+# kernel runs while it is, else its own line, which raises eager's error.
+sdpa_math_with_probs.whole_guard = torch._C._get_math_sdp_enabled
 
 
 def _math_call(q, k, v, mask, scale) -> bool:

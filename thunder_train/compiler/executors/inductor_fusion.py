@@ -44,7 +44,8 @@ from ..pytree import tree_map
 from ..symbols import BoundSymbol
 from . import layout_check
 from .torch_executor import NOT_A_KERNEL
-from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, structure, uses
+from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, structure, uses, \
+    whole_form, whole_guard
 
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
@@ -52,7 +53,7 @@ _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conver
 FUSED_DEVICES = ("cpu", "cuda")  # Inductor's C++ and Triton backends
 
 
-def _static_tensor(x) -> str | None:
+def why_not_in_kernel(x) -> str | None:
     """None when ``x`` may enter a kernel, else why not."""
     if type(x) is not TensorProxy:
         return "a runtime number or size is an argument" if is_proxy(x) else None
@@ -80,7 +81,7 @@ def _classify(bsym) -> tuple[str | None, str | None]:
         if extra or (set(bsym.kwargs) - {"dtype"}):
             return None, None
     for x in list(bsym.flat_args()) + [result(bsym)]:
-        why = _static_tensor(x)
+        why = why_not_in_kernel(x)
         if why is not None:
             return None, why
     if _device_of(bsym) is None:
@@ -104,7 +105,7 @@ def _view_in_region(bsym) -> bool:
     tensors = [a for a in bsym.flat_args() if is_proxy(a)]
     if len(tensors) != 1 or tensors[0] is not bsym.args[0]:
         return False  # tensor indices (gather), sizes given as values
-    return _static_tensor(r) is None and _static_tensor(tensors[0]) is None and _device_of(bsym) is not None
+    return why_not_in_kernel(r) is None and why_not_in_kernel(tensors[0]) is None and _device_of(bsym) is not None
 
 
 def _is_barrier(bsym) -> bool:
@@ -353,7 +354,8 @@ def _region_graph(bsyms, inputs, outputs, *, into: bool = False):
     ``torch._tensor.pow``) names nothing, and the whole region failed.
     """
     in_ids = [id(p) for p in inputs]
-    steps = [((into and fusion_form(b)) or b.sym.fn, b.args, b.kwargs, [(id(o), k) for o, k in results(b)]) for b in bsyms]
+    steps = [((into and (whole_form(b) or fusion_form(b))) or b.sym.fn, b.args, b.kwargs, [(id(o), k) for o, k in results(b)])
+             for b in bsyms]
     out_ids = [id(o) for o in outputs]
     # The values each step reads for the last time: freed after it, as the torch program frees them (a region whose
     # input is not laid out as compiled runs this on every call; holding every intermediate raised its peak).
@@ -451,7 +453,14 @@ def _compile_region(bsyms, inputs, outputs):
     call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example, asserts=asserts)
     fits = None if asserts else layout_check.LayoutCheck(
         (p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch.type) for p in tensors)
+    guard = whole_guard(bsyms[0]) if len(bsyms) == 1 else None
+    if guard is not None:  # process state the line's own function reads: where it says no, that function runs
+        fits = functools.partial(_guarded, guard, fits or _always)
     return _runner(call, _region_graph(bsyms, inputs, outputs), outputs, fits)
+
+
+def _guarded(guard, fits, tensors) -> bool:
+    return guard() and fits(tensors)
 
 
 def _allocator(p):

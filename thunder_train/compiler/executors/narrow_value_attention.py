@@ -20,7 +20,7 @@ import torch
 from .. import dtypes
 from ..proxies import TensorProxy, meta_tensor
 from ..torchlang import attention as ltorch_attention
-from . import torch_impls
+from . import attention_products, torch_impls
 from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind, _dense_order, _empty_like_proxy, _flash_is_eagers, \
     _new_proxy, sdpa_flash_cpu_backward
 from .torch_executor import impl_symbol
@@ -68,6 +68,11 @@ def sdpa_flash_cpu_narrow_value_backward(g, query, key, value, out, lse, is_caus
     grads = (grads[0], grads[1], grads[2][..., :narrow])
     return tuple(_laid_out(grads[i], st) for i, st in zip(which, strides))
 
+
+# Small attention in a fused program: compiled whole as products (executors/attention_products.py), no padding.
+sdpa_flash_cpu_narrow_value.whole_form = attention_products.when_small(attention_products.narrow_value_by_products)
+sdpa_flash_cpu_narrow_value_backward.whole_form = attention_products.when_small(
+    attention_products.narrow_value_backward_by_products)
 
 for _f in (sdpa_flash_cpu_narrow_value, sdpa_flash_cpu_narrow_value_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>

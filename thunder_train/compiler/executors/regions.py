@@ -35,6 +35,19 @@ def fusion_form(bsym):
     return None if declare is None else declare(*bsym.args, **bsym.kwargs)
 
 
+def whole_form(bsym):
+    """The torch function a fused program compiles for this line as one kernel (executors/whole_lines.py), when the
+    line's function declares one for these arguments (``fn.whole_form(*args, **kwargs)``), else None."""
+    declare = getattr(getattr(bsym.sym, "fn", None), "whole_form", None)
+    return None if declare is None else declare(*bsym.args, **bsym.kwargs)
+
+
+def whole_guard(bsym):
+    """What a line compiled whole asks before each call (``fn.whole_guard()``: process state its own function reads
+    at run time, e.g. attention's backend switches); where it says no, the line's own function runs.  None: nothing."""
+    return getattr(getattr(bsym.sym, "fn", None), "whole_guard", None)
+
+
 def fusible_name(bsym) -> str | None:
     """The op's short name (for comments) when a fusing executor may take the line, else None."""
     src, fn = bsym.source, getattr(bsym.sym, "fn", None)
