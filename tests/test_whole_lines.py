@@ -28,6 +28,12 @@ def _compiled_lines(cf) -> list:
     return re.findall(r"^\s*# (inductor_line_\d+): \w+ compiled whole by Inductor$", str(tt.last_traces(cf)[-1]), re.M)
 
 
+def _why(cf) -> str:
+    """What a failed assertion shows: the fusion notes and the attention lines of the last trace."""
+    lines = [ln for ln in str(tt.last_traces(cf)[-1]).splitlines() if "sdpa" in ln or "inductor_line" in ln]
+    return "\n".join(tt.compile_stats(cf).fusion_notes + lines + [tt.last_traces(cf)[-1].header])
+
+
 @pytest.mark.parametrize("thin", [True, False])
 @pytest.mark.parametrize("bias_shape", [(1, 4, 12, 12), (2, 4, 12, 12), (12, 12), (4, 1, 12)])
 def test_learned_mask_attention_steps_as_eager(bias_shape, thin):
@@ -71,7 +77,7 @@ def test_gradients_of_the_compiled_lines_are_eagers(wanted):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, **TOL, msg=lambda m: f"gradient {i}: {m}")
             assert b.grad.stride() == a.grad.stride(), i
-    assert len(_compiled_lines(cf)) == 2
+    assert len(_compiled_lines(cf)) == 2, _why(cf)
     assert tt.compile_stats(cf).fusion_fallback_calls == 0
 
 
@@ -118,7 +124,7 @@ def test_switching_the_math_kernel_off_raises_eagers_error():
     x, y = torch.randn(2, 12, 32), torch.randn(2, 12, 32)
     for _ in range(2):
         cf(mc, oc, x, y)
-    assert _compiled_lines(cf)
+    assert _compiled_lines(cf), _why(cf)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         with pytest.raises(RuntimeError, match="No available kernel"):
             _step(me, oe, x, y)
