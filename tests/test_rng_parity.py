@@ -222,7 +222,11 @@ def test_background_fusion_does_not_rewind_the_generator(monkeypatch):
     pytest.importorskip("torch._inductor")
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "sleep_sec_TESTING_ONLY", 0.5)
+    # The entry's default, which every thread reads: a value set on the config module is the setting thread's alone
+    # (torch's config values are per thread), and pytest's monkeypatch restores a module attribute it did not find
+    # in the module's ``__dict__`` by deleting it, which hides the setting from every later compile in the process
+    # (each then failed with "torch._inductor.config.sleep_sec_TESTING_ONLY does not exist").
+    monkeypatch.setattr(config._config["sleep_sec_TESTING_ONLY"], "default", 0.5)
     monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns background fusion off
     torch.manual_seed(0)
     model = DropMLP()
