@@ -442,15 +442,17 @@ def test_attention_with_a_learned_mask_is_eagers_where_no_pair_applies():
     assert all(torch.equal(pc.grad, pe.grad) for pc, pe in zip(mm.parameters(), me.parameters()))
 
 
+def masked_attention_step(q, k, v, mask, w):
+    """q, k, v laid out (batch, seq, heads, dim) and viewed (batch, heads, seq, dim), as models make them; a scale given."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
+    loss = (out * w).sum()
+    loss.backward()
+    return loss, out.detach()
+
+
 @pytest.mark.parametrize("mask_shape", [(2, 3, 5, 7), (1, 3, 5, 7), (5, 7), (3, 1, 7)])
 def test_gradients_of_attention_and_its_mask_are_eagers_bitwise(mask_shape):
-    # q, k, v laid out (batch, seq, heads, dim) and viewed (batch, heads, seq, dim), as models make them; a scale given.
-    def f(q, k, v, mask, w):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
-        loss = (out * w).sum()
-        loss.backward()
-        return loss, out.detach()
-
+    f = masked_attention_step
     gen = torch.Generator().manual_seed(0)
     make = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     inputs = [make(2, 5, 3, 4), make(2, 7, 3, 4), make(2, 7, 3, 6), make(*mask_shape), make(2, 3, 5, 6)]

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _inductor import cxx_available  # noqa: E402
-from test_eager_kernel_choice import LearnedBiasAttention, _step  # noqa: E402
+from test_eager_kernel_choice import LearnedBiasAttention, _step, masked_attention_step  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 from thunder_train.compiler.executors import attention_math, inductor_fusion  # noqa: E402
@@ -34,20 +33,26 @@ def _why(cf) -> str:
     return "\n".join(tt.compile_stats(cf).fusion_notes + lines + [tt.last_traces(cf)[-1].header])
 
 
-@pytest.mark.parametrize("thin", [True, False])
-@pytest.mark.parametrize("bias_shape", [(1, 4, 12, 12), (2, 4, 12, 12), (12, 12), (4, 1, 12)])
-def test_learned_mask_attention_steps_as_eager(bias_shape, thin):
+def _train_both(bias_shape, thin, steps=3):
+    """The fused step against eager's, ``steps`` steps: losses and parameters after each; the compiled function."""
     torch.manual_seed(0)
     me = LearnedBiasAttention(bias_shape)
     mc = copy.deepcopy(me)
     oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
     cf = tt.compile(_step, thin=thin, fusion="inductor")
     g = torch.Generator().manual_seed(1)
-    for i in range(3):
+    for i in range(steps):
         x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
         torch.testing.assert_close(cf(mc, oc, x, y), _step(me, oe, x, y), **TOL, msg=lambda m: f"loss {i}: {m}")
         for (name, pe), pc in zip(me.named_parameters(), mc.parameters()):
             torch.testing.assert_close(pc, pe, **TOL, msg=lambda m: f"step {i} {name}: {m}")
+    return cf
+
+
+@pytest.mark.parametrize("thin", [True, False])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 12, 12), (2, 4, 12, 12), (12, 12), (4, 1, 12)])
+def test_learned_mask_attention_steps_as_eager(bias_shape, thin):
+    cf = _train_both(bias_shape, thin)
     text = str(tt.last_traces(cf)[-1])
     assert "sdpa_math_with_probs compiled whole" in text and "sdpa_math_backward compiled whole" in text, text
     assert not [ln for ln in text.splitlines() if "= ttex.sdpa_math" in ln and not ln.lstrip().startswith("#")]
@@ -56,14 +61,8 @@ def test_learned_mask_attention_steps_as_eager(bias_shape, thin):
 
 @pytest.mark.parametrize("wanted", [(0, 1, 2, 3), (2, 3), (0,), (3,)])
 def test_gradients_of_the_compiled_lines_are_eagers(wanted):
-    # q, k, v laid out (batch, seq, heads, dim) and viewed (batch, heads, seq, dim); a scale given; some of the four
-    # differentiated: each set of gradients is its own kernel.
-    def f(q, k, v, mask, w):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
-        loss = (out * w).sum()
-        loss.backward()
-        return loss, out.detach()
-
+    # Some of the four differentiated: each set of gradients is its own kernel.
+    f = masked_attention_step
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(*s, generator=gen) for s in ((2, 5, 3, 4), (2, 7, 3, 4), (2, 7, 3, 6), (1, 3, 5, 7), (2, 3, 5, 6))]
     eager, compiled = ([t.clone().requires_grad_(i in wanted or i == 3) for i, t in enumerate(inputs)] for _ in range(2))
@@ -92,17 +91,7 @@ def test_a_line_inductor_cannot_compile_stays_on_torch(monkeypatch):
     monkeypatch.setattr(inductor_fusion, "_compile_region", refuse_attention)
     monkeypatch.setattr(inductor_fusion, "_kernels", type(inductor_fusion._kernels)())  # no kernel compiled before
     monkeypatch.setattr(inductor_fusion, "_failed", {})
-    torch.manual_seed(0)
-    me = LearnedBiasAttention((1, 4, 12, 12))
-    mc = copy.deepcopy(me)
-    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc))
-    cf = tt.compile(_step, thin=True, fusion="inductor")
-    g = torch.Generator().manual_seed(1)
-    for i in range(2):
-        x, y = torch.randn(2, 12, 32, generator=g), torch.randn(2, 12, 32, generator=g)
-        torch.testing.assert_close(cf(mc, oc, x, y), _step(me, oe, x, y), **TOL)
-        for pe, pc in zip(me.parameters(), mc.parameters()):
-            torch.testing.assert_close(pc, pe, **TOL)
+    cf = _train_both((1, 4, 12, 12), thin=True, steps=2)
     text = str(tt.last_traces(cf)[-1])
     assert "compiled whole" not in text
     assert "= ttex.sdpa_math_with_probs(" in text and "= ttex.sdpa_math_backward(" in text
