@@ -89,12 +89,11 @@ def small(query, key) -> bool:
     return all(type(s) is int for s in sizes) and math.prod(sizes) <= SMALL_SCORES
 
 
-def when_small(form):
+def when_small(form, query_at: int):
     """A flash line's ``whole_form`` (executors/regions.py): ``form`` for small float operands, else None (the line stays
-    on the flash kernel)."""
-    start = 1 if form.__code__.co_varnames[0] == "g" else 0  # a backward's arguments start with the incoming gradient
+    on the flash kernel).  ``query_at``: the query's position among the line's arguments (the key follows it)."""
 
     def whole_form(*args, **kwargs):
-        return form if small(args[start], args[start + 1]) else None
+        return form if small(args[query_at], args[query_at + 1]) else None
 
     return whole_form

@@ -64,9 +64,9 @@ def why_not_in_kernel(x) -> str | None:
     return None
 
 
-def _device_of(bsym):
-    """The one device of a fusible line's tensors (None: tensors on several devices, e.g. a CPU scalar tensor)."""
-    devs = {x._tt_device for x in list(bsym.flat_args()) + [result(bsym)] if type(x) is TensorProxy}
+def device_of(bsym):
+    """The one device of a line's tensors (None: tensors on several devices, e.g. a CPU scalar tensor)."""
+    devs = {x._tt_device for x in list(bsym.flat_args()) + [o for o, _ in results(bsym)] if type(x) is TensorProxy}
     return devs.pop() if len(devs) == 1 else None
 
 
@@ -84,7 +84,7 @@ def _classify(bsym) -> tuple[str | None, str | None]:
         why = why_not_in_kernel(x)
         if why is not None:
             return None, why
-    if _device_of(bsym) is None:
+    if device_of(bsym) is None:
         return None, "tensors on more than one device"
     return name, None
 
@@ -105,7 +105,7 @@ def _view_in_region(bsym) -> bool:
     tensors = [a for a in bsym.flat_args() if is_proxy(a)]
     if len(tensors) != 1 or tensors[0] is not bsym.args[0]:
         return False  # tensor indices (gather), sizes given as values
-    return why_not_in_kernel(r) is None and why_not_in_kernel(tensors[0]) is None and _device_of(bsym) is not None
+    return why_not_in_kernel(r) is None and why_not_in_kernel(tensors[0]) is None and device_of(bsym) is not None
 
 
 def _is_barrier(bsym) -> bool:
@@ -202,16 +202,16 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None
     for i, b in enumerate(trc.bound_symbols):
         name, why = _classify(b) if id(b) not in constants else (None, None)
         if name is not None:
-            if region and _device_of(b) != device:
+            if region and device_of(b) != device:
                 flush(region, hoisted)
                 region, produced, hoisted = [], set(), []
-            device = _device_of(b)
+            device = device_of(b)
             region.append((i, b))
             produced.add(id(result(b)))
             continue
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
-        if region and id(b.args[0] if b.args else None) in produced and _view_in_region(b) and _device_of(b) == device:
+        if region and id(b.args[0] if b.args else None) in produced and _view_in_region(b) and device_of(b) == device:
             region.append((i, b))
             produced.add(id(result(b)))
             continue
@@ -453,14 +453,14 @@ def _compile_region(bsyms, inputs, outputs):
     call = _inductor_compile(_region_graph(bsyms, inputs, outputs, into=True), example, asserts=asserts)
     fits = None if asserts else layout_check.LayoutCheck(
         (p._tt_shape, p._tt_strides, p._tt_dtype.torch, p._tt_device.torch.type) for p in tensors)
-    guard = whole_guard(bsyms[0]) if len(bsyms) == 1 else None
-    if guard is not None:  # process state the line's own function reads: where it says no, that function runs
-        fits = functools.partial(_guarded, guard, fits or _always)
+    guards = tuple(g for g in map(whole_guard, bsyms) if g is not None)
+    if guards:  # process state the lines' own functions read: where it says no, those functions run
+        fits = functools.partial(_guarded, guards, fits or _always)
     return _runner(call, _region_graph(bsyms, inputs, outputs), outputs, fits)
 
 
-def _guarded(guard, fits, tensors) -> bool:
-    return guard() and fits(tensors)
+def _guarded(guards, fits, tensors) -> bool:
+    return all(guard() for guard in guards) and fits(tensors)
 
 
 def _allocator(p):

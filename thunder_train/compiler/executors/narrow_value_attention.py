@@ -70,9 +70,9 @@ def sdpa_flash_cpu_narrow_value_backward(g, query, key, value, out, lse, is_caus
 
 
 # Small attention in a fused program: compiled whole as products (executors/attention_products.py), no padding.
-sdpa_flash_cpu_narrow_value.whole_form = attention_products.when_small(attention_products.narrow_value_by_products)
-sdpa_flash_cpu_narrow_value_backward.whole_form = attention_products.when_small(
-    attention_products.narrow_value_backward_by_products)
+sdpa_flash_cpu_narrow_value.whole_form = attention_products.when_small(attention_products.narrow_value_by_products, 0)
+sdpa_flash_cpu_narrow_value_backward.whole_form = attention_products.when_small(  # after the incoming gradient
+    attention_products.narrow_value_backward_by_products, 1)
 
 for _f in (sdpa_flash_cpu_narrow_value, sdpa_flash_cpu_narrow_value_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>

@@ -21,7 +21,7 @@ background build (payback.py) counts fused regions only, so these kernels' savin
 """
 from __future__ import annotations
 
-from ..proxies import TensorProxy, is_proxy
+from ..proxies import is_proxy
 from ..symbols import BoundSymbol
 from . import inductor_fusion
 from .fusion import choose
@@ -29,11 +29,11 @@ from .regions import FusionSymbol, results, whole_form
 
 
 def _fits(line) -> bool:
-    """Whether Inductor may take the line: its tensors of static sizes on one fused device."""
-    tensors = [a for a in line.flat_args() if is_proxy(a)] + [o for o, _ in results(line)]
-    if not results(line) or any(inductor_fusion.why_not_in_kernel(t) is not None for t in tensors):
-        return False
-    return len({t._tt_device for t in tensors if type(t) is TensorProxy}) == 1
+    """Whether Inductor may take the line: tensor results, its tensors of static sizes on one fused device."""
+    made = [o for o, _ in results(line)]
+    tensors = [a for a in line.flat_args() if is_proxy(a)] + made
+    return bool(made) and all(inductor_fusion.why_not_in_kernel(t) is None for t in tensors) \
+        and inductor_fusion.device_of(line) is not None
 
 
 def compile_whole_lines(trc, fusion: str, notes: list, *, prefix: str = "inductor_line"):
@@ -46,7 +46,7 @@ def compile_whole_lines(trc, fusion: str, notes: list, *, prefix: str = "inducto
     out, count, failed = [], 0, 0
     for b in trc.bound_symbols:
         fn = getattr(b.sym, "fn", None)
-        if not hasattr(fn, "whole_form") or not _fits(b) or whole_form(b) is None:
+        if whole_form(b) is None or not _fits(b):
             out.append(b)
             continue
         outputs = [o for o, _ in results(b)]
