@@ -39,9 +39,9 @@ def main(argv):
                     never_kept_peak=max(never), peak_without_buffers=max(every))
         return overlaps(storages, kept)
 
-    def planned(trc):
+    def planned(trc, **kwargs):
         seen.clear()
-        nbytes, assigned = plan(trc)
+        nbytes, assigned = plan(trc, **kwargs)
         if seen:
             print(f"{len(trc.bound_symbols):>5} lines: {seen['candidates']} candidates pack into {seen['packed']} B "
                   f"(most alive at once {seen['most_alive']} B) + never kept {seen['never_kept_peak']} B "

@@ -156,7 +156,7 @@ def reaches_dispatcher(form, args, kwargs, out) -> bool:
 _RESHAPES = {torch.reshape, _T.reshape, torch.flatten, _T.flatten}
 
 
-def _reshape_copies(bsym) -> bool:
+def reshape_copies(bsym) -> bool:
     """A ``reshape``/``flatten`` line whose input's layout no view of the result's shape has: it copies (a new
     storage the plan counts).  Decided as torch decides it: ``view`` of a meta tensor with the input's layout."""
     fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
@@ -267,7 +267,13 @@ def _eligible(trc) -> bool:
 
 
 def plan(trc, whole_call: bool = True):
-    """(arena bytes, {id(value): (byte offset, bytes, value)}) for the trace's lines.
+    """(arena bytes, {id(value): (byte offset, bytes, value)}) for the trace's lines: see ``_plan``."""
+    nbytes, assigned = _plan(trc, whole_call)
+    return nbytes, {id(v): (offset, size, v) for offset, size, v in assigned.values()}
+
+
+def _plan(trc, whole_call: bool = True):
+    """(arena bytes, {key: (byte offset, bytes, value)}) for the trace's lines.
 
     Every storage a line creates is tracked (for the peak-memory rule below), the ones a kept buffer can hold
     are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
@@ -298,7 +304,7 @@ def plan(trc, whole_call: bool = True):
         if not _keeps_no_reference(b):
             escaped |= reached
         form = out_form(b)
-        aliased = () if form is not None or _reshape_copies(b) else aliased_args(b)
+        aliased = () if form is not None or reshape_copies(b) else aliased_args(b)
         shared = reached if aliased is None else _reached(tree_flatten([b.args[k] for k in aliased])[0], may_alias)
         sharing = {id(o) for o in aliasing_results(b)} if aliased != () and shared else ()
         for o in b.flat_outputs():
@@ -322,6 +328,7 @@ def plan(trc, whole_call: bool = True):
     for p in tree_flatten(trc.output)[0]:
         if is_proxy(p):
             escaped |= may_alias.get(id(p), set())
+    storages, candidates, escaped = _keyed_by_place(storages, candidates, escaped)
     # Whether the line's out form takes its call is asked only for values that could be kept (the first call of a
     # small program is mostly these questions).
     accepts = {}  # id(line) -> answer
@@ -414,6 +421,15 @@ def plan(trc, whole_call: bool = True):
         covering = [m for m in movable if m[0] >= excess]
         drop((min(covering) if covering else max(movable))[2])
     return _keeping_more(around, (0, {}))
+
+
+def _keyed_by_place(storages, candidates, escaped):
+    """The storages, candidates and escaped storages keyed by the storage's place in the trace instead of an ``id()``:
+    the plan's choices break ties by key (and by the order of sets of keys), and ids differ from one compile to the
+    next (the same fused Llama step kept 69, 77 or 78 values).  ``plan`` gives the chosen values back by id."""
+    order = {k: i for i, k in enumerate(storages)}
+    return ({order[k]: v for k, v in storages.items()}, {order[k]: v for k, v in candidates.items()},
+            {order[k] for k in escaped if k in order})
 
 
 def _around(storages, kept, without, maybe_new, natural, slack, alive_with):
