@@ -162,3 +162,24 @@ def test_forward_only_function_keeps_a_real_graph():
     yc.sum().backward()
     for pe, pc in zip(me.parameters(), mc.parameters()):
         torch.testing.assert_close(pc.grad, pe.grad)
+
+
+def test_freed_graphs_gives_each_value_its_node_in_place():
+    """The epilogue's prepared ``FreedGraphs`` (grouping found once): every value in its own position, through a node
+    named as eager's, raising its own message; one object given twice comes back once, as eager returns it."""
+    from thunder_train.compiler.acquisition.returned_graph import FreedGraphs
+
+    a, b, c = torch.tensor(1.0), torch.tensor([2.0, 3.0]), torch.tensor(4.0)
+    made = FreedGraphs(("first", "second", "third"), (("NllLossBackward0", "NllLossBackward0"), None,
+                                                       ("NllLossBackward0", "NllLossBackward0")))
+    for values in ((a, b, c), (a, b, a)):
+        got = made(values)
+        assert [type(t.grad_fn).__name__ for t in got] == ["NllLossBackward0", "FreedGraphBackward", "NllLossBackward0"]
+        assert all(t.requires_grad and torch.equal(t, v) for t, v in zip(got, values))
+        assert (got[0] is got[2]) == (values[0] is values[2])
+        for t, message in zip(got, ("first", "second", "third")):
+            with pytest.raises(RuntimeError, match="first" if t is got[0] else message):
+                t.sum().backward()
+    with torch.no_grad():  # grad mode is the caller's again afterwards
+        made((a, b, c))
+        assert not torch.is_grad_enabled()
