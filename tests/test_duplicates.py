@@ -98,3 +98,25 @@ def test_rms_norm_backward_in_a_training_step_equals_the_program_without_merging
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     for a, b in zip(l1, l3):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_repeated_view_is_made_once_also_where_the_first_is_dead():
+    """Two backward rules reshape the same value: the second reads the first view even though that one is dead by
+    then (a view is its argument's memory: holding it longer holds nothing more).  A reshape that copies is not
+    merged once its first result is dead (that would hold a copy longer).  Values bitwise eager's."""
+    def fn(h, w):
+        a = h.reshape(12, 4) @ w  # first view, dead after this line
+        s = a.sin()
+        b = h.reshape(12, 4) * s.sum()  # the same view again
+        t = h.transpose(1, 2)
+        c = t.reshape(12, 4).exp()  # copies (t is not contiguous)
+        d = t.reshape(12, 4).cos()  # the same copy again, after c's copy is dead
+        return b, c, d
+
+    h, w = torch.randn(3, 4, 4), torch.randn(4, 4)
+    cf = tt.compile(fn, fusion=None, keep_buffers=False)
+    for _ in range(2):
+        assert all(torch.equal(g, e) for g, e in zip(cf(h, w), fn(h, w)))
+    src = tt.last_traces(cf)[-1].python_source()
+    views = [line for line in src.splitlines() if "reshape(" in line and not line.lstrip().startswith("#")]
+    assert len(views) == 3, src  # h's view once, t's copy twice

@@ -5,7 +5,8 @@ product's) multiplies the same two tensors twice, ``t301 = torch.mul(t300, t211)
 ``t302 = torch.mul(t300, t211)`` (Llama, Mistral, Qwen2: one line a norm).  The second line is dropped and its
 readers read the first result: the same kernel on the same tensors gives the same values, and while the first
 result is still read after the second line, keeping it longer frees the second's memory, so the peak does not grow
-(a recomputation for the backward, whose first value is dead by then, stays: the memory plan chose it).
+(a recomputation for the backward, whose first value is dead by then, stays: the memory plan chose it).  A view that
+copies nothing goes even where the first is dead: it is its argument's memory, which the second line reads.
 
 Only pure torch calls (``decided_layouts._pure_readers_only``: no in-place op, no ``out=``, no ttex kernel that
 may write an argument) with one tensor result go, and only when neither result is returned or read by a line that
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
+from .buffers import reshape_copies, view_call
 from .decided_layouts import _pure_readers_only
 from .torch_executor import ImplSymbol
 
@@ -52,6 +54,13 @@ def _candidate(b) -> bool:
     return not tags & _NOT_MERGED_TAGS
 
 
+def _true_view(b) -> bool:
+    """A view call that makes no copy: its result is its argument's memory, alive at this line (the line reads it), so
+    reading the first view instead holds no memory longer, also where that view is dead by now (the backward's two
+    ``reshape``s of a value recomputed for it: two view lines a call where the value is not kept, issue 27)."""
+    return view_call(b) and not reshape_copies(b)
+
+
 def merge_duplicates(trc, header=None):
     """The trace with repeated calls reading the first result (see the module docstring); ``trc`` if none."""
     lines = trc.bound_symbols
@@ -77,7 +86,7 @@ def merge_duplicates(trc, header=None):
         if prev is None:
             first[key] = b.output
             continue
-        if last_read.get(id(prev), -1) <= i:  # the first result is dead here: a recomputation the plan chose
+        if last_read.get(id(prev), -1) <= i and not _true_view(b):  # dead first result: a recomputation the plan chose
             continue
         unsafe = _pure_readers_only(trc) if unsafe is None else unsafe
         if id(prev) in unsafe or id(b.output) in unsafe:
