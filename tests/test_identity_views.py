@@ -108,3 +108,33 @@ def test_falcon_step_runs_flash_and_trains_as_eager():
     assert len(heads) == 2 and src.count("one_kv_head=True") == one_kv, why
     assert len(re.findall(r"ttex\.sdpa_flash_cpu(?:_masked|_bool_masked)?\(", src)) == 2, why
     assert src.count("sdpa_flash_cpu_backward(") == 2, why
+
+
+def test_a_reshape_of_a_reshape_read_by_nothing_else_is_one_reshape(monkeypatch):
+    """``reshape(reshape(g, a), b)`` with the middle value read by the second line alone: one reshape of ``g``; a middle
+    value read elsewhere, or a chain whose single reshape would copy (a transposed start), keeps its lines.  Values,
+    layouts and the views' sharing are eager's."""
+    def f(x, w):
+        h = torch.matmul(x, w)  # (3, 4, 6)
+        a = h.reshape(3, 24).reshape(12, 6)  # one reshape of h
+        b = h.reshape(72)
+        c = b.reshape(6, 12) * 2 + b.reshape(72, 1).sum()  # b is read twice: kept
+        t = h.transpose(1, 2)  # (3, 6, 4), not contiguous
+        d = t.reshape(18, 4).reshape(72)  # the first reshape copies: kept as it is
+        return (a * 3).sum() + c.sum() + d.sum(), a.sin(), d.cos()
+
+    x, w = torch.randn(3, 4, 5), torch.randn(5, 6)
+    opts = dict(thin=True, fusion=None, keep_buffers=False)  # (kept buffers make views of their values once)
+    cf = tt.compile(f, **opts)
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "drop_identity_views", lambda trc: trc)
+        reference = tt.compile(f, **opts)
+        want = reference(x, w)
+    for _ in range(2):
+        got = cf(x, w)
+        for g, r, e in zip(got, want, f(x, w)):
+            assert torch.equal(g, r) and torch.equal(g, e) and g.stride() == e.stride()
+    src = source(cf)
+    assert src.count("reshape(") == source(reference).count("reshape(") - 1, src
+    h = re.search(r"(\w+) = torch\.matmul\(", src).group(1)
+    assert f"torch.reshape({h}, (12, 6))" in src, src
