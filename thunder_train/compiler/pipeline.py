@@ -27,6 +27,7 @@ from .executors.lowering import lower_to_executors
 from .executors.buffers import keep_large_buffers
 from .executors.constants import fold_constants
 from .executors.duplicates import merge_duplicates
+from .executors.slices_of_pads import slices_of_pads
 from .executors.decided_layouts import decide_layouts
 from .executors.row_major_weight_grads import row_major_weight_grads
 from .executors.identity_views import drop_identity_views
@@ -218,6 +219,9 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
+    # A slice of a zero pad that reads only the padded tensor's elements reads that tensor (executors/slices_of_pads.py).
+    sliced = slices_of_pads(trc)
+    trc = dce(sliced, header=sliced.header) if sliced is not trc else trc
     if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
         trc = scatters_into_sums(trc)
     if fusion is not None:
