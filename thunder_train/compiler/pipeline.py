@@ -264,8 +264,8 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     #     A product transposed twice (a transposed weight's gradient, made as eager makes it) is read as the product
     #     (executors/row_major_weight_grads.py).
     trc = row_major_weight_grads(decide_layouts(trc))
-    # 7b. A call repeated while its first result is alive reads it (executors/duplicates.py); lines computing
-    #     constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
+    # 7b. A call repeated while its first result is alive (a view: at all) reads it (executors/duplicates.py);
+    #     lines computing constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
     trc = fold_constants(merge_duplicates(trc))
     if keep_buffers:
         trc = keep_large_buffers(trc)
