@@ -172,11 +172,11 @@ def test_broadcasts_inside_a_decomposition_have_eagers_strides_and_run_compiled(
     fallbacks = []
     runner = inductor_fusion._runner
 
-    def recording(call, fallback, outputs, fits=None):
+    def recording(call, fallback, outputs, fits=None, check=None):
         def counted(*args):  # the region's torch ops: run where the kernel did not
             fallbacks.append([tuple(a.stride()) for a in args])
             return fallback(*args)
-        return runner(call, counted, outputs, fits)
+        return runner(call, counted, outputs, fits, check)
 
     monkeypatch.setattr(inductor_fusion, "_runner", recording)
 

@@ -45,7 +45,7 @@ from ..symbols import BoundSymbol
 from . import layout_check
 from .torch_executor import NOT_A_KERNEL
 from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, structure, uses, \
-    whole_form, whole_guard
+    whole_check, whole_form, whole_guard
 
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
@@ -456,7 +456,10 @@ def _compile_region(bsyms, inputs, outputs):
     guards = tuple(g for g in map(whole_guard, bsyms) if g is not None)
     if guards:  # process state the lines' own functions read: where it says no, those functions run
         fits = functools.partial(_guarded, guards, fits or _always)
-    return _runner(call, _region_graph(bsyms, inputs, outputs), outputs, fits)
+    # A line compiled whole that checks its results (``whole_check``: cross-entropy's targets were classes): where
+    # they say no, its own function runs, which raises eager's error.
+    check = whole_check(bsyms[0]) if len(bsyms) == 1 else None
+    return _runner(call, _region_graph(bsyms, inputs, outputs), outputs, fits, check)
 
 
 def _guarded(guards, fits, tensors) -> bool:
@@ -479,12 +482,13 @@ def _always(tensors) -> bool:
     return True
 
 
-def _runner(call, fallback, outputs, fits=None):
+def _runner(call, fallback, outputs, fits=None, check=None):
     """The function the trace calls, with its out form ``.out`` (executors/buffers.py): the kernel writes the
     outputs into buffers it is given (``out``: one per output, None for one it allocates, with its proxy's
     layout).  Before any work, ``fits`` checks every input's and buffer's layout against the compiled ones
-    (executors/layout_check.py; None: the generated code checks them itself).  When that check (or anything else)
-    fails, the region's torch ops run instead and their values are copied into the buffers."""
+    (executors/layout_check.py; None: the generated code checks them itself); after it, ``check`` (if given) the
+    outputs' values.  When either (or anything else) fails, the region's torch ops run instead and their values are
+    copied into the buffers."""
     single = len(outputs) == 1
     allocate = [_allocator(o) for o in outputs]
     fits = fits or _always
@@ -495,7 +499,8 @@ def _runner(call, fallback, outputs, fits=None):
         if fits(tensors):
             try:
                 call(tensors)  # the generated code empties the list it is given
-                return
+                if check is None or check(*buffers):
+                    return
             except Exception:  # noqa: BLE001 - typically an input not laid out as compiled
                 pass
         missed.calls += 1

@@ -48,6 +48,13 @@ def whole_guard(bsym):
     return getattr(getattr(bsym.sym, "fn", None), "whole_guard", None)
 
 
+def whole_check(bsym):
+    """What a line compiled whole asks of each kernel call's results (``fn.whole_check(*results) -> bool``: whether
+    the arguments were ones its own function takes, e.g. cross-entropy's targets classes); where it says no, the
+    line's own function runs (and raises eager's error).  None: nothing."""
+    return getattr(getattr(bsym.sym, "fn", None), "whole_check", None)
+
+
 def fusible_name(bsym) -> str | None:
     """The op's short name (for comments) when a fusing executor may take the line, else None."""
     src, fn = bsym.source, getattr(bsym.sym, "fn", None)

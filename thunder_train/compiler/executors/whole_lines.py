@@ -12,7 +12,9 @@ trace recorded (so kept buffers write them in place, executors/buffers.py); the 
 line's own function, for a call whose tensors are laid out otherwise) are a fused region's (inductor_fusion.py: the
 kernel is compiled as a region of one line).  A function whose own code reads process state at run time declares
 ``whole_guard``, asked before each kernel call (eager's math attention: whether the math kernel is switched on; where
-not, the line's function raises eager's error).
+not, the line's function raises eager's error); one whose function refuses some argument values declares
+``whole_check``, asked of each kernel call's results: where it says no, the line's function runs and raises
+(cross-entropy's targets out of range, small_cross_entropy.py).
 
 Values round as Inductor's loops round (a softmax summed in another order): within the fused programs' tolerances,
 no longer bitwise eager's; the torch program keeps the op-by-op line.  The pass runs after the forward/backward pairs
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from ..proxies import is_proxy
 from ..symbols import BoundSymbol
-from . import inductor_fusion
+from . import inductor_fusion, small_cross_entropy  # noqa: F401  (small_cross_entropy declares its lines' forms)
 from .fusion import choose
 from .regions import FusionSymbol, results, whole_form
 
