@@ -62,7 +62,9 @@ def classes_matched(loss, logp, total) -> bool:
 
 
 def _small(logits, target, reduction) -> bool:
-    return (type(logits) is TensorProxy and type(target) is TensorProxy and len(logits._tt_shape) == 2
+    # CPU only: on a GPU the check's read of the count would wait for the device every step
+    return (type(logits) is TensorProxy and type(target) is TensorProxy and logits._tt_device.type == "cpu"
+            and len(logits._tt_shape) == 2
             and len(target._tt_shape) == 1 and logits._tt_dtype in (dtypes.float32, dtypes.float64)
             and all(type(s) is int for s in logits._tt_shape) and math.prod(logits._tt_shape) <= SMALL_LOGITS
             and reduction in (_MEAN, _SUM))
