@@ -142,6 +142,12 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
     traces.append(lowered)
+    #    A slice of a zero pad that reads only the padded tensor's elements reads that tensor, a pad of a pad is one
+    #    pad (executors/slices_of_pads.py): once, for the torch program and the fused one built from ``lowered``.
+    sliced = slices_of_pads(lowered, header=f"Lowered to executors: {names}; slices and pads of pads read what was padded")
+    if sliced is not lowered:
+        lowered = dce(sliced, header=sliced.header)
+        traces.append(lowered)
     # 4.-7. Fusion (executors/fusion.py: Inductor or nvFuser; with autograd, step 9 fuses the forward and backward
     #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
     #    later (step 12).
@@ -219,9 +225,6 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
     shown = []
     trc = lowered
-    # A slice of a zero pad that reads only the padded tensor's elements reads that tensor (executors/slices_of_pads.py).
-    sliced = slices_of_pads(trc)
-    trc = dce(sliced, header=sliced.header) if sliced is not trc else trc
     if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
         trc = scatters_into_sums(trc)
     if fusion is not None:
