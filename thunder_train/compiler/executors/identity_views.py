@@ -62,7 +62,7 @@ def _untouchable(trc) -> set:
 
 
 # Views whose result holds its argument's elements in the same (row-major) order: any chain of them is one reshape.
-_RESHAPES = frozenset({torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten,
+_ORDER_KEEPING_VIEWS = frozenset({torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten,
                        torch.Tensor.unflatten, torch.unsqueeze, torch.Tensor.unsqueeze, torch.squeeze, torch.Tensor.squeeze})
 _RESHAPE_SYMBOL = impl_symbol(torch.reshape)
 
@@ -116,7 +116,7 @@ def _drop_identity_views(trc, header=None):
 
 
 def _reshape_chains(trc, header=None):
-    """Each reshape (``_RESHAPES``) of a reshape result that nothing else reads, rewritten as one reshape of the first
+    """Each reshape (``_ORDER_KEEPING_VIEWS``) of a reshape result that nothing else reads, rewritten as one reshape of the first
     one's argument where that is, replayed on meta tensors, a view of the same layout; the first line dropped."""
     readers: dict = {}
     for b in trc.bound_symbols:
@@ -129,7 +129,7 @@ def _reshape_chains(trc, header=None):
     for b in trc.bound_symbols:
         fn = _view_fn(b)
         x, out = (b.args[0] if b.args else None), b.output
-        if (fn not in _RESHAPES or type(out) is not TensorProxy or not _laid_out(x) or not _laid_out(out)
+        if (fn not in _ORDER_KEEPING_VIEWS or type(out) is not TensorProxy or not _laid_out(x) or not _laid_out(out)
                 or not plain_arg(b.args[1:]) or not plain_arg(tuple(b.kwargs.values()))):
             lines.append(b)
             continue

@@ -132,7 +132,11 @@ def _through(line, pad, make_name):
 
 
 def _written(trc) -> set:
-    """ids of values some line may write in place (its function's name ends in ``_``, or it writes ``out=``)."""
+    """ids of values some line may write in place (its function's name ends in ``_``, or it writes ``out=``).  Not
+    ``constants.writes_nothing``, which counts every ttex kernel as a writer: right after lowering only in-place
+    kernels and ``out=`` write (``ttex.grad_layout`` reading a gradient does not); the kernels that write into a
+    dead argument come from later passes, which read the views this rule makes from their alias facts
+    (``buffers.overwritable``)."""
     written = set()
     for b in trc.bound_symbols:
         name = getattr(_fn(b), "__name__", "") or ""
