@@ -574,6 +574,44 @@ def test_background_fusion_switch_frees_the_replaced_programs_buffers(every_size
         torch.testing.assert_close(cf(x, w), f(x, w))
 
 
+def test_the_default_plans_kept_buffers_at_an_entrys_second_call(every_size, monkeypatch):
+    """The step's first call (its optimizer's state made) runs an entry no later call matches: the default plans no
+    kept buffers for it; the entry every later step runs gets them at its second call, results as eager's."""
+    monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns the default's fusion off
+    from thunder_train.compiler import pipeline
+
+    plans = []
+    plan = pipeline.keep_large_buffers
+    monkeypatch.setattr(pipeline, "keep_large_buffers", lambda trc, *a, **k: plans.append(1) or plan(trc, *a, **k))
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(torch.tanh(model(x)) * 2, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum buffers made at the first step
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    cf = tt.compile(step, thin=True)
+    kept = []
+    for _ in range(5):
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        torch.testing.assert_close(cf(model, opt, x, y), step(ref, ref_opt, x, y), rtol=0, atol=0)
+        kept.append(buffers.kept_bytes(tt.last_traces(cf)[-1]))
+    assert tt.compile_stats(cf).cache_misses == 2
+    # calls 1 and 2 each ran a new entry's program without buffers; the second entry's second call planned them
+    assert plans == [1] and kept[:2] == [0, 0] and kept[2] > 0 and kept[2:] == [kept[2]] * 3, kept
+    assert cf.is_thin_bound
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------
 # A recorded layout that is not row-major (issue #25): the out form gets a buffer it writes correctly, or the line is
 # not kept

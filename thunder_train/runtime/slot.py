@@ -11,6 +11,9 @@ callables a call reads:
 * ``thin``: what the bound ``thin_call`` runs (``thin.py`` generates ``_slot.thin(...)``).
 
 ``specialise_sizes`` puts a symbolic entry's dispatch on recurring sizes in front of both (recurring_sizes.py).
+In the default mode the torch program's kept buffers are planned when the entry runs a second time
+(``Compiled.build_kept``, compiler/pipeline.py): until then both callables go through a wrapper whose second call
+makes the plan (``settle``) and runs the program with it.
 ``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
 step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
 thin binding, ``release`` frees what an evicted entry holds.
@@ -38,6 +41,8 @@ class Slot:
         self._on_swap = on_swap
         self.released = False  # evicted from the cache (bounded_cache.py): a build that finishes frees its program
         self.sizes = None  # recurring_sizes.RecurringSizes of a symbolic entry: programs for the sizes that recur
+        self._kept_later = compiled.build_kept  # () -> (program, traces) or None; None once settled
+        self._ran = False  # a call ran the program without kept buffers
         self._lock = threading.Lock()
         self._refresh()
 
@@ -54,6 +59,36 @@ class Slot:
             self.thin = self._adapt(run)
         else:
             self.thin = run
+        if self._kept_later is not None:
+            self.run, self.thin = self._then_settled(self.run, "run"), self._then_settled(self.thin, "thin")
+
+    def _then_settled(self, call, which):
+        """``call`` for the entry's first call; from its second on, the program with its kept buffers."""
+        def first_call(*args):
+            if self._ran:
+                self.settle()
+                return getattr(self, which)(*args)
+            self._ran = True
+            return call(*args)
+
+        return first_call
+
+    def settle(self) -> None:
+        """Plan the torch program's kept buffers now, if the plan waits for the entry's second call, and run the
+        program with them from now on (none kept: the program stays)."""
+        build = self._kept_later
+        if build is None:
+            return
+        built = build()  # outside the lock: a fused program may be installed meanwhile (then this one is dropped)
+        with self._lock:
+            if self._kept_later is not build:
+                if built is not None:
+                    release_replaced(built[1][-1:], [])
+                return
+            self._kept_later = None
+            if built is not None:
+                self.program, self.traces = built[0], list(built[1])
+            self._refresh()
 
     def swap(self, program, traces, backward_traces) -> None:
         """Run ``program`` (same inputs and results as the current one) from the next call on; ``backward_traces``
@@ -71,6 +106,7 @@ class Slot:
                 self.backward_traces = list(backward_traces)
             self.program = program
             self._counting = False
+            self._kept_later = None  # the fused program has its own
             self._refresh()
         if self._on_swap is not None:
             self._on_swap()
@@ -90,6 +126,8 @@ class Slot:
 
     def bind_thin(self, adapt=None, graphed=None) -> None:
         """Thin mode bound this entry: ``thin`` is ``adapt`` of what runs (its argument order), or the CUDA graph."""
+        if self._ran:
+            self.settle()  # bound at the entry's second call: adapt the program that will run
         with self._lock:
             self._adapt = adapt if adapt is not None else _same
             self.graphed = graphed
@@ -111,6 +149,7 @@ class Slot:
         self.unbind_thin()
         with self._lock:
             self.released = True
+            self._kept_later = None
             if self.job is not None:
                 self.job.cancel()
             if self.sizes is not None:
