@@ -283,8 +283,9 @@ class BoundSymbol:
     _FIELDS = ("sym", "args", "kwargs", "output", "subsymbols", "comment", "torch_fn", "source", "region")
     # ``_flat_args`` / ``_flat_outputs``: the leaves, found once (every pass asks for them, many times a line; the
     # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line); ``_all_reads``
-    # the same for ``all_reads``.
-    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads")
+    # the same for ``all_reads``; ``_side_effect`` / ``_random`` for ``has_side_effect`` / ``draws_random`` (facts of
+    # the symbol, its source and its decomposition, none of which a line changes).
+    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads", "_side_effect", "_random")
 
     def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
                  region=None):
@@ -303,7 +304,7 @@ class BoundSymbol:
         self.output = output
         self.subsymbols = subsymbols
         self.comment = comment
-        self._flat_args = self._flat_outputs = self._all_reads = None
+        self._flat_args = self._flat_outputs = self._all_reads = self._side_effect = self._random = None
 
     def replace(self, **changes) -> "BoundSymbol":
         d = {s: getattr(self, s) for s in self._FIELDS}
@@ -352,15 +353,21 @@ class BoundSymbol:
     @property
     def has_side_effect(self) -> bool:
         """The symbol's own side effect, or one of its decomposition's (DCE keeps the line)."""
-        return self.sym.has_side_effect or any(s.has_side_effect for s in self.subsymbols)
+        found = self._side_effect
+        if found is None:
+            found = self._side_effect = self.sym.has_side_effect or any(s.has_side_effect for s in self.subsymbols)
+        return found
 
     @property
     def draws_random(self) -> bool:
         """The symbol or one of its decomposition's uses or changes a global generator's state: the line runs
         even when nobody reads its outputs (an unread ``torch.rand`` still advances the generator in eager)."""
-        src = self.source
-        return (self.sym.draws_random or (src is not None and src.draws_random)
-                or any(s.draws_random for s in self.subsymbols))
+        found = self._random
+        if found is None:
+            src = self.source
+            found = self._random = (self.sym.draws_random or (src is not None and src.draws_random)
+                                    or any(s.draws_random for s in self.subsymbols))
+        return found
 
     def __repr__(self) -> str:
         return "\n".join(codegen.format_bsym(self, None, with_subsymbols=False))
