@@ -285,7 +285,7 @@ class BoundSymbol:
     # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line); ``_all_reads``
     # the same for ``all_reads``; ``_side_effect`` / ``_random`` for ``has_side_effect`` / ``draws_random`` (facts of
     # the symbol, its source and its decomposition, none of which a line changes).
-    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads", "_side_effect", "_random")
+    __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads", "_side_effect", "_random", "_sizes_inside")
 
     def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
                  region=None):
@@ -305,6 +305,7 @@ class BoundSymbol:
         self.subsymbols = subsymbols
         self.comment = comment
         self._flat_args = self._flat_outputs = self._all_reads = self._side_effect = self._random = None
+        self._sizes_inside = None
 
     def replace(self, **changes) -> "BoundSymbol":
         d = {s: getattr(self, s) for s in self._FIELDS}
@@ -343,6 +344,21 @@ class BoundSymbol:
                 reads.extend(s.all_reads())
             reads = self._all_reads = tuple(reads)
         return reads
+
+    def sizes_inside(self) -> tuple:
+        """``(checked values its decomposition reads, symbolic sizes in the shapes of its decomposition's values)``,
+        found once: computed at the top of the program, not passed as arguments (DCE keeps them)."""
+        found = self._sizes_inside
+        if found is None:
+            reads, dims = [], []
+            for sub in self.subsymbols:
+                reads.extend(a for a in sub.flat_args() if is_checked(a))
+                dims.extend(d for o in sub.flat_outputs() for d in getattr(o, "_tt_shape", ()) if type(d) is not int)
+                inner_reads, inner_dims = sub.sizes_inside()
+                reads.extend(inner_reads)
+                dims.extend(inner_dims)
+            found = self._sizes_inside = (tuple(reads), tuple(dims))
+        return found
 
     def flat_outputs(self) -> tuple:
         flat = self._flat_outputs

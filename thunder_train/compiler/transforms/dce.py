@@ -42,15 +42,7 @@ def _sizes_read_inside(bsym, needed, keep_sizes=False):
     program (symbols.py), not passed as arguments.  ``keep_sizes``: also the symbolic sizes in the shapes of
     the decomposition's own values (``x[:, 0]`` is a slice of symbolic length, then a squeeze): once autograd
     splits the line into its parts, the backward reads them (a ``reshape`` to the slice's shape)."""
-    from ..proxies import is_checked
-
-    for sub in bsym.subsymbols:
-        for a in sub.flat_args():
-            if is_checked(a):
-                needed.add(id(a))
-        for o in sub.flat_outputs() if keep_sizes else ():
-            for d in getattr(o, "_tt_shape", ()):
-                if type(d) is not int:
-                    needed.add(id(d))
-        _sizes_read_inside(sub, needed, keep_sizes)
-
+    reads, dims = bsym.sizes_inside()
+    needed.update(map(id, reads))
+    if keep_sizes:
+        needed.update(map(id, dims))
