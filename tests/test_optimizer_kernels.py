@@ -95,6 +95,23 @@ def test_fused_optimizer_updates_match_eager(name, decompose):
     assert ("_update" in src) != decompose
 
 
+@pytest.mark.parametrize("decompose", [False, True], ids=["kernel", "decomposed"])
+@pytest.mark.parametrize("name", ["adam-amsgrad-maximize", "sgd-nesterov", "adagrad-decay-maximize"])
+def test_updates_are_recorded_without_their_decomposition_unless_it_runs(name, decompose):
+    """The torch executor runs a multi-tensor update whole: its per-parameter formulas are traced only for
+    ``decompose=True``, which runs them (Symbol.results_without_decomposition)."""
+    eager, compiled = twin(mlp, FUSED_ROUTES[name])
+    step = tt.compile(train_step, decompose=decompose)
+    for x, y in mlp_batches(3):
+        torch.testing.assert_close(step(*compiled, x, y), train_step(*eager, x, y).detach())
+    assert_same_state(eager, compiled, atol=1e-6 if not decompose else 1e-5)
+    acquired = tt.last_traces(step)[0]
+    (update,) = [b for b in acquired.bound_symbols if b.sym.name.endswith("_update")]
+    assert bool(update.subsymbols) == decompose
+    made, read = update.output, update.args[0]
+    assert [(o._tt_shape, o._tt_dtype, o._tt_strides) for o in made[0]] == [(p._tt_shape, p._tt_dtype, p._tt_strides) for p in read]
+
+
 @pytest.mark.parametrize("make_opt", [torch.optim.AdamW, lambda groups: torch.optim.SGD(groups, momentum=0.9)], ids=["adamw", "sgd"])
 def test_fused_updates_with_several_param_groups_and_an_unused_parameter(make_opt):
     def groups(ps):

@@ -116,7 +116,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 1. Acquisition (compiler/acquisition/): run fn on proxies; in-place ops functionalized, a backward and an
     #    optimizer step inside fn recorded, Python side effects collected for the epilogue.
     acquired = acquisition.acquire(fn, args, kwargs, strict=options.strict, dynamic=options.dynamic,
-                               fused_optimizers=options.optimizer_kernels == "fused", forced_decisions=forced_decisions)
+                               fused_optimizers=options.optimizer_kernels == "fused", forced_decisions=forced_decisions,
+                               keep_decompositions=options.decompose)
     # After loss.backward() inside the function, gradients are values of the trace: no PyTorch autograd.
     has_backward = acquired.has_backward
     traces = [acquired.trace]

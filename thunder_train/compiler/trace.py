@@ -29,6 +29,9 @@ class Trace:
         # Composites being decomposed that the torch executor runs whole: the layouts of the values
         # inside them are never seen, so Symbol.__call__ does not compute them (it is the costly part).
         self.claimed_depth = 0
+        # False: an op declaring ``Symbol.results_without_decomposition`` is recorded without its decomposition
+        # (acquisition: only ``decompose=True`` lowers the lines of one the torch executor runs whole).
+        self.keep_decompositions = True
         self.decorators: list = []  # source lines like "@torch.no_grad()"
         self._callable = None
 

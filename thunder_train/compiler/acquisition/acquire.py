@@ -88,18 +88,20 @@ def check_call_signature(fn, args, kwargs):
 
 
 def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fused_optimizers: bool = True,
-            forced_decisions=()) -> Acquired:
+            forced_decisions=(), keep_decompositions: bool = True) -> Acquired:
     """Run ``fn`` on proxies of ``args``/``kwargs``; return its computation trace and input leaves.
 
     ``fused_optimizers``: optimizer updates take torch's fused kernels where they compute the
     same thing (``torchlang/optim.py``); False traces the optimizers' own per-op code.
     ``forced_decisions``: ``(text, value)`` of the first decisions the program checks, as a run observed them
     (``decisions.py``): the trace takes them instead of computing them.
+    ``keep_decompositions``: False records the ops that can make their results without one
+    (``Symbol.results_without_decomposition``) with no decomposition (lowered whole: no ``decompose=True``).
     """
     check_call_signature(fn, args, kwargs)
     with TRACING_LOCK:
         return _acquire(fn, args, kwargs, strict=strict, dynamic=dynamic, fused_optimizers=fused_optimizers,
-                        forced_decisions=forced_decisions)
+                        forced_decisions=forced_decisions, keep_decompositions=keep_decompositions)
 
 
 # One acquisition at a time in the process. While it runs, tracing patches process-wide names (torch.optim's
@@ -111,8 +113,9 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
 TRACING_LOCK = threading.RLock()
 
 
-def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_decisions) -> Acquired:
+def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_decisions, keep_decompositions) -> Acquired:
     trc = Trace("computation", header="Constructed by acquisition (tracing fn on proxies)")
+    trc.keep_decompositions = keep_decompositions
     walker = InputWalker(trc, arg_names(fn))
     walker.dynamic = dynamic
     # grad_enabled: torch.no_grad() regions inside fn (dispatch.no_grad_region)

@@ -144,6 +144,28 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_ste
     return new_p, new_m, new_v, new_vmax
 
 
+def _updated_like(lists, read=()):
+    """New values laid out like each tensor of ``lists`` (a multi-tensor update's results), made without tracing the
+    update (``Symbol.results_without_decomposition``); None where a list holds something else or the lists mix
+    dtypes, devices or lengths (the decomposition's type promotion decides then).  ``read``: lists only checked."""
+    every = [*lists, *read]
+    flat = [t for ts in every for t in ts]
+    if not flat or any(type(t) is not TensorProxy for t in flat) or len({len(ts) for ts in every}) != 1:
+        return None
+    dtype, device = flat[0]._tt_dtype, flat[0]._tt_device
+    if any(t._tt_dtype is not dtype or t._tt_device != device for t in flat):
+        return None
+    return [[TensorProxy(shape=t._tt_shape, dtype=dtype, device=device) for t in ts] for ts in lists]
+
+
+def _adam_results(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, **_):
+    made = _updated_like([params, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else []), [grads])
+    return None if made is None else tuple(made) if amsgrad else (*made, [])
+
+
+adam_update.results_without_decomposition = _adam_results
+
+
 def _fused_adam(decoupled):
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
@@ -186,6 +208,14 @@ def sgd_update(params, grads, momentum_buffers, *, weight_decay, momentum, lr, d
     return new_p, new_buf
 
 
+def _sgd_results(params, grads, momentum_buffers, **_):
+    made = _updated_like([params] + ([momentum_buffers] if momentum_buffers else []), [grads])
+    return None if made is None else tuple(made) if momentum_buffers else (*made, [])
+
+
+sgd_update.results_without_decomposition = _sgd_results
+
+
 def _sgd_new_values(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
                     is_first_step, grad_scale=None, found_inf=None):
     _no_grad_scaler(torch._fused_sgd_, grad_scale, found_inf)
@@ -217,6 +247,14 @@ def adagrad_update(params, grads, state_sums, state_steps, *, lr, lr_decay, weig
         new_p.append(clang.maybe_convert(ew.sub(p, ew.mul(clr, ew.div(g, ew.add(ew.sqrt(acc), eps)))), dtype))  # as adam's
         new_sum.append(acc)
     return new_p, new_sum
+
+
+def _adagrad_results(params, grads, state_sums, state_steps, **_):
+    made = _updated_like([params, state_sums], [grads])
+    return None if made is None else tuple(made)
+
+
+adagrad_update.results_without_decomposition = _adagrad_results
 
 
 def _adagrad_new_values(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,

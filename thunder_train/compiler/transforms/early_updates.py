@@ -94,7 +94,9 @@ def split_by_index(b) -> list | None:
         for o in s.flat_outputs():
             if is_proxy(o):
                 owner[id(o)] = i
-    for x in _lists(b.output):
+    # A line recorded without its decomposition (``Symbol.results_without_decomposition``) splits by the op's
+    # declaration alone (``splits_by_index``: result i depends only on entry i of every list).
+    for x in _lists(b.output) if b.subsymbols else ():
         if x and any(owner.get(id(v)) != i for i, v in enumerate(x)):
             return None
     pieces = []
