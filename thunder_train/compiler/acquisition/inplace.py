@@ -211,6 +211,7 @@ def no_grad_region(st, out, sym=None):
     if sym is not None and "inplace" in sym.tags:
         return out
     detached = detach_float_tensors(out)
+    st.made_without_grad.update(id(d) for o, d in zip(tree_flatten(out)[0], tree_flatten(detached)[0]) if d is not o)
     if st.buffers is not None:
         # A view made here (x[0], x.diagonal(), ...) stays a view of its base: an update through it reaches the base.
         for o, d in zip(tree_flatten(out)[0], tree_flatten(detached)[0]):

@@ -28,6 +28,9 @@ class TracerState:
     # Decisions on symbolic sizes and checked numbers: (op, value, other, result); the prologue re-checks them.
     size_checks: list = dataclasses.field(default_factory=list)
     requires_grad_changes: dict = dataclasses.field(default_factory=dict)  # id(proxy) -> (proxy, flag before)
+    # ids of the values made under torch.no_grad() inside the function (``inplace.no_grad_region``: results of
+    # ``prims.stop_gradient``): none is on the gradient path unless it stands for a leaf
+    made_without_grad: set = dataclasses.field(default_factory=set)
     has_backward: bool = False  # the function called backward()/autograd.grad
     # (values a backward inside started from, whether it retained the graph) (traced_autograd.record_roots)
     backward_roots: list = dataclasses.field(default_factory=list)

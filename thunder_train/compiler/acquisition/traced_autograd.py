@@ -129,7 +129,12 @@ def computed_requires_grad(st, a) -> bool:
         return False
     if not (st.grad_enabled or torch.is_grad_enabled()):
         return False  # called under no_grad: nothing computed requires grad (as record_backward)
-    return id(st.buffers.read(a)) in _gradient_path_now(st)
+    value = st.buffers.read(a)
+    if id(value) in st.made_without_grad and all(v is not value for _, vals in grad_leaves(st) for v in vals):
+        # made under no_grad and no leaf's value (an optimizer's new state: asked at each write into it; the path
+        # would be extended over the whole step for each of them)
+        return False
+    return id(value) in _gradient_path_now(st)
 
 
 def _gradient_path_now(st) -> set:
