@@ -578,6 +578,30 @@ def test_ops_that_split_by_index_are_list_ops_whose_kernels_update_each_entry_al
     assert all(torch.equal(torch._foreach_add([p[i]], [gr[i]])[0], whole[i]) for i in range(len(shapes)))
 
 
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), lambda ps: torch.optim.AdamW(ps, lr=0.1),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["adam-amsgrad", "adamw", "sgd-momentum", "sgd", "adagrad"])
+def test_results_without_decomposition_are_the_decompositions(make):
+    # Symbol.results_without_decomposition (recorded so unless decompose=True): the results it makes are the ones the
+    # decomposition makes, list by list (shape, dtype, device, layout).
+    declared = {op.name for op in _all_symbols() if op.results_without_decomposition is not None}
+    assert declared == {"adam_update", "sgd_update", "adagrad_update"}
+    lines = {}
+    for decompose in (False, True):
+        ps = [torch.nn.Parameter(torch.rand(3, 4).t().contiguous().t()), torch.nn.Parameter(torch.rand(5))]
+        for p in ps:
+            p.grad = torch.rand_like(p)
+        opt = make(ps)
+        opt.step()  # eager's state (its layouts), which the traced step updates
+        cf = tt.compile(lambda: opt.step(), fusion=None, decompose=decompose)
+        cf()
+        (lines[decompose],) = [b for b in tt.last_traces(cf)[0].bound_symbols if b.sym.name in declared]
+    direct, traced = lines[False], lines[True]
+    assert not direct.subsymbols and traced.subsymbols
+    facts = lambda line: [[(o._tt_shape, o._tt_dtype, o._tt_device, o._tt_strides) for o in out] for out in line.output]  # noqa: E731
+    assert facts(direct) == facts(traced)
+
+
 def test_fusion_forms_compute_the_op():
     x, g = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
     declared = [op for op in _all_symbols() if op.fusion_form is not None or op.fusion_vjp_form is not None]
