@@ -576,7 +576,8 @@ def test_background_fusion_switch_frees_the_replaced_programs_buffers(every_size
 
 def test_the_default_plans_kept_buffers_at_an_entrys_second_call(every_size, monkeypatch):
     """The step's first call (its optimizer's state made) runs an entry no later call matches: the default plans no
-    kept buffers for it; the entry every later step runs gets them at its second call, results as eager's."""
+    kept buffers for it (nor the other passes that pay off over calls: pipeline._steady_passes); the entry every later
+    step runs gets them at its second call, results as eager's."""
     monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns the default's fusion off
     from thunder_train.compiler import pipeline
 

@@ -12,8 +12,8 @@ import thunder_train as tt
 from thunder_train.runtime.slot import Slot
 
 
-def _product(program, wrap=lambda p: p, build_kept=None):
-    return types.SimpleNamespace(program=program, wrap=wrap, traces=(), backward_traces=None, build_kept=build_kept)
+def _product(program, wrap=lambda p: p, build_steady=None):
+    return types.SimpleNamespace(program=program, wrap=wrap, traces=(), backward_traces=None, build_steady=build_steady)
 
 
 class _Job:
@@ -79,29 +79,34 @@ def test_unbinding_releases_the_cuda_graph():
     assert released == [True] and slot.graphed is None and slot.thin(1) == ("program", 1)
 
 
-def test_kept_buffers_are_planned_at_the_second_call_and_run_on_both_paths():
+def test_the_steady_program_is_built_at_the_second_call_and_runs_on_both_paths():
     built = []
 
-    def build_kept():
+    def build_steady():
         built.append(1)
-        return (lambda x: ("kept", x)), [types.SimpleNamespace(bound_symbols=[])]
+        return (lambda x: ("steady", x)), [types.SimpleNamespace(bound_symbols=[])]
 
-    slot = Slot(_product(lambda x: ("plain", x), build_kept=build_kept))
-    assert slot.run(1) == ("plain", 1) and built == []  # an entry run once never pays for the plan
-    slot.bind_thin()  # thin mode binds at the entry's second call: the plan is made first
-    assert built == [1] and slot.thin(2) == ("kept", 2) and slot.run(3) == ("kept", 3) and built == [1]
+    slot = Slot(_product(lambda x: ("first", x), build_steady=build_steady))
+    assert slot.run(1) == ("first", 1) and built == []  # an entry run once never pays for it
+    slot.bind_thin()  # thin mode binds at the entry's second call: the steady program is built first
+    assert built == [1] and slot.thin(2) == ("steady", 2) and slot.run(3) == ("steady", 3) and built == [1]
 
 
-def test_the_second_full_call_plans_kept_buffers_once():
+def test_the_second_full_call_builds_the_steady_program_once():
     built = []
-    slot = Slot(_product(lambda x: ("plain", x), build_kept=lambda: built.append(1)))  # builds None: nothing kept
-    assert slot.run(1) == ("plain", 1) and slot.run(2) == ("plain", 2) and slot.run(3) == ("plain", 3)
+
+    def build_steady():
+        built.append(1)
+        return (lambda x: ("steady", x)), [types.SimpleNamespace(bound_symbols=[])]
+
+    slot = Slot(_product(lambda x: ("first", x), build_steady=build_steady))
+    assert slot.run(1) == ("first", 1) and slot.run(2) == ("steady", 2) and slot.run(3) == ("steady", 3)
     assert built == [1]
 
 
-def test_a_fused_program_installed_before_the_second_call_drops_the_plan():
+def test_a_fused_program_installed_before_the_second_call_drops_the_steady_build():
     built = []
-    slot = Slot(_product(lambda x: ("plain", x), build_kept=lambda: built.append(1)), _Job())
+    slot = Slot(_product(lambda x: ("first", x), build_steady=lambda: built.append(1)), _Job())
     slot.run(1)
     slot.swap(lambda x: ("fused", x), [], None)
     assert slot.run(2) == ("fused", 2) and slot.thin(2) == ("fused", 2) and built == []

@@ -85,9 +85,9 @@ class Compiled:
     build_fused: Callable | None = None
     payback: Callable | None = None
     memory: object = None  # transforms/memory.py MemoryPlan: what the backward recomputes, what is saved
-    # The default (fusion="background"): () -> (program, traces) of the torch program with its kept buffers, or None
-    # (none kept); built at the entry's second call (``_kept_later``; runtime/slot.py).
-    build_kept: Callable | None = None
+    # The default (fusion="background"): () -> (program, traces) of the torch program after the passes that pay off
+    # only over calls; built at the entry's second call (``_steady_later``; runtime/slot.py).
+    build_steady: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +160,13 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                                blocked_head=asks, keep_graphs=keep_graphs)
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
-    # The default plans the torch program's kept buffers at the entry's second call (``_kept_later``): they pay off
-    # only over calls, and the entry of a step's first call (the optimizer's state made) runs once.
-    later = options.keep_buffers and options.fusion == "background"
-    trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes, keep_buffers="later" if later else options.keep_buffers)
+    # The default runs an entry's first call without the passes that pay off only over calls, kept buffers included
+    # (``_steady_later``): the entry of a step's first call (the optimizer's state made) runs once.
+    later = options.fusion == "background"
+    trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes, later=later)
     if later:
-        unbuffered = trc
-        trc = _after_buffers(unbuffered)
+        unsettled = trc
+        trc = _freed(unsettled)
         more.append(trc)
     traces.extend(more)
     if asks:
@@ -181,7 +181,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves)
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}
     input_idx = tuple(leaf_of_proxy[id(p)] for p in trc.args)
-    program, backward_traces, build_kept = trc.python_callable(), None, None
+    program, backward_traces, build_steady = trc.python_callable(), None, None
     # 9. Autograd (transforms/autograd.py, compiler/autograd_function.py): outputs that require grad connect to PyTorch
     #    autograd through one node whose forward and backward traces go through steps 3, 4 and 7.
     build_fused = None  # fusion="background": notes -> (program, traces, backward traces) of the fused program
@@ -202,7 +202,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                 raise RuntimeError("the fused program takes other inputs than the torch program")
             return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
     if later and backward_traces is None and traces[-1] is trc:  # the torch program runs (no autograd node)
-        build_kept = _kept_later(unbuffered, trc, traces)
+        build_steady = _steady_later(unsettled, trc, traces, options.keep_buffers)
     # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
     #     user type rebuilt around the real tensors.
     wrap, targets = _wrapping(acquired, len(input_idx))
@@ -221,24 +221,22 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         mutated=tuple(acquisition.path_str(p) for p in acquired.mutated_paths),
         build_fused=_noting(build_fused, fusion_notes) if background else None,
         payback=(lambda call_s: payback.decide(to_fuse, call_s=call_s)) if background else None,
-        memory=memory, build_kept=build_kept)
+        memory=memory, build_steady=build_steady)
     return compiled, acquired.opaque_ops
 
 
-def _kept_later(unbuffered, final, traces):
-    """``Compiled.build_kept``: the kept-buffer plan (executors/buffers.py) of the torch program, made when its entry
-    runs a second time.  A plan pays off over calls (the memory a call no longer allocates), and a step's first
-    call runs an entry no later call matches (the optimizer's state is made there): T5's zoo step spent 90 ms of its
-    0.75 s first call on it.  ``final`` is the program the entry runs until then, last in ``traces``."""
+def _steady_later(unsettled, first, traces, keep_buffers):
+    """``Compiled.build_steady``: the torch program after ``_steady_passes`` (layouts decided, duplicates merged,
+    constants folded, kept buffers, identity views dropped, numbers as tensors, matmuls as mm), made when its entry
+    runs a second time.  Each pays off over calls, and a step's first call runs an entry no later call matches (the
+    optimizer's state is made there): T5's zoo step spent ~0.2 s of its first call on them.  ``first`` is the program
+    the entry runs until then (lifetimes only), last in ``traces``."""
     shown = list(traces)
 
     def build():
-        kept = keep_large_buffers(unbuffered)
-        if kept is unbuffered:
-            return None  # nothing to keep: the program stays
-        program = _after_buffers(kept)
-        if [id(a) for a in program.args] != [id(a) for a in final.args]:
-            raise RuntimeError("the program with kept buffers takes other inputs than the one without")
+        program = _steady_passes(unsettled, keep_buffers)
+        if [id(a) for a in program.args] != [id(a) for a in first.args]:
+            raise RuntimeError("the steady program takes other inputs than the first call's")
         return program.python_callable(), shown[:-1] + [program]
 
     return build
@@ -253,8 +251,9 @@ def _decision_note(d) -> str:
 
 
 def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers, blocked_head=False,
-            keep_graphs=True):
-    """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it."""
+            keep_graphs=True, later=False):
+    """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it.  ``later``:
+    the trace before ``_steady_passes`` instead (not shown)."""
     shown = []
     trc = lowered
     if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
@@ -294,6 +293,16 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     #    Kept buffers (executors/buffers.py): large CPU intermediates are written into memory the program keeps
     #    between calls; lifetimes (transforms/lifetimes.py): the others are freed after their last use.
     trc = late_waits(prefetch(trc))
+    if later:
+        return trc, shown
+    trc = _steady_passes(trc, keep_buffers)
+    shown.append(trc)
+    return trc, shown
+
+
+def _steady_passes(trc, keep_buffers: bool):
+    """Steps 7a-7d: passes that make each call cheaper (and the kept buffers), then the lifetimes.  The default runs
+    an entry's first call without the first ones (``_steady_later``)."""
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
     #     A product transposed twice (a transposed weight's gradient, made as eager makes it) is read as the product
@@ -302,25 +311,18 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     # 7b. A call repeated while its first result is alive (a view: at all) reads it (executors/duplicates.py);
     #     lines computing constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
     trc = fold_constants(merge_duplicates(trc))
-    if keep_buffers == "later":
-        return trc, shown
     if keep_buffers:
         trc = keep_large_buffers(trc)
-    trc = _after_buffers(trc)
-    shown.append(trc)
-    return trc, shown
-
-
-def _after_buffers(trc):
-    """The passes after the kept-buffer plan (``_finish``; also the default's plan made at an entry's second call,
-    ``_kept_later``)."""
     # 7c. View lines that give back the tensor their chain of views started from are dropped
     #     (executors/identity_views.py; after the buffers, whose plan counts what the lines allocate).
     #     A Python number in float tensor arithmetic is passed as a shared 0-d tensor: torch does not wrap it on each
     #     call (executors/numbers_as_tensors.py); a matmul of two matrices calls mm (executors/mm_calls.py).
-    trc = matmuls_as_mm(numbers_as_tensors(drop_identity_views(trc)))
-    # 7d. The last backward through an opaque op's autograd graph frees its saved tensors as it goes
-    #     (transforms/opaque_grad.py); every trace then frees each value after its last use (transforms/lifetimes.py).
+    return _freed(matmuls_as_mm(numbers_as_tensors(drop_identity_views(trc))))
+
+
+def _freed(trc):
+    """7d. The last backward through an opaque op's autograd graph frees its saved tensors as it goes
+    (transforms/opaque_grad.py); every trace then frees each value after its last use (transforms/lifetimes.py)."""
     return free_after_last_use(free_graphs_at_last_vjp(trc), header=trc.header)
 
 

@@ -93,7 +93,7 @@ class RecurringSizes:
                 trial = self.trial.get(k)
                 if trial is None:
                     return spec.slot.run(*pick(inputs))
-                spec.slot.settle()  # a size that recurs: its kept buffers now, not inside a timed call
+                spec.slot.settle()  # a size that recurs: its steady program now, not inside a timed call
                 t0 = time.perf_counter()
                 out = spec.slot.run(*pick(inputs))
                 self._judge(k, trial, time.perf_counter() - t0)

@@ -11,9 +11,10 @@ callables a call reads:
 * ``thin``: what the bound ``thin_call`` runs (``thin.py`` generates ``_slot.thin(...)``).
 
 ``specialise_sizes`` puts a symbolic entry's dispatch on recurring sizes in front of both (recurring_sizes.py).
-In the default mode the torch program's kept buffers are planned when the entry runs a second time
-(``Compiled.build_kept``, compiler/pipeline.py): until then both callables go through a wrapper whose second call
-makes the plan (``settle``) and runs the program with it.
+In the default mode an entry's first call runs a program without the passes that pay off only over calls (kept
+buffers, folded constants, ...); the program with them is built when the entry runs a second time
+(``Compiled.build_steady``, compiler/pipeline.py): until then both callables go through a wrapper whose second call
+builds it (``settle``) and runs it.
 ``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
 step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
 thin binding, ``release`` frees what an evicted entry holds.
@@ -41,8 +42,8 @@ class Slot:
         self._on_swap = on_swap
         self.released = False  # evicted from the cache (bounded_cache.py): a build that finishes frees its program
         self.sizes = None  # recurring_sizes.RecurringSizes of a symbolic entry: programs for the sizes that recur
-        self._kept_later = compiled.build_kept  # () -> (program, traces) or None; None once settled
-        self._ran = False  # a call ran the program without kept buffers
+        self._steady_later = compiled.build_steady  # () -> (program, traces); None once settled
+        self._ran = False  # a call ran the first call's program
         self._lock = threading.Lock()
         self._refresh()
 
@@ -59,11 +60,11 @@ class Slot:
             self.thin = self._adapt(run)
         else:
             self.thin = run
-        if self._kept_later is not None:
+        if self._steady_later is not None:
             self.run, self.thin = self._then_settled(self.run, "run"), self._then_settled(self.thin, "thin")
 
     def _then_settled(self, call, which):
-        """``call`` for the entry's first call; from its second on, the program with its kept buffers."""
+        """``call`` for the entry's first call; from its second on, the steady program."""
         def first_call(*args):
             if self._ran:
                 self.settle()
@@ -74,20 +75,17 @@ class Slot:
         return first_call
 
     def settle(self) -> None:
-        """Plan the torch program's kept buffers now, if the plan waits for the entry's second call, and run the
-        program with them from now on (none kept: the program stays)."""
-        build = self._kept_later
+        """Build the steady program now, if it waits for the entry's second call, and run it from now on."""
+        build = self._steady_later
         if build is None:
             return
         built = build()  # outside the lock: a fused program may be installed meanwhile (then this one is dropped)
         with self._lock:
-            if self._kept_later is not build:
-                if built is not None:
-                    release_replaced(built[1][-1:], [])
+            if self._steady_later is not build:
+                release_replaced(built[1][-1:], [])
                 return
-            self._kept_later = None
-            if built is not None:
-                self.program, self.traces = built[0], list(built[1])
+            self._steady_later = None
+            self.program, self.traces = built[0], list(built[1])
             self._refresh()
 
     def swap(self, program, traces, backward_traces) -> None:
@@ -106,7 +104,7 @@ class Slot:
                 self.backward_traces = list(backward_traces)
             self.program = program
             self._counting = False
-            self._kept_later = None  # the fused program has its own
+            self._steady_later = None  # the fused program went through the same passes
             self._refresh()
         if self._on_swap is not None:
             self._on_swap()
@@ -149,7 +147,7 @@ class Slot:
         self.unbind_thin()
         with self._lock:
             self.released = True
-            self._kept_later = None
+            self._steady_later = None
             if self.job is not None:
                 self.job.cancel()
             if self.sizes is not None:
