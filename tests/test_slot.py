@@ -79,14 +79,18 @@ def test_unbinding_releases_the_cuda_graph():
     assert released == [True] and slot.graphed is None and slot.thin(1) == ("program", 1)
 
 
-def test_the_steady_program_is_built_at_the_second_call_and_runs_on_both_paths():
-    built = []
-
+def _steady_slot(built):
+    """A slot whose steady program is built at the entry's second call (``built`` counts the builds)."""
     def build_steady():
         built.append(1)
         return (lambda x: ("steady", x)), [types.SimpleNamespace(bound_symbols=[])]
 
-    slot = Slot(_product(lambda x: ("first", x), build_steady=build_steady))
+    return Slot(_product(lambda x: ("first", x), build_steady=build_steady))
+
+
+def test_the_steady_program_is_built_at_the_second_call_and_runs_on_both_paths():
+    built = []
+    slot = _steady_slot(built)
     assert slot.run(1) == ("first", 1) and built == []  # an entry run once never pays for it
     slot.bind_thin()  # thin mode binds at the entry's second call: the steady program is built first
     assert built == [1] and slot.thin(2) == ("steady", 2) and slot.run(3) == ("steady", 3) and built == [1]
@@ -94,12 +98,7 @@ def test_the_steady_program_is_built_at_the_second_call_and_runs_on_both_paths()
 
 def test_the_second_full_call_builds_the_steady_program_once():
     built = []
-
-    def build_steady():
-        built.append(1)
-        return (lambda x: ("steady", x)), [types.SimpleNamespace(bound_symbols=[])]
-
-    slot = Slot(_product(lambda x: ("first", x), build_steady=build_steady))
+    slot = _steady_slot(built)
     assert slot.run(1) == ("first", 1) and slot.run(2) == ("steady", 2) and slot.run(3) == ("steady", 3)
     assert built == [1]
 
