@@ -161,8 +161,9 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     # The default runs an entry's first call without the passes that pay off only over calls, kept buffers included
-    # (``_steady_later``): the entry of a step's first call (the optimizer's state made) runs once.
-    later = options.fusion == "background"
+    # (``_steady_later``): the entry of a step's first call (the optimizer's state made) runs once.  (Not where an
+    # autograd node may run instead: step 9 builds its programs whole.)
+    later = options.fusion == "background" and fuse_main
     trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes, later=later)
     if later:
         unsettled = trc
