@@ -58,6 +58,8 @@ class ThinPath:
                               entry.struct_key[2], thin.epoch())
         handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
                     "failed": self._thin_failed, "decided": self._thin_decided}
+        # The entry's second call: its steady program (slot.py ``settle``) is the one the binding and a CUDA graph run
+        entry.slot.settle()
         graphed = None
         if self.cuda_graphs:
             why = graphs.obstacle(entry)
