@@ -293,7 +293,7 @@ class BoundSymbol:
     # ``_flat_args`` / ``_flat_outputs``: the leaves, found once (every pass asks for them, many times a line; the
     # line's arguments and outputs are not changed after it is made: ``replace`` makes a new line); ``_all_reads``
     # the same for ``all_reads``; ``_side_effect`` / ``_random`` for ``has_side_effect`` / ``draws_random`` (facts of
-    # the symbol, its source and its decomposition, none of which a line changes).
+    # the symbol and its decomposition, neither of which a line changes).
     __slots__ = _FIELDS + ("_flat_args", "_flat_outputs", "_all_reads", "_side_effect", "_random", "_sizes_inside")
 
     def __init__(self, sym, args, kwargs, output, subsymbols=(), comment: str | None = None, torch_fn=None, source=None,
@@ -387,12 +387,11 @@ class BoundSymbol:
     def draws_random(self) -> bool:
         """The symbol or one of its decomposition's uses or changes a global generator's state: the line runs
         even when nobody reads its outputs (an unread ``torch.rand`` still advances the generator in eager)."""
-        found = self._random
+        found = self._random  # the symbol's and the decomposition's (the source is set after the line is made)
         if found is None:
-            src = self.source
-            found = self._random = (self.sym.draws_random or (src is not None and src.draws_random)
-                                    or any(s.draws_random for s in self.subsymbols))
-        return found
+            found = self._random = self.sym.draws_random or any(s.draws_random for s in self.subsymbols)
+        src = self.source
+        return found or (src is not None and src.draws_random)
 
     def __repr__(self) -> str:
         return "\n".join(codegen.format_bsym(self, None, with_subsymbols=False))

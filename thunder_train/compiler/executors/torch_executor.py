@@ -570,7 +570,6 @@ class TorchExecutor:
         claimed = self._claim(bsym)
         if claimed is not None:
             claimed.source = bsym.sym
-            claimed._random = None  # (draws_random reads the source: asked again)
         return claimed
 
     def _claim(self, bsym) -> BoundSymbol | None:
