@@ -92,7 +92,8 @@ def test_the_steady_program_is_built_at_the_second_call_and_runs_on_both_paths()
     built = []
     slot = _steady_slot(built)
     assert slot.run(1) == ("first", 1) and built == []  # an entry run once never pays for it
-    slot.bind_thin()  # thin mode binds at the entry's second call: the steady program is built first
+    slot.settle()  # thin mode binds at the entry's second call, the steady program built first (binding.py)
+    slot.bind_thin()
     assert built == [1] and slot.thin(2) == ("steady", 2) and slot.run(3) == ("steady", 3) and built == [1]
 
 

@@ -14,7 +14,7 @@ callables a call reads:
 In the default mode an entry's first call runs a program without the passes that pay off only over calls (kept
 buffers, folded constants, ...); the program with them is built when the entry runs a second time
 (``Compiled.build_steady``, compiler/pipeline.py): until then both callables go through a wrapper whose second call
-builds it (``settle``) and runs it.
+builds it (``settle``) and runs it; thin mode's binding, made at that call, settles before it binds (binding.py).
 ``swap`` is the background-fusion switch (called from the worker thread: the lock keeps ``run`` and ``thin`` in
 step with the program), ``stop_counting`` ends the pay-back count, ``bind_thin``/``unbind_thin`` follow the
 thin binding, ``release`` frees what an evicted entry holds.
@@ -124,8 +124,6 @@ class Slot:
 
     def bind_thin(self, adapt=None, graphed=None) -> None:
         """Thin mode bound this entry: ``thin`` is ``adapt`` of what runs (its argument order), or the CUDA graph."""
-        if self._ran:
-            self.settle()  # bound at the entry's second call: adapt the program that will run
         with self._lock:
             self._adapt = adapt if adapt is not None else _same
             self.graphed = graphed
