@@ -199,8 +199,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
 
         def build_fused(notes):
             fused, fused_shown = finish(fusion="background", notes=notes)
-            if [id(a) for a in fused.args] != [id(a) for a in trc.args]:
-                raise RuntimeError("the fused program takes other inputs than the torch program")
+            _same_inputs(fused, trc, "the fused program")
             return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
     if later and backward_traces is None and traces[-1] is trc:  # the torch program runs (no autograd node)
         build_steady = _steady_later(unsettled, trc, traces, options.keep_buffers)
@@ -236,11 +235,16 @@ def _steady_later(unsettled, first, traces, keep_buffers):
 
     def build():
         program = _steady_passes(unsettled, keep_buffers)
-        if [id(a) for a in program.args] != [id(a) for a in first.args]:
-            raise RuntimeError("the steady program takes other inputs than the first call's")
+        _same_inputs(program, first, "the steady program")
         return program.python_callable(), shown[:-1] + [program]
 
     return build
+
+
+def _same_inputs(program, runs_now, what) -> None:
+    """``program`` replaces ``runs_now``, which the entry's callers pass its inputs to: it must take the same."""
+    if [id(a) for a in program.args] != [id(a) for a in runs_now.args]:
+        raise RuntimeError(f"{what} takes other inputs than the torch program it replaces")
 
 
 def _decision_note(d) -> str:
