@@ -62,8 +62,9 @@ def _untouchable(trc) -> set:
 
 
 # Views whose result holds its argument's elements in the same (row-major) order: any chain of them is one reshape.
-_ORDER_KEEPING_VIEWS = frozenset({torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten,
-                       torch.Tensor.unflatten, torch.unsqueeze, torch.Tensor.unsqueeze, torch.squeeze, torch.Tensor.squeeze})
+_ORDER_KEEPING_VIEWS = frozenset({torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten,
+                                  torch.Tensor.flatten, torch.Tensor.unflatten, torch.unsqueeze, torch.Tensor.unsqueeze,
+                                  torch.squeeze, torch.Tensor.squeeze})
 _RESHAPE_SYMBOL = impl_symbol(torch.reshape)
 
 
