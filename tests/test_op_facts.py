@@ -389,6 +389,15 @@ def _layout_samples(op):
         extra = {"softplus_backward": lambda g, x: (g, x, 1.0, 20.0), "elu_backward": lambda g, x: (g, 1.0, 1.0, 1.0, False, x),
                  "logit_backward": lambda g, x: (g, x)}[op.name]
         return [(extra(g, x), {}) for g, x in pairs]
+    if op.name in ("scaled_dot_product_attention", "scaled_dot_product_attention_vjp"):
+        # calls eager runs by its math kernel on the CPU: narrow value heads (q and k transposed from (batch, seq,
+        # heads, dim), k's gradient then not row-major), every other element of the last dimension
+        q, k, v = (torch.rand(2, 6, 3, 8).transpose(1, 2) for _ in range(3))
+        calls = [((q, k, v[..., :4]), {"is_causal": True}), ((q[..., ::2], k[..., ::2], v[..., ::2]), {}),
+                 ((q, k, v[..., :4], torch.rand(6, 6)), {"scale": 0.5})]
+        if op.module != "vjp":
+            return calls
+        return [((torch.rand(*a[0].shape[:-1], a[2].shape[-1]), (), *a), kw) for a, kw in calls]
     if op.module == "vjp":  # a backward line: (incoming gradient, reads, the op's arguments)
         cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
         x, g = torch.rand(2, 4, 3, 5), torch.rand(2, 4, 3, 5)
@@ -443,14 +452,17 @@ def _every_layout_rule_agrees_with_eager():
             assert op.torch_impl is not None and getattr(op.torch_impl, "overwrites", None), f"no layout sample for {op.id}"
             continue  # the optimizer updates: test_optimizer_update_layouts_agree_with_eager
         for args, kwargs in samples:
+            torch_fn = None
             if op.module == "vjp":  # eager's backward kernels, through autograd, for the gradients eager computes
-                wanted = {"gelu_vjp": ((0,),), "group_norm_vjp": ((0,), (2,), (3,)), "batch_norm_vjp": ((0,), (3,), (4,))}[op.name]
+                wanted = {"gelu_vjp": ((0,),), "group_norm_vjp": ((0,), (2,), (3,)), "batch_norm_vjp": ((0,), (3,), (4,)),
+                          "scaled_dot_product_attention_vjp": ((0,), (1,), (2,))}[op.name]
                 expected = torch_impls.TorchVJP(op.forward_symbol.torch_impl, wanted)(*args, **kwargs)
+                torch_fn = (op.forward_symbol.torch_impl, wanted)  # what tracing records (the rule runs it)
             else:
                 expected = torch_executor.torch_executor.eager_impl(op, args, kwargs)
             pargs = tuple([_proxy(t) for t in a] if isinstance(a, list) else _proxy(a) if isinstance(a, torch.Tensor) else a for a in args)
             pout = [_proxy(e.contiguous()) for e in expected] if isinstance(expected, (list, tuple)) else _proxy(expected.contiguous())
-            b = BoundSymbol(op, pargs, kwargs, pout)
+            b = BoundSymbol(op, pargs, kwargs, pout, torch_fn=torch_fn)
             tensors = [x for x in b.flat_args() if type(x) is TensorProxy]
             outs = [o for o in b.flat_outputs() if type(o) is TensorProxy]
             rule = op.layout_rule or op.forward_symbol.vjp_layout_rule

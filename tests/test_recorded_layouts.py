@@ -166,3 +166,107 @@ def norm_and_gelu_strides_are_recorded(device, audit):
 
 def test_norm_and_gelu_backward_strides_are_recorded(audit):
     norm_and_gelu_strides_are_recorded("cpu", audit)
+
+
+def _strided(shape, every=1):
+    """A leaf of ``shape``; with ``every`` > 1 a view taking every ``every``-th element of its last dimension."""
+    base = torch.randn(*shape[:-1], shape[-1] * every, generator=torch.Generator().manual_seed(sum(shape)))
+    return base[..., ::every].detach().requires_grad_() if every == 1 else base.requires_grad_()
+
+
+# Attention calls eager's selector sends to its math kernel on the CPU: (q, k, v shapes, q/k/v taken transposed from
+# (batch, seq, heads, dim) as transformers' models make them, every-other-element last dimension, mask, keywords).
+_MATH_ATTENTION = {
+    "narrow values, causal": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 16), True, 1, None, {"is_causal": True}),
+    "strided last dimension": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 24), False, 2, None, {}),
+    "narrow values, float mask": ((2, 4, 16, 24), (2, 4, 12, 24), (2, 4, 12, 8), True, 1, "float", {}),
+    "narrow values, bool mask, scale": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 16), False, 1, "bool", {"scale": 0.3}),
+    "narrow values, grouped heads": ((2, 4, 16, 24), (2, 2, 16, 24), (2, 2, 16, 16), True, 1, None, {"enable_gqa": True}),
+    "three dimensions": ((8, 16, 24), (8, 16, 24), (8, 16, 24), False, 1, None, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_MATH_ATTENTION))
+def test_math_kernel_attention_layouts_come_from_meta_and_are_eagers(case, audit, monkeypatch):
+    """A CPU attention eager runs by its math kernel, and its backward, take their layouts from plain meta tensors
+    (layout_rules._math_attention_on_meta; the fake run cost DeepSeek-V3's first call ~70 ms): the output and the
+    gradients equal eager's, values and strides, and every value the program makes has its recorded strides."""
+    from torch.nn.attention import SDPBackend
+
+    from thunder_train.compiler.executors import layout_rules
+    from thunder_train.compiler.torchlang import attention
+
+    qs, ks, vs, transposed, every, mask_kind, kw = _MATH_ATTENTION[case]
+    used = []
+    rule = attention.scaled_dot_product_attention.layout_rule
+
+    def spy(bsym, tensors, outs):
+        used.append((bsym.sym.module, rule(bsym, tensors, outs)))
+        return used[-1][1]
+
+    monkeypatch.setattr(attention.scaled_dot_product_attention, "layout_rule", spy)
+    monkeypatch.setattr(attention.scaled_dot_product_attention, "vjp_layout_rule", spy)
+    monkeypatch.setattr(layout_rules, "_layouts", {})  # found now, not from an earlier test's run
+
+    def leaf(shape):
+        if transposed:  # made (batch, seq, heads, dim), used (batch, heads, seq, dim)
+            return _strided((shape[0], shape[2], shape[1], shape[3]), every)
+        return _strided(shape, every)
+
+    def f(xq, xk, xv, mask, w):
+        q, k, v = ((x[..., ::every] if every > 1 else x) for x in (xq, xk, xv))
+        if transposed:
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        (out * w).sum().backward()
+        return out
+
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(qs[-2], ks[-2])
+    elif mask_kind == "bool":
+        mask = torch.rand(qs[0], 1, qs[-2], ks[-2]) > 0.3
+    w = torch.randn(*qs[:-1], vs[-1])
+    eager_in = [leaf(s) for s in (qs, ks, vs)]
+    tt_in = [x.detach().clone().requires_grad_() for x in eager_in]
+    expected = f(*eager_in, mask, w)
+    got = tt.compile(f, fusion=None)(*tt_in, mask, w)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
+    for a, b in zip(tt_in, eager_in):
+        torch.testing.assert_close(a.grad, b.grad)
+        assert a.grad.stride() == b.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    assert ("ltorch", True) in used and ("vjp", True) in used, used  # both lines found on meta
+    # the cases are what they claim: eager's math kernel on the CPU
+    q, k, v = ((x[..., ::every] if every > 1 else x) for x in eager_in)
+    if transposed:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    m = None if mask is None else mask
+    assert torch._fused_sdp_choice(q, k, v, m, 0.0, kw.get("is_causal", False), scale=kw.get("scale"),
+                                   enable_gqa=kw.get("enable_gqa", False)) == SDPBackend.MATH.value
+
+
+def test_flash_kernel_attention_layouts_stay_with_the_fake_run(monkeypatch):
+    """Where eager runs the CPU flash kernel (its output laid out as (batch, seq, heads, dim) for transposed
+    operands), the rule leaves the layout to the fake run: values and strides are eager's."""
+    from thunder_train.compiler.torchlang import attention
+
+    used = []
+    rule = attention.scaled_dot_product_attention.layout_rule
+
+    def spy(bsym, tensors, outs):
+        used.append(rule(bsym, tensors, outs))
+        return used[-1]
+
+    monkeypatch.setattr(attention.scaled_dot_product_attention, "layout_rule", spy)
+
+    def f(x):
+        q = x.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q * 2, q + 1, is_causal=True) * 1
+
+    x = torch.randn(2, 16, 4, 24)
+    got, expected = tt.compile(f, fusion=None)(x), f(x)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
+    assert used == [False], used

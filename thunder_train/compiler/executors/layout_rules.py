@@ -251,9 +251,35 @@ def _backward_of_row_major(bsym, tensors, outs) -> bool:
     return _same_dtype_and_device(tensors) and all(t._tt_rowmajor for t in tensors)
 
 
+def _math_attention_on_meta(bsym, tensors, outs) -> bool:
+    """A CPU attention that eager runs by its math kernel (DeepSeek-V3's value heads narrower than its query heads,
+    a strided last dimension), and its backward line: that kernel is a composite of batched matmuls and a softmax,
+    laid out alike on every device, and the meta device's selector picks it too, so the layouts come from plain meta
+    tensors: on a process's first such call ~3 ms forward and ~8 ms backward, against ~30 and ~45 ms for the fake
+    run (its cache misses run torch's Python decompositions).  Dropout, other kernels and other devices: the fake
+    run."""
+    from torch.nn.attention import SDPBackend
+
+    from ..torchlang.attention import eager_backend
+    from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind
+
+    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, bsym.args[2:] if bsym.sym.module == "vjp" else bsym.args, bsym.kwargs)
+    if b is None or b["dropout_p"] != 0.0 or type(b["is_causal"]) is not bool or type(b["enable_gqa"]) is not bool \
+            or not (b["scale"] is None or type(b["scale"]) is float):
+        return False
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v, *([mask] if mask is not None else []))):
+        return False
+    call = (q, k, v, mask, b["is_causal"], b["scale"], b["enable_gqa"])
+    if eager_backend(*call) != SDPBackend.MATH.value or eager_backend(*call, device="meta") != SDPBackend.MATH.value:
+        return False
+    _layout_by_run(bsym, on_meta=True)
+    return True
+
+
 def _declare_layout_rules() -> None:
     from .. import prims
-    from ..torchlang import activations, elementwise, factories, foreach, linalg, nn, normalization, optim
+    from ..torchlang import activations, attention, elementwise, factories, foreach, linalg, nn, normalization, optim
 
     rules = {
         prims.copy_: _returns_destination, prims.grad_layout: _like_parameter,
@@ -278,6 +304,8 @@ def _declare_layout_rules() -> None:
     activations.gelu.vjp_layout_rule = _as_gradient_times_input
     normalization.group_norm.vjp_layout_rule = _backward_of_row_major
     normalization.batch_norm.vjp_layout_rule = _backward_of_row_major
+    attention.scaled_dot_product_attention.layout_rule = _math_attention_on_meta
+    attention.scaled_dot_product_attention.vjp_layout_rule = _math_attention_on_meta
 
 
 _declare_layout_rules()
@@ -304,6 +332,15 @@ def set_layout(bsym) -> None:
     ins = {id(x) for x in flat_in}
     if all(id(o) in ins for o in outs):
         return
+    _layout_by_run(bsym)
+
+
+def _layout_by_run(bsym, on_meta=False) -> None:
+    """The layouts of running what the torch executor runs for ``bsym``: on plain meta tensors where its layout is
+    the same on every device (the op's tags, its callable's ``layout_on_meta``, or ``on_meta``), else on fake
+    tensors of the inputs' devices; cached by the call's layout-relevant arguments."""
+    flat_in = bsym.flat_args()
+    ins, tensors = {id(x) for x in flat_in}, [x for x in flat_in if type(x) is TensorProxy]
     c = _callable(bsym)
     if c is None:
         return
@@ -321,7 +358,7 @@ def set_layout(bsym) -> None:
         # device (the meta kernel runs it): plain meta tensors too when the inputs share one device (mixing devices
         # is an error or a CPU scalar the fake run must judge).  A retrace with symbolic sizes (issue 26) misses
         # the cache on every line, and its many broadcasting ``mul``s cost ~0.5 ms each in the fake mode.
-        meta = getattr(fn, "layout_on_meta", False) or "view" in tags or "shape_only" in tags or (
+        meta = on_meta or getattr(fn, "layout_on_meta", False) or "view" in tags or "shape_only" in tags or (
             ("elementwise" in tags or "reduction" in tags or "layout_on_meta" in tags)
             and len({t._tt_device for t in tensors}) == 1)
         mout = _on_meta(fn, args, kwargs) if meta else None

@@ -203,24 +203,36 @@ def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 sdpa_math.layout_on_meta = True  # a composite of matmuls and a softmax: the same layout on every device
 
 
-def eager_picks_math(query, key, value, attn_mask, scale, enable_gqa=False) -> bool:
-    """Whether eager's selector (``torch._fused_sdp_choice``, what eager calls, on empty CPU tensors laid out as the
-    operands, sizes at their traced values, the mask requiring grad) runs the math kernel for this call."""
+def eager_backend(query, key, value, attn_mask, is_causal, scale, enable_gqa=False, mask_requires_grad=False, device="cpu"):
+    """The kernel eager's ``scaled_dot_product_attention`` runs for this call without dropout (an
+    ``SDPBackend`` value), asked of its own selector (``torch._fused_sdp_choice``, what eager calls) on empty tensors
+    on ``device`` laid out as the operands (sizes at their traced values), so every condition it checks is eager's;
+    None where it cannot be asked (no kernel for these operands: eager raises when it runs)."""
     import torch
+
+    ts = [t for t in (query, key, value, attn_mask) if t is not None]
+    if not all(type(t) is TensorProxy for t in ts):
+        return None
+    try:
+        with torch._C.DisableTorchFunction():
+            ops = [torch.empty_strided(tuple(size_value(s) for s in t._tt_shape), tuple(size_value(s) for s in t._tt_strides),
+                                       dtype=t._tt_dtype.torch, device=device) for t in ts]
+            mask = ops[3] if attn_mask is not None else None
+            if mask_requires_grad:
+                mask.requires_grad_()
+            return torch._fused_sdp_choice(*ops[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    except (TypeError, RuntimeError):
+        return None
+
+
+def eager_picks_math(query, key, value, attn_mask, scale, enable_gqa=False) -> bool:
+    """Whether eager runs its math kernel for this CPU call whose float mask requires grad."""
     from torch.nn.attention import SDPBackend
 
     ts = (query, key, value, attn_mask)
     if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in ts) or not attn_mask._tt_dtype.is_float:
         return False
-    try:
-        with torch._C.DisableTorchFunction():
-            ops = [torch.empty_strided(tuple(size_value(s) for s in t._tt_shape), tuple(size_value(s) for s in t._tt_strides),
-                                       dtype=t._tt_dtype.torch) for t in ts]
-            ops[3].requires_grad_()
-            choice = torch._fused_sdp_choice(*ops, 0.0, False, scale=scale, enable_gqa=enable_gqa)
-    except (TypeError, RuntimeError):  # no kernel for it (eager raises when it runs)
-        return False
-    return choice == SDPBackend.MATH.value
+    return eager_backend(query, key, value, attn_mask, False, scale, enable_gqa, mask_requires_grad=True) == SDPBackend.MATH.value
 
 
 def _sdpa_kernel_by_requires_grad(requires_grad, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
