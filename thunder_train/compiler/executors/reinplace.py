@@ -143,13 +143,13 @@ def _early_write_backs(bsyms, drop, last_fallible, producer, reads) -> dict:
     earlier: after the last line that may raise (a call that raises leaves its inputs as they were), the line
     computing ``value`` and the last read of ``inp``'s old value, or of a value that may share its memory.  Its value
     is then freed there, not held to the end (a BatchNorm's new running statistics, computed in the forward)."""
-    out = {}
+    out, passes_on = {}, {}
     for ci, b in enumerate(bsyms):
         if ci in drop or _fn(b) is not torch_impls.copy_ or type(b.args[1]) is not TensorProxy:
             continue
         value, inp = b.args
         at = max(last_fallible, producer.get(id(value), -1))
-        for r in _alias_reads(inp, bsyms, reads):
+        for r in _alias_reads(inp, bsyms, reads, passes_on):
             if r != ci:
                 at = max(at, r)
         if at < ci - 1:
@@ -157,22 +157,30 @@ def _early_write_backs(bsyms, drop, last_fallible, producer, reads) -> dict:
     return out
 
 
-def _alias_reads(inp, bsyms, reads):
+def _alias_reads(inp, bsyms, reads, passes_on):
     """Indices of the lines reading ``inp`` or a value that may share its memory (a view of it, a result whose
-    memory is not declared new: executors/out_forms.py ``aliased_args``)."""
+    memory is not declared new: executors/out_forms.py ``aliased_args``).  ``passes_on``: line index -> (the argument
+    positions its results may alias, None for all; those results), found once per line for every write-back (a
+    first call's step writes back each parameter, whose readers overlap)."""
     seen, todo, out = {id(inp)}, [inp], set()
     while todo:
         x = todo.pop()
         for r in reads.get(id(x), ()):
             out.add(r)
-            b = bsyms[r]
-            aliased = aliased_args(b)
-            if _fn(b) is torch_impls.copy_ or aliased == ():
+            facts = passes_on.get(r)
+            if facts is None:
+                b = bsyms[r]
+                aliased = aliased_args(b)
+                facts = passes_on[r] = ((), ()) if _fn(b) is torch_impls.copy_ or aliased == () else \
+                    (aliased, [o for o in aliasing_results(b) if type(o) is TensorProxy])
+            aliased, results = facts
+            if not results:
                 continue
+            b = bsyms[r]
             if aliased is not None and not any(b.args[k] is x for k in aliased if k < len(b.args)):
                 continue
-            for o in aliasing_results(b):
-                if type(o) is TensorProxy and id(o) not in seen:
+            for o in results:
+                if id(o) not in seen:
                     seen.add(id(o))
                     todo.append(o)
     return out
