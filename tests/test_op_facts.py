@@ -348,6 +348,19 @@ def _proxy(t):
     return TensorProxy(shape=t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), storage_offset=t.storage_offset())
 
 
+def _batch_norm_inputs(x, g):
+    """(input, incoming gradient) pairs of batch norm in several layouts: row-major, channels_last, a permuted 4-d
+    input, a transposed 3-d one (BatchNorm1d after a transpose), each with a row-major and a transposed gradient."""
+    cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
+    perm = lambda t: t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # noqa: E731
+    col = lambda t: t.flatten(2).transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    pairs = []
+    for lay in (lambda t: t, cl, perm, col):
+        x2, g2 = lay(x), lay(g)
+        pairs += [(x2, g2), (x2, g2.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2))]
+    return pairs
+
+
 def _layout_samples(op):
     """Arguments on which ``op``'s layout rule decides, one of them laid out other than row-major where it may be."""
     col = torch.rand(5, 4).t()  # (4, 5), column-major
@@ -398,6 +411,10 @@ def _layout_samples(op):
         if op.module != "vjp":
             return calls
         return [((torch.rand(*a[0].shape[:-1], a[2].shape[-1]), (), *a), kw) for a, kw in calls]
+    if op.name == "batch_norm":  # the kernel's memory format, not the input's strides (a transposed input: row-major)
+        w, b = torch.rand(4), torch.rand(4)
+        return [((x2, torch.rand(4), torch.rand(4) + 0.5, w, b, training, 0.1, 1e-5), {}) for training in (True, False)
+                for x2, _ in _batch_norm_inputs(torch.rand(2, 4, 3, 5), torch.rand(2, 4, 3, 5))]
     if op.module == "vjp":  # a backward line: (incoming gradient, reads, the op's arguments)
         cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
         x, g = torch.rand(2, 4, 3, 5), torch.rand(2, 4, 3, 5)
@@ -407,8 +424,9 @@ def _layout_samples(op):
         w, b = torch.rand(4), torch.rand(4)
         if op.name == "group_norm_vjp":  # row-major operands
             return [((g, (), x, 2, w, b, 1e-5), {})]
-        if op.name == "batch_norm_vjp":
-            return [((g, (), x, torch.rand(4), torch.rand(4) + 0.5, w, b, training, 0.1, 1e-5), {}) for training in (True, False)]
+        if op.name == "batch_norm_vjp":  # the input's suggested memory format, whatever the incoming gradient's
+            return [((g2, (), x2, torch.rand(4), torch.rand(4) + 0.5, w, b, training, 0.1, 1e-5), {}) for training in (True, False)
+                    for x2, g2 in _batch_norm_inputs(x, g)]
     if op in tforeach.OUT_OF_PLACE:
         if op.name == "_foreach_norm":
             return [(([torch.rand(()), torch.rand(())],), {})]

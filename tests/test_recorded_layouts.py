@@ -270,3 +270,41 @@ def test_flash_kernel_attention_layouts_stay_with_the_fake_run(monkeypatch):
     torch.testing.assert_close(got, expected)
     assert got.stride() == expected.stride()
     assert used == [False], used
+
+
+class _TransposedNorms(torch.nn.Module):
+    """BatchNorm1d on a transposed (batch, seq, channels) activation, as convolution blocks of speech models apply it,
+    and BatchNorm2d on a permuted one: eager's CPU kernels give row-major outputs and input gradients for both, where
+    the meta kernels follow the input's strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+        self.bn1 = torch.nn.BatchNorm1d(6)
+        self.bn2 = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):  # x: (batch, seq, 6)
+        h = self.bn1(self.proj(x).transpose(1, 2))  # (batch, 6, seq), the input column-major
+        h = h.transpose(1, 2).reshape(x.shape[0], x.shape[1], 2, 3).permute(0, 3, 1, 2)  # (batch, 3, seq, 2), permuted
+        return self.bn2(h * 2)
+
+
+def test_batch_norm_of_transposed_inputs_records_the_kernels_layout(audit):
+    """Values and gradients as eager's; the norms' outputs and input gradients recorded as the kernels lay them out."""
+    torch.manual_seed(0)
+    m1, m2 = _TransposedNorms(), _TransposedNorms()
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (m1, m2))
+    step = tt.compile(squared_output_step, thin=True, fusion=None)
+    for i in range(3):
+        x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(step(m2, o2, x), squared_output_step(m1, o1, x).detach())
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p)
+    for p, q in zip(m1.buffers(), m2.buffers()):
+        torch.testing.assert_close(q, p)
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    # the norms' outputs and input gradients (the first result of each forward and backward line)
+    norms = [b.flat_outputs()[0] for b in tt.last_traces(step)[-1].bound_symbols
+             if b.sym.name in ("ttex.batch_norm_with_stats", "ttex.batch_norm_backward")]
+    assert len(norms) == 4 and all(o._tt_rowmajor for o in norms), [(o.name, o._tt_strides) for o in norms]

@@ -19,7 +19,8 @@ import torch
 
 from .. import symbols
 from ..generators_kept import generators_untouched
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, same_shape, size_value
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, is_non_overlapping_and_dense, meta_tensor, same_shape, \
+    size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -125,8 +126,6 @@ def _on_meta(fn, args, kwargs):
 
 def _like(p, src) -> None:
     """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
-    from ..proxies import is_non_overlapping_and_dense
-
     if src._tt_rowmajor or not is_non_overlapping_and_dense(meta_tensor(src)):
         p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = contiguous_strides(p._tt_shape), 0, True
     else:
@@ -244,11 +243,40 @@ def _as_gradient_times_input(bsym, tensors, outs) -> bool:
 
 
 def _backward_of_row_major(bsym, tensors, outs) -> bool:
-    """Group norm's and batch norm's backward kernels on row-major operands (incoming gradient, input, weight,
+    """Group norm's (and off the CPU batch norm's) backward kernels on row-major operands (incoming gradient, input, weight,
     statistics): row-major gradients, as the kernels allocate the input's gradient in the input's memory format.
     The fake run it saves (autograd under the fake mode) costs 20-75 ms a call on a first call: with GELU's,
     ~0.15 s of wav2vec2's first call."""
     return _same_dtype_and_device(tensors) and all(t._tt_rowmajor for t in tensors)
+
+
+def _batch_norm_format(bsym, tensors, outs) -> bool:
+    """CPU batch norm and its backward line: the kernels lay the output and the input's gradient out in the input's
+    suggested memory format, channels_last (channels_last_3d) for a 4-d (5-d) input laid out so, else row-major,
+    whatever the input's strides; the meta kernel follows the input (BatchNorm1d after a transpose was recorded
+    column-major where the kernel's output is row-major).  Decided for dense inputs without dimensions of size 1
+    unless row-major (torch's choice for those follows a heuristic over sizes and strides: the fake run, as before);
+    the weight's and bias's gradients are 1-d."""
+    x = bsym.args[2] if bsym.sym.module == "vjp" else bsym.args[0]
+    if not all(t._tt_device.type == "cpu" for t in tensors):
+        return bsym.sym.module == "vjp" and _backward_of_row_major(bsym, tensors, outs)
+    shape = tuple(x._tt_shape) if type(x) is TensorProxy else None
+    if shape is None or not all(type(n) is int for n in shape) or not all(t._tt_dtype.is_float for t in tensors):
+        return False  # (a wrong dtype: the fake run raises eager's error)
+    if x._tt_rowmajor:
+        strides = contiguous_strides(shape)
+    else:
+        m = meta_tensor(x)
+        if not is_non_overlapping_and_dense(m) or 1 in shape:
+            return False
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape))
+        strides = torch.empty(shape, memory_format=fmt, device="meta").stride() \
+            if fmt is not None and m.is_contiguous(memory_format=fmt) else contiguous_strides(shape)
+    for o in outs:
+        if same_shape(o._tt_shape, shape):
+            o._tt_strides, o._tt_storage_offset = tuple(strides), 0
+            o._tt_rowmajor = o._tt_strides == contiguous_strides(shape)
+    return True
 
 
 def _math_attention_on_meta(bsym, tensors, outs) -> bool:
@@ -303,7 +331,8 @@ def _declare_layout_rules() -> None:
     # the rules of ``<name>_vjp`` lines, declared on the op (``Symbol.vjp_layout_rule``)
     activations.gelu.vjp_layout_rule = _as_gradient_times_input
     normalization.group_norm.vjp_layout_rule = _backward_of_row_major
-    normalization.batch_norm.vjp_layout_rule = _backward_of_row_major
+    normalization.batch_norm.layout_rule = _batch_norm_format
+    normalization.batch_norm.vjp_layout_rule = _batch_norm_format
     attention.scaled_dot_product_attention.layout_rule = _math_attention_on_meta
     attention.scaled_dot_product_attention.vjp_layout_rule = _math_attention_on_meta
 
