@@ -411,6 +411,10 @@ def _layout_samples(op):
         if op.module != "vjp":
             return calls
         return [((torch.rand(*a[0].shape[:-1], a[2].shape[-1]), (), *a), kw) for a, kw in calls]
+    if op.name in ("copysign", "floor_divide", "xlogy"):  # operands of different orders (their meta kernels lie there)
+        t = (torch.rand(2, 4, 5, 6) + 0.5).transpose(1, 2)
+        pairs = [(t, torch.rand(1, 5, 1, 6) + 0.5), (t, torch.rand(2, 5, 4, 6) + 0.5), (col + 0.5, torch.rand(4, 1) + 0.5)]
+        return [(p, {}) for p in pairs] + ([((t, 2.0), {})] if op.module == "ltorch" else [])
     if op.name == "batch_norm":  # the kernel's memory format, not the input's strides (a transposed input: row-major)
         w, b = torch.rand(4), torch.rand(4)
         return [((x2, torch.rand(4), torch.rand(4) + 0.5, w, b, training, 0.1, 1e-5), {}) for training in (True, False)

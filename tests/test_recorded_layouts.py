@@ -308,3 +308,18 @@ def test_batch_norm_of_transposed_inputs_records_the_kernels_layout(audit):
     norms = [b.flat_outputs()[0] for b in tt.last_traces(step)[-1].bound_symbols
              if b.sym.name in ("ttex.batch_norm_with_stats", "ttex.batch_norm_backward")]
     assert len(norms) == 4 and all(o._tt_rowmajor for o in norms), [(o.name, o._tt_strides) for o in norms]
+
+
+def test_binary_ops_whose_meta_kernels_lie_record_the_kernels_layout(audit):
+    """``copysign``, ``floor_divide`` and ``xlogy`` of a transposed tensor with a broadcast or differently ordered
+    one: torch's meta kernels (Python decompositions) lay the result out otherwise than the CPU kernel; the trace
+    records the kernel's layout (layout_rules._binary_tensor_iterator), and what reads the results inherits it."""
+    def f(a, b):
+        return (torch.copysign(a, b) * 2, torch.floor_divide(a, b) + 1, (a // b).sum(1), torch.xlogy(a, b) * 1,
+                torch.copysign(a, 2.0) * 1, torch.xlogy(2.0, a) + 0)
+
+    t = (torch.rand(2, 4, 5, 6) + 0.5).transpose(1, 2)
+    for b in (torch.rand(1, 5, 1, 6) + 0.5, torch.rand(2, 5, 4, 6) + 0.5):
+        for got, exp in zip(tt.compile(f, fusion=None)(t, b), f(t, b)):
+            assert torch.equal(got, exp) and got.stride() == exp.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"

@@ -231,15 +231,34 @@ def _as_gradient_times_input(bsym, tensors, outs) -> bool:
     does for (grad_output, input), as ``mul(grad_output, input)``; the first three's meta kernels take the operands the other
     way round (a channels_last input with a row-major gradient: meta says channels_last, the kernel and so eager's
     ``.grad`` are row-major)."""
-    if len(tensors) != 2 or len(outs) != 1 or not _same_dtype_and_device(tensors):
+    if len(tensors) != 2 or not _same_dtype_and_device(tensors):
+        return False
+    return _tensor_iterator_layout(torch.mul, (bsym.args[0], tensors[1] if tensors[0] is bsym.args[0] else tensors[0]), outs)
+
+
+def _tensor_iterator_layout(fn, operands, outs) -> bool:
+    """The single output laid out as ``fn`` (an elementwise op whose meta kernel is TensorIterator's rule) lays out its
+    result for ``operands``, on meta tensors; False where that is not known."""
+    if len(outs) != 1:
         return False
     o = outs[0]
-    m = _on_meta(torch.mul, (bsym.args[0], tensors[1] if tensors[0] is bsym.args[0] else tensors[0]), {})
+    m = _on_meta(fn, operands, {})
     if m is None or tuple(m.shape) != tuple(size_value(s) for s in o._tt_shape):
         return False
     o._tt_strides, o._tt_storage_offset = tuple(m.stride()), 0
     o._tt_rowmajor = o._tt_strides == contiguous_strides(o._tt_shape)
     return True
+
+
+def _binary_tensor_iterator(bsym, tensors, outs) -> bool:
+    """``copysign``, ``floor_divide`` and ``xlogy``: one TensorIterator kernel over the operands on every device, whose
+    meta kernels are torch's Python decompositions into several ops (``where`` of a sign, ...) that lay the result
+    out otherwise for operands of different orders (a transposed tensor with a broadcast one: recorded (120, 24, 6,
+    1), the CPU kernel's (120, 6, 30, 1)): the layout ``add`` gives the same operands (its meta kernel is
+    TensorIterator's rule); a number operand takes no part in it."""
+    if not 1 <= len(tensors) <= 2 or len({t._tt_device for t in tensors}) != 1:
+        return False
+    return _tensor_iterator_layout(torch.add, tuple(tensors) if len(tensors) == 2 else (tensors[0], 0), outs)
 
 
 def _backward_of_row_major(bsym, tensors, outs) -> bool:
@@ -325,6 +344,9 @@ def _declare_layout_rules() -> None:
         activations.softplus_backward: _as_gradient_times_input, activations.elu_backward: _as_gradient_times_input,
         elementwise.logit_backward: _as_gradient_times_input,
         prims.repeat_index: _as_created,
+        elementwise.copysign: _binary_tensor_iterator, prims.copysign: _binary_tensor_iterator,
+        elementwise.floor_divide: _binary_tensor_iterator, prims.floor_divide: _binary_tensor_iterator,
+        elementwise.xlogy: _binary_tensor_iterator,
     }
     for sym, rule in rules.items():
         sym.layout_rule = rule
