@@ -14,6 +14,8 @@ before: the meta run took the index as advanced indexing).
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -322,4 +324,29 @@ def test_binary_ops_whose_meta_kernels_lie_record_the_kernels_layout(audit):
     for b in (torch.rand(1, 5, 1, 6) + 0.5, torch.rand(2, 5, 4, 6) + 0.5):
         for got, exp in zip(tt.compile(f, fusion=None)(t, b), f(t, b)):
             assert torch.equal(got, exp) and got.stride() == exp.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
+def test_channels_last_transposed_convolution_records_the_kernels_layout(audit):
+    """``F.conv_transpose2d`` runs opaquely; its meta kernel lays the result out row-major where the CPU kernel keeps a
+    channels_last input's format (torch's convolution memory-format choice, asked on empty tensors:
+    ``torchlang/nn.py`` ``_conv_transpose_layout``).  A channels_last decoder block's training step: losses, parameters
+    and their layouts as eager's, every value with its recorded strides."""
+    torch.manual_seed(0)
+    m1 = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1), torch.nn.ReLU(),
+                             torch.nn.ConvTranspose2d(3, 2, 2)).to(memory_format=torch.channels_last)
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (m1, m2))
+    step = tt.compile(squared_output_step, fusion=None)
+    for i in range(3):
+        x = torch.randn(2, 4, 6, 5, generator=torch.Generator().manual_seed(i)).to(memory_format=torch.channels_last)
+        torch.testing.assert_close(step(m2, o2, x), squared_output_step(m1, o1, x).detach())
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p)
+        assert q.stride() == p.stride()
+    f = lambda x, w: (torch.nn.functional.conv_transpose2d(x, w, stride=2) * 2, torch.nn.functional.conv_transpose2d(x, w))  # noqa: E731
+    x, w = torch.randn(2, 4, 6, 5).to(memory_format=torch.channels_last), torch.randn(4, 3, 3, 3)
+    for got, exp in zip(tt.compile(f, fusion=None)(x, w), f(x, w)):
+        torch.testing.assert_close(got, exp)
+        assert got.stride() == exp.stride()
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"

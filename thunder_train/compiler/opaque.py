@@ -126,6 +126,21 @@ def opaque_symbol(func) -> OpaqueSymbol:
 meta_rules: dict = {}
 
 
+# Layout rules for torch ops run opaquely whose meta kernel lays the result out otherwise than a device's kernel
+# (``@device_layout_rule(func)``, declared with the op in the torch language): ``rule(device, args, kwargs, meta_out)``
+# returns the strides of the op's one tensor result on ``device`` (the proxies' arguments), or None (the meta
+# kernel's).
+device_layout_rules: dict = {}
+
+
+def device_layout_rule(*funcs):
+    def register(rule):
+        for f in funcs:
+            device_layout_rules[f] = rule
+        return rule
+    return register
+
+
 def meta_rule(*funcs):
     def deco(rule):
         for f in funcs:
@@ -217,10 +232,13 @@ def call_opaque(func, args, kwargs, *, strict: bool, positions=None):
         d = kwargs.get("device")
         device = devices.from_torch(d) if d is not None else devices.from_torch(None)
 
+    layout = device_layout_rules.get(func)
+    strides = layout(device, args, kwargs, meta_out) if layout is not None and isinstance(meta_out, torch.Tensor) else None
+
     def to_proxy(x):
         if isinstance(x, torch.Tensor):
             return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad,
-                               strides=x.stride(), storage_offset=x.storage_offset())
+                               strides=strides or x.stride(), storage_offset=0 if strides else x.storage_offset())
         return x
 
     out = tree_map(to_proxy, meta_out)

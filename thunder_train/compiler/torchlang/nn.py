@@ -15,6 +15,8 @@ from ..prims.core import zeros_like
 from ..prims.linalg import column_major, transposed
 from .autocast import LOWER  # autocast policies: see autocast.py
 from .matmul_precision import precision_switches
+from ..opaque import device_layout_rule
+from ..proxies import TensorProxy
 from .helpers import ntuple
 from .registry import composed, torchsymbol
 
@@ -120,6 +122,41 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 @torchsymbol(F.conv2d, torch.conv2d, autocast={"cpu": LOWER, "cuda": LOWER})
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv(input, weight, bias, stride, padding, dilation, groups, 2)
+
+
+@device_layout_rule(F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+def _conv_transpose_layout(device, args, kwargs, meta_out):
+    """A transposed convolution (run opaquely) on the CPU: its kernel lays the result out in the memory format eager's
+    convolution picks for the operands (channels_last for a channels_last input), where the meta kernel's is
+    row-major; asked of torch's own choice (``_select_conv_backend``, ``_conv_determine_backend_memory_format``) on
+    empty CPU tensors laid out as the operands."""
+    names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+    b = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1}
+    b.update(zip(names, args))
+    b.update(kwargs)
+    x, w, bias = b["input"], b["weight"], b["bias"]
+    tensors = [t for t in (x, w, bias) if t is not None]
+    if device.type != "cpu" or not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in tensors) \
+            or not all(type(n) is int for t in tensors for n in (*t._tt_shape, *t._tt_strides)):
+        return None
+    nd = len(w._tt_shape) - 2
+    per_dim = [[v] * nd if isinstance(v, int) else list(v) for v in (b["stride"], b["padding"], b["dilation"], b["output_padding"])]
+    if any(len(v) != nd or not all(type(i) is int for i in v) for v in per_dim) or type(b["groups"]) is not int:
+        return None
+    with torch._C.DisableTorchFunction():
+        ops = [torch.empty_strided(tuple(t._tt_shape), tuple(t._tt_strides), dtype=t._tt_dtype.torch) for t in tensors]
+        xe, we, be = ops[0], ops[1], (ops[2] if bias is not None else None)
+        if len(xe.shape) == nd + 1:  # unbatched: eager adds the batch dimension
+            xe = xe.unsqueeze(0)
+        try:
+            backend = torch._C._select_conv_backend(xe, we, be, per_dim[0], per_dim[1], per_dim[2], True, per_dim[3],
+                                                    b["groups"], None)
+            fmt = torch._C._conv_determine_backend_memory_format(xe, we, backend)
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+        if len(meta_out.shape) != nd + 2:
+            return None
+        return torch.empty(tuple(meta_out.shape), memory_format=fmt, device="meta").stride()
 
 
 # float32 matmul precision / TF32 switches the function sets around these are replayed (matmul_precision.py)
