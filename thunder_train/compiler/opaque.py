@@ -120,34 +120,29 @@ def opaque_symbol(func) -> OpaqueSymbol:
     return sym
 
 
+def _declaring(table: dict):
+    """A decorator factory: ``@declare(func, ...)`` enters the decorated rule in ``table`` for each ``func``."""
+    def declare(*funcs):
+        def register(rule):
+            for f in funcs:
+                table[f] = rule
+            return rule
+        return register
+    return declare
+
+
 # Output rules for torch ops that have no meta kernel (``F.ctc_loss``), declared with the op in the torch language
 # (``@meta_rule(func)``): ``rule(*meta_args, **meta_kwargs)`` returns the meta tensors the op would return
 # (``requires_grad`` as eager's), computed from the arguments' metadata alone.
 meta_rules: dict = {}
-
+meta_rule = _declaring(meta_rules)
 
 # Layout rules for torch ops run opaquely whose meta kernel lays the result out otherwise than a device's kernel
 # (``@device_layout_rule(func)``, declared with the op in the torch language): ``rule(device, args, kwargs, meta_out)``
 # returns the strides of the op's one tensor result on ``device`` (the proxies' arguments), or None (the meta
 # kernel's).
 device_layout_rules: dict = {}
-
-
-def device_layout_rule(*funcs):
-    def register(rule):
-        for f in funcs:
-            device_layout_rules[f] = rule
-        return rule
-    return register
-
-
-def meta_rule(*funcs):
-    def deco(rule):
-        for f in funcs:
-            meta_rules[f] = rule
-        return rule
-
-    return deco
+device_layout_rule = _declaring(device_layout_rules)
 
 
 # Gradient rules for ops that run opaquely, declared with the op in the torch language (``@direct_vjp(func)``):
