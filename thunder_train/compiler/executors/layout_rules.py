@@ -19,8 +19,7 @@ import torch
 
 from .. import symbols
 from ..generators_kept import generators_untouched
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, is_non_overlapping_and_dense, meta_tensor, same_shape, \
-    size_value
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, dense_layout, meta_tensor, same_shape, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -126,6 +125,8 @@ def _on_meta(fn, args, kwargs):
 
 def _like(p, src) -> None:
     """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
+    from ..proxies import is_non_overlapping_and_dense
+
     if src._tt_rowmajor or not is_non_overlapping_and_dense(meta_tensor(src)):
         p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = contiguous_strides(p._tt_shape), 0, True
     else:
@@ -282,15 +283,14 @@ def _batch_norm_format(bsym, tensors, outs) -> bool:
     shape = tuple(x._tt_shape) if type(x) is TensorProxy else None
     if shape is None or not all(type(n) is int for n in shape) or not all(t._tt_dtype.is_float for t in tensors):
         return False  # (a wrong dtype: the fake run raises eager's error)
-    if x._tt_rowmajor:
-        strides = contiguous_strides(shape)
-    else:
-        m = meta_tensor(x)
-        if not is_non_overlapping_and_dense(m) or 1 in shape:
+    strides = contiguous_strides(shape)
+    if not x._tt_rowmajor:
+        if 1 in shape or not all(type(st) is int for st in x._tt_strides) or not dense_layout(shape, x._tt_strides):
             return False
         fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape))
-        strides = torch.empty(shape, memory_format=fmt, device="meta").stride() \
-            if fmt is not None and m.is_contiguous(memory_format=fmt) else contiguous_strides(shape)
+        laid = torch.empty(shape, memory_format=fmt, device="meta").stride() if fmt is not None else None
+        if laid == tuple(x._tt_strides):  # (dense, no dimension of size 1: the channels_last strides themselves)
+            strides = laid
     for o in outs:
         if same_shape(o._tt_shape, shape):
             o._tt_strides, o._tt_storage_offset = tuple(strides), 0
