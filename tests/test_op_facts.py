@@ -408,9 +408,18 @@ def _layout_samples(op):
         q, k, v = (torch.rand(2, 6, 3, 8).transpose(1, 2) for _ in range(3))
         calls = [((q, k, v[..., :4]), {"is_causal": True}), ((q[..., ::2], k[..., ::2], v[..., ::2]), {}),
                  ((q, k, v[..., :4], torch.rand(6, 6)), {"scale": 0.5})]
-        if op.module != "vjp":
-            return calls
+        if op.module != "vjp":  # and calls eager runs by its CPU flash kernel (the forward's rule): its output's layout
+            qf, kf, vf = (torch.rand(2, 6, 3, 8).transpose(1, 2) for _ in range(3))
+            return calls + [((qf, kf, vf), {"is_causal": True}), ((qf, kf, vf, torch.rand(2, 3, 6, 6)), {"scale": 1.0}),
+                            ((qf[:, :, :1], kf, vf, torch.rand(2, 1, 1, 6) > 0.3), {})]
         return [((torch.rand(*a[0].shape[:-1], a[2].shape[-1]), (), *a), kw) for a, kw in calls]
+    if op.name in ("new_zeros", "new_ones", "new_empty", "new_full"):  # row-major whatever the input's layout
+        return [((col, (2, 3), 1.5) if op.name == "new_full" else (col, 2, 3), {})]
+    if op is prims.index_put:  # into a clone of a dense input: its strides (column-major, channels_last, row-major)
+        cl = torch.rand(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        return [((col, (torch.tensor([0, 2]),), torch.tensor(1.0), False), {}),
+                ((cl, (torch.tensor([1]), torch.tensor([0, 2])), torch.rand(2, 4, 5), True), {}),
+                ((torch.rand(3, 4), (torch.tensor([2, 0]),), torch.rand(2, 4), False), {})]
     if op.name in ("copysign", "floor_divide", "xlogy"):  # operands of different orders (their meta kernels lie there)
         t = (torch.rand(2, 4, 5, 6) + 0.5).transpose(1, 2)
         pairs = [(t, torch.rand(1, 5, 1, 6) + 0.5), (t, torch.rand(2, 5, 4, 6) + 0.5), (col + 0.5, torch.rand(4, 1) + 0.5)]

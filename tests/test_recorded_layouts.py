@@ -191,7 +191,7 @@ _MATH_ATTENTION = {
 @pytest.mark.parametrize("case", list(_MATH_ATTENTION))
 def test_math_kernel_attention_layouts_come_from_meta_and_are_eagers(case, audit, monkeypatch):
     """A CPU attention eager runs by its math kernel, and its backward, take their layouts from plain meta tensors
-    (layout_rules._math_attention_on_meta; the fake run cost DeepSeek-V3's first call ~70 ms): the output and the
+    (layout_rules._cpu_attention_on_meta; the fake run cost DeepSeek-V3's first call ~70 ms): the output and the
     gradients equal eager's, values and strides, and every value the program makes has its recorded strides."""
     from torch.nn.attention import SDPBackend
 
@@ -249,9 +249,82 @@ def test_math_kernel_attention_layouts_come_from_meta_and_are_eagers(case, audit
                                    enable_gqa=kw.get("enable_gqa", False)) == SDPBackend.MATH.value
 
 
-def test_flash_kernel_attention_layouts_stay_with_the_fake_run(monkeypatch):
-    """Where eager runs the CPU flash kernel (its output laid out as (batch, seq, heads, dim) for transposed
-    operands), the rule leaves the layout to the fake run: values and strides are eager's."""
+# Attention calls eager's CPU selector sends to its flash kernel: (q, k, v shapes as (batch, heads, seq, dim), made
+# (batch, seq, heads, dim) and transposed as transformers' models make them, mask, keywords).
+_FLASH_ATTENTION = {
+    "causal": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 24), True, None, {"is_causal": True}),
+    "float mask, scale": ((2, 4, 12, 8), (2, 4, 12, 8), (2, 4, 12, 8), True, "float", {"scale": 1.0}),
+    "broadcast float mask, cross": ((2, 4, 6, 8), (2, 4, 12, 8), (2, 4, 12, 8), True, "float1", {}),
+    "bool mask": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 24), True, "bool", {}),
+    "grouped heads": ((2, 4, 16, 24), (2, 2, 16, 24), (2, 2, 16, 24), True, None, {"enable_gqa": True, "is_causal": True}),
+    "row-major operands": ((2, 4, 16, 24), (2, 4, 16, 24), (2, 4, 16, 24), False, None, {}),
+    "one query position": ((2, 4, 1, 8), (2, 4, 6, 8), (2, 4, 6, 8), True, "float", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_FLASH_ATTENTION))
+def test_flash_kernel_attention_layout_comes_from_its_meta_kernel_and_is_eagers(case, audit, monkeypatch):
+    """Where eager runs the CPU flash kernel (its output laid out as (batch, seq, heads, dim)), the forward line's
+    layout comes from that kernel's meta function (layout_rules._cpu_attention_on_meta; the fake run cost T5's first
+    call ~15 ms): values, output and gradient strides are eager's, every value has its recorded strides, and the
+    recorded layout is the fake run's (strides of dimensions of size one included)."""
+    from torch.nn.attention import SDPBackend
+
+    from thunder_train.compiler.executors import layout_rules
+    from thunder_train.compiler.torchlang import attention
+
+    qs, ks, vs, transposed, mask_kind, kw = _FLASH_ATTENTION[case]
+    used, recorded = [], []
+    rule = attention.scaled_dot_product_attention.layout_rule
+
+    def spy(bsym, tensors, outs):
+        used.append(rule(bsym, tensors, outs))
+        recorded.append(outs[0]._tt_strides)
+        return used[-1]
+
+    monkeypatch.setattr(attention.scaled_dot_product_attention, "layout_rule", spy)
+    monkeypatch.setattr(layout_rules, "_layouts", {})
+
+    def leaf(shape, seed):
+        x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=torch.Generator().manual_seed(seed))
+        return (x if transposed else x.transpose(1, 2).contiguous()).requires_grad_()
+
+    def operands(xq, xk, xv):
+        return [x.transpose(1, 2) if transposed else x for x in (xq, xk, xv)]
+
+    def f(xq, xk, xv, mask, w):
+        out = F.scaled_dot_product_attention(*operands(xq, xk, xv), attn_mask=mask, **kw)
+        (out * w).sum().backward()
+        return out
+
+    mask = {None: None, "float": torch.randn(qs[0], qs[1], qs[2], ks[2]), "float1": torch.randn(1, qs[1], qs[2], ks[2]),
+            "bool": torch.rand(qs[0], 1, qs[2], ks[2]) > 0.3}[mask_kind]
+    w = torch.randn(*qs[:-1], vs[-1])
+    eager_in = [leaf(s, i) for i, s in enumerate((qs, ks, vs))]
+    tt_in = [x.detach().clone().requires_grad_() for x in eager_in]
+    expected = f(*eager_in, mask, w)
+    got = tt.compile(f, fusion=None)(*tt_in, mask, w)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    for a, b in zip(tt_in, eager_in):
+        torch.testing.assert_close(a.grad, b.grad)
+        assert a.grad.stride() == b.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    assert used == [True], used
+    # the cases are what they claim: eager's flash kernel; and the layout recorded is the fake run's
+    q, k, v = operands(*eager_in)
+    assert torch._fused_sdp_choice(q, k, v, mask, 0.0, kw.get("is_causal", False), scale=kw.get("scale"),
+                                   enable_gqa=kw.get("enable_gqa", False)) == SDPBackend.FLASH_ATTENTION.value
+    with layout_rules._mode():
+        fake = F.scaled_dot_product_attention(*(torch.empty_strided(t.shape, t.stride()) for t in (q, k, v)),
+                                              attn_mask=None if mask is None else torch.empty_strided(
+                                                  mask.shape, mask.stride(), dtype=mask.dtype), **kw)
+    assert recorded == [fake.stride()], (recorded, fake.stride())
+
+
+def test_attention_with_dropout_stays_with_the_fake_run(monkeypatch):
+    """Dropout's random mask: the rule leaves the layout to the fake run; values (the same random stream) and
+    strides are eager's."""
     from thunder_train.compiler.torchlang import attention
 
     used = []
@@ -265,10 +338,13 @@ def test_flash_kernel_attention_layouts_stay_with_the_fake_run(monkeypatch):
 
     def f(x):
         q = x.transpose(1, 2)
-        return F.scaled_dot_product_attention(q, q * 2, q + 1, is_causal=True) * 1
+        return F.scaled_dot_product_attention(q, q * 2, q + 1, dropout_p=0.5) * 1
 
     x = torch.randn(2, 16, 4, 24)
-    got, expected = tt.compile(f, fusion=None)(x), f(x)
+    torch.manual_seed(3)
+    expected = f(x)
+    torch.manual_seed(3)
+    got = tt.compile(f, fusion=None)(x)
     torch.testing.assert_close(got, expected)
     assert got.stride() == expected.stride()
     assert used == [False], used

@@ -206,6 +206,18 @@ def _as_created(bsym, tensors, outs) -> bool:
     return True
 
 
+def _as_clone_of_input(bsym, tensors, outs) -> bool:
+    """Out-of-place ``index_put`` writes into aten's ``clone(a)`` (preserve format): ``a``'s strides where ``a`` is
+    dense (row-major included), offset 0.  Not dense, or symbolic: the fake run (clone then picks a suggested
+    format)."""
+    a, o = bsym.args[0], bsym.output
+    shape, strides = a._tt_shape, a._tt_strides
+    if type(o) is not TensorProxy or not all(type(n) is int for n in (*shape, *strides)) or not dense_layout(shape, strides):
+        return False
+    o._tt_strides, o._tt_storage_offset, o._tt_rowmajor = tuple(strides), 0, tuple(strides) == contiguous_strides(shape)
+    return True
+
+
 def _column_major(bsym, tensors, outs) -> bool:
     """``nonzero``'s ``(n, ndim)`` positions are column-major in eager."""
     o = bsym.output
@@ -298,13 +310,15 @@ def _batch_norm_format(bsym, tensors, outs) -> bool:
     return True
 
 
-def _math_attention_on_meta(bsym, tensors, outs) -> bool:
-    """A CPU attention that eager runs by its math kernel (DeepSeek-V3's value heads narrower than its query heads,
-    a strided last dimension), and its backward line: that kernel is a composite of batched matmuls and a softmax,
-    laid out alike on every device, and the meta device's selector picks it too, so the layouts come from plain meta
-    tensors: on a process's first such call ~3 ms forward and ~8 ms backward, against ~30 and ~45 ms for the fake
-    run (its cache misses run torch's Python decompositions).  Dropout, other kernels and other devices: the fake
-    run."""
+def _cpu_attention_on_meta(bsym, tensors, outs) -> bool:
+    """A CPU attention's layouts from plain meta tensors, where eager's selector says which kernel runs:
+    - its math kernel (DeepSeek-V3's value heads narrower than its query heads, a strided last dimension), and its
+      backward line: a composite of batched matmuls and a softmax, laid out alike on every device, which the meta
+      device's selector picks too;
+    - its flash kernel (the forward line; the backward's kernels already run on meta, ``sdpa_vjp_kernels``): that
+      kernel's own meta function (``_flash_output``), which lays the output out as the CPU kernel does.
+    On a process's first such call ~1-3 ms a line against ~4-30 ms for the fake run (its cache misses run torch's
+    Python decompositions).  Dropout, other kernels and other devices: the fake run."""
     from torch.nn.attention import SDPBackend
 
     from ..torchlang.attention import eager_backend
@@ -318,10 +332,27 @@ def _math_attention_on_meta(bsym, tensors, outs) -> bool:
     if not all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v, *([mask] if mask is not None else []))):
         return False
     call = (q, k, v, mask, b["is_causal"], b["scale"], b["enable_gqa"])
-    if eager_backend(*call) != SDPBackend.MATH.value or eager_backend(*call, device="meta") != SDPBackend.MATH.value:
-        return False
-    _layout_by_run(bsym, on_meta=True)
-    return True
+    backend = eager_backend(*call)
+    if backend == SDPBackend.MATH.value and eager_backend(*call, device="meta") == SDPBackend.MATH.value:
+        _layout_by_run(bsym, on_meta=True)
+        return True
+    if backend == SDPBackend.FLASH_ATTENTION.value and bsym.sym.module == "ltorch" \
+            and all(t._tt_dtype is q._tt_dtype for t in (k, v)):
+        _layout_by_run(bsym, kernel=_flash_output)
+        return True
+    return False
+
+
+def _flash_output(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The output of the CPU flash kernel eager's attention calls (a boolean mask converted as eager converts it):
+    run on meta tensors for its layout only."""
+    from .saved_statistics import _additive_mask
+
+    return torch._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype), scale=scale)[0]
+
+
+_flash_output.layout_on_meta = True
 
 
 def _declare_layout_rules() -> None:
@@ -344,6 +375,9 @@ def _declare_layout_rules() -> None:
         activations.softplus_backward: _as_gradient_times_input, activations.elu_backward: _as_gradient_times_input,
         elementwise.logit_backward: _as_gradient_times_input,
         prims.repeat_index: _as_created,
+        # a new tensor of the given sizes (the input gives only dtype and device): row-major, as created
+        **{new: _as_created for new in (factories.new_zeros, factories.new_ones, factories.new_empty, factories.new_full)},
+        prims.index_put: _as_clone_of_input,
         elementwise.copysign: _binary_tensor_iterator, prims.copysign: _binary_tensor_iterator,
         elementwise.floor_divide: _binary_tensor_iterator, prims.floor_divide: _binary_tensor_iterator,
         elementwise.xlogy: _binary_tensor_iterator,
@@ -355,8 +389,8 @@ def _declare_layout_rules() -> None:
     normalization.group_norm.vjp_layout_rule = _backward_of_row_major
     normalization.batch_norm.layout_rule = _batch_norm_format
     normalization.batch_norm.vjp_layout_rule = _batch_norm_format
-    attention.scaled_dot_product_attention.layout_rule = _math_attention_on_meta
-    attention.scaled_dot_product_attention.vjp_layout_rule = _math_attention_on_meta
+    attention.scaled_dot_product_attention.layout_rule = _cpu_attention_on_meta
+    attention.scaled_dot_product_attention.vjp_layout_rule = _cpu_attention_on_meta
 
 
 _declare_layout_rules()
@@ -386,13 +420,14 @@ def set_layout(bsym) -> None:
     _layout_by_run(bsym)
 
 
-def _layout_by_run(bsym, on_meta=False) -> None:
-    """The layouts of running what the torch executor runs for ``bsym``: on plain meta tensors where its layout is
-    the same on every device (the op's tags, its callable's ``layout_on_meta``, or ``on_meta``), else on fake
-    tensors of the inputs' devices; cached by the call's layout-relevant arguments."""
+def _layout_by_run(bsym, on_meta=False, kernel=None) -> None:
+    """The layouts of running what the torch executor runs for ``bsym`` (or ``kernel``, given its arguments, where a
+    rule knows the kernel eager picks): on plain meta tensors where its layout is the same on every device (the op's
+    tags, its callable's ``layout_on_meta``, or ``on_meta``), else on fake tensors of the inputs' devices; cached by
+    the call's layout-relevant arguments."""
     flat_in = bsym.flat_args()
     ins, tensors = {id(x) for x in flat_in}, [x for x in flat_in if type(x) is TensorProxy]
-    c = _callable(bsym)
+    c = _callable(bsym) if kernel is None else (kernel, bsym.args, bsym.kwargs)
     if c is None:
         return
     fn, args, kwargs = c

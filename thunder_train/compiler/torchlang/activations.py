@@ -21,7 +21,7 @@ from .registry import composed, torchsymbol
 _mul, _add, _sub = prims.mul, prims.add, prims.sub
 
 
-@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=torch.relu, tags=("fusible", "layout_on_meta"))
+@torchsymbol(torch.relu, F.relu, methods=("relu",), torch_impl=F.relu, tags=("fusible", "layout_on_meta"))
 def relu(input, inplace=False):
     """max(input, 0); NaN propagates like eager."""
     return clang.elementwise_binary(prims.maximum, input, 0, upcast=False)
