@@ -426,3 +426,31 @@ def test_channels_last_transposed_convolution_records_the_kernels_layout(audit):
         torch.testing.assert_close(got, exp)
         assert got.stride() == exp.stride()
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
+def test_attention_whose_mask_requires_grad_records_the_math_kernels_layout(audit):
+    """A float mask that requires grad (T5's learned position bias) sends eager to its math kernel although its
+    selector would pick flash for the same operands without grad: the line's layout is the math kernel's (asked
+    again once the call's kernel is known), so the program runs the math kernel's pair with no layout copies;
+    values, strides and gradients are eager's."""
+    def f(x, bias, w):
+        q = x.transpose(1, 2)  # (batch, heads, seq, dim) from (batch, seq, heads, dim), laid out as flash lays out
+        out = F.scaled_dot_product_attention(q, q * 2, q + 1, attn_mask=bias, scale=1.0)
+        (out * w).sum().backward()
+        return out
+
+    x = torch.randn(2, 12, 4, 8, requires_grad=True)
+    bias = torch.randn(1, 4, 12, 12, requires_grad=True)
+    w = torch.randn(2, 4, 12, 8)
+    x2, bias2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    expected = f(x, bias, w)
+    cf = tt.compile(f, fusion=None)
+    got = cf(x2, bias2, w)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
+    for a, b in ((x2, x), (bias2, bias)):
+        torch.testing.assert_close(a.grad, b.grad)
+        assert a.grad.stride() == b.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    src = str(tt.last_traces(cf)[-1])
+    assert "sdpa_math_with_probs" in src and "_op_torch" not in src, src

@@ -156,7 +156,8 @@ class Symbol:
     # ``(requires_grad, *args, **kwargs) -> torch callable | None`` for an op whose kernel eager picks by whether its
     # arguments require grad (SDPA on the CPU: a mask requiring grad rules flash out, eager runs its math kernel): the
     # callable running that kernel, recorded as the line's ``torch_fn`` so that its layout and values are eager's
-    # (acquisition/dispatch.py); ``requires_grad(t)``: eager's ``t.requires_grad`` while tracing
+    # (acquisition/dispatch.py); ``requires_grad(t)``: eager's ``t.requires_grad`` while tracing.  Each such callable
+    # names the op as its ``kernel_of``: the op's ``layout_rule`` does not describe it (its run gives the layout)
     kernel_by_requires_grad = None
     # memory planning (transforms/remat_policy.py): ``(bsym) -> bool``, whether the backward computes this line's
     # output again instead of keeping it from the forward (an FSDP2 unit's gathered parameters that are resharded

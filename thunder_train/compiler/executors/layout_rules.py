@@ -405,6 +405,11 @@ def set_layout(bsym) -> None:
     rule = bsym.sym.layout_rule
     if rule is None and bsym.sym.module == "vjp":
         rule = bsym.sym.forward_symbol.vjp_layout_rule
+    if rule is not None and getattr(bsym.torch_fn, "kernel_of", None) is bsym.sym:
+        # The call runs another of the op's kernels, the one eager picks by its arguments' requires_grad
+        # (``Symbol.kernel_by_requires_grad``: attention's math kernel for a mask requiring grad, which its selector
+        # asked without grad would not pick): the op's rule is not that kernel's; its run gives the layout.
+        rule = None
     if rule is not None and tensors and rule(bsym, tensors, outs):
         return
     if not tensors:

@@ -248,7 +248,8 @@ def _sdpa_kernel_by_requires_grad(requires_grad, query, key, value, attn_mask=No
 
 scaled_dot_product_attention.kernel_by_requires_grad = _sdpa_kernel_by_requires_grad
 # A line running it is a call of the op (its arguments, one of its kernels): passes pairing the op's forward and
-# backward lines take it as one (executors/saved_statistics.py).
+# backward lines take it as one (executors/saved_statistics.py); the op's layout rule leaves its layout to its run
+# (executors/layout_rules.py ``set_layout``).
 sdpa_math.kernel_of = scaled_dot_product_attention
 
 

@@ -65,6 +65,7 @@ def _matmul_kernel_by_requires_grad(requires_grad, input, other):
 
 
 matmul.kernel_by_requires_grad = _matmul_kernel_by_requires_grad
+matmul_matrix_folded.kernel_of = matmul  # a line running it is a call of the op (layout_rules.set_layout)
 
 
 @torchsymbol(methods=("__rmatmul__",), name="rmatmul", tags=("layout_on_meta",), autocast={"cpu": LOWER, "cuda": LOWER})
