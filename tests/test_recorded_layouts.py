@@ -428,6 +428,51 @@ def test_channels_last_transposed_convolution_records_the_kernels_layout(audit):
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
 
 
+def _last_two_transposed(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# (dims, batched, input layout, weight layout): transposed convolutions whose CPU kernel lays the result out other than
+# the meta kernel: a 1-d one runs as a 2-d one of height 1 on its input made contiguous, in the format the weight's
+# layout picks there; an unbatched one as a batch of one.
+_TRANSPOSED_CONVOLUTIONS = [
+    (1, True, "row", "last two transposed"), (1, True, "last two transposed", "last two transposed"),
+    (1, True, "channels first", "last two transposed"), (1, True, "last two transposed", "row"),
+    (1, False, "row", "last two transposed"), (2, False, "row", "channels_last"),
+    (2, False, "last two transposed", "channels_last"), (2, False, "row", "row"), (3, False, "row", "channels_last_3d"),
+]
+_CONV_LAYOUTS = {"row": lambda t: t, "last two transposed": _last_two_transposed,
+                 "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+                 "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+                 "channels_last_3d": lambda t: t.contiguous(memory_format=torch.channels_last_3d)}
+
+
+@pytest.mark.parametrize("nd, batched, x_layout, w_layout", _TRANSPOSED_CONVOLUTIONS)
+def test_transposed_convolutions_of_every_rank_record_the_kernels_layout(nd, batched, x_layout, w_layout, audit):
+    """``torchlang/nn.py`` ``_conv_transpose_layout`` asks torch's memory-format choice the way eager's convolution
+    does for 1-d and unbatched calls too (the meta kernel's row-major result was recorded where the CPU kernel's is
+    the weight's channels_last one): values, output and gradient strides are eager's, every value has its recorded
+    strides."""
+    fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
+    x = _CONV_LAYOUTS[x_layout](torch.randn(((2,) if batched else ()) + (4,) + (5,) * nd)).requires_grad_()
+    w = _CONV_LAYOUTS[w_layout](torch.randn((4, 3) + (3,) * nd)).requires_grad_()
+    b = torch.randn(3, requires_grad=True)
+
+    def f(x, w, b):
+        out = fn(x, w, b, stride=2, padding=1, output_padding=1) * 2
+        out.sum().backward()
+        return out
+
+    ins = [t.detach().clone(memory_format=torch.preserve_format).requires_grad_() for t in (x, w, b)]
+    expected, got = f(x, w, b), tt.compile(f, fusion=None)(*ins)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    for a, e in zip(ins, (x, w, b)):
+        torch.testing.assert_close(a.grad, e.grad)
+        assert not _differs(a.grad, tuple(e.grad.shape), e.grad.stride())
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
 def test_attention_whose_mask_requires_grad_records_the_math_kernels_layout(audit):
     """A float mask that requires grad (T5's learned position bias) sends eager to its math kernel although its
     selector would pick flash for the same operands without grad: the line's layout is the math kernel's (asked

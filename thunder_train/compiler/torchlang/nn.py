@@ -146,17 +146,29 @@ def _conv_transpose_layout(device, args, kwargs, meta_out):
     with torch._C.DisableTorchFunction():
         ops = [torch.empty_strided(tuple(t._tt_shape), tuple(t._tt_strides), dtype=t._tt_dtype.torch) for t in tensors]
         xe, we, be = ops[0], ops[1], (ops[2] if bias is not None else None)
-        if len(xe.shape) == nd + 1:  # unbatched: eager adds the batch dimension
+        unbatched = len(xe.shape) == nd + 1
+        if unbatched:  # eager adds the batch dimension, and removes it from the result
             xe = xe.unsqueeze(0)
+        if nd == 1:  # eager runs a 1-d convolution as a 2-d one of height 1 on its input made contiguous (the
+            xe, we = xe.contiguous().unsqueeze(2), we.unsqueeze(2)  # memory format decided there, by the weight's)
+            per_dim = [[first] + v for first, v in zip((1, 0, 1, 0), per_dim)]
         try:
             backend = torch._C._select_conv_backend(xe, we, be, per_dim[0], per_dim[1], per_dim[2], True, per_dim[3],
                                                     b["groups"], None)
             fmt = torch._C._conv_determine_backend_memory_format(xe, we, backend)
         except (RuntimeError, TypeError, AttributeError):
             return None
-        if len(meta_out.shape) != nd + 2:
+        shape = list(meta_out.shape)
+        if len(shape) != nd + 1 + (not unbatched):
             return None
-        return torch.empty(tuple(meta_out.shape), memory_format=fmt, device="meta").stride()
+        if unbatched:
+            shape.insert(0, 1)
+        if nd == 1:
+            shape.insert(2, 1)
+        strides = list(torch.empty(tuple(shape), memory_format=fmt, device="meta").stride())
+        if nd == 1:
+            del strides[2]
+        return tuple(strides[1:] if unbatched else strides)
 
 
 # float32 matmul precision / TF32 switches the function sets around these are replayed (matmul_precision.py)
