@@ -499,3 +499,22 @@ def test_attention_whose_mask_requires_grad_records_the_math_kernels_layout(audi
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
     src = str(tt.last_traces(cf)[-1])
     assert "sdpa_math_with_probs" in src and "_op_torch" not in src, src
+
+
+@pytest.mark.parametrize("case", ["second broadcast", "first broadcast", "both broadcast", "atleast_2d"])
+def test_results_beside_a_returned_input_keep_their_layout(case, audit):
+    """``broadcast_tensors(x, b)`` returns ``x`` itself where it already has the broadcast shape; the line records only
+    the others (``_`` in the trace), whose layouts are the run's results at their own places (they were none: an
+    expanded ``b`` was recorded row-major, so ``y.stride()`` and ``y.is_contiguous()`` inside the function were not
+    eager's)."""
+    def f(a, b):
+        outs = torch.atleast_2d(a, b) if case == "atleast_2d" else torch.broadcast_tensors(a, b)
+        return [(o.stride(), o.is_contiguous()) for o in outs], [o * 2 for o in outs]
+
+    a, b = {"second broadcast": (torch.randn(3, 4), torch.randn(4)), "first broadcast": (torch.randn(4), torch.randn(3, 4)),
+            "both broadcast": (torch.randn(3, 1), torch.randn(4)), "atleast_2d": (torch.randn(3, 4).t(), torch.randn(4))}[case]
+    (facts, values), (expected_facts, expected) = tt.compile(f, fusion=None)(a, b), f(a, b)
+    assert facts == expected_facts
+    for g, e in zip(values, expected):
+        torch.testing.assert_close(g, e)
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"

@@ -463,18 +463,25 @@ def _layout_by_run(bsym, on_meta=False, kernel=None) -> None:
                 if mout is None:
                     return
         with torch._C.DisableTorchFunction():  # fake results must not reach the tracer (it would capture them)
-            layouts = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in tree_flatten(mout)[0]
-                       if isinstance(m, torch.Tensor)]
+            layouts = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) if isinstance(m, torch.Tensor) else None
+                       for m in tree_flatten(mout)[0]]
         if key is not None:
             _layouts[key] = layouts
-    pflat = [o for o in bsym.flat_outputs() if isinstance(o, torch.Tensor)]
-    if len(layouts) != len(pflat):
-        return
-    for p, (shape, strides, offset) in zip(pflat, layouts):
+    for p, (shape, strides, offset) in _paired(bsym.flat_outputs(), layouts):
         if type(p) is TensorProxy and id(p) not in ins and shape == tuple(size_value(s) for s in p._tt_shape):
             p._tt_strides = strides
             p._tt_storage_offset = offset
             p._tt_rowmajor = offset == 0 and strides == contiguous_strides(p._tt_shape)
+
+
+def _paired(outs, layouts) -> list:
+    """(output proxy, layout of the run's result) pairs: by position where the line's outputs and the run's results
+    have the same leaves (a result that is an input is None in the line, ``broadcast_tensors(x, b)``'s ``_``: the
+    others keep their places), else the tensors in order where they are as many; else none."""
+    if len(outs) == len(layouts):
+        return [(p, lay) for p, lay in zip(outs, layouts) if isinstance(p, torch.Tensor) and lay is not None]
+    tensors, found = [o for o in outs if isinstance(o, torch.Tensor)], [lay for lay in layouts if lay is not None]
+    return list(zip(tensors, found)) if len(tensors) == len(found) else []
 
 
 def _as_int_index(x):
