@@ -1,6 +1,6 @@
 """Where a zoo model's steady step goes, line by line of the program that runs (the default's fused program).
 
-Run: PYTHONPATH=. python benchmarks/line_times.py MODEL [KINDS] [LINES]
+Run: PYTHONPATH=. python benchmarks/line_times.py MODEL [KINDS] [LINES]    (MODEL ``gpt``: benchmarks/train_step.py's GPT step)
 
 The default thin whole step of ``tests/_zoo.py``'s MODEL is built and its fused program waited for.  The generated
 computation it calls (found with ``sys.setprofile`` at one call) is copied with a clock read after each statement,
@@ -22,6 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import _zoo  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
@@ -84,10 +85,18 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0]
     kinds, slowest = (int(argv[1]) if len(argv) > 1 else 25), (int(argv[2]) if len(argv) > 2 else 20)
-    torch.set_num_threads(1)
-    model, batches = _zoo.build(name), _zoo.batches(name, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cf = tt.compile(lambda b: _zoo.train_step(model, opt, b), thin=True)
+    if name == "gpt":  # benchmarks/train_step.py's GPT step, on its two threads
+        torch.set_num_threads(2)
+        from train_step import closure_step, gpt_setup
+
+        model, data, make_opt = gpt_setup()
+        step, batches = closure_step(model, make_opt(model.parameters())), data(4)
+        cf = tt.compile(lambda b: step(*b), thin=True)
+    else:
+        torch.set_num_threads(1)
+        model, batches = _zoo.build(name), _zoo.batches(name, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cf = tt.compile(lambda b: _zoo.train_step(model, opt, b), thin=True)
     cf(batches[0])
     cf(batches[1])
     tt.wait_for_fusion(cf)  # the second call's entry is the one every later step runs
