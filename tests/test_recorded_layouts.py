@@ -518,3 +518,36 @@ def test_results_beside_a_returned_input_keep_their_layout(case, audit):
     for g, e in zip(values, expected):
         torch.testing.assert_close(g, e)
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
+_POOL_LAYOUTS = {"row-major": lambda t: t, "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+                 "last two transposed": _last_two_transposed,
+                 "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)}
+
+
+@pytest.mark.parametrize("layout", list(_POOL_LAYOUTS))
+@pytest.mark.parametrize("fn, shape, size", [
+    (F.adaptive_avg_pool2d, (2, 3, 8, 10), (3, 4)), (F.adaptive_avg_pool2d, (2, 3, 8, 10), (8, 10)),
+    (F.adaptive_avg_pool2d, (3, 8, 10), (5, 5)), (F.adaptive_avg_pool1d, (2, 3, 10), 4),
+    (F.adaptive_avg_pool1d, (2, 3, 10), 10)], ids=["2d", "2d same size", "2d unbatched", "1d", "1d same size"])
+def test_adaptive_average_pooling_lays_its_result_out_as_eager(fn, shape, size, layout, audit):
+    """Eager's adaptive average pooling writes a new tensor in its input's suggested memory format (a 1-d call as a
+    2-d one of height 1): a channels_last batch gives a channels_last result, any other layout a row-major one
+    (torchlang/pooling.py; the separable means gave row-major results for channels_last inputs, and kept the input's
+    layout where the size does not change).  Values, output and gradient strides are eager's."""
+    x = _POOL_LAYOUTS[layout](torch.randn(shape)) if len(shape) == 4 or layout != "channels_last" else \
+        torch.randn(shape).transpose(-1, -2).contiguous().transpose(-1, -2)  # 3-d: channels last of (N, C, L)
+    x.requires_grad_()
+    x2 = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+
+    def f(x):
+        out = fn(x, size)
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return out
+
+    expected, got = f(x), tt.compile(f, fusion=None)(x2)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    torch.testing.assert_close(x2.grad, x.grad)
+    assert x2.grad.stride() == x.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
