@@ -551,3 +551,32 @@ def test_adaptive_average_pooling_lays_its_result_out_as_eager(fn, shape, size, 
     torch.testing.assert_close(x2.grad, x.grad)
     assert x2.grad.stride() == x.grad.stride()
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
+def _unpool2d(x):
+    out, idx = F.max_pool2d(x, 2, return_indices=True)
+    return F.max_unpool2d(out, idx, 2)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "row-major", "channels first"])
+@pytest.mark.parametrize("fn, shape", [
+    (lambda x: F.channel_shuffle(x, 2), (2, 4, 6, 8)), (lambda x: F.channel_shuffle(x, 2), (2, 4, 4, 6, 8)),
+    (lambda x: F.pad(x, (1, 2, 2, 1), mode="replicate"), (2, 4, 6, 8)),
+    (lambda x: F.pad(x, (-1, 1, 1, -1), mode="replicate"), (2, 4, 6, 8)),
+    (lambda x: F.pad(x, (1, 1, 1, 1, 1, 1), mode="reflect"), (2, 4, 4, 6, 8)),
+    (lambda x: F.pad(x, (1, 1, 1, 1), mode="circular"), (2, 4, 6, 8)), (_unpool2d, (2, 4, 6, 8))],
+    ids=["shuffle 2d", "shuffle 3d", "replicate", "replicate negative", "reflect 3d", "circular", "max_unpool2d"])
+def test_composed_ops_lay_a_channels_last_batch_out_as_eager(fn, shape, layout, audit):
+    """Channel shuffles, reflect and replicate padding and 2-d max unpooling are composed of torch calls whose results
+    were row-major; eager's kernels write a channels_last batch's result channels_last (``helpers.as_eager_allocates``;
+    circular padding's stays row-major, as eager's): values and output strides are eager's."""
+    x = torch.randn(shape)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    elif layout == "channels first":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    f = lambda x: fn(x) * 1  # noqa: E731
+    expected, got = f(x), tt.compile(f, fusion=None)(x)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"

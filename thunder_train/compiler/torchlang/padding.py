@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import prims
+from .helpers import as_eager_allocates
 from .registry import composed, direct, torchsymbol
 
 
@@ -60,7 +61,9 @@ def pad(input, pad, mode="constant", value=None):
             raise NotImplementedError("padding an empty dimension is run by torch")
         if left or right:
             out = torch.index_select(out, d, _pad_index(n, left, right, mode, input.device))
-    return out
+    # eager's reflect and replicate kernels write a channels_last batch's result channels_last; circular padding's
+    # (a composite of copies) is row-major, as the selections give it
+    return out if mode == "circular" or out is input or input.ndim != k + 2 else as_eager_allocates(out, input)
 
 
 composed("pad", pad, (F.pad, torch._C._nn.pad), (), sym=constant_pad)

@@ -11,7 +11,7 @@ from torch._prims_common import suggest_memory_format
 from .. import clang, dtypes, prims
 from ..grad_rules import register_vjp
 from ..proxies import is_int, is_number
-from .helpers import ntuple, upcast_and_dtype
+from .helpers import as_eager_allocates, ntuple, upcast_and_dtype
 from .registry import composed, torchsymbol
 
 
@@ -146,6 +146,8 @@ def _max_unpool(n):
         out = x.new_zeros(b * c * length)
         out[pos] = x.reshape(-1)
         out = out.reshape((b, c) + out_sp)
+        if n == 2:  # eager's 2-d kernel writes a channels_last batch's result channels_last
+            out = as_eager_allocates(out, x)
         return out.squeeze(0) if unbatched else out
 
     return fn

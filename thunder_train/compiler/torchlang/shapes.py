@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .. import clang, context, dtypes, prims
 from ..proxies import is_int
 from .convert import size_args
+from .helpers import as_eager_allocates
 from .autocast import PROMOTE  # autocast policies: see autocast.py
 from ..grad_rules import register_vjp
 from .registry import composed, torchsymbol
@@ -453,7 +454,7 @@ composed("pixel_unshuffle", pixel_unshuffle, (F.pixel_unshuffle, torch.pixel_uns
 
 def channel_shuffle(input, groups):
     b, c, *rest = input.shape
-    return input.reshape(b, groups, c // groups, *rest).transpose(1, 2).reshape(input.shape)
+    return as_eager_allocates(input.reshape(b, groups, c // groups, *rest).transpose(1, 2).reshape(input.shape), input)
 
 
 composed("channel_shuffle", channel_shuffle, (F.channel_shuffle, torch.channel_shuffle))
