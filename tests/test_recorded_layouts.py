@@ -580,3 +580,40 @@ def test_composed_ops_lay_a_channels_last_batch_out_as_eager(fn, shape, layout, 
     torch.testing.assert_close(got, expected)
     assert not _differs(got, tuple(expected.shape), expected.stride())
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
+def _addr(beta):
+    return lambda x: torch.addr(x, torch.arange(4.0), torch.arange(5.0), beta=beta)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "last two transposed", "channels_last"])
+@pytest.mark.parametrize("fn, shape", [(lambda x: torch.roll(x, 0, 0), (2, 3, 4, 5)),
+                                       (lambda x: torch.roll(x, (0, 0), (0, 1)), (2, 3, 4, 5)),
+                                       (lambda x: torch.renorm(x, 2, 0, 1.0), (2, 3, 4, 5)),
+                                       (_addr(1), (4, 5)), (_addr(0.5), (4, 5))],
+                         ids=["roll by zero", "roll by zeros", "renorm", "addr", "addr beta"])
+def test_composed_ops_lay_their_result_out_as_eager(fn, shape, layout, audit):
+    """Ops composed of other calls end as eager's kernel lays its result out: ``roll`` by nothing and ``renorm`` write
+    a new row-major tensor (the program returned a clone in the input's layout), ``addr`` follows its input's layout
+    (the program's sum put the row-major outer product first).  Values, output and gradient strides are eager's."""
+    x = torch.randn(shape)
+    if layout == "last two transposed":
+        x = _last_two_transposed(x)
+    elif layout == "channels_last":
+        if len(shape) != 4:
+            pytest.skip("channels_last: 4-d inputs")
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    x2 = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+
+    def f(x):
+        out = fn(x)
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return out
+
+    expected, got = f(x), tt.compile(f, fusion=None)(x2)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    torch.testing.assert_close(x2.grad, x.grad)
+    assert x2.grad.stride() == x.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"

@@ -248,7 +248,8 @@ def addr(input, vec1, vec2, *, beta=1, alpha=1):
         raise NotImplementedError("addr with these dtypes and factors is run by torch")
     p = torch.outer(vec1, vec2)
     p = p if alpha == 1 else p * alpha
-    return p + input if beta == 1 else (p + torch.zeros_like(input) if beta == 0 else p + beta * input)
+    # ``input`` first: eager's kernel lays the result out as ``input`` (the same sums: addition commutes exactly)
+    return input + p if beta == 1 else (torch.zeros_like(input) + p if beta == 0 else beta * input + p)
 
 
 composed("addr", addr, (torch.addr,), ("addr",))

@@ -489,7 +489,7 @@ def renorm(input, p, dim, maxnorm):
     others = [i for i in range(input.ndim) if i != d]
     norm = torch.linalg.vector_norm(input, p, others, keepdim=True)
     factor = torch.where(norm > maxnorm, maxnorm / (norm + 1e-7), torch.ones_like(norm))
-    return input * factor
+    return (input * factor).contiguous()  # eager's kernel writes a new row-major tensor whatever the input's layout
 
 
 composed("renorm", renorm, (torch.renorm,), ("renorm",))

@@ -254,7 +254,8 @@ def roll(input, shifts, dims=None):
         s %= n
         if s:
             out = clang.cat([clang.slice_in_dim(out, n - s, n, 1, d), clang.slice_in_dim(out, 0, n - s, 1, d)], d)
-    return out
+    # nothing rolled: eager's kernel still writes a new tensor, row-major whatever the input's layout
+    return prims.clone(input, torch.contiguous_format) if out is input else out
 
 
 @torchsymbol(methods=("repeat",))
