@@ -520,6 +520,25 @@ def test_results_beside_a_returned_input_keep_their_layout(case, audit):
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
 
 
+def _output_and_gradient_as_eagers(fn, x, audit):
+    """``fn(x)`` compiled, its output and ``x``'s gradient (of a weighted sum of the output) equal to eager's, values
+    and strides; every value the program makes has its recorded strides."""
+    x.requires_grad_()
+    x2 = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+
+    def f(x):
+        out = fn(x)
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return out
+
+    expected, got = f(x), tt.compile(f, fusion=None)(x2)
+    torch.testing.assert_close(got, expected)
+    assert not _differs(got, tuple(expected.shape), expected.stride())
+    torch.testing.assert_close(x2.grad, x.grad)
+    assert x2.grad.stride() == x.grad.stride()
+    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+
+
 _POOL_LAYOUTS = {"row-major": lambda t: t, "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
                  "last two transposed": _last_two_transposed,
                  "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)}
@@ -537,20 +556,7 @@ def test_adaptive_average_pooling_lays_its_result_out_as_eager(fn, shape, size, 
     layout where the size does not change).  Values, output and gradient strides are eager's."""
     x = _POOL_LAYOUTS[layout](torch.randn(shape)) if len(shape) == 4 or layout != "channels_last" else \
         torch.randn(shape).transpose(-1, -2).contiguous().transpose(-1, -2)  # 3-d: channels last of (N, C, L)
-    x.requires_grad_()
-    x2 = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-
-    def f(x):
-        out = fn(x, size)
-        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-        return out
-
-    expected, got = f(x), tt.compile(f, fusion=None)(x2)
-    torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
-    torch.testing.assert_close(x2.grad, x.grad)
-    assert x2.grad.stride() == x.grad.stride()
-    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    _output_and_gradient_as_eagers(lambda x: fn(x, size), x, audit)
 
 
 def _unpool2d(x):
@@ -603,17 +609,4 @@ def test_composed_ops_lay_their_result_out_as_eager(fn, shape, layout, audit):
         if len(shape) != 4:
             pytest.skip("channels_last: 4-d inputs")
         x = x.contiguous(memory_format=torch.channels_last)
-    x.requires_grad_()
-    x2 = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-
-    def f(x):
-        out = fn(x)
-        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-        return out
-
-    expected, got = f(x), tt.compile(f, fusion=None)(x2)
-    torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
-    torch.testing.assert_close(x2.grad, x.grad)
-    assert x2.grad.stride() == x.grad.stride()
-    assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
+    _output_and_gradient_as_eagers(fn, x, audit)
