@@ -436,15 +436,15 @@ def _last_two_transposed(t):
 # the meta kernel: a 1-d one runs as a 2-d one of height 1 on its input made contiguous, in the format the weight's
 # layout picks there; an unbatched one as a batch of one.
 _TRANSPOSED_CONVOLUTIONS = [
-    (1, True, "row", "last two transposed"), (1, True, "last two transposed", "last two transposed"),
-    (1, True, "channels first", "last two transposed"), (1, True, "last two transposed", "row"),
-    (1, False, "row", "last two transposed"), (2, False, "row", "channels_last"),
-    (2, False, "last two transposed", "channels_last"), (2, False, "row", "row"), (3, False, "row", "channels_last_3d"),
+    (1, True, "row-major", "last two transposed"), (1, True, "last two transposed", "last two transposed"),
+    (1, True, "channels first", "last two transposed"), (1, True, "last two transposed", "row-major"),
+    (1, False, "row-major", "last two transposed"), (2, False, "row-major", "channels_last"),
+    (2, False, "last two transposed", "channels_last"), (2, False, "row-major", "row-major"), (3, False, "row-major", "channels_last_3d"),
 ]
-_CONV_LAYOUTS = {"row": lambda t: t, "last two transposed": _last_two_transposed,
-                 "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
-                 "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
-                 "channels_last_3d": lambda t: t.contiguous(memory_format=torch.channels_last_3d)}
+_LAYOUTS = {"row-major": lambda t: t, "last two transposed": _last_two_transposed,
+            "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+            "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+            "channels_last_3d": lambda t: t.contiguous(memory_format=torch.channels_last_3d)}
 
 
 @pytest.mark.parametrize("nd, batched, x_layout, w_layout", _TRANSPOSED_CONVOLUTIONS)
@@ -454,8 +454,8 @@ def test_transposed_convolutions_of_every_rank_record_the_kernels_layout(nd, bat
     the weight's channels_last one): values, output and gradient strides are eager's, every value has its recorded
     strides."""
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
-    x = _CONV_LAYOUTS[x_layout](torch.randn(((2,) if batched else ()) + (4,) + (5,) * nd)).requires_grad_()
-    w = _CONV_LAYOUTS[w_layout](torch.randn((4, 3) + (3,) * nd)).requires_grad_()
+    x = _LAYOUTS[x_layout](torch.randn(((2,) if batched else ()) + (4,) + (5,) * nd)).requires_grad_()
+    w = _LAYOUTS[w_layout](torch.randn((4, 3) + (3,) * nd)).requires_grad_()
     b = torch.randn(3, requires_grad=True)
 
     def f(x, w, b):
@@ -539,12 +539,7 @@ def _output_and_gradient_as_eagers(fn, x, audit):
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
 
 
-_POOL_LAYOUTS = {"row-major": lambda t: t, "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
-                 "last two transposed": _last_two_transposed,
-                 "channels first": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)}
-
-
-@pytest.mark.parametrize("layout", list(_POOL_LAYOUTS))
+@pytest.mark.parametrize("layout", ["row-major", "channels_last", "last two transposed", "channels first"])
 @pytest.mark.parametrize("fn, shape, size", [
     (F.adaptive_avg_pool2d, (2, 3, 8, 10), (3, 4)), (F.adaptive_avg_pool2d, (2, 3, 8, 10), (8, 10)),
     (F.adaptive_avg_pool2d, (3, 8, 10), (5, 5)), (F.adaptive_avg_pool1d, (2, 3, 10), 4),
@@ -554,7 +549,7 @@ def test_adaptive_average_pooling_lays_its_result_out_as_eager(fn, shape, size, 
     2-d one of height 1): a channels_last batch gives a channels_last result, any other layout a row-major one
     (torchlang/pooling.py; the separable means gave row-major results for channels_last inputs, and kept the input's
     layout where the size does not change).  Values, output and gradient strides are eager's."""
-    x = _POOL_LAYOUTS[layout](torch.randn(shape)) if len(shape) == 4 or layout != "channels_last" else \
+    x = _LAYOUTS[layout](torch.randn(shape)) if len(shape) == 4 or layout != "channels_last" else \
         torch.randn(shape).transpose(-1, -2).contiguous().transpose(-1, -2)  # 3-d: channels last of (N, C, L)
     _output_and_gradient_as_eagers(lambda x: fn(x, size), x, audit)
 
@@ -592,21 +587,19 @@ def _addr(beta):
     return lambda x: torch.addr(x, torch.arange(4.0), torch.arange(5.0), beta=beta)
 
 
-@pytest.mark.parametrize("layout", ["row-major", "last two transposed", "channels_last"])
-@pytest.mark.parametrize("fn, shape", [(lambda x: torch.roll(x, 0, 0), (2, 3, 4, 5)),
-                                       (lambda x: torch.roll(x, (0, 0), (0, 1)), (2, 3, 4, 5)),
-                                       (lambda x: torch.renorm(x, 2, 0, 1.0), (2, 3, 4, 5)),
-                                       (_addr(1), (4, 5)), (_addr(0.5), (4, 5))],
-                         ids=["roll by zero", "roll by zeros", "renorm", "addr", "addr beta"])
-def test_composed_ops_lay_their_result_out_as_eager(fn, shape, layout, audit):
+_LAID_OUT_AS_EAGER = {"roll by zero": (lambda x: torch.roll(x, 0, 0), (2, 3, 4, 5)),
+                      "roll by zeros": (lambda x: torch.roll(x, (0, 0), (0, 1)), (2, 3, 4, 5)),
+                      "renorm": (lambda x: torch.renorm(x, 2, 0, 1.0), (2, 3, 4, 5)),
+                      "addr": (_addr(1), (4, 5)), "addr beta": (_addr(0.5), (4, 5))}
+
+
+@pytest.mark.parametrize("case, layout", [(c, lay) for c, (_, shape) in _LAID_OUT_AS_EAGER.items()
+                                          for lay in ("row-major", "last two transposed", "channels_last")
+                                          if lay != "channels_last" or len(shape) == 4])
+def test_composed_ops_lay_their_result_out_as_eager(case, layout, audit):
     """Ops composed of other calls end as eager's kernel lays its result out: ``roll`` by nothing and ``renorm`` write
     a new row-major tensor (the program returned a clone in the input's layout), ``addr`` follows its input's layout
     (the program's sum put the row-major outer product first).  Values, output and gradient strides are eager's."""
-    x = torch.randn(shape)
-    if layout == "last two transposed":
-        x = _last_two_transposed(x)
-    elif layout == "channels_last":
-        if len(shape) != 4:
-            pytest.skip("channels_last: 4-d inputs")
-        x = x.contiguous(memory_format=torch.channels_last)
+    fn, shape = _LAID_OUT_AS_EAGER[case]
+    x = _LAYOUTS[layout](torch.randn(shape))
     _output_and_gradient_as_eagers(fn, x, audit)
