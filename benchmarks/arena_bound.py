@@ -1,11 +1,12 @@
 """What the kept-buffer arena's bound costs a zoo model's step, and what lifting it costs in memory.
 
-Run: PYTHONPATH=. python benchmarks/arena_bound.py MODEL [STEPS] [FRACTION]
+Run: PYTHONPATH=. python benchmarks/arena_bound.py MODEL [STEPS] [FRACTION | own]
 
-The plan keeps the arena plus what the call still allocates within the program's own peak without buffers
-(executors/buffers.py ``plan``, ``_slack``).  Here the default thin whole step of ``tests/_zoo.py``'s MODEL is built
-twice in one process: as the default plans it, and with the arena allowed FRACTION of that peak above it
-(``buffers._slack`` replaced while the second is built; default: no bound).  Both fused programs are waited for;
+The plan keeps the arena plus what the call still allocates within the program's own peak without buffers, with
+room towards the step as written in a default step (executors/buffers.py ``plan``, ``_room``).  Here the default
+thin whole step of ``tests/_zoo.py``'s MODEL is built twice in one process: as the default plans it, and with the
+arena allowed FRACTION of that peak above it (``buffers._slack`` replaced while the second is built; default: no
+bound), or, with ``own``, within the program's own peak (``buffers.TRACED_SHARE`` 0: the bound before that room).  Both fused programs are waited for;
 their steps interleaved in a new order each step (calling thread's CPU time, torch on one thread, medians); each
 program's peak (its kept buffers included, tests/_peak.py) and eager's, as ratios.  A measuring aid, not an option:
 timings vary by machine.
@@ -33,7 +34,8 @@ from thunder_train.compiler.executors import buffers  # noqa: E402
 def main(argv):
     name = argv[0]
     steps = int(argv[1]) if len(argv) > 1 else 300
-    fraction = float(argv[2]) if len(argv) > 2 else None
+    own = len(argv) > 2 and argv[2] == "own"
+    fraction = float(argv[2]) if len(argv) > 2 and not own else None
     torch.set_num_threads(1)
     base, batches = _zoo.build(name), _zoo.batches(name, 4)
     model = copy.deepcopy(base)
@@ -41,12 +43,13 @@ def main(argv):
     for b in batches[:2]:
         _zoo.train_step(model, opt, b)
     peaks = {"eager": peak_call_bytes_all_threads(lambda: _zoo.train_step(model, opt, batches[1]))}
-    bounded = buffers._slack
+    bounded, share = buffers._slack, buffers.TRACED_SHARE
     wide = (lambda natural: 1 << 40) if fraction is None else (lambda natural: int(natural * fraction))
+    other = ("own peak", bounded, 0) if own else ("no bound" if fraction is None else f"+{fraction:g}", wide, share)
     modes = {}
     try:
-        for label, slack in (("default bound", bounded), ("no bound" if fraction is None else f"+{fraction:g}", wide)):
-            buffers._slack = slack
+        for label, slack, traced_share in (("default bound", bounded, share), other):
+            buffers._slack, buffers.TRACED_SHARE = slack, traced_share
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             _zoo.train_step(model, opt, batches[0])
@@ -58,7 +61,7 @@ def main(argv):
             peaks[label] = peak_call_bytes_all_threads(lambda: step(model, opt, batches[1]), step)
             modes[label] = (step, model, opt, [])
     finally:
-        buffers._slack = bounded
+        buffers._slack, buffers.TRACED_SHARE = bounded, share
     for i in range(steps):
         order = list(modes.values())
         random.shuffle(order)

@@ -57,6 +57,10 @@ class OpaqueSymbol(Symbol):
     # Its output proxies' requires_grad come from the meta run, i.e. eager's: autograd.Forward reads them
     # (an output eager does not differentiate carries no gradient).
     output_grad_flags = True
+    # torch runs it as is: whatever it allocates and frees inside the line is unknown here (the CPU fallback of
+    # ``torch._grouped_mm``, DeepSeek-V3's routed experts, peaks there), so kept buffers must not raise it
+    # (executors/buffers.py)
+    torch_unknown_scratch = True
 
     def __init__(self, func):
         name = callable_name(func)

@@ -155,9 +155,12 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # 4.-7. Fusion (executors/fusion.py: Inductor or nvFuser; with autograd, step 9 fuses the forward and backward
     #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
     #    later (step 12).
+    # A default step's kept buffers may fill towards what the step as written holds (executors/buffers.py ``_room``);
+    # one that asks for memory keeps them within its own peak.
+    traced = memory.traced_peak_bytes if memory is not None and not asks else None
     finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
                                written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers,
-                               blocked_head=asks, keep_graphs=keep_graphs)
+                               blocked_head=asks, keep_graphs=keep_graphs, traced=traced)
     fuse_main = has_backward or not may_need_autograd(computed)
     now = options.fusion if options.fusion != "background" else None
     # The default runs an entry's first call without the passes that pay off only over calls, kept buffers included
@@ -202,7 +205,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
             _same_inputs(fused, trc, "the fused program")
             return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
     if later and backward_traces is None and traces[-1] is trc:  # the torch program runs (no autograd node)
-        build_steady = _steady_later(unsettled, trc, traces, options.keep_buffers)
+        build_steady = _steady_later(unsettled, trc, traces, options.keep_buffers, traced)
     # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
     #     user type rebuilt around the real tensors.
     wrap, targets = _wrapping(acquired, len(input_idx))
@@ -225,7 +228,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     return compiled, acquired.opaque_ops
 
 
-def _steady_later(unsettled, first, traces, keep_buffers):
+def _steady_later(unsettled, first, traces, keep_buffers, traced=None):
     """``Compiled.build_steady``: the torch program after ``_steady_passes`` (layouts decided, duplicates merged,
     constants folded, kept buffers, identity views dropped, numbers as tensors, matmuls as mm), made when its entry
     runs a second time.  Each pays off over calls, and a step's first call runs an entry no later call matches (the
@@ -234,7 +237,7 @@ def _steady_later(unsettled, first, traces, keep_buffers):
     shown = list(traces)
 
     def build():
-        program = _steady_passes(unsettled, keep_buffers)
+        program = _steady_passes(unsettled, keep_buffers, traced)
         _same_inputs(program, first, "the steady program")
         return program.python_callable(), shown[:-1] + [program]
 
@@ -256,9 +259,9 @@ def _decision_note(d) -> str:
 
 
 def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, keep_buffers, blocked_head=False,
-            keep_graphs=True, later=False):
+            keep_graphs=True, later=False, traced=None):
     """Steps 4-7 on the lowered computation: the final trace, and the traces shown before and with it.  ``later``:
-    the trace before ``_steady_passes`` instead (not shown)."""
+    the trace before ``_steady_passes`` instead (not shown); ``traced``: as ``_steady_passes``'."""
     shown = []
     trc = lowered
     if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
@@ -300,14 +303,15 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     trc = late_waits(prefetch(trc))
     if later:
         return trc, shown
-    trc = _steady_passes(trc, keep_buffers)
+    trc = _steady_passes(trc, keep_buffers, traced)
     shown.append(trc)
     return trc, shown
 
 
-def _steady_passes(trc, keep_buffers: bool):
+def _steady_passes(trc, keep_buffers: bool, traced: int | None = None):
     """Steps 7a-7d: passes that make each call cheaper (and the kept buffers), then the lifetimes.  The default runs
-    an entry's first call without the first ones (``_steady_later``)."""
+    an entry's first call without the first ones (``_steady_later``).  ``traced``: the bytes the step as written
+    holds at once, towards which a default step's kept buffers may fill (executors/buffers.py ``_room``)."""
     # 7a. Layout questions (identity .grad layouts, the fused optimizers' layout comparison) answered once from the
     #     traced layouts (executors/decided_layouts.py).
     #     A product transposed twice (a transposed weight's gradient, made as eager makes it) is read as the product
@@ -317,7 +321,7 @@ def _steady_passes(trc, keep_buffers: bool):
     #     lines computing constants (position ids, masks from sizes) run once, at the first call (executors/constants.py).
     trc = fold_constants(merge_duplicates(trc))
     if keep_buffers:
-        trc = keep_large_buffers(trc)
+        trc = keep_large_buffers(trc, traced=traced)
     # 7c. View lines that give back the tensor their chain of views started from are dropped
     #     (executors/identity_views.py; after the buffers, whose plan counts what the lines allocate).
     #     A Python number in float tensor arithmetic is passed as a shared 0-d tensor: torch does not wrap it on each

@@ -21,7 +21,8 @@ tensors (``aliases`` declared with the function, its op's ``Symbol.torch_fresh``
 taken to alias all its tensor arguments.  Each value is a view of the arena with the shape and strides its proxy has (eager's layout), so
 the kernels, the values and every later view are the same as without the buffers (``tests/test_kept_buffers.py``
 checks the zoo's steps bitwise).  The arena is held for the whole call, so the plan keeps the arena plus what
-the call still allocates within ``PEAK_SLACK`` of the call's peak without it (``plan``: rounds that drop values
+the call still allocates within ``PEAK_SLACK`` of the call's peak without it, or in a default whole step within
+``_room`` of it, towards what the step as written holds (``plan``: rounds that drop values
 until that holds, or the values alive where the call peaks packed first, the others in their gaps,
 ``arena.around_the_peak``; whichever keeps more values).  At a line whose kernel
 allocates scratch memory of unknown size (``Symbol.torch_unknown_scratch``: the CPU convolution backward) the call
@@ -73,6 +74,26 @@ def _slack(natural: int) -> int:
     """What the arena may add to a program's planned peak of ``natural`` bytes: ``PEAK_SLACK``, and at most a 32nd of
     that peak (a whole KiB put a sharded 8-33-5 MLP's 4 KiB step above eager FSDP2's)."""
     return min(PEAK_SLACK, natural // 32)
+
+
+# A default whole step's arena may raise the call's peak above the program's own, towards what the step as written
+# holds (``traced``: the memory plan's count of the traced step before it recomputes or moves anything,
+# ``MemoryPlan.traced_peak_bytes``; eager runs that program).  Each value kept saves its allocation and the view lines
+# made on it every call; without this room the default's cheap recomputation, which lowers the program's own peak,
+# took them away (the fused Llama zoo step 10 % slower than without it; issue 27 allows 2 %).  That count is 73-98 %
+# of eager's measured peak on the zoo's steps; the arena may fill up to this share of it:
+TRACED_SHARE = 0.9
+# and at most this share of the program's own peak above it (a step whose traced count is above eager's: Mixtral's,
+# whose experts' weights the trace reads by copies the program no longer makes).
+ROOM_SHARE = 0.15
+
+
+def _room(natural: int, traced: int | None) -> int:
+    """What the arena may add to a program's planned peak of ``natural`` bytes: ``_slack``, or where the step as
+    written holds ``traced`` bytes (a default whole step), up to ``TRACED_SHARE`` of those within ``ROOM_SHARE``."""
+    if traced is None:
+        return _slack(natural)
+    return max(_slack(natural), min(int(traced * TRACED_SHARE) - natural, int(natural * ROOM_SHARE)))
 
 
 def _meta(x):
@@ -266,19 +287,19 @@ def _eligible(trc) -> bool:
     return not any(_tensor(v) and v._tt_requires_grad for v in values)
 
 
-def plan(trc, whole_call: bool = True):
+def plan(trc, whole_call: bool = True, traced: int | None = None):
     """(arena bytes, {id(value): (byte offset, bytes, value)}) for the trace's lines: see ``_plan``."""
-    nbytes, assigned = _plan(trc, whole_call)
+    nbytes, assigned = _plan(trc, whole_call, traced)
     return nbytes, {id(v): (offset, size, v) for offset, size, v in assigned.values()}
 
 
-def _plan(trc, whole_call: bool = True):
+def _plan(trc, whole_call: bool = True, traced: int | None = None):
     """(arena bytes, {key: (byte offset, bytes, value)}) for the trace's lines.
 
     Every storage a line creates is tracked (for the peak-memory rule below), the ones a kept buffer can hold
     are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
-    the peak of what it still allocates; when that is above the peak without buffers (by more than
-    ``PEAK_SLACK``), candidates alive where the arena is fullest but not where the other allocations peak are
+    the peak of what it still allocates; when that is above the peak without buffers (by more than ``_room``:
+    ``PEAK_SLACK``, or up to ``TRACED_SHARE`` of ``traced``, the step as written), candidates alive where the arena is fullest but not where the other allocations peak are
     allocated again until it is not (or nothing is kept); then those dropped are placed again where they fit
     (``arena.fill``: in the arena as it is, or growing it within the same rule)."""
     bsyms = trc.bound_symbols
@@ -347,12 +368,13 @@ def _plan(trc, whole_call: bool = True):
     n = len(bsyms)
     without = _live_bytes(storages, storages.keys(), n)  # bytes alive at each line
     natural = max(without)
-    slack = _slack(natural)
     # The loop drops one value a round: the kept bytes alive at each line lose that value's bytes over its lifetime.
     # Python lists, not tensors: a round reads every line once (a Llama step: ~150 rounds over ~450 lines), about as
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
+    # (a kernel whose scratch memory is unknown may be where the call peaks, unseen: no room beyond the slack there)
+    slack = _room(natural, None if scratch else traced)
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
@@ -442,11 +464,11 @@ def _around(storages, kept, without, maybe_new, natural, slack, alive_with):
     tt.compile(model)'s checkpointed step above eager's (1.09x; tests/test_memory.py
     ::test_compiled_module_is_planned_like_whole_steps).  Its bound counts the results that may be new memory
     (``maybe_new``: ``Tensor.square``'s, not declared new) against the peak that does not count them, and keeps a
-    quarter of the slack for what the plan does not see (a few scalars: 12 bytes over the slack in
+    quarter of the slack (``_slack``'s) for what the plan does not see (a few scalars: 12 bytes over the slack in
     tests/test_kept_buffers.py::test_results_that_are_new_memory_count_in_the_plan without it)."""
     n = len(without)
     upper = list(map(operator.add, without, _live_bytes(maybe_new, maybe_new.keys(), n))) if maybe_new else without
-    budget = natural + slack - slack // 4
+    budget = natural + slack - _slack(natural) // 4
     found = _around_the_peak(storages, kept, upper, budget, alive_with)
     if found is None:
         return None
@@ -635,12 +657,13 @@ class _PooledView(Symbol):
         return {}
 
 
-def keep_large_buffers(trc, header=None, *, grad_disabled=False):
+def keep_large_buffers(trc, header=None, *, grad_disabled=False, traced: int | None = None):
     """The trace with its large intermediates written into kept buffers (see the module docstring).
-    ``grad_disabled``: the program always runs without grad (the forward and backward of ``ThunderFunction``)."""
+    ``grad_disabled``: the program always runs without grad (the forward and backward of ``ThunderFunction``);
+    ``traced``: the bytes the step as written holds at once (a default whole step; ``_room``)."""
     if not grad_disabled and not _eligible(trc):
         return trc
-    nbytes, assigned = plan(trc, whole_call=not grad_disabled)
+    nbytes, assigned = plan(trc, whole_call=not grad_disabled, traced=traced)
     if not assigned:
         return trc
     order = {key: k for k, key in enumerate(sorted(assigned, key=lambda key: assigned[key][2]._tt_name))}

@@ -31,7 +31,9 @@ class MemoryPlan:
     forward line the backward computes again, reason ``"checkpoint region"``, ``"cheap"`` or ``"budget"``;
     ``head_logits_bytes``: the logits of a language model's head that the program computes by blocks of rows
     (executors/blocked_head.py, where it asks for memory): counted by the plan, never kept whole, so not in
-    ``saved_bytes``.
+    ``saved_bytes``; ``traced_peak_bytes``: the same count as ``planned_peak_bytes`` on the step as traced, before
+    anything is recomputed or moved (the program eager runs; a default step's kept buffers may fill towards it,
+    executors/buffers.py ``_room``).
     """
 
     saved_bytes: int = 0
@@ -43,6 +45,7 @@ class MemoryPlan:
     memory_budget: float | None = None
     budget_met: bool | None = None  # None without a budget; False: nothing more could be recomputed (see docs/memory.md)
     head_logits_bytes: int = 0
+    traced_peak_bytes: int = 0
 
     def head_by_blocks(self, logits_bytes: int) -> None:
         """The head's logits, which the plan counted as saved, run by blocks of rows after it (executors/blocked_head.py):
@@ -66,7 +69,8 @@ class MemoryPlan:
                       f"{'' if self.budget_met else ' NOT reached: what is left is kept by backward kernels reading their forward statistics, or not recomputable'}")
         head = f", the head's {mib(self.head_logits_bytes)} of logits by blocks of rows" if self.head_logits_bytes else ""
         return (f"saved for the backward {mib(self.saved_bytes)} (without recomputation {mib(self.saved_bytes_without_remat)}"
-                f"{budget}{head}); planned peak {mib(self.planned_peak_bytes)}; recomputed lines: {recomputed}; "
+                f"{budget}{head}); planned peak {mib(self.planned_peak_bytes)} (the step as traced: "
+                f"{mib(self.traced_peak_bytes)}); recomputed lines: {recomputed}; "
                 f"checkpoint regions: {self.checkpoint_regions}")
 
 
@@ -268,6 +272,8 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
         return memo[id(t)][1]
 
     plan.saved_bytes_without_remat = _saved(trc).stored_bytes()
+    probes: dict = {}  # the programs probed (``_settled``) and their curves (``_curve``)
+    plan.traced_peak_bytes = _peak_of(trc, probes)
     new, report = recompute_checkpointed(trc)
     plan.recomputed += report.lines
     plan.checkpoint_regions = report.regions
@@ -275,7 +281,6 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
     if new is not trc:
         traces.append(new)
     settled = probed = None  # the cheap step's program as its probe left it (``_settled``), and what it probed
-    probes: dict = {}  # the programs probed (``_settled``) and their curves (``_curve``)
     for reason, header in (("cheap", _CHEAP_HEADER),
                            ("budget", f"Values recomputed to fit memory_budget={memory_budget} (transforms/remat_policy.py)")):
         saved = _saved(new)
