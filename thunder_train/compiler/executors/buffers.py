@@ -374,8 +374,7 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
-    # (a kernel whose scratch memory is unknown may be where the call peaks, unseen: no room beyond the slack there)
-    slack = _room(natural, None if scratch else traced)
+    slack = _room(natural, None if scratch else traced)  # (a call may peak unseen inside such a line: no room)
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
