@@ -96,6 +96,15 @@ def _room(natural: int, traced: int | None) -> int:
     return max(_slack(natural), min(int(traced * TRACED_SHARE) - natural, int(natural * ROOM_SHARE)))
 
 
+def _collective(bsyms) -> bool:
+    """Whether a line starts a collective: its backend allocates buffers on its own threads, which the plan does not
+    see (with room, an FSDP2 step on gloo peaked above eager FSDP2's), so such a program gets no ``_room``."""
+    from .. import prims
+
+    kinds = (prims.all_gather, prims.reduce_scatter, prims.all_reduce_mean)
+    return any(b.sym in kinds or getattr(b, "source", None) in kinds for b in bsyms)
+
+
 def _meta(x):
     return meta_tensor(x) if _tensor(x) else to_torch_arg(x)
 
@@ -374,7 +383,7 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
-    slack = _room(natural, None if scratch else traced)  # (a call may peak unseen inside such a line: no room)
+    slack = _room(natural, None if scratch or _collective(bsyms) else traced)  # (memory the plan does not see)
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.
