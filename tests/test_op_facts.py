@@ -774,6 +774,8 @@ def test_narrowed_lines_compute_only_the_results_read():
     assert [s for s in PRIMS.values() if s.narrowed is not None] == [prims.convolution_backward]
     # (its kernel's scratch memory, which kept buffers plan around: tests/test_memory.py)
     assert [s for s in PRIMS.values() if s.torch_unknown_scratch] == [prims.convolution_backward]
+    # (the collectives, whose backends allocate their buffers unseen: no kept-buffer room, tests/test_fsdp.py)
+    assert {s for s in PRIMS.values() if s.torch_unseen_memory} == {prims.all_gather, prims.reduce_scatter, prims.all_reduce_mean}
     g, a, w = (TensorProxy(shape=s, dtype=dtypes.float32, device=devices.Device("cpu")) for s in ((1, 2, 2, 2), (1, 3, 4, 4), (2, 3, 3, 3)))
     ga, gw = (TensorProxy(shape=t._tt_shape, dtype=dtypes.float32, device=devices.Device("cpu")) for t in (a, w))
     line = BoundSymbol(prims.convolution_backward, (g, a, w, (1, 1), (0, 0), (1, 1), 1, (True, True)), {}, (ga, gw))

@@ -173,6 +173,10 @@ class Symbol:
     # (the CPU convolution backward's oneDNN buffers: 14 KiB on ResNet's 1 KiB activations), so a call may peak at
     # one of its lines: kept buffers must not raise that line's memory
     torch_unknown_scratch = False
+    # executors/buffers.py: a line whose backend allocates memory the plan does not see, outside its kernel (a
+    # collective's buffers, made on the backend's own threads): the program's kept buffers get no room beyond its
+    # own planned peak (``buffers._room``)
+    torch_unseen_memory = False
 
     def __init__(self, name: str, fn: Callable, *, module: str, is_prim: bool = False, tags: tuple = ()):
         self.name = name

@@ -96,13 +96,10 @@ def _room(natural: int, traced: int | None) -> int:
     return max(_slack(natural), min(int(traced * TRACED_SHARE) - natural, int(natural * ROOM_SHARE)))
 
 
-def _collective(bsyms) -> bool:
-    """Whether a line starts a collective: its backend allocates buffers on its own threads, which the plan does not
-    see (with room, an FSDP2 step on gloo peaked above eager FSDP2's), so such a program gets no ``_room``."""
-    from .. import prims
-
-    kinds = (prims.all_gather, prims.reduce_scatter, prims.all_reduce_mean)
-    return any(b.sym in kinds or getattr(b, "source", None) in kinds for b in bsyms)
+def _unseen_memory(bsyms) -> bool:
+    """Whether a line's backend allocates memory the plan does not see (``Symbol.torch_unseen_memory``: the
+    collectives), so that the program gets no ``_room``."""
+    return any(getattr(b.source or b.sym, "torch_unseen_memory", False) for b in bsyms)
 
 
 def _meta(x):
@@ -383,7 +380,7 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
     scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
-    slack = _room(natural, None if scratch or _collective(bsyms) else traced)  # (memory the plan does not see)
+    slack = _room(natural, None if scratch or _unseen_memory(bsyms) else traced)  # (memory the plan does not see)
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line
     # The candidates as (first line, last line, bytes, key), in order of lifetime, for the rounds' questions.

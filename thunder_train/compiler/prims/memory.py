@@ -68,6 +68,9 @@ def all_reduce_mean(tensors):
     return [TensorProxy(shape=t._tt_shape, dtype=t._tt_dtype, device=t._tt_device) for t in tensors]
 
 
+all_reduce_mean.torch_unseen_memory = True  # (as the collectives below)
+
+
 # Collectives of a sharded step (FSDP2, acquisition/fsdp.py): torch's functional collectives, each split in a
 # start (the result is in flight) and a ``wait``, so a scheduling pass (transforms/collectives.py) can start a
 # collective early and wait for it late.  Every rank runs the same program, so DCE may drop one on all ranks
@@ -92,6 +95,11 @@ def reduce_scatter(a, op, group_size, group_name):
           lambda: f"reduce_scatter: expected a tensor whose dim 0 divides into {group_size}, op in {REDUCE_OPS}")
     return TensorProxy(shape=(a._tt_shape[0] // group_size,) + tuple(a._tt_shape[1:]), dtype=a._tt_dtype,
                        device=a._tt_device)
+
+
+# A collective's backend allocates its buffers on its own threads, unseen by the kept buffers' plan (with room, an
+# FSDP2 step on gloo peaked above eager FSDP2's; executors/buffers.py ``_room``).
+all_gather.torch_unseen_memory = reduce_scatter.torch_unseen_memory = True
 
 
 @prim
