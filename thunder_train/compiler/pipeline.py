@@ -267,7 +267,7 @@ def _finish(lowered, *, fusion, notes, has_backward, decompose, written, names, 
     if has_backward and not decompose:  # before fusion takes the sums into regions (executors/sums_in_place.py)
         trc = scatters_into_sums(trc)
     if fusion is not None:
-        trc = fuse(trc, fusion, notes)  # executors/fusion.py
+        trc = fuse(trc, fusion, notes, as_written=traced is not None)  # executors/fusion.py
         shown.append(trc)
     trc = dce(trc, header=f"Final computation (executors: {names})")
     # 5. Backward kernels reuse their forward's statistics (executors/saved_statistics.py; torch executor).

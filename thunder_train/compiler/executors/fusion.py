@@ -35,8 +35,9 @@ def choose(trc, fusion: str, notes: list) -> str:
     return "inductor"
 
 
-def fuse(trc, fusion: str, notes: list, part: str = ""):
-    """``trc`` with its regions fused by the executor ``fusion`` chooses; ``part`` is "", "fw_" or "bw_"."""
+def fuse(trc, fusion: str, notes: list, part: str = "", as_written: bool = False):
+    """``trc`` with its regions fused by the executor ``fusion`` chooses; ``part`` is "", "fw_" or "bw_";
+    ``as_written``: the program may hold what the step as written holds (``inductor_fusion._walk``)."""
     kind = choose(trc, fusion, notes)
     if kind == "nvfuser" and not on_cuda(trc):
         note = f"nvfuser_{part}fusion: nvFuser not used: the program's tensors are not on a CUDA device (nvFuser fuses CUDA tensors)"
@@ -45,4 +46,5 @@ def fuse(trc, fusion: str, notes: list, part: str = ""):
         return trc
     if kind == "nvfuser":
         return nvfuser_fusion.fuse_regions(trc, notes, prefix=f"nvfuser_{part}fusion", header=_HEADERS[part].format("nvFuser"))
-    return inductor_fusion.fuse_regions(trc, notes, prefix=f"inductor_{part}fusion", header=_HEADERS[part].format("Inductor"))
+    return inductor_fusion.fuse_regions(trc, notes, prefix=f"inductor_{part}fusion", header=_HEADERS[part].format("Inductor"),
+                                        as_written=as_written)

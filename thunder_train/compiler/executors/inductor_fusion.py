@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import time
 import weakref
@@ -115,13 +116,14 @@ def _is_barrier(bsym) -> bool:
 # ---------------------------------------------------------------------------
 # The pass
 # ---------------------------------------------------------------------------
-def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: str = "Fused by Inductor"):
+def fuse_regions(trc, notes: list, *, prefix: str = "inductor_fusion", header: str = "Fused by Inductor",
+                 as_written: bool = False):
     """A new trace with each region of ≥ MIN_OPS fusible ops replaced by one Inductor kernel call.
 
     ``notes`` receives one line per decision (``compile_stats(cf).fusion_notes``)."""
     readers, returned = uses(trc)
     state = _State(trc, readers, returned, notes, prefix)
-    _walk(trc, state.flush, state.out.append, state.skipped, _constants(trc))
+    _walk(trc, state.flush, state.out.append, state.skipped, _constants(trc), as_written)
     fused = state.count
     if state.reused:
         names = ", ".join(state.reused[:6]) + (", ..." if len(state.reused) > 6 else "")
@@ -190,7 +192,7 @@ def _split_views(region, readers, returned):
     return [after[i] for i in sorted(after)], outputs
 
 
-def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None:
+def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset(), as_written: bool = False) -> None:
     """The one forward walk that forms regions: ``flush(region, hoisted, deferred)`` at each region's end (the region,
     the lines moved ahead of it and the lines moved after it: (index, bsym) pairs), ``emit(bsym)`` for every other
     line; ``skipped`` counts the candidates that could not join, by reason; the lines in ``constants`` (ids) join none
@@ -198,7 +200,9 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None
 
     A line that joins no region moves ahead of the open one where it reads none of its values; it moves after it
     where it reads a value the backward recomputes there (``_tt_recomputed_of``) or the result of a line so moved
-    (``_deferrable`` lines only; a region op reading such a result closes the region first).  A weight gradient's matmul reads the recomputed input of its layer (T5's and Llama's norms'
+    (``_deferrable`` lines only; a region op reading such a result closes the region first).  ``as_written``: the
+    program may hold what the step as written holds (a default whole step: executors/buffers.py ``_room``), so a
+    recomputed value held until such a line costs nothing the step as written did not; elsewhere it counts.  A weight gradient's matmul reads the recomputed input of its layer (T5's and Llama's norms'
     products): between the recomputation and the norm's backward it closed the region, and the recomputation ran as
     a kernel of its own (T5's fused step: 41 kernels against 34 without the recomputation, 4-5 % of its time)."""
     region: list = []  # (index, bsym)
@@ -237,7 +241,7 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None
         if region and not _is_barrier(b) and not any(r in produced or r in later for r in reads):
             hoisted.append((i, b))
             continue
-        if region and _deferrable(b) and any(r in recomputed or r in later for r in reads):
+        if region and any(r in recomputed or r in later for r in reads) and _deferrable(b, recomputed if as_written else ()):
             deferred.append((i, b))
             later.update(id(o) for o in b.flat_outputs())
             continue
@@ -246,13 +250,30 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset()) -> None
     close()
 
 
-def _deferrable(bsym) -> bool:
+def _deferrable(bsym, held: set) -> bool:
     """A line that may run after the open region although it reads the region's values: pure (no side effect, no
     random draw, no generator read, nothing opaque), every result a tensor.  Lines moved ahead of the region may
-    then run before it: none of them reads its results, and neither writes anything."""
-    return (not _is_barrier(bsym) and not bsym.draws_random and "reads_generator" not in bsym.sym.tags
-            and not bsym.sym.runs_opaquely and bool(bsym.flat_outputs())
-            and all(type(o) is TensorProxy for o in bsym.flat_outputs()))
+    then run before it: none of them reads its results, and neither writes anything.
+
+    Memory: until it runs, the line's inputs stay alive (through the rest of the region's kernel) and its results do
+    not exist yet; it moves only where its inputs, less those in ``held`` (ids), hold at most the bytes of its
+    results (``transforms/sinking.py``'s rule).  The zoo's weight gradients qualify (a few tokens, a larger weight,
+    the recomputed input held: ``_walk``); the GPT benchmark's checkpointed step's did not (a recomputed 4 MiB GELU
+    output held across the rest of its region for a 1 MiB weight gradient: its peak 0.15x -> 0.18x eager's)."""
+    outs = bsym.flat_outputs()
+    if _is_barrier(bsym) or bsym.draws_random or "reads_generator" in bsym.sym.tags or bsym.sym.runs_opaquely \
+            or not outs or not all(type(o) is TensorProxy for o in outs):
+        return False
+    ins = [a for k, a in {id(a): a for a in bsym.flat_args() if type(a) is TensorProxy}.items() if k not in held]
+    sizes = [_static_bytes(p) for p in (*ins, *outs)]
+    return None not in sizes and sum(sizes[:len(ins)]) <= sum(sizes[len(ins):])
+
+
+def _static_bytes(p) -> int | None:
+    """A tensor's bytes; None where a size is symbolic."""
+    if any(type(d) is not int for d in p._tt_shape):
+        return None
+    return math.prod(p._tt_shape) * p._tt_dtype.torch.itemsize
 
 
 class _State:
