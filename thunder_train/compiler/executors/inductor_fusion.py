@@ -200,11 +200,12 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset(), as_writ
 
     A line that joins no region moves ahead of the open one where it reads none of its values; it moves after it
     where it reads a value the backward recomputes there (``_tt_recomputed_of``) or the result of a line so moved
-    (``_deferrable`` lines only; a region op reading such a result closes the region first).  ``as_written``: the
-    program may hold what the step as written holds (a default whole step: executors/buffers.py ``_room``), so a
-    recomputed value held until such a line costs nothing the step as written did not; elsewhere it counts.  A weight gradient's matmul reads the recomputed input of its layer (T5's and Llama's norms'
-    products): between the recomputation and the norm's backward it closed the region, and the recomputation ran as
-    a kernel of its own (T5's fused step: 41 kernels against 34 without the recomputation, 4-5 % of its time)."""
+    (``_deferrable`` lines only; a region op reading such a result closes the region first).  A weight gradient's
+    matmul reads the recomputed input of its layer (T5's and Llama's norms' products): between the recomputation and
+    the norm's backward it closed the region, and the recomputation ran as a kernel of its own (T5's fused step: 41
+    kernels against 34 without the recomputation, 4-5 % of its time).  ``as_written``: the program may hold what the
+    step as written holds (a default whole step: executors/buffers.py ``_room``), so a recomputed value held until
+    such a line costs nothing the step as written did not; elsewhere its bytes count."""
     region: list = []  # (index, bsym)
     produced: set = set()
     hoisted: list = []
@@ -241,7 +242,8 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset(), as_writ
         if region and not _is_barrier(b) and not any(r in produced or r in later for r in reads):
             hoisted.append((i, b))
             continue
-        if region and any(r in recomputed or r in later for r in reads) and _deferrable(b, recomputed if as_written else ()):
+        held = recomputed if as_written else ()
+        if region and any(r in recomputed or r in later for r in reads) and _deferrable(b, held):
             deferred.append((i, b))
             later.update(id(o) for o in b.flat_outputs())
             continue
@@ -286,9 +288,9 @@ class _State:
         self.reused: list = []  # names of fused regions whose kernel was compiled before
 
     def flush(self, region, hoisted, deferred):
-        # A region not fused leaves its lines, and those the walk moved ahead of it, in the trace's order: moved, a
-        # lone reduction (a head's bias gradient) ran after the lines hoisted past it, the opaque LSTM's backward
-        # among them, and held its input across it (the LSTM zoo step's fused program 1.025x eager's peak).
+        # A region not fused leaves its lines, and those the walk moved ahead of or after it, in the trace's order:
+        # moved, a lone reduction (a head's bias gradient) ran after the lines hoisted past it, the opaque LSTM's
+        # backward among them, and held its input across it (the LSTM zoo step's fused program 1.025x eager's peak).
         whole = [b for _, b in sorted(region + hoisted + deferred, key=lambda ib: ib[0])]
         ahead, region = _overlapping_results(region, self.readers, self.returned)
         if not _worth_fusing([b for _, b in region]):
