@@ -307,7 +307,7 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
     Every storage a line creates is tracked (for the peak-memory rule below), the ones a kept buffer can hold
     are the candidates.  A kept arena is held for the whole call, so the program's peak becomes the arena plus
     the peak of what it still allocates; when that is above the peak without buffers by more than ``_room``
-    (``PEAK_SLACK``, or towards ``TRACED_SHARE`` of ``traced``, the step as written), candidates alive where the
+    (``PEAK_SLACK``, or up to ``TRACED_SHARE`` of ``traced``, the step as written), candidates alive where the
     arena is fullest but not where the other allocations peak are allocated again until it is not (or nothing is
     kept); then those dropped are placed again where they fit
     (``arena.fill``: in the arena as it is, or growing it within the same rule)."""

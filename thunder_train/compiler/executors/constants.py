@@ -32,7 +32,7 @@ from ..symbols import BoundSymbol, Symbol
 from . import torch_impls
 from .buffers import view_call
 from .out_forms import aliased_args, aliasing_results, out_form
-from .regions import FusionSymbol
+from .regions import FusionSymbol, static_nbytes
 from .torch_executor import ImplSymbol
 
 FOLD_MAX_BYTES = 1 << 20  # the kept values of one program, at most
@@ -60,13 +60,6 @@ def _pure_call(b) -> bool:
 def _concrete(o) -> bool:
     return (type(o) is TensorProxy and all(type(n) is int for n in (*o._tt_shape, *o._tt_strides))
             and type(o._tt_storage_offset) is int)
-
-
-def _nbytes(o) -> int:
-    n = o._tt_dtype.torch.itemsize
-    for s in o._tt_shape:
-        n *= s
-    return n
 
 
 def _constant_lines(lines, refused) -> tuple[list, set]:
@@ -200,7 +193,7 @@ def _folded(trc, readers_checked: bool = True):
             if is_proxy(a) and id(a) in const and id(a) not in kept:
                 kept[id(a)] = a
                 first_reader = i if first_reader is None else first_reader
-    if not kept or sum(_nbytes(o) for o in kept.values()) > FOLD_MAX_BYTES:
+    if not kept or sum(static_nbytes(o) for o in kept.values()) > FOLD_MAX_BYTES:  # (``_concrete`` values)
         return None
     return found, const, kept, first_reader
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import time
 import weakref
@@ -45,8 +44,8 @@ from ..pytree import tree_map
 from ..symbols import BoundSymbol
 from . import layout_check
 from .torch_executor import NOT_A_KERNEL
-from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, structure, uses, \
-    whole_check, whole_form, whole_guard
+from .regions import MIN_OPS, FusionSymbol, fusible_name, fusion_form, op_names, result, results, static_nbytes, structure, \
+    uses, whole_check, whole_form, whole_guard
 
 _DTYPE_ONLY = {"to", "float", "double", "half", "bfloat16", "type_as"}  # conversions: never a device move
 
@@ -267,15 +266,8 @@ def _deferrable(bsym, held: set) -> bool:
             or not outs or not all(type(o) is TensorProxy for o in outs):
         return False
     ins = [a for k, a in {id(a): a for a in bsym.flat_args() if type(a) is TensorProxy}.items() if k not in held]
-    sizes = [_static_bytes(p) for p in (*ins, *outs)]
+    sizes = [static_nbytes(p) for p in (*ins, *outs)]
     return None not in sizes and sum(sizes[:len(ins)]) <= sum(sizes[len(ins):])
-
-
-def _static_bytes(p) -> int | None:
-    """A tensor's bytes; None where a size is symbolic."""
-    if any(type(d) is not int for d in p._tt_shape):
-        return None
-    return math.prod(p._tt_shape) * p._tt_dtype.torch.itemsize
 
 
 class _State:

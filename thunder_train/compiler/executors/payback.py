@@ -126,10 +126,6 @@ def decide(traces, *, call_s=None, measure=None, started=None, warm=None) -> Dec
 # ---------------------------------------------------------------------------
 # Saving: the region's torch ops, timed one by one; one fused kernel, estimated
 # ---------------------------------------------------------------------------
-def _nbytes(p) -> int:
-    return math.prod(p._tt_shape) * p._tt_dtype.torch.itemsize
-
-
 def _stand_in(p):
     t = torch.empty(p._tt_shape, dtype=p._tt_dtype.torch, device=p._tt_device.torch)
     if t.is_floating_point() or t.is_complex():
@@ -144,7 +140,7 @@ def region_seconds(bsyms, inputs, outputs) -> tuple[float, float]:
     and arguments the torch program passes), and an estimate of one fused kernel: a torch copy that moves the
     region's input and output bytes once.  ``(0, 0)`` when the ops fail on stand-in values or the stand-ins
     would be too large (counted as saving nothing)."""
-    nbytes = sum(_nbytes(p) for p in list(inputs) + list(outputs))
+    nbytes = sum(regions.static_nbytes(p) for p in list(inputs) + list(outputs))  # (a region's sizes are static)
     if nbytes > MAX_MEASURED_BYTES:
         return 0.0, 0.0
     # Timing is not part of the user's step: no grad, and no torch function or dispatch mode the caller has

@@ -7,6 +7,8 @@ through ``FusionSymbol``'s out form, and pay-back (``payback.py``) keys its esti
 """
 from __future__ import annotations
 
+import math
+
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from ..symbols import Symbol
@@ -68,6 +70,13 @@ def fusible_name(bsym) -> str | None:
     if fn in NOT_A_KERNEL or isinstance(fn, torch_impls.ScalarWrapper):
         return None
     return getattr(fn, "__name__", src.name).strip("_")
+
+
+def static_nbytes(p) -> int | None:
+    """A tensor proxy's bytes (its elements times its item size); None where a size is symbolic."""
+    if any(type(d) is not int for d in p._tt_shape):
+        return None
+    return math.prod(p._tt_shape) * p._tt_dtype.torch.itemsize
 
 
 def result(bsym):
