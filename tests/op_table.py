@@ -332,6 +332,11 @@ op("masked_fill_tensor_value", lambda x, m, v: x.masked_fill(m, v), lambda dt: [
 op("index_select", lambda x, i: torch.index_select(x, 1, i), lambda dt: [S(T(3, 4, dtype=dt), idx(5, high=4))], ALL)
 op("gather", lambda x, i: torch.gather(x, 1, i), lambda dt: [S(T(3, 4, dtype=dt), idx(3, 2, high=4))], ALL)
 op("scatter_add", lambda x, i, s: x.scatter_add(0, i, s), lambda dt: [S(T(3, 4, dtype=dt), idx(2, 4, high=3), T(2, 4, dtype=dt))], NUMERIC)
+# scatter from a tensor (indices distinct per row: which of two writes to one position wins is the kernel's), from a
+# number, and in place with a number (a router's mask of chosen groups: DeepSeek-V3's ``scatter_(1, group_idx, 1)``)
+op("scatter", lambda x, i, s: x.scatter(1, i, s), lambda dt: [S(T(3, 4, dtype=dt), torch.tensor([[0, 2], [3, 1], [1, 0]]), T(3, 2, dtype=dt))], ALL)
+op("scatter_value", lambda x, i: torch.scatter(x, 0, i, 2.5 if x.is_floating_point() else 2), lambda dt: [S(T(3, 4, dtype=dt), idx(2, 4, high=3))], NUMERIC)
+op("scatter_inplace_mask", lambda x, i: torch.zeros_like(x).scatter_(1, i, 1) * x, lambda dt: [S(T(4, 5, dtype=dt), idx(4, 2, high=5))], NUMERIC)
 op("index_add", lambda x, i, s: torch.index_add(x, 0, i, s), lambda dt: [S(T(3, 4, dtype=dt), torch.tensor([0, 2]), T(2, 4, dtype=dt))], NUMERIC)
 op("take_along_dim", lambda x, i: torch.take_along_dim(x, i, 1), lambda dt: [S(T(3, 4, dtype=dt), idx(3, 2, high=4))], ALL)
 op("take_along_dim_flat", lambda x, i: torch.take_along_dim(x, i), lambda dt: [S(T(3, 4, dtype=dt), idx(5, high=12))], ALL)

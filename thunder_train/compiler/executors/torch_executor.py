@@ -401,6 +401,12 @@ def _(bsym):
     return torch.scatter_add, (a, dim, index, src), {}
 
 
+@_rule(prims.scatter)
+def _(bsym):
+    a, index, src, dim = bsym.args
+    return torch.scatter, (a, dim, index, src), {}
+
+
 @_rule(prims.index_put)
 def _(bsym):
     return torch_impls.index_put, bsym.args, {}

@@ -215,6 +215,25 @@ def scatter_add_vjp(g, out, /, a, index, src, dim):
 
 
 @prim(tags=("fallible",))
+def scatter(a, index, src, dim):
+    """Out-of-place ``a.scatter(dim, index, src)``: ``src`` a tensor of ``index``'s shape and ``a``'s dtype, or a
+    number (written as ``a``'s dtype)."""
+    check(index._tt_dtype.is_int, "scatter: index must be an integer tensor")
+    check(not is_tensor(src) or (src._tt_dtype is a._tt_dtype and tuple(src._tt_shape) == tuple(index._tt_shape)),
+          "scatter: src must be a number or a tensor of index's shape and a's dtype")
+    return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)
+
+
+@register_vjp(scatter)
+def scatter_vjp(g, out, /, a, index, src, dim):
+    # eager's formula: the positions written take no gradient from ``a``; ``src`` gets the gradient where it went
+    grads = {"a": prims.scatter(g, index, 0, dim)}
+    if is_tensor(src):
+        grads["src"] = prims.gather(g, index, dim)
+    return grads
+
+
+@prim(tags=("fallible",))
 def index_put(a, indices, values, accumulate):
     """Out-of-place ``a.index_put(indices, values, accumulate)``."""
     return TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device)

@@ -1,4 +1,4 @@
-"""Indexing: ``t[...]`` (getitem), index_select, gather, take_along_dim, scatter_add, index_add, masked_fill
+"""Indexing: ``t[...]`` (getitem), index_select, gather, take_along_dim, scatter, scatter_add, index_add, masked_fill
 (symbols), and take, put, index_fill, index_copy, select_scatter, slice_scatter, scatter_reduce (sum),
 masked_scatter and unravel_index written as torch calls (``registry.composed``).  Writes through an index
 (``t[k] = v``) are ``inplace.setitem``."""
@@ -65,6 +65,24 @@ def take_along_dim(input, indices, dim=None):
 @torchsymbol(torch.scatter_add, methods=("scatter_add",), tags=("fallible",), autocast={"cuda": PROMOTE})
 def scatter_add(input, dim, index, src):
     return prims.scatter_add(input, index, src, clang.canonicalize_dim(input.ndim_, dim))
+
+
+@torchsymbol(torch.scatter, methods=("scatter",), tags=("fallible",))
+def scatter(input, dim, index, src=None, *, value=None, reduce=None):
+    """``input.scatter(dim, index, src)`` or ``(dim, index, value)``: each position ``index`` names takes ``src``'s
+    element (the same kernel as eager's, so where two write one position the same one wins) or the number."""
+    src = value if src is None else src
+    if reduce is not None or src is None:
+        raise NotImplementedError("scatter with reduce is run by torch")
+    if is_tensor(src) and (src._tt_dtype is not input._tt_dtype or tuple(src._tt_shape) != tuple(index._tt_shape)):
+        raise NotImplementedError("scatter from a src of another shape or dtype than index's is run by torch")
+    if index.ndim_ != input.ndim_ or input.ndim_ == 0:
+        raise NotImplementedError("scatter with an index of another rank than input's, or 0-d, is run by torch")
+    dim = clang.canonicalize_dim(input.ndim_, dim)
+    for d, (n, k) in enumerate(zip(input._tt_shape, index._tt_shape)):
+        if d != dim and not (type(n) is int and type(k) is int and k <= n):
+            raise NotImplementedError("scatter with an index larger than input outside dim is run by torch")
+    return prims.scatter(input, index, src, dim)
 
 
 @torchsymbol(torch.index_add, methods=("index_add",), tags=("fallible",))
