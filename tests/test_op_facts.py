@@ -297,7 +297,9 @@ def _runs(op, fn) -> bool:
     if op.is_prim:
         return fn in {torch_executor._ELEMENTWISE_TORCH.get(p) for p in (op, op.mirrored)} or \
             fn in {torch.true_divide, torch.matmul, torch.cat, torch.sum, torch.amax, torch.amin, torch.where, torch.full, torch.empty,
-                   torch.clone, torch.index_select}
+                   torch.clone, torch.index_select, torch.gather, torch.scatter, torch.scatter_add} or \
+            (op is prims.matmul and fn is torch.mm) or \
+            ("opaque" in op.tags and op.torch_impl is fn)  # (executors/mm_calls.py; an op run opaquely)
     return registry.lookup(fn) is op or op.torch_impl is fn or getattr(fn, "kernel_of", None) is op
 
 
@@ -319,7 +321,10 @@ _FRESH_SAMPLES = {
     "empty": ((2, 3),), "arange": (5,), "softmax": (_X, 1), "log_softmax": (_X, 1),
     "index_select": (_X, 0, torch.tensor([1, 0])), "full_like": (_X, 2.0), "rsub": (_X, 2.0), "__rsub__": (_X, 2.0),
     "matmul": (_X, _X.t()), "bmm": (_X[None], _X.t()[None]), "baddbmm": (_X[None], _X[None], _X.t()[None] @ _X[None]),
-    "pad": (_X, (1, 1)),
+    "pad": (_X, (1, 1)), "mm": (_X, _X.t()), "gather": (_X, 1, torch.tensor([[0], [2], [1], [1]])),
+    "scatter": (_X, 1, torch.tensor([[0], [2], [1], [1]]), _Y[:, :1]),
+    "scatter_add": (_X, 1, torch.tensor([[0], [2], [1], [1]]), _Y[:, :1]),
+    "_grouped_mm": (torch.rand(4, 8), torch.rand(2, 8, 4), torch.tensor([1, 4], dtype=torch.int32)),
     "sdpa_math": (torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(1, 2, 4, 3), torch.rand(4, 4)),
 }
 
@@ -811,6 +816,51 @@ def test_the_plan_counts_what_the_flash_pair_keeps(shape, dtype):
     line = BoundSymbol(attention.scaled_dot_product_attention, (), {}, proxy)
     kept = attention.scaled_dot_product_attention.torch_saved_statistics_bytes(line)
     assert kept == out.nbytes + lse.nbytes, (kept, out.nbytes, lse.nbytes)
+
+
+def _declared_scratch_cases():
+    offs = torch.tensor([3, 7, 7, 12], dtype=torch.int32)
+    col = lambda *shape: torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-2, -1)  # noqa: E731
+    grouped = [((torch.randn(12, 8), torch.randn(4, 8, 4)), {"offs": offs}),  # the op's four ranks, both layouts
+               ((torch.randn(12, 8), col(4, 8, 4)), {"offs": offs}),
+               ((col(4, 8, 8), torch.randn(8, 12)), {"offs": offs}),
+               ((torch.randn(8, 12), col(12, 4)), {"offs": offs}),
+               ((col(4, 8, 8), col(4, 8, 4)), {}),
+               ((torch.randn(48, 32), col(4, 32, 5)), {"offs": torch.tensor([16, 32, 40, 48], dtype=torch.int32)})]
+    counts = torch.randint(0, 4, (1000,)).float()
+    histc = [((counts,), {"bins": 4, "min": 0, "max": 3}), ((counts,), {"bins": 64}), ((counts[:7],), {"bins": 300})]
+    return [(torch._grouped_mm, a, k) for a, k in grouped] + [(torch.histc, a, k) for a, k in histc]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_declared_scratch_is_what_the_kernel_allocates(threads):
+    # Symbol.scratch_bytes (opaque ops: opaque.scratch_rule): an op whose kernel's temporaries are declared is planned
+    # around by kept buffers as a line without unknown memory (executors/buffers.py), so the declaration must cover
+    # what the kernel allocates inside the call beyond its output: measured in the allocator's order.
+    import sys
+
+    from thunder_train.compiler import opaque
+
+    def proxy_for(t):
+        return TensorProxy(shape=t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), storage_offset=t.storage_offset())
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from _peak import peak_call_bytes_all_threads
+
+    assert [s for s in PRIMS.values() if s.scratch_bytes is not None] == []
+    assert set(opaque.scratch_rules) == {torch._grouped_mm, torch.histc}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for func, args, kwargs in _declared_scratch_cases():
+            declared = opaque.opaque_symbol(func).scratch_bytes(*[proxy_for(a) for a in args], **kwargs)
+            out = func(*args, **kwargs)
+            inside = peak_call_bytes_all_threads(lambda: func(*args, **kwargs)) - out.untyped_storage().nbytes()
+            assert declared is not None and 0 <= inside <= declared, (func, [a.shape for a in args], kwargs, inside, declared)
+        strided = torch.randn(64, 16).t()  # copied first: unknown
+        assert opaque.opaque_symbol(torch.histc).scratch_bytes(proxy_for(strided), bins=4) is None
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_every_fact_slot_of_symbol_is_checked_here():

@@ -57,15 +57,19 @@ class OpaqueSymbol(Symbol):
     # Its output proxies' requires_grad come from the meta run, i.e. eager's: autograd.Forward reads them
     # (an output eager does not differentiate carries no gradient).
     output_grad_flags = True
-    # torch runs it as is: whatever it allocates and frees inside the line is unknown here (the CPU fallback of
-    # ``torch._grouped_mm``, DeepSeek-V3's routed experts, peaks there), so kept buffers must not raise it
-    # (executors/buffers.py)
+    # torch runs it as is: whatever it allocates and frees inside the line is unknown here, so kept buffers must not
+    # raise it (executors/buffers.py), unless the op declares its scratch (``scratch_rule``)
     torch_unknown_scratch = True
 
     def __init__(self, func):
         name = callable_name(func)
         super().__init__(name, func, module="opaque", is_prim=True, tags=("opaque",))
         self.torch_impl = func
+        # An op whose kernel's allocations are declared: its scratch, and its results are new tensors
+        # (executors/out_forms.py; else taken to share their arguments' memory, which the kept buffers' plan counts not)
+        self.scratch_bytes = scratch_rules.get(func)
+        if self.scratch_bytes is not None:
+            self.torch_fresh = frozenset({func})
         self.id = f"opaque.{name}"
         self._print_name, self._globals = printable_reference(func, name)
 
@@ -140,6 +144,13 @@ def _declaring(table: dict):
 # (``requires_grad`` as eager's), computed from the arguments' metadata alone.
 meta_rules: dict = {}
 meta_rule = _declaring(meta_rules)
+
+# Scratch rules for torch ops run opaquely whose kernel's temporaries are known (``@scratch_rule(func)``, declared
+# with the op in the torch language): ``rule(*args, **kwargs)`` returns the bytes the kernel allocates and frees inside
+# the call, from the arguments' proxies, or None where they are unknown for these arguments (``Symbol.scratch_bytes``;
+# the kept buffers' plan counts them, executors/buffers.py).
+scratch_rules: dict = {}
+scratch_rule = _declaring(scratch_rules)
 
 # Layout rules for torch ops run opaquely whose meta kernel lays the result out otherwise than a device's kernel
 # (``@device_layout_rule(func)``, declared with the op in the torch language): ``rule(device, args, kwargs, meta_out)``

@@ -173,6 +173,9 @@ class Symbol:
     # (the CPU convolution backward's oneDNN buffers: 14 KiB on ResNet's 1 KiB activations), so a call may peak at
     # one of its lines: kept buffers must not raise that line's memory
     torch_unknown_scratch = False
+    # ``(*args, **kwargs) -> int | None``: the bytes its torch kernel allocates and frees inside the line, None where
+    # unknown for these arguments; where declared it answers for ``torch_unknown_scratch`` (``opaque.scratch_rule``)
+    scratch_bytes = None
     # executors/buffers.py: a line whose backend allocates memory the plan does not see, outside its kernel (a
     # collective's buffers, made on the backend's own threads): the program's kept buffers get no room beyond its
     # own planned peak (``buffers._room``)

@@ -98,10 +98,46 @@ def _room(natural: int, traced: int | None) -> int:
     return max(_slack(natural), min(int(traced * TRACED_SHARE) - natural, int(natural * ROOM_SHARE)))
 
 
+def _inside_lines(bsyms, output):
+    """(the lines whose kernel's scratch memory is unknown, {key: [first line, last line, bytes, None]} of the memory
+    lines hold beyond their results): a kernel's declared scratch, alive at its line only; and what a line's first
+    result holds until its last read (``fn.held_bytes``: a kept autograd graph, which the result itself holds, not
+    its views), and as much again inside that last reader's line, which runs the graph's backward (its temporaries)."""
+    unknown, inside = [], {}
+    returned = {id(p) for p in tree_flatten(output)[0]}
+    for i, b in enumerate(bsyms):
+        line_scratch = _scratch(b)
+        if line_scratch is None:
+            unknown.append(i)
+        if getattr(b.sym, "hands_in", False):
+            continue
+        if line_scratch:
+            inside[("scratch", i)] = [i, i, line_scratch, None]
+        held_of = getattr(getattr(b.sym, "fn", None), "held_bytes", None)
+        if held_of is not None:
+            o, nbytes = next(o for o in b.flat_outputs() if _tensor(o)), held_of(*b.args, **b.kwargs)
+            last = len(bsyms) - 1 if id(o) in returned else \
+                max((j for j in range(i, len(bsyms)) if any(a is o for a in bsyms[j].flat_args())), default=i)
+            inside[("held", i)] = [i, last, nbytes, None]
+            inside[("held scratch", i)] = [last, last, nbytes, None]
+    return unknown, inside
+
+
 def _unseen_memory(bsyms) -> bool:
     """Whether a line's backend allocates memory the plan does not see (``Symbol.torch_unseen_memory``: the
     collectives), so that the program gets no ``_room``."""
     return any(getattr(b.source or b.sym, "torch_unseen_memory", False) for b in bsyms)
+
+
+def _scratch(b) -> int | None:
+    """The bytes line ``b``'s kernel allocates and frees inside the line: its function's rule (``fn.scratch_bytes``,
+    the torch executor's own functions) or its op's (``Symbol.scratch_bytes``), else 0, or None where unknown
+    (``Symbol.torch_unknown_scratch``, or the rule says so for these arguments)."""
+    op = b.source or b.sym
+    rule = getattr(getattr(b.sym, "fn", None), "scratch_bytes", None) or getattr(op, "scratch_bytes", None)
+    if rule is not None:
+        return rule(*b.args, **b.kwargs)
+    return None if getattr(op, "torch_unknown_scratch", False) else 0
 
 
 def _meta(x):
@@ -352,12 +388,11 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
             if form is not None and nbytes is not None and o._tt_device.type == "cpu" and nbytes >= max(MIN_BYTES, 1) \
                     and (o._tt_rowmajor or _writes_any_layout(b, form)):
                 candidates[id(o)] = (b, form)
-        scratch_of = getattr(getattr(b.sym, "fn", None), "scratch_bytes", None)
-        if scratch_of is not None:  # memory the kernel allocates and frees inside the line: alive at it only
-            storages[("scratch", i)] = [i, i, scratch_of(*b.args, **b.kwargs), None]
     for p in tree_flatten(trc.output)[0]:
         if is_proxy(p):
             escaped |= may_alias.get(id(p), set())
+    scratch, inside = _inside_lines(bsyms, trc.output)
+    storages.update(inside)
     storages, candidates, escaped = _keyed_by_place(storages, candidates, escaped)
     # Whether the line's out form takes its call is asked only for values that could be kept (the first call of a
     # small program is mostly these questions).
@@ -381,7 +416,6 @@ def _plan(trc, whole_call: bool = True, traced: int | None = None):
     # Python lists, not tensors: a round reads every line once (a Llama step: ~150 rounds over ~450 lines), about as
     # fast either way there, and a small program's first call does not pay each tensor op's first dispatch.
     pooled = _live_bytes(storages, kept, n)
-    scratch = [i for i, b in enumerate(bsyms) if getattr(b.source, "torch_unknown_scratch", False)]
     slack = _room(natural, None if scratch or _unseen_memory(bsyms) else traced)  # (memory the plan does not see)
     exact = {k: _storage_bytes(storages[k][3], rounded=False) for k in kept} if scratch else {}
     need = _live_bytes(storages, kept, n, exact) if scratch else None  # the kept values' unrounded bytes at each line

@@ -2,7 +2,7 @@
 
 DeepSeek-V3's attention (multi-head latent attention) reads q and k of width 16 and v of width 8.  The CPU flash
 kernels take one width for all three, so eager runs its math kernel, and the torch program keeps that kernel's
-autograd graph from the forward line to the backward line (``saved_statistics.sdpa_keeping_graph``): eager's bits,
+autograd graph from the forward line to the backward line (``kept_graphs.sdpa_keeping_graph``): eager's bits,
 at about three times the flash pair's time at the zoo's sizes (its softmax, matmuls and their backward nodes).
 
 A fused program may round otherwise than eager (its values are compared within tolerances), so there the pair runs

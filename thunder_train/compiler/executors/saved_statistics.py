@@ -39,6 +39,7 @@ import torch
 
 from .. import dtypes
 from . import attention_math, torch_impls
+from .kept_graphs import sdpa_graph_backward, sdpa_keeping_graph
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
 from ..symbols import BoundSymbol
@@ -163,27 +164,6 @@ def _dense_order(shape, strides):
             return None
         step *= max(shape[d], 1)
     return tuple(order)
-
-
-def sdpa_keeping_graph(query, key, value, which, **kwargs):
-    """Eager's ``scaled_dot_product_attention`` call (whatever kernel it picks: the math one for one key/value head
-    broadcast over the query heads, or a mask it does not take to flash), run as eager runs it in training: on
-    ``query``, ``key``, ``value`` (those at the positions ``which`` made to require grad).  The output comes back
-    detached, carrying the autograd graph eager's call recorded, which ``sdpa_graph_backward`` runs: eager's own
-    backward kernels, bitwise eager's gradients, without running the forward a second time."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(i in which) for i, t in enumerate((query, key, value))]
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **kwargs)
-    result = out.detach()
-    result._tt_graph = (out, [leaves[i] for i in which])
-    return result
-
-
-def sdpa_graph_backward(g, out, *reads):
-    """The gradients of the call ``sdpa_keeping_graph`` made for ``g`` (torch's autograd; the graph is freed).
-    ``reads``: the forward's inputs, which the graph saved (listed so that nothing writes over them before this)."""
-    graph, leaves = out.__dict__.pop("_tt_graph")
-    return torch.autograd.grad(graph, leaves, g)
 
 
 def cross_entropy_with_stats(input, target, ignore_index, reduction):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import clang
-from ..opaque import call_opaque, direct_vjp, meta_rule
+from ..opaque import call_opaque, direct_vjp, meta_rule, scratch_rule
 from ..proxies import TensorProxy
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -46,13 +46,30 @@ def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         if mat_a.shape[0] != mat_b.shape[0]:
             raise RuntimeError("grouped_mm: batched dimension has to match")
         shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
-    out = torch.empty(shape, dtype=out_dtype or mat_a.dtype, device="meta")
+    dtype = out_dtype or mat_a.dtype
+    # Eager's layout: every kernel pads the output's rows to whole 16 bytes (its device kernels' alignment; torch's own
+    # meta kernel pads only in CUDA builds, its CPU fallback pads everywhere)
+    align = 16 // dtype.itemsize
+    padded = -(-shape[-1] // align) * align
+    strides = (padded, 1) if len(shape) == 2 else (shape[1] * padded, padded, 1)
+    out = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
     grad = mat_a.requires_grad or mat_b.requires_grad or (bias is not None and bias.requires_grad)
     return out.requires_grad_() if grad and out.dtype.is_floating_point else out
 
 
+def _grouped_mm_scratch(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """0 for float32 operands on the CPU: the CPU kernel writes each group's product into its slice of the output
+    with the BLAS product (``mm_out``), whose operands the op requires laid out as BLAS takes them (row- or
+    column-major in the last two dims), so nothing is copied (measured: no byte beyond the output).  Unknown elsewhere
+    (oneDNN's half-precision products, the device kernels)."""
+    if type(mat_a) is TensorProxy and mat_a._tt_device.type == "cpu" and mat_a._tt_dtype.torch is torch.float32:
+        return 0
+    return None
+
+
 if hasattr(torch, "_grouped_mm"):
     meta_rule(torch._grouped_mm)(_grouped_mm_meta)
+    scratch_rule(torch._grouped_mm)(_grouped_mm_scratch)
 
 
 def _arguments(args, kwargs):

@@ -1,6 +1,7 @@
 """Output rules (``opaque.meta_rule``) for torch ops that run opaquely and have no meta kernel, of families without a
-module of their own: torch.distributions' Dirichlet sampler and its gradient, and fake quantization; and the clear
-refusal of packed sequences (``pack_padded_sequence`` / ``pad_packed_sequence``), whose sizes ``lengths`` decides.
+module of their own: torch.distributions' Dirichlet sampler and its gradient, and fake quantization; the clear
+refusal of packed sequences (``pack_padded_sequence`` / ``pad_packed_sequence``), whose sizes ``lengths`` decides;
+and the scratch memory of ``torch.histc``'s CPU kernel (``opaque.scratch_rule``).
 
 Each output is shaped like the op's first input and requires grad as eager's does.  At run time torch computes it
 (and, on the gradient path, differentiates it: ``transforms/opaque_grad.py``); torch tags the sampler random, so it
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedOpError
-from ..opaque import meta_rule
+from ..opaque import meta_rule, scratch_rule
 
 
 def _like(input, *others):
@@ -61,3 +62,15 @@ def _pack_padded_sequence_refused(input, lengths, batch_first):
 @meta_rule(torch._pad_packed_sequence)
 def _pad_packed_sequence_refused(data, batch_sizes, batch_first, padding_value, total_length):
     raise UnsupportedOpError(_PACKED.format(what="torch.nn.utils.rnn.pad_packed_sequence"))
+
+
+# histc (mixture-of-experts routers count their tokens per expert with it): the CPU kernel allocates the bins' edges
+# and one histogram per thread of torch's pool, and frees them inside the call (measured with 1 and 2 threads and with
+# the range given or found, where it finds the range its two bounds too).  A strided input is copied first and its
+# range found by a reduction: unknown.  The pool's size is read when the program is planned.
+@scratch_rule(torch.histc)
+def _histc_scratch(input, bins=100, min=0, max=0, *, out=None):
+    if out is not None or type(bins) is not int or input._tt_device.type != "cpu" or not input._tt_rowmajor:
+        return None
+    size = input._tt_dtype.torch.itemsize
+    return (bins + 1 + torch.get_num_threads() * bins + (2 if min == max else 0)) * size

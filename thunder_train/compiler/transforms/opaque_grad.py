@@ -186,6 +186,8 @@ class AutogradOpaqueSymbol(opaque.OpaqueSymbol):
         # One symbol per (op, differentiated positions): printed names must differ.
         short += "".join(f"_{i}" for i in positions)
         self.torch_impl = AutogradRun(func, positions, short)
+        # torch's autograd runs around the op: what it allocates inside the line is unknown
+        self.scratch_bytes, self.torch_fresh = None, frozenset()
         self.fn = _any_arguments
         ident = "torch_autograd_" + short
         self._print_name, self._globals = ident, {ident: self.torch_impl}
