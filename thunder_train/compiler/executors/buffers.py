@@ -27,8 +27,10 @@ until that holds, or the values alive where the call peaks packed first, the oth
 ``arena.around_the_peak``; whichever keeps more values).  At a line whose kernel
 allocates scratch memory of unknown size (``Symbol.torch_unknown_scratch``: the CPU convolution backward) the call
 may peak inside the kernel, so there the arena holds no byte beyond what the kept values alive at the line need.
-A function that declares its scratch memory (``fn.scratch_bytes(*args, **kwargs)``: the blocked head's) has it
-counted as a value alive at its line only.
+A function or op that declares its scratch memory (``fn.scratch_bytes(*args, **kwargs)``: the blocked head's;
+``Symbol.scratch_bytes``: an opaque op's ``opaque.scratch_rule``) has it counted as a value alive at its line only;
+a function whose result holds memory no proxy shows (``fn.held_bytes``: an attention line keeping its autograd
+graph, executors/kept_graphs.py) has that counted alive until the result's last read (``_inside_lines``).
 
 The program takes one set of views when it starts (``_pool = ttex.kept_buffers(k)``, ``_b = _pool.take()``)
 and gives it back before it returns.  A call running at the same time (another thread, or reentrant) takes
