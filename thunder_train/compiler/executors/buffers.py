@@ -116,8 +116,13 @@ def _inside_lines(bsyms, output):
         if line_scratch:
             inside[("scratch", i)] = [i, i, line_scratch, None]
         held_of = getattr(getattr(b.sym, "fn", None), "held_bytes", None)
-        if held_of is not None:
-            o, nbytes = next(o for o in b.flat_outputs() if _tensor(o)), held_of(*b.args, **b.kwargs)
+        o = next((o for o in b.flat_outputs() if _tensor(o)), None) if held_of is not None else None
+        if o is not None and o._tt_device.type == "cpu":  # (kept buffers are CPU memory)
+            try:
+                nbytes = held_of(*b.args, **b.kwargs)
+            except Exception:  # noqa: BLE001 - not found on meta tensors: unknown, as a kernel's scratch
+                unknown.append(i)
+                continue
             last = len(bsyms) - 1 if id(o) in returned else \
                 max((j for j in range(i, len(bsyms)) if any(a is o for a in bsyms[j].flat_args())), default=i)
             inside[("held", i)] = [i, last, nbytes, None]

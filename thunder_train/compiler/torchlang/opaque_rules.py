@@ -73,4 +73,5 @@ def _histc_scratch(input, bins=100, min=0, max=0, *, out=None):
     if out is not None or type(bins) is not int or input._tt_device.type != "cpu" or not input._tt_rowmajor:
         return None
     size = input._tt_dtype.torch.itemsize
-    return (bins + 1 + torch.get_num_threads() * bins + (2 if min == max else 0)) * size
+    found = not (type(min) in (int, float) and type(max) in (int, float) and min != max)  # the range from the values
+    return (bins + 1 + torch.get_num_threads() * bins + (2 if found else 0)) * size
