@@ -141,6 +141,40 @@ def test_arguments_beyond_decompositions_run_through_torch(name, decompose):
         tt.compile(fn, strict=True)(x)
 
 
+_SCATTER_INDEX = torch.tensor([[0, 2], [1, 0], [2, 2]])
+# ``scatter`` outside the torch language's symbol (torchlang/indexing.py): forms it leaves to torch, with eager's result,
+# and calls eager refuses, with eager's error and message (not the symbol's reason for leaving a form to torch)
+SCATTER_CALLS = {
+    "int32 index": (lambda x: x.scatter(1, _SCATTER_INDEX.int(), 1.0), True),
+    "src larger than index": (lambda x: x.scatter(1, _SCATTER_INDEX, torch.ones(3, 4)), True),
+    "empty index": (lambda x: x.scatter(1, _SCATTER_INDEX[:0], 1.0), True),
+    "0-d input": (lambda x: x[0, 0].scatter(0, torch.tensor(0), 5.0), True),
+    "reduce": (lambda x: x.clone().scatter_(1, _SCATTER_INDEX, torch.ones(3, 2), reduce="add"), True),
+    "0-d src": (lambda x: x.scatter(1, _SCATTER_INDEX, torch.tensor(2.0)), False),
+    "src of another dtype": (lambda x: x.scatter(1, _SCATTER_INDEX, torch.ones(3, 2, dtype=torch.float64)), False),
+    "index of another rank": (lambda x: x.scatter(1, _SCATTER_INDEX[0], 1.0), False),
+    "index larger than input": (lambda x: x.scatter(0, torch.zeros(3, 5, dtype=torch.long), 1.0), False),
+    "src smaller than index": (lambda x: x.scatter(1, _SCATTER_INDEX, torch.ones(3, 1)), False),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")
+@pytest.mark.parametrize("name", list(SCATTER_CALLS))
+def test_scatter_forms_beyond_the_symbol_give_eagers_result_or_error(name):
+    fn, valid = SCATTER_CALLS[name]
+    x = torch.randn(3, 4)
+    cf = tt.compile(fn, fusion=None)
+    if valid:
+        assert torch.equal(cf(x), fn(x))
+        assert tt.compile_stats(cf).opaque_ops
+        return
+    with pytest.raises(RuntimeError) as eager:
+        fn(x)
+    with pytest.raises(RuntimeError) as compiled:
+        cf(x)
+    assert str(compiled.value).splitlines()[0] == str(eager.value).splitlines()[0]
+
+
 def test_round_decimals_of_an_integer_tensor_raises_eagers_error():
     with pytest.raises(NotImplementedError):
         tt.compile(lambda x: torch.round(x.long(), decimals=1))(torch.randn(3))

@@ -72,16 +72,25 @@ def scatter(input, dim, index, src=None, *, value=None, reduce=None):
     """``input.scatter(dim, index, src)`` or ``(dim, index, value)``: each position ``index`` names takes ``src``'s
     element (the same kernel as eager's, so where two write one position the same one wins) or the number."""
     src = value if src is None else src
-    if reduce is not None or src is None:
-        raise NotImplementedError("scatter with reduce is run by torch")
-    if is_tensor(src) and (src._tt_dtype is not input._tt_dtype or tuple(src._tt_shape) != tuple(index._tt_shape)):
-        raise NotImplementedError("scatter from a src of another shape or dtype than index's is run by torch")
-    if index.ndim_ != input.ndim_ or input.ndim_ == 0:
-        raise NotImplementedError("scatter with an index of another rank than input's, or 0-d, is run by torch")
+    if reduce is not None or src is None or input.ndim_ == 0 or not all(type(n) is int for n in index._tt_shape) \
+            or math.prod(index._tt_shape) == 0:
+        raise NotImplementedError("scatter with reduce, of a 0-d input or an empty or symbolic index is run by torch")
+    if index._tt_dtype is not dtypes.int64:
+        raise NotImplementedError("scatter with an index of another dtype than int64 is run by torch")
+    # eager's checks, with its messages
+    if is_tensor(src) and src._tt_dtype is not input._tt_dtype:
+        raise RuntimeError("scatter(): Expected self.dtype to be equal to src.dtype")
+    if index.ndim_ != input.ndim_ or (is_tensor(src) and src.ndim_ != index.ndim_):
+        raise RuntimeError(f"Index tensor must have the same number of dimensions as {'self' if index.ndim_ != input.ndim_ else 'src'} tensor")
     dim = clang.canonicalize_dim(input.ndim_, dim)
-    for d, (n, k) in enumerate(zip(input._tt_shape, index._tt_shape)):
-        if d != dim and not (type(n) is int and type(k) is int and k <= n):
-            raise NotImplementedError("scatter with an index larger than input outside dim is run by torch")
+    over = [type(n) is int and k > n and d != dim for d, (n, k) in enumerate(zip(input._tt_shape, index._tt_shape))]
+    if is_tensor(src):
+        over += [type(n) is int and k > n for n, k in zip(src._tt_shape, index._tt_shape)]
+    if any(over):
+        raise RuntimeError(f"Expected index {list(index._tt_shape)} to be no larger than self {list(input._tt_shape)} apart "
+                           f"from dimension {dim}" + (f" and to be no larger size than src {list(src._tt_shape)}" if is_tensor(src) else ""))
+    if is_tensor(src) and tuple(src._tt_shape) != tuple(index._tt_shape):
+        raise NotImplementedError("scatter from a src larger than index is run by torch")
     return prims.scatter(input, index, src, dim)
 
 
