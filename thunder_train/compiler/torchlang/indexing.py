@@ -351,17 +351,11 @@ composed("unravel_index", unravel_index, (torch.unravel_index,))
 def scatter_reduce(input, dim, index, src, reduce, *, include_self=True):
     if reduce != "sum":
         raise NotImplementedError(f"scatter_reduce(reduce={reduce!r}) is run by torch")
-    base = input if include_self else _cleared(input, dim, index)
+    base = input if include_self else input.scatter(dim, index, 0)  # (the positions ``index`` names cleared)
     return base.scatter_add(dim, index, src)
 
 
 composed("scatter_reduce", scatter_reduce, (torch.scatter_reduce,), ("scatter_reduce",))
-
-
-def _cleared(input, dim, index):
-    """``input`` with the positions ``index`` scatters to set to zero."""
-    hit = torch.zeros_like(input).scatter_add(dim, index, torch.ones_like(index, dtype=input.dtype))
-    return torch.where(hit > 0, torch.zeros_like(input), input)
 
 
 def put(input, index, source, accumulate=False):
