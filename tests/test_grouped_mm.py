@@ -101,3 +101,23 @@ def test_a_gradient_penalty_through_the_products_is_eagers():
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(ca.grad, ea.grad)
     torch.testing.assert_close(cb.grad, eb.grad)
+
+
+def test_output_layout_is_eagers_where_its_rows_are_padded():
+    """Every ``_grouped_mm`` kernel pads the output's rows to whole 16 bytes: with 5 columns of float32 its row stride
+    is 8.  The trace records that layout (it was taken row-major, stride 5), so later lines and the kept buffers'
+    plan see the memory eager's output has; values as eager's (no gradient: eager's backward refuses such strides)."""
+    offs = torch.tensor([16, 32, 40, 48], dtype=torch.int32)
+    a, b = torch.randn(48, 32), torch.randn(4, 5, 32).transpose(-2, -1)
+
+    def step(a, b):
+        out = torch._grouped_mm(a, b, offs=offs)
+        return out, (out * out.cos()).sum()
+
+    expected = step(a, b)
+    assert expected[0].stride() == (8, 1)
+    cf = tt.compile(step, fusion=None)
+    got = cf(a, b)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[0].stride() == (8, 1)
+    line = next(b for b in tt.last_traces(cf)[-1].bound_symbols if "_grouped_mm" in b.sym.name)
+    assert line.output._tt_strides == (8, 1), line.output._tt_strides
