@@ -130,14 +130,17 @@ def test_out_form_is_bitwise_the_functional_call(case):
         assert torch.equal(g, w) and g.stride() == w.stride()
 
 
-# (input, weight, bias, what the line calls): aten's linear.out where it runs linear_out's kernels, else linear_out.
+# (input, weight, bias, what the line calls): aten's linear.out where it runs functional linear's kernel, the rows'
+# form for a bias and a row-major input of more dims, and no kept buffer for a transposed one (its form would copy).
 LINEAR_LINES = {
-    "2-d, bias": ((64, 32), False, True, "torch.nn.functional.linear("),
-    "2-d, no bias": ((64, 32), False, False, "torch.nn.functional.linear("),
-    "3-d, no bias": ((4, 16, 32), False, False, "torch.nn.functional.linear("),
-    "3-d transposed, no bias": ((4, 32, 16), True, False, "ttex.linear_out("),
-    "3-d, bias": ((4, 16, 32), False, True, "ttex.linear_out("),
-    "4-d with a size of 1, no bias": ((2, 1, 8, 32), False, False, "torch.nn.functional.linear("),
+    "2-d, bias": ((64, 32), False, True, "torch.nn.functional.linear(x, w, b, out=_b["),
+    "2-d, no bias": ((64, 32), False, False, "torch.nn.functional.linear(x, w, None, out=_b["),
+    "3-d, no bias": ((4, 16, 32), False, False, "torch.nn.functional.linear(x, w, None, out=_b["),
+    "3-d transposed, no bias": ((4, 32, 16), True, False, "torch.nn.functional.linear(x, w, None)  #"),
+    "3-d transposed, bias": ((4, 32, 16), True, True, "torch.nn.functional.linear(x, w, b)  #"),
+    "3-d, bias": ((4, 16, 32), False, True, "ttex.linear_rows_out(x, w, b, out=_b["),
+    "4-d, bias": ((2, 3, 8, 32), False, True, "ttex.linear_rows_out(x, w, b, out=_b["),
+    "4-d with a size of 1, no bias": ((2, 1, 8, 32), False, False, "torch.nn.functional.linear(x, w, None, out=_b["),
 }
 
 
@@ -146,11 +149,26 @@ def test_a_kept_linear_calls_the_form_of_eagers_kernels(case, every_size):
     shape, transposed, with_bias, call = LINEAR_LINES[case]
     x = _x(*shape).transpose(-1, -2) if transposed else _x(*shape)
     w, b = _x(48, 32), (_x(48) if with_bias else None)
-    fn = lambda x, w, b: F.linear(x, w, b).sin()  # noqa: E731  (the product is an intermediate: a kept buffer)
+    # (the product is an intermediate the program takes a view of: a kept buffer whatever its form)
+    fn = lambda x, w, b: F.linear(x, w, b).transpose(-1, -2).sin()  # noqa: E731
     cf = tt.compile(fn, fusion=None)
     for _ in range(2):  # the second call writes into the buffers the first one left
         assert torch.equal(cf(x, w, b), fn(x, w, b))
     assert call in source(cf), source(cf)
+
+
+@pytest.mark.parametrize("viewed", [False, True])
+def test_a_linear_whose_form_runs_python_is_kept_only_where_it_is_viewed(viewed):
+    # linear_rows_out's frame and views cost more than the allocation a kept buffer saves (buffers._worth_their_forms):
+    # such a product is kept only where the program takes a view of it, which the buffers then make once.
+    x, w, b = _x(4, 16, 32), _x(48, 32), _x(48)
+    fn = (lambda x, w, b: F.linear(x, w, b).transpose(-1, -2).sin()) if viewed else (lambda x, w, b: F.linear(x, w, b).sin())
+    cf = tt.compile(fn, fusion=None)
+    for _ in range(2):
+        assert torch.equal(cf(x, w, b), fn(x, w, b))
+    src = source(cf)
+    assert ("ttex.linear_rows_out(x, w, b, out=_b[" in src) is viewed, src
+    assert ("torch.nn.functional.linear(x, w, b)  #" in src) is not viewed, src
 
 
 def _every_dim_order(want):

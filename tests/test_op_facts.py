@@ -321,7 +321,7 @@ _FRESH_SAMPLES = {
     "empty": ((2, 3),), "arange": (5,), "softmax": (_X, 1), "log_softmax": (_X, 1),
     "index_select": (_X, 0, torch.tensor([1, 0])), "full_like": (_X, 2.0), "rsub": (_X, 2.0), "__rsub__": (_X, 2.0),
     "matmul": (_X, _X.t()), "bmm": (_X[None], _X.t()[None]), "baddbmm": (_X[None], _X[None], _X.t()[None] @ _X[None]),
-    "pad": (_X, (1, 1)), "mm": (_X, _X.t()), "gather": (_X, 1, torch.tensor([[0], [2], [1], [1]])),
+    "pad": (_X, (1, 1)), "mm": (_X, _X.t()), "linear": (_X, _Y, torch.rand(4)), "gather": (_X, 1, torch.tensor([[0], [2], [1], [1]])),
     "scatter": (_X, 1, torch.tensor([[0], [2], [1], [1]]), _Y[:, :1]),
     "scatter_add": (_X, 1, torch.tensor([[0], [2], [1], [1]]), _Y[:, :1]),
     "_grouped_mm": (torch.rand(4, 8), torch.rand(2, 8, 4), torch.tensor([1, 4], dtype=torch.int32)),

@@ -37,7 +37,8 @@ def _row_major(sizes, strides) -> bool:
 # form also accepts None entries for results it allocates.
 def out_form(bsym):
     """The out form of the line's function, or None: a ttex function's own ``.out``, else the one its op declares for
-    the torch callable the line runs (``Symbol.torch_out_forms``)."""
+    the torch callable the line runs (``Symbol.torch_out_forms``), as the form picks it for the line's traced
+    arguments (``fn.for_line``; None where no form is worth a kept buffer)."""
     if isinstance(bsym.sym, FusionSymbol):  # a fused region: its kernel writes into given buffers
         return None if bsym.sym.into else getattr(bsym.sym.runner, "out", None)
     op = bsym.source
@@ -51,9 +52,10 @@ def out_form(bsym):
         return form
     forms = op.torch_out_forms if op is not None else None
     try:
-        return forms.get(fn) if forms else None
+        form = forms.get(fn) if forms else None
     except TypeError:  # an unhashable callable
         return None
+    return None if form is None else form_for_line(form, bsym)
 
 
 def aliased_args(bsym):
@@ -171,7 +173,7 @@ def _declare_fresh() -> None:
 
     fresh = {red.sum: both("sum"), red.mean: both("mean"), red.amax: both("amax"), red.amin: both("amin"),
              red.softmax: both("softmax") | {_F.softmax}, red.log_softmax: both("log_softmax") | {_F.log_softmax},
-             ew.where: both("where"), nn.embedding: {_F.embedding}, normalization.layer_norm: {_F.layer_norm},
+             ew.where: both("where"), nn.embedding: {_F.embedding}, nn.linear: {_F.linear}, normalization.layer_norm: {_F.layer_norm},
              attention.scaled_dot_product_attention: {_F.scaled_dot_product_attention, attention.sdpa_math},
              losses.cross_entropy: {_F.cross_entropy},
              **{op: {getattr(torch, op.name)} for op in (factories.full, factories.zeros, factories.ones,
@@ -200,19 +202,28 @@ def _declare_fresh() -> None:
 
 
 def _linear_for_line(b):
-    """``linear_out``'s branch taken from the traced ranks and layout: aten's ``linear.out`` directly, without the
-    Python function between (and its ``weight.t()`` call: ~2.4 us a call), where it runs what ``linear_out`` runs:
-    for a 2-d input and a 1-d bias (``addmm``), and without a bias for a 2-d or row-major input (``matmul(input,
-    weight.t(), out=)``).  A bias with a row-major input of more dims keeps ``linear_out``: aten's ``linear.out``
-    adds it after the product, where functional ``linear`` (eager's) folds the rows into one ``addmm``."""
+    """The out form a line of ``F.linear`` calls, picked from the traced ranks and layout, or None (no out form):
+    aten's ``linear.out`` directly, without a Python function between (and its ``weight.t()`` call: ~2.4 us a
+    call), where it runs functional ``linear``'s kernel: for a 2-d input and a 1-d bias (``addmm``), and without a
+    bias for a 2-d or row-major input (``matmul(input, weight.t(), out=)``); ``linear_rows_out`` for a 1-d bias and a
+    row-major input of more dims (aten's ``linear.out`` would add the bias after the product; functional ``linear``
+    folds the rows into one ``addmm``).  None for an input of 3 or more dims that is not row-major: ``linear_out``
+    would run functional ``linear`` and copy its result into the buffer, an allocation all the same (which the plan
+    would not count) and a copy more."""
     args = list(b.args) + [b.kwargs.get("bias")] * (3 - len(b.args))
     x, bias = args[0], args[2]
     if not _tensor(x) or len(x._tt_shape) < 2:
         return torch_impls.linear_out
-    if _tensor(bias) and len(x._tt_shape) == 2 and len(bias._tt_shape) == 1:
+    one_d_bias = _tensor(bias) and len(bias._tt_shape) == 1
+    if one_d_bias and len(x._tt_shape) == 2:
         return torch._C._nn.linear
-    if bias is None and (len(x._tt_shape) == 2 or _laid_out_row_major(x)):
+    row_major = _laid_out_row_major(x)
+    if bias is None and (len(x._tt_shape) == 2 or row_major):
         return torch._C._nn.linear
+    if one_d_bias and row_major:
+        return torch_impls.linear_rows_out
+    if len(x._tt_shape) >= 3 and not row_major:
+        return None
     return torch_impls.linear_out
 
 
