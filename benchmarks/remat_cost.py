@@ -1,9 +1,11 @@
 """What the default's cheap-value recomputation costs a zoo model's step (issue 27: at most 2 %).
 
 Run: PYTHONPATH=. python benchmarks/remat_cost.py MODEL [FUSIONS] [STEPS]
-     e.g. benchmarks/remat_cost.py vit background 300; FUSIONS: comma-separated, ``none`` for ``fusion=None``.
+     e.g. benchmarks/remat_cost.py vit background 300; FUSIONS: comma-separated, ``none`` for ``fusion=None``,
+     ``module`` for ``tt.compile(model)`` (its forward and backward programs; eager's optimizer step).
 
-For each fusion mode, the thin whole step of ``tests/_zoo.py``'s MODEL built twice: as the default plans it, and
+For each fusion mode, the thin whole step of ``tests/_zoo.py``'s MODEL (or, for ``module``, the same step calling
+the compiled module) built twice: as the default plans it, and
 with its cheap-value recomputation off (``benchmarks/memory.py`` ``without_cheap_remat``, a measuring aid); the
 fused program is waited for.  The calling thread's CPU time per step (torch on one thread), the modes' steps
 interleaved in a new order each step; medians.  Not a test: timings vary by machine.
@@ -39,11 +41,15 @@ def main(argv):
         for remat in (True, False):
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            step = tt.compile(_zoo.train_step, thin=True, fusion=None if fusion == "none" else fusion)
+            if fusion == "module":  # the compiled module in the zoo's step: PyTorch's autograd between its programs
+                model = tt.compile(model)
+                step, compiled = _zoo.train_step, model
+            else:
+                step = compiled = tt.compile(_zoo.train_step, thin=True, fusion=None if fusion == "none" else fusion)
             with contextlib.nullcontext() if remat else without_cheap_remat():
                 for b in batches[:3]:
                     step(model, opt, b)
-                tt.wait_for_fusion(step)
+                tt.wait_for_fusion(compiled)
             modes.append((f"fusion={fusion}, cheap remat {'on' if remat else 'off'}", step, model, opt, []))
     for i in range(steps):
         for label, step, model, opt, times in modes[i % len(modes):] + modes[:i % len(modes)]:
