@@ -151,3 +151,24 @@ def test_dataloader_shuffle_order_is_eagers(mode, default_fusion):
     got_order, got = epochs(tt.compile(_step, **MODES[mode]), _model(True))
     assert got_order == want_order
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: torch.randint_like(x, 10, device="cpu"),
+    lambda x: torch.randint_like(x, 2, 10, dtype=torch.float64, device=torch.device("cpu")),
+    lambda x: torch.randint_like(x, 10),
+    lambda x: x * torch.rand_like(x, device="cpu"),
+], ids=["randint_like-device", "randint_like-low-dtype-device", "randint_like", "rand_like-device"])
+def test_a_random_op_given_a_device_draws_only_when_the_program_runs(call):
+    # randint_like runs opaquely; its meta runs (to learn its result) ran on the device it was given, for real: a CPU
+    # tensor drawn from the CPU generator while tracing (refused: the generator moved outside the traced program).
+    # Meta runs now make their results on the meta device, and a draw is placed by the device an op is given.
+    x = torch.randn(6)
+    cf = tt.compile(call)
+    for _ in range(2):
+        torch.manual_seed(5)
+        got, after = cf(x), torch.get_rng_state()
+        torch.manual_seed(5)
+        want = call(x)
+        assert torch.equal(got, want) and got.dtype == want.dtype
+        assert torch.equal(after, torch.get_rng_state())

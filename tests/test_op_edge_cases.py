@@ -455,3 +455,26 @@ def test_class_index_losses_of_one_unbatched_sample(loss, kwargs):
     # reduction="none" gave a [1]-shaped loss (eager's is 0-d), and cross_entropy's gradient failed on it.
     fn = getattr(F, loss)
     check(lambda x, t: fn(x, t, **kwargs), torch.randn(4), torch.tensor(2))
+
+
+# Found by the OpInfo sweep with 8 samples (session 40): matmul's gradient divided by a zero inner size when
+# folding a batch of first operands into rows, and cosine_similarity's gradient of two 0-d tensors failed.
+@pytest.mark.parametrize("a,b", [((5, 5, 0), (0, 5)), ((5, 0, 3), (3, 4)), ((2, 3, 4), (4, 0)), ((0, 3, 4), (4, 2)),
+                                 ((3, 0), (0, 2)), ((0,), (0, 4)), ((2, 0, 3, 0), (0, 2))])
+def test_matmul_gradients_with_a_zero_size(a, b):
+    check(torch.matmul, torch.randn(*a), torch.randn(*b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("x1,x2", [((), ()), ((1,), ()), ((), (3,)), ((3,), (3,))])
+@pytest.mark.parametrize("value", [1.5, 0.0, 1e-9])
+def test_cosine_similarity_of_scalars_and_vectors_over_dim_0(x1, x2, value):
+    check(lambda a, b: F.cosine_similarity(a, b, dim=0), torch.full(x1, value), torch.randn(x2))
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 3), (2, 4, 3)])
+def test_unflatten_with_a_zero_size_beside_minus_one_raises_as_eager(shape):
+    fn = lambda x: x.unflatten(1, (0, -1))  # noqa: E731
+    with pytest.raises(RuntimeError):
+        fn(torch.randn(*shape))
+    with pytest.raises(RuntimeError, match="ambiguous"):  # (it was a ZeroDivisionError)
+        tt.compile(fn)(torch.randn(*shape))

@@ -53,10 +53,12 @@ def _tensors(args, kwargs):
 
 
 def _device(tensors, kwargs) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:  # where the results are made, and so the draws: randint_like(meta, device="cpu") draws
+        return torch.device(device)
     if tensors:
         return tensors[0].device  # a fake tensor's fake device
-    device = kwargs.get("device")
-    return torch.device(device) if device is not None else torch.get_default_device()
+    return torch.get_default_device()
 
 
 class _PrivateGenerators(TorchDispatchMode):

@@ -201,6 +201,12 @@ def _to_meta(x, requires_grad=False):
     return x
 
 
+def on_meta(kwargs: dict) -> dict:
+    """A meta run's keyword arguments: a ``device`` given is the meta device, or the run is real there
+    (``randint_like(x, 10, device="cpu")`` on a meta ``x`` made a CPU tensor and drew from the CPU generator)."""
+    return {**kwargs, "device": "meta"} if kwargs.get("device") is not None else kwargs
+
+
 def _why_meta_failed(e) -> str:
     text = str(e)
     if isinstance(e, NotImplementedError) or "Meta" in text or "meta kernel" in text or "fake impl" in text:
@@ -226,6 +232,7 @@ def call_opaque(func, args, kwargs, *, strict: bool, positions=None):
     diff = positions if positions is not None else (
         gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ())
     meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
+    meta_kwargs = on_meta(meta_kwargs)
     try:
         # a rule that runs a random op on real tensors must not draw from a global generator either
         with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():

@@ -51,6 +51,14 @@ def transposed(x):
     return prims.transpose(x, (1, 0))
 
 
+def _leading(x):
+    """The product of all but the last dim (the rows a folded batch has; also where the last dim is 0)."""
+    rows = 1
+    for d in x._tt_shape[:-1]:
+        rows = rows * d
+    return rows
+
+
 @register_vjp(matmul)
 def matmul_vjp(g, out, /, a, b):
     if a.ndim_ == 1 and b.ndim_ == 1:
@@ -68,7 +76,7 @@ def matmul_vjp(g, out, /, a, b):
         # (mm_mat2_backward); the folded first operand is column-major where it is a transposed matrix (or a batch of
         # one), whose gradient mm_mat1_backward computes transposed too.
         k, n = B._tt_shape
-        rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (A.numel_() // k, k)), reshape(G, (G.numel_() // n, n)))
+        rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (_leading(A), k)), reshape(G, (_leading(G), n)))
         gb = (transposed(prims.matmul(transposed(rows_g), rows_a)) if column_major(b)
               else prims.matmul(transposed(rows_a), rows_g))
         if a.ndim_ >= 2 and column_major(rows_a):

@@ -41,7 +41,7 @@ def _cosine_similarity_vjp(g, out, /, x1, x2, dim=1, eps=1e-8):
     shape = clang.broadcast_shapes(x1._tt_shape, x2._tt_shape)
     a, b = (clang.expand(clang.maybe_convert(x, d), shape) for x in (x1, x2))
     k = clang.canonicalize_dim(len(shape), dim)
-    gm = clang.expand(clang.unsqueeze(g, k), shape)
+    gm = clang.expand(clang.unsqueeze(g, k), shape) if shape else g  # (a 0-d sum over dim 0 keeps its shape: ())
     na, nb = vector_norm(a, 2, k, True), vector_norm(b, 2, k, True)
     ca, cb = clang.maximum(na, eps), clang.maximum(nb, eps)
     ua, ub = clang.true_divide(a, clang.expand(ca, shape)), clang.true_divide(b, clang.expand(cb, shape))

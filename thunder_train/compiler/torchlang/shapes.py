@@ -55,6 +55,9 @@ def unflatten(input, dim, sizes):
     sizes = tuple(sizes)
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
+        if known == 0:  # (eager's error; the division below would raise ZeroDivisionError)
+            raise RuntimeError(f"unflatten: cannot reshape a dim of {input._tt_shape[dim]} elements into {list(sizes)}: "
+                               "with another size 0 the -1 can be any value and is ambiguous")
         sizes = tuple(input._tt_shape[dim] // known if s == -1 else s for s in sizes)
     return clang.reshape(input, input._tt_shape[:dim] + sizes + input._tt_shape[dim + 1 :])
 
