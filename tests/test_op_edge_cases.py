@@ -478,3 +478,35 @@ def test_unflatten_with_a_zero_size_beside_minus_one_raises_as_eager(shape):
         fn(torch.randn(*shape))
     with pytest.raises(RuntimeError, match="ambiguous"):  # (it was a ZeroDivisionError)
         tt.compile(fn)(torch.randn(*shape))
+
+
+# Found by the OpInfo sweep with 25 samples: diff(n=0) with prepend/append was traced as their concatenation
+# (f32[8, 5]) while torch ran eager's copy of the input (f32[5, 5]): the trace's shapes were not the program's,
+# and the gradient had the traced shape.
+@pytest.mark.parametrize("prepend,append", [(None, None), ((1, 5), None), ((1, 5), (2, 5))])
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_diff_orders_with_prepend_and_append(n, prepend, append):
+    args = [torch.randn(5, 5), torch.randn(*prepend) if prepend else None, torch.randn(*append) if append else None]
+    check(lambda x, p, a: torch.diff(x, n, 0, p, a), *args, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+def test_diff_of_an_order_at_or_above_the_size(n):
+    check(lambda x: torch.diff(x, n, 1), torch.randn(3, 3, 3), rtol=0, atol=0)
+    check(lambda x: torch.diff(x, n, 1), torch.randn(3, 3, 3) > 0, grad=False)
+
+
+def test_diff_of_a_negative_order_raises_as_eager():
+    with pytest.raises(RuntimeError, match="order must be non-negative"):
+        tt.compile(lambda x: torch.diff(x, -1))(torch.randn(4))
+
+
+# Found by the OpInfo sweep with 25 samples: group norm of an empty batch reshaped with -1, ambiguous at 0 elements.
+@pytest.mark.parametrize("shape", [(0, 2), (0, 4, 3), (0, 4, 2, 2), (2, 4, 3)])
+def test_group_norm_of_an_empty_batch(shape):
+    C = shape[1]
+    check(lambda x, w, b: F.group_norm(x, 2 if C % 2 == 0 else 1, w, b), torch.randn(*shape), torch.randn(C), torch.randn(C))
+    hw = 1
+    for d in shape[2:]:
+        hw *= d
+    check(lambda x, w, b: torch.native_group_norm(x, w, b, shape[0], C, hw, 1, 1e-5), torch.randn(*shape), torch.randn(C), torch.randn(C))

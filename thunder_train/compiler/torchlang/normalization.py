@@ -193,7 +193,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     N, C = x._tt_shape[0], x._tt_shape[1]
     if C % num_groups:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, but got input of shape {x._tt_shape} and num_groups={num_groups}")
-    g = clang.reshape(x, (N, num_groups, -1))
+    g = clang.reshape(x, (N, num_groups, C // num_groups * math.prod(x._tt_shape[2:])))  # (no -1: N may be 0)
     var = clang._restore_dims(prims.var(g, (2,), 0), g._tt_shape, (2,))
     mean = clang._restore_dims(prims.div(prims.sum(g, (2,)), as_divisor(g._tt_shape[2])), g._tt_shape, (2,))
     out = prims.mul(prims.sub(g, clang.expand(mean, g._tt_shape)), clang.expand(prims.rsqrt(prims.add(var, eps)), g._tt_shape))
@@ -331,7 +331,7 @@ composed("native_layer_norm", native_layer_norm, (torch.native_layer_norm,))
 
 
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
-    x = input.reshape(N, group, -1)
+    x = input.reshape(N, group, C // group * HxW)  # (no -1: N may be 0)
     mean = x.mean(-1)
     rstd = torch.rsqrt(x.var(-1, unbiased=False) + eps)
     out = ((x - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(input.shape)

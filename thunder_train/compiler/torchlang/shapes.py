@@ -310,10 +310,16 @@ def triu(input, diagonal=0):
 @torchsymbol(torch.diff, methods=("diff",))
 def diff(input, n=1, dim=-1, prepend=None, append=None):
     """n-th forward difference along ``dim``."""
+    if n < 0:
+        raise RuntimeError(f"order must be non-negative but got {n}")  # (eager's error)
     dim = clang.canonicalize_dim(input.ndim_, dim)
+    if n == 0:  # eager: a copy of the input, prepend and append left out
+        return prims.clone(input)
     x = clang.cat([t for t in (prepend, input, append) if t is not None], dim)
     for _ in range(n):
         size = x._tt_shape[dim]
+        if size == 0:  # an order above the size: eager's result is empty along dim
+            break
         hi, lo = clang.slice_in_dim(x, 1, size, 1, dim), clang.slice_in_dim(x, 0, size - 1, 1, dim)
         x = clang.ne(hi, lo) if x._tt_dtype.is_bool else clang.sub(hi, lo)
     return x
