@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/opinfo_report.py            # counts
     PYTHONPATH=. python benchmarks/opinfo_report.py --details  # plus one line per failing OpInfo
+    PYTHONPATH=. python benchmarks/opinfo_report.py --audit-layouts  # plus values not laid out as their trace says
     PYTHONPATH=. python benchmarks/opinfo_report.py --write-expected tests/opinfo_expected_failures.txt
 
 The checks are those of tests/test_opinfo.py (tests/opinfo_check.py).  "native" counts the OpInfos
@@ -15,6 +16,8 @@ import os
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import opinfo_check as oc  # noqa: E402
 
@@ -26,14 +29,21 @@ def main():
     ap.add_argument("--write-expected", default=None, help="write the expected-failures file")
     ap.add_argument("--samples", type=int, default=oc.SAMPLES,
                     help=f"sample inputs per OpInfo, dtype and variant (default {oc.SAMPLES}, as the test; later samples reach edge cases)")
+    ap.add_argument("--audit-layouts", action="store_true",
+                    help="also compare every tensor a program line makes with the shape and strides its trace recorded")
     a = ap.parse_args()
     oc.SAMPLES = a.samples
     ops = oc.all_opinfos()
     if a.only:
         wanted = set(a.only.split(","))
         ops = [o for o in ops if oc.opinfo_id(o) in wanted]
+    audited = _audit_layouts() if a.audit_layouts else None
     t0 = time.perf_counter()
-    results = [oc.check(op) for op in ops]
+    results = []
+    for op in ops:
+        if audited is not None:
+            audited["current"] = oc.opinfo_id(op)
+        results.append(oc.check(op))
     seconds = time.perf_counter() - t0
     fwd = collections.Counter(r.forward for r in results)
     grad = collections.Counter(r.gradient for r in results)
@@ -53,6 +63,12 @@ def main():
             for kind, status, reason in (("forward", r.forward, r.forward_reason), ("gradient", r.gradient, r.gradient_reason)):
                 if status in ("error", "mismatch"):
                     print(f"{status.upper():8} {kind:8} {r.name}: {reason}")
+    if audited is not None:
+        found = audited["found"]
+        print(f"OpInfos with a value whose shape or strides differ from its trace's record: {len(found)}")
+        for name, kinds in sorted(found.items()):
+            for kind, (value, recorded, real) in kinds.items():
+                print(f"{kind.upper():8} {name}: {value} recorded {recorded}, made {real}")
     if a.write_expected:
         with open(a.write_expected, "w") as f:
             f.write(HEADER)
@@ -60,6 +76,30 @@ def main():
                 if oc.failing_kinds(r) and not r.mismatch:
                     f.write(oc.expected_line(r) + "\n")
     return 1 if any(r.mismatch for r in results) else 0
+
+
+def _audit_layouts() -> dict:
+    """Programs compiled from now on report each tensor a line makes (``codegen.layout_audit``, off by default); the
+    ones whose shape, or strides of dims larger than one (of non-empty tensors), differ from the trace's record are
+    collected by OpInfo: decisions are taken from the recorded layouts (docs/layout_and_outputs.md)."""
+    from thunder_train.compiler import codegen
+
+    audited = {"current": None, "found": collections.defaultdict(dict)}
+
+    def check(name, t, shape, strides):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        if tuple(t.shape) != tuple(shape):
+            kind = "shape"
+        elif t.numel() and any(a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1):
+            kind = "strides"
+        else:
+            return
+        audited["found"][audited["current"]].setdefault(kind, (name, (tuple(shape), tuple(strides)),
+                                                               (tuple(t.shape), t.stride())))
+
+    codegen.layout_audit = check
+    return audited
 
 
 HEADER = """\
