@@ -80,20 +80,15 @@ def main():
 
 def _audit_layouts() -> dict:
     """Programs compiled from now on report each tensor a line makes (``codegen.layout_audit``, off by default); the
-    ones whose shape, or strides of dims larger than one (of non-empty tensors), differ from the trace's record are
-    collected by OpInfo: decisions are taken from the recorded layouts (docs/layout_and_outputs.md)."""
+    ones that differ from the trace's record (``codegen.layout_differs``) are collected by OpInfo: decisions are taken
+    from the recorded layouts (docs/layout_and_outputs.md)."""
     from thunder_train.compiler import codegen
 
     audited = {"current": None, "found": collections.defaultdict(dict)}
 
     def check(name, t, shape, strides):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return
-        if tuple(t.shape) != tuple(shape):
-            kind = "shape"
-        elif t.numel() and any(a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1):
-            kind = "strides"
-        else:
+        kind = codegen.layout_differs(t, shape, strides) if isinstance(t, torch.Tensor) and t.layout == torch.strided else None
+        if kind is None:
             return
         audited["found"][audited["current"]].setdefault(kind, (name, (tuple(shape), tuple(strides)),
                                                                (tuple(t.shape), t.stride())))

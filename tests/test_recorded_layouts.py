@@ -27,20 +27,12 @@ import _zoo
 from _steps import squared_output_step
 
 
-def _differs(t, shape, strides) -> bool:
-    if tuple(t.shape) != shape:
-        return True
-    if t.numel() == 0:
-        return False
-    return any(a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1)
-
-
 @pytest.fixture
 def audit(monkeypatch):
     found = {}
 
     def check(name, t, shape, strides):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and _differs(t, shape, strides):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and codegen.layout_differs(t, shape, strides):
             found.setdefault(name, (shape, strides, tuple(t.shape), t.stride()))
 
     monkeypatch.setattr(codegen, "layout_audit", check)
@@ -305,7 +297,7 @@ def test_flash_kernel_attention_layout_comes_from_its_meta_kernel_and_is_eagers(
     expected = f(*eager_in, mask, w)
     got = tt.compile(f, fusion=None)(*tt_in, mask, w)
     torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
+    assert not codegen.layout_differs(got, tuple(expected.shape), expected.stride())
     for a, b in zip(tt_in, eager_in):
         torch.testing.assert_close(a.grad, b.grad)
         assert a.grad.stride() == b.grad.stride()
@@ -466,10 +458,10 @@ def test_transposed_convolutions_of_every_rank_record_the_kernels_layout(nd, bat
     ins = [t.detach().clone(memory_format=torch.preserve_format).requires_grad_() for t in (x, w, b)]
     expected, got = f(x, w, b), tt.compile(f, fusion=None)(*ins)
     torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
+    assert not codegen.layout_differs(got, tuple(expected.shape), expected.stride())
     for a, e in zip(ins, (x, w, b)):
         torch.testing.assert_close(a.grad, e.grad)
-        assert not _differs(a.grad, tuple(e.grad.shape), e.grad.stride())
+        assert not codegen.layout_differs(a.grad, tuple(e.grad.shape), e.grad.stride())
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
 
 
@@ -533,7 +525,7 @@ def _output_and_gradient_as_eagers(fn, x, audit):
 
     expected, got = f(x), tt.compile(f, fusion=None)(x2)
     torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
+    assert not codegen.layout_differs(got, tuple(expected.shape), expected.stride())
     torch.testing.assert_close(x2.grad, x.grad)
     assert x2.grad.stride() == x.grad.stride()
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
@@ -579,7 +571,7 @@ def test_composed_ops_lay_a_channels_last_batch_out_as_eager(fn, shape, layout, 
     f = lambda x: fn(x) * 1  # noqa: E731
     expected, got = f(x), tt.compile(f, fusion=None)(x)
     torch.testing.assert_close(got, expected)
-    assert not _differs(got, tuple(expected.shape), expected.stride())
+    assert not codegen.layout_differs(got, tuple(expected.shape), expected.stride())
     assert not audit, f"name: (recorded shape, recorded strides, real shape, real strides): {audit}"
 
 

@@ -168,6 +168,16 @@ def format_bsym(bsym, g, *, indent: str = "", with_subsymbols: bool = True, comm
 layout_audit = None
 
 
+def layout_differs(t, shape, strides) -> str | None:
+    """How the tensor a line made differs from the layout its trace recorded: ``"shape"``, ``"strides"`` (of a dim
+    larger than one of a non-empty tensor: the others address nothing), or None (what ``layout_audit``'s users ask)."""
+    if tuple(t.shape) != tuple(shape):
+        return "shape"
+    if t.numel() and any(a != b for n, a, b in zip(shape, t.stride(), strides) if n != 1):
+        return "strides"
+    return None
+
+
 def _audit_line(bsym, g, indent: str) -> str | None:
     from .pytree import tree_flatten
 

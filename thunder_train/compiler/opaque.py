@@ -201,10 +201,15 @@ def _to_meta(x, requires_grad=False):
     return x
 
 
-def on_meta(kwargs: dict) -> dict:
-    """A meta run's keyword arguments: a ``device`` given is the meta device, or the run is real there
-    (``randint_like(x, 10, device="cpu")`` on a meta ``x`` made a CPU tensor and drew from the CPU generator)."""
-    return {**kwargs, "device": "meta"} if kwargs.get("device") is not None else kwargs
+def run_on_meta(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` on meta arguments, as the compiler asks torch about an op: torch functions not
+    overridden, new tensors on the meta device, a ``device`` given replaced by it (else the run is real there:
+    ``randint_like(x, 10, device="cpu")`` on a meta ``x`` made a CPU tensor and drew from the CPU generator), and
+    no draw from a global generator (a rule that runs a random op on real tensors must not draw either)."""
+    if kwargs.get("device") is not None:
+        kwargs = {**kwargs, "device": "meta"}
+    with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():
+        return fn(*args, **kwargs)
 
 
 def _why_meta_failed(e) -> str:
@@ -232,11 +237,8 @@ def call_opaque(func, args, kwargs, *, strict: bool, positions=None):
     diff = positions if positions is not None else (
         gradient_positions(flat) if gradient_positions is not None and torch.is_grad_enabled() else ())
     meta_args, meta_kwargs = tree_unflatten([_to_meta(x, i in diff) for i, x in enumerate(flat)], spec)
-    meta_kwargs = on_meta(meta_kwargs)
     try:
-        # a rule that runs a random op on real tensors must not draw from a global generator either
-        with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():
-            meta_out = meta_rules.get(func, func)(*meta_args, **meta_kwargs)
+        meta_out = run_on_meta(meta_rules.get(func, func), meta_args, meta_kwargs)
     except UnsupportedOpError:
         raise  # a rule's own refusal, saying what to do
     except Exception as e:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TracingError
-from ..generators_kept import generators_untouched
-from ..opaque import on_meta
+from ..opaque import run_on_meta
 from ..proxies import TensorProxy, size_value
 from ..pytree import tree_flatten, tree_map
 
@@ -36,9 +35,7 @@ def eager_view_outputs(func, args, kwargs) -> list | None:
     """``view_outputs``, or None where torch's meta rule gives no answer."""
     try:
         margs, mkwargs = tree_map(_meta, (args, kwargs))
-        mkwargs = on_meta(mkwargs)
-        with torch._C.DisableTorchFunction(), torch.device("meta"), generators_untouched():
-            out = func(*margs, **mkwargs)
+        out = run_on_meta(func, margs, mkwargs)
     except Exception:  # noqa: BLE001 - no meta answer (an opaque op's result is then taken as fresh)
         return None
     base = margs[0]

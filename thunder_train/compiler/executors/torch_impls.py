@@ -335,8 +335,7 @@ def linear_out(input, weight, bias=None, *, out):
         if input.dim() == 2:
             return torch._C._nn.linear(input, weight, bias, out=out)
         if input.is_contiguous():
-            torch.addmm(bias, input.view(-1, input.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
-            return out
+            return linear_rows_out(input, weight, bias, out=out)
     if input.dim() >= 3 and not input.is_contiguous():
         # A non-contiguous input of 3 or more dims (nn.TransformerEncoder's in-projection reads a transposed view):
         # functional linear itself, copied into ``out``; ``matmul(..., out=)`` then ``add_`` gave other sums there.

@@ -1,6 +1,8 @@
 """Matrix products and convolution.  Each prim's meta and gradient rule are declared together."""
 from __future__ import annotations
 
+import math
+
 from ..grad_rules import register_vjp
 from ..proxies import TensorProxy
 from .core import check, common_device, is_tensor, prim, prims, reshape, sum_to, swap_last_two, unsqueeze
@@ -51,14 +53,6 @@ def transposed(x):
     return prims.transpose(x, (1, 0))
 
 
-def _leading(x):
-    """The product of all but the last dim (the rows a folded batch has; also where the last dim is 0)."""
-    rows = 1
-    for d in x._tt_shape[:-1]:
-        rows = rows * d
-    return rows
-
-
 @register_vjp(matmul)
 def matmul_vjp(g, out, /, a, b):
     if a.ndim_ == 1 and b.ndim_ == 1:
@@ -76,7 +70,8 @@ def matmul_vjp(g, out, /, a, b):
         # (mm_mat2_backward); the folded first operand is column-major where it is a transposed matrix (or a batch of
         # one), whose gradient mm_mat1_backward computes transposed too.
         k, n = B._tt_shape
-        rows_a, rows_g = (A, G) if A.ndim_ == 2 else (reshape(A, (_leading(A), k)), reshape(G, (_leading(G), n)))
+        rows_a, rows_g = (A, G) if A.ndim_ == 2 else (
+            reshape(A, (math.prod(A._tt_shape[:-1]), k)), reshape(G, (math.prod(G._tt_shape[:-1]), n)))  # (k or n may be 0)
         gb = (transposed(prims.matmul(transposed(rows_g), rows_a)) if column_major(b)
               else prims.matmul(transposed(rows_a), rows_g))
         if a.ndim_ >= 2 and column_major(rows_a):
