@@ -3,6 +3,7 @@ lowest offset free of the values whose storage lifetimes overlap its own.  A sto
 bytes, value]`` (bytes rounded to the alignment ``buffers._storage_bytes`` gives its size)."""
 from __future__ import annotations
 
+import itertools
 import operator
 
 ALIGN = 64
@@ -192,3 +193,70 @@ def _least_raising(keys, storages, curve):
     """Of ``keys``, the value whose bytes, added to ``curve`` (what no buffer holds) over its lifetime, raise its
     maximum there least (the larger one of a tie)."""
     return min(keys, key=lambda k: (max(curve[storages[k][0]: storages[k][1] + 1]) + storages[k][2], -storages[k][2]))
+
+
+# ``in_a_band``'s search: arena sizes tried, from the largest the candidates allow down, and values given up to fit
+# the packing of each.  Fixed counts (not a time): the same program gets the same plan.
+BAND_LEVELS, BAND_REPAIRS = 12, 8
+
+
+def in_a_band(storages, kept, without, budget, alive_with):
+    """``(arena bytes, {key: (offset, bytes, value)})`` of the most values this search keeps within ``budget`` (the
+    arena plus what the call allocates beside it, at every line), or None.
+
+    An arena of K bytes bounds the kept bytes alive at each line from above (K) and, through the budget, from below
+    (at a line where the call without buffers holds ``without[t]``, at least ``without[t] - (budget - K)`` must be
+    kept).  For each K tried, ``_within_band`` drops values where the kept bytes are above K, the largest first
+    (fewest values for the bytes), never below the floor; the packing's offsets may then need more than K, and the
+    values placed highest, not alive where the other allocations peak, are given up until it fits.  Where the call's
+    memory is high at several lines (a forward's end and the backward's peak), the rounds of ``buffers.plan`` and
+    ``around_the_peak``, which aim at one line at a time, keep far fewer values (the fused zoo steps with their cheap
+    recomputation: nn.TransformerEncoder's 24 of 52 candidates, 36 with this choice and ``fill``; BERT's 44 of 74, 57).
+    A few milliseconds on the zoo's steps, ~35 ms on T5's (245 candidates, ~1,000 lines)."""
+    n = len(without)
+    order = sorted(kept, key=lambda k: (-storages[k][2], storages[k][0], k))
+    everything = live_bytes(storages, kept, n)
+    # (the largest arena that leaves room beside it for what no candidate holds; none where that is nothing)
+    top = min(budget - max(map(operator.sub, without, everything), default=0), max(everything, default=0))
+    if top <= 0:
+        return None
+    best = None
+    for level in range(BAND_LEVELS):
+        chosen = _within_band(storages, order, everything, without, budget, top * (BAND_LEVELS - level) // BAND_LEVELS)
+        packing = Packing(storages, alive_with)
+        for _ in range(BAND_REPAIRS):
+            if not chosen or (best is not None and len(chosen) <= len(best[1])):
+                break
+            arena, placed = packing.pack(chosen)
+            others = list(map(operator.sub, without, live_bytes(storages, chosen, n)))
+            over = arena + max(others) - budget
+            if over <= 0:
+                best = (arena, placed)
+                break
+            t = others.index(max(others))
+            highest = [(offset + nbytes, k) for k, (offset, nbytes, _) in placed.items()
+                       if offset + nbytes > arena - over and not storages[k][0] <= t <= storages[k][1]]
+            if not highest:
+                break
+            chosen = chosen - {max(highest)[1]}
+    return best
+
+
+def _within_band(storages, order, everything, without, budget, k_bytes):
+    """The values (of ``order``, largest first) kept with an arena of ``k_bytes``: see ``in_a_band``; None where the
+    floor stops the kept bytes from coming down to ``k_bytes`` somewhere.  Among values of one size, those alive
+    at more lines above ``k_bytes`` go first."""
+    kept = list(everything)
+    beside = budget - k_bytes  # what the call may hold beside the arena
+    chosen = set(order)
+    for nbytes, same in itertools.groupby(order, key=lambda k: storages[k][2]):
+        # (map over C-level comparisons, not a generator: the search's time is these two lines)
+        ranked = sorted(same, key=lambda k: -sum(map(k_bytes.__lt__, kept[storages[k][0]:storages[k][1] + 1])))
+        for k in ranked:
+            first, last = storages[k][0], storages[k][1]
+            span = kept[first:last + 1]
+            if max(span) <= k_bytes or min(map(operator.sub, span, without[first:last + 1])) < nbytes - beside:
+                continue
+            chosen.discard(k)
+            kept[first:last + 1] = [x - nbytes for x in span]
+    return chosen if max(kept, default=0) <= k_bytes else None

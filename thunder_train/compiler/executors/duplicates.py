@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_map
-from .buffers import reshape_copies, view_call
+from .buffers import view_call
 from .decided_layouts import _pure_readers_only
+from .out_forms import reshape_copies
 from .torch_executor import ImplSymbol
 
 _NOT_MERGED_TAGS = frozenset({"random", "reads_generator", "side_effect", "inplace", "opaque"})

@@ -3,7 +3,8 @@
 ``f(*args, out=..., **kwargs)`` computes the line's result into ``out`` and returns it: a torch function's own
 ``out=`` overload, declared with the op (``Symbol.torch_out_forms``), or a ``ttex`` function's ``.out``; a form may
 pick, from the line's traced arguments, the torch call it makes (``fn.for_line``).  Also declared here: which torch
-calls return new memory (``Symbol.torch_fresh``), which forms take any call of tensors, and which write any layout.
+calls return new memory (``Symbol.torch_fresh``; a reshape or ``.contiguous()`` that copies, from its input's traced
+layout), which forms take any call of tensors, and which write any layout.
 The kept buffers (buffers.py) write a line's value into the arena through its out form.
 """
 from __future__ import annotations
@@ -243,3 +244,43 @@ def form_for_line(form, b):
 
 _declare_out_forms()
 _declare_fresh()
+
+
+_RESHAPES = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
+
+
+def reshape_copies(bsym) -> bool:
+    """A ``reshape``/``flatten`` line whose input's layout no view of the result's shape has: it copies (a new
+    storage the plan counts).  Decided as torch decides it: ``view`` of a meta tensor with the input's layout."""
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
+    try:
+        if fn not in _RESHAPES:
+            return False
+    except TypeError:
+        return False
+    a, o = bsym.args[0] if bsym.args else None, bsym.output
+    if not (_tensor(a) and _tensor(o)):
+        return False
+    sizes = (*a._tt_shape, *a._tt_strides, *o._tt_shape)
+    if not all(type(n) is int for n in sizes):
+        return False
+    try:
+        torch.empty_strided(a._tt_shape, a._tt_strides, dtype=a._tt_dtype.torch, device="meta").view(o._tt_shape)
+    except RuntimeError:
+        return True
+    return False
+
+
+def contiguous_copies(bsym) -> bool:
+    """A ``Tensor.contiguous`` line whose input's traced layout is not row-major: it copies (a new storage the plan
+    counts; otherwise it returns its input).  nn.MultiheadAttention's packed in-projection takes ``.contiguous()`` of
+    a transposed view: counted as maybe new memory only, it put the plan's peak a copy below the call's
+    (nn.TransformerEncoder's zoo step: 18 KiB of ~100), and the arena had that much less room."""
+    fn = getattr(bsym.sym, "fn", None) if isinstance(bsym.sym, ImplSymbol) else None
+    if fn is not torch.Tensor.contiguous or \
+            bsym.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
+        return False
+    a = bsym.args[0] if bsym.args else None
+    if not (_tensor(a) and len(bsym.args) == 1 and all(type(n) is int for n in (*a._tt_shape, *a._tt_strides))):
+        return False
+    return not torch.empty_strided(a._tt_shape, a._tt_strides, dtype=a._tt_dtype.torch, device="meta").is_contiguous()
