@@ -220,10 +220,9 @@ def in_a_band(storages, kept, without, budget, alive_with):
     top = min(budget - max(map(operator.sub, without, everything), default=0), max(everything, default=0))
     if top <= 0:
         return None
-    best = None
+    best, packing = None, Packing(storages, alive_with)
     for level in range(BAND_LEVELS):
         chosen = _within_band(storages, order, everything, without, budget, top * (BAND_LEVELS - level) // BAND_LEVELS)
-        packing = Packing(storages, alive_with)
         for _ in range(BAND_REPAIRS):
             if not chosen or (best is not None and len(chosen) <= len(best[1])):
                 break

@@ -528,7 +528,6 @@ def _around(storages, kept, without, maybe_new, natural, slack, alive_with):
         if found is None:
             continue
         arena_bytes, placed = found
-        placed = dict(placed)
         rest = list(map(operator.sub, upper, _live_bytes(storages, placed.keys(), n)))
         arena_bytes = _fill(storages, placed, arena_bytes, set(kept) - placed.keys(), rest, budget, alive_with)
         best = _keeping_more(best, (arena_bytes, placed))

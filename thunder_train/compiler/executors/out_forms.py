@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..proxies import TensorProxy
+from ..proxies import TensorProxy, meta_tensor
 from . import torch_impls
+from .decided_layouts import _laid_out
 from .regions import FusionSymbol
 from .torch_executor import ImplSymbol
 
@@ -280,7 +281,5 @@ def contiguous_copies(bsym) -> bool:
     if fn is not torch.Tensor.contiguous or \
             bsym.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
         return False
-    a = bsym.args[0] if bsym.args else None
-    if not (_tensor(a) and len(bsym.args) == 1 and all(type(n) is int for n in (*a._tt_shape, *a._tt_strides))):
-        return False
-    return not torch.empty_strided(a._tt_shape, a._tt_strides, dtype=a._tt_dtype.torch, device="meta").is_contiguous()
+    a = bsym.args[0] if len(bsym.args) == 1 else None
+    return _laid_out(a) and not meta_tensor(a).is_contiguous()
