@@ -34,6 +34,7 @@ from .memory_overlap import overlapping_pairs
 from .prims import SCALAR_INFIX
 from .proxies import NumberProxy, SizeProxy, is_checked, size_value
 from .symbolic_layouts import layout_key
+from .acquisition.instance_reads import plain_key
 from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import prologue_state as checks
 
@@ -182,6 +183,9 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 specs.append((f"attr {name}", f"_float_key({expr})", _float_key(val)))
             else:
                 specs.append((f"attr {name}", expr, val))
+        # Private scalars and plain containers the function read (acquisition/instance_reads.py), keyed by value.
+        for name, key in snap.get("read", ()):
+            specs.append((f"attr {name}", f"_plain_key({var}.__dict__.get({name!r}, _MISSING))", key))
         return specs
     if k == "object":
         return [("object", f"id({var})", id(v))]
@@ -278,7 +282,8 @@ class Prologue:
 
 def leaf_vars(leaves, arg_names=()) -> list:
     """A readable unique variable name per leaf, derived from its path (``x``, ``model_fc1_weight``)."""
-    used = {"args", "kwargs", "_MISSING", "_float_key", "_layout_key", "torch", "len", "type", "id", "tuple", "float"}
+    used = {"args", "kwargs", "_MISSING", "_float_key", "_plain_key", "_layout_key", "torch", "len", "type", "id", "tuple",
+            "float"}
     names = []
     for leaf in leaves:
         base = name_from_path(leaf.path, "v")
@@ -415,7 +420,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
         gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
     gk_lines.append("  )")
     structure = "\n".join(ex_lines + gk_lines + decision_sources)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
          "torch": torch, **consts.d, **dec.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(

@@ -28,10 +28,11 @@ import operator
 import torch
 
 from ..compiler.acquisition.distributed import is_ddp
+from ..compiler.acquisition.instance_reads import SCALAR_TYPES
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from ..compiler.errors import DecisionMismatch
-from ..compiler.prologue import (Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines, is_symbolic,
-                                 leafness_spec, per_call_mask)
+from ..compiler.prologue import (_MISSING, Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines,
+                                 is_symbolic, leafness_spec, per_call_mask, plain_key)
 from ..compiler.prologue_state import autocast_state
 from ..compiler.proxies import SizeProxy
 from ..compiler.symbolic_layouts import layout_key
@@ -116,6 +117,7 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     for i in sorted(src.used):
         _static_input(src, i)
     _static_aliases(src)
+    _module_reads(src)
     _parameters(src, global_state[0] or entry.has_backward)
     _grads(src)
     _bulk_checkers(src)
@@ -125,6 +127,7 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     lines = (_head(src, nargs, kwnames, global_state, check_every) + _per_call_block(src) + _static_block(src) + call)
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
+        "_plain_key": plain_key, "_MISSING": _MISSING,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
         "_stride": _STRIDE, "_data_ptr": _DATA_PTR, "_values": dict.values, "_chain": itertools.chain.from_iterable,
@@ -276,6 +279,42 @@ def _per_call_value(src, i, into) -> None:
     c = _value_cond(src, src.names[i], leaf, leaf.value)
     if c is not None:
         into.append(c)
+
+
+def _module_reads(src) -> None:
+    """The private scalars and plain containers of modules that the function read (acquisition/instance_reads.py,
+    keyed by value in the guard key), compared on every call: assigning a private name bumps no module epoch, and a
+    container changed in place (peft's ``merged_adapters.append``) is seen by no hook."""
+    for i, leaf in enumerate(src.leaves):
+        read = (leaf.snapshot or {}).get("read", ()) if leaf.kind == "module" else ()
+        if not read:
+            continue
+        var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]
+        for j, (name, _) in enumerate(read):
+            got = f"_r{i}_{j}"
+            same = _same_value(got, module.__dict__.get(name, _MISSING), src.consts)
+            (src.changed if src.per_call[i] else src.static_conds).append(
+                f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or not {same}")
+
+
+def _same_value(var, v, consts, depth=0) -> str:
+    """An expression true exactly where ``var`` holds the plain value ``v`` (types compared, as ``plain_key``
+    compares them), inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a
+    comparison per item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
+    t = type(v)
+    if v is None or t is bool:
+        return f"{var} is {v!r}"
+    if t is float and v != v:
+        return f"(type({var}) is float and {var} != {var})"
+    if t in SCALAR_TYPES:
+        return f"(type({var}) is {consts(t)} and {var} == {consts(v)})"
+    if depth < 2 and (t is list or t is tuple):
+        return "(" + " and ".join([f"type({var}) is {t.__name__}", f"len({var}) == {len(v)}"] + [
+            _same_value(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
+    if depth < 2 and t is dict and all(type(k) is str for k in v):
+        return "(" + " and ".join([f"type({var}) is dict", f"len({var}) == {len(v)}"] + [
+            _same_value(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
+    return f"(_plain_key({var}) == {consts(plain_key(v))})"
 
 
 _PER_CALL = {"tensor": _per_call_tensor, "module": _per_call_module, "object": _per_call_object,

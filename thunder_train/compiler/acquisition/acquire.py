@@ -140,6 +140,10 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.classes.finish()
+            walker.instances.finish()
+            for leaf in walker.leaves:  # what the prologue guards beyond the public scalars (instance_reads.py)
+                if leaf.kind == "module" and leaf.snapshot is not None:
+                    leaf.snapshot["read"] = walker.instances.guarded(leaf.value)
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)
             fsdp.check_finished(state)

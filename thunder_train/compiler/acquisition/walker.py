@@ -24,13 +24,11 @@ from ..proxies import CheckedFloat, SizeProxy, TensorProxy
 from ..trace import Trace
 from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
+from .instance_reads import SCALAR_TYPES, InstanceWatch
 from .module_writes import ModuleState
 from . import fsdp, library_objects
 from .sparse import sparse_proxy_of
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
-
-
-SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
 
 
 def module_snapshot(m) -> dict:
@@ -68,6 +66,7 @@ class InputWalker:
         self.module_states: list = []
         # Class attributes the function reads (class_attrs.py): inputs under the root ``Cls.name``.
         self.classes = ClassWatch(self)
+        self.instances = InstanceWatch(self)  # private scalars and plain containers of modules, guarded where read
         # (path, object, its __dict__ when walked): objects the function runs on as they are (library objects);
         # what library code sets on them while tracing is rolled back or refused (library_objects.py).
         self.library_objects: list = []
@@ -421,6 +420,7 @@ class InputWalker:
                                       f"a {type(v).__name__} held by the module {type(m).__name__}"))
         self.module_states.append(ModuleState.of(m, leaf.where))
         self.classes.watch(type(m))
+        self.instances.watch(m)
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))

@@ -1,0 +1,191 @@
+"""A module's private scalars and plain containers that the compiled function reads are guarded by value
+(acquisition/instance_reads.py): a change between calls runs eager's computation, in thin mode, on the full path
+and through ``tt.compile(model)``; a private attribute the function does not read changes nothing.
+
+Found with peft: after ``merge_adapter()`` (its layers' ``merged_adapters`` list appended in place, read through a
+property) the compiled forward still ran the adapter's product beside the merged weight."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import thunder_train as tt
+
+MODES = ("thin", "full", "module")
+
+
+class Base(nn.Module):
+    _flag = False  # a class default the instance shadows (peft declares its layers' state so)
+
+
+class Stateful(Base):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._scale = 1.0
+        self._mode = "a"
+        self.cfg = {"k": 1.0}
+        self.merged = []
+        self._flag = True
+        self._bookkeeping = 0  # never read by forward: Lightning-style state assigned every step
+
+    @property
+    def is_merged(self):
+        return bool(self.merged)
+
+    def forward(self, x):
+        y = self.lin(x) * self._scale * self.cfg["k"]
+        if self._mode == "b":
+            y = y + 1
+        if self.is_merged:
+            y = y * 2
+        return y - 3 if self._flag else y
+
+
+def _compiled(mode, m):
+    if mode == "module":
+        cm = tt.compile(m, fusion=None)
+        return cm, (lambda x: cm(x))
+    cf = tt.compile(lambda mod, x: mod(x), thin=mode == "thin", fusion=None)
+    return cf, (lambda x: cf(m, x))
+
+
+CHANGES = {
+    "private float reassigned": lambda m: setattr(m, "_scale", 3.0),
+    "private str reassigned": lambda m: setattr(m, "_mode", "b"),
+    "dict item set in place": lambda m: m.cfg.__setitem__("k", 5.0),
+    "list appended in place": lambda m: m.merged.append("default"),
+    "list cleared in place": lambda m: m.merged.clear(),
+    "shadowed class default": lambda m: setattr(m, "_flag", False),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_change_runs_eagers_computation(mode):
+    m, x = Stateful(), torch.randn(2, 4)
+    cf, call = _compiled(mode, m)
+    for what, change in CHANGES.items():
+        for _ in range(3):  # the entry validated twice: thin mode bound to it
+            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+        change(m)
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0, msg=what)
+    reasons = tt.compile_stats(cf).retrace_reasons
+    for name in ("_scale", "_mode", "cfg", "merged", "_flag"):
+        assert any(f".{name}" in r or f"attr {name}" in r for r in reasons), (name, reasons)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_instance_of_a_class_is_watched(mode):
+    """The first instance's watch puts the class's stand-in in place; the later ones are watched through it (they were
+    not: only the first of GPT-2's five LayerNorms had its ``normalized_shape`` guarded)."""
+    m, x = nn.Sequential(Stateful(), Stateful(), Stateful()), torch.randn(2, 4)
+    _, call = _compiled(mode, m)
+    for k in (2, 1):
+        for _ in range(3):
+            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+        m[k]._scale += 1.0
+        m[k].merged.append("default")
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_private_attribute_the_function_does_not_read_changes_nothing(mode):
+    m, x = Stateful(), torch.randn(2, 4)
+    cf, call = _compiled(mode, m)
+    for step in range(6):
+        m._bookkeeping = step  # assigned every step, as Lightning assigns its own
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    stats = tt.compile_stats(cf)
+    assert stats.cache_misses == 1 and not stats.retrace_reasons, stats.retrace_reasons
+    if mode == "thin":
+        assert stats.thin_calls >= 3 and not stats.thin_invalidations, stats.thin_invalidations
+
+
+def test_the_watch_leaves_the_classes_as_they_were_also_when_tracing_fails():
+    m, x = Stateful(), torch.randn(2, 4)
+    before = {c: dict(vars(c)) for c in (Stateful, Base)}
+    tt.compile(lambda mod, x: mod(x), fusion=None)(m, x)
+
+    def fails(mod, x):
+        mod(x)
+        raise ValueError("the user's error")
+
+    with pytest.raises(ValueError, match="the user's error"):
+        tt.compile(fails, fusion=None)(m, x)
+    assert {c: dict(vars(c)) for c in (Stateful, Base)} == before
+    assert m._flag is True and Stateful._flag is False and m.merged == [] and m._scale == 1.0
+
+
+def test_plain_key_tells_containers_and_nans_apart():
+    from thunder_train.compiler.acquisition.instance_reads import NOT_PLAIN, plain_key
+
+    assert plain_key([1, "a"]) == plain_key([1, "a"]) != plain_key((1, "a"))
+    assert plain_key({"k": float("nan")}) == plain_key({"k": float("nan")})
+    assert plain_key({1, 2}) == plain_key({2, 1}) and plain_key({"a": [1]}) != plain_key({"a": [2]})
+    assert plain_key([torch.ones(1)]) is NOT_PLAIN and plain_key(list(range(100))) is NOT_PLAIN
+    hash(plain_key({"a": [1, (2.0, None)], "b": {3}}))
+
+
+# ---------------------------------------------------------------------------
+# peft: LoRA adapters on a tiny Llama (tests/_zoo.py), against eager
+# ---------------------------------------------------------------------------
+def _lora_llama(**extra):
+    peft = pytest.importorskip("peft")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _zoo
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra)
+    return peft.get_peft_model(_zoo.build("llama"), config), _zoo
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_peft_adapter_switches_and_merges_run_eagers_forward(mode):
+    model, _zoo = _lora_llama(init_lora_weights=False)
+    import peft
+
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], init_lora_weights=False))
+    batch = _zoo.batches("llama", 1)[0]
+    fwd = lambda m, b: m(**b).loss  # noqa: E731
+    if mode == "module":
+        cm = tt.compile(model, fusion=None)
+        call = lambda: fwd(cm, batch)  # noqa: E731
+    else:
+        cf = tt.compile(fwd, thin=mode == "thin", fusion=None)
+        call = lambda: cf(model, batch)  # noqa: E731
+    steps = [("default", lambda: None), ("merge_adapter", model.merge_adapter), ("unmerge_adapter", model.unmerge_adapter),
+             ("set_adapter second", lambda: model.set_adapter("second")), ("set_adapter default", lambda: model.set_adapter("default")),
+             ("disable_adapter_layers", model.base_model.disable_adapter_layers),
+             ("enable_adapter_layers", model.base_model.enable_adapter_layers)]
+    for what, change in steps:
+        change()
+        for _ in range(3):
+            torch.testing.assert_close(call().detach(), fwd(model, batch).detach(), rtol=0, atol=0, msg=what)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_peft_lora_training_step_equals_eager(dropout):
+    """LoRA on q and v with AdamW over the adapters only: losses equal eager's, the adapters' updates to AdamW's
+    rounding, the frozen weights untouched, the random stream where eager's is (the adapters' dropout)."""
+    base, _zoo = _lora_llama(lora_dropout=dropout)
+    batches = _zoo.batches("llama", 4)
+    runs = {}
+    for mode in ("eager", "thin"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        step = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step, thin=True, fusion=None)
+        torch.manual_seed(1)
+        losses = [step(model, opt, b).detach() for b in batches]
+        runs[mode] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}, torch.get_rng_state()
+    (el, ep, er), (tl, tp, tr) = runs["eager"], runs["thin"]
+    torch.testing.assert_close(tl, el, rtol=0, atol=0)
+    torch.testing.assert_close(tp, ep, rtol=1e-5, atol=1e-6)
+    frozen = [n for n, p in base.named_parameters() if not p.requires_grad]
+    assert frozen and all(torch.equal(tp[n], dict(base.named_parameters())[n]) for n in frozen)
+    assert any(not torch.equal(tp[n], dict(base.named_parameters())[n]) for n in tp if "lora_" in n)
+    assert torch.equal(tr, er)
