@@ -3,6 +3,8 @@
 Run: PYTHONPATH=. python benchmarks/remat_cost.py MODEL [FUSIONS] [STEPS]
      e.g. benchmarks/remat_cost.py vit background 300; FUSIONS: comma-separated, ``none`` for ``fusion=None``,
      ``module`` for ``tt.compile(model)`` (its forward and backward programs; eager's optimizer step).
+     MODEL ``gpt``: the GPT benchmark step (benchmarks/memory.py ``gpt_workload``; ~0.4 s a step on one thread,
+     so 40 steps are plenty).
 
 For each fusion mode, the thin whole step of ``tests/_zoo.py``'s MODEL (or, for ``module``, the same step calling
 the compiled module) built twice: as the default plans it, and
@@ -25,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for sub in ("tests", "benchmarks", "recipes"):
     sys.path.insert(0, os.path.join(ROOT, sub))
 import _zoo  # noqa: E402
-from memory import without_cheap_remat  # noqa: E402
+from memory import gpt_workload, without_cheap_remat  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 
@@ -35,17 +37,21 @@ def main(argv):
     fusions = (argv[1] if len(argv) > 1 else "none,background").split(",")
     steps = int(argv[2]) if len(argv) > 2 else 200
     torch.set_num_threads(1)
-    base, batches = _zoo.build(name), _zoo.batches(name, 4)
+    if name == "gpt":
+        base, make_opt, batches, train_step, _ = gpt_workload()
+    else:
+        base, batches, train_step = _zoo.build(name), _zoo.batches(name, 4), _zoo.train_step
+        make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     modes = []
     for fusion in fusions:
         for remat in (True, False):
             model = copy.deepcopy(base)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = make_opt(model.parameters())
             if fusion == "module":  # the compiled module in the zoo's step: PyTorch's autograd between its programs
                 model = tt.compile(model)
-                step, compiled = _zoo.train_step, model
+                step, compiled = train_step, model
             else:
-                step = compiled = tt.compile(_zoo.train_step, thin=True, fusion=None if fusion == "none" else fusion)
+                step = compiled = tt.compile(train_step, thin=True, fusion=None if fusion == "none" else fusion)
             with contextlib.nullcontext() if remat else without_cheap_remat():
                 for b in batches[:3]:
                     step(model, opt, b)
