@@ -166,26 +166,3 @@ def test_peft_adapter_switches_and_merges_run_eagers_forward(mode):
         change()
         for _ in range(3):
             torch.testing.assert_close(call().detach(), fwd(model, batch).detach(), rtol=0, atol=0, msg=what)
-
-
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_peft_lora_training_step_equals_eager(dropout):
-    """LoRA on q and v with AdamW over the adapters only: losses equal eager's, the adapters' updates to AdamW's
-    rounding, the frozen weights untouched, the random stream where eager's is (the adapters' dropout)."""
-    base, _zoo = _lora_llama(lora_dropout=dropout)
-    batches = _zoo.batches("llama", 4)
-    runs = {}
-    for mode in ("eager", "thin"):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        step = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step, thin=True, fusion=None)
-        torch.manual_seed(1)
-        losses = [step(model, opt, b).detach() for b in batches]
-        runs[mode] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}, torch.get_rng_state()
-    (el, ep, er), (tl, tp, tr) = runs["eager"], runs["thin"]
-    torch.testing.assert_close(tl, el, rtol=0, atol=0)
-    torch.testing.assert_close(tp, ep, rtol=1e-5, atol=1e-6)
-    frozen = [n for n, p in base.named_parameters() if not p.requires_grad]
-    assert frozen and all(torch.equal(tp[n], dict(base.named_parameters())[n]) for n in frozen)
-    assert any(not torch.equal(tp[n], dict(base.named_parameters())[n]) for n in tp if "lora_" in n)
-    assert torch.equal(tr, er)
