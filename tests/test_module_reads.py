@@ -33,6 +33,8 @@ class Stateful(Base):
         self.merged = []
         self._flag = True
         self._bookkeeping = 0  # never read by forward: Lightning-style state assigned every step
+        self._tags = {"a"}
+        self.nested = {"a": [1.0]}
 
     @property
     def is_merged(self):
@@ -44,6 +46,7 @@ class Stateful(Base):
             y = y + 1
         if self.is_merged:
             y = y * 2
+        y = y * len(self._tags) * self.nested["a"][-1]
         return y - 3 if self._flag else y
 
 
@@ -62,6 +65,8 @@ CHANGES = {
     "list appended in place": lambda m: m.merged.append("default"),
     "list cleared in place": lambda m: m.merged.clear(),
     "shadowed class default": lambda m: setattr(m, "_flag", False),
+    "set item added in place": lambda m: m._tags.add("b"),
+    "list inside a dict changed in place": lambda m: m.nested["a"].append(4.0),
 }
 
 
@@ -75,7 +80,7 @@ def test_each_change_runs_eagers_computation(mode):
         change(m)
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0, msg=what)
     reasons = tt.compile_stats(cf).retrace_reasons
-    for name in ("_scale", "_mode", "cfg", "merged", "_flag"):
+    for name in ("_scale", "_mode", "cfg", "merged", "_flag", "_tags", "nested"):
         assert any(f".{name}" in r or f"attr {name}" in r for r in reasons), (name, reasons)
 
 
@@ -91,6 +96,44 @@ def test_every_instance_of_a_class_is_watched(mode):
         m[k]._scale += 1.0
         m[k].merged.append("default")
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+
+
+class Scaled(nn.LayerNorm):
+    """A subclass of a class another walked module's watch already stands in for (nn.LayerNorm's ``normalized_shape``)."""
+
+    def __init__(self):
+        super().__init__(4)
+        self._gain = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self._gain
+
+
+class WithProperty(nn.Module):
+    @property
+    def mode(self):  # a data descriptor: it wins over an instance __dict__ entry of the same name, in eager too
+        return "property"
+
+
+class ShadowedByProperty(WithProperty):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.__dict__["mode"] = ["dict"]
+
+    def forward(self, x):
+        return self.lin(x) * (2.0 if self.mode == "property" else 3.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_subclasses_and_base_class_descriptors_read_as_in_eager(mode):
+    m, x = nn.Sequential(nn.LayerNorm(4), Scaled(), ShadowedByProperty()), torch.randn(2, 4)
+    _, call = _compiled(mode, m)
+    for _ in range(3):
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    m[1]._gain = 2.0
+    torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    assert "mode" not in vars(ShadowedByProperty) and "_gain" not in vars(Scaled)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -201,11 +201,7 @@ def _value_cond(src, var, leaf, v) -> str | None:
     """The check of a non-tensor leaf's guard-key properties (type, value, length)."""
     consts, k = src.consts, leaf.kind
     if k == "constant":
-        if v is None or type(v) is bool:
-            return f"{var} is not {v!r}"
-        if type(v) is float and v != v:
-            return f"type({var}) is not float or {var} == {var}"
-        return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
+        return _scalar_differs(var, v, consts)
     if k in ("seq", "dict"):  # the length when walked (the epilogue may have changed the container since)
         n = leaf.snapshot if k == "seq" else len(leaf.snapshot)
         return f"type({var}) is not {consts(type(v))} or len({var}) != {n}"
@@ -292,29 +288,34 @@ def _module_reads(src) -> None:
         var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]
         for j, (name, _) in enumerate(read):
             got = f"_r{i}_{j}"
-            same = _same_value(got, module.__dict__.get(name, _MISSING), src.consts)
+            differs = _differs(got, module.__dict__.get(name, _MISSING), src.consts)
             (src.changed if src.per_call[i] else src.static_conds).append(
-                f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or not {same}")
+                f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or {differs}")
 
 
-def _same_value(var, v, consts, depth=0) -> str:
-    """An expression true exactly where ``var`` holds the plain value ``v`` (types compared, as ``plain_key``
-    compares them), inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a
-    comparison per item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
+def _scalar_differs(var, v, consts) -> str:
+    """True where ``var`` is not the Python scalar ``v`` (its type included; a NaN matches a NaN)."""
+    if v is None or type(v) is bool:
+        return f"{var} is not {v!r}"
+    if type(v) is float and v != v:
+        return f"type({var}) is not float or {var} == {var}"
+    return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
+
+
+def _differs(var, v, consts, depth=0) -> str:
+    """True where ``var`` does not hold the plain value ``v`` (types compared, as ``plain_key`` compares them),
+    inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a comparison per
+    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
     t = type(v)
-    if v is None or t is bool:
-        return f"{var} is {v!r}"
-    if t is float and v != v:
-        return f"(type({var}) is float and {var} != {var})"
     if t in SCALAR_TYPES:
-        return f"(type({var}) is {consts(t)} and {var} == {consts(v)})"
+        return f"({_scalar_differs(var, v, consts)})"
     if depth < 2 and (t is list or t is tuple):
-        return "(" + " and ".join([f"type({var}) is {t.__name__}", f"len({var}) == {len(v)}"] + [
-            _same_value(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
+        return "(" + " or ".join([f"type({var}) is not {t.__name__}", f"len({var}) != {len(v)}"] + [
+            _differs(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
     if depth < 2 and t is dict and all(type(k) is str for k in v):
-        return "(" + " and ".join([f"type({var}) is dict", f"len({var}) == {len(v)}"] + [
-            _same_value(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
-    return f"(_plain_key({var}) == {consts(plain_key(v))})"
+        return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(v)}"] + [
+            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
+    return f"(_plain_key({var}) != {consts(plain_key(v))})"
 
 
 _PER_CALL = {"tensor": _per_call_tensor, "module": _per_call_module, "object": _per_call_object,

@@ -130,9 +130,11 @@ _tracing: dict = {}  # thread id -> the InstanceWatch of the trace running in it
 def _install(cls, name) -> bool:
     with _lock:
         if (cls, name) not in _users:
-            own = vars(cls).get(name, _MISSING)
-            if own is not _MISSING:  # (the class's own attribute: class_attrs.py watches it)
+            if name in vars(cls):  # (the class's own attribute: class_attrs.py watches it)
                 return False
+            bases = (vars(c).get(name) for c in cls.__mro__[1:])
+            if any(hasattr(type(d), "__set__") and not isinstance(d, _Attr) for d in bases):
+                return False  # a base's property or other data descriptor wins over the instance's __dict__: left so
             try:
                 type.__setattr__(cls, name, _Attr(cls, name))
             except (TypeError, AttributeError):
@@ -166,17 +168,26 @@ class InstanceWatch:
         self.reads: dict = {}  # id(module) -> names read
         self.installed: set = set()  # (class, name) this trace uses
         self.thread = threading.get_ident()
-        self.outer = _tracing.get(self.thread)  # a trace that started this one (a compiled call inside a traced one)
+        self.outer = None  # a trace that started this one (a compiled call inside a traced one)
+        self.started = False
+
+    def _start(self) -> None:
+        """At the first module walked (inside the trace's ``try``): reads in this thread are recorded here, until
+        ``InputWalker.restore`` calls ``set`` (``finish``), also when tracing fails."""
+        self.started = True
+        self.outer = _tracing.get(self.thread)
         _tracing[self.thread] = self
-        walker.swapped.append((self, None, None))  # InputWalker.restore calls ``set``: ``finish``, also on failure
+        self.walker.swapped.append((self, None, None))
 
     def watch(self, m) -> None:
         cls = type(m)
         if type(cls) not in (type, abc.ABCMeta):
             return
+        if not self.started:
+            self._start()
         keys = {}
         for name, v in m.__dict__.items():
-            if name in MODULE_OWN or (name[:1] != "_" and type(v) in SCALAR_TYPES):
+            if name in MODULE_OWN or (name[:1] != "_" and type(v) in _SCALARS):
                 continue  # (public scalars: guarded whether read or not, walker.module_snapshot)
             if type(v) not in _SCALARS and type(v) not in _CONTAINERS:
                 continue
