@@ -26,8 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for sub in ("tests", "benchmarks", "recipes"):
     sys.path.insert(0, os.path.join(ROOT, sub))
-import _zoo  # noqa: E402
-from memory import gpt_workload, without_cheap_remat  # noqa: E402
+from memory import gpt_workload, without_cheap_remat, zoo_workload  # noqa: E402
 
 import thunder_train as tt  # noqa: E402
 
@@ -37,11 +36,7 @@ def main(argv):
     fusions = (argv[1] if len(argv) > 1 else "none,background").split(",")
     steps = int(argv[2]) if len(argv) > 2 else 200
     torch.set_num_threads(1)
-    if name == "gpt":
-        base, make_opt, batches, train_step, _ = gpt_workload()
-    else:
-        base, batches, train_step = _zoo.build(name), _zoo.batches(name, 4), _zoo.train_step
-        make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    base, make_opt, batches, train_step, _ = gpt_workload() if name == "gpt" else zoo_workload(name)
     modes = []
     for fusion in fusions:
         for remat in (True, False):
