@@ -34,7 +34,7 @@ from .memory_overlap import overlapping_pairs
 from .prims import SCALAR_INFIX
 from .proxies import NumberProxy, SizeProxy, is_checked, size_value
 from .symbolic_layouts import layout_key
-from .acquisition.instance_reads import plain_key
+from .acquisition.instance_reads import Held, attr_of, plain_key
 from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import prologue_state as checks
 
@@ -183,9 +183,10 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 specs.append((f"attr {name}", f"_float_key({expr})", _float_key(val)))
             else:
                 specs.append((f"attr {name}", expr, val))
-        # Private scalars and plain containers the function read (acquisition/instance_reads.py), keyed by value.
+        # Private scalars and plain containers the function read, keyed by value; objects it held, by identity, and
+        # what was read from them (acquisition/instance_reads.py).
         for name, key in snap.get("read", ()):
-            specs.append((f"attr {name}", f"_plain_key({var}.__dict__.get({name!r}, _MISSING))", key))
+            _read_specs(specs, name, f"{var}.__dict__.get({name!r}, _MISSING)", key)
         return specs
     if k == "object":
         return [("object", f"id({var})", id(v))]
@@ -193,6 +194,15 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
 
 
 _CALLEE = {"method": "__func__", "partial": "func"}
+
+
+def _read_specs(specs, label, expr, key) -> None:
+    if type(key) is not Held:
+        specs.append((f"attr {label}", f"_plain_key({expr})", key))
+        return
+    specs.append((f"held {label}", f"id({expr})", id(key.obj)))  # (the key keeps the object alive: no id reused)
+    for name, k in key.attrs:
+        _read_specs(specs, f"{label}.{name}", f"_attr_of({expr}, {name!r})", k)
 
 
 # ---------------------------------------------------------------------------
@@ -282,7 +292,7 @@ class Prologue:
 
 def leaf_vars(leaves, arg_names=()) -> list:
     """A readable unique variable name per leaf, derived from its path (``x``, ``model_fc1_weight``)."""
-    used = {"args", "kwargs", "_MISSING", "_float_key", "_plain_key", "_layout_key", "torch", "len", "type", "id", "tuple",
+    used = {"args", "kwargs", "_MISSING", "_float_key", "_plain_key", "_attr_of", "_layout_key", "torch", "len", "type", "id", "tuple",
             "float"}
     names = []
     for leaf in leaves:
@@ -326,6 +336,16 @@ def extraction_lines(leaves, names, indices, indent="  ", consts=None) -> list:
     return lines
 
 
+def _referenced(leaf) -> str:
+    """What ``extraction_lines`` refers to by reference for ``leaf`` (its id), or ''."""
+    step = leaf.path[-1] if leaf.path else None
+    if step is not None and step.kind == "const":
+        return f"captured tensor {id(leaf.value)}"
+    if step is not None and step.kind in CAPTURED_ROOTS and len(leaf.path) == 1:
+        return f"read from {id(step.ref)}"
+    return ""
+
+
 def _storage_overlaps(written, others) -> tuple:
     """Pairs (i, j) where the written input ``i`` shares memory with the other input ``j`` (memory_overlap.py)."""
     return overlapping_pairs(written, others)
@@ -358,6 +378,8 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
         for what, expr, exp in guard_specs(leaf, names[i], var_of_leaf):
             if what.startswith("attr "):
                 labels.append(Label(f"{where}.{what[5:]}", "value"))
+            elif what.startswith("held "):  # an object a module holds, by identity
+                labels.append(Label(f"{where}.{what[5:]}", "object"))
             else:
                 labels.append(Label(where, what))
             exprs.append(expr)
@@ -419,8 +441,12 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     for lab, e in zip(labels, exprs):
         gk_lines.append(f"    {e},  # {lab.path}: {lab.what}")
     gk_lines.append("  )")
-    structure = "\n".join(ex_lines + gk_lines + decision_sources)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
+    # extract refers to objects by reference (``v_ = _k0``: a tensor the function reached through an object it does
+    # not walk; a globals dict or closure cell): a program traced for other ones (a replaced ``self._mask``) must not
+    # share this prologue, which would hand it the old ones.
+    captured = [f"# {names[i]}: {_referenced(leaf)}" for i, leaf in enumerate(leaves) if _referenced(leaf)]
+    structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
          "torch": torch, **consts.d, **dec.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(

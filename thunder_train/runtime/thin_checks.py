@@ -28,7 +28,7 @@ import operator
 import torch
 
 from ..compiler.acquisition.distributed import is_ddp
-from ..compiler.acquisition.instance_reads import SCALAR_TYPES
+from ..compiler.acquisition.instance_reads import Held, SCALAR_TYPES
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from ..compiler.errors import DecisionMismatch
 from ..compiler.prologue import (_MISSING, Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines,
@@ -278,19 +278,29 @@ def _per_call_value(src, i, into) -> None:
 
 
 def _module_reads(src) -> None:
-    """The private scalars and plain containers of modules that the function read (acquisition/instance_reads.py,
-    keyed by value in the guard key), compared on every call: assigning a private name bumps no module epoch, and a
-    container changed in place (peft's ``merged_adapters.append``) is seen by no hook."""
+    """What the function read from modules (acquisition/instance_reads.py, in the guard key), compared on every
+    call: private scalars and plain containers by value (assigning a private name bumps no module epoch, and a
+    container changed in place, peft's ``merged_adapters.append``, is seen by no hook); objects a module holds by
+    identity, and what was read from them by value, in turn."""
     for i, leaf in enumerate(src.leaves):
         read = (leaf.snapshot or {}).get("read", ()) if leaf.kind == "module" else ()
         if not read:
             continue
         var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]
-        for j, (name, _) in enumerate(read):
-            got = f"_r{i}_{j}"
-            differs = _differs(got, module.__dict__.get(name, _MISSING), src.consts)
+        for j, (name, key) in enumerate(read):
             (src.changed if src.per_call[i] else src.static_conds).append(
-                f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or {differs}")
+                _read_cond(src, var, module, name, key, f"_r{i}_{j}"))
+
+
+def _read_cond(src, var, obj, name, key, got) -> str:
+    """True where ``var.__dict__[name]`` is missing or no longer what ``obj`` (its value now) holds there: an
+    ``or`` chain, so a held object's attributes are read only once it is known to be the same object."""
+    if type(key) is not Held:
+        differs = _differs(got, obj.__dict__.get(name, _MISSING), src.consts)
+        return f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or {differs}"
+    conds = [f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is not {src.consts(key.obj)}"]
+    conds += [f"({_read_cond(src, got, key.obj, n, k, f'{got}_{j}')})" for j, (n, k) in enumerate(key.attrs)]
+    return " or ".join(conds)
 
 
 def _scalar_differs(var, v, consts) -> str:

@@ -141,6 +141,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
             walker.classes.finish()
             walker.instances.finish()
+            walker.instances.check_writes()
             for leaf in walker.leaves:  # what the prologue guards beyond the public scalars (instance_reads.py)
                 if leaf.kind == "module" and leaf.snapshot is not None:
                     leaf.snapshot["read"] = walker.instances.guarded(leaf.value)

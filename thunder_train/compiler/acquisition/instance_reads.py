@@ -1,4 +1,5 @@
-"""A walked module's private scalars and plain containers that the function reads: guarded by value.
+"""What the function reads from the state walked modules hold: private scalars and plain containers guarded by
+value, other objects by identity and, where read, their own attributes in turn.
 
 The prologue guards a module's public Python scalars (``m.p = 0.2``) whether the function reads them or not
 (walker.py ``module_snapshot``).  Private scalars (``self._scale``, peft's ``_disable_adapters``) and plain
@@ -12,16 +13,32 @@ product a second time, silently.
 While tracing, each such attribute name of a walked module's class is a data descriptor on the class (attribute
 lookup prefers a data descriptor to the instance's ``__dict__``) that returns the instance's own value and records
 the read; ``InputWalker.restore`` removes it.  The values are keyed (``plain_key``) when walked, before the function
-could change them.  Not seen: a read through ``vars(m)`` or ``m.__dict__``, and other objects a module holds (a
-configuration object), replaced or changed: docs/captured_inputs.md.  The full path checks the keys in the prologue's guard
-key (compiler/prologue.py), thin mode on every call (runtime/thin_checks.py).
+could change them.
+
+Other objects a module holds (a configuration object, an activation function, an enum member) are keyed by identity:
+replaced, the program is traced again.  A held object of a user's class (``plain_object``: a transformers config, a
+dataclass, a ``SimpleNamespace``) that the function reads is watched in turn, from that first read on: its plain
+attributes and held objects get stand-ins on its class the same way, so ``self.config.pad_token_id = 3`` or
+``self.cfg.mode = "b"`` between calls is seen, at any depth the function reads.  A name its class defines itself (a
+dataclass field's default) or whose class takes no stand-in (``SimpleNamespace``) is guarded whenever its object is.
+Not seen: a read through ``vars(m)`` or ``m.__dict__``, what lists or dicts of objects hold, the attributes of
+objects without a ``__dict__`` (``__slots__``, named tuples) and of torch's own objects: docs/captured_inputs.md.
+The full path checks the keys in the prologue's guard key (compiler/prologue.py), thin mode on every call
+(runtime/thin_checks.py).
 """
 from __future__ import annotations
 
 import abc
+import functools
 import threading
+import types
 
 import torch
+
+from ..errors import TracingError
+from ..proxies import is_proxy
+from ..pytree import holds
+from .class_attrs import user_class
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
 # What nn.Module itself keeps in every instance's __dict__ (registries, hooks, ``training``): guarded by their own
@@ -39,6 +56,37 @@ class _NotPlain:
 
 
 NOT_PLAIN = _NotPlain()
+
+
+class Same:
+    """The key of a held object: the object itself, compared by identity (the key keeps it alive)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __repr__(self):
+        return f"<the same {type(self.obj).__name__}>"
+
+
+class Held:
+    """What a module's guard checks of an object it holds: that it is still ``obj``, and ``attrs``,
+    ``((name, key or Held), ...)``, what the function read from it (empty where another holder checks them)."""
+
+    __slots__ = ("obj", "attrs")
+
+    def __init__(self, obj, attrs):
+        self.obj, self.attrs = obj, attrs
+
+    def __repr__(self):
+        return f"Held({type(self.obj).__name__}, {self.attrs!r})"
+
+
+def attr_of(x, name):
+    """``x.__dict__[name]``, or ``_MISSING`` where ``x`` has no such entry or no ``__dict__`` (guard keys)."""
+    d = getattr(x, "__dict__", None)
+    return d.get(name, _MISSING) if type(d) is dict else _MISSING
 
 
 _SCALARS = frozenset(SCALAR_TYPES)
@@ -88,21 +136,26 @@ class _Attr:
     """Stands in for one instance attribute name on a class while tracing: reads and writes go to the instance's
     ``__dict__``, as they would without it; a read is recorded by the innermost trace of the thread that reads (eager
     code in other threads runs unrecorded).  One stand-in per (class, name), shared by a trace and the traces nested
-    in it (acquire.py ``TRACING_LOCK`` is re-entrant; ``_users`` counts them)."""
+    in it (acquire.py ``TRACING_LOCK`` is re-entrant; ``_users`` counts them).  ``default``: the class's own value of
+    the name it replaces (a dataclass field's default), put back by ``_Removal``."""
 
-    __slots__ = ("cls", "name")
+    __slots__ = ("cls", "name", "default")
 
-    def __init__(self, cls, name):
-        self.cls, self.name = cls, name
+    def __init__(self, cls, name, default=_MISSING):
+        self.cls, self.name, self.default = cls, name, default
 
     def __get__(self, obj, owner=None):
         d = {} if obj is None else obj.__dict__
-        if self.name not in d:  # the class's own default (peft's ``merged_adapters = []`` on its base layer class)
+        if self.name not in d:
+            if self.default is not _MISSING:
+                return self.default
+            # a base class's default (peft's ``merged_adapters = []`` on its base layer class)
             return self._inherited(obj, self.cls if owner is None else owner)
+        v = d[self.name]
         watch = _tracing.get(threading.get_ident())
         if watch is not None:
-            watch.read(obj, self.name)
-        return d[self.name]
+            watch.read(obj, self.name, v)
+        return v
 
     def _inherited(self, obj, owner):
         mro = owner.__mro__
@@ -127,16 +180,21 @@ _users: dict = {}  # (class, name) -> how many traces use its stand-in now
 _tracing: dict = {}  # thread id -> the InstanceWatch of the trace running in it
 
 
-def _install(cls, name) -> bool:
+def _install(cls, name, own_default=False):
+    """Put the stand-in for ``name`` on ``cls``: True, False where it cannot be, None where the instance's
+    ``__dict__`` entry is not what a read returns (a base class's property of that name wins over it).
+    ``own_default``: a plain value the class itself has for the name (not a method or other descriptor) is kept by
+    the stand-in (a module class's own attributes are class_attrs.py's: not replaced)."""
     with _lock:
         if (cls, name) not in _users:
-            if name in vars(cls):  # (the class's own attribute: class_attrs.py watches it)
-                return False
+            default = vars(cls).get(name, _MISSING)
+            if default is not _MISSING and (not own_default or hasattr(type(default), "__get__")):
+                return False  # (class_attrs.py watches a module class's own attributes)
             bases = (vars(c).get(name) for c in cls.__mro__[1:])
             if any(hasattr(type(d), "__set__") and not isinstance(d, _Attr) for d in bases):
-                return False  # a base's property or other data descriptor wins over the instance's __dict__: left so
+                return None  # a base's property or other data descriptor wins over the instance's __dict__: left so
             try:
-                type.__setattr__(cls, name, _Attr(cls, name))
+                type.__setattr__(cls, name, _Attr(cls, name, default))
             except (TypeError, AttributeError):
                 return False
         _users[cls, name] = _users.get((cls, name), 0) + 1
@@ -154,19 +212,29 @@ class _Removal:
             n = _users.pop((self.cls, self.name)) - 1
             if n:
                 _users[self.cls, self.name] = n
-            elif isinstance(self.cls.__dict__.get(self.name), _Attr):
-                type.__delattr__(self.cls, self.name)
+            else:
+                attr = self.cls.__dict__.get(self.name)
+                if isinstance(attr, _Attr) and attr.default is not _MISSING:
+                    type.__setattr__(self.cls, self.name, attr.default)
+                elif isinstance(attr, _Attr):
+                    type.__delattr__(self.cls, self.name)
 
 
 class InstanceWatch:
-    """The instance attributes of one trace's walked modules: candidates keyed on ``watch``, reads recorded while
-    the function runs (in its thread), and ``guarded(m)``: what a module's guards add."""
+    """The instance attributes of one trace: those of its walked modules keyed on ``watch``, of the objects they
+    hold on their first read; reads recorded while the function runs (in its thread); ``guarded(m)``: what a
+    module's guards add."""
 
     def __init__(self, walker):
         self.walker = walker
-        self.keys: dict = {}  # id(module) -> {name: key when walked}
-        self.reads: dict = {}  # id(module) -> names read
+        self.keys: dict = {}  # id(module or held object) -> {name: key when watched}
+        self.reads: dict = {}  # id(module or held object) -> names read
+        self.always: dict = {}  # id(held object) -> names guarded with it (no stand-in: read unseen)
+        self.objects: dict = {}  # id(held object) -> the object, watched since its first read
+        self.where: dict = {}  # id(module or held object) -> where it is, for errors ("args[0].cfg")
+        self.before: dict = {}  # id(held object) -> a copy of its __dict__ when watched
         self.installed: set = set()  # (class, name) this trace uses
+        self.emitted: set = set()  # ids of held objects whose attributes a guard already checks
         self.thread = threading.get_ident()
         self.outer = None  # a trace that started this one (a compiled call inside a traced one)
         self.started = False
@@ -179,33 +247,65 @@ class InstanceWatch:
         _tracing[self.thread] = self
         self.walker.swapped.append((self, None, None))
 
-    def watch(self, m) -> None:
+    def _stand_in(self, cls, name, own_default=False):
+        """``_install``'s answer, remembering what this trace gives back."""
+        if (cls, name) in self.installed:
+            return True
+        done = _install(cls, name, own_default)
+        if done:
+            self.installed.add((cls, name))
+            self.walker.swapped.append((_Removal(cls, name), None, None))
+        return done
+
+    def watch(self, m, where) -> None:
         cls = type(m)
         if type(cls) not in (type, abc.ABCMeta):
             return
         if not self.started:
             self._start()
+        self.where[id(m)] = where
         keys = {}
         for name, v in m.__dict__.items():
             if name in MODULE_OWN or (name[:1] != "_" and type(v) in _SCALARS):
                 continue  # (public scalars: guarded whether read or not, walker.module_snapshot)
-            if type(v) not in _SCALARS and type(v) not in _CONTAINERS:
-                continue
-            k = plain_key(v)
-            if k is NOT_PLAIN:
-                continue
-            if (cls, name) not in self.installed:
-                if not _install(cls, name):
-                    continue
-                self.installed.add((cls, name))
-                self.walker.swapped.append((_Removal(cls, name), None, None))
-            keys[name] = k
+            k = _key(v)
+            if k is not NOT_PLAIN and self._stand_in(cls, name):
+                keys[name] = k
         if keys:
             self.keys[id(m)] = keys
 
-    def read(self, obj, name) -> None:
-        if name in self.keys.get(id(obj), ()):
-            self.reads.setdefault(id(obj), set()).add(name)
+    def _watch_object(self, o, where) -> None:
+        """A held object the function reads, from now on: its plain attributes and the objects it holds."""
+        if id(o) in self.keys or id(o) in self.objects or not _watchable(o) or id(o) in self.walker.by_id:
+            return  # (an object the walker walked is guarded by its own leaf)
+        self.objects[id(o)] = o
+        if len(self.objects) > MAX_OBJECTS:
+            return  # read unseen past this many: only its identity is guarded
+        self.where[id(o)], self.before[id(o)] = where, dict(vars(o))
+        cls, keys, always = type(o), {}, set()
+        for name, v in vars(o).items():
+            k = _key(v)
+            if k is NOT_PLAIN:
+                continue
+            done = self._stand_in(cls, name, own_default=True)
+            if done is None:
+                continue  # (a property of that name reads something else)
+            keys[name] = k
+            if not done:
+                always.add(name)
+        self.keys[id(o)] = keys
+        if always:
+            self.always[id(o)] = always
+
+    def read(self, obj, name, value) -> None:
+        k = self.keys.get(id(obj), {}).get(name, _MISSING)
+        if k is _MISSING:
+            return
+        if type(k) is Same:
+            if k.obj is not value:
+                return  # an object the function put there itself before reading it
+            self._watch_object(value, f"{self.where.get(id(obj), '?')}.{name}")
+        self.reads.setdefault(id(obj), set()).add(name)
 
     def finish(self) -> None:
         """After the function ran (or failed): reads are no longer recorded (the outer trace's are again)."""
@@ -215,10 +315,75 @@ class InstanceWatch:
             else:
                 _tracing[self.thread] = self.outer
 
+    def check_writes(self) -> None:
+        """After the function ran: a traced tensor it put on an object a module holds (``self.stats.last =
+        y.detach()``) would stay there as a placeholder, set once: an error naming it (``set`` puts the object back)."""
+        for i, o in self.objects.items():
+            before = self.before.get(i)
+            for name, v in (vars(o).items() if before is not None else ()):
+                if before.get(name, _MISSING) is not v and holds(v, is_proxy):
+                    raise TracingError(
+                        f"the function set {self.where[i]}.{name} (on a {type(o).__name__} the module holds) to a tensor "
+                        "it computed: a compiled function runs its Python code once, while tracing, so the object would "
+                        "keep a placeholder and later calls would not update it (it is left as it was). Return the "
+                        "tensor from the function instead, or keep it in a registered buffer updated in place "
+                        "(buf.copy_(...)).")
+
     def set(self, _) -> None:
+        """``InputWalker.restore``: stops recording; what the function put on a held object that holds a traced
+        tensor is put back as it was when watched (the trace failed or ``check_writes`` refused it)."""
         self.finish()
+        for i, o in self.objects.items():
+            before = self.before.get(i)
+            if before is None:
+                continue
+            d = vars(o)
+            for name, v in list(d.items()):
+                if before.get(name, _MISSING) is not v and holds(v, is_proxy):
+                    if name in before:
+                        d[name] = before[name]
+                    else:
+                        del d[name]
 
     def guarded(self, m) -> tuple:
-        """``((name, key), ...)``: the attributes of module ``m`` the function read, keyed as walked."""
-        keys = self.keys.get(id(m), {})
-        return tuple((name, keys[name]) for name in sorted(self.reads.get(id(m), ())))
+        """``((name, key or Held), ...)``: the attributes of module ``m`` the function read, keyed as watched.  A
+        held object's own attributes are checked under its first holder only (every holder checks its identity)."""
+        return self._guards(m, frozenset())
+
+    def _guards(self, obj, around) -> tuple:
+        keys = self.keys.get(id(obj), {})
+        out = []
+        for name in sorted(self.reads.get(id(obj), set()) | self.always.get(id(obj), set())):
+            k = keys[name]
+            if type(k) is Same:
+                o, inner = k.obj, ()
+                if id(o) not in self.emitted and id(o) not in around:
+                    self.emitted.add(id(o))
+                    inner = self._guards(o, around | {id(o)})
+                k = Held(o, inner)
+            out.append((name, k))
+        return tuple(out)
+
+
+MAX_OBJECTS = 1024  # held objects watched in one trace
+
+
+def _key(v):
+    """What a watched attribute is keyed by: ``plain_key`` for plain data, ``Same`` for another object, ``NOT_PLAIN``
+    for what is not guarded here (tensors, containers of objects)."""
+    t = type(v)
+    if t in _SCALARS or t in _CONTAINERS:
+        return plain_key(v)
+    if is_proxy(v):
+        return NOT_PLAIN  # (a module's public tensors, inputs of their own)
+    return Same(v)  # (a tensor held elsewhere is read as the program's constant: replaced, it is traced again)
+
+
+_NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
+                functools.partial, torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _watchable(o) -> bool:
+    """An instance of a user's class with a ``__dict__`` (not a function, class, module or torch's own object)."""
+    return (not isinstance(o, _NOT_WATCHED) and user_class(type(o))
+            and type(getattr(o, "__dict__", None)) is dict)

@@ -420,7 +420,7 @@ class InputWalker:
                                       f"a {type(v).__name__} held by the module {type(m).__name__}"))
         self.module_states.append(ModuleState.of(m, leaf.where))
         self.classes.watch(type(m))
-        self.instances.watch(m)
+        self.instances.watch(m, leaf.where)
         for name, sub in m._modules.items():
             if sub is not None:
                 self._module(sub, path + (Step("module", name),))
