@@ -127,7 +127,7 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     lines = (_head(src, nargs, kwnames, global_state, check_every) + _per_call_block(src) + _static_block(src) + call)
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
-        "_plain_key": plain_key, "_MISSING": _MISSING,
+        "_plain_key": plain_key, "_MISSING": _MISSING, "_dict_of": object.__getattribute__,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
         "_stride": _STRIDE, "_data_ptr": _DATA_PTR, "_values": dict.values, "_chain": itertools.chain.from_iterable,
@@ -289,17 +289,21 @@ def _module_reads(src) -> None:
         var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]
         for j, (name, key) in enumerate(read):
             (src.changed if src.per_call[i] else src.static_conds).append(
-                _read_cond(src, var, module, name, key, f"_r{i}_{j}"))
+                _read_cond(src, f"{var}.__dict__", module, name, key, f"_r{i}_{j}"))
 
 
-def _read_cond(src, var, obj, name, key, got) -> str:
-    """True where ``var.__dict__[name]`` is missing or no longer what ``obj`` (its value now) holds there: an
-    ``or`` chain, so a held object's attributes are read only once it is known to be the same object."""
+def _read_cond(src, d, obj, name, key, got) -> str:
+    """True where ``name`` in the ``__dict__`` that ``d`` reads is missing or no longer what ``obj`` (its value now)
+    holds there: an ``or`` chain, so a held object's attributes are read only once it is known to be the same object.
+    A held object's ``__dict__`` is read once, past its class's ``__getattribute__`` (transformers' configs have one
+    in Python: 2 us a read)."""
     if type(key) is not Held:
         differs = _differs(got, obj.__dict__.get(name, _MISSING), src.consts)
-        return f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is _MISSING or {differs}"
-    conds = [f"({got} := {var}.__dict__.get({name!r}, _MISSING)) is not {src.consts(key.obj)}"]
-    conds += [f"({_read_cond(src, got, key.obj, n, k, f'{got}_{j}')})" for j, (n, k) in enumerate(key.attrs)]
+        return f"({got} := {d}.get({name!r}, _MISSING)) is _MISSING or {differs}"
+    conds = [f"({got} := {d}.get({name!r}, _MISSING)) is not {src.consts(key.obj)}"]
+    for j, (n, k) in enumerate(key.attrs):
+        inner = f"({got}_d := _dict_of({got}, '__dict__'))" if j == 0 else f"{got}_d"
+        conds.append(f"({_read_cond(src, inner, key.obj, n, k, f'{got}_{j}')})")
     return " or ".join(conds)
 
 

@@ -84,8 +84,13 @@ class Held:
 
 
 def attr_of(x, name):
-    """``x.__dict__[name]``, or ``_MISSING`` where ``x`` has no such entry or no ``__dict__`` (guard keys)."""
-    d = getattr(x, "__dict__", None)
+    """``x.__dict__[name]``, or ``_MISSING`` where ``x`` has no such entry or no ``__dict__`` (guard keys).  The
+    ``__dict__`` is read past the class's own ``__getattribute__`` (transformers' configs have one in Python: 2 us a
+    read)."""
+    try:
+        d = object.__getattribute__(x, "__dict__")
+    except AttributeError:
+        return _MISSING
     return d.get(name, _MISSING) if type(d) is dict else _MISSING
 
 
