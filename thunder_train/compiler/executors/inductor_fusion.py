@@ -212,18 +212,29 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset(), as_writ
     later: set = set()  # ids of the deferred lines' results
     recomputed: set = set()  # ids of the region's recomputed values (and views of them)
     device = None  # of the open region: one kernel runs on one device
+    inputs = {id(a) for a in trc.args if is_proxy(a)}
+    moved: set = set()  # ids of the lines carried into a next region once
 
-    def close():
+    def close(closer=None):
         nonlocal region, produced, hoisted, deferred, later, recomputed
+        carried = _carried(region, recomputed, deferred, closer, inputs, moved) if closer is not None else []
+        if carried:  # (once: the next region is the one that computes the gradient of what they recompute)
+            region = [x for x in region if x not in carried]
+            moved.update(id(c) for _, c in carried)
         flush(region, hoisted, deferred)
-        region, produced, hoisted, deferred, later, recomputed = [], set(), [], [], set(), set()
+        region, produced, hoisted, deferred, later, recomputed = list(carried), set(), [], [], set(), set()
+        for _, c in carried:
+            produced.update(id(o) for o in c.flat_outputs())
+            recomputed.update(id(o) for o in c.flat_outputs())
 
     for i, b in enumerate(trc.bound_symbols):
         name, why = _classify(b) if id(b) not in constants else (None, None)
         reads = [id(a) for a in b.flat_args() if is_proxy(a)]
         if name is not None:
-            if region and (device_of(b) != device or any(r in later for r in reads)):
+            if region and device_of(b) != device:
                 close()
+            elif region and any(r in later for r in reads):
+                close(b)
             device = device_of(b)
             region.append((i, b))
             produced.add(id(result(b)))
@@ -241,14 +252,53 @@ def _walk(trc, flush, emit, skipped: dict, constants: set = frozenset(), as_writ
         if region and not _is_barrier(b) and not any(r in produced or r in later for r in reads):
             hoisted.append((i, b))
             continue
-        held = recomputed if as_written else ()
+        # Not held longer by a deferral: the program's inputs (alive throughout) and what deferred lines make (it
+        # exists only after the region).
+        held = inputs | later | (recomputed if as_written else set())
         if region and any(r in recomputed or r in later for r in reads) and _deferrable(b, held):
             deferred.append((i, b))
             later.update(id(o) for o in b.flat_outputs())
             continue
-        close()
+        close(b)
         emit(b)
     close()
+
+
+def _carried(region, recomputed: set, deferred, closer, held: set, moved: set) -> list:
+    """The open region's recomputed lines to carry into the next region, past ``closer``, the line that closes this
+    one: those that neither the region's other lines, nor its deferred lines, nor ``closer`` read (with what they
+    read of each other).  The recomputation is placed before its first reader while the backward still computes each
+    op's gradients in one line; lowered, a linear's input gradient (``g @ w``) comes between it and the gradient of
+    the op it recomputes.  There it closed the region the recomputation had joined: GPT's tanh GELU ran in a kernel
+    of its own, and again inside the kernel of GELU's gradient, which computes the same tanh (0.9 ms a layer; the
+    step's recomputation cost 1.1 % -> 0.2 %, docs/performance.md).  Carried, both are one kernel's.  Only past a
+    pure line (nothing it writes, nothing opaque), lines not carried before (``moved``: ids of lines), and where the
+    values the carried lines read from outside them, less ``held`` (ids of values), are at most the bytes they make
+    (``_deferrable``'s rule: nothing between holds more)."""
+    if not recomputed or _is_barrier(closer) or closer.draws_random or closer.sym.runs_opaquely:
+        return []
+    line = dict(region)
+    carry = {i for i, b in region if id(b) not in moved and all(id(o) in recomputed for o in b.flat_outputs())}
+    if not carry:
+        return []
+    made = {id(o): i for i, b in region for o in b.flat_outputs()}
+
+    def producers(b):
+        return [made[id(a)] for a in b.flat_args() if is_proxy(a) and made.get(id(a)) in carry]
+
+    todo = [j for b in [b for i, b in region if i not in carry] + [b for _, b in deferred] + [closer] for j in producers(b)]
+    while todo:
+        j = todo.pop()
+        if j in carry:
+            carry.discard(j)
+            todo += producers(line[j])
+    ins = {id(a): a for i in carry for a in line[i].flat_args()
+           if type(a) is TensorProxy and made.get(id(a)) not in carry and id(a) not in held}
+    outs = [o for i in carry for o in line[i].flat_outputs()]
+    sizes = [static_nbytes(p) for p in (*ins.values(), *outs)]
+    if not carry or None in sizes or sum(sizes[:len(ins)]) > sum(sizes[len(ins):]):
+        return []
+    return [(i, b) for i, b in region if i in carry]
 
 
 def _deferrable(bsym, held: set) -> bool:
