@@ -18,7 +18,7 @@ from torch import nn
 
 import thunder_train as tt
 
-MODES = ("thin", "full", "module")
+from _module_modes import MODES, classes_left_as_they_were, compiled, each_change_matches_eager
 
 
 @dataclasses.dataclass
@@ -63,14 +63,6 @@ class Holder(nn.Module):
         return y + self.outer.inner.shift * len(self.outer.flags)
 
 
-def _compiled(mode, m):
-    if mode == "module":
-        cm = tt.compile(m, fusion=None)
-        return cm, (lambda x: cm(x))
-    cf = tt.compile(lambda mod, x: mod(x), thin=mode == "thin", fusion=None)
-    return cf, (lambda x: cf(m, x))
-
-
 CHANGES = {
     "namespace attribute set": lambda m: setattr(m.ns, "scale", 3.0),
     "namespace replaced": lambda m: setattr(m, "ns", types.SimpleNamespace(scale=5.0)),
@@ -87,12 +79,8 @@ CHANGES = {
 @pytest.mark.parametrize("mode", MODES)
 def test_each_change_of_a_held_object_runs_eagers_computation(mode):
     m, x = Holder(), torch.randn(2, 4)
-    cf, call = _compiled(mode, m)
-    for what, change in CHANGES.items():
-        for _ in range(3):  # the entry validated twice: thin mode bound to it
-            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
-        change(m)
-        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0, msg=what)
+    cf, call = compiled(mode, m)
+    each_change_matches_eager(lambda: call(x), lambda: m(x), [(what, lambda c=c: c(m)) for what, c in CHANGES.items()])
     reasons = " ".join(tt.compile_stats(cf).retrace_reasons)
     for label in ("ns.scale.value: 2.0 → 3.0", "].ns: a different object", "cfg.mode", "].act: a different object",
                   "outer.inner.shift", "outer.flags"):
@@ -102,7 +90,7 @@ def test_each_change_of_a_held_object_runs_eagers_computation(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_an_unread_field_and_an_unchanged_object_retrace_nothing(mode):
     m, x = Holder(), torch.randn(2, 4)
-    cf, call = _compiled(mode, m)
+    cf, call = compiled(mode, m)
     for step in range(6):
         m.cfg.unread = step  # a field the forward never reads
         m.act = F.gelu  # the same function assigned again
@@ -128,13 +116,12 @@ class Shared(nn.Module):
 def test_a_shared_object_is_checked_under_every_holder(mode):
     cfg = Cfg()
     m, x = nn.Sequential(Shared(cfg), Shared(cfg), Shared(cfg)), torch.randn(2, 4)
-    _, call = _compiled(mode, m)
-    for change in (lambda: setattr(cfg, "scale", 3.0), lambda: setattr(m[2], "cfg", Cfg(scale=5.0)),
-                   lambda: setattr(m[2].cfg, "scale", 6.0), lambda: setattr(m[0], "cfg", m[2].cfg)):
-        for _ in range(3):
-            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
-        change()
-        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    _, call = compiled(mode, m)
+    each_change_matches_eager(lambda: call(x), lambda: m(x), [
+        ("the shared object's field set", lambda: setattr(cfg, "scale", 3.0)),
+        ("one holder's object replaced", lambda: setattr(m[2], "cfg", Cfg(scale=5.0))),
+        ("the new object's field set", lambda: setattr(m[2].cfg, "scale", 6.0)),
+        ("another holder given the new object", lambda: setattr(m[0], "cfg", m[2].cfg))])
 
 
 class OwnCache(nn.Module):
@@ -153,7 +140,7 @@ class OwnCache(nn.Module):
 @pytest.mark.parametrize("mode", MODES)
 def test_an_object_the_function_puts_there_itself_is_not_guarded(mode):
     m, x = OwnCache(), torch.randn(2, 4)
-    cf, call = _compiled(mode, m)
+    cf, call = compiled(mode, m)
     for _ in range(5):
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
     assert tt.compile_stats(cf).cache_misses == 1, tt.compile_stats(cf).retrace_reasons
@@ -161,17 +148,7 @@ def test_an_object_the_function_puts_there_itself_is_not_guarded(mode):
 
 def test_the_watch_leaves_classes_as_they_were_also_when_tracing_fails():
     m, x = Holder(), torch.randn(2, 4)
-    classes = (Holder, Cfg, Outer, Inner, types.SimpleNamespace)
-    before = {c: dict(vars(c)) for c in classes}
-    tt.compile(lambda mod, x: mod(x), fusion=None)(m, x)
-
-    def fails(mod, x):
-        mod(x)
-        raise ValueError("the user's error")
-
-    with pytest.raises(ValueError, match="the user's error"):
-        tt.compile(fails, fusion=None)(m, x)
-    assert {c: dict(vars(c)) for c in classes} == before
+    classes_left_as_they_were(m, x, (Holder, Cfg, Outer, Inner, types.SimpleNamespace))
     assert Cfg.scale == 2.0 and Cfg().mode == "a" and m.cfg.scale == 2.0
 
 
@@ -222,17 +199,16 @@ class HeldTensors(nn.Module):
 @pytest.mark.parametrize("mode", MODES)
 def test_tensors_held_outside_parameters_and_buffers_replaced_or_changed(mode):
     m, x = HeldTensors(), torch.randn(2, 4)
-    _, call = _compiled(mode, m)
-    changes = [lambda: m._mask.fill_(2.0), lambda: setattr(m, "_mask", torch.full((4,), 3.0)),
-               lambda: setattr(m.cfg, "bias", torch.ones(4)), lambda: m.cfg.bias.add_(1.0),
-               # a retrace for another reason (a public scalar) with a replaced tensor: the program traced for the new
-               # tensor once ran with the old one (the two shared a prologue that passes captured tensors by reference)
-               lambda: (setattr(m, "_mask", torch.full((4,), 5.0)), setattr(m, "p", 2.0))]
-    for change in changes:
-        for _ in range(3):
-            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
-        change()
-        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    _, call = compiled(mode, m)
+    each_change_matches_eager(lambda: call(x), lambda: m(x), [
+        ("private tensor changed in place", lambda: m._mask.fill_(2.0)),
+        ("private tensor replaced", lambda: setattr(m, "_mask", torch.full((4,), 3.0))),
+        ("held object's tensor replaced", lambda: setattr(m.cfg, "bias", torch.ones(4))),
+        ("held object's tensor changed in place", lambda: m.cfg.bias.add_(1.0)),
+        # a retrace for another reason (a public scalar) with a replaced tensor: the program traced for the new
+        # tensor once ran with the old one (the two shared a prologue that passes captured tensors by reference)
+        ("private tensor replaced and a public scalar set",
+         lambda: (setattr(m, "_mask", torch.full((4,), 5.0)), setattr(m, "p", 2.0)))])
 
 
 class Records(nn.Module):
@@ -280,17 +256,10 @@ def test_a_transformers_config_changed_between_calls(mode):
     model = transformers.GPT2ForSequenceClassification(cfg)
     ids = torch.tensor([[5, 6, 7, 0, 0, 0], [8, 9, 3, 3, 4, 3]])
     fwd = lambda m, i: m(input_ids=i).logits  # noqa: E731
-    if mode == "module":
-        cm = tt.compile(model, fusion=None)
-        call = lambda: fwd(cm, ids)  # noqa: E731
-    else:
-        cf = tt.compile(fwd, thin=mode == "thin", fusion=None)
-        call = lambda: cf(model, ids)  # noqa: E731
-    for change in (lambda: None, lambda: setattr(model.config, "pad_token_id", 3),
-                   lambda: setattr(model.config, "output_hidden_states", True)):
-        change()
-        for _ in range(3):
-            torch.testing.assert_close(call(), fwd(model, ids), rtol=0, atol=0)
+    _, call = compiled(mode, model, fwd)
+    each_change_matches_eager(lambda: call(ids), lambda: fwd(model, ids), [
+        ("config.pad_token_id", lambda: setattr(model.config, "pad_token_id", 3)),
+        ("config.output_hidden_states", lambda: setattr(model.config, "output_hidden_states", True))])
 
 
 def test_a_transformers_step_guards_only_the_config_fields_it_reads():

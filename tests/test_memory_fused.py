@@ -26,6 +26,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from gpt import GPT, CheckpointedBlocks, GPTConfig  # noqa: E402
 
 
+def _gpt(n_layer):
+    """A small GPT (d 64, T 32) and a batch of 4 (inputs, next-token targets)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=n_layer, n_head=2, n_embd=64))
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    return model, (x, torch.roll(x, -1, 1))
+
+
 def _run(model, batch, fusion):
     """(losses of four steps, the compiled function, the peak of a fifth in the allocator's order)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -40,11 +48,7 @@ def _run(model, batch, fusion):
 @pytest.mark.skipif(not cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
 def test_fused_checkpointed_step_holds_no_more_than_the_torch_program(monkeypatch):
     monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns the default off
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=64))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (4, 32), generator=g)
-    batch = (x, torch.roll(x, -1, 1))
+    model, batch = _gpt(n_layer=1)
     eager_model = CheckpointedBlocks(copy.deepcopy(model))
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
     eager = [_step(eager_model, eager_opt, *batch) for _ in range(5)]
@@ -94,11 +98,7 @@ def test_recomputed_gelu_runs_in_the_kernel_of_its_gradient(monkeypatch):
     recomputation cost 1.1 % -> 0.2 %).  The region now carries the recomputation into the next one
     (executors/inductor_fusion.py ``_carried``).  Values stay eager's."""
     monkeypatch.delenv("THUNDER_TRAIN_FUSION", raising=False)  # tests/conftest.py turns the default off
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (4, 32), generator=g)
-    batch = (x, torch.roll(x, -1, 1))
+    model, batch = _gpt(n_layer=2)
     eager_model = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
     eager = [_step(eager_model, eager_opt, *batch) for _ in range(5)]  # (_run's fifth step measures the peak)

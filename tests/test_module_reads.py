@@ -6,7 +6,6 @@ Found with peft: after ``merge_adapter()`` (its layers' ``merged_adapters`` list
 property) the compiled forward still ran the adapter's product beside the merged weight."""
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -16,7 +15,7 @@ from torch import nn
 
 import thunder_train as tt
 
-MODES = ("thin", "full", "module")
+from _module_modes import MODES, classes_left_as_they_were, compiled, each_change_matches_eager
 
 
 class Base(nn.Module):
@@ -50,14 +49,6 @@ class Stateful(Base):
         return y - 3 if self._flag else y
 
 
-def _compiled(mode, m):
-    if mode == "module":
-        cm = tt.compile(m, fusion=None)
-        return cm, (lambda x: cm(x))
-    cf = tt.compile(lambda mod, x: mod(x), thin=mode == "thin", fusion=None)
-    return cf, (lambda x: cf(m, x))
-
-
 CHANGES = {
     "private float reassigned": lambda m: setattr(m, "_scale", 3.0),
     "private str reassigned": lambda m: setattr(m, "_mode", "b"),
@@ -73,12 +64,8 @@ CHANGES = {
 @pytest.mark.parametrize("mode", MODES)
 def test_each_change_runs_eagers_computation(mode):
     m, x = Stateful(), torch.randn(2, 4)
-    cf, call = _compiled(mode, m)
-    for what, change in CHANGES.items():
-        for _ in range(3):  # the entry validated twice: thin mode bound to it
-            torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
-        change(m)
-        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0, msg=what)
+    cf, call = compiled(mode, m)
+    each_change_matches_eager(lambda: call(x), lambda: m(x), [(what, lambda c=c: c(m)) for what, c in CHANGES.items()])
     reasons = tt.compile_stats(cf).retrace_reasons
     for name in ("_scale", "_mode", "cfg", "merged", "_flag", "_tags", "nested"):
         assert any(f".{name}" in r or f"attr {name}" in r for r in reasons), (name, reasons)
@@ -89,7 +76,7 @@ def test_every_instance_of_a_class_is_watched(mode):
     """The first instance's watch puts the class's stand-in in place; the later ones are watched through it (they were
     not: only the first of GPT-2's five LayerNorms had its ``normalized_shape`` guarded)."""
     m, x = nn.Sequential(Stateful(), Stateful(), Stateful()), torch.randn(2, 4)
-    _, call = _compiled(mode, m)
+    _, call = compiled(mode, m)
     for k in (2, 1):
         for _ in range(3):
             torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
@@ -128,7 +115,7 @@ class ShadowedByProperty(WithProperty):
 @pytest.mark.parametrize("mode", MODES)
 def test_subclasses_and_base_class_descriptors_read_as_in_eager(mode):
     m, x = nn.Sequential(nn.LayerNorm(4), Scaled(), ShadowedByProperty()), torch.randn(2, 4)
-    _, call = _compiled(mode, m)
+    _, call = compiled(mode, m)
     for _ in range(3):
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
     m[1]._gain = 2.0
@@ -139,7 +126,7 @@ def test_subclasses_and_base_class_descriptors_read_as_in_eager(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_private_attribute_the_function_does_not_read_changes_nothing(mode):
     m, x = Stateful(), torch.randn(2, 4)
-    cf, call = _compiled(mode, m)
+    cf, call = compiled(mode, m)
     for step in range(6):
         m._bookkeeping = step  # assigned every step, as Lightning assigns its own
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
@@ -151,16 +138,7 @@ def test_a_private_attribute_the_function_does_not_read_changes_nothing(mode):
 
 def test_the_watch_leaves_the_classes_as_they_were_also_when_tracing_fails():
     m, x = Stateful(), torch.randn(2, 4)
-    before = {c: dict(vars(c)) for c in (Stateful, Base)}
-    tt.compile(lambda mod, x: mod(x), fusion=None)(m, x)
-
-    def fails(mod, x):
-        mod(x)
-        raise ValueError("the user's error")
-
-    with pytest.raises(ValueError, match="the user's error"):
-        tt.compile(fails, fusion=None)(m, x)
-    assert {c: dict(vars(c)) for c in (Stateful, Base)} == before
+    classes_left_as_they_were(m, x, (Stateful, Base))
     assert m._flag is True and Stateful._flag is False and m.merged == [] and m._scale == 1.0
 
 
@@ -194,18 +172,10 @@ def test_peft_adapter_switches_and_merges_run_eagers_forward(mode):
 
     model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], init_lora_weights=False))
     batch = _zoo.batches("llama", 1)[0]
-    fwd = lambda m, b: m(**b).loss  # noqa: E731
-    if mode == "module":
-        cm = tt.compile(model, fusion=None)
-        call = lambda: fwd(cm, batch)  # noqa: E731
-    else:
-        cf = tt.compile(fwd, thin=mode == "thin", fusion=None)
-        call = lambda: cf(model, batch)  # noqa: E731
+    fwd = lambda m, b: m(**b).loss.detach()  # noqa: E731
+    _, call = compiled(mode, model, fwd)
     steps = [("default", lambda: None), ("merge_adapter", model.merge_adapter), ("unmerge_adapter", model.unmerge_adapter),
              ("set_adapter second", lambda: model.set_adapter("second")), ("set_adapter default", lambda: model.set_adapter("default")),
              ("disable_adapter_layers", model.base_model.disable_adapter_layers),
              ("enable_adapter_layers", model.base_model.enable_adapter_layers)]
-    for what, change in steps:
-        change()
-        for _ in range(3):
-            torch.testing.assert_close(call().detach(), fwd(model, batch).detach(), rtol=0, atol=0, msg=what)
+    each_change_matches_eager(lambda: call(batch), lambda: fwd(model, batch), steps)
