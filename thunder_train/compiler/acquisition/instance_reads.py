@@ -16,11 +16,12 @@ the read; ``InputWalker.restore`` removes it.  The values are keyed (``plain_key
 could change them.
 
 Other objects a module holds (a configuration object, an activation function, an enum member) are keyed by identity:
-replaced, the program is traced again.  A held object of a user's class (``plain_object``: a transformers config, a
+replaced, the program is traced again.  A held object of a user's class (``_watchable``: a transformers config, a
 dataclass, a ``SimpleNamespace``) that the function reads is watched in turn, from that first read on: its plain
 attributes and held objects get stand-ins on its class the same way, so ``self.config.pad_token_id = 3`` or
-``self.cfg.mode = "b"`` between calls is seen, at any depth the function reads.  A name its class defines itself (a
-dataclass field's default) or whose class takes no stand-in (``SimpleNamespace``) is guarded whenever its object is.
+``self.cfg.mode = "b"`` between calls is seen, at any depth the function reads.  A plain default its class defines
+for the name (a dataclass field's) is kept behind the stand-in and put back after; a name that takes no stand-in (a
+``SimpleNamespace``'s: a built-in type; a method of that name on the class) is guarded whenever its object is.
 Not seen: a read through ``vars(m)`` or ``m.__dict__``, what lists or dicts of objects hold, the attributes of
 objects without a ``__dict__`` (``__slots__``, named tuples) and of torch's own objects: docs/captured_inputs.md.
 The full path checks the keys in the prologue's guard key (compiler/prologue.py), thin mode on every call
