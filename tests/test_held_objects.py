@@ -233,6 +233,30 @@ def test_a_traced_tensor_put_on_a_held_object_is_refused_and_the_object_left_as_
     assert m.stats.last is None and vars(m.stats) == {"last": None, "calls": 0}
 
 
+class CountsThenFails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stats = Outer()
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.stats.flags = ["changed"]
+        self.stats.inner.shift += 1.0  # an object two levels down
+        self.stats.last = y
+        raise ValueError("the user's error")
+
+
+def test_a_failed_trace_leaves_held_objects_as_they_were():
+    """What the function changed on objects a module holds is put back when tracing fails, as on a walked module
+    (library_objects.rollback): a list replaced, a number added to, a traced tensor stored."""
+    m, x = CountsThenFails(), torch.randn(2, 4)
+    inner = m.stats.inner
+    with pytest.raises(ValueError, match="the user's error"):
+        tt.compile(lambda mod, x: mod(x), fusion=None)(m, x)
+    assert vars(m.stats) == {"inner": inner, "flags": ["x"]} and vars(inner) == {"shift": 1.0}
+
+
 # ---------------------------------------------------------------------------
 # transformers: the config every layer holds
 # ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import TracingError
 from ..proxies import is_proxy
-from ..pytree import holds
+from . import library_objects
 from .class_attrs import user_class
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
@@ -238,7 +238,9 @@ class InstanceWatch:
         self.always: dict = {}  # id(held object) -> names guarded with it (no stand-in: read unseen)
         self.objects: dict = {}  # id(held object) -> the object, watched since its first read
         self.where: dict = {}  # id(module or held object) -> where it is, for errors ("args[0].cfg")
-        self.before: dict = {}  # id(held object) -> a copy of its __dict__ when watched
+        # id(held object) -> library_objects.Snapshot when watched; also in walker.walked_objects, so a failed trace
+        # puts back whatever the function changed on it, as on a walked module
+        self.snaps: dict = {}
         self.installed: set = set()  # (class, name) this trace uses
         self.emitted: set = set()  # ids of held objects whose attributes a guard already checks
         self.thread = threading.get_ident()
@@ -287,7 +289,9 @@ class InstanceWatch:
         self.objects[id(o)] = o
         if len(self.objects) > MAX_OBJECTS:
             return  # read unseen past this many: only its identity is guarded
-        self.where[id(o)], self.before[id(o)] = where, dict(vars(o))
+        self.where[id(o)] = where
+        self.snaps[id(o)] = snap = library_objects.snapshot(o)  # (_watchable: it has a __dict__)
+        self.walker.walked_objects.append((None, o, snap))
         cls, keys, always = type(o), {}, set()
         for name, v in vars(o).items():
             k = _key(v)
@@ -323,33 +327,20 @@ class InstanceWatch:
 
     def check_writes(self) -> None:
         """After the function ran: a traced tensor it put on an object a module holds (``self.stats.last =
-        y.detach()``) would stay there as a placeholder, set once: an error naming it (``set`` puts the object back)."""
-        for i, o in self.objects.items():
-            before = self.before.get(i)
-            for name, v in (vars(o).items() if before is not None else ()):
-                if before.get(name, _MISSING) is not v and holds(v, is_proxy):
-                    raise TracingError(
-                        f"the function set {self.where[i]}.{name} (on a {type(o).__name__} the module holds) to a tensor "
-                        "it computed: a compiled function runs its Python code once, while tracing, so the object would "
-                        "keep a placeholder and later calls would not update it (it is left as it was). Return the "
-                        "tensor from the function instead, or keep it in a registered buffer updated in place "
-                        "(buf.copy_(...)).")
+        y.detach()``) would stay there as a placeholder, set once: put back, and an error naming it."""
+        for i, snap in self.snaps.items():
+            bad = library_objects.put_back_traced(snap)
+            if bad:
+                raise TracingError(
+                    f"the function set {', '.join(f'{self.where[i]}.{b}' for b in sorted(bad))} (on a "
+                    f"{type(self.objects[i]).__name__} the module holds) to a tensor it computed: a compiled function "
+                    "runs its Python code once, while tracing, so the object would keep a placeholder and later calls "
+                    "would not update it (it is left as it was). Return the tensor from the function instead, or keep "
+                    "it in a registered buffer updated in place (buf.copy_(...)).")
 
     def set(self, _) -> None:
-        """``InputWalker.restore``: stops recording; what the function put on a held object that holds a traced
-        tensor is put back as it was when watched (the trace failed or ``check_writes`` refused it)."""
+        """``InputWalker.restore``: reads are no longer recorded."""
         self.finish()
-        for i, o in self.objects.items():
-            before = self.before.get(i)
-            if before is None:
-                continue
-            d = vars(o)
-            for name, v in list(d.items()):
-                if before.get(name, _MISSING) is not v and holds(v, is_proxy):
-                    if name in before:
-                        d[name] = before[name]
-                    else:
-                        del d[name]
 
     def guarded(self, m) -> tuple:
         """``((name, key or Held), ...)``: the attributes of module ``m`` the function read, keyed as watched.  A

@@ -115,15 +115,22 @@ def _held(container, keys) -> list:
     return keys if holds(list(container), is_proxy) else []
 
 
+def put_back_traced(snap) -> list:
+    """The attributes and container entries changed since ``snap`` that hold a traced value, put back: their names
+    (``str(attribute)``, or ``"an entry of a container it holds (key)"``)."""
+    bad = []
+    for container, before, keys in snap.changed():
+        held = _held(container, keys)
+        if held:
+            _put_back(container, before, held)
+            bad += [str(k) if container is snap.attrs else f"an entry of a container it holds ({k!r})" for k in held]
+    return bad
+
+
 def check(objects) -> None:
     """After a successful trace: an attribute or container entry holding a traced value is put back and refused."""
     for path, obj, snap in objects:
-        bad = []
-        for container, before, keys in snap.changed():
-            held = _held(container, keys)
-            if held:
-                _put_back(container, before, held)
-                bad += [str(k) if container is snap.attrs else f"an entry of a container it holds ({k!r})" for k in held]
+        bad = put_back_traced(snap)
         if not bad:
             continue
         name = type(obj).__name__
