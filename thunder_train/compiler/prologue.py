@@ -444,7 +444,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     # extract refers to objects by reference (``v_ = _k0``: a tensor the function reached through an object it does
     # not walk; a globals dict or closure cell): a program traced for other ones (a replaced ``self._mask``) must not
     # share this prologue, which would hand it the old ones.
-    captured = [f"# {names[i]}: {_referenced(leaf)}" for i, leaf in enumerate(leaves) if _referenced(leaf)]
+    captured = [f"# {names[i]}: {ref}" for i, leaf in enumerate(leaves) if (ref := _referenced(leaf))]
     structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
     g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
          "torch": torch, **consts.d, **dec.d}

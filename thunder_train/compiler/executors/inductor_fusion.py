@@ -294,9 +294,7 @@ def _carried(region, recomputed: set, deferred, closer, held: set, moved: set) -
             todo += producers(line[j])
     ins = {id(a): a for i in carry for a in line[i].flat_args()
            if type(a) is TensorProxy and made.get(id(a)) not in carry and id(a) not in held}
-    outs = [o for i in carry for o in line[i].flat_outputs()]
-    sizes = [static_nbytes(p) for p in (*ins.values(), *outs)]
-    if not carry or None in sizes or sum(sizes[:len(ins)]) > sum(sizes[len(ins):]):
+    if not carry or not _no_more_bytes(ins.values(), [o for i in carry for o in line[i].flat_outputs()]):
         return []
     return [(i, b) for i, b in region if i in carry]
 
@@ -316,8 +314,15 @@ def _deferrable(bsym, held: set) -> bool:
             or not outs or not all(type(o) is TensorProxy for o in outs):
         return False
     ins = [a for k, a in {id(a): a for a in bsym.flat_args() if type(a) is TensorProxy}.items() if k not in held]
-    sizes = [static_nbytes(p) for p in (*ins, *outs)]
-    return None not in sizes and sum(sizes[:len(ins)]) <= sum(sizes[len(ins):])
+    return _no_more_bytes(ins, outs)
+
+
+def _no_more_bytes(held_longer, made_later) -> bool:
+    """Whether the tensors a move keeps alive longer hold at most the bytes of those it makes later (all sizes
+    known): no line in between then holds more than before."""
+    held_longer, made_later = list(held_longer), list(made_later)
+    sizes = [static_nbytes(p) for p in (*held_longer, *made_later)]
+    return None not in sizes and sum(sizes[:len(held_longer)]) <= sum(sizes[len(held_longer):])
 
 
 class _State:
