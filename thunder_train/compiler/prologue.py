@@ -34,7 +34,7 @@ from .memory_overlap import overlapping_pairs
 from .prims import SCALAR_INFIX
 from .proxies import NumberProxy, SizeProxy, is_checked, size_value
 from .symbolic_layouts import layout_key
-from .acquisition.instance_reads import Held, attr_of, plain_key
+from .acquisition.instance_reads import Contents, Held, attr_of, by_contents, held_key, plain_key, step_of
 from .acquisition.provenance import CAPTURED_ROOTS, attribute_checks, name_from_path, path_str, per_call_mask  # noqa: F401 (thin.py)
 from . import prologue_state as checks
 
@@ -197,12 +197,21 @@ _CALLEE = {"method": "__func__", "partial": "func"}
 
 
 def _read_specs(specs, label, expr, key) -> None:
+    if type(key) is Contents:  # a held container's items, objects among them by identity
+        specs.append((f"attr {label}", f"_held_key({expr})", key.key))
+        return
     if type(key) is not Held:
         specs.append((f"attr {label}", f"_plain_key({expr})", key))
         return
-    specs.append((f"held {label}", f"id({expr})", id(key.obj)))  # (the key keeps the object alive: no id reused)
+    if not by_contents(key.obj):  # (a container: by its contents, its first step)
+        specs.append((f"held {label}", f"id({expr})", id(key.obj)))  # (the key keeps the object alive: no id reused)
     for name, k in key.attrs:
-        _read_specs(specs, f"{label}.{name}", f"_attr_of({expr}, {name!r})", k)
+        if type(name) is str:
+            _read_specs(specs, f"{label}.{name}", f"_attr_of({expr}, {name!r})", k)
+        elif name.kind == "contents":
+            _read_specs(specs, label, expr, k)
+        else:  # (an item's, a slot's, a bound method's object)
+            _read_specs(specs, label + name.label(), f"_step_of({expr}, {name.kind!r}, {name.arg!r})", k)
 
 
 # ---------------------------------------------------------------------------
@@ -292,7 +301,7 @@ class Prologue:
 
 def leaf_vars(leaves, arg_names=()) -> list:
     """A readable unique variable name per leaf, derived from its path (``x``, ``model_fc1_weight``)."""
-    used = {"args", "kwargs", "_MISSING", "_float_key", "_plain_key", "_attr_of", "_layout_key", "torch", "len", "type", "id", "tuple",
+    used = {"args", "kwargs", "_MISSING", "_float_key", "_plain_key", "_attr_of", "_held_key", "_step_of", "_layout_key", "torch", "len", "type", "id", "tuple",
             "float"}
     names = []
     for leaf in leaves:
@@ -446,7 +455,8 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     # share this prologue, which would hand it the old ones.
     captured = [f"# {names[i]}: {ref}" for i, leaf in enumerate(leaves) if (ref := _referenced(leaf))]
     structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
-    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
+    g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of,
+         "_held_key": held_key, "_step_of": step_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
          "torch": torch, **consts.d, **dec.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(

@@ -28,7 +28,7 @@ import operator
 import torch
 
 from ..compiler.acquisition.distributed import is_ddp
-from ..compiler.acquisition.instance_reads import Held, SCALAR_TYPES
+from ..compiler.acquisition.instance_reads import SCALAR_TYPES, Contents, Held, attr_of, by_contents, held_key, step_of
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from ..compiler.errors import DecisionMismatch
 from ..compiler.prologue import (_MISSING, Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines,
@@ -127,7 +127,8 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     lines = (_head(src, nargs, kwnames, global_state, check_every) + _per_call_block(src) + _static_block(src) + call)
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
-        "_plain_key": plain_key, "_MISSING": _MISSING, "_dict_of": object.__getattribute__,
+        "_plain_key": plain_key, "_MISSING": _MISSING, "_dict_of": object.__getattribute__, "_held_key": held_key,
+        "_step_of": step_of,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
         "_stride": _STRIDE, "_data_ptr": _DATA_PTR, "_values": dict.values, "_chain": itertools.chain.from_iterable,
@@ -289,21 +290,31 @@ def _module_reads(src) -> None:
         var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]
         for j, (name, key) in enumerate(read):
             (src.changed if src.per_call[i] else src.static_conds).append(
-                _read_cond(src, f"{var}.__dict__", module, name, key, f"_r{i}_{j}"))
+                _read_cond(src, f"{var}.__dict__.get({name!r}, _MISSING)", module.__dict__.get(name, _MISSING), key,
+                           f"_r{i}_{j}"))
 
 
-def _read_cond(src, d, obj, name, key, got) -> str:
-    """True where ``name`` in the ``__dict__`` that ``d`` reads is missing or no longer what ``obj`` (its value now)
-    holds there: an ``or`` chain, so a held object's attributes are read only once it is known to be the same object.
-    A held object's ``__dict__`` is read once, past its class's ``__getattribute__`` (transformers' configs have one
-    in Python: 2 us a read)."""
+def _read_cond(src, expr, now, key, got) -> str:
+    """True where ``expr`` gives no value or no longer ``now``'s (the value bound now) as ``key`` keys it: an ``or``
+    chain, so a held object's attributes are read only once it is known to be the same object.  A held object's
+    ``__dict__`` is read once, past its class's ``__getattribute__`` (transformers' configs have one in Python: 2 us a
+    read); a container's items, ``__slots__`` members and a bound method's object through ``_step_of``."""
+    if type(key) is Contents:  # (``expr`` is the container, already read: its items compared inline)
+        return _differs(expr, now, src.consts, held=True)
     if type(key) is not Held:
-        differs = _differs(got, obj.__dict__.get(name, _MISSING), src.consts)
-        return f"({got} := {d}.get({name!r}, _MISSING)) is _MISSING or {differs}"
-    conds = [f"({got} := {d}.get({name!r}, _MISSING)) is not {src.consts(key.obj)}"]
+        return f"({got} := {expr}) is _MISSING or {_differs(got, now, src.consts)}"
+    conds = [f"({got} := {expr}) is " + ("_MISSING" if by_contents(key.obj) else f"not {src.consts(key.obj)}")]
+    own = None  # the variable holding the object's __dict__, once read
     for j, (n, k) in enumerate(key.attrs):
-        inner = f"({got}_d := _dict_of({got}, '__dict__'))" if j == 0 else f"{got}_d"
-        conds.append(f"({_read_cond(src, inner, key.obj, n, k, f'{got}_{j}')})")
+        if type(n) is str:
+            inner = f"{own}.get({n!r}, _MISSING)" if own else f"({got}_d := _dict_of({got}, '__dict__')).get({n!r}, _MISSING)"
+            own = f"{got}_d"
+            conds.append(f"({_read_cond(src, inner, attr_of(key.obj, n), k, f'{got}_{j}')})")
+        elif n.kind == "contents":
+            conds.append(f"({_read_cond(src, got, key.obj, k, f'{got}_{j}')})")
+        else:
+            inner = f"_step_of({got}, {n.kind!r}, {n.arg!r})"
+            conds.append(f"({_read_cond(src, inner, step_of(key.obj, n.kind, n.arg), k, f'{got}_{j}')})")
     return " or ".join(conds)
 
 
@@ -316,19 +327,24 @@ def _scalar_differs(var, v, consts) -> str:
     return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
 
 
-def _differs(var, v, consts, depth=0) -> str:
+def _differs(var, v, consts, depth=0, held=False) -> str:
     """True where ``var`` does not hold the plain value ``v`` (types compared, as ``plain_key`` compares them),
     inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a comparison per
-    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
+    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise.  ``held``: a held
+    container's contents, its objects compared by identity (``held_key``)."""
     t = type(v)
     if t in SCALAR_TYPES:
         return f"({_scalar_differs(var, v, consts)})"
     if depth < 2 and (t is list or t is tuple):
         return "(" + " or ".join([f"type({var}) is not {t.__name__}", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
+            _differs(f"{var}[{k}]", x, consts, depth + 1, held) for k, x in enumerate(v)]) + ")"
     if depth < 2 and t is dict and all(type(k) is str for k in v):
         return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
+            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1, held) for k, x in v.items()]) + ")"
+    if held and not isinstance(v, (list, tuple, dict, set, frozenset)):
+        return f"({var} is not {consts(v)})"
+    if held:
+        return f"(_held_key({var}) != {consts(held_key(v))})"
     return f"(_plain_key({var}) != {consts(plain_key(v))})"
 
 

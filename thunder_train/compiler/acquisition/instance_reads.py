@@ -22,8 +22,10 @@ attributes and held objects get stand-ins on its class the same way, so ``self.c
 ``self.cfg.mode = "b"`` between calls is seen, at any depth the function reads.  A plain default its class defines
 for the name (a dataclass field's) is kept behind the stand-in and put back after; a name that takes no stand-in (a
 ``SimpleNamespace``'s: a built-in type; a method of that name on the class) is guarded whenever its object is.
-Not seen: a read through ``vars(m)`` or ``m.__dict__``, what lists or dicts of objects hold, the attributes of
-objects without a ``__dict__`` (``__slots__``, named tuples) and of torch's own objects: docs/captured_inputs.md.
+Where no attribute read leads to an object (``_watch_value``), the way to it is guarded whenever its holder is: a
+list's, tuple's or dict's items by ``held_key`` (objects by identity; the container itself by its contents, not its
+identity), a ``__slots__`` object's members, a bound method's object (``Step``).  Not seen: a read through
+``vars(m)`` or ``m.__dict__``, the attributes of torch's own objects, a partial's arguments: docs/captured_inputs.md.
 The full path checks the keys in the prologue's guard key (compiler/prologue.py), thin mode on every call
 (runtime/thin_checks.py).
 """
@@ -33,6 +35,7 @@ import abc
 import functools
 import threading
 import types
+import weakref
 
 import torch
 
@@ -67,8 +70,64 @@ class Same:
     def __init__(self, obj):
         self.obj = obj
 
+    def __eq__(self, other):
+        return type(other) is Same and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
     def __repr__(self):
         return f"<the same {type(self.obj).__name__}>"
+
+
+class Step:
+    """A way into a held value other than an instance ``__dict__`` entry: ``contents`` (a list's, tuple's, dict's or
+    set's items, keyed by ``held_key``: objects by identity), ``item`` (one of them, the way to an object's own
+    attributes), ``slot`` (a ``__slots__`` member), ``self`` (a bound method's object)."""
+
+    __slots__ = ("kind", "arg")
+    _ORDER = {"contents": 0, "slot": 1, "self": 2, "item": 3}
+
+    def __init__(self, kind, arg=None):
+        self.kind, self.arg = kind, arg
+
+    def __eq__(self, other):
+        return type(other) is Step and (other.kind, other.arg) == (self.kind, self.arg)
+
+    def __hash__(self):
+        return hash((self.kind, self.arg))
+
+    def __repr__(self):
+        return f"Step({self.kind!r}, {self.arg!r})"
+
+    def label(self) -> str:
+        return {"contents": "", "item": f"[{self.arg!r}]", "slot": f".{self.arg}", "self": ".__self__"}[self.kind]
+
+    def order(self):
+        return (self._ORDER[self.kind], repr(self.arg))
+
+
+CONTENTS, SELF = Step("contents"), Step("self")
+
+
+def step_of(x, kind, arg=None):
+    """What ``Step(kind, arg)`` reaches from ``x`` (guards), ``_MISSING`` where it reaches nothing."""
+    try:
+        if kind == "item":
+            if isinstance(x, dict):
+                return dict.get(x, arg, _MISSING)  # (no ``__missing__``: a defaultdict gains nothing)
+            return x[arg] if isinstance(x, (list, tuple)) else _MISSING
+        if kind == "slot":
+            return object.__getattribute__(x, arg)
+        if kind == "self":
+            return x.__self__ if type(x) is types.MethodType else _MISSING
+    except (LookupError, AttributeError, TypeError):
+        return _MISSING
+    return x  # (contents: the container itself, keyed by ``held_key``)
+
+
+def _order(name):
+    return (0, name) if type(name) is str else (1,) + name.order()
 
 
 class Held:
@@ -136,6 +195,53 @@ def _nested_key(v):
 
 class _TooLarge(Exception):
     pass
+
+
+def held_key(v):
+    """``plain_key`` where objects may be items: the key of a container's contents, its objects compared by identity
+    (``Same``), at most ``MAX_ITEMS`` items; ``NOT_PLAIN`` for more."""
+    budget = [MAX_ITEMS]
+
+    def key(x):
+        t = type(x)
+        if t in _SCALARS:
+            return ("nan",) if t is float and x != x else x
+        if not isinstance(x, _CONTAINERS):
+            # Not guarded: a container of the trace's own values, or of weak references (bookkeeping: torch's RNNs
+            # point theirs at the weights the forward finds, the trace's own while it runs).
+            if is_proxy(x) or t is weakref.ref:
+                raise _TooLarge
+            return Same(x)
+        budget[0] -= len(x)
+        if budget[0] < 0:
+            raise _TooLarge
+        if isinstance(x, (list, tuple)):  # (and their subclasses: a named tuple, torch.Size)
+            return (t.__name__, tuple(key(y) for y in x))
+        if isinstance(x, dict):  # (an OrderedDict)
+            return (t.__name__, tuple((key(k), key(y)) for k, y in x.items()))
+        return (t.__name__, frozenset(key(y) for y in x))
+
+    try:
+        return key(v)
+    except (_TooLarge, TypeError):
+        return NOT_PLAIN
+
+
+def by_contents(o) -> bool:
+    """A container is checked by its contents, not its identity (a list rebuilt with the same items is the same)."""
+    return isinstance(o, _CONTAINERS)
+
+
+class Contents:
+    """The key of a held container's items (``held_key``), checked by value."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+    def __repr__(self):
+        return f"Contents({self.key!r})"
 
 
 class _Attr:
@@ -314,8 +420,45 @@ class InstanceWatch:
         if type(k) is Same:
             if k.obj is not value:
                 return  # an object the function put there itself before reading it
-            self._watch_object(value, f"{self.where.get(id(obj), '?')}.{name}")
+            self._watch_value(value, f"{self.where.get(id(obj), '?')}.{name}")
         self.reads.setdefault(id(obj), set()).add(name)
+
+    def _watch_value(self, o, where) -> None:
+        """A held value the function reads: an object of a user's class, and the ways to the objects it holds that no
+        attribute read shows (a container's items, ``__slots__`` members, a bound method's object), watched from now on."""
+        if id(o) in self.keys or id(o) in self.objects or id(o) in self.walker.by_id:
+            return
+        t = type(o)
+        if isinstance(o, _CONTAINERS):  # (a subclass too: an OrderedDict, a named tuple)
+            contents = held_key(o)
+            if contents is NOT_PLAIN:
+                return  # (more than MAX_ITEMS items, or the trace's own values: not guarded)
+            keys = {CONTENTS: Contents(contents)}
+            items = enumerate(o) if isinstance(o, (list, tuple)) else o.items() if isinstance(o, dict) else ()
+            for i, item in items:
+                if type(i) in (int, str) and type(_key(item)) is Same:  # (the way to its own attributes)
+                    keys[Step("item", i)] = Same(item)
+            self._watch_all(o, where, keys)
+        elif t is types.MethodType:
+            self._watch_all(o, where, {SELF: Same(o.__self__)})
+        elif _watchable(o):
+            self._watch_object(o, where)
+        elif user_class(t) and not hasattr(o, "__dict__"):
+            self._watch_all(o, where, {Step("slot", n): _key(v) for n in _slot_names(t)
+                                       if (v := step_of(o, "slot", n)) is not _MISSING and _key(v) is not NOT_PLAIN})
+
+    def _watch_all(self, o, where, keys) -> None:
+        """``o`` watched by ``keys`` (``Step -> key``), all of them guarded whenever ``o`` is (no read of them is
+        seen); the objects they hold watched in turn."""
+        self.objects[id(o)] = o
+        if len(self.objects) > MAX_OBJECTS:
+            return
+        self.where[id(o)] = where
+        self.keys[id(o)] = keys
+        self.always[id(o)] = set(keys)
+        for step, k in keys.items():
+            if type(k) is Same:
+                self._watch_value(k.obj, where + step.label())
 
     def finish(self) -> None:
         """After the function ran (or failed): reads are no longer recorded (the outer trace's are again)."""
@@ -350,13 +493,15 @@ class InstanceWatch:
     def _guards(self, obj, around) -> tuple:
         keys = self.keys.get(id(obj), {})
         out = []
-        for name in sorted(self.reads.get(id(obj), set()) | self.always.get(id(obj), set())):
+        for name in sorted(self.reads.get(id(obj), set()) | self.always.get(id(obj), set()), key=_order):
             k = keys[name]
             if type(k) is Same:
                 o, inner = k.obj, ()
                 if id(o) not in self.emitted and id(o) not in around:
                     self.emitted.add(id(o))
                     inner = self._guards(o, around | {id(o)})
+                if not inner and (type(name) is Step and name.kind in ("item", "self") or by_contents(o)):
+                    continue  # (its identity is its holder's, the contents' or the method's; a container unwatched)
                 k = Held(o, inner)
             out.append((name, k))
         return tuple(out)
@@ -370,7 +515,10 @@ def _key(v):
     for what is not guarded here (tensors, containers of objects)."""
     t = type(v)
     if t in _SCALARS or t in _CONTAINERS:
-        return plain_key(v)
+        k = plain_key(v)
+        if k is NOT_PLAIN and t in _CONTAINERS and held_key(v) is not NOT_PLAIN:
+            return Same(v)  # (objects among its items: its contents watched where read, ``_watch_value``)
+        return k
     if is_proxy(v):
         return NOT_PLAIN  # (a module's public tensors, inputs of their own)
     return Same(v)  # (a tensor held elsewhere is read as the program's constant: replaced, it is traced again)
@@ -378,6 +526,17 @@ def _key(v):
 
 _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
                 functools.partial, torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _slot_names(cls) -> list:
+    """The ``__slots__`` members of ``cls`` and its bases."""
+    names = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        for n in (slots,) if type(slots) is str else slots:
+            if n not in ("__dict__", "__weakref__") and n not in names:
+                names.append(n)
+    return names[:MAX_ITEMS]
 
 
 def _watchable(o) -> bool:
