@@ -1,12 +1,16 @@
 """Objects a module holds where no attribute read leads to them: the items of its lists, tuples and dicts, the
-members of ``__slots__`` objects, a bound method's object (acquisition/instance_reads.py ``_watch_value``).  A
-container is checked by its contents (its objects by identity), a ``__slots__`` object by every member, a method's
-object by what the function read from it.  Before, every change below ran the program traced for the old value,
+members of ``__slots__`` objects, a bound method's object, a ``functools.partial``'s arguments, and what a small
+numpy array holds (acquisition/instance_reads.py ``_watch_value``).  A container or partial is checked by its
+contents (its objects by identity), a ``__slots__`` object by every member, a method's object by what the function
+read from it, an array by its bytes.  Before, every change below ran the program traced for the old value,
 silently, in all three modes."""
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+
+import numpy as np
 
 import pytest
 import torch
@@ -46,6 +50,10 @@ class Helper:
 Pair = collections.namedtuple("Pair", "cfg shift")
 
 
+def _scaled(cfg, y, power=1):
+    return y * cfg.scale ** power
+
+
 class Paths(nn.Module):
     def __init__(self):
         super().__init__()
@@ -58,11 +66,14 @@ class Paths(nn.Module):
         self.slotted = Slotted()
         self.data = SlottedData()
         self.fn = Helper().apply
+        self.weights = np.array([1.5, 2.0])
+        self.post = functools.partial(_scaled, Cfg(1.25), power=1)
 
     def forward(self, x):
         y = self.fn(self.lin(x)) * self.cfgs[0].scale * len(self.cfgs)
         y = y * self.table["a"].scale * self.ordered["b"].scale * self.nested[0][0].scale
         y = y * self.pair.cfg.scale + self.pair.shift
+        y = self.post(y) * float(self.weights[1])
         return y * self.slotted.scale * self.slotted.inner.scale * self.data.scale
 
 
@@ -80,6 +91,9 @@ CHANGES = {
     "a slots dataclass field set": lambda m: setattr(m.data, "scale", 1.25),
     "a bound method's object's field set": lambda m: setattr(m.fn.__self__, "k", 3.0),
     "the bound method replaced": lambda m: setattr(m, "fn", Helper(0.25).apply),
+    "a numpy array changed in place": lambda m: m.weights.__setitem__(1, 3.0),
+    "a partial's object argument's field set": lambda m: setattr(m.post.args[0], "scale", 0.75),
+    "a partial's keyword changed in place": lambda m: m.post.keywords.__setitem__("power", 2),
 }
 
 
@@ -90,7 +104,8 @@ def test_each_change_behind_a_container_a_slot_or_a_method_runs_eagers_computati
     each_change_matches_eager(lambda: call(x), lambda: m(x), [(what, lambda c=c: c(m)) for what, c in CHANGES.items()])
     reasons = " ".join(tt.compile_stats(cf).retrace_reasons)
     for label in ("].cfgs[0].scale.value: 2.0 → 5.0", "].cfgs.value", "].table['a'].scale", "].slotted.scale",
-                  "].slotted.inner.scale", "].fn.__self__.k.value: 2.0 → 3.0", "].fn: a different object"):
+                  "].slotted.inner.scale", "].fn.__self__.k.value: 2.0 → 3.0", "].fn: a different object",
+                  "].weights.value", "].post.args[0].scale.value: 1.25 → 0.75", "].post.value"):
         assert label in reasons, (label, reasons)
 
 

@@ -28,7 +28,7 @@ import operator
 import torch
 
 from ..compiler.acquisition.distributed import is_ddp
-from ..compiler.acquisition.instance_reads import SCALAR_TYPES, Contents, Held, attr_of, by_contents, held_key, step_of
+from ..compiler.acquisition.instance_reads import SCALAR_TYPES, Contents, Held, Same, attr_of, by_contents, held_key, step_of
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
 from ..compiler.errors import DecisionMismatch
 from ..compiler.prologue import (_MISSING, Consts, GeneratedFunction, _float_key, _storage_overlaps, extraction_lines,
@@ -341,7 +341,7 @@ def _differs(var, v, consts, depth=0, held=False) -> str:
     if depth < 2 and t is dict and all(type(k) is str for k in v):
         return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(v)}"] + [
             _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1, held) for k, x in v.items()]) + ")"
-    if held and not isinstance(v, (list, tuple, dict, set, frozenset)):
+    if held and type(held_key(v)) is Same:  # (an object; a small numpy array is keyed by its bytes)
         return f"({var} is not {consts(v)})"
     if held:
         return f"(_held_key({var}) != {consts(held_key(v))})"

@@ -24,8 +24,9 @@ for the name (a dataclass field's) is kept behind the stand-in and put back afte
 ``SimpleNamespace``'s: a built-in type; a method of that name on the class) is guarded whenever its object is.
 Where no attribute read leads to an object (``_watch_value``), the way to it is guarded whenever its holder is: a
 list's, tuple's or dict's items by ``held_key`` (objects by identity; the container itself by its contents, not its
-identity), a ``__slots__`` object's members, a bound method's object (``Step``).  Not seen: a read through
-``vars(m)`` or ``m.__dict__``, the attributes of torch's own objects, a partial's arguments: docs/captured_inputs.md.
+identity), a ``__slots__`` object's members, a bound method's object, a partial's function and arguments (``Step``);
+a small numpy array by its bytes.  Not seen: a read through ``vars(m)`` or ``m.__dict__``, the attributes of torch's
+own objects: docs/captured_inputs.md.
 The full path checks the keys in the prologue's guard key (compiler/prologue.py), thin mode on every call
 (runtime/thin_checks.py).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import sys
 import threading
 import types
 import weakref
@@ -82,11 +84,12 @@ class Same:
 
 class Step:
     """A way into a held value other than an instance ``__dict__`` entry: ``contents`` (a list's, tuple's, dict's or
-    set's items, keyed by ``held_key``: objects by identity), ``item`` (one of them, the way to an object's own
-    attributes), ``slot`` (a ``__slots__`` member), ``self`` (a bound method's object)."""
+    set's items, a partial's function and arguments, keyed by ``held_key``: objects by identity), ``item``, ``arg``,
+    ``kw`` (one of them, the way to an object's own attributes), ``slot`` (a ``__slots__`` member), ``self`` (a
+    bound method's object)."""
 
     __slots__ = ("kind", "arg")
-    _ORDER = {"contents": 0, "slot": 1, "self": 2, "item": 3}
+    _ORDER = {"contents": 0, "slot": 1, "self": 2, "item": 3, "arg": 4, "kw": 5}
 
     def __init__(self, kind, arg=None):
         self.kind, self.arg = kind, arg
@@ -101,7 +104,8 @@ class Step:
         return f"Step({self.kind!r}, {self.arg!r})"
 
     def label(self) -> str:
-        return {"contents": "", "item": f"[{self.arg!r}]", "slot": f".{self.arg}", "self": ".__self__"}[self.kind]
+        return {"contents": "", "item": f"[{self.arg!r}]", "slot": f".{self.arg}", "self": ".__self__",
+                "arg": f".args[{self.arg}]", "kw": f".keywords[{self.arg!r}]"}[self.kind]
 
     def order(self):
         return (self._ORDER[self.kind], repr(self.arg))
@@ -121,6 +125,10 @@ def step_of(x, kind, arg=None):
             return object.__getattribute__(x, arg)
         if kind == "self":
             return x.__self__ if type(x) is types.MethodType else _MISSING
+        if kind == "arg":
+            return x.args[arg] if type(x) is functools.partial else _MISSING
+        if kind == "kw":
+            return x.keywords.get(arg, _MISSING) if type(x) is functools.partial else _MISSING
     except (LookupError, AttributeError, TypeError):
         return _MISSING
     return x  # (contents: the container itself, keyed by ``held_key``)
@@ -211,7 +219,9 @@ def held_key(v):
             # point theirs at the weights the forward finds, the trace's own while it runs).
             if is_proxy(x) or t is weakref.ref:
                 raise _TooLarge
-            return Same(x)
+            if t is functools.partial:  # (its keywords are a dict, changed in place as any)
+                return ("partial", Same(x.func), key(x.args), key(x.keywords))
+            return _array_key(x) if _small_array(x) else Same(x)
         budget[0] -= len(x)
         if budget[0] < 0:
             raise _TooLarge
@@ -228,8 +238,21 @@ def held_key(v):
 
 
 def by_contents(o) -> bool:
-    """A container is checked by its contents, not its identity (a list rebuilt with the same items is the same)."""
-    return isinstance(o, _CONTAINERS)
+    """A container is checked by its contents, not its identity (a list rebuilt with the same items is the same); so
+    is a small numpy array (changed in place, a read of it, ``float(self.table[0])``, reads a new value)."""
+    return isinstance(o, _CONTAINERS) or type(o) is functools.partial or _small_array(o)
+
+
+MAX_ARRAY_BYTES = 4096  # a numpy array a module holds, guarded by its bytes up to this size (by identity above)
+
+
+def _small_array(x) -> bool:
+    np = sys.modules.get("numpy")  # (not imported here: a held array means the user's code has)
+    return np is not None and type(x) is np.ndarray and x.nbytes <= MAX_ARRAY_BYTES
+
+
+def _array_key(x):
+    return ("ndarray", x.dtype.str, x.shape, x.tobytes())
 
 
 class Contents:
@@ -429,7 +452,9 @@ class InstanceWatch:
         if id(o) in self.keys or id(o) in self.objects or id(o) in self.walker.by_id:
             return
         t = type(o)
-        if isinstance(o, _CONTAINERS):  # (a subclass too: an OrderedDict, a named tuple)
+        if _small_array(o):
+            self._watch_all(o, where, {CONTENTS: Contents(_array_key(o))})
+        elif isinstance(o, _CONTAINERS):  # (a subclass too: an OrderedDict, a named tuple)
             contents = held_key(o)
             if contents is NOT_PLAIN:
                 return  # (more than MAX_ITEMS items, or the trace's own values: not guarded)
@@ -438,6 +463,16 @@ class InstanceWatch:
             for i, item in items:
                 if type(i) in (int, str) and type(_key(item)) is Same:  # (the way to its own attributes)
                     keys[Step("item", i)] = Same(item)
+            self._watch_all(o, where, keys)
+        elif t is functools.partial:
+            contents = held_key(o)
+            if contents is NOT_PLAIN:
+                return
+            keys = {CONTENTS: Contents(contents)}
+            for step, item in [(Step("arg", i), a) for i, a in enumerate(o.args)] + [
+                    (Step("kw", k), a) for k, a in o.keywords.items()]:
+                if type(_key(item)) is Same:
+                    keys[step] = Same(item)
             self._watch_all(o, where, keys)
         elif t is types.MethodType:
             self._watch_all(o, where, {SELF: Same(o.__self__)})
@@ -500,7 +535,7 @@ class InstanceWatch:
                 if id(o) not in self.emitted and id(o) not in around:
                     self.emitted.add(id(o))
                     inner = self._guards(o, around | {id(o)})
-                if not inner and (type(name) is Step and name.kind in ("item", "self") or by_contents(o)):
+                if not inner and (type(name) is Step and name.kind in ("item", "self", "arg", "kw") or by_contents(o)):
                     continue  # (its identity is its holder's, the contents' or the method's; a container unwatched)
                 k = Held(o, inner)
             out.append((name, k))
