@@ -158,3 +158,23 @@ def test_an_rnn_step_does_not_retrace_on_its_weight_references(thin):
         torch.testing.assert_close(p, q)
     stats = tt.compile_stats(cf)
     assert stats.cache_misses <= 2, stats.retrace_reasons  # (the optimizer's state created at the first step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rebuilt_container_is_checked_against_the_traced_contents_not_the_old_list(mode):
+    """Thin mode binds a container by its contents: its checks come from the trace's key, not from the list the
+    trace read, which the module may no longer hold (here changed after it was replaced).  Before, the binding made
+    after the replacement checked the new list against the old one's items and ran the old program once they
+    matched."""
+    m, x = Paths(), torch.randn(2, 4)
+    _, call = compiled(mode, m)
+    for _ in range(3):
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    old = m.cfgs
+    m.cfgs = list(old)  # the same items in a new list: the same program
+    old.append(Cfg())  # the list the trace read, no longer the module's
+    for _ in range(4):  # (validated again, then bound)
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+    m.cfgs.append(old[2])  # the new list appended to, as the old one was
+    for _ in range(3):
+        torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)

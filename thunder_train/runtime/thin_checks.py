@@ -300,7 +300,7 @@ def _read_cond(src, expr, now, key, got) -> str:
     ``__dict__`` is read once, past its class's ``__getattribute__`` (transformers' configs have one in Python: 2 us a
     read); a container's items, ``__slots__`` members and a bound method's object through ``_step_of``."""
     if type(key) is Contents:  # (``expr`` is the container, already read: its items compared inline)
-        return _differs(expr, now, src.consts, held=True)
+        return _contents_differ(expr, key.key, src.consts)
     if type(key) is not Held:
         return f"({got} := {expr}) is _MISSING or {_differs(got, now, src.consts)}"
     conds = [f"({got} := {expr}) is " + ("_MISSING" if by_contents(key.obj) else f"not {src.consts(key.obj)}")]
@@ -327,24 +327,36 @@ def _scalar_differs(var, v, consts) -> str:
     return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
 
 
-def _differs(var, v, consts, depth=0, held=False) -> str:
+def _contents_differ(var, k, consts, depth=0) -> str:
+    """True where the container ``var`` holds other items than its key ``k`` (``held_key``: objects by identity)
+    says, inline for lists, tuples and string-keyed dicts; keyed otherwise.  Built from the key, not the container
+    the trace read: a container is checked by its contents, so the one bound may be another object."""
+    if type(k) is Same:
+        return f"({var} is not {consts(k.obj)})"
+    if type(k) in SCALAR_TYPES:
+        return f"({_scalar_differs(var, k, consts)})"
+    if depth < 2 and type(k) is tuple and len(k) == 2 and k[0] in ("list", "tuple"):
+        return "(" + " or ".join([f"type({var}) is not {k[0]}", f"len({var}) != {len(k[1])}"] + [
+            _contents_differ(f"{var}[{i}]", x, consts, depth + 1) for i, x in enumerate(k[1])]) + ")"
+    if depth < 2 and type(k) is tuple and len(k) == 2 and k[0] == "dict" and all(type(a) is str for a, _ in k[1]):
+        return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(k[1])}"] + [
+            _contents_differ(f"{var}.get({a!r}, _MISSING)", x, consts, depth + 1) for a, x in k[1]]) + ")"
+    return f"(_held_key({var}) != {consts(k)})"
+
+
+def _differs(var, v, consts, depth=0) -> str:
     """True where ``var`` does not hold the plain value ``v`` (types compared, as ``plain_key`` compares them),
     inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a comparison per
-    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise.  ``held``: a held
-    container's contents, its objects compared by identity (``held_key``)."""
+    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
     t = type(v)
     if t in SCALAR_TYPES:
         return f"({_scalar_differs(var, v, consts)})"
     if depth < 2 and (t is list or t is tuple):
         return "(" + " or ".join([f"type({var}) is not {t.__name__}", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}[{k}]", x, consts, depth + 1, held) for k, x in enumerate(v)]) + ")"
+            _differs(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
     if depth < 2 and t is dict and all(type(k) is str for k in v):
         return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1, held) for k, x in v.items()]) + ")"
-    if held and type(held_key(v)) is Same:  # (an object; a small numpy array is keyed by its bytes)
-        return f"({var} is not {consts(v)})"
-    if held:
-        return f"(_held_key({var}) != {consts(held_key(v))})"
+            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
     return f"(_plain_key({var}) != {consts(plain_key(v))})"
 
 
