@@ -154,8 +154,11 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "number":
         # A runtime input (an optimizer's lr): only its type is part of the key, never its value.
         return [("type", f"type({var})", type(v))]
-    if k == "optimizer":
-        return [("object", f"id({var})", id(v))]
+    if k == "optimizer":  # (and its own attributes its step read: acquisition/instance_reads.py)
+        specs = [("object", f"id({var})", id(v))]
+        for name, key in (leaf.snapshot or {}).get("read", ()):
+            _read_specs(specs, name, f"{var}.__dict__.get({name!r}, _MISSING)", key)
+        return specs
     if k == "constant":
         val = f"_float_key({var})" if type(v) is float else var
         return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]

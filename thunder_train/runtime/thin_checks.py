@@ -284,7 +284,7 @@ def _module_reads(src) -> None:
     container changed in place, peft's ``merged_adapters.append``, is seen by no hook); objects a module holds by
     identity, and what was read from them by value, in turn."""
     for i, leaf in enumerate(src.leaves):
-        read = (leaf.snapshot or {}).get("read", ()) if leaf.kind == "module" else ()
+        read = (leaf.snapshot or {}).get("read", ()) if leaf.kind in ("module", "optimizer") else ()
         if not read:
             continue
         var, module = (src.names[i] if src.per_call[i] else src.bind(i)), src.vals[i]

@@ -143,7 +143,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             walker.instances.finish()
             walker.instances.check_writes()
             for leaf in walker.leaves:  # what the prologue guards beyond the public scalars (instance_reads.py)
-                if leaf.kind == "module" and leaf.snapshot is not None:
+                if leaf.kind in ("module", "optimizer") and leaf.snapshot is not None:
                     leaf.snapshot["read"] = walker.instances.guarded(leaf.value)
             walker.check_unwalked_unchanged()
             check_ddp_finished(state)

@@ -497,6 +497,9 @@ class InputWalker:
         for k, v in list(d.items()):
             if isinstance(v, torch.optim.Optimizer):
                 self.optimizer(v, path + (Step("attr", k),))
+        # Its own attributes (a custom optimizer's counter, a held config): guarded where its step reads them.
+        leaf.snapshot = {}
+        self.instances.watch(opt, leaf.where)
 
     def _swap_params_aliases(self, opt, groups, path):
         """An optimizer attribute that is a group's ``params`` list itself (LBFGS's ``self._params``) sees the traced
