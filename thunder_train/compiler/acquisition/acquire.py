@@ -10,8 +10,10 @@ write-backs and Python side effects into the epilogue.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import threading
+import types
 
 import torch
 
@@ -33,7 +35,7 @@ from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs
 from . import fsdp, kernel_switches, library_objects
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
-from .captured import captured_roots, default_roots, self_root
+from .captured import Scanner, default_roots, self_root
 from .containers import mutated, mutated_paths, replay_lines
 from .dispatch import ProxyMode
 from .global_state import global_state_unchanged, parametrizations_computed_where_read
@@ -104,6 +106,22 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                         forced_decisions=forced_decisions, keep_decompositions=keep_decompositions)
 
 
+def walk_module_globals(walker, scanner) -> None:
+    """The globals and closure cells the walked modules' own code reads (captured.py ``Scanner.module_class``: a
+    model file's ``SCALE`` or ``CFG`` read in ``forward``), walked like the function's: a module found on the way is
+    scanned in turn."""
+    done = 0
+    while done < len(walker.module_states):
+        new = []
+        for st in walker.module_states[done:]:
+            new += scanner.module_class(type(st.module))
+            for v in list(vars(st.module).values()):
+                if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
+                    new += scanner.held_function(v)
+        done = len(walker.module_states)
+        walker.walk_captured(new)
+
+
 # One acquisition at a time in the process. While it runs, tracing patches process-wide names (torch.optim's
 # update functions, ``Function.apply``, DDP's forward, the reseeding functions) and registers a global optimizer
 # step hook; done by two threads at once, one trace would see the other's patches and hooks, and undoing them
@@ -126,10 +144,12 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     kernel_switches.remember_start(state)
     with context.tracing(trc, state):
         try:
-            roots = self_root(fn) + default_roots(fn, args, kwargs) + captured_roots(fn)
+            scanner = Scanner()
+            roots = self_root(fn) + default_roots(fn, args, kwargs) + scanner.function(fn)
             fsdp.lazy_init_roots(list(args) + list(kwargs.values()) + [r.value for r in roots])
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(roots)
+            walk_module_globals(walker, scanner)
             fsdp.check_walked(walker)
             # Module backward hooks where inputs require grad: refused before torch's hook machinery meets proxies
             # (the end of tracing checks again, with what the function did: a backward inside).

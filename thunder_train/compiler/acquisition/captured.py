@@ -16,10 +16,13 @@ The rule (``docs/captured_inputs.md``):
   in another file of the user's own code, outside the standard library and site-packages
   (helpers: ``def loss_fn(...)`` next to the step, ``from utils import loss_fn``), and the
   attributes read from a module of the user's code (``utils.loss_fn``, ``cfg_module.lr``);
+* the same for the user's own module classes among the walked modules (``Scanner.module_class``):
+  their ``forward``, the methods and properties of the class it names, in turn, and the functions
+  a module holds (closures: ``self.act = make_act(cfg)``);
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
   thing training code does), builtins, what library code reads (installed packages,
-  the standard library), and the globals of methods reached through objects (a model's
-  ``forward``). A tensor such code reads is still an input, passed by reference (in-place
+  the standard library), and the globals of methods reached through other objects (a plain
+  helper object's). A tensor such code reads is still an input, passed by reference (in-place
   changes are seen), but rebinding that name is not detected.
 * thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
   transparent: their cells and globals are not inputs, the user functions they wrap are
@@ -163,18 +166,64 @@ def self_root(fn) -> list:
     return []
 
 
-def captured_roots(fn) -> list:
-    """The globals and closure cells ``fn`` reads, by the rule above, in a deterministic order."""
-    roots: list = []
-    seen_fns: set = set()
-    seen_roots: set = set()
-    home = [None]  # the step's module: the first user function's __module__
+class Scanner:
+    """The globals and closure cells of the functions scanned so far (``roots``, in a deterministic order): the
+    compiled function's, by the rule above, and (``scan_module_class``) those of the user's own module classes."""
 
-    def scan(f, owner):
+    def __init__(self):
+        self.roots: list = []
+        self.seen_fns: set = set()
+        self.seen_roots: set = set()
+        self.seen_classes: set = set()
+        self.home = None  # the step's module: the first user function's __module__
+
+    def function(self, fn) -> list:
+        """The roots ``fn`` adds."""
+        target = fn.func if isinstance(fn, functools.partial) else fn
+        if inspect.isclass(target):
+            return []
+        n = len(self.roots)
+        self._scan(target, None)
+        return self.roots[n:]
+
+    def module_class(self, cls) -> list:
+        """The roots a walked module's class adds: what its ``forward`` reads, and the methods and properties of the
+        class that it (and they) name, where they are the user's own code (a model file's ``SCALE`` or ``CFG``, a
+        helper it calls).  A library's classes (torch.nn, transformers) read no captured names."""
+        if cls in self.seen_classes:
+            return []
+        self.seen_classes.add(cls)
+        n, todo, done = len(self.roots), ["forward"], set()
+        while todo:
+            name = todo.pop()
+            if name in done:
+                continue
+            done.add(name)
+            try:
+                v = inspect.getattr_static(cls, name)
+            except AttributeError:
+                continue
+            v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+            if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
+                self._scan(v, v, method=True)
+                todo.extend(_attribute_names(v.__code__))
+        return self.roots[n:]
+
+    def held_function(self, f) -> list:
+        """The roots a function a walked module holds adds (``self.act = make_act(cfg)``: its closure cells and
+        globals), where it is the user's own code."""
+        f = _function_of(f.func if isinstance(f, functools.partial) else f)
+        if f is None or _is_internal(f) or not _user_code(f):
+            return []
+        n = len(self.roots)
+        self._scan(f, f, method=True)
+        return self.roots[n:]
+
+    def _scan(self, f, owner, method=False):
         f = _function_of(f)
-        if f is None or id(f) in seen_fns:
+        if f is None or id(f) in self.seen_fns:
             return
-        seen_fns.add(id(f))
+        self.seen_fns.add(id(f))
         code = f.__code__
         cells = dict(zip(code.co_freevars, f.__closure__ or ()))
         if _is_internal(f):
@@ -185,11 +234,11 @@ def captured_roots(fn) -> list:
                 except ValueError:
                     continue
                 if _function_of(v) is not None:
-                    scan(v, None)
+                    self._scan(v, None)
             return
-        if home[0] is None:
-            home[0] = f.__module__
-        elif f.__module__ != home[0] and not _user_code(f):
+        if self.home is None and not method:
+            self.home = f.__module__
+        elif f.__module__ != self.home and not _user_code(f):
             return
         name = None if owner is None else f.__qualname__
         loads, stores, module_attrs, free_stores = set(), set(), set(), set()
@@ -212,6 +261,8 @@ def captured_roots(fn) -> list:
                     and not isinstance(vars(m)[attr], types.ModuleType):
                 found.append(Root(Step("modattr", (m.__name__, attr), ref=vars(m)), vars(m)[attr]))
         for n in code.co_freevars:
+            if method and n == "__class__":
+                continue  # (``super()``'s cell: the method's own class)
             cell = cells[n]
             try:
                 v = cell.cell_contents
@@ -221,18 +272,26 @@ def captured_roots(fn) -> list:
                 found.append(Root(Step("closure", (name, n), ref=cell), v))
         for r in found:
             key = (r.step.kind, id(r.step.ref), r.step.key)
-            if key in seen_roots:
+            if key in self.seen_roots:
                 continue
-            seen_roots.add(key)
-            roots.append(r)
+            self.seen_roots.add(key)
+            self.roots.append(r)
         for r in found:
             # A helper reached through functools.partial(loss_fn, model) is scanned like loss_fn itself.
             h = _function_of(r.value.func if isinstance(r.value, functools.partial) else r.value)
-            if h is not None and not _is_internal(h) and (h.__module__ == home[0] or _user_code(h)):
-                scan(h, h)
+            if h is not None and not _is_internal(h) and (h.__module__ == self.home or _user_code(h)):
+                self._scan(h, h)
 
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    if inspect.isclass(target):
-        return []
-    scan(target, None)
-    return roots
+
+def _attribute_names(code) -> set:
+    """Every name ``code`` and the code nested in it use (attributes among them: ``self.helper``)."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _attribute_names(c)
+    return names
+
+
+def captured_roots(fn) -> list:
+    """The globals and closure cells ``fn`` reads, by the rule above, in a deterministic order."""
+    return Scanner().function(fn)
