@@ -126,8 +126,16 @@ def _user_code(fn) -> bool:
     return _user_file(fn.__code__.co_filename)
 
 
+_INTERNAL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))) + os.sep
+
+
 def _is_internal(fn) -> bool:
-    return (getattr(fn, "__module__", None) or "").startswith(_INTERNAL)
+    """thunder_train's own code, also behind ``functools.wraps`` (which copies the user's ``__module__``: the
+    callback's patched ``training_step``)."""
+    if (getattr(fn, "__module__", None) or "").startswith(_INTERNAL):
+        return True
+    code = getattr(fn, "__code__", None)
+    return code is not None and os.path.realpath(code.co_filename).startswith(_INTERNAL_DIR)
 
 
 def default_roots(fn, args, kwargs) -> list:

@@ -50,11 +50,16 @@ SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.d
 # What nn.Module itself keeps in every instance's __dict__ (registries, hooks, ``training``): guarded by their own
 # checks (structure, hook_guard.py), and rewritten by torch's own bookkeeping.
 MODULE_OWN = frozenset(torch.nn.Module().__dict__)
-# What torch.optim.Optimizer keeps (``param_groups`` and ``state`` are walked; hooks are refused or guarded apart) and
-# what an LR scheduler sets on it every step (``_opt_called``; its wrapper of ``step``): a custom optimizer's own
-# attributes (Lookahead's step counter, a held config) are guarded where its step reads them.
-OPTIMIZER_OWN = frozenset(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).__dict__) | {
-    "param_groups", "state", "defaults", "_opt_called", "step", "_step_count"}
+
+
+@functools.cache
+def optimizer_own() -> frozenset:
+    """What torch.optim.Optimizer keeps (``param_groups`` and ``state`` are walked; hooks are refused or guarded
+    apart) and what an LR scheduler sets on it every step (``_opt_called``; its wrapper of ``step``): a custom
+    optimizer's other attributes (Lookahead's step counter, a held config) are guarded where its step reads them.
+    Made at the first walked optimizer: making one imports torch._dynamo, which importing thunder_train does not."""
+    return frozenset(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).__dict__) | {
+        "param_groups", "state", "defaults", "_opt_called", "step", "_step_count"}
 MAX_ITEMS = 64  # a container with more items (all levels) is not guarded by value
 _MISSING = object()
 
@@ -409,7 +414,7 @@ class InstanceWatch:
         self.where[id(m)] = where
         keys = {}
         optimizer = isinstance(m, torch.optim.Optimizer)
-        own = OPTIMIZER_OWN if optimizer else MODULE_OWN
+        own = optimizer_own() if optimizer else MODULE_OWN
         for name, v in m.__dict__.items():
             if name in own or (not optimizer and name[:1] != "_" and type(v) in _SCALARS):
                 continue  # (a module's public scalars: guarded whether read or not, walker.module_snapshot)
