@@ -48,3 +48,10 @@ def classes_left_as_they_were(m, x, classes) -> None:
     with pytest.raises(ValueError, match="the user's error"):
         tt.compile(fails, fusion=None)(m, x)
     assert {c: dict(vars(c)) for c in classes} == before
+
+
+def retraced_for(cf, labels) -> None:
+    """Each of ``labels`` is named by one of ``cf``'s retrace reasons (what changed, where)."""
+    reasons = " ".join(tt.compile_stats(cf).retrace_reasons)
+    for label in labels:
+        assert label in reasons, (label, reasons)

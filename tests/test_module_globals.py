@@ -13,7 +13,7 @@ from torch import nn
 
 import thunder_train as tt
 
-from _module_modes import MODES, compiled, each_change_matches_eager
+from _module_modes import MODES, compiled, each_change_matches_eager, retraced_for
 
 SCALE = 2.0
 CFG = types.SimpleNamespace(shift=0.5, mode="a")
@@ -77,9 +77,7 @@ def test_each_global_the_models_code_reads_changed_between_calls(mode):
     m, x = Model(), torch.randn(2, 4)
     cf, call = compiled(mode, m)
     each_change_matches_eager(lambda: call(x), lambda: m(x), [(what, lambda c=c: c(m)) for what, c in CHANGES])
-    reasons = " ".join(tt.compile_stats(cf).retrace_reasons)
-    for label in ("globals['SCALE']", "globals['CFG'].shift", "globals['TABLE']"):
-        assert label in reasons, (label, reasons)
+    retraced_for(cf, ("globals['SCALE']", "globals['CFG'].shift", "globals['TABLE']"))
 
 
 @pytest.mark.parametrize("mode", MODES)

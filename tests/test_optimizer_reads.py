@@ -12,6 +12,8 @@ from torch import nn
 
 import thunder_train as tt
 
+from _steps import squared_output_step
+
 
 class Scaled(torch.optim.Optimizer):
     """SGD whose step reads attributes of its own: a public and a private scalar, a held object, a list of them."""
@@ -50,14 +52,6 @@ class Lookahead(torch.optim.Optimizer):
                 p.copy_(s)
 
 
-def _step(m, opt, x):
-    loss = m(x).square().sum()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _pair(make_opt):
     torch.manual_seed(0)
     m, ref = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -78,13 +72,13 @@ CHANGES = {
 @pytest.mark.parametrize("what", list(CHANGES))
 def test_a_custom_optimizers_attribute_changed_between_steps(thin, what):
     (m, opt), (ref, ref_opt) = _pair(Scaled)
-    cf = tt.compile(_step, thin=thin, fusion=None)
+    cf = tt.compile(squared_output_step, thin=thin, fusion=None)
     x = torch.randn(3, 4)
     for i in range(6):
         if i == 3:
             CHANGES[what](opt)
             CHANGES[what](ref_opt)
-        torch.testing.assert_close(cf(m, opt, x), _step(ref, ref_opt, x), rtol=0, atol=0)
+        torch.testing.assert_close(cf(m, opt, x), squared_output_step(ref, ref_opt, x), rtol=0, atol=0)
         torch.testing.assert_close(m.weight, ref.weight, rtol=0, atol=0, msg=f"step {i}")
     assert any("args[1]." in r for r in tt.compile_stats(cf).retrace_reasons), tt.compile_stats(cf).retrace_reasons
 
@@ -92,10 +86,10 @@ def test_a_custom_optimizers_attribute_changed_between_steps(thin, what):
 @pytest.mark.parametrize("thin", [True, False])
 def test_a_lookahead_counter_decides_as_in_eager(thin):
     (m, opt), (ref, ref_opt) = _pair(Lookahead)
-    cf = tt.compile(_step, thin=thin, fusion=None)
+    cf = tt.compile(squared_output_step, thin=thin, fusion=None)
     for i in range(6):
         x = torch.randn(3, 4)
-        torch.testing.assert_close(cf(m, opt, x), _step(ref, ref_opt, x), rtol=0, atol=0)
+        torch.testing.assert_close(cf(m, opt, x), squared_output_step(ref, ref_opt, x), rtol=0, atol=0)
         assert opt._steps == ref_opt._steps == i + 1
         torch.testing.assert_close(m.weight, ref.weight, rtol=0, atol=0, msg=f"step {i}")
         for s, t in zip(opt.slow, ref_opt.slow):
@@ -108,10 +102,10 @@ def test_a_builtin_optimizer_with_a_scheduler_retraces_nothing_more(fused):
     flag) is not a guard: no retrace after the first step's state."""
     (m, opt), (ref, ref_opt) = _pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=fused))
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
-    cf = tt.compile(_step, thin=True, fusion=None)
+    cf = tt.compile(squared_output_step, thin=True, fusion=None)
     for i in range(6):
         x = torch.randn(3, 4)
-        torch.testing.assert_close(cf(m, opt, x), _step(ref, ref_opt, x))
+        torch.testing.assert_close(cf(m, opt, x), squared_output_step(ref, ref_opt, x))
         for s in scheds:
             s.step()
     torch.testing.assert_close(m.weight, ref.weight)
