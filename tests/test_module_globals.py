@@ -1,6 +1,6 @@
 """What a model's own code reads from its file's globals and from closure cells: inputs like the step's
 (acquisition/captured.py ``Scanner.module_class``): ``forward``, the methods and properties it names, the helpers
-they call and the functions a module holds, where they are the user's code.  Before, a change between calls of any
+they call, the functions a module holds and the methods of the objects it holds, where they are the user's code.  Before, a change between calls of any
 global below ran the program traced for the old value, silently, in all three modes; a forward assigning a global
 did so once, while tracing."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from _module_modes import MODES, compiled, each_change_matches_eager, retraced_f
 SCALE = 2.0
 CFG = types.SimpleNamespace(shift=0.5, mode="a")
 TABLE = {"gain": 1.5}
+BIAS = 0.25
 UNREAD = 0
 
 
@@ -29,12 +30,23 @@ def _make_act(cfg):
     return lambda y: y * cfg.k
 
 
+class Helper:
+    """A plain object the model holds, whose method reads a global."""
+
+    def __init__(self, k=1.0):
+        self.k = k
+
+    def run(self, y):
+        return y * self.k + BIAS
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.act_cfg = types.SimpleNamespace(k=1.25)
         self.act = _make_act(self.act_cfg)
+        self.helpers = [Helper(), Helper(0.5)]
 
     @property
     def offset(self):
@@ -47,7 +59,7 @@ class Model(nn.Module):
         y = _helper(self._scaled(self.lin(x))) + self.offset
         if CFG.mode == "b":
             y = y.relu()
-        return self.act(y)
+        return self.helpers[1].run(self.act(y))
 
 
 def _set(name, value):
@@ -61,12 +73,14 @@ CHANGES = [
     ("a global dict's item a helper reads", lambda m: TABLE.__setitem__("gain", 0.5)),
     ("a global object replaced", lambda m: _set("CFG", types.SimpleNamespace(shift=0.25, mode="a"))),
     ("a closure cell's object a held function reads", lambda m: setattr(m.act_cfg, "k", 4.0)),
+    ("a global a held object's method reads", lambda m: _set("BIAS", -0.5)),
+    ("the held object's own field", lambda m: setattr(m.helpers[1], "k", 2.0)),
 ]
 
 
 @pytest.fixture(autouse=True)
 def _restore_globals():
-    saved = dict(SCALE=SCALE, CFG=CFG, TABLE=TABLE, UNREAD=UNREAD)
+    saved = dict(SCALE=SCALE, CFG=CFG, TABLE=TABLE, BIAS=BIAS, UNREAD=UNREAD)
     yield
     globals().update(saved)
     CFG.shift, CFG.mode, TABLE["gain"] = 0.5, "a", 1.5
@@ -77,7 +91,7 @@ def test_each_global_the_models_code_reads_changed_between_calls(mode):
     m, x = Model(), torch.randn(2, 4)
     cf, call = compiled(mode, m)
     each_change_matches_eager(lambda: call(x), lambda: m(x), [(what, lambda c=c: c(m)) for what, c in CHANGES])
-    retraced_for(cf, ("globals['SCALE']", "globals['CFG'].shift", "globals['TABLE']"))
+    retraced_for(cf, ("globals['SCALE']", "globals['CFG'].shift", "globals['TABLE']", "globals['BIAS']"))
 
 
 @pytest.mark.parametrize("mode", MODES)

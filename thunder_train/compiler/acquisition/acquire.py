@@ -18,6 +18,7 @@ import types
 import torch
 
 from .. import context, prims
+from .class_attrs import user_class
 from .custom_function import custom_functions_while_tracing
 from .data_assignment import check_input_data_shares
 from .distributed import check_finished as check_ddp_finished, ddp_while_tracing
@@ -108,16 +109,20 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
 
 def walk_module_globals(walker, scanner) -> None:
     """The globals and closure cells the walked modules' own code reads (captured.py ``Scanner.module_class``: a
-    model file's ``SCALE`` or ``CFG`` read in ``forward``), walked like the function's: a module found on the way is
-    scanned in turn."""
+    model file's ``SCALE`` or ``CFG`` read in ``forward``), and the functions and objects of the user's classes they
+    hold (directly or in a list, tuple or dict), walked like the function's: a module found on the way is scanned in
+    turn."""
     done = 0
     while done < len(walker.module_states):
         new = []
         for st in walker.module_states[done:]:
             new += scanner.module_class(type(st.module))
             for v in list(vars(st.module).values()):
-                if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
-                    new += scanner.held_function(v)
+                for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,)):
+                    if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
+                        new += scanner.held_function(x)
+                    elif user_class(type(x)) and not isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+                        new += scanner.object_class(type(x))  # (an object it holds: self.helper.run(y))
         done = len(walker.module_states)
         walker.walk_captured(new)
 

@@ -17,12 +17,13 @@ The rule (``docs/captured_inputs.md``):
   (helpers: ``def loss_fn(...)`` next to the step, ``from utils import loss_fn``), and the
   attributes read from a module of the user's code (``utils.loss_fn``, ``cfg_module.lr``);
 * the same for the user's own module classes among the walked modules (``Scanner.module_class``):
-  their ``forward``, the methods and properties of the class it names, in turn, and the functions
-  a module holds (closures: ``self.act = make_act(cfg)``);
+  their ``forward``, the methods and properties of the class it names, in turn, the functions
+  a module holds (closures: ``self.act = make_act(cfg)``) and the methods of the user's classes
+  whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``);
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
   thing training code does), builtins, what library code reads (installed packages,
-  the standard library), and the globals of methods reached through other objects (a plain
-  helper object's). A tensor such code reads is still an input, passed by reference (in-place
+  the standard library), and the globals of methods reached through objects deeper than one a
+  module holds. A tensor such code reads is still an input, passed by reference (in-place
   changes are seen), but rebinding that name is not detected.
 * thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
   transparent: their cells and globals are not inputs, the user functions they wrap are
@@ -215,6 +216,21 @@ class Scanner:
             if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
                 self._scan(v, v, method=True)
                 todo.extend(_attribute_names(v.__code__))
+        return self.roots[n:]
+
+    def object_class(self, cls) -> list:
+        """The roots the methods and properties of a user's class add, for an object a walked module holds
+        (``self.helper.run(y)`` reading ``SCALE``): every one the class defines, where it is the user's code (which
+        of them the forward reaches is not known before it runs)."""
+        if cls in self.seen_classes:
+            return []
+        self.seen_classes.add(cls)
+        n = len(self.roots)
+        for c in cls.__mro__:
+            for v in vars(c).values():
+                v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+                if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
+                    self._scan(v, v, method=True)
         return self.roots[n:]
 
     def held_function(self, f) -> list:
