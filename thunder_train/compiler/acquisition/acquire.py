@@ -114,9 +114,10 @@ def walk_module_globals(walker, scanner) -> None:
     turn."""
     done = 0
     while done < len(walker.module_states):
-        new = []
-        for st in walker.module_states[done:]:
+        new, batch = [], walker.module_states[done:]
+        for st in batch:
             new += scanner.module_class(type(st.module))
+        for st in batch:  # (after the classes: an object's methods are those the modules' code names)
             for v in list(vars(st.module).values()):
                 for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,)):
                     if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):

@@ -184,6 +184,7 @@ class Scanner:
         self.seen_fns: set = set()
         self.seen_roots: set = set()
         self.seen_classes: set = set()
+        self.names: set = set()  # every name the scanned methods use (``self.helper.run``: ``helper``, ``run``)
         self.home = None  # the step's module: the first user function's __module__
 
     def function(self, fn) -> list:
@@ -202,7 +203,19 @@ class Scanner:
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
-        n, todo, done = len(self.roots), ["forward"], set()
+        return self._methods(cls, ["forward"])
+
+    def object_class(self, cls) -> list:
+        """The roots the methods and properties of a user's class add, for an object a walked module holds
+        (``self.helper.run(y)`` reading ``SCALE``): those the scanned modules' code names (``run``), and those they
+        name in turn, where they are the user's code."""
+        if cls in self.seen_classes:
+            return []
+        self.seen_classes.add(cls)
+        return self._methods(cls, list(self.names))
+
+    def _methods(self, cls, todo) -> list:
+        n, done = len(self.roots), set()
         while todo:
             name = todo.pop()
             if name in done:
@@ -215,22 +228,9 @@ class Scanner:
             v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
             if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
                 self._scan(v, v, method=True)
-                todo.extend(_attribute_names(v.__code__))
-        return self.roots[n:]
-
-    def object_class(self, cls) -> list:
-        """The roots the methods and properties of a user's class add, for an object a walked module holds
-        (``self.helper.run(y)`` reading ``SCALE``): every one the class defines, where it is the user's code (which
-        of them the forward reaches is not known before it runs)."""
-        if cls in self.seen_classes:
-            return []
-        self.seen_classes.add(cls)
-        n = len(self.roots)
-        for c in cls.__mro__:
-            for v in vars(c).values():
-                v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
-                if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
-                    self._scan(v, v, method=True)
+                used = _attribute_names(v.__code__)
+                self.names |= used
+                todo.extend(used)
         return self.roots[n:]
 
     def held_function(self, f) -> list:
