@@ -212,7 +212,7 @@ class Scanner:
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
-        return self._methods(cls, list(self.names))
+        return self._methods(cls, sorted(self.names))
 
     def _methods(self, cls, todo) -> list:
         n, done = len(self.roots), set()
@@ -230,7 +230,7 @@ class Scanner:
                 self._scan(v, v, method=True)
                 used = _attribute_names(v.__code__)
                 self.names |= used
-                todo.extend(used)
+                todo.extend(sorted(used))  # (roots in a deterministic order)
         return self.roots[n:]
 
     def held_function(self, f) -> list:
