@@ -300,9 +300,9 @@ def _read_cond(src, expr, now, key, got) -> str:
     ``__dict__`` is read once, past its class's ``__getattribute__`` (transformers' configs have one in Python: 2 us a
     read); a container's items, ``__slots__`` members and a bound method's object through ``_step_of``."""
     if type(key) is Contents:  # (``expr`` is the container, already read: its items compared inline)
-        return _contents_differ(expr, key.key, src.consts)
+        return _key_differs(expr, key.key, src.consts, "_held_key")
     if type(key) is not Held:
-        return f"({got} := {expr}) is _MISSING or {_differs(got, now, src.consts)}"
+        return f"({got} := {expr}) is _MISSING or {_key_differs(got, plain_key(now), src.consts)}"
     conds = [f"({got} := {expr}) is " + ("_MISSING" if by_contents(key.obj) else f"not {src.consts(key.obj)}")]
     own = None  # the variable holding the object's __dict__, once read
     for j, (n, k) in enumerate(key.attrs):
@@ -327,37 +327,25 @@ def _scalar_differs(var, v, consts) -> str:
     return f"type({var}) is not {consts(type(v))} or {var} != {consts(v)}"
 
 
-def _contents_differ(var, k, consts, depth=0) -> str:
-    """True where the container ``var`` holds other items than its key ``k`` (``held_key``: objects by identity)
-    says, inline for lists, tuples and string-keyed dicts; keyed otherwise.  Built from the key, not the container
-    the trace read: a container is checked by its contents, so the one bound may be another object."""
+def _key_differs(var, k, consts, keyer="_plain_key", depth=0) -> str:
+    """True where ``var`` holds another value than the one keyed ``k`` (``plain_key``; ``held_key`` with
+    ``keyer="_held_key"``: objects by identity), inline for scalars and for lists, tuples and string-keyed dicts (a
+    dict lookup and a comparison per item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it);
+    keyed otherwise.  Built from the key, not a value: a container is checked by its contents, so the one bound may
+    be another object than the one the trace read."""
     if type(k) is Same:
         return f"({var} is not {consts(k.obj)})"
     if type(k) in SCALAR_TYPES:
         return f"({_scalar_differs(var, k, consts)})"
+    if type(k) is tuple and k == ("nan",):
+        return f"({_scalar_differs(var, float('nan'), consts)})"
     if depth < 2 and type(k) is tuple and len(k) == 2 and k[0] in ("list", "tuple"):
         return "(" + " or ".join([f"type({var}) is not {k[0]}", f"len({var}) != {len(k[1])}"] + [
-            _contents_differ(f"{var}[{i}]", x, consts, depth + 1) for i, x in enumerate(k[1])]) + ")"
+            _key_differs(f"{var}[{i}]", x, consts, keyer, depth + 1) for i, x in enumerate(k[1])]) + ")"
     if depth < 2 and type(k) is tuple and len(k) == 2 and k[0] == "dict" and all(type(a) is str for a, _ in k[1]):
         return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(k[1])}"] + [
-            _contents_differ(f"{var}.get({a!r}, _MISSING)", x, consts, depth + 1) for a, x in k[1]]) + ")"
-    return f"(_held_key({var}) != {consts(k)})"
-
-
-def _differs(var, v, consts, depth=0) -> str:
-    """True where ``var`` does not hold the plain value ``v`` (types compared, as ``plain_key`` compares them),
-    inline for scalars and for lists, tuples and string-keyed dicts of them (a dict lookup and a comparison per
-    item: ~0.1 us a LayerNorm's ``normalized_shape`` against ~1 us keying it); keyed otherwise."""
-    t = type(v)
-    if t in SCALAR_TYPES:
-        return f"({_scalar_differs(var, v, consts)})"
-    if depth < 2 and (t is list or t is tuple):
-        return "(" + " or ".join([f"type({var}) is not {t.__name__}", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}[{k}]", x, consts, depth + 1) for k, x in enumerate(v)]) + ")"
-    if depth < 2 and t is dict and all(type(k) is str for k in v):
-        return "(" + " or ".join([f"type({var}) is not dict", f"len({var}) != {len(v)}"] + [
-            _differs(f"{var}.get({k!r}, _MISSING)", x, consts, depth + 1) for k, x in v.items()]) + ")"
-    return f"(_plain_key({var}) != {consts(plain_key(v))})"
+            _key_differs(f"{var}.get({a!r}, _MISSING)", x, consts, keyer, depth + 1) for a, x in k[1]]) + ")"
+    return f"({keyer}({var}) != {consts(k)})"
 
 
 _PER_CALL = {"tensor": _per_call_tensor, "module": _per_call_module, "object": _per_call_object,

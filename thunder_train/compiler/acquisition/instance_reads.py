@@ -184,31 +184,7 @@ def plain_key(v):
         return ("nan",) if t is float and v != v else v
     if (t is tuple or t is list) and len(v) <= MAX_ITEMS and all(type(x) in _SCALARS and x == x for x in v):
         return (t.__name__, tuple(v))  # flat, no NaN: the common case (a LayerNorm's normalized_shape)
-    return _nested_key(v)
-
-
-def _nested_key(v):
-    budget = [MAX_ITEMS]
-
-    def key(x):
-        t = type(x)
-        if t in _SCALARS:
-            return ("nan",) if t is float and x != x else x
-        budget[0] -= len(x) if t in _CONTAINERS else 0
-        if budget[0] < 0:
-            raise _TooLarge
-        if t is list or t is tuple:
-            return (t.__name__, tuple(key(y) for y in x))
-        if t is dict:
-            return ("dict", tuple((key(k), key(y)) for k, y in x.items()))
-        if t is set or t is frozenset:
-            return (t.__name__, frozenset(key(y) for y in x))
-        raise _TooLarge
-
-    try:
-        return key(v)
-    except (_TooLarge, TypeError):  # (TypeError: an unhashable key inside a set)
-        return NOT_PLAIN
+    return _contents_key(v, objects=False)
 
 
 class _TooLarge(Exception):
@@ -218,6 +194,12 @@ class _TooLarge(Exception):
 def held_key(v):
     """``plain_key`` where objects may be items: the key of a container's contents, its objects compared by identity
     (``Same``), at most ``MAX_ITEMS`` items; ``NOT_PLAIN`` for more."""
+    return _contents_key(v, objects=True)
+
+
+def _contents_key(v, objects):
+    """``plain_key``'s nested case, and (``objects``) ``held_key``: containers' subclasses keyed by their name too
+    (a named tuple, an OrderedDict), other objects by identity."""
     budget = [MAX_ITEMS]
 
     def key(x):
@@ -227,11 +209,13 @@ def held_key(v):
         if not isinstance(x, _CONTAINERS):
             # Not guarded: a container of the trace's own values, or of weak references (bookkeeping: torch's RNNs
             # point theirs at the weights the forward finds, the trace's own while it runs).
-            if is_proxy(x) or t is weakref.ref:
+            if not objects or is_proxy(x) or t is weakref.ref:
                 raise _TooLarge
             if t is functools.partial:  # (its keywords are a dict, changed in place as any)
                 return ("partial", Same(x.func), key(x.args), key(x.keywords))
             return _array_key(x) if _small_array(x) else Same(x)
+        if not objects and t not in _CONTAINERS:
+            raise _TooLarge  # (a container's subclass is not plain data)
         budget[0] -= len(x)
         if budget[0] < 0:
             raise _TooLarge
@@ -243,7 +227,7 @@ def held_key(v):
 
     try:
         return key(v)
-    except (_TooLarge, TypeError):
+    except (_TooLarge, TypeError):  # (TypeError: an unhashable key inside a set)
         return NOT_PLAIN
 
 
@@ -467,23 +451,12 @@ class InstanceWatch:
         t = type(o)
         if _small_array(o):
             self._watch_all(o, where, {CONTENTS: Contents(_array_key(o))})
-        elif isinstance(o, _CONTAINERS):  # (a subclass too: an OrderedDict, a named tuple)
+        elif isinstance(o, _CONTAINERS) or t is functools.partial:  # (a subclass too: an OrderedDict, a named tuple)
             contents = held_key(o)
             if contents is NOT_PLAIN:
                 return  # (more than MAX_ITEMS items, or the trace's own values: not guarded)
             keys = {CONTENTS: Contents(contents)}
-            items = enumerate(o) if isinstance(o, (list, tuple)) else o.items() if isinstance(o, dict) else ()
-            for i, item in items:
-                if type(i) in (int, str) and type(_key(item)) is Same:  # (the way to its own attributes)
-                    keys[Step("item", i)] = Same(item)
-            self._watch_all(o, where, keys)
-        elif t is functools.partial:
-            contents = held_key(o)
-            if contents is NOT_PLAIN:
-                return
-            keys = {CONTENTS: Contents(contents)}
-            for step, item in [(Step("arg", i), a) for i, a in enumerate(o.args)] + [
-                    (Step("kw", k), a) for k, a in o.keywords.items()]:
+            for step, item in _ways_in(o):  # (the way to an object's own attributes)
                 if type(_key(item)) is Same:
                     keys[step] = Same(item)
             self._watch_all(o, where, keys)
@@ -574,6 +547,18 @@ def _key(v):
 
 _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
                 functools.partial, torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _ways_in(o):
+    """``(Step, item)`` for each item of a list, tuple or dict (keyed by an int or a string) and each argument and
+    keyword of a partial."""
+    if isinstance(o, (list, tuple)):
+        yield from ((Step("item", i), x) for i, x in enumerate(o))
+    elif isinstance(o, dict):
+        yield from ((Step("item", k), x) for k, x in o.items() if type(k) in (int, str))
+    elif type(o) is functools.partial:
+        yield from ((Step("arg", i), x) for i, x in enumerate(o.args))
+        yield from ((Step("kw", k), x) for k, x in o.keywords.items())
 
 
 def _slot_names(cls) -> list:
