@@ -176,3 +176,36 @@ def test_a_rebuilt_container_is_checked_against_the_traced_contents_not_the_old_
     m.cfgs.append(old[2])  # the new list appended to, as the old one was
     for _ in range(3):
         torch.testing.assert_close(call(x), m(x), rtol=0, atol=0)
+
+
+class Tally:
+    __slots__ = ("scale", "calls", "last")
+
+    def __init__(self):
+        self.scale, self.calls = 2.0, 0
+
+
+class WritesSlots(nn.Module):
+    def __init__(self, fails):
+        super().__init__()
+        self.lin, self.tally, self.fails = nn.Linear(4, 4), Tally(), fails
+
+    def forward(self, x):
+        y = self.lin(x) * self.tally.scale
+        self.tally.calls += 1
+        if self.fails:
+            raise ValueError("the user's error")
+        self.tally.last = y.detach()
+        return y
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_slots_object_written_by_the_function_is_left_as_it_was(fails):
+    """A ``__slots__`` object a module holds is put back as a ``__dict__`` one is: after a failed trace, and when
+    the function stored a traced tensor on it (refused: it would keep a placeholder).  Before, the object kept the
+    TensorProxy and the count the failed trace added."""
+    m, x = WritesSlots(fails), torch.randn(2, 4)
+    match = "the user's error" if fails else r"args\[0\]\.tally\.last .*Return the tensor"
+    with pytest.raises(ValueError if fails else tt.TracingError, match=match):
+        tt.compile(lambda mod, x: mod(x), fusion=None)(m, x)
+    assert m.tally.calls == 0 and m.tally.scale == 2.0 and not hasattr(m.tally, "last")

@@ -416,8 +416,7 @@ class InstanceWatch:
         if len(self.objects) > MAX_OBJECTS:
             return  # read unseen past this many: only its identity is guarded
         self.where[id(o)] = where
-        self.snaps[id(o)] = snap = library_objects.snapshot(o)  # (_watchable: it has a __dict__)
-        self.walker.walked_objects.append((None, o, snap))
+        self._put_back_later(o, library_objects.snapshot(o))  # (_watchable: it has a __dict__)
         cls, keys, always = type(o), {}, set()
         for name, v in vars(o).items():
             k = _key(v)
@@ -465,8 +464,17 @@ class InstanceWatch:
         elif _watchable(o):
             self._watch_object(o, where)
         elif user_class(t) and not hasattr(o, "__dict__"):
-            self._watch_all(o, where, {Step("slot", n): _key(v) for n in _slot_names(t)
+            names = _slot_names(t)
+            self._watch_all(o, where, {Step("slot", n): _key(v) for n in names
                                        if (v := step_of(o, "slot", n)) is not _MISSING and _key(v) is not NOT_PLAIN})
+            if id(o) in self.where:  # (watched: not past MAX_OBJECTS)
+                self._put_back_later(o, library_objects.snapshot(o, names))
+
+    def _put_back_later(self, o, snap) -> None:
+        """``o``'s attributes as they are now: a failed trace puts back what the function changed on it (as on a
+        walked module), a successful one refuses a traced tensor left there (``check_writes``)."""
+        self.snaps[id(o)] = snap
+        self.walker.walked_objects.append((None, o, snap))
 
     def _watch_all(self, o, where, keys) -> None:
         """``o`` watched by ``keys`` (``Step -> key``), all of them guarded whenever ``o`` is (no read of them is

@@ -14,7 +14,8 @@ Where the lazy initialisation is known and depends on no traced value, it is don
 (``initialise``): ``GradScaler``'s scale tensor, which eager's first ``scaler.scale(loss)`` creates on the scaler's
 device.  A failed trace puts it back too.
 
-Walked modules and optimizers are snapshotted too (``InputWalker.walked_objects``), for the rollback only: what the
+Objects a module holds that the function reads are snapshotted too (``instance_reads.py``), a ``__slots__`` object's
+members through ``SlotMembers``.  Walked modules and optimizers are snapshotted too (``InputWalker.walked_objects``), for the rollback only: what the
 function or library code set on them (``self.calls += 1``, an LR scheduler's ``_opt_called``) is put back when
 tracing fails; on success module writes are settled by ``module_writes.py``.
 
@@ -24,6 +25,8 @@ traced tensor stored in a nested dict is rolled back or refused as well.  Object
 walked (each is an input of its own, or reached by library code only).
 """
 from __future__ import annotations
+
+import collections.abc
 
 import torch
 
@@ -48,7 +51,7 @@ class Snapshot:
         if id(container) in seen or depth > _DEPTH:
             return
         seen.add(id(container))
-        items = dict(container) if isinstance(container, dict) else list(container)
+        items = dict(container) if isinstance(container, _MAPPINGS) else list(container)
         self.saved.append((container, items))
         for v in (items.values() if isinstance(items, dict) else items):
             if isinstance(v, (dict, list)):
@@ -58,7 +61,7 @@ class Snapshot:
         """(container, its items when taken, keys changed since) for every container that changed."""
         out = []
         for c, before in self.saved:
-            if isinstance(c, dict):
+            if isinstance(c, _MAPPINGS):
                 keys = [k for k in set(c) | set(before) if c.get(k, _MISSING) is not before.get(k, _MISSING)]
             else:
                 same = len(c) == len(before) and all(a is b for a, b in zip(c, before))
@@ -69,7 +72,7 @@ class Snapshot:
 
 
 def _put_back(container, before, keys) -> None:
-    if not isinstance(container, dict):
+    if not isinstance(container, _MAPPINGS):
         container[:] = before
         return
     for k in keys:
@@ -79,10 +82,45 @@ def _put_back(container, before, keys) -> None:
             container.pop(k, None)
 
 
-def snapshot(obj):
-    """A snapshot of the object's attributes and the containers they hold (None if it has no attribute dict)."""
+class SlotMembers(collections.abc.MutableMapping):
+    """The filled ``__slots__`` members of an object that has no ``__dict__``, as a mapping a ``Snapshot`` takes
+    (written past the class's ``__setattr__``: a frozen dataclass's members are put back too)."""
+
+    def __init__(self, obj, names):
+        self.obj, self.names = obj, names
+
+    def __getitem__(self, name):
+        try:
+            return object.__getattribute__(self.obj, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __setitem__(self, name, value):
+        object.__setattr__(self.obj, name, value)
+
+    def __delitem__(self, name):
+        try:
+            object.__delattr__(self.obj, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __iter__(self):
+        return (n for n in self.names if self.get(n, _MISSING) is not _MISSING)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+_MAPPINGS = (dict, SlotMembers)  # what a Snapshot reads by key (other containers: as lists)
+
+
+def snapshot(obj, slots=()):
+    """A snapshot of the object's attributes and the containers they hold: its ``__dict__``, or the ``slots`` named
+    where it has none (None where it has neither)."""
     d = getattr(obj, "__dict__", None)
-    return Snapshot(d) if type(d) is dict else None
+    if type(d) is dict:
+        return Snapshot(d)
+    return Snapshot(SlotMembers(obj, slots)) if slots else None
 
 
 def _init_grad_scaler(scaler) -> None:
@@ -110,7 +148,7 @@ def rollback(objects) -> None:
 
 
 def _held(container, keys) -> list:
-    if isinstance(container, dict):
+    if isinstance(container, _MAPPINGS):
         return [k for k in keys if holds(container.get(k), is_proxy)]
     return keys if holds(list(container), is_proxy) else []
 
