@@ -467,7 +467,7 @@ class InstanceWatch:
             names = _slot_names(t)
             self._watch_all(o, where, {Step("slot", n): _key(v) for n in names
                                        if (v := step_of(o, "slot", n)) is not _MISSING and _key(v) is not NOT_PLAIN})
-            if id(o) in self.where:  # (watched: not past MAX_OBJECTS)
+            if id(o) in self.where and names:  # (watched, not past MAX_OBJECTS; members to put back)
                 self._put_back_later(o, library_objects.snapshot(o, names))
 
     def _put_back_later(self, o, snap) -> None:
