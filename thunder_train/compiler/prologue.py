@@ -154,11 +154,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
     if k == "number":
         # A runtime input (an optimizer's lr): only its type is part of the key, never its value.
         return [("type", f"type({var})", type(v))]
-    if k == "optimizer":  # (and its own attributes its step read: acquisition/instance_reads.py)
-        specs = [("object", f"id({var})", id(v))]
-        for name, key in (leaf.snapshot or {}).get("read", ()):
-            _read_specs(specs, name, f"{var}.__dict__.get({name!r}, _MISSING)", key)
-        return specs
+    if k == "optimizer":  # (and its own attributes its step read)
+        return [("object", f"id({var})", id(v))] + _instance_read_specs(leaf.snapshot or {}, var)
     if k == "constant":
         val = f"_float_key({var})" if type(v) is float else var
         return [("type", f"type({var})", type(v)), ("value", val, _float_key(v) if type(v) is float else v)]
@@ -186,17 +183,22 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
                 specs.append((f"attr {name}", f"_float_key({expr})", _float_key(val)))
             else:
                 specs.append((f"attr {name}", expr, val))
-        # Private scalars and plain containers the function read, keyed by value; objects it held, by identity, and
-        # what was read from them (acquisition/instance_reads.py).
-        for name, key in snap.get("read", ()):
-            _read_specs(specs, name, f"{var}.__dict__.get({name!r}, _MISSING)", key)
-        return specs
+        return specs + _instance_read_specs(snap, var)
     if k == "object":
         return [("object", f"id({var})", id(v))]
     raise AssertionError(k)
 
 
 _CALLEE = {"method": "__func__", "partial": "func"}
+
+
+def _instance_read_specs(snap, var) -> list:
+    """What the function read from a module's or optimizer's own attributes (acquisition/instance_reads.py):
+    private scalars and plain containers keyed by value; objects it held by identity, and what was read from them."""
+    specs = []
+    for name, key in snap.get("read", ()):
+        _read_specs(specs, name, f"{var}.__dict__.get({name!r}, _MISSING)", key)
+    return specs
 
 
 def _read_specs(specs, label, expr, key) -> None:
