@@ -1,4 +1,6 @@
 """Issue 14: changes made between thin-mode steps give eager's result or a clear error (compiled vs eager)."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -254,3 +256,72 @@ def test_replaced_parameters_get_their_own_grad(mode):
     for _ in range(3):
         t.hazard(lambda m, o: m.load_state_dict({k: v.clone() for k, v in other.items()}, assign=True))
         t.steps(2)
+
+
+class _Optional(nn.Module):
+    """A linear whose shift buffer and extra layer may be None (skipped in the forward, as optional parts are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("shift", torch.full((3,), 0.5))
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.shift is not None:
+            y = y + self.shift
+        return y if self.extra is None else self.extra(y)
+
+
+@pytest.mark.parametrize("what", ["lin.bias", "shift", "extra"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_none_entry_set_again_is_not_taken_for_the_none(mode, what):
+    # A parameter, buffer or submodule registered as None had no leaf and the structure's counts stay the same when
+    # it is set again: a call after that ran the program traced without it (the full path too), silently.
+    torch.manual_seed(0)
+    new = {"lin.bias": nn.Parameter(torch.full((3,), 0.2)), "shift": torch.full((3,), -0.5), "extra": nn.Linear(3, 3)}[what]
+    owner = (lambda m: m.lin) if what == "lin.bias" else (lambda m: m)
+    name = what.split(".")[-1]
+    t = Twin(make_model=_Optional, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), **mode)
+    t.steps(3)
+    t.hazard(lambda m, o: setattr(owner(m), name, None))
+    t.steps(2)
+    t.hazard(lambda m, o: setattr(owner(m), name, copy.deepcopy(new)))
+    t.steps(2)
+
+
+@pytest.mark.parametrize("what", ["lin.bias", "shift", "extra"])
+def test_a_compiled_modules_none_entry_set_again(what):
+    # The same for ``tt.compile(model)``, whose guard is the same prologue's.
+    torch.manual_seed(0)
+    new = {"lin.bias": nn.Parameter(torch.full((3,), 0.2)), "shift": torch.full((3,), -0.5), "extra": nn.Linear(3, 3)}[what]
+    eager = _Optional()
+    model = copy.deepcopy(eager)
+    compiled = tt.compile(model)
+    name = what.split(".")[-1]
+    x = torch.randn(8, 4)
+    for value in (None, new):
+        for m in (eager, model):
+            setattr(m.lin if what == "lin.bias" else m, name, copy.deepcopy(value))
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), eager(x))
+
+
+@pytest.mark.parametrize("how", ["assigned", "registered"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_set_to_none_and_back(mode, how):
+    # ``m.bias = None`` registers None, for which torch runs no registration hook: thin mode ran the program with
+    # the bias it had bound (a silently wrong loss from that step on) until module_epoch wrapped register_parameter.
+    def drop(m, o):
+        if how == "assigned":
+            m[0].bias = None
+        else:
+            m[0].register_parameter("bias", None)
+
+    t = Twin(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), **mode)
+    t.steps(3)
+    t.hazard(drop)
+    t.steps(2)
+    t.hazard(lambda m, o: setattr(m[0], "bias", nn.Parameter(torch.full((m[0].out_features,), 0.1))))
+    t.steps(2)

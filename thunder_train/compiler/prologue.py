@@ -177,6 +177,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             ("structure", f"(len({var}._parameters), len({var}._buffers), len({var}._modules), len({var}.__dict__))",
              (len(v._parameters), len(v._buffers), len(v._modules), snap["dict_len"])),
         ]
+        for table, name in snap.get("nones", ()):
+            specs.append((f"{name} is None", f"{var}.{table}.get({name!r}) is None", True))
         for name, val in snap["attrs"]:
             expr = f"{var}.__dict__.get({name!r}, _MISSING)"
             if type(val) is float:

@@ -1,7 +1,8 @@
 """The module epoch: one integer that every change of a module a thin binding holds bumps.
 
 Thin mode compares it on every call instead of reading the module tree (docs/thin_mode.md): torch's
-global registration hooks, plus wrappers of ``nn.Module.__setattr__``/``__delattr__``/``_apply``, bump
+global registration hooks, plus wrappers of ``nn.Module.__setattr__``/``__delattr__``/``_apply``/
+``register_parameter``, bump
 it for watched modules only.  They are installed when the first module is watched (the first thin
 binding), so a process that never binds pays nothing on eager code; after that, an unwatched module's
 ``__setattr__`` pays one extra Python call and set lookup (about 0.1-0.3 µs on a ~2.5 µs call).
@@ -53,12 +54,12 @@ def watch(modules) -> None:
 
 _installed = False
 
-# torch has no hook for plain attribute assignment, deletion or ``_apply``: the three methods are wrapped
-# once, at the first watch (the methods current then are the ones wrapped). The wrappers do the original's
+# torch has no hook for plain attribute assignment, deletion, ``_apply`` or a parameter set to None: the four
+# methods are wrapped once, at the first watch (the methods current then are the ones wrapped). The wrappers do the original's
 # work and then one set lookup; names starting with "_" (bookkeeping that Lightning and others set every
 # step) are not guarded and do not bump.
 _Module = torch.nn.Module
-_setattr = _delattr = _apply = None
+_setattr = _delattr = _apply = _register_parameter = None
 
 
 def _watching_setattr(self, name, value):
@@ -92,6 +93,14 @@ def _watching_delattr(self, name):
         _bump(self, f"{type(self).__name__}.{name} was deleted")
 
 
+def _watching_register_parameter(self, name, param):
+    _register_parameter(self, name, param)
+    # torch's registration hooks run for a Parameter only: ``m.bias = None`` (which calls this) bumped nothing,
+    # and thin mode ran the program with the bias it had bound.
+    if param is None:
+        _bump(self, f"{type(self).__name__}.{name} was set to None")
+
+
 def _watching_apply(self, fn, *args, **kwargs):
     out = _apply(self, fn, *args, **kwargs)
     _bump(self, f"{type(self).__name__}'s tensors were converted (.to(), .half(), .double(), ...)")
@@ -99,14 +108,16 @@ def _watching_apply(self, fn, *args, **kwargs):
 
 
 def _install() -> None:
-    global _installed, _setattr, _delattr, _apply
+    global _installed, _setattr, _delattr, _apply, _register_parameter
     _setattr, _delattr, _apply = _Module.__setattr__, _Module.__delattr__, _Module._apply
+    _register_parameter = _Module.register_parameter
     mm = torch.nn.modules.module
     mm.register_module_parameter_registration_hook(_registered)
     mm.register_module_buffer_registration_hook(_registered)
     mm.register_module_module_registration_hook(_registered)
     for name, fn, orig in (("__setattr__", _watching_setattr, _setattr), ("__delattr__", _watching_delattr, _delattr),
-                           ("_apply", _watching_apply, _apply)):
+                           ("_apply", _watching_apply, _apply),
+                           ("register_parameter", _watching_register_parameter, _register_parameter)):
         fn.__wrapped__ = orig
         fn.__doc__ = orig.__doc__
         setattr(_Module, name, fn)
