@@ -46,8 +46,11 @@ def _train(config, compiled: bool, steps=3):
 def test_adapter_training_step_equals_eager(name):
     (el, ep, _, er), (tl, tp, frozen, tr) = _train(ADAPTERS[name](), False), _train(ADAPTERS[name](), True)
     torch.testing.assert_close(tl, el, rtol=0, atol=0)
+    # AdamW divides each update by the gradient's running scale, so where a gradient is near zero a last-bit
+    # difference of it (1.5e-8 here: the program's matrix products round as eager's do not always, e.g. with
+    # AVX-512 kernels) moves the parameter by up to ~1e-4 of the learning rate: 1.4e-6 at lr 1e-2 on an AVX-512 CPU.
     torch.testing.assert_close({n: p.detach() for n, p in tp.items()}, {n: p.detach() for n, p in ep.items()},
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-5)
     assert frozen and all(torch.equal(tp[n], v) for n, v in frozen.items())
     trained = [n for n, p in tp.items() if p.requires_grad]
     assert trained and len(trained) < len(tp)
