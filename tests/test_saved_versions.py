@@ -400,6 +400,56 @@ def _custom_op_input_written(x, w):
     return y.detach()
 
 
+# An in-place activation saves its result (eager's leaky_relu_, elu_ and their inplace=True forms differentiate
+# from it; the out-of-place forms save their input): a later in-place write of that result raises at the backward.
+# The check asked the out-of-place form the line records and ran where eager raises.
+def _leaky_relu_inplace_then_mul(x, w):
+    y = torch.nn.functional.leaky_relu(x @ w, 0.1, inplace=True)
+    y.mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+def _leaky_relu_underscore_then_add(x, w):
+    y = torch.nn.functional.leaky_relu_(x @ w, 0.2)
+    y.add_(1)
+    y.sum().backward()
+    return y.detach()
+
+
+def _modules_inplace_leaky_relu_then_dropout(x, w):
+    y = torch.nn.Dropout(0.2, inplace=True)(torch.nn.LeakyReLU(0.1, inplace=True)(x @ w))
+    y.sum().backward()
+    return y.detach()
+
+
+def _elu_inplace_then_dropout(x, w):
+    y = torch.nn.functional.dropout(torch.nn.functional.elu(x @ w, inplace=True), 0.2, inplace=True)
+    y.sum().backward()
+    return y.detach()
+
+
+def _leaky_relu_inplace_then_out_of_place(x, w):
+    y = torch.nn.functional.leaky_relu(x @ w, 0.1, inplace=True)
+    z = y * 2  # nothing written after the in-place op
+    z.sum().backward()
+    return z.detach()
+
+
+def _add_inplace_then_mul_inplace(x, w):
+    y = (x @ w).add_(1)  # add_ saves nothing
+    y.mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
+def _hardtanh_inplace_then_mul(x, w):
+    y = torch.nn.functional.hardtanh(x @ w, inplace=True)
+    y.mul_(2)
+    y.sum().backward()
+    return y.detach()
+
+
 CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_slices_of_a_written_matmul, False),
     (_custom_op_input_written, True), (_mul_by_itself, True), (_mul_by_its_detached_self, True), (_written_then_mul_by_its_detached_self, True), (_mul_by_its_clone, False),
     (_rows_multiplied, True), (_addcmul_by_itself, True), (_divided_by_itself, True), (_added_to_itself, False),
@@ -414,6 +464,9 @@ CASES = [(_softmax_written, True), (_log_softmax_with_dtype_written, True), (_sl
     (_custom_op_backward_twice, False), (_ctc_input_written, True), (_ctc_input_written_after_backward, False),
     (_data_assigned_then_used, False), (_data_written_then_counter_moved, True), (_leaf_written_before_backward, True), (_leaf_written_not_saved, False),
     (_write_after_backward, False), (_write_after_use_of_new_value, False), (_not_on_backward_path, False),
+    (_leaky_relu_inplace_then_mul, True), (_leaky_relu_underscore_then_add, True), (_modules_inplace_leaky_relu_then_dropout, True),
+    (_elu_inplace_then_dropout, True), (_leaky_relu_inplace_then_out_of_place, False), (_add_inplace_then_mul_inplace, False),
+    (_hardtanh_inplace_then_mul, False),
 ]
 
 

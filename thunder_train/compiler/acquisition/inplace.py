@@ -120,6 +120,8 @@ class _inplace_op:
         if self.outer is None and exc_type is None and self.fn is not None and type(self.dst) is TensorProxy:
             # eager's grad_fn of the written tensor is the in-place call's node (traced_grad_fn.py)
             self.st.buffers.made_by_call(self.dst, (self.fn, self.args, self.kwargs))
+            new = self.st.buffers.read(self.dst)
+            self.st.inplace_calls[id(new)] = (self.fn, self.args, self.kwargs, new)
         if self.outer is None:
             start, self.st.inplace_start = self.st.inplace_start, None
             if self.own is not None and exc_type is None:

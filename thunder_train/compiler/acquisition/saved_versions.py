@@ -10,6 +10,8 @@ The functional trace keeps old values, so it would compute where eager raises.  
 * every in-place write (``inplace.write``) records which values it made stale: the written tensor's counter
   group (``functional.Buffers.counter_group``) and the values that group held, with the trace length when the
   in-place op began (lines recorded later read the new values, and the op's own line saves what it needs);
+* the line making an in-place op's new value is asked as the in-place call (``_inplace_slots``): ``leaky_relu_``
+  saves its result where the ``leaky_relu`` its line records saves its input;
 * an in-place op that saves for its own backward an argument sharing its target's counter (``y.mul_(y)``) records
   its own lines (``own_saved_input``, asked of torch's in-place op on meta tensors);
 * a traced backward (``traced_autograd.record_backward``) with stale values on record asks, only for the lines on
@@ -154,7 +156,7 @@ def check_saved(st, lines, needs_grad, outputs, follow_memory=None) -> bool:
             continue
         # a line replaced at an earlier backward (it follows memory): asked as the line it replaced
         orig = getattr(b.sym, "original", b)
-        slots = _saved_slots(orig, needs_grad)
+        slots = _saved_slots(orig, needs_grad, st.inplace_calls)
         if slots is None:
             continue
         saved = [v for _, v, _ in slots]
@@ -280,10 +282,15 @@ def torch_form(b):
     return fn if callable(fn) else None
 
 
-def _saved_slots(b, needs_grad):
+def _saved_slots(b, needs_grad, inplace_calls=None):
     """``(("in", flat argument index) or ("out", flat tensor output index), proxy, saved as the argument itself)`` of
     what torch saves for ``b`` (an argument saved through a view of it, as ``linear`` saves ``weight.t()``, is not
-    itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors)."""
+    itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors).  A line
+    making the new value of an in-place call (``inplace_calls``, acquisition state) is asked as that call."""
+    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
+    call = next((inplace_calls[id(o)] for o in flat_out if inplace_calls and inplace_calls.get(id(o), (None,) * 4)[3] is o), None)
+    if call is not None:
+        return _inplace_slots(b, call, flat_out, needs_grad)
     fn = torch_form(b)
     if fn is None:
         return None
@@ -296,9 +303,31 @@ def _saved_slots(b, needs_grad):
         return None
     at = [k for k, a in enumerate(flat) if type(a) is TensorProxy]
     ins, outs, itself = found
-    flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
     return ([(("in", at[k]), flat[at[k]], k in itself) for k in ins]
             + [(("out", k), flat_out[k], False) for k in outs if k < len(flat_out)])
+
+
+def _inplace_slots(b, call, flat_out, needs_grad):
+    """``_saved_slots`` of the line making the new value of the in-place call ``(fn, args, kwargs, new)``.  The call
+    writes its first argument and returns it, so what it saves of either is its result: the line's new value.  Its
+    other saved arguments count where the line reads them too."""
+    fn, args, kwargs, new = call
+    try:
+        flat, spec = tree_flatten((args, kwargs))
+    except Exception:  # noqa: BLE001 - arguments the pytree does not take: not checked
+        return None
+    found = _saved_positions(fn, flat, spec, needs_grad, inplace=True)
+    if found is None:
+        return None
+    ins, outs, itself = found
+    tensors = [a for a in flat if type(a) is TensorProxy]
+    line_flat = tree_flatten((b.args, b.kwargs))[0]
+    slots = [(("out", k), o, False) for k, o in enumerate(flat_out) if o is new] if 0 in ins or 0 in outs else []
+    for k in ins:
+        j = next((j for j, a in enumerate(line_flat) if a is tensors[k]), None) if k else None
+        if j is not None:
+            slots.append((("in", j), tensors[k], k in itself))
+    return slots
 
 
 def probe_signature(flat, needs_grad):
