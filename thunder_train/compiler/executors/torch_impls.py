@@ -190,13 +190,12 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
 
 
 def convolution_backward(g, a, weight, stride, padding, dilation, groups, output_mask):
-    """``prims.convolution_backward``: the input's and the weight's gradients (those ``output_mask`` asks for, the
-    other None), by PyTorch's kernel."""
-    gi, gw, _ = torch.ops.aten.convolution_backward(
-        g, a, weight, None, list(stride), list(padding), list(dilation), False, [0] * len(stride), groups,
-        [*output_mask, False]
+    """``prims.convolution_backward``: the input's, the weight's and the bias's gradients (those ``output_mask`` asks
+    for, the others None), by PyTorch's kernel."""
+    return torch.ops.aten.convolution_backward(
+        g, a, weight, [weight.shape[0]] if output_mask[2] else None, list(stride), list(padding), list(dilation), False,
+        [0] * len(stride), groups, list(output_mask)
     )
-    return gi, gw
 
 
 def index_put(a, indices, values, accumulate):

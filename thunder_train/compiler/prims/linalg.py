@@ -99,24 +99,27 @@ def convolution(a, weight, bias, stride, padding, dilation, groups):
 
 @prim
 def convolution_backward(g, a, weight, stride, padding, dilation, groups, output_mask):
-    """The gradients of ``convolution``'s input and weight for its output cotangent ``g`` (only backward traces
-    use it).  ``output_mask``: (input's, weight's), which of the two it computes; the other is None.  The gradient
-    rule asks for both, and dead-code elimination clears the entry of one nobody reads (``narrowed`` below): the
-    gradient of a network's first convolution's input, the batch, is as large as the batch and no one reads it.
-    It has no gradient rule of its own: a second derivative through a convolution raises."""
-    wanted_input, wanted_weight = output_mask
+    """The gradients of ``convolution``'s input, weight and bias for its output cotangent ``g`` (only backward traces
+    use it), as eager's autograd asks the kernel: the bias's gradient is the kernel's, made after its scratch memory
+    is freed (a sum of ``g`` made before the line was held through it: 16 bytes above eager's peak inside the second
+    convolution's backward of tests/test_memory.py on an AVX-512 CPU).  ``output_mask``: (input's, weight's, bias's),
+    which of the three it computes; the others are None.  The gradient rule asks for what the convolution has, and
+    dead-code elimination clears the entry of one nobody reads (``narrowed`` below): the gradient of a network's first
+    convolution's input, the batch, is as large as the batch and no one reads it.  It has no gradient rule of its
+    own: a second derivative through a convolution raises."""
+    wanted_input, wanted_weight, wanted_bias = output_mask
     return (
         TensorProxy(shape=a._tt_shape, dtype=a._tt_dtype, device=a._tt_device) if wanted_input else None,
         TensorProxy(shape=weight._tt_shape, dtype=weight._tt_dtype, device=weight._tt_device) if wanted_weight else None,
+        TensorProxy(shape=(weight._tt_shape[0],), dtype=g._tt_dtype, device=g._tt_device) if wanted_bias else None,
     )
 
 
 def _convolution_backward_of_read(bsym, is_read):
     """The line computing only the gradients read (``Symbol.narrowed``): eager's autograd asks the kernel so."""
     *head, _ = bsym.args
-    ga, gw = bsym.output
-    ga, gw = (o if o is not None and is_read(o) else None for o in (ga, gw))
-    return bsym.replace(args=(*head, (ga is not None, gw is not None)), output=(ga, gw))
+    outs = tuple(o if o is not None and is_read(o) else None for o in bsym.output)
+    return bsym.replace(args=(*head, tuple(o is not None for o in outs)), output=outs)
 
 
 convolution_backward.narrowed = _convolution_backward_of_read
@@ -125,8 +128,10 @@ convolution_backward.torch_unknown_scratch = True  # oneDNN's reorders and scrat
 
 @register_vjp(convolution)
 def convolution_vjp(g, out, /, a, weight, bias, stride, padding, dilation, groups):
-    ga, gw = prims.convolution_backward(g, a, weight, tuple(stride), tuple(padding), tuple(dilation), groups, (True, True))
+    has_bias = is_tensor(bias)
+    ga, gw, gb = prims.convolution_backward(g, a, weight, tuple(stride), tuple(padding), tuple(dilation), groups,
+                                            (True, True, has_bias))
     grads = {"a": ga, "weight": gw}
-    if is_tensor(bias):
-        grads["bias"] = prims.sum(g, tuple(d for d in range(g.ndim_) if d != 1))
+    if has_bias:
+        grads["bias"] = gb
     return grads

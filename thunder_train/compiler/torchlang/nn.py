@@ -108,9 +108,9 @@ def _conv(input, weight, bias, stride, padding, dilation, groups, nd):
             raise ValueError(f"invalid padding string {padding!r}")
     unbatched = input.ndim_ == nd + 1
     x = clang.unsqueeze(input, 0) if unbatched else input
-    out = prims.convolution(x, weight, None, ntuple(stride, nd), ntuple(padding, nd), ntuple(dilation, nd), groups)
-    if bias is not None:
-        out = clang.add(out, clang.reshape(bias, (1, -1) + (1,) * nd))
+    # The bias inside the convolution, as eager's kernel adds it: its gradient is the convolution backward's own
+    # (prims.convolution_backward), not a sum of the output's gradient made before that line.
+    out = prims.convolution(x, weight, bias, ntuple(stride, nd), ntuple(padding, nd), ntuple(dilation, nd), groups)
     return clang.squeeze(out, (0,)) if unbatched else out
 
 
