@@ -37,6 +37,17 @@ def _gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
+def _eager(fn, x):
+    """Eager's result, with the special values' entries from eager's kernel run on one element at a time where its
+    vectorized loop gives NaN instead: on an AVX-512 CPU eager's exact GELU returns NaN for +-inf in float32 (-inf in
+    float64) in its vectorized loop and +-inf / 0 in its one-element loop, as Inductor's kernel does."""
+    want = fn(x).clone()
+    head = want.view(-1)[:len(SPECIAL)]
+    alone = torch.stack([fn(v.reshape(1))[0] for v in x.reshape(-1)[:len(SPECIAL)]])
+    head[head.isnan() & ~alone.isnan()] = alone[head.isnan() & ~alone.isnan()]
+    return want
+
+
 def _fused_syms(cf):
     return [b.sym for b in tt.last_traces(cf)[-1].bound_symbols if isinstance(b.sym, FusionSymbol)]
 
@@ -59,7 +70,7 @@ def test_gelu_alone_is_fused_and_matches_eager(dtype, approximate):
     x, _ = _inputs(dtype)
     fn = GELUS[approximate]
     cf = tt.compile(fn, fusion="inductor")
-    got, want = cf(x), fn(x)
+    got, want = cf(x), _eager(fn, x)
     assert len(_fused_syms(cf)) == 1, "a lone GELU forms a region of its own"
     torch.testing.assert_close(got, want, equal_nan=True)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
@@ -89,7 +100,7 @@ def test_low_precision_is_computed_in_float32_like_eager(approximate):
     x, _ = _inputs(torch.bfloat16)
     fn = GELUS[approximate]
     cf = tt.compile(fn, fusion="inductor")
-    got, want = cf(x), fn(x)
+    got, want = cf(x), _eager(fn, x)
     assert got.dtype == torch.bfloat16 and _fused_syms(cf)
     torch.testing.assert_close(got, want, equal_nan=True)  # bf16 tolerances: at most one bf16 rounding apart
 
