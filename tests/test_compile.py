@@ -121,6 +121,29 @@ def test_module_with_submodules_and_buffers():
     assert tt.compile_stats(cm).cache_misses == 1
 
 
+def test_a_compiled_container_module_indexes_iterates_and_counts_as_the_original():
+    # Dunder methods are looked up on the class, so the attribute forwarding did not reach them: ``cm[0]`` raised
+    # "'ThunderModule' object is not subscriptable" where the step indexed an nn.Sequential (``model[0](x)``).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    cm = tt.compile(m)
+    x = torch.randn(5, 4)
+    assert cm[0] is m[0] and list(cm) == list(m) and len(cm) == 3 and m[1] in cm and bool(cm)
+    assert isinstance(cm[1:], nn.Sequential)
+    torch.testing.assert_close(cm[2](cm[1](cm[0](x))), cm(x))
+    cm[1] = nn.ReLU()  # the original's submodule replaced: the compiled module follows it (a retrace)
+    assert m[1] is cm[1]
+    torch.testing.assert_close(cm(x), m(x))
+    del cm[2]
+    assert len(m) == 2 and cm(x).shape == (5, 6)
+    assert not tt.compile(nn.Sequential())  # an empty container is falsy, as in eager
+    d = tt.compile(nn.ModuleDict({"a": nn.Linear(2, 2)}))
+    assert "a" in d and list(d) == ["a"]
+    with pytest.raises(TypeError, match="not subscriptable"):
+        tt.compile(nn.Linear(2, 2))[0]  # the original's own error
+    assert bool(tt.compile(nn.Linear(2, 2)))
+
+
 def test_module_train_eval_switch_retraces():
     class D(nn.Module):
         def forward(self, x):

@@ -231,6 +231,30 @@ class ThunderModule(torch.nn.Module):
     def __repr__(self):
         return f"ThunderModule({self._tt_module!r})"
 
+    # A container module (nn.Sequential, nn.ModuleList, nn.ModuleDict) compiled: indexing, iterating, ``len`` and
+    # truth are the original's, and give its submodules (uncompiled), as ``module[0](x)`` in eager.  Dunder methods
+    # are looked up on the class, so ``__getattr__`` above does not reach them.
+    def __getitem__(self, key):
+        return self._tt_module[key]
+
+    def __setitem__(self, key, value):
+        self._tt_module[key] = value
+
+    def __delitem__(self, key):
+        del self._tt_module[key]
+
+    def __len__(self):
+        return len(self._tt_module)
+
+    def __iter__(self):
+        return iter(self._tt_module)
+
+    def __contains__(self, key):
+        return key in self._tt_module
+
+    def __bool__(self):
+        return bool(self._tt_module)
+
 
 def _call_module(self, *args, **kwargs):
     # Named ``self`` so that trace names read ``self_fc1_weight``.
