@@ -288,9 +288,10 @@ def _saved_slots(b, needs_grad, inplace_calls=None):
     itself); None when it cannot be asked (no torch form, or it runs neither on meta nor on CPU tensors).  A line
     making the new value of an in-place call (``inplace_calls``, acquisition state) is asked as that call."""
     flat_out = [o for o in b.flat_outputs() if type(o) is TensorProxy]
-    call = next((inplace_calls[id(o)] for o in flat_out if inplace_calls and inplace_calls.get(id(o), (None,) * 4)[3] is o), None)
-    if call is not None:
-        return _inplace_slots(b, call, flat_out, needs_grad)
+    for o in flat_out if inplace_calls else ():
+        call = inplace_calls.get(id(o))
+        if call is not None and call[3] is o:
+            return _inplace_slots(b, call, flat_out, needs_grad)
     fn = torch_form(b)
     if fn is None:
         return None
