@@ -1,6 +1,7 @@
 """compile(fn) end to end: values against eager, modules, containers, traces, guards, bad input."""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import pytest
@@ -139,9 +140,11 @@ def test_a_compiled_container_module_indexes_iterates_and_counts_as_the_original
     assert not tt.compile(nn.Sequential())  # an empty container is falsy, as in eager
     d = tt.compile(nn.ModuleDict({"a": nn.Linear(2, 2)}))
     assert "a" in d and list(d) == ["a"]
+    assert isinstance(cm, tt.ThunderModule) and tt.compile_stats(cm).calls == 3
+    lin = tt.compile(nn.Linear(2, 2))  # no container: not iterable, as the module is not
     with pytest.raises(TypeError, match="not subscriptable"):
-        tt.compile(nn.Linear(2, 2))[0]  # the original's own error
-    assert bool(tt.compile(nn.Linear(2, 2)))
+        lin[0]
+    assert bool(lin) and not isinstance(lin, collections.abc.Iterable)
 
 
 def test_module_train_eval_switch_retraces():

@@ -231,9 +231,13 @@ class ThunderModule(torch.nn.Module):
     def __repr__(self):
         return f"ThunderModule({self._tt_module!r})"
 
-    # A container module (nn.Sequential, nn.ModuleList, nn.ModuleDict) compiled: indexing, iterating, ``len`` and
-    # truth are the original's, and give its submodules (uncompiled), as ``module[0](x)`` in eager.  Dunder methods
-    # are looked up on the class, so ``__getattr__`` above does not reach them.
+
+class _ThunderContainer(ThunderModule):
+    """``tt.compile`` of a container module (nn.Sequential, nn.ModuleList, nn.ModuleDict: a class with
+    ``__getitem__``): indexing, iterating, ``len`` and truth are the original's, and give its submodules
+    (uncompiled), as ``module[0](x)`` in eager.  Dunder methods are looked up on the class, so ``__getattr__`` does
+    not reach them; a module that is no container keeps ``ThunderModule``, which is not iterable, as the module is not."""
+
     def __getitem__(self, key):
         return self._tt_module[key]
 
@@ -310,7 +314,7 @@ def compile(fn, *, strict: bool = False, decompose: bool = False, thin: bool = F
     if memory_budget is not None:
         options["memory_budget"] = memory_budget
     if isinstance(fn, torch.nn.Module):
-        return ThunderModule(fn, **options)
+        return (_ThunderContainer if hasattr(type(fn), "__getitem__") else ThunderModule)(fn, **options)
     return CompiledFunction(fn, **options)
 
 
