@@ -308,6 +308,23 @@ def test_a_compiled_modules_none_entry_set_again(what):
             torch.testing.assert_close(compiled(x), eager(x))
 
 
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_modules_class_assigned(mode):
+    # ``m.__class__ = X`` keeps the object, its parameters and attributes and changes its forward: the guard held the
+    # module's identity only, and every mode ran the program traced with the old forward, silently.
+    t = Twin(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), **mode)
+    t.steps(3)
+    t.hazard(lambda m, o: setattr(m[0], "__class__", _Doubled))
+    t.steps(2)
+    t.hazard(lambda m, o: setattr(m[0], "__class__", nn.Linear))
+    t.steps(2)
+
+
 @pytest.mark.parametrize("how", ["assigned", "registered"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_parameter_set_to_none_and_back(mode, how):

@@ -173,6 +173,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
         snap = leaf.snapshot or {"training": v.training, "dict_len": len(v.__dict__), "attrs": ()}
         specs = [
             ("object", f"id({var})", id(v)),
+            # (its class: ``m.__class__ = X`` keeps the object and changes its forward; parametrizations do it)
+            ("class", f"type({var})", type(v)),
             ("training", f"{var}.training", snap["training"]),
             ("structure", f"(len({var}._parameters), len({var}._buffers), len({var}._modules), len({var}.__dict__))",
              (len(v._parameters), len(v._buffers), len(v._modules), snap["dict_len"])),

@@ -73,6 +73,8 @@ def _watching_setattr(self, name, value):
     if new is not old and (name[:1] != "_" or name in ("_parameters", "_buffers", "_modules")) \
             and not (_is_routine(old) and _is_routine(new)):
         _bump(self, f"{type(self).__name__}.{name} was assigned")
+    elif name == "__class__":  # (``m.__class__ = X``: not in the instance's __dict__, another forward)
+        _bump(self, f"the class of a {type(self).__name__} was assigned")
 
 
 def _is_routine(v) -> bool:
