@@ -325,6 +325,22 @@ def test_a_modules_class_assigned(mode):
     t.steps(2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_set_on_the_instance_and_deleted(mode):
+    # ``m.forward = ...`` shadows the class's forward: a function first set on a module did not bump the module epoch
+    # (functions swapped for functions do not: Lightning's DDP wrapper patches ``forward`` around every step), so thin
+    # mode ran the traced forward; deleting it did not either.  (A function swapped for another is still not seen in
+    # thin mode: docs/thin_mode.md.)
+    import types
+
+    t = Twin(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), **mode)
+    t.steps(3)
+    t.hazard(lambda m, o: setattr(m[0], "forward", types.MethodType(lambda self, x: nn.Linear.forward(self, x) * 3, m[0])))
+    t.steps(2)
+    t.hazard(lambda m, o: delattr(m[0], "forward"))
+    t.steps(2)
+
+
 @pytest.mark.parametrize("how", ["assigned", "registered"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_parameter_set_to_none_and_back(mode, how):

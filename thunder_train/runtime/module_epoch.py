@@ -69,9 +69,11 @@ def _watching_setattr(self, name, value):
     _setattr(self, name, value)
     new = d.get(name, _NOTHING)
     # Assigning the value it already has (Lightning's model.train() each epoch) changes nothing; nor does
-    # swapping a function (Lightning's DDP wrapper patches ``forward`` around every step).
+    # swapping one function held by the instance for another (Lightning's DDP wrapper patches ``forward`` around
+    # every step, and puts back the bound method it read).  A function first set on the instance shadows its
+    # class's (``m.forward = ...``): thin mode ran the traced forward.
     if new is not old and (name[:1] != "_" or name in ("_parameters", "_buffers", "_modules")) \
-            and not (_is_routine(old) and _is_routine(new)):
+            and not (old is not _NOTHING and _is_routine(old) and _is_routine(new)):
         _bump(self, f"{type(self).__name__}.{name} was assigned")
     elif name == "__class__":  # (``m.__class__ = X``: not in the instance's __dict__, another forward)
         _bump(self, f"the class of a {type(self).__name__} was assigned")
@@ -90,7 +92,7 @@ def _watching_delattr(self, name):
     registered = name in self._parameters or name in self._buffers or name in self._modules
     old = self.__dict__.get(name, _NOTHING)
     _delattr(self, name)
-    if registered or (name[:1] != "_" and not _is_routine(old)):
+    if registered or (name[:1] != "_" and old is not _NOTHING):  # (a function deleted: its class's shows again)
         _bump(self, f"{type(self).__name__}.{name} was deleted")
 
 
