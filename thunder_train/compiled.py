@@ -236,7 +236,8 @@ class _ThunderContainer(ThunderModule):
     """``tt.compile`` of a container module (nn.Sequential, nn.ModuleList, nn.ModuleDict: a class with
     ``__getitem__``): indexing, iterating, ``len`` and truth are the original's, and give its submodules
     (uncompiled), as ``module[0](x)`` in eager.  Dunder methods are looked up on the class, so ``__getattr__`` does
-    not reach them; a module that is no container keeps ``ThunderModule``, which is not iterable, as the module is not."""
+    not reach them; a module that is no container keeps ``ThunderModule``, which is not iterable, as the module is
+    not."""
 
     def __getitem__(self, key):
         return self._tt_module[key]

@@ -2,8 +2,8 @@
 
 Thin mode compares it on every call instead of reading the module tree (docs/thin_mode.md): torch's
 global registration hooks, plus wrappers of ``nn.Module.__setattr__``/``__delattr__``/``_apply``/
-``register_parameter``, bump it for watched modules only.  They are installed when the first module is watched (the first thin
-binding), so a process that never binds pays nothing on eager code; after that, an unwatched module's
+``register_parameter``, bump it for watched modules only.  They are installed when the first module is watched
+(the first thin binding), so a process that never binds pays nothing on eager code; after that, an unwatched module's
 ``__setattr__`` pays one extra Python call and set lookup (about 0.1-0.3 µs on a ~2.5 µs call).
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ def watch(modules) -> None:
 _installed = False
 
 # torch has no hook for plain attribute assignment, deletion, ``_apply`` or a parameter set to None: the four
-# methods are wrapped once, at the first watch (the methods current then are the ones wrapped). The wrappers do the original's
-# work and then one set lookup; names starting with "_" (bookkeeping that Lightning and others set every
+# methods are wrapped once, at the first watch (the methods current then are the ones wrapped). The wrappers do the
+# original's work and then one set lookup; names starting with "_" (bookkeeping that Lightning and others set every
 # step) are not guarded and do not bump.
 _Module = torch.nn.Module
 _setattr = _delattr = _apply = _register_parameter = None

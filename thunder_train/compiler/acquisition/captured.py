@@ -315,7 +315,3 @@ def _attribute_names(code) -> set:
             names |= _attribute_names(c)
     return names
 
-
-def captured_roots(fn) -> list:
-    """The globals and closure cells ``fn`` reads, by the rule above, in a deterministic order."""
-    return Scanner().function(fn)

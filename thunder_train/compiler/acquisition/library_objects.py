@@ -15,8 +15,8 @@ Where the lazy initialisation is known and depends on no traced value, it is don
 device.  A failed trace puts it back too.
 
 Objects a module holds that the function reads are snapshotted too (``instance_reads.py``), a ``__slots__`` object's
-members through ``SlotMembers``.  Walked modules and optimizers are snapshotted too (``InputWalker.walked_objects``), for the rollback only: what the
-function or library code set on them (``self.calls += 1``, an LR scheduler's ``_opt_called``) is put back when
+members through ``SlotMembers``.  Walked modules and optimizers are snapshotted too (``InputWalker.walked_objects``),
+for the rollback only: what the function or library code set on them (``self.calls += 1``, an LR scheduler's ``_opt_called``) is put back when
 tracing fails; on success module writes are settled by ``module_writes.py``.
 
 Containers the object holds (a dict of per-optimizer states, a list of learning rates), and the containers

@@ -54,7 +54,8 @@ class TracerState:
     stale_values: list = dataclasses.field(default_factory=list)
     inplace_start: int | None = None
     # id(new value) -> (the torch in-place call, its args, kwargs, the new value): what eager's in-place op saves is
-    # asked of it, not of the out-of-place form its line records (``leaky_relu_`` saves its result, ``leaky_relu`` its input)
+    # asked of it, not of the out-of-place form its line records (``leaky_relu_`` saves its result, ``leaky_relu``
+    # its input)
     inplace_calls: dict = dataclasses.field(default_factory=dict)
     # id(counter) -> earlier values of tensors with that counter, changed through ``.data`` without moving it
     unmoved: dict = dataclasses.field(default_factory=dict)

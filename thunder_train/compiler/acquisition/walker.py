@@ -37,7 +37,8 @@ def module_snapshot(m) -> dict:
     attrs = tuple((k, v) for k, v in d.items() if k[:1] != "_" and k != "training" and type(v) in SCALAR_TYPES)
     # Entries registered as None (``nn.Linear(..., bias=False)``, ``m.bias = None``): no leaf stands for them, and the
     # structure's counts do not change when one becomes a tensor or module again, so the guard names them.
-    nones = tuple((table, k) for table in ("_parameters", "_buffers", "_modules") for k, v in d[table].items() if v is None)
+    nones = tuple((table, k) for table in ("_parameters", "_buffers", "_modules")
+                  for k, v in d[table].items() if v is None)
     return {"training": m.training, "dict_len": len(d), "attrs": attrs, "nones": nones}
 
 
