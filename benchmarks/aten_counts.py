@@ -23,6 +23,8 @@ import thunder_train as tt  # noqa: E402
 
 
 class Counts(TorchDispatchMode):
+    thunder_train_observes = True  # counts the compiled program's aten calls (thunder_train's acquisition/ambient.py)
+
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()

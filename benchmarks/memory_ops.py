@@ -29,6 +29,8 @@ _MATMULS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 
 
 class Counts(TorchDispatchMode):
+    thunder_train_observes = True  # counts the compiled program's aten calls (thunder_train's acquisition/ambient.py)
+
     def __init__(self):
         super().__init__()
         self.counts, self.flops = collections.Counter(), 0

@@ -162,6 +162,8 @@ def test_a_decision_on_an_activation_inside_a_whole_step_trains_like_eager(mode)
 class CountLinear(torch.overrides.TorchFunctionMode):
     """Counts the ``F.linear`` calls made while active: the forward's matmuls, wherever they run."""
 
+    thunder_train_observes = True  # counts the compiled program's calls (compiler/acquisition/ambient.py)
+
     def __init__(self):
         super().__init__()
         self.n = 0

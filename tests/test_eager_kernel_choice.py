@@ -329,6 +329,8 @@ class StridedAttention(torch.nn.Module):
 
 
 class _AtenCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    thunder_train_observes = True  # counts the compiled program's aten calls (thunder_train's acquisition/ambient.py)
+
     def __init__(self):
         super().__init__()
         self.counts = {}

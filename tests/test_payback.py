@@ -217,6 +217,8 @@ def test_timing_is_invisible_to_the_callers_modes():
     seen = []
 
     class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        thunder_train_observes = True  # sees the compiled program's aten calls (acquisition/ambient.py)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(func)
             return func(*args, **(kwargs or {}))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler.errors import DecisionMismatch, GuardFailure
+from ..compiler.acquisition import ambient
 from ..compiler.prologue import GLOBAL_LABELS, current_global_state, describe_diffs, is_symbolic
 from . import cuda_graphs as graphs, hook_guard, thin
 from .cache import _STRUCTURE_ERRORS, _per_call_input_differs
@@ -55,7 +56,7 @@ class ThinPath:
             return
         thin.watch(v for leaf, v in zip(entry.leaves, vals) if leaf.kind == "module")
         binding = ThinBinding(entry, vals, (), None, self.stats.calls, self.check_every or 0, self.check_every or 0,
-                              entry.struct_key[2], thin.epoch())
+                              entry.struct_key[2], thin.epoch(), ambient.mode_stacks())
         handlers = {"changed": self._thin_changed, "mismatch": self._thin_mismatch, "periodic": self._thin_periodic,
                     "failed": self._thin_failed, "decided": self._thin_decided}
         # The entry's second call: its steady program (slot.py ``settle``) is the one the binding and a CUDA graph run
@@ -147,6 +148,7 @@ class ThinPath:
 
     def _thin_changed(self, args, kwargs):
         b = self._binding
+        ambient.refuse_at_call(b.entry.has_backward)  # the binding stays for calls made without them
         g = current_global_state()
         if g == b.global_state and thin.epoch() == b.epoch and _per_call_input_differs(b.entry, args, kwargs, self._dims):
             # A decision on a size or a per-call value went another way: another entry's call, not a change of
@@ -160,6 +162,9 @@ class ThinPath:
                 diffs = []
         if not diffs and thin.epoch() != b.epoch:
             diffs = [f"a bound module changed: {thin._Epoch.why}"]
+        if not diffs and ambient.mode_stacks() != b.modes:
+            diffs = [f"the modes around the call changed (function, dispatch modes: {b.modes} → {ambient.mode_stacks()}; "
+                     "torch.set_default_device sets one)"]
         self._unbind("; ".join(diffs) or "something the binding assumed changed (optimizer state, .grad, requires_grad, storage)")
         return self._run_full(args, kwargs)
 

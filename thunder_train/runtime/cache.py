@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 
+from ..compiler.acquisition import ambient
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, per_call_mask
 from ..compiler.errors import DecisionMismatch, UninitializedLazyModule
 from ..compiler.pipeline import Options, compile_entry
@@ -127,6 +128,7 @@ class FullPath:
         return self._run_full(args, kwargs)
 
     def _run_full(self, args, kwargs):
+        ambient.refuse_at_call(False)  # modes and saved-tensor hooks around the call (acquisition/ambient.py)
         st = self.stats
         st.full_calls += 1
         st.validations += 1
@@ -159,6 +161,8 @@ class FullPath:
             st.cache_hits += 1
             self._lru.touch(entry)
         self._last = entry
+        if entry.has_backward:
+            ambient.refuse_at_call(True)  # anomaly detection (a new entry's trace refused it at its backward)
         if entry.updates_parameters:
             self._autocast_region.check()
         if self.thin:

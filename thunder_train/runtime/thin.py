@@ -47,6 +47,7 @@ class ThinBinding:
     countdown: int
     global_state: tuple
     epoch: int
+    modes: tuple = (0, 0)  # the function and dispatch modes' stack lengths when bound (acquisition/ambient.py)
 
 
 def _annotate(path: str, arg_names) -> str:

@@ -27,6 +27,7 @@ import operator
 
 import torch
 
+from ..compiler.acquisition.ambient import mode_stacks
 from ..compiler.acquisition.distributed import is_ddp
 from ..compiler.acquisition.instance_reads import SCALAR_TYPES, Contents, Held, Same, attr_of, by_contents, held_key, step_of
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
@@ -130,6 +131,10 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
         "_plain_key": plain_key, "_MISSING": _MISSING, "_dict_of": object.__getattribute__, "_held_key": held_key,
         "_step_of": step_of,
         "_get_default_dtype": torch.get_default_dtype, "_any_autocast": torch._C._is_any_autocast_enabled,
+        "_function_modes": torch._C._len_torch_function_stack, "_dispatch_modes": torch._C._len_torch_dispatch_stack,
+        "_saved_hooks": torch._C._autograd._top_saved_tensors_default_hooks, "_anomaly": torch.is_anomaly_enabled,
+        "_anomaly_nan": torch.is_anomaly_check_nan_enabled, "_forward_ad": torch.autograd.forward_ad,
+        "_transforms": torch._C._functorch.peek_interpreter_stack,
         "_autocast_state": autocast_state, "_all": all, "_list": list, "_is": operator.is_, "_grad": _GRAD, "_rg": _RG,
         "_stride": _STRIDE, "_data_ptr": _DATA_PTR, "_values": dict.values, "_chain": itertools.chain.from_iterable,
         "_shares_storage": _shares_storage, "_storage_overlaps": _storage_overlaps, "_Changed": _Changed,
@@ -574,6 +579,14 @@ def _decisions(src) -> None:
 def _head(src, nargs, kwnames, global_state, check_every) -> list:
     consts = src.consts
     lines = ["def thin_call(*args, **kwargs):", "  _stats.calls += 1"]
+    # Modes, saved-tensor hooks and anomaly detection set up around the call (acquisition/ambient.py): their
+    # stacks as bound (a default device's mode may be there); the full path refuses what it cannot honour.
+    functions, dispatches = mode_stacks()
+    ambient = (f"_function_modes() != {functions} or _dispatch_modes() != {dispatches} or _saved_hooks(True) is not None "
+               "or _forward_ad._current_level >= 0 or _transforms() is not None")
+    if src.entry.has_backward:
+        ambient += " or _anomaly() and _anomaly_nan()"
+    lines += [f"  if {ambient}:", "    return _changed(args, kwargs)"]
     if check_every:
         lines += ["  _b.countdown -= 1", "  if _b.countdown <= 0:", "    return _periodic(args, kwargs)"]
     glob = (f"_Epoch.n != {epoch()} or _is_grad_enabled() is not {global_state[0]} "

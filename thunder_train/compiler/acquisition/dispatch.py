@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import context, proxies, symbols
 from ..errors import TracingError, UnsupportedOpError
-from . import known_values
+from . import ambient, known_values
 from .. import opaque
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
@@ -79,6 +79,8 @@ def handle_torch_function(func, types, args, kwargs):
             "compiled function is not supported: the compiled program would hold the transform's traced tensors. "
             "Compute gradients with torch.autograd.grad or loss.backward() inside the function, or apply the transform "
             "outside the compiled function.")
+    if top:  # a dispatch mode or saved-tensor hooks the step entered (acquisition/ambient.py)
+        ambient.refuse_while_tracing(lambda: any(type(a) is TensorProxy and requires_grad_of(st, a) for a in _flat(args, kwargs)))
     refuse_sparse_gradient(func, args, kwargs)
     sym = registry.lookup(func)
     if known_values.runs_known(st, func, sym, args, kwargs):  # torch.div(seq_len, 4) - 1

@@ -28,6 +28,7 @@ import torch
 
 from .. import context, prims
 from ..errors import TracingError
+from .ambient import refuse_anomaly_at_backward
 from .distributed import reduce_gradients
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
 from ..proxies import TensorProxy
@@ -355,6 +356,7 @@ def _refuse_non_leaf_input(st, p) -> None:
 
 def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """``torch.autograd.backward`` / ``Tensor.backward`` while tracing (``st``: the TracerState)."""
+    refuse_anomaly_at_backward()
     _refuse_inside_an_op(st)
     buffers = st.buffers
     outs = [buffers.read(t) for t in _as_list(tensors)]
@@ -395,6 +397,7 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
 def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
          allow_unused=None, is_grads_batched=False, materialize_grads=False):
     """``torch.autograd.grad`` while tracing: returns the gradients, leaves ``.grad`` alone."""
+    refuse_anomaly_at_backward()
     if is_grads_batched:
         raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported inside a compiled function")
     _refuse_inside_an_op(st)
