@@ -33,7 +33,7 @@ from ..trace import Trace
 from . import traced_autograd
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
-from . import fsdp, kernel_switches, library_objects
+from . import fsdp, kernel_switches, library_objects, user_generators
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import Scanner, default_roots, self_root
@@ -165,6 +165,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
                     parametrizations_computed_where_read([s.module for s in walker.module_states]):
                 out = fn(*pargs, **pkwargs)
                 settle_module_writes(walker.module_states, lambda t: needs_grad(state, [t])[0], walker.module_tensor)
+            user_generators.check(walker.generators)
             walker.classes.finish()
             walker.instances.finish()
             walker.instances.check_writes()
@@ -211,6 +212,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             _insert_shape_queries(trc, walker.symbolic_inputs)
         except BaseException:
             library_objects.rollback(walker.library_objects + walker.walked_objects)
+            user_generators.put_back(walker.generators)
             raise
         finally:
             walker.restore()

@@ -43,7 +43,7 @@ import torch
 
 from ..errors import TracingError
 from ..proxies import is_proxy
-from . import library_objects
+from . import library_objects, user_generators
 from .class_attrs import user_class
 
 SCALAR_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, type(Ellipsis))
@@ -448,7 +448,9 @@ class InstanceWatch:
         if id(o) in self.keys or id(o) in self.objects or id(o) in self.walker.by_id:
             return
         t = type(o)
-        if _small_array(o):
+        if user_generators.is_generator(o):  # (``self.rng.random()``: a draw is refused, user_generators.py)
+            user_generators.note(self.walker.generators, o, where)
+        elif _small_array(o):
             self._watch_all(o, where, {CONTENTS: Contents(_array_key(o))})
         elif isinstance(o, _CONTAINERS) or t is functools.partial:  # (a subclass too: an OrderedDict, a named tuple)
             contents = held_key(o)

@@ -26,7 +26,7 @@ from .class_attrs import ClassWatch, user_class
 from .containers import Tracked, attrs_of, slot_descriptors
 from .instance_reads import SCALAR_TYPES, InstanceWatch
 from .module_writes import ModuleState
-from . import fsdp, library_objects
+from . import fsdp, library_objects, user_generators
 from .sparse import sparse_proxy_of
 from .provenance import CAPTURED_ROOTS, Leaf, Step, name_from_path, path_str
 
@@ -78,6 +78,8 @@ class InputWalker:
         # code sets on them (``self.calls += 1``, ``_opt_called`` from an LR scheduler's wrapper of ``step``) is put
         # back when tracing fails (library_objects.rollback); on success module writes are settled (module_writes.py).
         self.walked_objects: list = []
+        # id -> (where, generator, its state when reached) of the user's random generators (user_generators.py)
+        self.generators: dict = {}
         # FSDP2 (fsdp.py): id(sharded DTensor parameter) -> its FSDPParam, the units whose hooks are replaced, and
         # id(shard proxy) -> the leaf of the DTensor it is the shard of.
         self.fsdp_params: dict = {}
@@ -256,6 +258,10 @@ class InputWalker:
                 "tracing, so a next() inside it would return the same first item on every call. Take the batch outside "
                 "and pass it: batch = next(it); step(batch)."
             )
+        if user_generators.is_generator(x):  # by identity; a draw while tracing is refused (user_generators.py)
+            user_generators.note(self.generators, x, path_str(path))
+            self.leaves.append(Leaf(path, "object", x))
+            return x
         if t is types.MethodType and _walkable_method(x):
             return self.method(x, path)
         if t is functools.partial:
