@@ -445,3 +445,43 @@ def test_arguments_named_like_generated_names_are_renamed(names):
         cf = tt.compile(ns["f"])
         for _ in range(2):
             assert torch.equal(cf(x, y), ns["f"](x, y))
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_a_compiled_module_deep_copies_and_pickles_as_the_compiled_copy_of_its_module(thin):
+    """copy.deepcopy (an EMA or teacher model, also of a model holding a compiled submodule) raised "copy.deepcopy
+    of a tensor while tracing"; torch.save(model) raised a PicklingError. Both give tt.compile of the copied module."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = tt.compile(model, thin=thin)
+    x = torch.randn(5, 3)
+    for _ in range(2):
+        compiled(x)
+    twin = copy.deepcopy(compiled)
+    assert type(twin) is type(compiled) and twin[0] is not model[0]
+    assert torch.equal(twin(x), model(x))
+    with torch.no_grad():
+        twin[0].weight.add_(1.0)
+    assert torch.equal(compiled(x), model(x)) and not torch.equal(twin(x), model(x))  # independent
+    buf = io.BytesIO()
+    torch.save(compiled, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded) is type(compiled) and torch.equal(loaded(x), model(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = tt.compile(nn.Linear(3, 3), thin=thin)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    net = Net()
+    net(x)
+    ema = copy.deepcopy(net)
+    assert torch.equal(ema(x), net(x)) and ema.encoder.weight is not net.encoder.weight

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -172,7 +173,17 @@ class ThunderModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, **options):
         super().__init__()
         object.__setattr__(self, "_tt_module", module)
+        object.__setattr__(self, "_tt_options", options)
         object.__setattr__(self, "_tt_compiled", CompiledFunction(_call_module, **options))
+
+    def __deepcopy__(self, memo):
+        """The compiled form of a deep copy of the module, with the same options and nothing compiled yet
+        (``copy.deepcopy(model)`` for an EMA or teacher model, also of a model holding a compiled submodule)."""
+        return compile(copy.deepcopy(self._tt_module, memo), **self._tt_options)
+
+    def __reduce__(self):
+        """Pickled (``torch.save(model)``) as the module and the options: loading compiles the loaded module again."""
+        return _compiled_module, (self._tt_module, self._tt_options)
 
     def forward(self, *args, **kwargs):
         return self._tt_compiled(self._tt_module, *args, **kwargs)
@@ -259,6 +270,10 @@ class _ThunderContainer(ThunderModule):
 
     def __bool__(self):
         return bool(self._tt_module)
+
+
+def _compiled_module(module, options):
+    return compile(module, **options)
 
 
 def _call_module(self, *args, **kwargs):
