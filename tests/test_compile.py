@@ -485,3 +485,53 @@ def test_a_compiled_module_deep_copies_and_pickles_as_the_compiled_copy_of_its_m
     net(x)
     ema = copy.deepcopy(net)
     assert torch.equal(ema(x), net(x)) and ema.encoder.weight is not net.encoder.weight
+
+
+@pytest.mark.parametrize("thin", [False, True])
+def test_changes_made_through_a_compiled_module_reach_the_module_it_runs(thin):
+    """half()/double()/apply(init)/register_buffer/``cm.weight = p`` on a compiled module that holds parameters itself
+    acted on the wrapper's empty registries: the original, which the compiled forward runs, kept float32 weights
+    (silently), apply's function never saw it, and ``cm.weight = nn.Parameter(...)`` raised a KeyError."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 3))
+            self.inner = nn.Linear(3, 3)
+
+        def forward(self, x):
+            out = self.inner(x @ self.weight)
+            return out * self.extra if hasattr(self, "extra") else out
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    model = Scaled()
+    model.load_state_dict(eager.state_dict())
+    compiled = tt.compile(model, thin=thin)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        assert torch.equal(compiled(x), eager(x))
+    for m in (eager, compiled):
+        assert m.double() is m
+    assert model.weight.dtype == torch.float64 and model.inner.weight.dtype == torch.float64
+    assert torch.equal(compiled(x.double()), eager(x.double()))
+    for m in (eager, compiled):
+        m.float()
+
+    def init(m):
+        if isinstance(m, Scaled):
+            nn.init.constant_(m.weight, 0.5)
+
+    for m in (eager, compiled):
+        m.apply(init)
+        m.register_buffer("extra", torch.full((3,), 2.0))
+    assert torch.equal(model.weight, eager.weight) and "extra" in dict(model.named_buffers())
+    assert torch.equal(compiled(x), eager(x))
+    for m in (eager, compiled):
+        m.weight = nn.Parameter(torch.ones(3, 3))
+        m.training = False
+    assert model.weight is compiled.weight and not model.training
+    assert torch.equal(compiled(x), eager(x))
+    for m in (eager, compiled):
+        del m.extra
+    assert not hasattr(model, "extra") and torch.equal(compiled(x), eager(x))
+    assert [n for n, _ in compiled.named_children()] == ["inner"]

@@ -239,6 +239,44 @@ class ThunderModule(torch.nn.Module):
         self._tt_module.to(*args, **kwargs)
         return self
 
+    # What changes the module goes to the original, which the compiled forward runs: nn.Module's own versions act
+    # on the wrapper's (empty) registries, so half(), apply(init), register_buffer(...) or ``cm.weight = p`` on a
+    # compiled module that holds parameters itself (tt.compile(nn.Linear(...))) left the original's as they were.
+    def _apply(self, fn, recurse=True):  # half(), float(), double(), bfloat16(), cuda(), cpu(), to_empty(), ...
+        self._tt_module._apply(fn, recurse)
+        return self
+
+    def apply(self, fn):
+        self._tt_module.apply(fn)
+        return self
+
+    def named_children(self):
+        return self._tt_module.named_children()
+
+    def register_buffer(self, *args, **kwargs):
+        return self._tt_module.register_buffer(*args, **kwargs)
+
+    def register_parameter(self, *args, **kwargs):
+        return self._tt_module.register_parameter(*args, **kwargs)
+
+    def register_module(self, *args, **kwargs):
+        return self._tt_module.register_module(*args, **kwargs)
+
+    add_module = register_module
+
+    def __setattr__(self, name, value):
+        # The wrapper's own state (nn.Module's registries and hooks, set up by its __init__) stays the wrapper's.
+        if name.startswith("_tt_") or name in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._tt_module, name, value)
+
+    def __delattr__(self, name):
+        if name.startswith("_tt_") or name in self.__dict__:
+            object.__delattr__(self, name)
+        else:
+            delattr(self._tt_module, name)
+
     def __repr__(self):
         return f"ThunderModule({self._tt_module!r})"
 
