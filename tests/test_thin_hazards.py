@@ -341,6 +341,21 @@ def test_a_forward_set_on_the_instance_and_deleted(mode):
     t.steps(2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_classs_forward_replaced(mode):
+    # ``Cls.forward = f`` on the class (a patch of a library's or the user's model class after the first call)
+    # changes every instance's forward and bumps no module epoch: every mode ran the traced forward, silently.
+    # The guard holds each module class's forward (thin mode: one identity check per class a call).
+    patched = type("PatchedLinear", (nn.Linear,), {})  # (a class of this test's own: nothing else sees the patch)
+    t = Twin(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), **mode)
+    t.hazard(lambda m, o: setattr(m[0], "__class__", patched))
+    t.steps(3)
+    t.hazard(lambda m, o: setattr(patched, "forward", lambda self, x: nn.Linear.forward(self, x) * 3))
+    t.steps(2)
+    t.hazard(lambda m, o: patched.__dict__.get("forward") and delattr(patched, "forward"))
+    t.steps(2)
+
+
 @pytest.mark.parametrize("how", ["assigned", "registered"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_parameter_set_to_none_and_back(mode, how):

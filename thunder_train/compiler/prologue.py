@@ -175,6 +175,8 @@ def guard_specs(leaf, var: str, var_of_leaf) -> list:
             ("object", f"id({var})", id(v)),
             # (its class: ``m.__class__ = X`` keeps the object and changes its forward; parametrizations do it)
             ("class", f"type({var})", type(v)),
+            # (and its class's forward: ``nn.ReLU.forward = f`` after the first call patches every instance's)
+            ("forward", f"type({var}).forward", type(v).forward),
             ("training", f"{var}.training", snap["training"]),
             ("structure", f"(len({var}._parameters), len({var}._buffers), len({var}._modules), len({var}.__dict__))",
              (len(v._parameters), len(v._buffers), len(v._modules), snap["dict_len"])),

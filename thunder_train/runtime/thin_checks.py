@@ -119,6 +119,7 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
         _static_input(src, i)
     _static_aliases(src)
     _module_reads(src)
+    _module_forwards(src)
     _parameters(src, global_state[0] or entry.has_backward)
     _grads(src)
     _bulk_checkers(src)
@@ -297,6 +298,14 @@ def _module_reads(src) -> None:
             (src.changed if src.per_call[i] else src.static_conds).append(
                 _read_cond(src, f"{var}.__dict__.get({name!r}, _MISSING)", module.__dict__.get(name, _MISSING), key,
                            f"_r{i}_{j}"))
+
+
+def _module_forwards(src) -> None:
+    """The ``forward`` of each module class the binding holds, compared on every call (one per class): a class's method
+    replaced (``nn.ReLU.forward = f``, a library patching a model class) bumps no module epoch."""
+    classes = {type(leaf.value) for leaf in src.leaves if leaf.kind == "module"}
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+        src.static_conds.append(f"{src.consts(cls)}.forward is not {src.consts(cls.forward)}")
 
 
 def _read_cond(src, expr, now, key, got) -> str:
