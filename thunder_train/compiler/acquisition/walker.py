@@ -124,6 +124,13 @@ class InputWalker:
                                "nn.LazyConv2d, ...), whose sizes its first forward chooses. Call the model once "
                                "eagerly on an example batch before the first compiled call, or give the module its "
                                "input sizes (nn.Linear(in_features, ...))")
+        if overrides_torch(type(t)):
+            raise TracingError(
+                f"{path_str(path)} is a {type(t).__module__}.{type(t).__qualname__}, a torch.Tensor subclass with its own "
+                "__torch_function__ or __torch_dispatch__: the compiled program runs torch's kernels on its data, so what "
+                "the subclass does to an op would be applied in part (where a torch call of the program reaches it) or "
+                "not at all (fused kernels, out= forms). Pass a plain tensor (x.as_subclass(torch.Tensor)), or call the "
+                "uncompiled function.")
         prev = self.by_id.get(id(t))
         if t.layout != torch.strided and prev is None:
             return self.sparse(t, path, hint)
@@ -631,6 +638,19 @@ def plain_object(x) -> bool:
 def slotted_object(x) -> bool:
     """An instance of a user's class with ``__slots__`` (and no ``__dict__``): walked through its slots."""
     return not isinstance(x, _NOT_PLAIN + (tuple,)) and _user_module(x) and bool(slot_descriptors(type(x)))
+
+
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def overrides_torch(cls) -> bool:
+    """A tensor class whose own ``__torch_function__`` or ``__torch_dispatch__`` changes what ops do (not
+    ``nn.Parameter``'s or a subclass that only marks its tensors)."""
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return False
+    fn = cls.__torch_function__
+    return (getattr(fn, "__func__", fn) not in _PLAIN_TORCH_FUNCTIONS
+            or cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl)
 
 
 def _walkable_method(m) -> bool:
