@@ -34,6 +34,7 @@ from . import traced_autograd
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
 from . import fsdp, kernel_switches, library_objects, user_generators
+from .torch_compiled import traced_as_python
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import Scanner, default_roots, self_root
@@ -160,7 +161,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
             # Module backward hooks where inputs require grad: refused before torch's hook machinery meets proxies
             # (the end of tracing checks again, with what the function did: a backward inside).
             refuse_backward_hooks(state)
-            with global_state_unchanged(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
+            with global_state_unchanged(), traced_as_python(), ProxyMode(), optimizers_while_tracing(fused_kernels=fused_optimizers), \
                     ddp_while_tracing(), only_walked_optimizers_step(walker), custom_functions_while_tracing(needs_grad), \
                     parametrizations_computed_where_read([s.module for s in walker.module_states]):
                 out = fn(*pargs, **pkwargs)
