@@ -18,7 +18,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import thunder_train as tt
-from thunder_train.compiler.proxies import contiguous_strides, is_non_overlapping_and_dense
+from thunder_train.compiler.dense import is_non_overlapping_and_dense
+from thunder_train.compiler.proxies import contiguous_strides
 from _steps import squared_output_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

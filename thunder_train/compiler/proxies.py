@@ -25,6 +25,10 @@ from .context import fresh_name
 # the tracer's torch-function handler, and the prims module, whose scalar prims
 # record arithmetic on runtime numbers.
 _torch_function_handler = None
+# (proxy, name) -> the value of a Python attribute the user set on the tensor a proxy stands for, or
+# ``NO_ATTRIBUTE`` (installed by acquisition/tensor_attributes.py)
+_attribute_handler = None
+NO_ATTRIBUTE = object()
 # Installed by compiler/acquisition/decisions.py: (value, conversion, description) -> the specialised Python value.
 _decision_handler = None
 _prims = None
@@ -84,6 +88,15 @@ class TensorProxy(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _torch_function_handler(func, types, args, kwargs or {})
 
+    def __getattr__(self, name):
+        # Only names the proxy lacks arrive here: a Python attribute of the input tensor it stands for
+        # (``weight.skip = True`` read by a forward) is that tensor's, read as an input where the function reads it.
+        if name[:4] != "_tt_" and name[:2] != "__" and _attribute_handler is not None:
+            found = _attribute_handler(self, name)
+            if found is not NO_ATTRIBUTE:
+                return found
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
     # ---- compiler-side accessors (never go through torch) ----
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -133,32 +146,6 @@ def contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """Whether some order of ``t``'s dimensions makes it row-major (torch's rule: torch._prims_common's
-    ``is_non_overlapping_and_dense``, c10's ``compute_non_overlapping_and_dense``): fewer than 2 elements, a
-    1-d tensor of stride 1, or, dimensions of size 1 aside, strides that are the running products of the sizes
-    taken in order of stride.  Written here because torch._prims_common's version imports
-    torch.fx.experimental.symbolic_shapes and sympy (about 0.5 s) on its first call, at a compiled function's
-    first call or, through ``ttex.grad_layout``, in the middle of a step (tests/test_first_call.py)."""
-    if t.is_sparse:
-        return False
-    return dense_layout(tuple(t.shape), t.stride())
-
-
-def dense_layout(sizes, strides) -> bool:
-    """``is_non_overlapping_and_dense`` of a strided tensor with these int sizes and strides (no tensor made)."""
-    if math.prod(sizes) < 2:
-        return True
-    if len(sizes) == 1:
-        return strides[0] == 1
-    expected = 1
-    for size, stride in sorted(((n, s) for n, s in zip(sizes, strides) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def meta_tensor(p, shape=None) -> torch.Tensor:

@@ -616,7 +616,14 @@ def _raise_if(conds, exc, indent="    ") -> list:
 def _per_call_block(src) -> list:
     """Extract and check the per-call leaves.  A failed check raises _Changed/_Mismatch inside the try; the
     handlers run outside it, so an error of the full path they take is never mistaken for a failed check."""
-    leaves, names = src.leaves, src.names
+    leaves, names = src.leaves, list(src.names)
+    # A per-call leaf under a bound tensor (a Python attribute of a parameter the function read,
+    # acquisition/tensor_attributes.py) is read from the bound tensor.
+    index_of_path = {leaf.path: i for i, leaf in enumerate(leaves)}
+    for i in src.pc_idx:
+        parent = index_of_path.get(leaves[i].path[:-1])
+        if parent is not None and not src.per_call[parent] and leaves[parent].kind == "tensor":
+            names[parent] = src.bind(parent)
     extract = extraction_lines(leaves, names, [i for i in src.pc_idx if i not in src.state], indent="    ", consts=src.consts)
     state_extract = extraction_lines(leaves, names, [i for i in src.pc_idx if i in src.state], indent="      ", consts=src.consts)
     if state_extract:

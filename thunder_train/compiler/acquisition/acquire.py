@@ -35,6 +35,7 @@ from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
 from . import fsdp, kernel_switches, library_objects, user_generators
 from .torch_compiled import traced_as_python
+from . import tensor_attributes as _tensor_attributes  # noqa: F401  (installs the proxies' attribute reads)
 from .leaf_values import LeafValues
 from . import decisions as _decisions  # installs the decision handler
 from .captured import Scanner, default_roots, self_root

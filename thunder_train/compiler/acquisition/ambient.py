@@ -22,8 +22,10 @@ lengths, ``thin_checks._head``) and while tracing (``refuse_while_tracing``, eac
 ``refuse_anomaly_at_backward``).  Not refused, since the compiled program gives eager's values under them:
 ``torch.set_default_device``'s mode (the trace reads the default device), ``torch.utils.checkpoint``'s own hooks and
 selective-checkpoint modes (a compiled module called inside an eager checkpoint region is one autograd node to
-them; inside a compiled function they are read as regions, checkpoint_regions.py), thunder_train's own modes, and
-anomaly detection where the backward runs outside the program (``tt.compile(model)``: autograd checks its node).
+them; inside a compiled function they are read as regions, checkpoint_regions.py), thunder_train's own modes, a mode
+that declares it only observes the kernels the program runs (``thunder_train_observes = True``: an op counter),
+anomaly detection without its NaN check, and anomaly detection where the backward runs outside the program
+(``tt.compile(model)``: autograd checks its node).
 """
 from __future__ import annotations
 

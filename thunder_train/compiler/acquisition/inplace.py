@@ -14,7 +14,8 @@ import torch
 from .. import opaque, prims
 from ..clang import maybe_convert
 from ..errors import TracingError
-from ..proxies import TensorProxy, is_non_overlapping_and_dense
+from ..dense import is_non_overlapping_and_dense
+from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_map
 from ..transforms.autograd import detach_float_tensors
 from .saved_versions import StaleOwnInput, own_saved_input, record_write

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from ..proxies import TensorProxy, dense_layout
+from ..dense import dense_layout
+from ..proxies import TensorProxy
 from ..pytree import tree_flatten, tree_unflatten
 from ..generators_kept import generators_untouched
 

@@ -166,11 +166,19 @@ def attribute_checks(leaf, var: str) -> list:
     return out
 
 
+def _tensor_attribute(path, kind_of) -> bool:
+    """A Python attribute of a tensor the function read (tensor_attributes.py), or something inside one: read on every
+    thin call, since no module epoch sees it change (``.grad``, a tensor's own state, stays bound)."""
+    return any(kind_of.get(path[:j]) == "tensor" and path[j] != Step("attr", "grad") for j in range(1, len(path)))
+
+
 def per_call_mask(leaves) -> list:
     """True for leaves reached without passing through a module or other object (the batch, not the model)."""
     kind_of = {leaf.path: leaf.kind for leaf in leaves}
     mask = []
     for leaf in leaves:
-        static = leaf.path[0].kind == "const" or any(kind_of.get(leaf.path[:j]) in ("module", "object", "optimizer") for j in range(1, len(leaf.path)))
+        prefixes = [kind_of.get(leaf.path[:j]) for j in range(1, len(leaf.path))]
+        static = leaf.path[0].kind == "const" or (any(k in ("module", "object", "optimizer") for k in prefixes)
+                                                  and not _tensor_attribute(leaf.path, kind_of))
         mask.append(not static)
     return mask

@@ -80,6 +80,9 @@ class InputWalker:
         self.walked_objects: list = []
         # id -> (where, generator, its state when reached) of the user's random generators (user_generators.py)
         self.generators: dict = {}
+        # (id(tensor leaf), name) -> the walked value of a Python attribute of an input tensor the function read
+        # (tensor_attributes.py)
+        self.tensor_attributes: dict = {}
         # FSDP2 (fsdp.py): id(sharded DTensor parameter) -> its FSDPParam, the units whose hooks are replaced, and
         # id(shard proxy) -> the leaf of the DTensor it is the shard of.
         self.fsdp_params: dict = {}

@@ -48,7 +48,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codegen import Name, format_call
-from ..proxies import TensorProxy, dense_layout, is_proxy, meta_tensor
+from ..dense import dense_layout
+from ..proxies import TensorProxy, is_proxy, meta_tensor
 from ..pytree import tree_flatten, tree_map
 from ..symbols import BoundSymbol, Symbol
 from . import torch_impls

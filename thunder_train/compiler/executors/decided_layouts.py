@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ..proxies import TensorProxy, is_non_overlapping_and_dense, is_proxy, meta_tensor
+from ..dense import is_non_overlapping_and_dense
+from ..proxies import TensorProxy, is_proxy, meta_tensor
 from ..pytree import tree_map
 from . import torch_impls
 from .torch_executor import ImplSymbol, impl_symbol

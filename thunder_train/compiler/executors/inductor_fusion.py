@@ -392,7 +392,8 @@ def _overlapping_results(region, readers, returned):
 
 
 def _dense(p) -> bool:
-    from ..proxies import is_non_overlapping_and_dense, meta_tensor
+    from ..dense import is_non_overlapping_and_dense
+    from ..proxies import meta_tensor
 
     return is_non_overlapping_and_dense(meta_tensor(p))
 

@@ -24,7 +24,8 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..proxies import TensorProxy, dense_layout, meta_tensor
+from ..dense import dense_layout
+from ..proxies import TensorProxy, meta_tensor
 from ..pytree import tree_map
 from . import torch_impls
 from .regions import FusionSymbol, fusion_form

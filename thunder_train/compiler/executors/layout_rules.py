@@ -19,7 +19,8 @@ import torch
 
 from .. import symbols
 from ..generators_kept import generators_untouched
-from ..proxies import NumberProxy, TensorProxy, contiguous_strides, dense_layout, meta_tensor, same_shape, size_value
+from ..dense import dense_layout
+from ..proxies import NumberProxy, TensorProxy, contiguous_strides, meta_tensor, same_shape, size_value
 from ..pytree import tree_flatten, tree_map
 from .torch_executor import ScalarSymbol, _prim_rules, to_torch_arg
 
@@ -125,7 +126,7 @@ def _on_meta(fn, args, kwargs):
 
 def _like(p, src) -> None:
     """``p`` laid out as ``clone(src)`` (torch's preserve_format: ``src``'s strides when dense, else row-major)."""
-    from ..proxies import is_non_overlapping_and_dense
+    from ..dense import is_non_overlapping_and_dense
 
     if src._tt_rowmajor or not is_non_overlapping_and_dense(meta_tensor(src)):
         p._tt_strides, p._tt_storage_offset, p._tt_rowmajor = contiguous_strides(p._tt_shape), 0, True

@@ -401,7 +401,7 @@ def obeys_layout(g, param) -> bool:
     decided before the program runs, on meta tensors with the traced layouts (executors/decided_layouts.py)."""
     if param.is_contiguous():
         return g.is_contiguous()
-    from ..proxies import is_non_overlapping_and_dense
+    from ..dense import is_non_overlapping_and_dense
 
     if not is_non_overlapping_and_dense(param):
         return g.is_contiguous()
@@ -414,7 +414,7 @@ def grad_layout(g, param):
     ``g`` itself when it already obeys, else a copy with the parameter's strides (dense parameter) or row-major."""
     if obeys_layout(g, param):
         return g
-    from ..proxies import is_non_overlapping_and_dense
+    from ..dense import is_non_overlapping_and_dense
 
     if not param.is_contiguous() and not is_non_overlapping_and_dense(param):
         return g.contiguous()

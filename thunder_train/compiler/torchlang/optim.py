@@ -39,7 +39,7 @@ def _alike(i, lists) -> bool:
     p = lists[0][i]
     if p.is_contiguous():
         return all(ts[i].is_contiguous() for ts in lists[1:] if i < len(ts))
-    from ..proxies import is_non_overlapping_and_dense
+    from ..dense import is_non_overlapping_and_dense
 
     st = p.stride()
     return is_non_overlapping_and_dense(p) and all(ts[i].stride() == st for ts in lists[1:] if i < len(ts))

@@ -231,7 +231,7 @@ def storage_offset(a):
 
 @_metadata_method(methods=("is_non_overlapping_and_dense",))
 def _is_non_overlapping_and_dense(a):
-    from ..proxies import is_non_overlapping_and_dense
+    from ..dense import is_non_overlapping_and_dense
 
     return is_non_overlapping_and_dense(meta_tensor(a))
 

@@ -19,7 +19,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import context, devices, dtypes, opaque
-from ..proxies import TensorProxy, contiguous_strides, dense_layout
+from ..dense import dense_layout
+from ..proxies import TensorProxy, contiguous_strides
 from ..pytree import tree_flatten, tree_unflatten
 from ..symbols import BoundSymbol, Symbol
 from .autograd import Forward, _is_tensor, cotangent_like, is_float_tensor
