@@ -704,7 +704,7 @@ def unbacked_size(hint: int) -> SizeProxy:
 
 
 def is_unbacked(x) -> bool:
-    return getattr(x, "unbacked", False) is True
+    return type(x) is not TensorProxy and getattr(x, "unbacked", False) is True  # (numbers only: asked of every arg)
 
 
 class CheckedFloat(_Checked, _FloatProxy):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from . import codegen, context
-from .proxies import is_checked, is_proxy
+from .proxies import is_checked, is_proxy, is_unbacked
 from .pytree import tree_flatten, tree_leaves, tree_map
 
 # How a symbol runs outside tracing (on real tensors).  The torch executor installs its
@@ -267,7 +267,7 @@ class Symbol:
 
 def _is_size(x) -> bool:
     """Symbolic sizes and checked hyper-parameters, data-dependent sizes (and arithmetic on them)."""
-    return is_checked(x) or getattr(x, "unbacked", False) is True
+    return is_checked(x) or is_unbacked(x)
 
 
 def _returns_an_input(out, args, kwargs) -> bool:
