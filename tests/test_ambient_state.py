@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import thunder_train as tt
+from _steps import squared_output_step as _step
 
 
 class _HalveGelu(TorchDispatchMode):
@@ -57,12 +58,18 @@ def _model():
     return nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 1))
 
 
-def _step(model, opt, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+def _step_with(make):
+    """The squared-output step with its forward under ``make()``."""
+    def step(model, opt, x):
+        with make():
+            y = model(x)
+        loss = y.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
 
 
 def _compiled(how, model):
@@ -111,16 +118,7 @@ def test_around_the_call_is_refused_and_changes_nothing(what, how):
 @pytest.mark.parametrize("what", ["dispatch mode", "flop counter", "compressing hooks", "save_on_cpu"])
 def test_entered_inside_the_step_is_refused(what, how):
     make, named = _AROUND[what]
-
-    def step(model, opt, x):
-        with make():
-            y = model(x)
-        loss = y.square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = _step_with(make)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = _params(model)
@@ -152,15 +150,7 @@ def test_hooks_inside_the_step_where_nothing_is_saved_run():
 
 @pytest.mark.parametrize("how", ["thin", "full"])
 def test_a_function_mode_entered_inside_the_step_is_traced_through(how):
-    def step(model, opt, x):
-        with _GeluAsTanh():
-            y = model(x)
-        loss = y.square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = _step_with(_GeluAsTanh)
     eager, compiled = _model(), _model()
     eopt, copt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled))
     cf = tt.compile(step, thin=how == "thin")

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import thunder_train as tt
+from _steps import squared_output_step
 
 
 class _ScaledSin(torch.Tensor):
@@ -83,14 +84,7 @@ def test_a_parameter_subclass_that_only_marks_trains_as_eager(thin):
     for m in (eager, compiled):
         m.weight = _MarkedParameter(m.weight.detach())
     eopt, copt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled))
-
-    def step(m, o, x):
-        loss = m(x).square().mean()
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
-
+    step = squared_output_step
     cf = tt.compile(step, thin=thin)
     x = torch.randn(4, 3)
     for _ in range(3):

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import thunder_train as tt
+from _steps import squared_output_step
 
 
 def _state(g):
@@ -81,14 +82,7 @@ class _LayerDrop(nn.Module):
 def test_a_modules_own_generator_drawn_in_forward_is_refused(mode):
     model = nn.Sequential(nn.Linear(4, 4), _LayerDrop())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = squared_output_step
     before = _state(model[1].rng)
     weights = [p.detach().clone() for p in model.parameters()]
     if mode == "module":
