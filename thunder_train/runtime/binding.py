@@ -162,8 +162,9 @@ class ThinPath:
                 diffs = []
         if not diffs and thin.epoch() != b.epoch:
             diffs = [f"a bound module changed: {thin._Epoch.why}"]
-        if not diffs and ambient.mode_stacks() != b.modes:
-            diffs = [f"the modes around the call changed (function, dispatch modes: {b.modes} → {ambient.mode_stacks()}; "
+        modes = ambient.mode_stacks()
+        if not diffs and modes != b.modes:
+            diffs = [f"the modes around the call changed (function, dispatch modes: {b.modes} → {modes}; "
                      "torch.set_default_device sets one)"]
         self._unbind("; ".join(diffs) or "something the binding assumed changed (optimizer state, .grad, requires_grad, storage)")
         return self._run_full(args, kwargs)

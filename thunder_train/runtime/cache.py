@@ -162,7 +162,7 @@ class FullPath:
             self._lru.touch(entry)
         self._last = entry
         if entry.has_backward:
-            ambient.refuse_at_call(True)  # anomaly detection (a new entry's trace refused it at its backward)
+            ambient.refuse_anomaly_at_backward()  # (a new entry's trace refused it at its backward already)
         if entry.updates_parameters:
             self._autocast_region.check()
         if self.thin:

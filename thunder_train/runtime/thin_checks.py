@@ -27,7 +27,6 @@ import operator
 
 import torch
 
-from ..compiler.acquisition.ambient import mode_stacks
 from ..compiler.acquisition.distributed import is_ddp
 from ..compiler.acquisition.instance_reads import SCALAR_TYPES, Contents, Held, Same, attr_of, by_contents, held_key, step_of
 from ..compiler.acquisition.provenance import CAPTURED_ROOTS, attribute_checks, path_str
@@ -126,7 +125,8 @@ def build_thin_call(entry, vals, prev_vals, *, nargs, kwnames, global_state, han
     _storage(src)
     _decisions(src)
     call, adapt = _call(src, graphed)
-    lines = (_head(src, nargs, kwnames, global_state, check_every) + _per_call_block(src) + _static_block(src) + call)
+    lines = (_head(src, nargs, kwnames, global_state, check_every, binding_holder.modes) + _per_call_block(src)
+             + _static_block(src) + call)
     g = {
         "_stats": stats, "_Epoch": _Epoch, "_is_grad_enabled": torch.is_grad_enabled, "_float_key": _float_key,
         "_plain_key": plain_key, "_MISSING": _MISSING, "_dict_of": object.__getattribute__, "_held_key": held_key,
@@ -585,12 +585,12 @@ def _decisions(src) -> None:
 
 
 # ---- the source, stage by stage ----
-def _head(src, nargs, kwnames, global_state, check_every) -> list:
+def _head(src, nargs, kwnames, global_state, check_every, modes) -> list:
     consts = src.consts
     lines = ["def thin_call(*args, **kwargs):", "  _stats.calls += 1"]
     # Modes, saved-tensor hooks and anomaly detection set up around the call (acquisition/ambient.py): their
     # stacks as bound (a default device's mode may be there); the full path refuses what it cannot honour.
-    functions, dispatches = mode_stacks()
+    functions, dispatches = modes
     ambient = (f"_function_modes() != {functions} or _dispatch_modes() != {dispatches} or _saved_hooks(True) is not None "
                "or _forward_ad._current_level >= 0 or _transforms() is not None")
     if src.entry.has_backward:

@@ -57,27 +57,29 @@ def mode_stacks() -> tuple:
     return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
 
 
+def _foreign_on(length, mode_at) -> list:
+    return [m for m in (mode_at(i) for i in range(length())) if _foreign(m)]
+
+
+def foreign_dispatch_modes() -> list:
+    return _foreign_on(torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at)
+
+
 def foreign_modes() -> list:
     """The function and dispatch modes active now that a compiled program would not honour, innermost last."""
-    found = []
-    if torch._C._len_torch_function_stack():
-        found += [m for m in (torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack()))
-                  if _foreign(m)]
-    if torch._C._len_torch_dispatch_stack():
-        found += [m for m in (torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack()))
-                  if _foreign(m)]
-    return found
+    return _foreign_on(torch._C._len_torch_function_stack, torch._C._get_function_stack_at) + foreign_dispatch_modes()
+
+
+def top_pack_hook():
+    """The pack hook of the innermost saved-tensor hooks, or None (checkpoint_regions.py reads it too)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if top is None else top[0]
 
 
 def foreign_saved_hooks():
     """The pack hook of the innermost saved-tensor hooks, unless it is none or activation checkpointing's own."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if top is None:
-        return None
-    pack = top[0]
-    if getattr(pack, "__module__", None) == "torch.utils.checkpoint":
-        return None
-    return pack
+    pack = top_pack_hook()
+    return None if getattr(pack, "__module__", None) == "torch.utils.checkpoint" else pack
 
 
 def anomaly_checks_nan() -> bool:
@@ -167,7 +169,7 @@ def refuse_while_tracing(needs_grad) -> None:
             "compiled program computes no tangents. Compute the directional derivative with torch.autograd.grad, or "
             "call the function uncompiled.")
     if torch._C._len_torch_dispatch_stack():
-        modes = [m for m in foreign_modes() if isinstance(m, torch.utils._python_dispatch.TorchDispatchMode)]
+        modes = foreign_dispatch_modes()
         if modes:
             raise TracingError(_modes_message(modes, "inside"))
     pack = foreign_saved_hooks()

@@ -24,7 +24,6 @@ import inspect
 import itertools
 import weakref
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .. import context, symbols
@@ -32,6 +31,7 @@ from ..errors import TracingError
 from ..proxies import TensorProxy, meta_tensor
 from ..pytree import tree_map
 from ..transforms.remat import Mark
+from .ambient import top_pack_hook
 
 _numbers = itertools.count()
 _regions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a checkpoint call's pack hook -> its number
@@ -40,10 +40,7 @@ _explicit: list = []  # regions opened by ``reentrant`` (innermost last)
 
 def _torch_checkpoint_hook():
     """The pack hook of the innermost non-reentrant checkpoint region, or None."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if top is None:
-        return None
-    pack = top[0]
+    pack = top_pack_hook()
     if getattr(pack, "__module__", None) == "torch.utils.checkpoint" and pack.__qualname__.startswith("_checkpoint_hook."):
         return pack
     return None

@@ -166,10 +166,11 @@ def attribute_checks(leaf, var: str) -> list:
     return out
 
 
-def _tensor_attribute(path, kind_of) -> bool:
+def _tensor_attribute(path, prefixes) -> bool:
     """A Python attribute of a tensor the function read (tensor_attributes.py), or something inside one: read on every
-    thin call, since no module epoch sees it change (``.grad``, a tensor's own state, stays bound)."""
-    return any(kind_of.get(path[:j]) == "tensor" and path[j] != Step("attr", "grad") for j in range(1, len(path)))
+    thin call, since no module epoch sees it change (``.grad``, a tensor's own state, stays bound).  ``prefixes``:
+    the kinds of the leaves at ``path[:1]``, ``path[:2]``, ..."""
+    return any(k == "tensor" and path[j] != Step("attr", "grad") for j, k in enumerate(prefixes, 1))
 
 
 def per_call_mask(leaves) -> list:
@@ -179,6 +180,6 @@ def per_call_mask(leaves) -> list:
     for leaf in leaves:
         prefixes = [kind_of.get(leaf.path[:j]) for j in range(1, len(leaf.path))]
         static = leaf.path[0].kind == "const" or (any(k in ("module", "object", "optimizer") for k in prefixes)
-                                                  and not _tensor_attribute(leaf.path, kind_of))
+                                                  and not _tensor_attribute(leaf.path, prefixes))
         mask.append(not static)
     return mask
