@@ -819,6 +819,37 @@ def test_the_plan_counts_what_the_flash_pair_keeps(shape, dtype):
     assert kept == out.nbytes + lse.nbytes, (kept, out.nbytes, lse.nbytes)
 
 
+def test_the_plan_knows_which_attention_keeps_memory_it_does_not_count():
+    """``Symbol.torch_holds_unplanned``: an attention eager runs with its math kernel (value heads narrower than the
+    key's) keeps its graph, holding the attention probabilities, which the plan's probe counts as the flash pair's
+    output and log-sum-exp; costly values stay recomputed in such a program (transforms/memory.py ``fewest_costly``).
+    The flash pair's operands, and one key/value head over several query heads (run by the flash pair as one group),
+    are counted."""
+    from thunder_train.compiler.proxies import TensorProxy
+    from thunder_train.compiler.symbols import BoundSymbol
+    from thunder_train.compiler.torchlang import attention
+
+    def line(*shapes):
+        q, k, v = (TensorProxy(shape=s, dtype=torch.float32, device=torch.device("cpu")) for s in shapes)
+        out = TensorProxy(shape=shapes[0][:-1] + shapes[2][-1:], dtype=torch.float32, device=torch.device("cpu"))
+        return BoundSymbol(attention.scaled_dot_product_attention, (q, k, v), {}, out)
+
+    holds = attention.scaled_dot_product_attention.torch_holds_unplanned
+    q = (2, 4, 17, 8)
+    assert not holds(line(q, q, q)) and not holds(line(q, (2, 1, 17, 8), (2, 1, 17, 8)))
+    narrow = line(q, q, (2, 4, 17, 4))
+    assert holds(narrow)
+    # what eager's call keeps there is more than the flash count
+    qt, kt, vt = (torch.randn(s, requires_grad=True) for s in (q, q, (2, 4, 17, 4)))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+    inputs = {t.untyped_storage().data_ptr() for t in (qt, kt, vt)}
+    kept = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                if t.untyped_storage().data_ptr() not in inputs}.values())
+    assert kept > attention.scaled_dot_product_attention.torch_saved_statistics_bytes(narrow), kept
+
+
 def _declared_scratch_cases():
     offs = torch.tensor([3, 7, 7, 12], dtype=torch.int32)
     col = lambda *shape: torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-2, -1)  # noqa: E731

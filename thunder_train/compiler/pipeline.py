@@ -127,7 +127,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     computed = trc  # what autograd differentiates (step 9)
     memory, asks, keep_graphs = None, False, True  # asks: the program asks for memory (checkpoint regions or a budget)
     if has_backward:
-        trc, memory = plan_memory(trc, traces, options.memory_budget)  # transforms/memory.py: what the backward recomputes
+        trc, memory = plan_memory(trc, traces, options.memory_budget, kernels_alone=options.fusion is None)  # transforms/memory.py: what the backward recomputes
         trc = without_autograd(trc)  # transforms/no_grad.py
         traces.append(trc)
         # transforms/early_updates.py: each parameter updated once its gradient is final.  Not with fusion chosen up

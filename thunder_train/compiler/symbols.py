@@ -31,6 +31,9 @@ TAGS = {
     "fusible": "a fusing executor may put the op's torch call in a fused kernel (executors/regions.py)",
     "elementwise": "its output has its tensor inputs' broadcast shape, row-major when they are row-major and of "
                    "that shape (executors/layout_rules.py); prims and torch-language ops alike",
+    "transcendental": "an elementwise prim whose CPU kernel spends 1-4 ns an element (exp, tanh, erf, sigmoid, ...), "
+                      "where an add spends ~0.2: recomputing a large one as a kernel of its own is not cheap "
+                      "(transforms/remat_policy.py ``costly_alone``)",
     "reduction": "a prim reducing over dimensions of its input (sum, amax, var, ...)",
     "commutative": "the operands of a binary prim may be swapped",
     "non_differentiable": "its outputs carry no gradient (autograd does not differentiate through it)",
@@ -128,6 +131,9 @@ class Symbol:
     # torch executor: (forward line) -> bytes the forward keeps for its paired backward line beyond what the trace
     # before executors shows (attention's output and log-sum-exp; the memory plan's probe counts them)
     torch_saved_statistics_bytes = None
+    # torch executor: (forward line) -> whether its kernel keeps memory for the backward that the memory plan does not
+    # count (an attention eager runs with its math kernel keeps its probabilities in a kept autograd graph)
+    torch_holds_unplanned = None
     # (*args, **kwargs) -> the outputs made without tracing the decomposition, or None (traced then): where the trace
     # keeps no decompositions (``Trace.keep_decompositions``) and the torch executor runs the op whole, the
     # decomposition is never read (the optimizers' multi-tensor updates: ~15 lines per parameter, ~0.1 s a trace of T5)

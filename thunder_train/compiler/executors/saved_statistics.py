@@ -365,6 +365,24 @@ def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa
     return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
+def _sdpa_outside_the_flash_pair(fwd) -> bool:
+    """Whether eager runs this CPU attention with a kernel other than flash (``_sdpa_keeps_its_graph`` then keeps its
+    graph, holding the math kernel's attention probabilities: 8 MiB a layer of the zoo's DeepSeek-V3 at batch 32 and
+    128 tokens), which the memory plan counts as flash's output and log-sum-exp."""
+    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
+    if b is None:
+        return True
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if not all(type(t) is TensorProxy for t in (q, k, v)) or q._tt_device.type != "cpu":
+        return False
+    if b["dropout_p"] != 0.0 or type(b["is_causal"]) is not bool or type(b["enable_gqa"]) is not bool \
+            or not (mask is None or type(mask) is TensorProxy) or not (b["scale"] is None or type(b["scale"]) is float):
+        return True
+    # (one key/value head over several query heads runs the flash pair as one group, as ``_rewrite_sdpa`` asks)
+    one_kv = not b["enable_gqa"] and q.ndim_ == k.ndim_ == 4 and k._tt_shape[1] == 1 and q._tt_shape[1] != 1
+    return not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, b["enable_gqa"] or one_kv)
+
+
 def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     """An attention the CPU flash pair does not cover (on the CPU: eager runs another kernel, the math one for q/k/v
     with a strided last dimension; on CUDA: every attention, whichever kernel eager picks there, cuDNN's or flash's
@@ -713,6 +731,7 @@ def _rewrite_group_norm(trc, fwd, vjp, positions):
 # registered here because the kernels are the torch executor's.
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics_bytes = torch_impls.flash_attention_kept_bytes
+ltorch_attention.scaled_dot_product_attention.torch_holds_unplanned = _sdpa_outside_the_flash_pair
 # Where no kernel pair above applies: the forward keeps eager's autograd graph for the backward line.
 ltorch_attention.scaled_dot_product_attention.torch_kept_graph = _sdpa_keeps_its_graph
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy

@@ -14,7 +14,7 @@ from .. import dtypes
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from .remat import BACKWARD, checkpointed_values, in_region, recompute, recompute_checkpointed
-from .remat_policy import Saved, budget_values, cheap_values, is_view, nbytes
+from .remat_policy import Saved, budget_values, cheap_values, costly_alone, is_view, nbytes
 from .sinking import sink
 from .recompute_again import recompute_again
 
@@ -46,6 +46,7 @@ class MemoryPlan:
     budget_met: bool | None = None  # None without a budget; False: nothing more could be recomputed (see docs/memory.md)
     head_logits_bytes: int = 0
     traced_peak_bytes: int = 0
+    costly_kept: int = 0  # cheap values kept, not recomputed, as costly in a program of torch kernels (``fewest_costly``)
 
     def head_by_blocks(self, logits_bytes: int) -> None:
         """The head's logits, which the plan counted as saved, run by blocks of rows after it (executors/blocked_head.py):
@@ -71,7 +72,8 @@ class MemoryPlan:
         return (f"saved for the backward {mib(self.saved_bytes)} (without recomputation {mib(self.saved_bytes_without_remat)}"
                 f"{budget}{head}); planned peak {mib(self.planned_peak_bytes)} (the step as traced: "
                 f"{mib(self.traced_peak_bytes)}); recomputed lines: {recomputed}; "
-                f"checkpoint regions: {self.checkpoint_regions}")
+                f"checkpoint regions: {self.checkpoint_regions}"
+                + (f"; {self.costly_kept} costly to recompute kept" if self.costly_kept else ""))
 
 
 def planned_peak(lines, returned_ids=()) -> int:
@@ -168,6 +170,47 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     return fewer if max(_probe_curve(_settled(trc, fewer, cache).final(), cache)[1], default=0) <= peak else chosen
 
 
+# Where the program runs its lines as torch kernels one by one (``fusion=None``), values costly to recompute
+# (``remat_policy.costly_alone``) are recomputed only as far as keeping the planned peak this much under the step as
+# written needs: on steps of that size the plan counts within 1-2 % of the measured peak where it keeps what eager
+# keeps (a session's measurements: docs/memory.md).
+COSTLY_MARGIN = 0.02
+
+
+def fewest_costly(trc, chosen: dict, producer: dict, cache: dict, traced) -> tuple:
+    """(``chosen`` less the values costly to recompute that the peak does not need, how many were left out): the
+    fewest of them, largest first, with which the planned peak is at most ``1 - COSTLY_MARGIN`` of the step as
+    traced (``traced``: what eager runs), both counted as ``_probe_curve`` counts (attention's kept statistics
+    included), or all of them where even that is above it or a line holds memory the plan does not count
+    (``_holds_unplanned``).  A bisection over how many: the planned peak falls as more are recomputed.  ``cache``: the
+    programs probed (``_settled``)."""
+    costly = sorted((k for k in chosen if costly_alone(producer[k])), key=lambda k: -nbytes(chosen[k]))
+    if not costly or any(_holds_unplanned(b) for b in trc.bound_symbols if not _is_backward(b)):
+        return chosen, 0
+    limit = max(_probe_curve(traced, cache)[1], default=0) * (1 - COSTLY_MARGIN)
+    out = set(costly)
+    with_first = lambda n: {k: p for k, p in chosen.items() if k not in out or k in costly[:n]}  # noqa: E731
+    fits = lambda n: max(_probe_curve(_settled(trc, with_first(n), cache).final(), cache)[1], default=0) <= limit  # noqa: E731
+    if not fits(len(costly)):
+        return chosen, 0
+    lo, hi = 0, len(costly)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return with_first(lo), len(costly) - lo
+
+
+def _holds_unplanned(b) -> bool:
+    """A line whose kernel keeps memory the plan does not count (``Symbol.torch_holds_unplanned``): a program with one
+    peaks above its plan by more than any margin (the zoo's DeepSeek-V3 at batch 32 and 128 tokens, its attention's
+    probabilities: 1.02x eager's measured with every cheap value recomputed, 1.04x with its costly ones kept)."""
+    holds = b.sym.torch_holds_unplanned
+    return holds is not None and bool(holds(b))
+
+
 def _probe_curve(trc, cache) -> tuple:
     """(lines up to the backward's last, the bytes alive at each): ``alive_bytes``, plus what a forward/backward
     kernel pair keeps between its two lines that the trace before executors does not show
@@ -261,8 +304,10 @@ def _saved_of(trc) -> Saved:
     return Saved(trc.bound_symbols, _is_backward, returned, {id(a) for a in trc.args})
 
 
-def plan_memory(trc, traces: list, memory_budget: float | None = None):
-    """The whole step's plan: (trace, MemoryPlan); each new trace is appended to ``traces``."""
+def plan_memory(trc, traces: list, memory_budget: float | None = None, kernels_alone: bool = False):
+    """The whole step's plan: (trace, MemoryPlan); each new trace is appended to ``traces``.  ``kernels_alone``: the
+    program runs its lines as torch kernels one by one (``fusion=None``), where values costly to recompute are
+    recomputed only as far as the peak needs (``fewest_costly``)."""
     plan = MemoryPlan(memory_budget=memory_budget)
     memo: dict = {}  # trace -> Saved: a step that recomputes nothing keeps its trace, whose analysis is reused
 
@@ -288,7 +333,12 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None):
             chosen = cheap_values(saved)
             cheap_found = bool(chosen)
             if cheap_found:
-                settled = _settled(new, where_recomputing_lowers_the_peak(new, chosen, probes), probes)
+                chosen = where_recomputing_lowers_the_peak(new, chosen, probes)
+                # Not where the step asks for memory: there every cheap value is recomputed (a budget's reference,
+                # what the default saves, is then the smaller count, as in a fused program)
+                if kernels_alone and not plan.checkpoint_regions and memory_budget is None:
+                    chosen, plan.costly_kept = fewest_costly(new, chosen, saved.producer, probes, trc)
+                settled = _settled(new, chosen, probes)
                 if settled.report.lines:
                     traces.append(settled.recomputed)
                     new = settled.recomputed

@@ -30,6 +30,26 @@ def cheap(b) -> bool:
     return bool(b.subsymbols) and all(cheap(s) for s in b.subsymbols)
 
 
+# Above this many elements a transcendental kernel's work, not its call (3-20 us on the CPU), is most of what it costs.
+COSTLY_ELEMENTS = 1 << 14
+
+
+def costly_alone(b) -> bool:
+    """A line whose recomputation, run as a CPU torch kernel of its own (``fusion=None``: no fused kernel to join),
+    costs the step in proportion to its size: a transcendental prim in its decomposition over more than
+    ``COSTLY_ELEMENTS`` elements.  The GPT benchmark step's four recomputed tanh GELUs (1 Mi elements each) cost its
+    torch program 3.2 %; the zoo's (at most 5 Ki elements) cost a call each."""
+    outs = [o for o in b.flat_outputs() if type(o) is TensorProxy and o._tt_device.type == "cpu"]
+    return (bool(outs) and _has_transcendental(b)
+            and sum(nbytes(o) // max(1, o._tt_dtype.torch.itemsize) for o in outs) > COSTLY_ELEMENTS)
+
+
+def _has_transcendental(b) -> bool:
+    if b.sym.is_prim:
+        return "transcendental" in b.sym.tags
+    return any(_has_transcendental(s) for s in b.subsymbols)
+
+
 def is_view(b) -> bool:
     """A line whose result may share its argument's memory: recomputing it frees nothing."""
     if "view" in b.sym.tags:
