@@ -172,8 +172,8 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
 
 # Where the program runs its lines as torch kernels one by one (``fusion=None``), values costly to recompute
 # (``remat_policy.costly_alone``) are recomputed only as far as keeping the planned peak this much under the step as
-# written needs: on steps of that size the plan counts within 1-2 % of the measured peak where it keeps what eager
-# keeps (a session's measurements: docs/memory.md).
+# written needs (the plan's error on steps with such values: the zoo's models at batch 16-32, every torch program
+# measured at most eager's peak with it; docs/memory.md).
 COSTLY_MARGIN = 0.02
 
 
