@@ -35,23 +35,37 @@ def sdpa_graph_backward(g, out, *reads):
     return torch.autograd.grad(graph, leaves, g)
 
 
-def graph_saved_bytes(fn, *args, **kwargs) -> int:
-    """The bytes of the storages ``fn(*args, **kwargs)`` saves for its backward, its tensor arguments' own excepted:
-    the same call made on meta tensors laid out as the proxies, its saved tensors seen by a ``saved_tensors_hooks``
-    pack hook and told apart by storage (a view of an argument is the argument's memory)."""
-    args, kwargs = tree_map(lambda t: meta_tensor(t) if type(t) is TensorProxy else t, (args, kwargs))
-    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+def _saved_storages(fn, args, kwargs) -> tuple:
+    """({storage: proxy} of the call's tensor arguments, {storage: bytes} of what ``fn(*args, **kwargs)`` saves for its
+    backward): the same call made on meta tensors laid out as the proxies, its saved tensors seen by a
+    ``saved_tensors_hooks`` pack hook and told apart by storage (a view of an argument is the argument's memory)."""
+    proxies = [t for t in tree_flatten((args, kwargs))[0] if type(t) is TensorProxy]
+    metas = {id(p): meta_tensor(p) for p in proxies}
+    args, kwargs = tree_map(lambda t: metas[id(t)] if type(t) is TensorProxy else t, (args, kwargs))
+    inputs = {metas[id(p)].untyped_storage()._cdata: p for p in proxies}
     saved = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage._cdata not in inputs:
-            saved[storage._cdata] = storage.nbytes()
+        saved[storage._cdata] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args, **kwargs)
-    return sum(saved.values())
+    return inputs, saved
+
+
+def graph_saved_bytes(fn, *args, **kwargs) -> int:
+    """The bytes of the storages ``fn(*args, **kwargs)`` saves for its backward, its tensor arguments' own excepted."""
+    inputs, saved = _saved_storages(fn, args, kwargs)
+    return sum(n for s, n in saved.items() if s not in inputs)
+
+
+def graph_saved_arguments(fn, *args, **kwargs) -> list:
+    """The tensor arguments (proxies) whose memory ``fn(*args, **kwargs)`` saves for its backward: the math attention
+    kernel saves the value and scaled copies of the query and key, not the query and key themselves."""
+    inputs, saved = _saved_storages(fn, args, kwargs)
+    return [p for s, p in inputs.items() if s in saved]
 
 
 # The plan counts them alive from the forward line to the result's last read, ``sdpa_graph_backward``'s line, and as

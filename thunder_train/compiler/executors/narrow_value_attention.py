@@ -21,8 +21,9 @@ from .. import dtypes
 from ..proxies import TensorProxy, meta_tensor
 from ..torchlang import attention as ltorch_attention
 from . import attention_products, torch_impls
-from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind, _dense_order, _empty_like_proxy, _flash_is_eagers, \
-    _new_proxy, sdpa_flash_cpu_backward
+from .attention_choice import empty_like_proxy
+from .saved_statistics import _SDPA_ARGS, _SDPA_DEFAULTS, _bind, _dense_order, _flash_is_eagers, _new_proxy, \
+    sdpa_flash_cpu_backward
 from .torch_executor import impl_symbol
 
 
@@ -86,7 +87,7 @@ for _f in (sdpa_flash_cpu_narrow_value, sdpa_flash_cpu_narrow_value_backward):
 def _flash_takes_padded(q, k, v, is_causal, scale) -> bool:
     """Whether eager's selector picks the CPU flash kernel for q, k and v padded to k's width (a fresh, row-major
     tensor), asked on uninitialised tensors of the operands' sizes, strides and dtype."""
-    query, key = _empty_like_proxy(q), _empty_like_proxy(k)
+    query, key = empty_like_proxy(q), empty_like_proxy(k)
     if query is None or key is None:
         return False
     padded = torch.empty((*v._tt_shape[:-1], k._tt_shape[-1]), dtype=v._tt_dtype.torch)

@@ -39,7 +39,8 @@ import torch
 
 from .. import dtypes
 from . import attention_math, torch_impls
-from .kept_graphs import sdpa_graph_backward, sdpa_keeping_graph
+from .attention_choice import eager_picks_cpu_flash, eager_runs_math_on_cpu, outside_the_flash_pair
+from .kept_graphs import graph_saved_arguments, sdpa_graph_backward, sdpa_keeping_graph
 from .torch_executor import impl_symbol
 from ..proxies import TensorProxy, size_value
 from ..symbols import BoundSymbol
@@ -337,52 +338,6 @@ def _flash_lse_strides(q, k, v, is_causal, scale):
     return tuple(lse.stride())
 
 
-def _empty_like_proxy(t):
-    """An uninitialised CPU tensor with ``t``'s sizes (their traced values where symbolic: the kernel's choice is
-    asked again at run time, ``sdpa_flash_cpu``), strides and dtype (None if they are not known)."""
-    shape, strides = tuple(size_value(s) for s in t._tt_shape), getattr(t, "_tt_strides", None)
-    if strides is None or not all(type(s) is int for s in (*shape, *strides)):
-        return None
-    return torch.empty_strided(shape, strides, dtype=t._tt_dtype.torch, device="cpu")
-
-
-def _eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa=False) -> bool:
-    """Whether eager's ``scaled_dot_product_attention`` runs the CPU flash kernel on these operands.
-
-    Asked of torch's own selector (``torch._fused_sdp_choice``, what eager calls) on uninitialised tensors with
-    the operands' sizes, strides and dtype, so every condition it checks (layout, dtype, sizes, the backend
-    switches of ``torch.nn.attention.sdpa_kernel``) is eager's.  The rewritten line calls that kernel directly
-    and must not where eager would not (strided last dimensions, from views of a packed projection, take the
-    math kernel: values differ).
-    """
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    operands = [_empty_like_proxy(t) for t in (q, k, v, *([attn_mask] if attn_mask is not None else []))]
-    if choose is None or any(t is None for t in operands):
-        return False
-    from torch.nn.attention import SDPBackend
-
-    mask = operands[3] if attn_mask is not None else None
-    return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
-
-
-def _sdpa_outside_the_flash_pair(fwd) -> bool:
-    """Whether eager runs this CPU attention with a kernel other than flash (``_sdpa_keeps_its_graph`` then keeps its
-    graph, holding the math kernel's attention probabilities: 8 MiB a layer of the zoo's DeepSeek-V3 at batch 32 and
-    128 tokens), which the memory plan counts as flash's output and log-sum-exp."""
-    b = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs)
-    if b is None:
-        return True
-    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
-    if not all(type(t) is TensorProxy for t in (q, k, v)) or q._tt_device.type != "cpu":
-        return False
-    if b["dropout_p"] != 0.0 or type(b["is_causal"]) is not bool or type(b["enable_gqa"]) is not bool \
-            or not (mask is None or type(mask) is TensorProxy) or not (b["scale"] is None or type(b["scale"]) is float):
-        return True
-    # (one key/value head over several query heads runs the flash pair as one group, as ``_rewrite_sdpa`` asks)
-    one_kv = not b["enable_gqa"] and q.ndim_ == k.ndim_ == 4 and k._tt_shape[1] == 1 and q._tt_shape[1] != 1
-    return not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, b["enable_gqa"] or one_kv)
-
-
 def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     """An attention the CPU flash pair does not cover (on the CPU: eager runs another kernel, the math one for q/k/v
     with a strided last dimension; on CUDA: every attention, whichever kernel eager picks there, cuDNN's or flash's
@@ -413,6 +368,13 @@ def _sdpa_keeps_its_graph(trc, fwd, vjp, positions):
     new_fwd = fwd.replace(sym=impl_symbol(sdpa_keeping_graph), args=(q, k, v, tuple(which)), kwargs=kwargs,
                           comment="forward keeps eager's autograd graph, which its backward runs")
     reads = (q, k, v) + ((mask,) if mask is not None else ())
+    if eager_runs_math_on_cpu(b):
+        # Eager's math kernel on the CPU saves the value and scaled copies of the query and key: the backward line reads
+        # only what the graph saved, so the query and key are freed after the forward (the zoo's DeepSeek-V3 at batch
+        # 32 and 128 tokens held 4 MiB of them where its step peaks).  (Found on meta tensors, which run the math
+        # kernel too; where eager picks flash, its graph saves all three.)
+        saved = {id(t) for t in graph_saved_arguments(sdpa_keeping_graph, q, k, v, tuple(which), **kwargs)}
+        reads = tuple(t for t in reads if id(t) in saved)
     new_vjp = vjp.replace(sym=impl_symbol(sdpa_graph_backward), args=(vjp.args[0], fwd.output, *reads), kwargs={})
     return new_fwd, new_vjp
 
@@ -454,7 +416,7 @@ def _rewrite_sdpa(trc, fwd, vjp, positions):
         which.append(pos[0])
     if type(b["is_causal"]) is not bool or not (b["scale"] is None or type(b["scale"]) is float):
         return None
-    if not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa or one_kv):
+    if not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, gqa or one_kv):
         return None  # eager runs another kernel (the math one for q/k/v whose last dimension is strided)
     lse_dtype = dtypes.float64 if q._tt_dtype is dtypes.float64 else dtypes.float32
     lse = _new_proxy(trc, "lse", q._tt_shape[:3], lse_dtype, q._tt_device,
@@ -543,7 +505,7 @@ def sdpa_vjp_kernels(vjp):
     if mask is not None and (type(mask) is not TensorProxy or mask._tt_device.type != "cpu" or b["is_causal"]
                              or mask._tt_dtype not in (dtypes.bool8, q._tt_dtype)):
         return None
-    if not (b["scale"] is None or type(b["scale"]) is float) or not _eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, one_kv):
+    if not (b["scale"] is None or type(b["scale"]) is float) or not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, one_kv):
         return None
     if any(p[0] > 2 for p in wanted):
         return None
@@ -731,7 +693,8 @@ def _rewrite_group_norm(trc, fwd, vjp, positions):
 # registered here because the kernels are the torch executor's.
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics = _rewrite_sdpa
 ltorch_attention.scaled_dot_product_attention.torch_saved_statistics_bytes = torch_impls.flash_attention_kept_bytes
-ltorch_attention.scaled_dot_product_attention.torch_holds_unplanned = _sdpa_outside_the_flash_pair
+ltorch_attention.scaled_dot_product_attention.torch_holds_unplanned = \
+    lambda fwd: outside_the_flash_pair(_bind(_SDPA_ARGS, _SDPA_DEFAULTS, fwd.args, fwd.kwargs))
 # Where no kernel pair above applies: the forward keeps eager's autograd graph for the backward line.
 ltorch_attention.scaled_dot_product_attention.torch_kept_graph = _sdpa_keeps_its_graph
 ltorch_losses.cross_entropy.torch_saved_statistics = _rewrite_cross_entropy
