@@ -21,6 +21,7 @@ from ..transforms.autograd import detach_float_tensors
 from .saved_versions import StaleOwnInput, own_saved_input, record_write
 from .data_assignment import check_old_memory_write
 from .inplace_overlap import check_partial_overlap
+from . import view_creation
 from .opaque_views import eager_view_outputs
 from .metadata_inplace import (RESIZES_SELF, SUPPORTED as METADATA_SUPPORTED, check_data_write, metadata_inplace,
                                resized_meta, resizing_inplace)
@@ -59,6 +60,7 @@ def record_views(st, sym, source, rest, kwargs, out, func=None):
     if sym.name in _MAY_COPY and func is not None and not _eager_views(st, func, source, rest, kwargs):
         return  # eager's reshape of this layout copies: a value of its own, which later writes to source miss
     step = None if func is None else (func, tuple(rest), dict(kwargs))
+    view_creation.record(st, sym, source, out)
     if type(out) is TensorProxy:
         st.buffers.add_view(out, source, lambda v: sym(v, *rest, **kwargs), by_positions=by_positions,
                             steps=None if step is None else (step,))
@@ -105,6 +107,9 @@ class _inplace_op:
 
     def __enter__(self):
         self.outer = self.st.inplace_start
+        if self.outer is None and type(self.dst) is TensorProxy and self.st.view_creation:
+            view_creation.check_write(self.st, self.dst, self._requires_grad, [
+                a for a in tree_flatten((self.args, self.kwargs))[0] if type(a) is TensorProxy and a is not self.dst])
         if self.outer is None:
             if self.orig_args is not None and not (torch.is_grad_enabled() and getattr(self.dst, "_tt_requires_grad", False)
                                                    and self.st.walker.is_input(self.dst)):  # (eager's leaf error first)
@@ -220,6 +225,7 @@ def no_grad_region(st, out, sym=None):
         for o, d in zip(tree_flatten(out)[0], tree_flatten(detached)[0]):
             if d is not o:
                 st.buffers.detached_view(d, o)
+                view_creation.carry(st, o, d)
     return detached
 
 

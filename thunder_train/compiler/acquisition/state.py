@@ -53,6 +53,9 @@ class TracerState:
     # the trace length when the in-place op being traced began (its own lines read the values it overwrites).
     stale_values: list = dataclasses.field(default_factory=list)
     inplace_start: int | None = None
+    # id(view) -> (view, "multi" | "no_grad", eager's node name, output index): views eager forbids writing into in
+    # place in grad mode (view_creation.py)
+    view_creation: dict = dataclasses.field(default_factory=dict)
     # id(new value) -> (the torch in-place call, its args, kwargs, the new value): what eager's in-place op saves is
     # asked of it, not of the out-of-place form its line records (``leaky_relu_`` saves its result, ``leaky_relu``
     # its input)

@@ -421,6 +421,7 @@ def _unsafe(pieces, func):
     if st is not None and st.buffers is not None:
         for p in pieces:
             st.buffers.call_was(p, func)
+            st.view_creation.pop(id(p), None)  # (writable in place: acquisition/view_creation.py)
     return pieces
 
 
