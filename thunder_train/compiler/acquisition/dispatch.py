@@ -33,7 +33,8 @@ from .opaque_views import record_opaque_views
 from .sparse import refuse_sparse_gradient, sparse_call, touches_sparse
 from .state import TracerState
 from .inplace_overlap import check_partial_overlap
-from .inplace import (_inplace_op, back_to_buffers, converted_to, functionalize, generic_inplace, inplace, is_view,
+from .inplace import (_inplace_op, back_to_buffers, check_out_differentiable, converted_to, functionalize, generic_inplace,
+                      inplace, is_view,
                       no_grad_region, opaque_out, read_current, record_views, write)
 
 
@@ -118,6 +119,7 @@ def handle_torch_function(func, types, args, kwargs):
                 raise TracingError(f"{sym.name}(..., out=...) is not supported inside a compiled function; use the returned value")
             # out=: the result becomes the destination's new value (functionalized like an in-place op).
             dst = orig_kwargs["out"]
+            check_out_differentiable(st, fname, tree_flatten((args, kwargs))[0], dst)
             check_partial_overlap(st, func, orig_args, orig_kwargs, dst)  # eager refuses before computing
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
             write(st, sym, dst, converted_to(sym(*args, **kwargs), dst))
@@ -205,6 +207,7 @@ def handle_torch_function(func, types, args, kwargs):
         return generic_inplace(st, func, orig_args, args, kwargs, _dispatch_top, _run_opaque(st))
     if top and isinstance(orig_kwargs.get("out"), (TensorProxy, list, tuple)):
         if type(orig_kwargs["out"]) is TensorProxy:
+            check_out_differentiable(st, fname, tree_flatten((args, kwargs))[0], orig_kwargs["out"])
             check_partial_overlap(st, func, orig_args, orig_kwargs, orig_kwargs["out"])
         return opaque_out(st, func, orig_kwargs, args, kwargs, _run_opaque(st))
     out = call_opaque(func, args, kwargs, strict=st.strict)

@@ -118,9 +118,7 @@ class _inplace_op:
             self.own = own_saved_input(self.st, self.fn, self.dst, self.args, self.kwargs, self._requires_grad)
 
     def _requires_grad(self, a) -> bool:
-        from .traced_autograd import computed_requires_grad
-
-        return a._tt_requires_grad if self.st.walker.is_input(a) else computed_requires_grad(self.st, a)
+        return requires_grad_now(self.st, a)
 
     def __exit__(self, exc_type, *exc):
         if self.outer is None and exc_type is None and self.fn is not None and type(self.dst) is TensorProxy:
@@ -135,11 +133,61 @@ class _inplace_op:
                     self.fn, "__name__", "the in-place op"), getattr(self.dst, "_tt_name", "a tensor"), self.own))
 
 
+def requires_grad_now(st, a) -> bool:
+    """Whether eager's tensor for proxy ``a`` requires grad at this point of the function."""
+    from .traced_autograd import computed_requires_grad
+
+    return a._tt_requires_grad if st.walker.is_input(a) else computed_requires_grad(st, a)
+
+
+def _is_leaf(st, a) -> bool:
+    """Whether eager's tensor for input proxy ``a`` is a leaf (guarded from now on, as traced_grad_fn.py guards a
+    read of ``is_leaf``)."""
+    leaf = st.walker.leaf_of(a)
+    if leaf is None or leaf.kind != "tensor":
+        return True
+    if leaf.alias_of is None and leaf.snapshot != "grad_fn":
+        leaf.snapshot = "is_leaf"
+    return bool(getattr(leaf.value, "is_leaf", True))
+
+
+def _check_input_write(st, dst) -> None:
+    """An in-place write in grad mode into an input that requires grad, or into a view of one: eager's error where it
+    is a leaf; refused where it is not (an activation computed outside: eager would add the write to that tensor's
+    autograd history, which the program cannot reach, so a backward through it would miss the write)."""
+    inputs = st.walker
+    target = dst if dst._tt_requires_grad and inputs.is_input(dst) else None
+    if target is None:
+        base = st.buffers.base_of(dst)
+        if base is None or not (base._tt_requires_grad and inputs.is_input(base)) or not requires_grad_now(st, dst):
+            return
+        target = base
+    view = target is not dst
+    if _is_leaf(st, target):
+        if not view:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place operation "
+                           "(eager PyTorch raises this error too). Write under torch.no_grad(), or into a clone.")
+    raise TracingError(
+        f"an in-place write in grad mode into {'a view of ' if view else ''}{inputs.leaf_of(target).where}, a tensor "
+        "that requires grad and was computed outside the compiled function (not a leaf): eager would add the write to "
+        "its autograd history, which the compiled program cannot reach, so a backward through it would miss the "
+        "write. Clone it inside the function first (`x = x.clone()`), or pass it detached. Nothing was changed.")
+
+
+def check_out_differentiable(st, name, tensors, dst) -> None:
+    """Eager's refusal of an ``out=`` call in grad mode where an argument or the destination requires grad."""
+    if torch.is_grad_enabled() and any(requires_grad_now(st, t) for t in (*tensors, dst) if type(t) is TensorProxy):
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic differentiation, but "
+                           "one of the arguments requires grad (eager PyTorch raises this error too). Use the "
+                           "returned value, or call it under torch.no_grad().")
+
+
 def write(st, sym, dst, value):
     check_data_write(st, dst)
     check_old_memory_write(st, dst)
-    if torch.is_grad_enabled() and dst._tt_requires_grad and st.walker.is_input(dst):
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if torch.is_grad_enabled():
+        _check_input_write(st, dst)
     bsyms = st.trace.bound_symbols
     last = bsyms[-1] if bsyms else None
     if last is not None and any(o is value for o in last.flat_outputs()) and last.comment is None:

@@ -1,6 +1,7 @@
 """Eager's refusal of an in-place op whose input partly overlaps the tensor it writes (``y.mul_(y[0])``,
 ``y[1:].add_(y[:-1])``): "unsupported operation: some elements of the input tensor and the written-to tensor refer
-to a single memory location".
+to a single memory location", and of one whose destination overlaps itself (an expanded tensor: "more than one
+element of the written-to tensor refers to a single memory location").
 
 Eager raises at the op itself, before it writes anything.  The functional trace would compute a value (every read
 sees the old memory), so the op is checked where it is traced, before its lines: torch's rule
@@ -22,6 +23,7 @@ from ..pytree import tree_flatten, tree_unflatten
 from ..generators_kept import generators_untouched
 
 _MESSAGE = "refer to a single memory location"
+_SELF_MESSAGE = "written-to tensor refers to a single memory location"  # (the destination overlapping itself)
 _PROBE_LIMIT = 1 << 20  # elements of the probe's storage
 
 
@@ -48,6 +50,14 @@ def _partial(a, b) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _overlaps_itself(p) -> bool:
+    """torch's ``has_internal_overlap(p) == YES``: a dimension of size above 1 with stride 0 (an ``expand``ed tensor),
+    where most in-place kernels refuse to write (``x.expand(3, 4).add_(1)``; ``fill_``, ``zero_`` and indexed writes
+    do not)."""
+    layout = _layout(p)
+    return layout is not None and any(n > 1 and s == 0 for n, s in zip(layout[0], layout[1]))
+
+
 def check_partial_overlap(st, fn, orig_args, kwargs, dst=None) -> None:
     """Before the in-place op ``fn(*orig_args, **kwargs)`` (the user's tensors) is traced: eager's error where an
     argument partly overlaps the destination, ``orig_args[0]`` (or ``dst``: the ``out=`` tensor)."""
@@ -63,7 +73,7 @@ def check_partial_overlap(st, fn, orig_args, kwargs, dst=None) -> None:
 
     flat, spec = tree_flatten((tuple(orig_args), dict(kwargs)))
     sharing = [a for a in flat if type(a) is TensorProxy and a is not dst and memory(a) is memory(dst)]
-    if not any(_partial(dst, a) for a in sharing):
+    if not any(_partial(dst, a) for a in sharing) and not _overlaps_itself(dst):
         return
     if dst._tt_device.type not in ("cpu", "cuda") or any(a._tt_dtype is not dst._tt_dtype for a in sharing):
         return
@@ -110,7 +120,7 @@ def _probe(fn, flat, spec, shared):
             a, k = tree_unflatten(args, spec)
             fn(*a, **k)
         except RuntimeError as e:
-            return str(e) if _MESSAGE in str(e) else None
+            return str(e) if _MESSAGE in str(e) or _SELF_MESSAGE in str(e) else None
         private.reseed()  # the same draws for the second run (bernoulli_)
         a, k = tree_unflatten(separate, spec)
         fn(*a, **k)

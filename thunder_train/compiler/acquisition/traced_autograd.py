@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .. import context, prims
-from ..errors import TracingError
+from ..errors import SECOND_BACKWARD_MESSAGE, TracingError
 from .ambient import refuse_anomaly_at_backward
 from .distributed import reduce_gradients
 from .saved_versions import check_saved, lines_rewritten, record_data_assignment
@@ -299,6 +299,19 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
     return [None if v is None else cts.get(v) for v in wrt_values]
 
 
+def refuse_freed_graph(st, outs) -> None:
+    """Eager's error for a backward through a graph an earlier backward inside the function freed (no
+    ``retain_graph``): ``loss.backward()`` twice.  The values it went through count as freed, and what was computed
+    from them (returned_graph.py decides the same for returned values); before, the second backward ran."""
+    if not any(not retain for _, retain in st.backward_roots):
+        return
+    from .returned_graph import freed_by_backward
+
+    freed = freed_by_backward(st)
+    if any(type(o) is TensorProxy and id(o) in freed for o in outs):
+        raise RuntimeError(SECOND_BACKWARD_MESSAGE + " (eager PyTorch raises this error too)")
+
+
 def record_roots(st, outputs, retain_graph) -> None:
     """A backward inside the function from ``outputs`` (current values); ``retain_graph``: eager keeps the graph
     (what it freed decides the error a later backward through a returned value raises: returned_graph.py)."""
@@ -368,6 +381,7 @@ def backward(st, tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
         params = [(p, v) for p, v in params if id(p) in wanted]
         if len(params) != len(wanted):
             raise NotImplementedError("backward(inputs=...) inside a compiled function supports leaf tensors that are inputs of the function")
+    refuse_freed_graph(st, outs)
     groups = [vals for _, vals in params]
     grads = _summed(groups, record_backward(st, outs, cts, [v for vals in groups for v in vals]))
     for (p, _), g in zip(params, grads):
@@ -406,6 +420,7 @@ def grad(st, outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
     outs = [buffers.read(t) for t in _as_list(outputs)]
     cts = _as_list(grad_outputs) or [None] * len(outs)
     cts = [None if c is None else buffers.read(c) for c in cts]
+    refuse_freed_graph(st, outs)
     groups = _wrt_groups(st, ins)
     values = [vals[-1] if vals else buffers.read(t) for vals, t in zip(groups, ins)]
     on_path = None  # ids on the gradient path, computed once if an input is not itself a leaf requiring grad
