@@ -45,7 +45,7 @@ NOT_KEPT_MESSAGE = (
     "function, or do this backward inside it.")
 
 
-def freed_by_backward(st) -> set:
+def _freed_by_backward(st) -> set:
     """Ids of values whose graph a backward inside freed in eager: the values it went through without
     ``retain_graph`` (inputs aside: a leaf's node keeps nothing) and every value computed from one of them.
     (``st.backward_roots``: ``traced_autograd.record_roots``.)"""
@@ -84,7 +84,7 @@ def rebuild(st, out, names, extra, taken) -> tuple[list, list]:
                              f"{layout[0]!r}, {layout[1]!r}, {layout[2]}{calls})"))
             continue
         if freed is None:
-            freed = freed_by_backward(st)
+            freed = _freed_by_backward(st)
         steps = _piece_calls(buffers, o)
         if steps is not None and bleaf is None:
             # A piece of split/unbind/chunk of a computed value: made again from that value by eager's calls, so a

@@ -300,15 +300,12 @@ def record_backward(st, outputs, cotangents, wrt_values) -> list:
 
 
 def refuse_freed_graph(st, outs) -> None:
-    """Eager's error for a backward through a graph an earlier backward inside the function freed (no
-    ``retain_graph``): ``loss.backward()`` twice.  The values it went through count as freed, and what was computed
-    from them (returned_graph.py decides the same for returned values); before, the second backward ran."""
-    if not any(not retain for _, retain in st.backward_roots):
-        return
-    from .returned_graph import freed_by_backward
-
-    freed = freed_by_backward(st)
-    if any(type(o) is TensorProxy and id(o) in freed for o in outs):
+    """Eager's error for a second backward from a value an earlier backward inside the function started from without
+    ``retain_graph`` (``loss.backward()`` twice); before, the second backward ran.  Only the same value: whether a
+    backward from another value reaches a freed node with saved tensors is eager's graph's detail (a GAN step's
+    generator loss, through a fake batch the discriminator's loss read detached, is not)."""
+    roots = {id(o) for values, retain in st.backward_roots if not retain for o in values}
+    if any(type(o) is TensorProxy and id(o) in roots for o in outs):
         raise RuntimeError(SECOND_BACKWARD_MESSAGE + " (eager PyTorch raises this error too)")
 
 
