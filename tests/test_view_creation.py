@@ -65,8 +65,17 @@ def _no_grad_view_of_a_parameter(w):
     return w.sum()
 
 
+def _view_of_a_no_grad_view(w):
+    b = w * 1
+    with torch.no_grad():
+        x = b[0]
+    x[1:].mul_(2)
+    return b.sum()
+
+
 RAISING = [_multi_unbind, _multi_split, _multi_chunk, _multi_split_with_sizes, _multi_iterated, _view_of_a_multi_view,
-           _multi_view_of_a_plain_tensor_written_with_a_grad, _no_grad_view, _no_grad_view_of_a_parameter]
+           _multi_view_of_a_plain_tensor_written_with_a_grad, _no_grad_view, _no_grad_view_of_a_parameter,
+           _view_of_a_no_grad_view]
 
 
 def _written_under_no_grad(w):

@@ -19,20 +19,23 @@ _MULTI_OUTPUT = {"split": "Split", "chunk": "Split", "unbind": "Unbind"}
 
 
 def record(st, sym, source, out) -> None:
-    """``out`` (a view or a tuple of views of ``source``, made by ``sym``) keeps how eager marks it."""
+    """``out`` (a view or a tuple of views of ``source``, made by ``sym``) keeps how eager marks it, with the tensor
+    whose ``requires_grad`` the view's follows (eager's view of a view is a view of the first one's base)."""
     made = st.view_creation
     outs = out if isinstance(out, (tuple, list)) else (out,)
+    parent = made.get(id(source))
+    parent = parent if parent is not None and parent[0] is source else None
     if not torch.is_grad_enabled():
-        kind = ("no_grad", None, None)
+        marks = [("no_grad", None, None, source)] * len(outs)
     elif isinstance(out, (tuple, list)) and sym.name in _MULTI_OUTPUT:
-        kind = ("multi", _MULTI_OUTPUT[sym.name], None)
+        marks = [("multi", _MULTI_OUTPUT[sym.name], i, source) for i in range(len(outs))]
+    elif parent is not None:  # a view of such a view is one too
+        marks = [parent[1:]] * len(outs)
     else:
-        kind = made.get(id(source), (None, None, None, None, None))[1:4]  # a view of such a view is one too
-        if kind[0] is None:
-            return
-    for i, o in enumerate(outs):
+        return
+    for o, mark in zip(outs, marks):
         if type(o) is TensorProxy and o is not source:
-            made[id(o)] = (o, kind[0], kind[1], i if kind[0] == "multi" else kind[2], source)
+            made[id(o)] = (o, *mark)
 
 
 def carry(st, view, detached) -> None:
