@@ -40,27 +40,32 @@ def eager_picks_cpu_flash(q, k, v, is_causal, scale, attn_mask=None, enable_gqa=
     return choose(*operands[:3], mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
+def _askable(b) -> bool:
+    """The call's other arguments are ones ``eager_picks_cpu_flash`` can ask torch's selector about."""
+    mask, scale = b["attn_mask"], b["scale"]
+    return (b["dropout_p"] == 0.0 and type(b["is_causal"]) is bool and type(b["enable_gqa"]) is bool
+            and (mask is None or type(mask) is TensorProxy) and (scale is None or type(scale) is float))
+
+
 def eager_runs_math_on_cpu(b) -> bool:
     """Whether eager's ``scaled_dot_product_attention`` call with these bound arguments surely runs the CPU math kernel."""
-    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
-    return (all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)) and b["dropout_p"] == 0.0
-            and type(b["is_causal"]) is bool and type(b["enable_gqa"]) is bool and (mask is None or type(mask) is TensorProxy)
-            and (b["scale"] is None or type(b["scale"]) is float)
-            and not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, b["enable_gqa"]))
+    q, k, v = b["query"], b["key"], b["value"]
+    return (all(type(t) is TensorProxy and t._tt_device.type == "cpu" for t in (q, k, v)) and _askable(b)
+            and not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], b["attn_mask"], b["enable_gqa"]))
 
 
 def outside_the_flash_pair(b) -> bool:
-    """Whether eager runs this CPU attention with a kernel other than flash (executors/saved_statistics.py ``_sdpa_keeps_its_graph``
-    then keeps its graph, holding the math kernel's attention probabilities: 8 MiB a layer of the zoo's DeepSeek-V3 at batch 32 and
-    128 tokens), which the memory plan counts as flash's output and log-sum-exp."""
-    if b is None:  # (arguments not bound: unknown)
+    """Whether eager runs this CPU attention with a kernel other than flash (executors/saved_statistics.py
+    ``_sdpa_keeps_its_graph`` then keeps its graph, holding the math kernel's attention probabilities: 8 MiB a layer of
+    the zoo's DeepSeek-V3 at batch 32 and 128 tokens), which the memory plan counts as flash's output and log-sum-exp.
+    Unknown (arguments not bound, or not askable): taken as outside."""
+    if b is None:
         return True
-    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    q, k, v = b["query"], b["key"], b["value"]
     if not all(type(t) is TensorProxy for t in (q, k, v)) or q._tt_device.type != "cpu":
         return False
-    if b["dropout_p"] != 0.0 or type(b["is_causal"]) is not bool or type(b["enable_gqa"]) is not bool \
-            or not (mask is None or type(mask) is TensorProxy) or not (b["scale"] is None or type(b["scale"]) is float):
+    if not _askable(b):
         return True
     # (one key/value head over several query heads runs the flash pair as one group, as ``_rewrite_sdpa`` asks)
     one_kv = not b["enable_gqa"] and q.ndim_ == k.ndim_ == 4 and k._tt_shape[1] == 1 and q._tt_shape[1] != 1
-    return not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], mask, b["enable_gqa"] or one_kv)
+    return not eager_picks_cpu_flash(q, k, v, b["is_causal"], b["scale"], b["attn_mask"], b["enable_gqa"] or one_kv)
