@@ -305,6 +305,9 @@ class Prologue:
     size_checks: tuple = ()  # (expression, result) per decision taken on symbolic sizes or hyper-parameters
     decision_leaves: tuple = ()  # leaf indices the decisions' programs read
     written: tuple = ()  # leaf indices updated in place (thin mode checks per-call storage against them)
+    # (guard-key index, class, name) per method of the user's classes the key holds: thin mode checks them against
+    # each entry's own key (entries share prologues; a class's patched method retraces into another entry).
+    method_checks: tuple = ()
 
     def key_of(self, args, kwargs) -> tuple:
         return self.guard_key_fn.fn(*self.extract.fn(*args, **kwargs))
@@ -371,7 +374,7 @@ def _storage_overlaps(written, others) -> tuple:
     return overlapping_pairs(written, others)
 
 
-def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=()) -> tuple:
+def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(), class_methods=()) -> tuple:
     """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
 
     ``written``: leaf indices of the inputs the computation updates in place.
@@ -380,6 +383,8 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     that is a view of a parameter would otherwise be read after it was updated.
     ``decisions``: Python values the trace computed from per-call inputs
     (``compiler/acquisition/decisions.py``): the key holds each one, recomputed.
+    ``class_methods``: ``(class, ((name, value), ...))`` of the user's methods the trace may have run
+    (acquisition/captured.py ``Scanner.guarded_methods``): the key holds each as its class gives it now.
     """
     names = leaf_vars(leaves, arg_names)
     index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
@@ -405,6 +410,15 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
             exprs.append(expr)
             expected.append(exp)
             label_leaf.append(i)
+    methods = Consts("_class")
+    method_checks = []
+    for cls, named in class_methods:
+        for name, fn in named:
+            labels.append(Label(f"{cls.__module__}.{cls.__qualname__}", f"method {name}"))
+            exprs.append(f"getattr({methods(cls)}, {name!r}, None)")
+            expected.append(fn)
+            label_leaf.append(0)
+            method_checks.append((len(labels) - 1, cls, name))
     size_exprs = []
     if size_checks:
         var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
@@ -465,10 +479,11 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     # not walk; a globals dict or closure cell): a program traced for other ones (a replaced ``self._mask``) must not
     # share this prologue, which would hand it the old ones.
     captured = [f"# {names[i]}: {ref}" for i, leaf in enumerate(leaves) if (ref := _referenced(leaf))]
+    captured += [f"# {n}: class {id(c)}" for n, c in methods.d.items()]  # (a prologue for other classes is another)
     structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
     g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of,
          "_held_key": held_key, "_step_of": step_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
-         "torch": torch, **consts.d, **dec.d}
+         "torch": torch, **consts.d, **dec.d, **methods.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(
         "guard_key",
@@ -477,7 +492,8 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     )
     pro = Prologue(extract, gk, tuple(labels), structure, names, tuple(label_leaf),
                    check_globals={"_as_list": _as_list, **dec.d}, decision_checks=tuple(decision_checks),
-                   size_checks=tuple(size_exprs), decision_leaves=tuple(sorted(decision_leaves)), written=tuple(written))
+                   size_checks=tuple(size_exprs), decision_leaves=tuple(sorted(decision_leaves)), written=tuple(written),
+                   method_checks=tuple(method_checks))
     return pro, tuple(expected)
 
 
@@ -519,6 +535,8 @@ def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> li
             out.append(f"{lab.what} was {e!r}, now {a!r}" if lab.path == "decision" else f"{lab.what} was {e}, now {a}")
         elif lab.what == "is None":
             out.append(f"{lab.path}: {'None' if e else 'set'} → {'None' if a else 'set'}")
+        elif lab.what.startswith("method "):
+            out.append(f"{lab.path}.{lab.what[7:]} was replaced after compiling")
         elif lab.what == "identity":
             out.append(f"{lab.path}: no longer the same tensor as the input it aliased when compiled")
         else:

@@ -301,11 +301,14 @@ def _module_reads(src) -> None:
 
 
 def _module_forwards(src) -> None:
-    """The ``forward`` of each module class the binding holds, compared on every call (one per class): a class's method
-    replaced (``nn.ReLU.forward = f``, a library patching a model class) bumps no module epoch."""
+    """The ``forward`` of each module class the binding holds, compared on every call (one per class), and the user's
+    methods of the class its code may call: a class's method replaced (``nn.ReLU.forward = f``, a library patching a
+    model class, ``Block.helper = f``) bumps no module epoch."""
     classes = {type(leaf.value) for leaf in src.leaves if leaf.kind == "module"}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
         src.static_conds.append(f"{src.consts(cls)}.forward is not {src.consts(cls.forward)}")
+    for j, cls, name in src.prologue.method_checks:  # (the user's methods the trace may have run, as its key holds them)
+        src.static_conds.append(f"getattr({src.consts(cls)}, {name!r}, None) != {src.consts(src.entry.key[j])}")
 
 
 def _read_cond(src, expr, now, key, got) -> str:

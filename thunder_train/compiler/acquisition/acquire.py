@@ -70,6 +70,8 @@ class Acquired:
     grad_stand_ins: list = dataclasses.field(default_factory=list)
     # output name -> (eager's view calls, a piece of split/unbind/chunk) of returned views (returned_graph.py)
     returned_view_calls: dict = dataclasses.field(default_factory=dict)
+    # (class, ((name, value), ...)): the user's methods the traced code may call, guarded (captured.py ``Scanner``)
+    class_methods: tuple = ()
 
 
 def arg_names(fn) -> list:
@@ -119,13 +121,15 @@ def walk_module_globals(walker, scanner) -> None:
         new, batch = [], walker.module_states[done:]
         for st in batch:
             new += scanner.module_class(type(st.module))
-        for st in batch:  # (after the classes: an object's methods are those the modules' code names)
-            for v in list(vars(st.module).values()):
-                for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,)):
-                    if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
-                        new += scanner.held_function(x)
-                    elif user_class(type(x)) and not isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
-                        new += scanner.object_class(type(x))  # (an object it holds: self.helper.run(y))
+        held = [x for st in batch for v in list(vars(st.module).values())
+                for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,))]
+        for x in held:
+            if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
+                new += scanner.held_function(x)
+        for x in held:  # (after the classes and functions: an object's methods are those the modules' code names)
+            if user_class(type(x)) and not isinstance(x, (torch.nn.Module, torch.optim.Optimizer, types.FunctionType,
+                                                          types.MethodType, functools.partial)):
+                new += scanner.object_class(type(x))  # (an object it holds: self.helper.run(y))
         done = len(walker.module_states)
         walker.walk_captured(new)
 
@@ -154,6 +158,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
         try:
             scanner = Scanner()
             roots = self_root(fn) + default_roots(fn, args, kwargs) + scanner.function(fn)
+            roots += scanner.self_class(roots[0].value if roots and roots[0].step.kind == "self" else None)
             fsdp.lazy_init_roots(list(args) + list(kwargs.values()) + [r.value for r in roots])
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(roots)
@@ -222,7 +227,7 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
                     random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors,
-                    grad_stand_ins=stand_ins, returned_view_calls=pieces)
+                    grad_stand_ins=stand_ins, returned_view_calls=pieces, class_methods=scanner.guarded_methods())
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

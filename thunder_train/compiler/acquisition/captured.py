@@ -19,7 +19,11 @@ The rule (``docs/captured_inputs.md``):
 * the same for the user's own module classes among the walked modules (``Scanner.module_class``):
   their ``forward``, the methods and properties of the class it names, in turn, the functions
   a module holds (closures: ``self.act = make_act(cfg)``) and the methods of the user's classes
-  whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``);
+  whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``), and of the user's class of the
+  object a compiled bound method or callable object belongs to (``Scanner.self_class``: ``tt.compile(trainer.step)``
+  calling ``self.loss``);
+* the user's methods and properties found so (``Scanner.methods``) are guarded too, as their classes give them
+  (``Scanner.guarded_methods``): ``Block.helper = f`` after the first call retraces, as eager runs the new one;
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
   thing training code does), builtins, what library code reads (installed packages,
   the standard library), and the globals of methods reached through objects deeper than one a
@@ -44,7 +48,10 @@ import sysconfig
 import types
 from typing import Any
 
+import torch
+
 from ..errors import TracingError
+from .class_attrs import user_class
 from .provenance import Step
 
 _INTERNAL = "thunder_train."
@@ -186,6 +193,10 @@ class Scanner:
         self.seen_classes: set = set()
         self.names: set = set()  # every name the scanned methods use (``self.helper.run``: ``helper``, ``run``)
         self.home = None  # the step's module: the first user function's __module__
+        self.step_names: set = set()  # the names the compiled function's own code uses (``m.helper(x)``)
+        # class -> the names of the user's methods and properties on it that the scanned code may call: the trace ran
+        # what they were, so ``Cls.helper = f`` after the first call must be seen (``method_values``).
+        self.methods: dict = {}
 
     def function(self, fn) -> list:
         """The roots ``fn`` adds."""
@@ -194,6 +205,8 @@ class Scanner:
             return []
         n = len(self.roots)
         self._scan(target, None)
+        if isinstance(_function_of(target), types.FunctionType):
+            self.step_names |= _attribute_names(_function_of(target).__code__)
         return self.roots[n:]
 
     def module_class(self, cls) -> list:
@@ -203,7 +216,7 @@ class Scanner:
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
-        return self._methods(cls, ["forward"])
+        return self._methods(cls, ["forward", *sorted(self.step_names)])
 
     def object_class(self, cls) -> list:
         """The roots the methods and properties of a user's class add, for an object a walked module holds
@@ -212,7 +225,18 @@ class Scanner:
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
-        return self._methods(cls, sorted(self.names))
+        return self._methods(cls, sorted(self.names | self.step_names))
+
+    def self_class(self, obj) -> list:
+        """The roots the class of the object a compiled bound method or callable object belongs to adds
+        (``tt.compile(trainer.step)``, whose ``step`` calls ``self.loss``, which reads ``SCALE``), where it is the
+        user's class: the methods the compiled code names, and ``__call__`` for a callable object."""
+        cls = type(obj)
+        if obj is None or not user_class(cls) or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) \
+                or cls in self.seen_classes:
+            return []
+        self.seen_classes.add(cls)
+        return self._methods(cls, ["__call__", *sorted(self.step_names)])
 
     def _methods(self, cls, todo) -> list:
         n, done = len(self.roots), set()
@@ -227,11 +251,20 @@ class Scanner:
                 continue
             v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
             if isinstance(v, types.FunctionType) and not _is_internal(v) and _user_code(v):
+                if name != "forward":  # (a module class's forward: always in the guard, prologue.guard_specs)
+                    self.methods.setdefault(cls, []).append(name)
                 self._scan(v, v, method=True)
                 used = _attribute_names(v.__code__)
                 self.names |= used
                 todo.extend(sorted(used))  # (roots in a deterministic order)
         return self.roots[n:]
+
+    def guarded_methods(self) -> tuple:
+        """``(class, ((name, value), ...))`` of the user's methods and properties the scanned code may call, as each
+        class gives them now (``getattr(cls, name)``: a function, a property, a class method bound to the class): the
+        guard compares them on every call (compiler/prologue.py)."""
+        return tuple((cls, tuple((n, getattr(cls, n, None)) for n in sorted(set(names))))
+                     for cls, names in sorted(self.methods.items(), key=lambda kv: (kv[0].__module__, kv[0].__qualname__)))
 
     def held_function(self, f) -> list:
         """The roots a function a walked module holds adds (``self.act = make_act(cfg)``: its closure cells and
@@ -241,6 +274,7 @@ class Scanner:
             return []
         n = len(self.roots)
         self._scan(f, f, method=True)
+        self.names |= _attribute_names(f.__code__)  # (``self.forward = lambda x: self.post.run(x)``: ``run``)
         return self.roots[n:]
 
     def _scan(self, f, owner, method=False):
