@@ -229,3 +229,40 @@ def test_calls_after_a_patch_stay_on_the_thin_path(mode):
     assert stats.cache_misses == 2, stats
     if mode["thin"]:  # (the new entry bound: not re-validated on every call, as it would be against the old key)
         assert stats.thin_calls == before + 3, stats
+
+
+def test_a_lightning_modules_method_replaced_between_epochs():
+    # ThunderCallback compiles training_step, which calls ``self.compute_loss``; a callback replaces that method on
+    # the class after the first epoch.  It had trained on with the traced loss: other weights than eager's.
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def compute_loss(self, x):
+            return self.lin(x).pow(2).mean()
+
+        def training_step(self, batch, i):
+            return self.compute_loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Patch(L.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == 1:
+                Module.compute_loss = lambda self, x: self.lin(x).abs().mean() * 10
+
+    original = Module.compute_loss
+    data = torch.utils.data.DataLoader(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    weights = []
+    for callbacks in ([tt.ThunderCallback()], []):
+        Module.compute_loss = original
+        torch.manual_seed(0)
+        module = Module()
+        L.Trainer(max_epochs=2, callbacks=callbacks + [Patch()], enable_progress_bar=False, logger=False,
+                  enable_checkpointing=False, enable_model_summary=False, accelerator="cpu").fit(module, data)
+        weights.append(module.lin.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1])

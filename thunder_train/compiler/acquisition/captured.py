@@ -193,7 +193,7 @@ class Scanner:
         self.seen_classes: set = set()
         self.names: set = set()  # every name the scanned methods use (``self.helper.run``: ``helper``, ``run``)
         self.home = None  # the step's module: the first user function's __module__
-        self.step_names: set = set()  # the names the compiled function's own code uses (``m.helper(x)``)
+        self.step_names: set = set()  # the names the compiled function and the helpers it calls use (``m.helper(x)``)
         # class -> the names of the user's methods and properties on it that the scanned code may call: the trace ran
         # what they were, so ``Cls.helper = f`` after the first call must be seen (``method_values``).
         self.methods: dict = {}
@@ -205,8 +205,6 @@ class Scanner:
             return []
         n = len(self.roots)
         self._scan(target, None)
-        if isinstance(_function_of(target), types.FunctionType):
-            self.step_names |= _attribute_names(_function_of(target).__code__)
         return self.roots[n:]
 
     def module_class(self, cls) -> list:
@@ -299,6 +297,8 @@ class Scanner:
         elif f.__module__ != self.home and not _user_code(f):
             return
         name = None if owner is None else f.__qualname__
+        if not method:  # (the step, a helper it calls, a ThunderCallback's wrapped training_step: ``model.helper(x)``)
+            self.step_names |= _attribute_names(code)
         loads, stores, module_attrs, free_stores = set(), set(), set(), set()
         _code_names(code, loads, stores, module_attrs, free_stores)
         for what, names in (("global", sorted(stores & set(f.__globals__))), ("nonlocal", sorted(free_stores))):
