@@ -266,3 +266,52 @@ def test_a_lightning_modules_method_replaced_between_epochs():
                   enable_checkpointing=False, enable_model_summary=False, accelerator="cpu").fit(module, data)
         weights.append(module.lin.weight.detach().clone())
     torch.testing.assert_close(weights[0], weights[1])
+
+
+class _Inner:
+    def run(self, h):
+        return h * SCALE
+
+
+class _Outer:
+    def __init__(self):
+        self.inner = _Inner()
+
+
+@pytest.mark.parametrize("thin", [True, False], ids=["thin", "full"])
+@pytest.mark.parametrize("how", ["captured object", "argument object", "object two deep in a module"])
+@pytest.mark.parametrize("change", ["global", "method"])
+def test_objects_the_step_reaches_read_their_classes_as_eager(thin, how, change, monkeypatch):
+    # A global ``trainer`` (or one passed in) whose ``loss`` reads the module's ``SCALE``; a module holding
+    # ``self.a.inner.run(h)``: the methods of those objects' classes had not been scanned, so a changed global or a
+    # replaced method ran the traced code, silently.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    if how == "object two deep in a module":
+        model = nn.Linear(4, 4)
+        model.a = _Outer()
+        model.forward = lambda v: model.a.inner.run(nn.Linear.forward(model, v))
+        run = lambda: model(x).sum()  # noqa: E731
+        cls, name = _Inner, "run"
+        compiled = tt.compile(lambda: model(x).sum(), thin=thin)
+        call = compiled
+    else:
+        trainer = _Trainer(nn.Linear(4, 4))
+        monkeypatch.setitem(globals(), "_captured_trainer", trainer)
+        run = lambda: trainer.loss(x)  # noqa: E731
+        cls, name = _Trainer, "loss"
+        if how == "captured object":
+            compiled = tt.compile(lambda v: _captured_trainer.loss(v), thin=thin)  # noqa: F821
+            call = lambda: compiled(x)  # noqa: E731
+        else:
+            compiled = tt.compile(lambda t, v: t.loss(v), thin=thin)
+            call = lambda: compiled(trainer, x)  # noqa: E731
+    torch.testing.assert_close(call(), run())
+    if change == "global":
+        monkeypatch.setitem(globals(), "SCALE", 3.0)
+    else:
+        monkeypatch.setattr(cls, name, (lambda self, v: self.model(v).sum() * -2) if cls is _Trainer else
+                            (lambda self, h: h * -2))
+    for _ in range(3):
+        torch.testing.assert_close(call(), run())
+    assert tt.compile_stats(compiled).cache_misses == 2

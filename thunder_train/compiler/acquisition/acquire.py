@@ -111,26 +111,40 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
                         forced_decisions=forced_decisions, keep_decompositions=keep_decompositions)
 
 
+def _held(values, depth=3) -> list:
+    """The objects ``values`` hold (directly or in a list, tuple or dict), and, in turn, the attributes of those of the
+    user's classes, ``depth`` deep (``self.a.inner.run(h)``: ``inner``)."""
+    out = []
+    for v in values:
+        for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,)):
+            out.append(x)
+            attrs = getattr(x, "__dict__", None)
+            if depth > 1 and type(attrs) is dict and user_class(type(x)) and not isinstance(x, torch.nn.Module):
+                out += _held(list(attrs.values()), depth - 1)
+    return out
+
+
 def walk_module_globals(walker, scanner) -> None:
     """The globals and closure cells the walked modules' own code reads (captured.py ``Scanner.module_class``: a
     model file's ``SCALE`` or ``CFG`` read in ``forward``), and the functions and objects of the user's classes they
-    hold (directly or in a list, tuple or dict), walked like the function's: a module found on the way is scanned in
-    turn."""
-    done = 0
-    while done < len(walker.module_states):
+    hold (directly or in a list, tuple or dict), or the function reaches otherwise (an argument, a captured
+    ``trainer`` whose ``loss`` it calls), walked like the function's: a module or object found on the way is
+    scanned in turn."""
+    done = seen_leaves = 0
+    while done < len(walker.module_states) or seen_leaves < len(walker.leaves):
         new, batch = [], walker.module_states[done:]
+        reached = [leaf.value for leaf in walker.leaves[seen_leaves:] if leaf.kind in ("namespace", "dataclass", "object")]
+        done, seen_leaves = len(walker.module_states), len(walker.leaves)
         for st in batch:
             new += scanner.module_class(type(st.module))
-        held = [x for st in batch for v in list(vars(st.module).values())
-                for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,))]
+        held = _held([v for st in batch for v in list(vars(st.module).values())])
         for x in held:
             if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
                 new += scanner.held_function(x)
-        for x in held:  # (after the classes and functions: an object's methods are those the modules' code names)
+        for x in held + reached:  # (after the classes and functions: an object's methods are those the code names)
             if user_class(type(x)) and not isinstance(x, (torch.nn.Module, torch.optim.Optimizer, types.FunctionType,
                                                           types.MethodType, functools.partial)):
-                new += scanner.object_class(type(x))  # (an object it holds: self.helper.run(y))
-        done = len(walker.module_states)
+                new += scanner.object_class(type(x))  # (self.helper.run(y), trainer.loss(x))
         walker.walk_captured(new)
 
 

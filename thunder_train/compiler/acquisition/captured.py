@@ -19,15 +19,14 @@ The rule (``docs/captured_inputs.md``):
 * the same for the user's own module classes among the walked modules (``Scanner.module_class``):
   their ``forward``, the methods and properties of the class it names, in turn, the functions
   a module holds (closures: ``self.act = make_act(cfg)``) and the methods of the user's classes
-  whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``), and of the user's class of the
-  object a compiled bound method or callable object belongs to (``Scanner.self_class``: ``tt.compile(trainer.step)``
-  calling ``self.loss``);
+  whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``), or the function reaches otherwise
+  (an argument, a captured ``trainer``, the object of a compiled bound method or callable object:
+  ``Scanner.self_class``);
 * the user's methods and properties found so (``Scanner.methods``) are guarded too, as their classes give them
   (``Scanner.guarded_methods``): ``Block.helper = f`` after the first call retraces, as eager runs the new one;
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
   thing training code does), builtins, what library code reads (installed packages,
-  the standard library), and the globals of methods reached through objects deeper than one a
-  module holds. A tensor such code reads is still an input, passed by reference (in-place
+  the standard library), and the globals of methods reached through objects more than three deep. A tensor such code reads is still an input, passed by reference (in-place
   changes are seen), but rebinding that name is not detected.
 * thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
   transparent: their cells and globals are not inputs, the user functions they wrap are
