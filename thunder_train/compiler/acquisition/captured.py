@@ -26,7 +26,8 @@ The rule (``docs/captured_inputs.md``):
   (``Scanner.guarded_methods``): ``Block.helper = f`` after the first call retraces, as eager runs the new one;
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
   thing training code does), builtins, what library code reads (installed packages,
-  the standard library), and the globals of methods reached through objects more than three deep. A tensor such code reads is still an input, passed by reference (in-place
+  the standard library), and the globals of methods reached through objects more than three
+  deep. A tensor such code reads is still an input, passed by reference (in-place
   changes are seen), but rebinding that name is not detected.
 * thunder_train's own wrappers (``tt.compile(module)``, ThunderCallback's programs) are
   transparent: their cells and globals are not inputs, the user functions they wrap are
@@ -194,7 +195,7 @@ class Scanner:
         self.home = None  # the step's module: the first user function's __module__
         self.step_names: set = set()  # the names the compiled function and the helpers it calls use (``m.helper(x)``)
         # class -> the names of the user's methods and properties on it that the scanned code may call: the trace ran
-        # what they were, so ``Cls.helper = f`` after the first call must be seen (``method_values``).
+        # what they were, so ``Cls.helper = f`` after the first call must be seen (``guarded_methods``).
         self.methods: dict = {}
 
     def function(self, fn) -> list:
@@ -217,8 +218,8 @@ class Scanner:
 
     def object_class(self, cls) -> list:
         """The roots the methods and properties of a user's class add, for an object a walked module holds
-        (``self.helper.run(y)`` reading ``SCALE``): those the scanned modules' code names (``run``), and those they
-        name in turn, where they are the user's code."""
+        (``self.helper.run(y)`` reading ``SCALE``) or the function reaches otherwise (``trainer.loss(x)``): those the
+        scanned code names (``run``), and those they name in turn, where they are the user's code."""
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
