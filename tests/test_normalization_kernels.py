@@ -134,3 +134,36 @@ def test_gradient_rules_decomposed_match_eager(name, mode):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=n)
     for (k, a), b in zip(compiled.state_dict().items(), eager.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "layer_norm with keywords"])
+def test_layer_norm_of_a_recomputed_value_reads_its_forward_statistics(norm):
+    # GELU -> LayerNorm (a BERT or ModernBERT head, any GELU MLP with a norm after it): the default recomputes the
+    # GELU output for the backward, and the recomputing rebuilt the backward line's arguments, so its ``(32,)`` was
+    # another tuple than the forward line's and the two no longer paired: the norm's backward ran its generic
+    # eager-autograd form (``_op_torch_vjp_layer_norm``; ModernBERT's torch program +15 % for it).
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.norm, self.out = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.inp(x))
+            if norm == "LayerNorm":
+                return self.out(self.norm(h))
+            return self.out(torch.nn.functional.layer_norm(h, normalized_shape=(32,), weight=self.norm.weight,
+                                                           bias=self.norm.bias, eps=1e-5))
+
+    eager, compiled = _pair(Head, (4, 16), "train")
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    cf = tt.compile(step, fusion=None)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn((4, 16), generator=g)
+        assert torch.equal(cf(compiled, opt_c, x), step(eager, opt_e, x))
+        for a, b in zip(compiled.parameters(), eager.parameters()):
+            assert torch.equal(a, b)
+    assert [r for r, _ in tt.compile_stats(cf).memory.recomputed], "the GELU output is no longer recomputed"
+    src = tt.last_traces(cf)[-1].python_source()
+    assert "ttex.layer_norm_backward(" in src and "_op_torch_vjp_layer_norm" not in src

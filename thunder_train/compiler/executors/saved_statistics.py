@@ -308,9 +308,19 @@ def _same_value(x, y, recomputed_ok) -> bool:
     return oy is not None and oy is (x if ox is None else ox)
 
 
+def _same_argument(x, y, recomputed_ok) -> bool:
+    """``_same_value`` for tensors; equal values for the rest, a tuple or list item by item (a line that reads a
+    recomputed copy has its arguments rebuilt: ``layer_norm``'s ``(32,)`` is another tuple of the same sizes)."""
+    if type(x) is TensorProxy or type(y) is TensorProxy:
+        return _same_value(x, y, recomputed_ok)
+    if type(x) in (tuple, list) and type(y) is type(x):
+        return len(x) == len(y) and all(_same_argument(u, v, recomputed_ok) for u, v in zip(x, y))
+    return x is y or (type(x) is type(y) and type(x) in (int, float, bool, str) and x == y)
+
+
 def _same_call(fwd, vjp, recomputed_ok=False) -> bool:
     a, b = fwd.args, vjp.args[2:]
-    return len(a) == len(b) and all(_same_value(x, y, recomputed_ok) for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
+    return len(a) == len(b) and all(_same_argument(x, y, recomputed_ok) for x, y in zip(a, b)) and fwd.kwargs.keys() == vjp.kwargs.keys() and all(
         _same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) or fwd.kwargs[k] == vjp.kwargs[k] for k in fwd.kwargs if type(fwd.kwargs[k]) is not TensorProxy
     ) and all(_same_value(fwd.kwargs[k], vjp.kwargs[k], recomputed_ok) for k in fwd.kwargs if type(fwd.kwargs[k]) is TensorProxy)
 
