@@ -206,3 +206,24 @@ def test_region_out_form_fills_given_buffers_and_allocates_the_rest():
     # come out ~5e-4 off in half of a tensor's rows (about 1 process in 12, torch.compile alone too; docs/fusion.md).
     for got, want in zip((first, second), two(x.double(), y.double())):
         torch.testing.assert_close(got, want.float(), equal_nan=True)
+
+
+def test_exact_gelu_of_a_data_dependent_size_is_fused_like_the_rest():
+    # ``x[mask]``: its row count is a size the trace keeps symbolic (``u0``; ModernBERT unpads its tokens so).  The
+    # fusion pass asked such a GELU how many elements it has, which for a symbolic size records a product line: with
+    # no trace to record it in, the call recursed until Python's limit (a RecursionError from ``fusion="inductor"``;
+    # under the default the background fusion failed and the torch program stayed for good).
+    def step(x, w):
+        h = x[x[:, 0] > 0] @ w
+        return F.gelu(h).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 16, generator=g), torch.randn(16, 8, generator=g, requires_grad=True)
+    cf = tt.compile(step, fusion="inductor")
+    got = cf(x, w)
+    want = step(x, w.detach().requires_grad_())
+    torch.testing.assert_close(got, want)
+    (gw,) = torch.autograd.grad(got, w)
+    w2 = w.detach().requires_grad_()
+    (ew,) = torch.autograd.grad(step(x, w2), w2)
+    torch.testing.assert_close(gw, ew)

@@ -138,8 +138,11 @@ def _gelu_exact_vjp(g, reads, input, approximate="none"):
 
 
 def _small_on_cpu(p) -> bool:
-    numel = p.numel_()  # not an int where a size is symbolic
-    return p._tt_device.type == "cpu" and type(numel) is int and numel <= _GELU_EXACT_FORM_MAX
+    # Asked by the fusion pass, outside any trace: a symbolic size (ModernBERT's unpadded tokens, ``u0``) has no
+    # product to compute there (``numel_`` would record a line, and with no trace to record it in recursed forever).
+    if not all(type(s) is int for s in p._tt_shape):
+        return False
+    return p._tt_device.type == "cpu" and math.prod(p._tt_shape) <= _GELU_EXACT_FORM_MAX
 
 
 def _gelu_fusion_form(input, approximate="none"):
