@@ -19,7 +19,7 @@ import operator
 import torch
 
 from . import dtypes, devices
-from .context import fresh_name
+from .context import fresh_name, get_trace
 
 # Hooks the layers above install when they are imported (proxies sit below both):
 # the tracer's torch-function handler, and the prims module, whose scalar prims
@@ -313,6 +313,9 @@ class NumberProxy(Proxy):
                 i = next(j for j, a in enumerate(o[2:]) if type(a) is int and a == other)
                 return o[2:][1 - i] if opname == "floor_divide" else 0
         a, b = (other, self) if reverse else (self, other)
+        if get_trace() is None:  # (the prim would run its eager form on the proxy, which calls this again, forever)
+            raise RuntimeError(f"thunder_train internal error: {opname} of the runtime value {self._tt_name} outside a "
+                               "trace, where no line can record it; a pass must ask whether a size is concrete first")
         return getattr(_prims, opname)(a, b)
 
     def __add__(self, o):
