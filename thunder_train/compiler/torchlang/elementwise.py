@@ -10,6 +10,7 @@ import math
 
 from .. import clang, dtypes, prims
 from ..clang import Promotion
+from ..errors import DataDependentError
 from ..grad_rules import register_vjp
 from ..prims.core import sum_to
 from ..proxies import NumberProxy, TensorProxy
@@ -380,7 +381,12 @@ def lerp(input, end, weight):
     """Like torch: ``input + w * d`` for |w| < 0.5, else ``end - d * (1 - w)`` (exact at w = 1)."""
     diff = clang.sub(end, input)
     if type(weight) is not TensorProxy:
-        if builtins.abs(weight) < 0.5:
+        try:
+            small = bool(builtins.abs(weight) < 0.5)  # (a runtime number computed from inputs: a decision the key holds)
+        except DataDependentError:  # (one the program computes: Adafactor's ``step ** decay``) both forms, chosen by it
+            low = clang.add(input, clang.mul(weight, diff))
+            return clang.where(builtins.abs(weight) < 0.5, low, clang.sub(end, clang.mul(diff, 1 - weight)))
+        if small:
             return clang.add(input, clang.mul(weight, diff))
         return clang.sub(end, clang.mul(diff, 1 - weight))
     low = clang.add(input, clang.mul(weight, diff))

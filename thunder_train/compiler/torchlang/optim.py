@@ -25,12 +25,13 @@ rounding (bitwise on the tests' tensors).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
 
 from .. import clang, dtypes, prims, symbols
-from ..proxies import TensorProxy
+from ..proxies import NumberProxy, TensorProxy
 from . import elementwise as ew
 from .registry import torchsymbol
 
@@ -387,6 +388,27 @@ def _total_norm_checked_at_run_time(original):
     return total_norm
 
 
+def _on_runtime_numbers(builtin, method):
+    """``max``/``min`` for an optimizer's module while tracing: on a runtime number (``step_t.item()``, a norm's
+    ``.item()``) the program's own maximum/minimum line (``NumberProxy.__sym_max__``), where the builtin would ask
+    which is larger, a value no trace has; anything else goes to the builtin."""
+
+    def pick(*args, **kwargs):
+        if len(args) == 2 and not kwargs and any(isinstance(a, NumberProxy) for a in args):
+            a, b = args if isinstance(args[0], NumberProxy) else args[::-1]
+            return getattr(a, method)(b)
+        return builtin(*args, **kwargs)
+
+    pick.__wrapped__ = builtin
+    return pick
+
+
+# Optimizers whose step computes its scalars in Python from ``.item()`` values, choosing with ``max``/``min``
+# (``torch.optim.Adafactor``: its step size and update clipping): the program computes them on every call.
+_NUMBER_CHOOSING = ("torch.optim._adafactor",)
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def optimizers_while_tracing(fused_kernels: bool = True):
     """How ``torch.optim`` (and ``clip_grad_norm_``) run on proxies.
@@ -395,6 +417,7 @@ def optimizers_while_tracing(fused_kernels: bool = True):
       ``type(p) in _foreach_supported_types``, which a proxy would fail), the for-loop on CPU.
     * ``fused_kernels``: Adam/AdamW/SGD/Adagrad updates take torch's fused path where it computes the same thing.
     * ``clip_grad_norm_(error_if_nonfinite=True)`` checks the norm when the program runs.
+    * ``max``/``min`` in ``_NUMBER_CHOOSING``'s modules work on runtime numbers (Adafactor).
     """
     from torch.nn.utils import clip_grad
     from torch.optim import optimizer
@@ -410,12 +433,21 @@ def optimizers_while_tracing(fused_kernels: bool = True):
                 original = getattr(module, name)
                 saved.append((module, name, original))
                 setattr(module, name, _routed(original, fused, fits))
+        for name in _NUMBER_CHOOSING:
+            module = sys.modules.get(name)
+            if module is not None:
+                for fn, method in ((max, "__sym_max__"), (min, "__sym_min__")):
+                    saved.append((module, fn.__name__, module.__dict__.get(fn.__name__, _ABSENT)))
+                    setattr(module, fn.__name__, _on_runtime_numbers(fn, method))
         if hasattr(clip_grad, "_get_total_norm"):
             saved.append((clip_grad, "_get_total_norm", clip_grad._get_total_norm))
             clip_grad._get_total_norm = _total_norm_checked_at_run_time(clip_grad._get_total_norm)
         yield
     finally:
         for module, name, original in reversed(saved):
-            setattr(module, name, original)
+            if original is _ABSENT:  # (a builtin the module did not shadow)
+                delattr(module, name)
+            else:
+                setattr(module, name, original)
         if added:
             supported.remove(TensorProxy)
