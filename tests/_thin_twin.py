@@ -46,6 +46,19 @@ def forced_checks(kind):
         bulk.ENABLED = saved
 
 
+# "thin-c++": thin mode with its per-parameter checks in torch's C++ guards (the default, compiler/bulk.py); "thin": in Python.
+MODES = [pytest.param(dict(thin=True), id="thin"), pytest.param(dict(thin=True), id="thin-c++"),
+         pytest.param(dict(thin=False), id="full")]
+
+
+@pytest.fixture(autouse=True)
+def checks_of_the_mode(request):
+    """Autouse where imported: a test's ``thin-c++`` case binds with torch's C++ guards, the others in Python."""
+    spec = getattr(request.node, "callspec", None)
+    with forced_checks("c++" if spec is not None and "thin-c++" in spec.id else "python"):
+        yield
+
+
 def snapshot(model, opt):
     """Everything a step may change, as detached clones (values, dtypes, ``.grad`` presence)."""
     return {

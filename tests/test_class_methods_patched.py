@@ -14,17 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import thunder_train as tt
-from _thin_twin import Twin, forced_checks
-
-MODES = [pytest.param(dict(thin=True), id="thin"), pytest.param(dict(thin=True), id="thin-c++"),
-         pytest.param(dict(thin=False), id="full")]
-
-
-@pytest.fixture(autouse=True)
-def _checks(request):
-    spec = getattr(request.node, "callspec", None)
-    with forced_checks("c++" if spec is not None and "thin-c++" in spec.id else "python"):
-        yield
+from _thin_twin import MODES, Twin, checks_of_the_mode  # noqa: F401 (an autouse fixture)
 
 
 def _classes():

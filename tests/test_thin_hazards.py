@@ -6,18 +6,8 @@ import torch
 from torch import nn
 
 import thunder_train as tt
-from _thin_twin import Twin, forced_checks, small_model, train_step
+from _thin_twin import MODES, Twin, checks_of_the_mode, small_model, train_step  # noqa: F401 (an autouse fixture)
 
-# "thin-c++": thin mode with its per-parameter checks in torch's C++ guards (the default, compiler/bulk.py); "thin": in Python.
-MODES = [pytest.param(dict(thin=True), id="thin"), pytest.param(dict(thin=True), id="thin-c++"),
-         pytest.param(dict(thin=False), id="full")]
-
-
-@pytest.fixture(autouse=True)
-def _checks(request):
-    spec = getattr(request.node, "callspec", None)
-    with forced_checks("c++" if spec is not None and "thin-c++" in spec.id else "python"):
-        yield
 KERNELS = ["fused", "traced"]
 
 
