@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import types
 
@@ -112,11 +113,11 @@ def acquire(fn, args, kwargs, *, strict: bool = False, dynamic: bool = False, fu
 
 
 def _held(values, depth=3) -> list:
-    """The objects ``values`` hold (directly or in a list, tuple or dict), and, in turn, the attributes of those of the
-    user's classes, ``depth`` deep (``self.a.inner.run(h)``: ``inner``)."""
+    """The objects ``values`` hold (directly or in a list, tuple or dict: its first 256 items, as the walker walks),
+    and, in turn, the attributes of those of the user's classes, ``depth`` deep (``self.a.inner.run(h)``: ``inner``)."""
     out = []
     for v in values:
-        for x in (v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,)):
+        for x in itertools.islice(v if type(v) in (list, tuple) else v.values() if type(v) is dict else (v,), 256):
             out.append(x)
             attrs = getattr(x, "__dict__", None)
             if depth > 1 and type(attrs) is dict and user_class(type(x)) and not isinstance(x, torch.nn.Module):
