@@ -40,10 +40,11 @@ def test_prologue_is_extraction_plus_checks_as_generated_code():
     assert "def guard_key(" in gsrc and "x.shape,  # args[1]: shape" in gsrc
     # Both are real functions compiled from that source.
     vals = extract.python_callable()(m, torch.randn(5, 4), {"a": torch.randn(3)})
-    # ... d['a'] (shape, strides, dtype, device, requires_grad), then the default s=2.0 the call used (type, value).
-    assert guard_key.python_callable()(*vals)[-7:] == (torch.Size([3]), (1,), torch.float32, torch.device("cpu"), False,
-                                                       float, 2.0)
-    assert "defaults['s']: value" in gsrc
+    # ... d['a'] (shape, strides, dtype, device, requires_grad), then the default s=2.0 the call used (type, value),
+    # then ``f`` as its module gives it (a module-level function that ran torch ops: acquisition/called_functions.py).
+    assert guard_key.python_callable()(*vals)[-8:] == (torch.Size([3]), (1,), torch.float32, torch.device("cpu"), False,
+                                                       float, 2.0, f)
+    assert "defaults['s']: value" in gsrc and f"{__name__}: function f" in gsrc
 
 
 def test_retrace_reason_names_input_and_change():

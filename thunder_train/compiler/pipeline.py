@@ -182,7 +182,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # Decisions on the call's own inputs are part of the guard key; the program checks the others itself.
     in_prologue = [d for d in acquired.decisions if not d.checked]
     prologue, expected = build_prologue(acquired.leaves, arg_names, written, acquired.size_checks, in_prologue,
-                                        acquired.class_methods)
+                                        acquired.called_names)
     prologue = intern_prologue(prologue)
     leaf_of_proxy = {id(leaf.proxy): i for i, leaf in enumerate(acquired.leaves)
                      if leaf.kind in ("tensor", "number") and leaf.alias_of is None}

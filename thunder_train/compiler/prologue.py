@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import linecache
 import math
+import types
 
 import torch
 
@@ -305,7 +306,7 @@ class Prologue:
     size_checks: tuple = ()  # (expression, result) per decision taken on symbolic sizes or hyper-parameters
     decision_leaves: tuple = ()  # leaf indices the decisions' programs read
     written: tuple = ()  # leaf indices updated in place (thin mode checks per-call storage against them)
-    # (guard-key index, class, name) per method of the user's classes the key holds: thin mode checks them against
+    # (guard-key index, class or module, name) per method or function the key holds: thin mode checks them against
     # each entry's own key (entries share prologues; a class's patched method retraces into another entry).
     method_checks: tuple = ()
 
@@ -374,7 +375,7 @@ def _storage_overlaps(written, others) -> tuple:
     return overlapping_pairs(written, others)
 
 
-def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(), class_methods=()) -> tuple:
+def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(), called_names=()) -> tuple:
     """Generate the prologue for ``leaves``; returns ``(Prologue, expected_key)``.
 
     ``written``: leaf indices of the inputs the computation updates in place.
@@ -383,8 +384,9 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     that is a view of a parameter would otherwise be read after it was updated.
     ``decisions``: Python values the trace computed from per-call inputs
     (``compiler/acquisition/decisions.py``): the key holds each one, recomputed.
-    ``class_methods``: ``(class, ((name, value), ...))`` of the user's methods the trace may have run
-    (acquisition/captured.py ``Scanner.guarded_methods``): the key holds each as its class gives it now.
+    ``called_names``: ``(class or module, ((name, value), ...))`` of the user's methods the trace may have run
+    (acquisition/captured.py ``Scanner.guarded_methods``) and of the module-level functions that ran torch ops
+    (acquisition/called_functions.py): the key holds each as its class or module gives it now.
     """
     names = leaf_vars(leaves, arg_names)
     index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
@@ -412,13 +414,15 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
             label_leaf.append(i)
     methods = Consts("_class")
     method_checks = []
-    for cls, named in class_methods:
+    for holder, named in called_names:
+        module = isinstance(holder, types.ModuleType)
+        where = holder.__name__ if module else f"{holder.__module__}.{holder.__qualname__}"
         for name, fn in named:
-            labels.append(Label(f"{cls.__module__}.{cls.__qualname__}", f"method {name}"))
-            exprs.append(f"getattr({methods(cls)}, {name!r}, None)")
+            labels.append(Label(where, f"{'function' if module else 'method'} {name}"))
+            exprs.append(f"getattr({methods(holder)}, {name!r}, None)")
             expected.append(fn)
             label_leaf.append(0)
-            method_checks.append((len(labels) - 1, cls, name))
+            method_checks.append((len(labels) - 1, holder, name))
     size_exprs = []
     if size_checks:
         var_of_proxy = {id(leaf.proxy): names[i] for i, leaf in enumerate(leaves)
@@ -479,7 +483,7 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     # not walk; a globals dict or closure cell): a program traced for other ones (a replaced ``self._mask``) must not
     # share this prologue, which would hand it the old ones.
     captured = [f"# {names[i]}: {ref}" for i, leaf in enumerate(leaves) if (ref := _referenced(leaf))]
-    captured += [f"# {n}: class {id(c)}" for n, c in methods.d.items()]  # (a prologue for other classes is another)
+    captured += [f"# {n}: {id(c)}" for n, c in methods.d.items()]  # (a prologue for other classes or modules is another)
     structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
     g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of,
          "_held_key": held_key, "_step_of": step_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
@@ -535,8 +539,8 @@ def describe_diffs(labels, expected: tuple, actual: tuple, limit: int = 3) -> li
             out.append(f"{lab.what} was {e!r}, now {a!r}" if lab.path == "decision" else f"{lab.what} was {e}, now {a}")
         elif lab.what == "is None":
             out.append(f"{lab.path}: {'None' if e else 'set'} → {'None' if a else 'set'}")
-        elif lab.what.startswith("method "):
-            out.append(f"{lab.path}.{lab.what[7:]} was replaced after compiling")
+        elif lab.what.startswith(("method ", "function ")):
+            out.append(f"{lab.path}.{lab.what.split(' ', 1)[1]} was replaced after compiling")
         elif lab.what == "identity":
             out.append(f"{lab.path}: no longer the same tensor as the input it aliased when compiled")
         else:

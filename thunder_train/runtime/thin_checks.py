@@ -307,8 +307,8 @@ def _module_forwards(src) -> None:
     classes = {type(leaf.value) for leaf in src.leaves if leaf.kind == "module"}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
         src.static_conds.append(f"{src.consts(cls)}.forward is not {src.consts(cls.forward)}")
-    for j, cls, name in src.prologue.method_checks:  # (the user's methods the trace may have run, as its key holds them)
-        src.static_conds.append(f"getattr({src.consts(cls)}, {name!r}, None) != {src.consts(src.entry.key[j])}")
+    for j, holder, name in src.prologue.method_checks:  # (the methods and functions the trace ran, as its key holds them)
+        src.static_conds.append(f"getattr({src.consts(holder)}, {name!r}, None) != {src.consts(src.entry.key[j])}")
 
 
 def _read_cond(src, expr, now, key, got) -> str:

@@ -34,7 +34,7 @@ from ..trace import Trace
 from . import traced_autograd
 from .traced_autograd import GradState
 from . import checkpoint_regions as _checkpoint_regions  # noqa: F401  (installs the checkpoint-region marker)
-from . import fsdp, kernel_switches, library_objects, user_generators
+from . import called_functions, fsdp, kernel_switches, library_objects, user_generators
 from .torch_compiled import traced_as_python
 from . import tensor_attributes as _tensor_attributes  # noqa: F401  (installs the proxies' attribute reads)
 from .leaf_values import LeafValues
@@ -71,8 +71,9 @@ class Acquired:
     grad_stand_ins: list = dataclasses.field(default_factory=list)
     # output name -> (eager's view calls, a piece of split/unbind/chunk) of returned views (returned_graph.py)
     returned_view_calls: dict = dataclasses.field(default_factory=dict)
-    # (class, ((name, value), ...)): the user's methods the traced code may call, guarded (captured.py ``Scanner``)
-    class_methods: tuple = ()
+    # (class or module, ((name, value), ...)): the user's methods the traced code may call (captured.py ``Scanner``)
+    # and the module-level functions that ran torch ops (called_functions.py), guarded by name
+    called_names: tuple = ()
 
 
 def arg_names(fn) -> list:
@@ -242,7 +243,8 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
     return Acquired(trc, walker.leaves, state.opaque_ops, written, list(state.size_checks), state.has_backward, epilogue,
                     output_spec=output_spec, decisions=list(state.decisions), mutated_paths=mutated_paths(changed),
                     random_before_checks=_decisions.random_before_checks(trc), backward_errors=backward_errors,
-                    grad_stand_ins=stand_ins, returned_view_calls=pieces, class_methods=scanner.guarded_methods())
+                    grad_stand_ins=stand_ins, returned_view_calls=pieces,
+                    called_names=scanner.guarded_methods() + called_functions.guarded(state))
 
 
 def _insert_shape_queries(trc, symbolic_inputs):

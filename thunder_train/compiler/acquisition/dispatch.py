@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import context, proxies, symbols
 from ..errors import TracingError, UnsupportedOpError
-from . import ambient, known_values
+from . import ambient, called_functions, known_values
 from .. import opaque
 from ..opaque import call_opaque, callable_name
 from ..transforms import opaque_grad  # noqa: F401 - installs the gradients of opaque ops into compiler/opaque.py
@@ -73,6 +73,8 @@ def _tracing_where():
 
 def handle_torch_function(func, types, args, kwargs):
     st, trc, top = _tracing_where()
+    if top:
+        called_functions.note_caller(st)
     fname = getattr(func, "__name__", "")
     if top and torch._C._functorch.peek_interpreter_stack() is not None:
         raise TracingError(

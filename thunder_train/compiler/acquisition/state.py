@@ -56,6 +56,9 @@ class TracerState:
     # id(view) -> (view, "multi" | "no_grad", eager's node name, output index): views eager forbids writing into in
     # place in grad mode (view_creation.py)
     view_creation: dict = dataclasses.field(default_factory=dict)
+    # (id(module globals), name) -> (module, name, function) or None: the module-level functions that ran torch ops
+    # while tracing, guarded by name (called_functions.py)
+    called_functions: dict = dataclasses.field(default_factory=dict)
     # id(new value) -> (the torch in-place call, its args, kwargs, the new value): what eager's in-place op saves is
     # asked of it, not of the out-of-place form its line records (``leaky_relu_`` saves its result, ``leaky_relu``
     # its input)
