@@ -8,10 +8,11 @@ applied late, a notebook's monkeypatch) was not seen: eager ran the new function
 While tracing, each torch op the tracer handles notes the innermost Python frame outside torch and thunder_train
 (``note_caller``); where that frame runs a module-level function, found under its own name in its module, the pair
 ``(module, name)`` and the function (or the callable object the module holds under that name) are kept
-(``TracerState.called_functions``).  The guard key holds
-``getattr(module, name)`` for each, as it holds the user's methods (prologue ``method_checks``): a replaced one
-retraces.  Not seen: a library function that calls no torch op itself (only others that do), one reached other than
-by its module's name (a function stored in a dict or on an object), a library class's method other than ``forward``.
+(``TracerState.called_functions``), and so is the name in the module of the frame's caller where that module
+imported it.  The guard key holds ``getattr(module, name)`` for each, as it holds the user's methods (prologue
+``method_checks``): a replaced one retraces.  Not seen: a library function that calls no torch op itself (only
+others that do), one reached other than by its module's name (a function stored in a dict or on an object), a
+library class's method other than ``forward``.
 """
 from __future__ import annotations
 
