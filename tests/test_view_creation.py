@@ -8,40 +8,25 @@ import torch
 import thunder_train as tt
 
 
-def _multi_unbind(w):
-    b = w * 1
-    b.unbind(0)[0].mul_(2)
-    return b.sum()
+def _writing(into, name):
+    """``b = w * 1``; ``into(b)`` writes in place into a view of ``b``; ``b.sum()``."""
+    def fn(w):
+        b = w * 1
+        into(b)
+        return b.sum()
+
+    fn.__name__ = name
+    return fn
 
 
-def _multi_split(w):
-    b = w * 1
-    b.split(2)[0].add_(1)
-    return b.sum()
-
-
-def _multi_chunk(w):
-    b = w * 1
-    b.chunk(2)[1].add_(1)
-    return b.sum()
-
-
-def _multi_split_with_sizes(w):
-    b = w * 1
-    b.split_with_sizes([1, 2])[0].add_(1)
-    return b.sum()
-
-
-def _multi_iterated(w):
-    b = w * 1
-    list(b)[0].add_(1)
-    return b.sum()
-
-
-def _view_of_a_multi_view(w):
-    b = w * 1
-    b.unbind(0)[0][1:].add_(1)
-    return b.sum()
+_multi_unbind = _writing(lambda b: b.unbind(0)[0].mul_(2), "_multi_unbind")
+_multi_split = _writing(lambda b: b.split(2)[0].add_(1), "_multi_split")
+_multi_chunk = _writing(lambda b: b.chunk(2)[1].add_(1), "_multi_chunk")
+_multi_split_with_sizes = _writing(lambda b: b.split_with_sizes([1, 2])[0].add_(1), "_multi_split_with_sizes")
+_multi_iterated = _writing(lambda b: list(b)[0].add_(1), "_multi_iterated")
+_view_of_a_multi_view = _writing(lambda b: b.unbind(0)[0][1:].add_(1), "_view_of_a_multi_view")
+_unsafe_split = _writing(lambda b: b.unsafe_split(2)[0].add_(1), "_unsafe_split")
+_tensor_split = _writing(lambda b: b.tensor_split(2)[0].add_(1), "_tensor_split")
 
 
 def _multi_view_of_a_plain_tensor_written_with_a_grad(w):
@@ -83,18 +68,6 @@ def _written_under_no_grad(w):
     x = b.unbind(0)[0]
     with torch.no_grad():
         x.mul_(2)
-    return b.sum()
-
-
-def _unsafe_split(w):
-    b = w * 1
-    b.unsafe_split(2)[0].add_(1)
-    return b.sum()
-
-
-def _tensor_split(w):
-    b = w * 1
-    b.tensor_split(2)[0].add_(1)
     return b.sum()
 
 
