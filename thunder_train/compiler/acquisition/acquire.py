@@ -174,7 +174,6 @@ def _acquire(fn, args, kwargs, *, strict, dynamic, fused_optimizers, forced_deci
         try:
             scanner = Scanner()
             roots = self_root(fn) + default_roots(fn, args, kwargs) + scanner.function(fn)
-            roots += scanner.self_class(roots[0].value if roots and roots[0].step.kind == "self" else None)
             fsdp.lazy_init_roots(list(args) + list(kwargs.values()) + [r.value for r in roots])
             pargs, pkwargs = walker.walk_args(args, kwargs)
             walker.walk_captured(roots)

@@ -20,8 +20,7 @@ The rule (``docs/captured_inputs.md``):
   their ``forward``, the methods and properties of the class it names, in turn, the functions
   a module holds (closures: ``self.act = make_act(cfg)``) and the methods of the user's classes
   whose objects it holds (``Scanner.object_class``: ``self.helper.run(y)``), or the function reaches otherwise
-  (an argument, a captured ``trainer``, the object of a compiled bound method or callable object:
-  ``Scanner.self_class``);
+  (an argument, a captured ``trainer``, the object of a compiled bound method or callable object);
 * the user's methods and properties found so (``Scanner.methods``) are guarded too, as their classes give them
   (``Scanner.guarded_methods``): ``Block.helper = f`` after the first call retraces, as eager runs the new one;
 * not captured: Python modules (``torch``, ``F``, ``math``: rebinding one is not a
@@ -48,10 +47,7 @@ import sysconfig
 import types
 from typing import Any
 
-import torch
-
 from ..errors import TracingError
-from .class_attrs import user_class
 from .provenance import Step
 
 _INTERNAL = "thunder_train."
@@ -218,23 +214,13 @@ class Scanner:
 
     def object_class(self, cls) -> list:
         """The roots the methods and properties of a user's class add, for an object a walked module holds
-        (``self.helper.run(y)`` reading ``SCALE``) or the function reaches otherwise (``trainer.loss(x)``): those the
-        scanned code names (``run``), and those they name in turn, where they are the user's code."""
+        (``self.helper.run(y)`` reading ``SCALE``) or the function reaches otherwise (``trainer.loss(x)``, the object
+        of a compiled bound method or callable object): ``__call__`` and those the scanned code names (``run``), and
+        those they name in turn, where they are the user's code."""
         if cls in self.seen_classes:
             return []
         self.seen_classes.add(cls)
-        return self._methods(cls, sorted(self.names | self.step_names))
-
-    def self_class(self, obj) -> list:
-        """The roots the class of the object a compiled bound method or callable object belongs to adds
-        (``tt.compile(trainer.step)``, whose ``step`` calls ``self.loss``, which reads ``SCALE``), where it is the
-        user's class: the methods the compiled code names, and ``__call__`` for a callable object."""
-        cls = type(obj)
-        if obj is None or not user_class(cls) or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) \
-                or cls in self.seen_classes:
-            return []
-        self.seen_classes.add(cls)
-        return self._methods(cls, ["__call__", *sorted(self.step_names)])
+        return self._methods(cls, ["__call__", *sorted(self.names | self.step_names)])
 
     def _methods(self, cls, todo) -> list:
         n, done = len(self.roots), set()
