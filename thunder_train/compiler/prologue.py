@@ -412,14 +412,14 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
             exprs.append(expr)
             expected.append(exp)
             label_leaf.append(i)
-    methods = Consts("_class")
+    owners = Consts("_owner")  # (the classes and modules whose names the key holds)
     method_checks = []
     for holder, named in called_names:
         module = isinstance(holder, types.ModuleType)
         where = holder.__name__ if module else f"{holder.__module__}.{holder.__qualname__}"
         for name, fn in named:
             labels.append(Label(where, f"{'function' if module else 'method'} {name}"))
-            exprs.append(f"getattr({methods(holder)}, {name!r}, None)")
+            exprs.append(f"getattr({owners(holder)}, {name!r}, None)")
             expected.append(fn)
             label_leaf.append(0)
             method_checks.append((len(labels) - 1, holder, name))
@@ -483,11 +483,11 @@ def build_prologue(leaves, arg_names=(), written=(), size_checks=(), decisions=(
     # not walk; a globals dict or closure cell): a program traced for other ones (a replaced ``self._mask``) must not
     # share this prologue, which would hand it the old ones.
     captured = [f"# {names[i]}: {ref}" for i, leaf in enumerate(leaves) if (ref := _referenced(leaf))]
-    captured += [f"# {n}: {id(c)}" for n, c in methods.d.items()]  # (a prologue for other classes or modules is another)
+    captured += [f"# {n}: {id(c)}" for n, c in owners.d.items()]  # (a prologue for other classes or modules is another)
     structure = "\n".join(ex_lines + gk_lines + decision_sources + captured)
     g = {"_MISSING": _MISSING, "_float_key": _float_key, "_plain_key": plain_key, "_attr_of": attr_of,
          "_held_key": held_key, "_step_of": step_of, "_layout_key": layout_key, "_storage_overlaps": _storage_overlaps, "_as_list": _as_list,
-         "torch": torch, **consts.d, **dec.d, **methods.d}
+         "torch": torch, **consts.d, **dec.d, **owners.d}
     extract = GeneratedFunction("extract", "Prologue part 1: extraction (unpack every leaf by provenance)", ex_lines, g)
     gk = GeneratedFunction(
         "guard_key",
