@@ -127,39 +127,24 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     computed = trc  # what autograd differentiates (step 9)
     memory, asks, keep_graphs = None, False, True  # asks: the program asks for memory (checkpoint regions or a budget)
     if has_backward:
-        trc, memory = plan_memory(trc, traces, options.memory_budget, kernels_alone=options.fusion is None)  # transforms/memory.py: what the backward recomputes
-        trc = without_autograd(trc)  # transforms/no_grad.py
-        traces.append(trc)
-        # transforms/early_updates.py: each parameter updated once its gradient is final.  Not with fusion chosen up
-        # front: update lines inside the backward split the regions Inductor would fuse (the zoo's ViT step fused
-        # nothing); docs/memory.md, known gaps.  Except where the program asks for memory: it updates every
-        # parameter as soon as it can (no small gradients held back), fused or not (without, a checkpointed GPT
-        # fused up front peaked at 1.48x its torch program).
-        asks = memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None)
-        # A checkpoint region whose values nothing needed to recompute still asks for memory: no forward keeps its
-        # autograd graph for the backward there (executors/saved_statistics.py ``keep_graphs``).
-        keep_graphs = not asks and not any(in_region(b) for b in trc.bound_symbols)
-        updated = (update_when_final(trc, hold_back_bytes=0 if asks else None, group_bytes=0 if asks else None)
-                   if options.fusion in (None, "background") or asks else trc)
-        if updated is not trc:
-            trc = updated
-            traces.append(trc)
+        # The default's torch program, which runs until its fused program is built (tens of thousands of calls on
+        # a small step: executors/payback.py), is planned as a program of torch kernels, like ``fusion=None``'s: a
+        # value costly to recompute as a kernel of its own is recomputed only as far as the peak needs.  The fused
+        # program, whose kernels recompute it for free, plans again where that kept any (``build_fused`` below).
+        steps = trc
+        trc, memory, asks, keep_graphs, made = _planned(steps, options, kernels_alone=options.fusion in (None, "background"))
+        traces.extend(made)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
-    lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
-    traces.append(lowered)
     #    A slice of a zero pad that reads only the padded tensor's elements reads that tensor, a pad of a pad is one
     #    pad (executors/slices_of_pads.py): once, for the torch program and the fused one built from ``lowered``.
-    sliced = slices_of_pads(lowered, header=f"Lowered to executors: {names}; slices and pads of pads read what was padded")
-    if sliced is not lowered:
-        lowered = dce(sliced, header=sliced.header)
-        traces.append(lowered)
+    lowered = _lowered(trc, executors, names, traces)
     # 4.-7. Fusion (executors/fusion.py: Inductor or nvFuser; with autograd, step 9 fuses the forward and backward
     #    instead), DCE, statistics reuse, re-inplacing, lifetimes.  fusion="background" builds the fused program
     #    later (step 12).
     # A default step's kept buffers may fill towards what the step as written holds (executors/buffers.py ``_room``);
     # one that asks for memory keeps them within its own peak.
     traced = memory.traced_peak_bytes if memory is not None and not asks else None
-    finish = functools.partial(_finish, lowered, has_backward=has_backward, decompose=options.decompose,
+    finish = functools.partial(_finish, has_backward=has_backward, decompose=options.decompose,
                                written=bool(acquired.written), names=names, keep_buffers=options.keep_buffers,
                                blocked_head=asks, keep_graphs=keep_graphs, traced=traced)
     fuse_main = has_backward or not may_need_autograd(computed)
@@ -168,7 +153,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
     # (``_steady_later``): the entry of a step's first call (the optimizer's state made) runs once.  (Not where an
     # autograd node may run instead: step 9 builds its programs whole.)
     later = options.fusion == "background" and fuse_main
-    trc, more = finish(fusion=now if fuse_main else None, notes=fusion_notes, later=later)
+    trc, more = finish(lowered, fusion=now if fuse_main else None, notes=fusion_notes, later=later)
     if later:
         unsettled = trc
         trc = _freed(unsettled)
@@ -203,9 +188,19 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         shown = list(traces[: len(traces) - len(more)])
 
         def build_fused(notes):
-            fused, fused_shown = finish(fusion="background", notes=notes)
+            if memory is None or not memory.costly_kept:
+                fused, fused_shown = finish(lowered, fusion="background", notes=notes)
+                fused_shown = shown + fused_shown
+            else:  # planned again, as a fused program: every cheap value recomputed where that lowers the peak
+                made = traces[:2]
+                again, fused_memory, *_, planned = _planned(steps, options, kernels_alone=False)
+                made.extend(planned)
+                fused, fused_shown = finish(_lowered(again, executors, names, made), fusion="background", notes=notes)
+                fused_shown = made + fused_shown
+                if _fused_regions(fused):
+                    memory.replaced_by(fused_memory)
             _same_inputs(fused, trc, "the fused program")
-            return (fused.python_callable() if _fused_regions(fused) else None), shown + fused_shown, None
+            return (fused.python_callable() if _fused_regions(fused) else None), fused_shown, None
     if later and backward_traces is None and traces[-1] is trc:  # the torch program runs (no autograd node)
         build_steady = _steady_later(unsettled, trc, traces, options.keep_buffers, traced)
     # 10.-11. Epilogue and outputs (_wrapping): Python side effects replayed after the computation, a returned
@@ -228,6 +223,43 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         payback=(lambda call_s: payback.decide(to_fuse, call_s=call_s)) if background else None,
         memory=memory, build_steady=build_steady)
     return compiled, acquired.opaque_ops
+
+
+def _planned(trc, options: Options, kernels_alone: bool) -> tuple:
+    """Steps 2a-2c on a whole step's traced program ``trc`` (its backward in it): (the program, its
+    ``MemoryPlan``, whether it asks for memory, whether forwards keep their autograd graphs, the traces made).
+    ``kernels_alone``: planned as a program of torch kernels (``plan_memory``)."""
+    made: list = []
+    trc, memory = plan_memory(trc, made, options.memory_budget, kernels_alone=kernels_alone)  # transforms/memory.py: what the backward recomputes
+    trc = without_autograd(trc)  # transforms/no_grad.py
+    made.append(trc)
+    # transforms/early_updates.py: each parameter updated once its gradient is final.  Not with fusion chosen up
+    # front: update lines inside the backward split the regions Inductor would fuse (the zoo's ViT step fused
+    # nothing); docs/memory.md, known gaps.  Except where the program asks for memory: it updates every
+    # parameter as soon as it can (no small gradients held back), fused or not (without, a checkpointed GPT
+    # fused up front peaked at 1.48x its torch program).
+    asks = memory is not None and (memory.checkpoint_regions > 0 or memory.memory_budget is not None)
+    # A checkpoint region whose values nothing needed to recompute still asks for memory: no forward keeps its
+    # autograd graph for the backward there (executors/saved_statistics.py ``keep_graphs``).
+    keep_graphs = not asks and not any(in_region(b) for b in trc.bound_symbols)
+    updated = (update_when_final(trc, hold_back_bytes=0 if asks else None, group_bytes=0 if asks else None)
+               if options.fusion in (None, "background") or asks else trc)
+    if updated is not trc:
+        trc = updated
+        made.append(trc)
+    return trc, memory, asks, keep_graphs, made
+
+
+def _lowered(trc, executors, names: str, traces: list):
+    """Step 3: ``trc`` lowered to ``executors`` (executors/lowering.py), a slice of a zero pad reading what was
+    padded (executors/slices_of_pads.py); the traces made are appended to ``traces``."""
+    lowered = lower_to_executors(trc, executors, header=f"Lowered to executors: {names}")
+    traces.append(lowered)
+    sliced = slices_of_pads(lowered, header=f"Lowered to executors: {names}; slices and pads of pads read what was padded")
+    if sliced is not lowered:
+        lowered = dce(sliced, header=sliced.header)
+        traces.append(lowered)
+    return lowered
 
 
 def _steady_later(unsettled, first, traces, keep_buffers, traced=None):

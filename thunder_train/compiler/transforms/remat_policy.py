@@ -31,18 +31,15 @@ def cheap(b) -> bool:
     return bool(b.subsymbols) and all(cheap(s) for s in b.subsymbols)
 
 
-# Above this many elements a transcendental kernel's work, not its call (3-20 us on the CPU), is most of what it costs.
-COSTLY_ELEMENTS = 1 << 14
-
-
 def costly_alone(b) -> bool:
-    """A line whose recomputation, run as a CPU torch kernel of its own (``fusion=None``: no fused kernel to join),
-    costs the step in proportion to its size: a transcendental prim in its decomposition over more than
-    ``COSTLY_ELEMENTS`` elements.  The GPT benchmark step's four recomputed tanh GELUs (1 Mi elements each) cost its
-    torch program 3.2 %; the zoo's (at most 5 Ki elements) cost a call each."""
+    """A line whose recomputation, run as a CPU torch kernel of its own (``fusion=None``, and the default's torch
+    program: no fused kernel to join), costs the step more than a call's worth of cheap work: a transcendental prim
+    in its decomposition.  Over many elements its work costs 1-4 ns an element (the GPT benchmark step's four
+    recomputed tanh GELUs, 1 Mi elements each, cost its torch program 3.2 %); over few its call does, and an exact
+    GELU's (oneDNN's kernel) is 10 us in a loop and 20-30 us inside a step at 1.5 Ki elements, 2 % of a zoo model's
+    step each (docs/memory.md)."""
     outs = [o for o in b.flat_outputs() if type(o) is TensorProxy and o._tt_device.type == "cpu"]
-    return (bool(outs) and _has_transcendental(b)
-            and sum(nbytes(o) // max(1, o._tt_dtype.torch.itemsize) for o in outs) > COSTLY_ELEMENTS)
+    return bool(outs) and _has_transcendental(b)
 
 
 def _has_transcendental(b) -> bool:
