@@ -14,7 +14,7 @@ from .. import dtypes
 from ..proxies import TensorProxy, is_proxy
 from ..pytree import tree_flatten
 from .remat import BACKWARD, checkpointed_values, in_region, recompute, recompute_checkpointed
-from .remat_policy import Saved, budget_values, cheap_values, costly_alone, is_view, nbytes
+from .remat_policy import Saved, budget_values, cheap_values, costly_alone, costly_even_fused, is_view, nbytes
 from .sinking import sink
 from .recompute_again import recompute_again
 
@@ -184,14 +184,14 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
 COSTLY_MARGIN = 0.02
 
 
-def fewest_costly(trc, chosen: dict, producer: dict, cache: dict, traced) -> tuple:
+def fewest_costly(trc, chosen: dict, producer: dict, cache: dict, traced, alone=costly_alone) -> tuple:
     """(``chosen`` less the values costly to recompute that the peak does not need, how many were left out): the
     fewest of them, largest first, with which the planned peak is at most ``1 - COSTLY_MARGIN`` of the step as
     traced (``traced``: what eager runs), both counted as ``_probe_curve`` counts (attention's kept statistics
     included), or all of them where even that is above it or a line holds memory the plan does not count
     (``_holds_unplanned``).  A bisection over how many: the planned peak falls as more are recomputed.  ``cache``: the
     programs probed (``_settled``)."""
-    costly = sorted((k for k in chosen if costly_alone(producer[k])), key=lambda k: -nbytes(chosen[k]))
+    costly = sorted((k for k in chosen if alone(producer[k])), key=lambda k: -nbytes(chosen[k]))
     if not costly or any(_holds_unplanned(b) for b in trc.bound_symbols if not _is_backward(b)) \
             or any(_unknown_scratch(b) for b in trc.bound_symbols):
         return chosen, 0
@@ -354,8 +354,9 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None, kernels_a
                 chosen = where_recomputing_lowers_the_peak(new, chosen, probes)
                 # Not where the step asks for memory: there every cheap value is recomputed (a budget's reference,
                 # what the default saves, is then the smaller count, as in a fused program)
-                if kernels_alone and not plan.checkpoint_regions and memory_budget is None:
-                    chosen, plan.costly_kept = fewest_costly(new, chosen, saved.producer, probes, trc)
+                if not plan.checkpoint_regions and memory_budget is None:
+                    alone = costly_alone if kernels_alone else costly_even_fused
+                    chosen, plan.costly_kept = fewest_costly(new, chosen, saved.producer, probes, trc, alone)
                 settled = _settled(new, chosen, probes)
                 if settled.report.lines:
                     traces.append(settled.recomputed)

@@ -42,6 +42,14 @@ def costly_alone(b) -> bool:
     return bool(outs) and _has_transcendental(b)
 
 
+def costly_even_fused(b) -> bool:
+    """``costly_alone`` for a line no fused kernel takes, which a fused program runs as a torch kernel of its own too:
+    one with a symbolic size (executors/inductor_fusion.py ``why_not_in_kernel``; ModernBERT's head's exact GELU over
+    its unpadded tokens, 20 us a call)."""
+    return costly_alone(b) and any(type(d) is not int for o in b.flat_outputs() if type(o) is TensorProxy
+                                   for d in o._tt_shape)
+
+
 def _has_transcendental(b) -> bool:
     if b.sym.is_prim:
         return "transcendental" in b.sym.tags
