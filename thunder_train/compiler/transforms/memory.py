@@ -177,8 +177,8 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
     return fewer if max(_probe_curve(_settled(trc, fewer, cache).final(), cache)[1], default=0) <= peak else chosen
 
 
-# Where the program runs its lines as torch kernels one by one (``fusion=None``), values costly to recompute
-# (``remat_policy.costly_alone``) are recomputed only as far as keeping the planned peak this much under the step as
+# Where the program runs its lines as torch kernels one by one (``fusion=None``, the default's torch program), values
+# costly to recompute (``remat_policy.costly_alone``; in a fused program ``costly_even_fused``) are recomputed only as far as keeping the planned peak this much under the step as
 # written needs (the plan's error on steps with such values: the zoo's models at batch 16-32, every torch program
 # measured at most eager's peak with it; docs/memory.md).
 COSTLY_MARGIN = 0.02
@@ -188,9 +188,10 @@ def fewest_costly(trc, chosen: dict, producer: dict, cache: dict, traced, alone=
     """(``chosen`` less the values costly to recompute that the peak does not need, how many were left out): the
     fewest of them, largest first, with which the planned peak is at most ``1 - COSTLY_MARGIN`` of the step as
     traced (``traced``: what eager runs), both counted as ``_probe_curve`` counts (attention's kept statistics
-    included), or all of them where even that is above it or a line holds memory the plan does not count
-    (``_holds_unplanned``).  A bisection over how many: the planned peak falls as more are recomputed.  ``cache``: the
-    programs probed (``_settled``)."""
+    included), or all of them where even that is above it, a line holds memory the plan does not count
+    (``_holds_unplanned``) or a line's kernel scratch is unknown (``_unknown_scratch``).  A bisection over how many:
+    the planned peak falls as more are recomputed.  ``cache``: the programs probed (``_settled``); ``alone``: which
+    values are costly in this program (``remat_policy.costly_alone``, ``costly_even_fused``)."""
     costly = sorted((k for k in chosen if alone(producer[k])), key=lambda k: -nbytes(chosen[k]))
     if not costly or any(_holds_unplanned(b) for b in trc.bound_symbols if not _is_backward(b)) \
             or any(_unknown_scratch(b) for b in trc.bound_symbols):
@@ -324,8 +325,9 @@ def _saved_of(trc) -> Saved:
 
 def plan_memory(trc, traces: list, memory_budget: float | None = None, kernels_alone: bool = False):
     """The whole step's plan: (trace, MemoryPlan); each new trace is appended to ``traces``.  ``kernels_alone``: the
-    program runs its lines as torch kernels one by one (``fusion=None``), where values costly to recompute are
-    recomputed only as far as the peak needs (``fewest_costly``)."""
+    program runs its lines as torch kernels one by one (``fusion=None``, the default's torch program), where values
+    costly to recompute are recomputed only as far as the peak needs (``fewest_costly``); otherwise only those no
+    fused kernel takes are."""
     plan = MemoryPlan(memory_budget=memory_budget)
     memo: dict = {}  # trace -> Saved: a step that recomputes nothing keeps its trace, whose analysis is reused
 

@@ -4,8 +4,9 @@ Default (``cheap_values``): a value the backward reads is recomputed when its li
 prims, views, casts, masks, constants: no reduction, no matmul, nothing random) and every tensor it is
 computed from is kept for the backward anyway (or is an input of the program).  The saved set then only
 shrinks: the recomputed value's memory is freed after its last forward use, and nothing new is kept.
-Matmuls, attention and reductions are kept.  In a program of torch kernels (``fusion=None``) a large transcendental
-value (``costly_alone``) is recomputed only as far as the peak needs (transforms/memory.py ``fewest_costly``).
+Matmuls, attention and reductions are kept.  In a program of torch kernels (``fusion=None``, the default's torch
+program) a transcendental value (``costly_alone``), and in a fused program one no kernel takes (``costly_even_fused``),
+is recomputed only as far as the peak needs (transforms/memory.py ``fewest_costly``).
 
 ``memory_budget`` (``budget_values``): the values the default keeps are also recomputed, the cheapest
 first per byte saved, until the bytes kept for the backward are at most the budget; where no single value frees
