@@ -2,7 +2,10 @@
 
 Run: PYTHONPATH=. python benchmarks/remat_cost.py MODEL [FUSIONS] [STEPS]
      e.g. benchmarks/remat_cost.py vit background 300; FUSIONS: comma-separated, ``none`` for ``fusion=None``,
-     ``module`` for ``tt.compile(model)`` (its forward and backward programs; eager's optimizer step).
+     ``module`` for ``tt.compile(model)`` (its forward and backward programs; eager's optimizer step); ``none`` is
+     also the plan the default's torch program runs until its fused program is built.  ``--no-keep-buffers``: the
+     programs built with ``keep_buffers=False`` (the recomputation's own cost, without the memory it gives the
+     kept buffers or takes from them).
      MODEL ``gpt``: the GPT benchmark step (benchmarks/memory.py ``gpt_workload``; ~0.4 s a step on one thread,
      so 40 steps are plenty).
 
@@ -32,6 +35,8 @@ import thunder_train as tt  # noqa: E402
 
 
 def main(argv):
+    keep_buffers = "--no-keep-buffers" not in argv
+    argv = [a for a in argv if a != "--no-keep-buffers"]
     name = argv[0]
     fusions = (argv[1] if len(argv) > 1 else "none,background").split(",")
     steps = int(argv[2]) if len(argv) > 2 else 200
@@ -45,10 +50,11 @@ def main(argv):
         model = copy.deepcopy(base)
         opt = make_opt(model.parameters())
         if fusion == "module":  # the compiled module in the zoo's step: PyTorch's autograd between its programs
-            model = tt.compile(model)
+            model = tt.compile(model, keep_buffers=keep_buffers)
             step, compiled = train_step, model
         else:
-            step = compiled = tt.compile(train_step, thin=True, fusion=None if fusion == "none" else fusion)
+            step = compiled = tt.compile(train_step, thin=True, fusion=None if fusion == "none" else fusion,
+                                         keep_buffers=keep_buffers)
         with contextlib.nullcontext() if remat else without_cheap_remat():
             for b in batches[:3]:
                 step(model, opt, b)
