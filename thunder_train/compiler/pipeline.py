@@ -132,7 +132,8 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         # value costly to recompute as a kernel of its own is recomputed only as far as the peak needs.  The fused
         # program, whose kernels recompute it for free, plans again where that kept any (``build_fused`` below).
         steps = trc
-        trc, memory, asks, keep_graphs, made = _planned(steps, options, kernels_alone=options.fusion in (None, "background"))
+        alone = options.fusion in (None, "background")
+        trc, memory, asks, keep_graphs, made = _planned(steps, options, kernels_alone=alone)
         traces.extend(made)
     # 3. Lowering (executors/lowering.py): each line claimed by an executor or replaced by its decomposition.
     #    A slice of a zero pad that reads only the padded tensor's elements reads that tensor, a pad of a pad is one

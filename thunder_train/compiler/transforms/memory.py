@@ -178,9 +178,9 @@ def where_recomputing_lowers_the_peak(trc, chosen: dict, cache: dict) -> dict:
 
 
 # Where the program runs its lines as torch kernels one by one (``fusion=None``, the default's torch program), values
-# costly to recompute (``remat_policy.costly_alone``; in a fused program ``costly_even_fused``) are recomputed only as far as keeping the planned peak this much under the step as
-# written needs (the plan's error on steps with such values: the zoo's models at batch 16-32, every torch program
-# measured at most eager's peak with it; docs/memory.md).
+# costly to recompute (``remat_policy.costly_alone``; in a fused program ``costly_even_fused``) are recomputed only
+# as far as keeping the planned peak this much under the step as written needs (the plan's error on steps with such
+# values: the zoo's models at batch 16-32, every torch program measured at most eager's peak with it; docs/memory.md).
 COSTLY_MARGIN = 0.02
 
 
