@@ -1041,13 +1041,14 @@ def test_torch_program_recomputes_costly_values_only_as_far_as_its_peak_needs(mo
 
 
 @pytest.mark.skipif(not _cxx_available(), reason="Inductor's CPU backend needs a C++ compiler (none found)")
-def test_default_plans_its_torch_program_and_its_fused_program_each_for_itself(monkeypatch):
+@pytest.mark.parametrize("thin", [False, True])
+def test_default_plans_its_torch_program_and_its_fused_program_each_for_itself(thin, monkeypatch):
     """The default runs its torch program until the fused one is built (tens of thousands of calls on a small step),
     so that program is planned as ``fusion=None``'s is: the small GPT's second GELU output, costly to recompute as a
     kernel of its own, is kept, and the program's losses are ``fusion=None``'s, bitwise.  Its fused program, whose
     kernels recompute the GELU for free, is planned again when it is built: both GELU outputs recomputed, as
     ``fusion="inductor"`` plans them, and the report follows the program that runs.  Losses and parameters over the
-    switch equal eager's; the fused program's peak is at most eager's."""
+    switch equal eager's; the fused program's peak is at most eager's.  Thin mode calls the swapped program."""
     monkeypatch.setenv("THUNDER_TRAIN_FUSION", "background")
     model, batch = _setup()
     cheap = lambda p: sum(r == "cheap" for _, r in p.recomputed)  # noqa: E731
@@ -1056,7 +1057,7 @@ def test_default_plans_its_torch_program_and_its_fused_program_each_for_itself(m
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         options = {"torch program": {"fusion": None}, "fused up front": {"fusion": "inductor"}}.get(mode, {})
-        fn = step if mode == "eager" else tt.compile(step, **options)
+        fn = step if mode == "eager" else tt.compile(step, thin=thin, **options)
         step(m, opt, *batch)
         losses = [fn(m, opt, *batch) for _ in range(2)]
         if mode == "default":  # the fused program is due at a later call: the torch program ran both
@@ -1065,6 +1066,8 @@ def test_default_plans_its_torch_program_and_its_fused_program_each_for_itself(m
             tt.wait_for_fusion(fn)
             assert any("replaced the torch program" in n for n in tt.compile_stats(fn).fusion_notes)
         losses += [fn(m, opt, *batch) for _ in range(2)]
+        if mode == "default":  # the calls ran the fused program
+            assert any(isinstance(b.sym, FusionSymbol) for b in tt.last_traces(fn)[-1].bound_symbols)
         peak = peak_bytes(lambda: fn(m, opt, *batch), None if mode == "eager" else fn)
         plan = None if mode == "eager" else tt.compile_stats(fn).memory
         runs[mode] = (losses, [p.detach().clone() for p in m.parameters()], plan, peak)
