@@ -89,10 +89,8 @@ def _slack(natural: int) -> int:
 # took them away (the fused Llama zoo step 10 % slower than without it; issue 27 allows 2 %).  That count is 73-98 %
 # of eager's measured peak on the zoo's steps (it does not see autograd's own holdings); the arena may fill up to
 # this share of it (0.9 until session 38: the recomputation still cost Mistral's and Qwen2's fused steps 3-5 %, 0-1 %
-# with the whole count, whose peaks stayed at most 0.94x eager's; the whole count until session 49: ModernBERT's fused
-# step, its traced count 4.4 % under eager's peak, ran 2.6-3.5 % slower with its recomputation than without, -0.2 to
-# +1.1 % at 1.02, peaking at 0.99x eager's; docs/memory.md):
-TRACED_SHARE = 1.02
+# with the whole count, whose peaks stayed at most 0.94x eager's):
+TRACED_SHARE = 1.0
 # and at most this share of the program's own peak above it (a step whose traced count is above eager's: Mixtral's,
 # whose experts' weights the trace reads by copies the program no longer makes).
 ROOM_SHARE = 0.15
