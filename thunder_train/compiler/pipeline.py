@@ -131,7 +131,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
         # a small step: executors/payback.py), is planned as a program of torch kernels, like ``fusion=None``'s: a
         # value costly to recompute as a kernel of its own is recomputed only as far as the peak needs.  The fused
         # program, whose kernels recompute it for free, plans again where that kept any (``build_fused`` below).
-        steps = trc
+        steps, steps_shown = trc, list(traces)  # (the traced step and the traces before its plan, to plan again)
         alone = options.fusion in (None, "background")
         trc, memory, asks, keep_graphs, made = _planned(steps, options, kernels_alone=alone)
         traces.extend(made)
@@ -193,7 +193,7 @@ def compile_entry(fn, args, kwargs, options: Options, executors, *, struct_key, 
                 fused, fused_shown = finish(lowered, fusion="background", notes=notes)
                 fused_shown = shown + fused_shown
             else:  # planned again, as a fused program: every cheap value recomputed where that lowers the peak
-                made = traces[:2]
+                made = list(steps_shown)
                 again, fused_memory, *_, planned = _planned(steps, options, kernels_alone=False)
                 made.extend(planned)
                 fused, fused_shown = finish(_lowered(again, executors, names, made), fusion="background", notes=notes)
