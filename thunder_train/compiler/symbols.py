@@ -231,6 +231,13 @@ class Symbol:
         """Whether a call uses or changes a global random generator's state (tag ``"random"``)."""
         return "random" in self.tags
 
+    def kernel_scratch(self, *args, **kwargs) -> int | None:
+        """The bytes this op's torch kernel allocates and frees inside one line with these arguments: its rule's
+        answer (``scratch_bytes``), else None (unknown) where ``torch_unknown_scratch``, else 0."""
+        if self.scratch_bytes is not None:
+            return self.scratch_bytes(*args, **kwargs)
+        return None if self.torch_unknown_scratch else 0
+
     def __call__(self, *args, **kwargs):
         trc = context.get_trace()
         if trc is None:

@@ -152,11 +152,10 @@ def _scratch(b) -> int | None:
     """The bytes line ``b``'s kernel allocates and frees inside the line: its function's rule (``fn.scratch_bytes``,
     the torch executor's own functions) or its op's (``Symbol.scratch_bytes``), else 0, or None where unknown
     (``Symbol.torch_unknown_scratch``, or the rule says so for these arguments)."""
-    op = b.source or b.sym
-    rule = getattr(getattr(b.sym, "fn", None), "scratch_bytes", None) or getattr(op, "scratch_bytes", None)
+    rule = getattr(getattr(b.sym, "fn", None), "scratch_bytes", None)
     if rule is not None:
         return rule(*b.args, **b.kwargs)
-    return None if getattr(op, "torch_unknown_scratch", False) else 0
+    return (b.source or b.sym).kernel_scratch(*b.args, **b.kwargs)
 
 
 def _meta(x):

@@ -222,10 +222,10 @@ def _holds_unplanned(b) -> bool:
 
 def _unknown_scratch(b) -> bool:
     """A line (or a line of its decomposition) whose kernel allocates scratch memory of unknown size
-    (``Symbol.torch_unknown_scratch``: a CPU convolution's backward, an op run opaquely): the call may peak inside it,
-    where no plan sees, so no margin on the plan holds the peak (the zoo's ViT, its patch embedding's convolution
-    backward: 1.002x eager's measured with its GELU output kept, the plan 6 % under the step as traced)."""
-    if getattr(b.sym, "torch_unknown_scratch", False):
+    (``Symbol.kernel_scratch``: a CPU convolution's backward, an op run opaquely without a rule): the call may peak
+    inside it, where no plan sees, so no margin on the plan holds the peak (the zoo's ViT, its patch embedding's
+    convolution backward: 1.002x eager's measured with its GELU output kept, the plan 6 % under the step as traced)."""
+    if b.sym.kernel_scratch(*b.args, **b.kwargs) is None:
         return True
     return any(_unknown_scratch(s) for s in b.subsymbols)
 
