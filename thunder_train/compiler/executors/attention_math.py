@@ -44,6 +44,7 @@ def sdpa_math_with_probs(query, key, value, attn_mask, scale):
     scores = q3.bmm(kt3).view(*query.shape[:-1], S)
     scores.add_(attn_mask)
     probs = torch.ops.aten._safe_softmax(scores, -1)
+    del scores  # (free before the output's matmul, which may copy the value: ``math_scratch_bytes``)
     return torch.matmul(probs, value), probs, q3, kt3
 
 
@@ -76,17 +77,72 @@ def sdpa_math_backward(g, q3, kt3, value, probs, query_shape, key_shape, mask_sh
     if 2 in which:
         grads[2] = p3.transpose(1, 2).bmm(g3).reshape(value.shape)
     gp = g3.bmm(value.reshape(-1, S, Ev).transpose(1, 2)).reshape(probs.shape)
+    del g3  # (temporaries freed as soon as they are read: ``math_backward_scratch_bytes``)
     gs = torch._softmax_backward_data(gp, probs, -1, probs.dtype)
+    del gp
     if _MASK in which:
         grads[_MASK] = _sum_to(gs, tuple(mask_shape))
     if 0 in which or 1 in which:
         gs3 = gs.reshape(-1, L, S)
         if 0 in which:
-            grads[0] = gs3.bmm(kt3.transpose(1, 2)).reshape(query_shape) * r
+            grads[0] = gs3.bmm(kt3.transpose(1, 2)).reshape(query_shape).mul_(r)  # (scaled in place: no copy)
         if 1 in which:
-            grads[1] = (q3.transpose(1, 2).bmm(gs3).reshape(*key_shape[:-2], E, S) * r).transpose(-2, -1)
+            grads[1] = q3.transpose(1, 2).bmm(gs3).reshape(*key_shape[:-2], E, S).mul_(r).transpose(-2, -1)
     return tuple(grads[i] for i in which)
 
+
+def _meta(t):
+    return meta_tensor(t) if type(t) is TensorProxy else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _bytes(m) -> int:
+    return m.numel() * m.element_size()
+
+
+def _copied(m, shape) -> int:
+    """The bytes ``reshape(shape)`` of the meta tensor ``m`` copies (0 where it is a view)."""
+    return 0 if m.reshape(shape)._is_view() else _bytes(m)
+
+
+# A few scalars the calls allocate besides (``mul_`` by a number, the softmax's -inf and 0)
+_SCALARS = 16
+
+
+def math_scratch_bytes(query, key, value, attn_mask, scale) -> int:
+    """The bytes ``sdpa_math_with_probs`` allocates and frees inside its line, beyond its four results (checked
+    against the allocator: tests/test_eager_kernel_choice.py): the scores and aten's ``_safe_softmax`` temporaries
+    (a bool per score, a bool per row) while the probabilities are made, before the output is; the value's copy
+    where ``matmul`` cannot view it as (batch, S, Ev).  Counted at the line (executors/buffers.py), the kept
+    buffers leave it room: T5's step, whose attention runs this kernel, peaked 10 KiB above its plan without it."""
+    q, k, v = _meta(query), _meta(key), _meta(value)
+    S, Ev = k.shape[-2], v.shape[-1]
+    probs = q.numel() // q.shape[-1] * S  # elements
+    itemsize = q.element_size()
+    out = probs // S * Ev * itemsize
+    softmax = probs * itemsize + probs + probs // S - out
+    return max(softmax, _copied(v, (-1, S, Ev)), 0) + _SCALARS
+
+
+def math_backward_scratch_bytes(g, q3, kt3, value, probs, query_shape, key_shape, mask_shape, scale, which) -> int:
+    """The bytes ``sdpa_math_backward`` allocates and frees inside its line, beyond its results (as
+    ``math_scratch_bytes``): the gradient of the probabilities and of the scores, alive together while the second
+    is made; the incoming gradient's and the value's copies where they cannot be viewed as batches; the scores'
+    gradient to the end where it is not the mask's gradient itself."""
+    gm, v, pm = _meta(g), _meta(value), _meta(probs)
+    L, S, Ev = query_shape[-2], key_shape[-2], v.shape[-1]
+    p, itemsize = _bytes(pm), pm.element_size()
+    sizes = {0: math.prod(query_shape), 1: math.prod(key_shape), 2: v.numel(), 3: math.prod(mask_shape)}
+    results = sum(sizes[i] for i in which) * itemsize
+    dv = _bytes(v) if 2 in which else 0
+    scores_grad_returned = 3 in which and tuple(mask_shape) == tuple(pm.shape)
+    phases = (_copied(gm, (-1, L, Ev)) + dv + _copied(v, (-1, S, Ev)) + p,  # the probabilities' gradient made
+              2 * p + dv,  # the scores' made from it
+              0 if scores_grad_returned else p + results)  # the scores' held while the others are made
+    return max(max(phases) - results, 0) + _SCALARS
+
+
+sdpa_math_with_probs.scratch_bytes = math_scratch_bytes
+sdpa_math_backward.scratch_bytes = math_backward_scratch_bytes
 
 for _f in (sdpa_math_with_probs, sdpa_math_backward):
     _f.__module__ = torch_impls.__name__  # printed as ttex.<name>

@@ -338,7 +338,7 @@ def plan_memory(trc, traces: list, memory_budget: float | None = None, kernels_a
 
     plan.saved_bytes_without_remat = _saved(trc).stored_bytes()
     probes: dict = {}  # the programs probed (``_settled``) and their curves (``_curve``)
-    plan.traced_peak_bytes = _peak_of(trc, probes)
+    plan.traced_peak_bytes = _peak_as_written(trc)
     new, report = recompute_checkpointed(trc)
     plan.recomputed += report.lines
     plan.checkpoint_regions = report.regions
@@ -427,6 +427,18 @@ def _curve(trc, cache: dict) -> list:
     if key not in cache:
         cache[key] = (trc, alive_bytes(_through_backward(trc), _returned(trc)))
     return cache[key][1]
+
+
+def _peak_as_written(trc) -> int:
+    """``_peak_of`` the step as traced, counted as eager runs it: a value the lines after the backward read (the
+    optimizer's, every gradient) is held to the backward's end, as eager's ``.grad`` is until ``opt.step()``.  The
+    plan's own count lets a gradient go where it is made, as the program's updates, placed as soon as a gradient
+    is final, do; counted that way for eager too, ModernBERT's step was 16 KiB (10 %) under eager's measured peak
+    in its MLP's backward, and the kept buffers, bound to this count, gave up values its program had kept
+    without the cheap recomputation (its fused step 2.6-3.5 % slower for it)."""
+    lines = _through_backward(trc)
+    after = {id(a) for b in trc.bound_symbols[len(lines):] for a in b.all_reads()}
+    return max(alive_bytes(lines, _returned(trc) | after), default=0)
 
 
 def _through_backward(trc) -> list:
