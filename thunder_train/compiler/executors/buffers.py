@@ -86,10 +86,12 @@ def _slack(natural: int) -> int:
 # holds (``traced``: the memory plan's count of the traced step before it recomputes or moves anything,
 # ``MemoryPlan.traced_peak_bytes``; eager runs that program).  Each value kept saves its allocation and the view lines
 # made on it every call; without this room the default's cheap recomputation, which lowers the program's own peak,
-# took them away (the fused Llama zoo step 10 % slower than without it; issue 27 allows 2 %).  That count is 73-98 %
-# of eager's measured peak on the zoo's steps (it does not see autograd's own holdings); the arena may fill up to
-# this share of it (0.9 until session 38: the recomputation still cost Mistral's and Qwen2's fused steps 3-5 %, 0-1 %
-# with the whole count, whose peaks stayed at most 0.94x eager's):
+# took them away (the fused Llama zoo step 10 % slower than without it; issue 27 allows 2 %).  That count holds each
+# gradient to the optimizer, as eager's ``.grad`` (since session 50; before, 4.4 % under ModernBERT's measured peak):
+# 84-100 % of eager's measured peak on the zoo's transformer steps (it does not see eager's float attention masks and
+# the statistics autograd saves), less where kernels' scratch is unknown (recurrent and convolution steps, which get
+# no room).  The arena may fill up to this share of it (0.9 until session 38: the recomputation still cost Mistral's
+# and Qwen2's fused steps 3-5 %, 0-1 % with the whole count, whose peaks stayed at most 0.94x eager's):
 TRACED_SHARE = 1.0
 # and at most this share of the program's own peak above it (a step whose traced count is above eager's: Mixtral's,
 # whose experts' weights the trace reads by copies the program no longer makes).

@@ -31,9 +31,9 @@ class MemoryPlan:
     forward line the backward computes again, reason ``"checkpoint region"``, ``"cheap"`` or ``"budget"``;
     ``head_logits_bytes``: the logits of a language model's head that the program computes by blocks of rows
     (executors/blocked_head.py, where it asks for memory): counted by the plan, never kept whole, so not in
-    ``saved_bytes``; ``traced_peak_bytes``: the same count as ``planned_peak_bytes`` on the step as traced, before
-    anything is recomputed or moved (the program eager runs; a default step's kept buffers may fill towards it,
-    executors/buffers.py ``_room``).
+    ``saved_bytes``; ``traced_peak_bytes``: the same count on the step as traced, before anything is recomputed or
+    moved, each gradient held to the optimizer (the program eager runs, as eager holds ``.grad``; a default step's
+    kept buffers may fill towards it, executors/buffers.py ``_room``).
     """
 
     saved_bytes: int = 0
