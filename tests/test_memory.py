@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
 
+import _models
 import thunder_train as tt
 from thunder_train.compiler.executors.regions import FusionSymbol
 # tests/_peak.py, shared with the benchmarks: peaks in the allocator's order (test_peak_in_allocator_order_sees_frees_inside_an_op)
@@ -186,20 +187,12 @@ def test_step_as_traced_holds_gradients_to_the_optimizer_as_eager_does(dims):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     torch.manual_seed(0)
     base = torch.nn.Sequential(*layers[:-1])
-    x, y = torch.randn(16, dims[0]), torch.randn(16, dims[-1])
-
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    x, y = torch.randn(16, dims[0]), torch.randint(0, dims[-1], (16,))
     peaks, losses = {}, {}
     for mode in ("eager", "tt"):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        fn = step if mode == "eager" else tt.compile(step, fusion=None)
+        fn = _models.train_step if mode == "eager" else tt.compile(_models.train_step, fusion=None)
         losses[mode] = [fn(model, opt, x, y).detach() for _ in range(2)]
         peaks[mode] = peak_bytes(lambda: fn(model, opt, x, y), None if mode == "eager" else fn)
     traced = tt.compile_stats(fn).memory.traced_peak_bytes
