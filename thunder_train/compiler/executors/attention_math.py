@@ -110,7 +110,7 @@ _SCALARS = 16
 
 def math_scratch_bytes(query, key, value, attn_mask, scale) -> int:
     """The bytes ``sdpa_math_with_probs`` allocates and frees inside its line, beyond its four results (checked
-    against the allocator: tests/test_eager_kernel_choice.py): the scores and aten's ``_safe_softmax`` temporaries
+    against the allocator: tests/test_kept_buffers.py): the scores and aten's ``_safe_softmax`` temporaries
     (a bool per score, a bool per row) while the probabilities are made, before the output is; the value's copy
     where ``matmul`` cannot view it as (batch, S, Ev).  Counted at the line (executors/buffers.py), the kept
     buffers leave it room: T5's step, whose attention runs this kernel, peaked 10 KiB above its plan without it."""
