@@ -35,12 +35,23 @@ def pack(storages, kept, alive_with=None):
     return Packing(storages, alive_with if alive_with is not None else overlaps(storages, kept)).pack(kept)
 
 
+# The orders ``Packing`` tries when it packs a set of values anew, keeping the one whose arena is smallest: the
+# largest values first (values alive together stack), or the values holding the most bytes over their lifetimes
+# first.  Neither is best everywhere: where a step's backward sinks its lines (transforms/sinking.py) the gradients
+# held to the optimizer and the forward's long-lived activations meet short values between them, and ModernBERT's
+# fused zoo step packed its 70 candidates in 127 KB largest first, 121 KB by bytes over lifetimes (their stack at
+# the fullest line: 109 KB); its plan then kept 64 values in 102 KB, or 69 in 114 KB, and the recomputation that
+# had cost its step ~2 % cost nothing.
+ORDERS = (lambda first, last, nbytes: (-nbytes, first),
+          lambda first, last, nbytes: (-(last - first + 1) * nbytes, first))
+
+
 class Packing:
     """``pack`` for the planner's rounds (executors/buffers.py ``plan``), each of which packs what it keeps again
     with one value fewer (~70 times over a T5 step's first two calls, ~200 over DeepSeek-V3's, ~150-350 values each
-    time).  The same offsets as packing anew: the values keep their order, and a value is placed again only where a
-    value overlapping it and placed before it was dropped or moved; the others keep their offsets (a value's lifetime
-    overlaps ~10-15 % of the others')."""
+    time).  The same offsets as packing anew in the order chosen for the first set (of ``ORDERS``): the values keep
+    that order, and a value is placed again only where a value overlapping it and placed before it was dropped or
+    moved; the others keep their offsets (a value's lifetime overlaps ~10-15 % of the others')."""
 
     def __init__(self, storages, alive_with):
         self.storages, self.alive_with = storages, alive_with
@@ -52,8 +63,8 @@ class Packing:
         if before and set(kept) <= set(before):
             self.order = [k for k in self.order if k in kept]
         else:
-            self.order = [k for *_, k in sorted(((storages[k][2], storages[k][0], k) for k in kept),
-                                                key=lambda t: (-t[0], t[1]))]
+            self.order = min((sorted(kept, key=lambda k: order(*storages[k][:3])) for order in ORDERS),
+                             key=lambda keys: _arena_bytes(keys, storages, self.alive_with))
             before = {}
         changed = set(before) - set(kept)  # dropped since, then moved
         placed = {}
@@ -69,6 +80,15 @@ class Packing:
         self.placed = placed
         return max(end for _, end in placed.values()), \
             {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
+
+
+def _arena_bytes(keys, storages, alive_with) -> int:
+    """The arena of the values placed in the order of ``keys``, each at its lowest free offset."""
+    placed = {}
+    for k in keys:
+        offset = _lowest_free(k, storages[k][2], placed, alive_with)
+        placed[k] = (offset, offset + storages[k][2])
+    return max(end for _, end in placed.values())
 
 
 def overlaps(storages, keys) -> dict:
