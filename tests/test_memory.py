@@ -1120,24 +1120,10 @@ def test_small_transcendental_values_are_costly_in_a_torch_program(name, kept, m
     (ViT's patch embedding's convolution backward): the plan cannot bound its peak, and with its GELU kept ViT peaked
     at 1.002x eager's, so it recomputes it as before.  Peaks at most eager's; values bitwise those of recomputing
     every cheap value, and eager's."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _zoo
-    from _peak import peak_call_bytes_all_threads
     from thunder_train.compiler.transforms import memory
 
-    base, bs = _zoo.build(name), _zoo.batches(name, 3)
-    runs = {}
-    for mode in ("eager", "default", "every cheap value"):
-        if mode == "every cheap value":
-            monkeypatch.setattr(memory, "fewest_costly", lambda trc, chosen, *rest: (chosen, 0))
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)  # (the zoo's: tests/test_model_zoo.py)
-        fn = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step, fusion=None)
-        _zoo.train_step(model, opt, bs[0])
-        losses = [fn(model, opt, b).detach() for b in bs[1:]]
-        peak = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
-        plan = None if mode == "eager" else tt.compile_stats(fn).memory
-        runs[mode] = (losses, [p.detach().clone() for p in model.parameters()], plan, peak)
+    every = lambda: monkeypatch.setattr(memory, "fewest_costly", lambda trc, chosen, *rest: (chosen, 0))  # noqa: E731
+    runs = _zoo_torch_program_runs(name, {"eager": None, "default": None, "every cheap value": every})
     plan, every = runs["default"][2], runs["every cheap value"][2]
     cheap = lambda p: sum(r == "cheap" for _, r in p.recomputed)  # noqa: E731
     assert plan.costly_kept == kept and cheap(plan) == cheap(every) - kept, plan.summary()
@@ -1156,27 +1142,37 @@ def test_costly_values_are_recomputed_only_where_that_lowers_the_peak_as_the_pro
     under the step as traced but not the peak as held (``memory._held_curve``), and it measured 640 bytes above
     keeping both, its step 1.7-2.3 % slower.  Now it keeps both: measured at most that peak and eager's, values
     bitwise those of recomputing one."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _zoo
-    from _peak import peak_call_bytes_all_threads
     from thunder_train.compiler.transforms import memory
 
-    base, bs = _zoo.build("transformer_encoder"), _zoo.batches("transformer_encoder", 3)
-    runs = {}
-    for mode in ("eager", "default", "as counted"):
-        if mode == "as counted":  # the count without the gradients held: the choice before session 51
-            monkeypatch.setattr(memory, "_held_curve", memory._curve)
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-        fn = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step, fusion=None)
-        _zoo.train_step(model, opt, bs[0])
-        losses = [fn(model, opt, b).detach() for b in bs[1:]]
-        peak = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
-        plan = None if mode == "eager" else tt.compile_stats(fn).memory
-        runs[mode] = (losses, [p.detach().clone() for p in model.parameters()], plan, peak)
+    as_counted = lambda: monkeypatch.setattr(memory, "_held_curve", memory._curve)  # noqa: E731  (before session 51)
+    runs = _zoo_torch_program_runs("transformer_encoder", {"eager": None, "default": None, "as counted": as_counted})
     assert runs["default"][2].costly_kept == 2 and runs["as counted"][2].costly_kept == 1, runs["default"][2].summary()
     assert runs["default"][3] <= runs["as counted"][3] and runs["default"][3] <= runs["eager"][3], \
         {k: v[3] for k, v in runs.items()}
     got, want = runs["default"][0] + runs["default"][1], runs["as counted"][0] + runs["as counted"][1]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     torch.testing.assert_close(runs["default"][0], runs["eager"][0], rtol=1e-5, atol=1e-5)
+
+
+def _zoo_torch_program_runs(name, modes):
+    """{mode: (losses, parameters after the steps, MemoryPlan, measured peak)} of the zoo model's step run eagerly
+    ("eager") and compiled as a torch program (``fusion=None``) for each other mode, in order; ``modes``: mode -> a
+    function patching the planner before that mode's compile (the patch stays for the later modes), or None."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _zoo
+    from _peak import peak_call_bytes_all_threads
+
+    base, bs = _zoo.build(name), _zoo.batches(name, 3)
+    runs = {}
+    for mode, patch in modes.items():
+        if patch is not None:
+            patch()
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)  # (the zoo's: tests/test_model_zoo.py)
+        fn = _zoo.train_step if mode == "eager" else tt.compile(_zoo.train_step, fusion=None)
+        _zoo.train_step(model, opt, bs[0])
+        losses = [fn(model, opt, b).detach() for b in bs[1:]]
+        peak = peak_call_bytes_all_threads(lambda: fn(model, opt, bs[1]), None if mode == "eager" else fn)
+        plan = None if mode == "eager" else tt.compile_stats(fn).memory
+        runs[mode] = (losses, [p.detach().clone() for p in model.parameters()], plan, peak)
+    return runs
