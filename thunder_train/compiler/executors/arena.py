@@ -62,32 +62,41 @@ class Packing:
         storages, before = self.storages, self.placed
         if before and set(kept) <= set(before):
             self.order = [k for k in self.order if k in kept]
+            placed = self._again(before, set(before) - set(kept))
         else:
-            self.order = min((sorted(kept, key=lambda k: order(*storages[k][:3])) for order in ORDERS),
-                             key=lambda keys: _arena_bytes(keys, storages, self.alive_with))
-            before = {}
-        changed = set(before) - set(kept)  # dropped since, then moved
+            orders = (sorted(kept, key=lambda k: order(*storages[k][:3])) for order in ORDERS)
+            self.order, placed = min(((keys, _placed(keys, storages, self.alive_with)) for keys in orders),
+                                     key=lambda packing: _arena_bytes(packing[1]))
+        self.placed = placed
+        return _arena_bytes(placed), {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
+
+    def _again(self, before, changed):
+        """The offsets of ``self.order`` packed anew, from ``before``'s: a value is placed again only where a value
+        overlapping it and placed before it is in ``changed`` (dropped, then moved)."""
         placed = {}
         for key in self.order:
-            old = before.get(key)
-            if old is None or not changed.isdisjoint(self.neighbours[key]):
-                offset = _lowest_free(key, storages[key][2], placed, self.alive_with)
-                placed[key] = (offset, offset + storages[key][2])
+            old = before[key]
+            if not changed.isdisjoint(self.neighbours[key]):
+                offset = _lowest_free(key, self.storages[key][2], placed, self.alive_with)
+                placed[key] = (offset, offset + self.storages[key][2])
                 if placed[key] != old:
                     changed.add(key)
             else:
                 placed[key] = old
-        self.placed = placed
-        return max(end for _, end in placed.values()), \
-            {k: (offset, end - offset, storages[k][3]) for k, (offset, end) in placed.items()}
+        return placed
 
 
-def _arena_bytes(keys, storages, alive_with) -> int:
-    """The arena of the values placed in the order of ``keys``, each at its lowest free offset."""
+def _placed(keys, storages, alive_with) -> dict:
+    """key -> (offset, end) of the values placed in the order of ``keys``, each at its lowest free offset."""
     placed = {}
     for k in keys:
         offset = _lowest_free(k, storages[k][2], placed, alive_with)
         placed[k] = (offset, offset + storages[k][2])
+    return placed
+
+
+def _arena_bytes(placed) -> int:
+    """The arena a packing (key -> (offset, end)) needs."""
     return max(end for _, end in placed.values())
 
 
@@ -183,11 +192,8 @@ def around_the_peak(storages, kept, without, budget, alive_with):
             cap = budget - max(others)
         if not stack or cap <= 0:
             return None
-        placed = {}
-        for k in stack:
-            offset = _lowest_free(k, storages[k][2], placed, alive_with)
-            placed[k] = (offset, offset + storages[k][2])
-        arena = max(end for _, end in placed.values())
+        placed = _placed(stack, storages, alive_with)
+        arena = _arena_bytes(placed)
         if arena > cap:  # (values alive together at one line stack exactly; alignment may add a few bytes)
             k = stack.pop()
             leave_out(k)

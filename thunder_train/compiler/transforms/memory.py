@@ -201,29 +201,30 @@ def fewest_costly(trc, chosen: dict, producer: dict, cache: dict, traced, alone=
     limit = max(_probe_curve(traced, cache)[1], default=0) * (1 - COSTLY_MARGIN)
     out = set(costly)
     with_first = lambda n: {k: p for k, p in chosen.items() if k not in out or k in costly[:n]}  # noqa: E731
-    fits = lambda n: max(_probe_curve(_settled(trc, with_first(n), cache).final(), cache)[1], default=0) <= limit  # noqa: E731
-    if not fits(len(costly)):
+    peak = lambda n, held=False: max(_probe_curve(_settled(trc, with_first(n), cache).final(), cache, held)[1], default=0)  # noqa: E731
+    if peak(len(costly)) > limit:
         return chosen, 0
-    lo, hi = 0, len(costly)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
+    n = _fewest(len(costly), lambda n: peak(n) <= limit)
     # Fewer where they reach the same peak as the program holds its gradients (``_held_curve``): a recomputation
     # that lowers only the count, where each gradient goes when made, buys no memory where the program peaks holding
     # the smallest gradients for the update after the backward (nn.TransformerEncoder's torch program recomputed one
     # GELU output of two for nothing: measured 640 bytes above keeping both, and its step 1.7-2.3 % slower).
-    held = lambda n: max(_probe_curve(_settled(trc, with_first(n), cache).final(), cache, held=True)[1], default=0)  # noqa: E731
-    reached, hi, lo = held(lo), lo, 0
+    reached = peak(n, held=True)
+    n = _fewest(n, lambda m: peak(m, held=True) <= reached)
+    return with_first(n), len(costly) - n
+
+
+def _fewest(most: int, enough) -> int:
+    """The least ``n`` in ``0..most`` with ``enough(n)`` (true for ``most``), by bisection: fewer recomputed values
+    never lower a peak."""
+    lo, hi = 0, most
     while lo < hi:
         mid = (lo + hi) // 2
-        if held(mid) <= reached:
+        if enough(mid):
             hi = mid
         else:
             lo = mid + 1
-    return with_first(lo), len(costly) - lo
+    return lo
 
 
 def _holds_unplanned(b) -> bool:
@@ -450,10 +451,8 @@ def _held_curve(trc, cache: dict) -> list:
     key = ("held curve", id(trc))
     if key not in cache:
         lines = _through_backward(trc)
-        made = {id(o): o for b in lines for o in b.flat_outputs() if type(o) is TensorProxy}
-        after = {id(a): a for b in trc.bound_symbols[len(lines):] for a in b.all_reads() if id(a) in made}
         held, total = set(), 0
-        for k, a in sorted(after.items(), key=lambda kv: nbytes(kv[1])):
+        for k, a in sorted(_read_after_backward(trc, lines).items(), key=lambda kv: nbytes(kv[1])):
             total += nbytes(a)
             if total > HOLD_BACK_BYTES:
                 break
@@ -471,8 +470,14 @@ def _peak_as_written(trc) -> int:
     eager's), and the kept buffers, bound to this count, gave up values its program kept without the cheap
     recomputation (its fused step 2.6-3.5 % slower for it)."""
     lines = _through_backward(trc)
-    after = {id(a) for b in trc.bound_symbols[len(lines):] for a in b.all_reads()}
-    return max(alive_bytes(lines, _returned(trc) | after), default=0)
+    return max(alive_bytes(lines, _returned(trc) | _read_after_backward(trc, lines).keys()), default=0)
+
+
+def _read_after_backward(trc, lines) -> dict:
+    """id -> value of what the lines after the backward (after ``lines``) read of the values ``lines`` make: the
+    gradients the optimizer's lines read."""
+    made = {id(o): o for b in lines for o in b.flat_outputs() if type(o) is TensorProxy}
+    return {id(a): a for b in trc.bound_symbols[len(lines):] for a in b.all_reads() if id(a) in made}
 
 
 def _through_backward(trc) -> list:
